@@ -3,8 +3,9 @@
 Two layouts (``value_head`` in the config):
 - 'separate' (TRL): the value function is a ScoreModel of its own (backbone + ``score`` head), usually
   initialised from the reward model. Trainable params: ``{"policy": ..., "value": ...}``.
-- 'policy' (legacy ``AutoModelForCausalLMWithValueHead``): a Linear(hidden, 1) head on the policy's own
-  final hidden states. Trainable params: ``{"policy": ..., "value_head": {"kernel": f[D], "bias": f[]}}``.
+- 'policy' (legacy ``AutoModelForCausalLMWithValueHead``): the policy is a ``CausalLMWithValueHead`` whose
+  ``value(hidden)`` head reads the policy's own final hidden states (one backbone pass gives log-probs and
+  values). Trainable params: ``{"policy": ...}``.
 
 :class:`ActorCritic` is static (hashable) so it can be a static argument of ``jax.jit``; the parameters
 always travel separately, as explicit inputs.
@@ -14,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -26,7 +26,7 @@ class ActorCritic:
     """Static description of how to evaluate the policy and value on a rollout.
 
     policy_graphdef: graphdef of a ``CausalLM``; value_graphdef: graphdef of a ``ScoreModel``, or None
-    for a value head on the policy backbone. logits_chunk_size bounds the [B, chunk, V] logits held at once.
+    when the policy is a ``CausalLMWithValueHead``. logits_chunk_size bounds the [B, chunk, V] logits held at once.
     """
 
     policy_graphdef: Any
@@ -55,7 +55,7 @@ class ActorCritic:
             policy, hidden, tokens, self.temperature, chunk_size=self.logits_chunk_size,
             with_entropy=with_entropy)
         if self.has_value_head:
-            values = value_head_apply(params["value_head"], hidden)
+            values = policy.value(hidden).astype(jnp.float32)
         else:
             value_model = nnx.merge(self.value_graphdef, params["value"])
             values = forward.response_values(value_model, query_responses, prompt_length, self.pad_token_id)
@@ -66,19 +66,6 @@ class ActorCritic:
         if self.has_value_head:
             policy = self.policy(params)
             hidden = forward.response_hidden(policy, query_responses, prompt_length, self.pad_token_id)
-            return value_head_apply(params["value_head"], hidden)
+            return policy.value(hidden).astype(jnp.float32)
         value_model = nnx.merge(self.value_graphdef, params["value"])
         return forward.response_values(value_model, query_responses, prompt_length, self.pad_token_id)
-
-
-def init_value_head(key, hidden_size, dtype=jnp.float32):
-    """Legacy value head: Linear(hidden, 1) with a small normal init (TRL's v_head_init_strategy None)."""
-    bound = 1.0 / jnp.sqrt(hidden_size)
-    return {"kernel": jax.random.uniform(key, (hidden_size,), dtype, -bound, bound),
-            "bias": jnp.zeros((), dtype)}
-
-
-def value_head_apply(head, hidden):
-    """hidden f[B, R, D] -> values f32[B, R]."""
-    return (jnp.einsum("brd,d->br", hidden.astype(jnp.float32), head["kernel"].astype(jnp.float32))
-            + head["bias"].astype(jnp.float32))

@@ -9,10 +9,10 @@ import pytest
 from flax import nnx
 
 from ppojax import ppo
-from ppojax.actor_critic import ActorCritic, init_value_head
+from ppojax.actor_critic import ActorCritic
 from ppojax.update import (UpdateSettings, init_train_state, make_optimizer, make_ppo_update,
                            shaped_rewards_and_advantages)
-from tests.toy_models import ToyLM, ToyScore
+from tests.toy_models import ToyLM, ToyLMWithValueHead, ToyScore
 
 PAD, STOP, V, P, R, B = 0, 1, 16, 4, 6, 8
 
@@ -29,10 +29,10 @@ class Exp(NamedTuple):
 
 
 def build(value_head=False, seed=0):
-    policy = ToyLM(V, 8, rngs=nnx.Rngs(seed))
+    policy = (ToyLMWithValueHead if value_head else ToyLM)(V, 8, rngs=nnx.Rngs(seed))
     policy_def, policy_params = nnx.split(policy)
     if value_head:
-        params = {"policy": policy_params, "value_head": init_value_head(jax.random.key(7), 8)}
+        params = {"policy": policy_params}
         ac = ActorCritic(policy_def, None, PAD, temperature=0.7, logits_chunk_size=4)
     else:
         value_def, value_params = nnx.split(ToyScore(V, 8, rngs=nnx.Rngs(seed + 1)))

@@ -40,3 +40,12 @@ class ToyScore(nnx.Module):
 
     def __call__(self, input_ids, attention_mask, position_ids):
         return self.score(self.backbone(input_ids, attention_mask, position_ids))[..., 0].astype(jnp.float32)
+
+
+class ToyLMWithValueHead(ToyLM):
+    def __init__(self, vocab=16, dim=8, *, rngs):
+        super().__init__(vocab, dim, rngs=rngs)
+        self.v_head = nnx.Linear(dim, 1, rngs=rngs)
+
+    def value(self, hidden):
+        return self.v_head(hidden)[..., 0].astype(jnp.float32)

@@ -1,0 +1,30 @@
+"""A tiny word-level tokenizer and a tiny random Llama for trainer tests (no downloads)."""
+from flax import nnx
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from ppojax.models import CausalLM, CausalLMWithValueHead, ModelConfig
+
+WORDS = ["good", "bad", "movie", "the", "was", "a", "very", "plot", "acting", "and", "it", "is", "not", "fun"]
+
+
+def tiny_tokenizer():
+    vocab = {"<pad>": 0, "<eos>": 1, **{w: i + 2 for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+
+
+def tiny_config(vocab_size=len(WORDS) + 2):
+    return ModelConfig.from_hf(dict(
+        model_type="llama", vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64, rms_norm_eps=1e-6,
+        rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=1, pad_token_id=0))
+
+
+def tiny_policy(seed=0, value_head=False):
+    cls = CausalLMWithValueHead if value_head else CausalLM
+    return cls(tiny_config(), rngs=nnx.Rngs(seed))
+
+
+PROMPTS = [" ".join(WORDS[(i * 3 + j) % len(WORDS)] for j in range(2 + i % 3)) for i in range(64)]
