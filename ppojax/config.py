@@ -55,6 +55,9 @@ class PPOConfig:
     """Prompts are left padded to this many tokens; longer ones are filtered out (and counted)."""
     chat_template: bool = False
     """Wrap each prompt in the tokenizer's chat template before tokenising."""
+    num_eval_prompts: int = 0
+    """Held-out prompts (taken off the end of the dataset, never trained on), scored before and after
+    training with near-greedy decoding (T = 0.01) for summary.json."""
 
     # ---- run ----
     output_dir: str = "outputs/ppojax"
@@ -206,6 +209,9 @@ class PPOConfig:
         need(self.lr_scheduler_type in ("linear", "constant"), "lr_scheduler_type", "'linear' or 'constant'")
         need(self.stop_token in (None, "eos"), "stop_token", "None or 'eos' (or set stop_token_id)")
         need(self.max_grad_norm is None or self.max_grad_norm > 0, "max_grad_norm", "None or > 0")
+        need(isinstance(self.num_eval_prompts, int) and self.num_eval_prompts >= 0, "num_eval_prompts",
+             "an integer >= 0")
+        need(isinstance(self.save_steps, int) and self.save_steps >= 0, "save_steps", "an integer >= 0 (0: end only)")
         need(self.save_total_limit >= 1, "save_total_limit", "an integer >= 1")
         need(self.target_kl_for_adaptive > 0, "target_kl_for_adaptive", "a target KL > 0")
         axes = (self.mesh_data, self.mesh_fsdp, self.mesh_tensor)

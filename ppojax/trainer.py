@@ -151,12 +151,14 @@ class PPOTrainer:
                                            chat_template=args.chat_template, stop_token_id=self.stop_token_id,
                                            pad_token_id=self.pad_token_id)
         self.sizes = args.derived()
-        dataset_size = len(self.prompts.input_ids) if self.prompts is not None else self.sizes.batch_size
+        self.train_queries, self.eval_queries = self._split_eval(args.num_eval_prompts)
+        dataset_size = len(self.train_queries) if self.prompts is not None else self.sizes.batch_size
         self.num_updates = args.num_updates(dataset_size)
-        if self.prompts is not None and len(self.prompts.input_ids) < self.sizes.batch_size:
-            raise ConfigError(f"The dataset has {len(self.prompts.input_ids)} prompts after filtering, fewer than "
+        if self.prompts is not None and len(self.train_queries) < self.sizes.batch_size:
+            raise ConfigError(f"The dataset has {len(self.train_queries)} training prompts after filtering and "
+                              f"holding out num_eval_prompts={args.num_eval_prompts}, fewer than "
                               f"batch_size={self.sizes.batch_size}; lower batch_size or add prompts.")
-        self.batches = (PromptBatches(self.prompts.input_ids, self.sizes.batch_size, seed=args.seed)
+        self.batches = (PromptBatches(self.train_queries, self.sizes.batch_size, seed=args.seed)
                         if self.prompts is not None else None)
 
         # ---- optimisation state ----
@@ -175,6 +177,15 @@ class PPOTrainer:
         if self.args.dataset == "movie_reviews":
             return "builtin:movie_reviews"
         return self.args.dataset
+
+    def _split_eval(self, num_eval):
+        """Held-out prompts come off the END of the prompt set; the rest are for training."""
+        if self.prompts is None:
+            return None, None
+        ids = self.prompts.input_ids
+        if num_eval >= len(ids):
+            raise ConfigError(f"num_eval_prompts={num_eval} leaves no training prompts out of {len(ids)}.")
+        return (ids[:len(ids) - num_eval], ids[len(ids) - num_eval:]) if num_eval else (ids, None)
 
     def _default_value_model(self, policy, reward_module, dtype):
         """TRL initialises the value model from the reward model; with a reward function there is none, so
@@ -244,44 +255,113 @@ class PPOTrainer:
     # train()
     # ------------------------------------------------------------------------------------------------
     def train(self, num_updates: Optional[int] = None, progress: bool = True) -> list[dict[str, float]]:
-        """Run PPO for ``num_updates`` (default: all the config asks for). Returns one metrics dict per update."""
+        """Run PPO up to ``num_updates`` updates (default: all the config asks for), resuming first when
+        ``resume`` is set. Logs every update, prints sample completions ``num_sample_generations`` times,
+        checkpoints every ``save_steps`` updates and at the end. Returns this call's metrics, one per update."""
         if self.batches is None:
             raise ConfigError("train() needs prompts: pass train_dataset or set `dataset` in the config.")
+        args = self.args
+        if args.resume is not None and int(self.state.update_count) == 0:
+            self.resume(args.resume)
         total = self.num_updates if num_updates is None else num_updates
         start_update = int(self.state.update_count)
+        if self.logger is None:
+            from .run_logging import RunLogger
+            self.logger = RunLogger(args.output_dir, args, report_to=args.report_to,
+                                    resume_step=start_update if start_update else None)
         history = []
-        sample_every = max(1, total // max(1, self.args.num_sample_generations))
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=total, initial=start_update, desc="ppo", unit="update", dynamic_ncols=True)
+        sample_every = max(1, total // max(1, args.num_sample_generations))
+        bar = self.logger.progress(total, initial=start_update) if progress else None
         for update_index in range(start_update, total):
             t0 = time.perf_counter()
-            queries = next(self.batches).input_ids
-            experience = self.rollout(queries)
+            experience = self.rollout(next(self.batches).input_ids)
             t1 = time.perf_counter()
             metrics = self.update(experience)
             wall = time.perf_counter() - t0
             metrics["time/rollout_s"] = t1 - t0
             metrics["eps"] = self.sizes.batch_size / wall
             history.append(metrics)
-            if self.logger is not None:
-                self.logger.log_metrics(update_index + 1, metrics)
+            step = update_index + 1
+            self.logger.log_metrics(step, metrics)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.2f}",
                                 eps=f"{metrics['eps']:.1f}")
-            if self.args.num_sample_generations and (update_index % sample_every == 0 or update_index == total - 1):
-                self.log_samples(update_index + 1)
+            self._check_nonfinite()
+            if args.num_sample_generations and (update_index % sample_every == 0 or step == total):
+                self.log_samples(step)
+            if args.save_steps and step % args.save_steps == 0 and step != total:
+                self.save_checkpoint()
         if bar is not None:
             bar.close()
+        if total > start_update:
+            self.save_checkpoint()
+        self.logger.flush()
         return history
 
-    def sample_completions(self, queries, temperature: float = SAMPLE_TEMPERATURE):
-        """Near-greedy completions (T = 0.01, as TRL's samples) -> (prompts, completions) strings."""
+    def _check_nonfinite(self):
+        streak = int(self.state.nonfinite_streak)
+        if streak >= self.args.max_nonfinite_steps:
+            from .checkpoint import latest_checkpoint
+            last = latest_checkpoint(self.checkpoint_dir)
+            raise FloatingPointError(
+                f"{streak} optimizer steps in a row were skipped for a non-finite loss or gradient "
+                f"(max_nonfinite_steps={self.args.max_nonfinite_steps}); stopping. Last good checkpoint: "
+                f"{last or 'none yet'}. Lower learning_rate, check the reward for NaN/inf, or set max_grad_norm.")
+
+    # ------------------------------------------------------------------------------------------------
+    # Checkpoints
+    # ------------------------------------------------------------------------------------------------
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.args.output_dir) / "checkpoints"
+
+    def host_state(self) -> dict[str, Any]:
+        """Everything outside TrainState that a resumed run needs to continue exactly."""
+        m = self.score_moments
+        return {"kl_coef": self.kl_coef, "episode": self.episode, "key": self.key,
+                "score_moments": {"mean": m.mean, "std": m.std, "var": m.var, "count": m.count},
+                "data": self.batches.state_dict() if self.batches is not None else None}
+
+    def save_checkpoint(self) -> Path:
+        from .checkpoint import save_checkpoint
+        step = int(self.state.update_count)
+        return save_checkpoint(self.checkpoint_dir, step, self.state, self.host_state(), self.args.to_dict(),
+                               save_total_limit=self.args.save_total_limit)
+
+    def resume(self, where: str = "auto") -> Optional[Path]:
+        """Restore from ``where``: 'auto' (latest in output_dir/checkpoints, or start fresh if none) or a path.
+        Refuses a checkpoint from an incompatible config. Returns the checkpoint used, or None."""
+        from .checkpoint import check_compatible, latest_checkpoint, restore_checkpoint
+        path = latest_checkpoint(self.checkpoint_dir) if where == "auto" else Path(where)
+        if path is None:
+            return None
+        import json
+        from .checkpoint import CONFIG_FILE
+        saved_config = json.loads((Path(path) / CONFIG_FILE).read_text()) if (Path(path) / CONFIG_FILE).is_file() else {}
+        changed = check_compatible(saved_config, self.args.to_dict())  # raises on a field that must match
+        if changed:
+            print(f"ppojax: resuming {path} with changed settings: {', '.join(changed)}")
+        state, host, _ = restore_checkpoint(path, self.state)
+        self.state = state
+        self.kl_coef = float(host["kl_coef"])
+        self.episode = int(host["episode"])
+        self.key = host["key"]
+        self.score_moments = ppo.RunningMoments(**{k: jnp.asarray(v, jnp.float32)
+                                                   for k, v in host["score_moments"].items()})
+        if self.batches is not None and host.get("data") is not None:
+            self.batches.load_state_dict(host["data"])
+        return path
+
+    def sample_completions(self, queries, temperature: float = SAMPLE_TEMPERATURE, step: int = 0):
+        """Near-greedy completions (T = 0.01, as TRL's samples) -> (prompts, completions) strings.
+
+        The sampling key comes from (seed, step), not the training stream, so samples never change training.
+        """
         settings = RolloutSettings(**{**self.rollout_settings.__dict__, "temperature": temperature})
+        key = jax.random.fold_in(jax.random.key(self.args.seed + 1), step)
         query_responses = sample_responses(self.actor_critic.policy_graphdef, self.policy_params,
-                                           jnp.asarray(queries, jnp.int32), self._next_key(), settings)
+                                           jnp.asarray(queries, jnp.int32), key, settings)
         from .rollout import decode_rollout_text
         P = queries.shape[1]
         responses = ppo.truncate_response(query_responses[:, P:], self.stop_token_id, self.pad_token_id)
@@ -290,10 +370,28 @@ class PPOTrainer:
     def log_samples(self, step: int, num: int = 4):
         if self.prompts is None or self.logger is None:
             return
-        queries = self.prompts.input_ids[:num]
-        prompts, completions = self.sample_completions(queries)
+        queries = (self.eval_queries if self.eval_queries is not None else self.train_queries)[:num]
+        prompts, completions = self.sample_completions(queries, step=step)
         scores = self.score_texts(prompts, completions)
         self.logger.log_samples(step, prompts, completions, scores)
+
+    def evaluate(self, step: int = 0) -> Optional[dict[str, Any]]:
+        """Mean reward of near-greedy completions of the held-out prompts (None without held-out prompts or a
+        reward function). Returns {"mean_score", "prompts", "completions", "scores"}."""
+        if self.eval_queries is None or self.reward_fn is None:
+            return None
+        prompts, completions = [], []
+        for start in range(0, len(self.eval_queries), self.sizes.batch_size):
+            chunk = self.eval_queries[start:start + self.sizes.batch_size]
+            if len(chunk) < self.sizes.batch_size:  # keep one compiled shape: pad with copies, drop them after
+                chunk = np.concatenate([chunk, np.repeat(chunk[-1:], self.sizes.batch_size - len(chunk), 0)])
+            p, c = self.sample_completions(chunk, step=step)
+            keep = min(self.sizes.batch_size, len(self.eval_queries) - start)
+            prompts += p[:keep]
+            completions += c[:keep]
+        scores = self.score_texts(prompts, completions)
+        return {"mean_score": float(np.mean(scores)), "prompts": prompts, "completions": completions,
+                "scores": scores}
 
     def score_texts(self, prompts: list[str], completions: list[str]) -> Optional[list[float]]:
         """Scores of given texts with the reward function (None for a reward model: tokenised scoring is the

@@ -14,8 +14,8 @@ def good_fraction(prompts, completions):
     return [sum(w == "good" for w in c.split()) / max(1, len(c.split())) for c in completions]
 
 
-def make_trainer(**overrides):
-    values = dict(batch_size=16, response_length=8, max_prompt_length=6, learning_rate=1e-2,
+def make_trainer(tmp_path, **overrides):
+    values = dict(output_dir=str(tmp_path / "run"), report_to="none", batch_size=16, response_length=8, max_prompt_length=6, learning_rate=1e-2,
                   temperature=1.0, kl_coef=0.01, total_episodes=16 * 30, num_sample_generations=0, seed=0)
     values.update(overrides)
     if "init_kl_coef" in overrides:  # the legacy name for kl_coef
@@ -25,8 +25,8 @@ def make_trainer(**overrides):
                       reward_model=good_fraction, train_dataset=PROMPTS)
 
 
-def test_learning_raises_the_score_without_recompiling():
-    trainer = make_trainer()
+def test_learning_raises_the_score_without_recompiling(tmp_path):
+    trainer = make_trainer(tmp_path)
     history = trainer.train(progress=False)
     scores = [m["objective/scores"] for m in history]
     first, last = np.mean(scores[:3]), np.mean(scores[-3:])
@@ -42,15 +42,15 @@ def test_learning_raises_the_score_without_recompiling():
     assert history[0]["lr"] == pytest.approx(1e-2) and history[-1]["lr"] < history[0]["lr"]
 
 
-def test_value_head_on_policy_backbone_trains():
-    trainer = make_trainer(value_head="policy", total_episodes=16 * 2)
+def test_value_head_on_policy_backbone_trains(tmp_path):
+    trainer = make_trainer(tmp_path, value_head="policy", total_episodes=16 * 2)
     history = trainer.train(progress=False)
     assert set(trainer.state.params) == {"policy"}
     assert np.isfinite(history[-1]["loss/value_avg"])
 
 
-def test_legacy_generate_and_step_with_adaptive_kl():
-    trainer = make_trainer(adap_kl_ctrl=True, init_kl_coef=0.2, target=6.0, horizon=10000,
+def test_legacy_generate_and_step_with_adaptive_kl(tmp_path):
+    trainer = make_trainer(tmp_path, adap_kl_ctrl=True, init_kl_coef=0.2, target=6.0, horizon=10000,
                            stop_token="eos", use_score_scaling=True, use_score_norm=True, score_clip=2.0)
     tok = trainer.tokenizer
     queries = [tok(p)["input_ids"] for p in PROMPTS[:16]]
@@ -75,7 +75,7 @@ def test_legacy_generate_and_step_with_adaptive_kl():
 def test_save_model_round_trips_in_transformers(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
-    trainer = make_trainer(total_episodes=16)
+    trainer = make_trainer(tmp_path, total_episodes=16)
     trainer.train(progress=False)
     trainer.save_model(tmp_path / "policy")
     torch_model = AutoModelForCausalLM.from_pretrained(tmp_path / "policy").eval()
@@ -88,3 +88,19 @@ def test_save_model_round_trips_in_transformers(tmp_path):
     with torch.no_grad():
         theirs = torch_model(torch.tensor(ids)).logits.numpy()
     np.testing.assert_allclose(ours, theirs, atol=1e-4)
+
+
+def test_resume_continues_exactly(tmp_path):
+    straight = make_trainer(tmp_path / "a", total_episodes=16 * 4, adap_kl_ctrl=True, init_kl_coef=0.1)
+    expected = straight.train(progress=False)
+    first = make_trainer(tmp_path / "b", total_episodes=16 * 4, adap_kl_ctrl=True, init_kl_coef=0.1, save_steps=2)
+    first.train(num_updates=2, progress=False)
+    resumed = make_trainer(tmp_path / "b", total_episodes=16 * 4, adap_kl_ctrl=True, init_kl_coef=0.1,
+                           resume="auto")
+    got = resumed.train(progress=False)
+    assert int(resumed.state.update_count) == 4 and len(got) == 2
+    for a, b in zip(expected[2:], got):
+        for name in ("objective/scores", "objective/kl", "loss/policy_avg", "loss/value_avg", "lr"):
+            assert a[name] == b[name], name
+    jax.tree.map(np.testing.assert_array_equal, straight.state.params, resumed.state.params)
+    assert resumed.kl_coef == straight.kl_coef
