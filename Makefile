@@ -23,7 +23,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 demo: $(STAMP)
-	$(PY) -m ppojax.demo
+	$(VENV)/bin/ppojax train configs/demo.yaml
 
 bench-quick: $(STAMP)
 	$(PY) -m benchmarks.run --quick
