@@ -1,0 +1,37 @@
+"""Flax NNX causal LMs (GPT-2, Llama, Mistral, Qwen2, Qwen3, GPT-NeoX) with value/score heads, KV cache,
+logical axis names, and Hugging Face checkpoint import/export.
+
+Typical use::
+
+    model, cfg = load_pretrained("path/to/hf_dir")                 # CausalLM
+    graphdef, params = nnx.split(model)
+    logits, hidden, _ = jax.jit(apply_causal_lm, static_argnums=0)(graphdef, params, ids, mask)
+    save_pretrained(nnx.merge(graphdef, params), cfg, "out_dir", tokenizer=load_tokenizer("path/to/hf_dir"))
+"""
+
+from .config import SUPPORTED_MODEL_TYPES, ModelConfig, UnsupportedModelError
+from .hf_io import load_config, load_pretrained, load_tokenizer, read_params, save_pretrained
+from .transformer import (
+    Backbone,
+    CausalLM,
+    CausalLMWithValueHead,
+    KVCache,
+    ScoreModel,
+    apply_causal_lm,
+    apply_causal_lm_with_value,
+    apply_score_model,
+    count_params,
+    init_cache,
+    last_token_index,
+    last_token_scores,
+    logical_axes,
+    position_ids_from_mask,
+)
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES", "ModelConfig", "UnsupportedModelError",
+    "load_config", "load_pretrained", "load_tokenizer", "read_params", "save_pretrained",
+    "Backbone", "CausalLM", "CausalLMWithValueHead", "KVCache", "ScoreModel",
+    "apply_causal_lm", "apply_causal_lm_with_value", "apply_score_model", "count_params", "init_cache", "last_token_index",
+    "last_token_scores", "logical_axes", "position_ids_from_mask",
+]

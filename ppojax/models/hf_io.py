@@ -1,0 +1,318 @@
+"""Hugging Face checkpoint directories <-> ppojax models.
+
+`load_pretrained(path, kind=...)` reads `config.json` and `model.safetensors` (or a sharded
+`model.safetensors.index.json`); `save_pretrained(model, cfg, out_dir)` writes a directory that
+`transformers.AutoModelForCausalLM` (or `AutoModelForSequenceClassification` for score models) loads with the
+same logits. Safetensors are read by memory map with a small reader of the documented format (numpy cannot name
+bfloat16; `ml_dtypes` gives it), so no torch is needed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from .config import ModelConfig
+from .keymaps import IGNORED_SUFFIXES, hf_to_params, params_to_hf
+from .transformer import CausalLM, CausalLMWithValueHead, ScoreModel, init_value_head
+
+log = logging.getLogger(__name__)
+
+SAFE_WEIGHTS = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+}
+_NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
+_ARCHITECTURES = {
+    ("gpt2", "causal_lm"): "GPT2LMHeadModel", ("gpt2", "score"): "GPT2ForSequenceClassification",
+    ("gpt_neox", "causal_lm"): "GPTNeoXForCausalLM", ("gpt_neox", "score"): "GPTNeoXForSequenceClassification",
+    ("gpt2", "backbone"): "GPT2Model", ("gpt_neox", "backbone"): "GPTNeoXModel",
+}
+_FAMILY_NAME = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+
+
+def _architecture(model_type: str, kind: str) -> str:
+    if (model_type, kind) in _ARCHITECTURES:
+        return _ARCHITECTURES[(model_type, kind)]
+    base = _FAMILY_NAME[model_type]
+    return {"score": f"{base}ForSequenceClassification", "backbone": f"{base}Model"}.get(kind, f"{base}ForCausalLM")
+
+
+# ------------------------------------------------------------------------------------------------ safetensors
+
+
+def read_safetensors_header(path: Path) -> tuple[dict, int]:
+    """(header dict, byte offset of the data) of a .safetensors file."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ValueError(f"{path} is not a safetensors file (too short)")
+        (n,) = struct.unpack("<Q", raw)
+        header = json.loads(f.read(n))
+    return header, 8 + n
+
+
+class SafetensorsCheckpoint:
+    """Tensors of one checkpoint (one file, or shards listed by `model.safetensors.index.json`), memory-mapped."""
+
+    def __init__(self, directory: str | os.PathLike):
+        d = Path(directory)
+        self.directory = d
+        index, single = d / SAFE_INDEX, d / SAFE_WEIGHTS
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        elif single.exists():
+            files = [SAFE_WEIGHTS]
+        else:
+            others = sorted(p.name for p in d.glob("*.safetensors"))
+            if len(others) == 1:
+                files = others
+            else:
+                hint = (" (found pytorch_model.bin: re-save it with transformers' save_pretrained, which writes "
+                        "safetensors)") if (d / "pytorch_model.bin").exists() else ""
+                raise FileNotFoundError(f"no weights in {d}: expected {single} or {index}{hint}")
+        self._where: dict[str, tuple[Path, dict, int]] = {}
+        for name in files:
+            path = d / name
+            if not path.exists():
+                raise FileNotFoundError(f"checkpoint shard {path} (listed in {index}) does not exist")
+            header, offset = read_safetensors_header(path)
+            header.pop("__metadata__", None)
+            for tensor, info in header.items():
+                self._where[tensor] = (path, info, offset)
+        self._maps: dict[Path, np.memmap] = {}
+        self.used: set[str] = set()
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str, shape: tuple | None = None) -> np.ndarray:
+        """The tensor `name` (a read-only memory-mapped view), checked against `shape` when given."""
+        if name not in self._where:
+            raise KeyError(f"tensor {name!r} is missing from the checkpoint in {self.directory} "
+                           f"(it has {len(self._where)} tensors, e.g. {sorted(self._where)[:5]})")
+        path, info, offset = self._where[name]
+        if info["dtype"] not in _DTYPES:
+            raise ValueError(f"tensor {name!r} has unsupported dtype {info['dtype']}")
+        if path not in self._maps:
+            self._maps[path] = np.memmap(path, dtype=np.uint8, mode="r")
+        start, end = info["data_offsets"]
+        arr = self._maps[path][offset + start: offset + end].view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+        if shape is not None and tuple(arr.shape) != tuple(shape):
+            raise ValueError(f"tensor {name!r} has shape {tuple(arr.shape)}, expected {tuple(shape)} from "
+                             f"config.json; the checkpoint and its config disagree")
+        self.used.add(name)
+        return arr
+
+
+def write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray], metadata: dict | None = None):
+    """Write `tensors` to one .safetensors file (format 'pt' metadata, as transformers expects)."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+    offset = 0
+    arrays = []
+    for name in sorted(tensors):
+        a = np.ascontiguousarray(tensors[name])
+        if a.dtype not in _NAMES:
+            raise ValueError(f"tensor {name!r}: cannot store dtype {a.dtype} in safetensors")
+        header[name] = {"dtype": _NAMES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+        arrays.append(a)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for a in arrays:
+            f.write(a.tobytes())
+
+
+# ----------------------------------------------------------------------------------------------------- config
+
+
+def load_config(path: str | os.PathLike) -> ModelConfig:
+    """`ModelConfig` of a checkpoint directory (its `config.json`)."""
+    file = Path(path) / "config.json"
+    if not file.exists():
+        raise FileNotFoundError(f"{file} does not exist: expected a Hugging Face checkpoint directory "
+                                f"(config.json + model.safetensors)")
+    return ModelConfig.from_hf(json.loads(file.read_text()))
+
+
+def load_tokenizer(path: str | os.PathLike, **kwargs):
+    """transformers' `AutoTokenizer.from_pretrained` on the local folder (no hub access)."""
+    from transformers import AutoTokenizer
+
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"tokenizer directory {path} does not exist")
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------------- load
+
+_MODEL_CLASSES = {"causal_lm": CausalLM, "value_head": CausalLMWithValueHead, "score": ScoreModel}
+
+
+def read_params(path: str | os.PathLike, cfg: ModelConfig, kind: str = "causal_lm") -> dict:
+    """The checkpoint's weights as a nested dict of numpy arrays in ppojax layout (see `keymaps`)."""
+    ckpt = SafetensorsCheckpoint(path)
+    params = hf_to_params(cfg, kind, ckpt.get, names=ckpt.names, has=ckpt.__contains__)
+    unused = [n for n in ckpt.names if n not in ckpt.used and not n.endswith(IGNORED_SUFFIXES)
+              and not (cfg.tie_word_embeddings and n in ("lm_head.weight", "embed_out.weight"))]
+    if unused:
+        log.warning("%d tensors of %s were not used for a %s model: %s", len(unused), path, kind, unused[:8])
+    return params
+
+
+def load_pretrained(path: str | os.PathLike, *, kind: str = "causal_lm", dtype=jnp.float32, param_dtype=None,
+                    scan_layers: bool = True, remat: bool = False, seed: int = 0):
+    """Load a Hugging Face checkpoint directory into a ppojax model.
+
+    kind: "causal_lm" -> `CausalLM`; "score" -> `ScoreModel` (reward/value models, `XForSequenceClassification`);
+    "value_head" -> `CausalLMWithValueHead`. A head missing from the checkpoint (`v_head.summary.*`, or
+    `score.weight` when a score model starts from a causal-LM checkpoint) is initialised randomly from `seed`,
+    with a warning. dtype: compute dtype; param_dtype: storage dtype (default: dtype).
+    Returns `(model, cfg)`.
+    """
+    if kind not in _MODEL_CLASSES:
+        raise ValueError(f"kind {kind!r} is not one of {tuple(_MODEL_CLASSES)}")
+    param_dtype = dtype if param_dtype is None else param_dtype
+    cfg = load_config(path)
+    if not Path(path, SAFE_WEIGHTS).exists() and not Path(path, SAFE_INDEX).exists() \
+            and not list(Path(path).glob("*.safetensors")):
+        raise FileNotFoundError(f"no weights in {path}: expected {Path(path, SAFE_WEIGHTS)} or "
+                                f"{Path(path, SAFE_INDEX)}")
+    loaded = read_params(path, cfg, kind)
+    extra = {}
+    if kind == "score" and "bias" in loaded.get("score", {}):
+        extra["bias"] = True
+    model_cls = _MODEL_CLASSES[kind]
+    abstract = nnx.eval_shape(lambda: model_cls(cfg, rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=param_dtype,
+                                                scan_layers=scan_layers, remat=remat, **extra))
+    graphdef, state = nnx.split(abstract)
+    key = jax.random.key(seed)
+    if kind == "value_head" and "v_head" not in loaded:
+        log.warning("no v_head.summary.* in %s: value head initialised randomly (seed %d)", path, seed)
+        loaded["v_head"] = jax.tree.map(np.asarray, init_value_head(cfg, key, param_dtype))
+    if kind == "score" and "score" not in loaded:
+        log.warning("no score.weight in %s: score head initialised randomly (seed %d), as transformers' "
+                    "AutoModelForSequenceClassification does", path, seed)
+        loaded["score"] = {"kernel": np.asarray(cfg.initializer_range * jax.random.normal(
+            key, (cfg.hidden_size, 1), param_dtype))}
+    state = fill_state(state, loaded, param_dtype)
+    return nnx.merge(graphdef, state), cfg
+
+
+def fill_state(state: nnx.State, arrays: dict, param_dtype) -> nnx.State:
+    """Replace the (abstract) values of `state` by `arrays` (same nested layout), checking every shape."""
+    expected = nnx.to_pure_dict(state)
+    flat_expected = dict(_flatten(expected))
+    flat_given = dict(_flatten(arrays))
+    missing = sorted(set(flat_expected) - set(flat_given))
+    unexpected = sorted(set(flat_given) - set(flat_expected))
+    if missing or unexpected:
+        raise ValueError(f"parameter names do not match the model: missing {missing}, unexpected {unexpected}")
+    for name, a in flat_given.items():
+        if tuple(a.shape) != tuple(flat_expected[name].shape):
+            raise ValueError(f"parameter {name!r} has shape {tuple(a.shape)}, the model expects "
+                             f"{tuple(flat_expected[name].shape)}")
+    values = jax.tree.map(lambda a: jnp.asarray(a, dtype=param_dtype), arrays)
+    nnx.replace_by_pure_dict(state, values)
+    return state
+
+
+def _flatten(tree: dict, prefix: str = ""):
+    for k, v in tree.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, dict):
+            yield from _flatten(v, name + ".")
+        else:
+            yield name, v
+
+
+# ------------------------------------------------------------------------------------------------------- save
+
+
+def _kind_of(model) -> str:
+    if isinstance(model, CausalLMWithValueHead):
+        return "value_head"
+    if isinstance(model, CausalLM):
+        return "causal_lm"
+    if isinstance(model, ScoreModel):
+        return "score"
+    raise TypeError(f"cannot save a {type(model).__name__}; expected CausalLM, CausalLMWithValueHead or ScoreModel")
+
+
+def save_pretrained(model, cfg: ModelConfig, out_dir: str | os.PathLike, tokenizer=None, *, params=None,
+                    dtype=None, max_shard_bytes: int = 4 << 30) -> Path:
+    """Write a transformers checkpoint directory: config.json, model.safetensors (sharded with an index when
+    larger than `max_shard_bytes`), and the tokenizer's files when given.
+
+    model: a `CausalLM` (-> `XForCausalLM`), `ScoreModel` (-> `XForSequenceClassification`, num_labels = 1) or
+    `CausalLMWithValueHead` (-> `XForCausalLM` weights + TRL's `v_head.summary.*`). `params`: optional
+    parameters (an `nnx.State` from `nnx.split`, or its pure dict) to write instead of the model's own. dtype: storage dtype
+    (default: the parameters' dtype).
+    """
+    kind = _kind_of(model)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = nnx.state(model, nnx.Param) if params is None else params
+    if isinstance(state, nnx.State):
+        state = nnx.to_pure_dict(state)
+    pure = jax.tree.map(lambda a: np.asarray(a if dtype is None else jnp.asarray(a, dtype)), state)
+    tensors = params_to_hf(cfg, kind, pure)
+    some = next(iter(tensors.values()))
+    config = cfg.to_hf()
+    hf_kind = "causal_lm" if kind == "value_head" else kind
+    config["architectures"] = [_architecture(cfg.model_type, hf_kind)]
+    config["dtype"] = {np.dtype(np.float32): "float32", np.dtype(ml_dtypes.bfloat16): "bfloat16",
+                       np.dtype(np.float16): "float16"}.get(some.dtype, "float32")
+    if kind == "score":
+        config["id2label"] = {"0": "LABEL_0"}
+        config["label2id"] = {"LABEL_0": 0}
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    _write_weights(out, tensors, max_shard_bytes)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    return out
+
+
+def _write_weights(out: Path, tensors: dict[str, np.ndarray], max_shard_bytes: int):
+    for old in list(out.glob("model*.safetensors")) + [out / SAFE_INDEX]:
+        if old.exists():
+            old.unlink()
+    total = sum(a.nbytes for a in tensors.values())
+    if total <= max_shard_bytes:
+        write_safetensors(out / SAFE_WEIGHTS, tensors)
+        return
+    shards: list[dict] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        if size and size + tensors[name].nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name]
+        size += tensors[name].nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        write_safetensors(out / file, shard)
+        weight_map.update({name: file for name in shard})
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / SAFE_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,546 @@
+"""Decoder-only transformers as Flax NNX modules: GPT-2, the Llama family (Llama, Mistral, Qwen2, Qwen3), GPT-NeoX.
+
+One generic pre-norm block covers all of them; `ModelConfig` picks the variant (RMSNorm or LayerNorm, gated or
+plain MLP, biases, q/k norm, rotary (partial) or learned positions, parallel residual, sliding window).
+
+Layout. The per-layer weights are STACKED along a leading `layers` axis (`[L, ...]`) and the layers run under
+`jax.lax.scan` (one compiled layer body, so 30 layers compile as fast as 1, and XLA reads each layer's slice of
+the stacked weights in place). `scan_layers=False` unrolls a Python loop instead: for debugging only, it is slower
+to compile AND to run (XLA on CPU copies every static slice of the stacked weights). Projection kernels keep the head axes separate (`q.kernel: [L, D, H, hd]`) so that every axis
+carries a logical name for sharding (see `logical_axes`).
+
+Forward contract (SPEC): `input_ids i32[B, S]`, `attention_mask bool[B, S]` (True = real token, False = pad),
+`position_ids i32[B, S]` (exclusive cumulative sum of the mask for left-padded rows; `position_ids_from_mask`).
+Pad ids are replaced by 0 before the embedding. Attention is causal AND ignores pad keys. Softmax and norm
+statistics are float32 whatever the compute dtype. A query that sees no valid key (a left-pad position) gets a
+finite, meaningless output (never NaN); callers ignore pad positions.
+
+KV cache (`KVCache`, `init_cache`): keys/values `[L, B, T, K, hd]`, `key_mask bool[B, T]`, `index i32[]` (next write
+slot). A call with a cache writes its S tokens at slots `[index, index + S)`, marks them valid where
+`attention_mask`, lets query slot `index + s` attend to valid slots `<= index + s`, and returns `index + S`.
+Prefill = the whole left-padded prompt on an empty cache; decode = S = 1 calls. Static shapes, jit-friendly.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .config import ModelConfig
+
+Array = jax.Array
+_MASKED = -1e30  # finite "minus infinity" for masked scores: an all-masked row stays NaN-free
+
+# ----------------------------------------------------------------------------------------- small pure functions
+
+
+def activation_fn(name: str):
+    """The activation of transformers' `ACT2FN[name]`."""
+    if name in ("silu", "swish"):
+        return jax.nn.silu
+    if name == "gelu":  # exact (erf) GELU
+        return partial(jax.nn.gelu, approximate=False)
+    if name in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):  # tanh approximation
+        return partial(jax.nn.gelu, approximate=True)
+    if name == "relu":
+        return jax.nn.relu
+    raise ValueError(f"unsupported activation {name!r}")
+
+
+def rms_norm(x: Array, scale: Array, eps: float) -> Array:
+    """`scale * x / sqrt(mean(x^2) + eps)`; statistics in float32, result in x.dtype (as transformers)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return scale.astype(x.dtype) * xf.astype(x.dtype)
+
+
+def layer_norm(x: Array, scale: Array, bias: Array, eps: float) -> Array:
+    """LayerNorm over the last axis; statistics in float32, result in x.dtype."""
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+    y = (xf - mean) * jax.lax.rsqrt(var + eps) * scale.astype(jnp.float32) + bias.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def _norm(cfg: ModelConfig, x: Array, p: dict) -> Array:
+    if cfg.norm_type == "rms":
+        return rms_norm(x, p["scale"], cfg.norm_eps)
+    return layer_norm(x, p["scale"], p["bias"], cfg.norm_eps)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies `f32[rotary_dim // 2]` of RoPE, including `linear` and Llama-3 (`llama3`) scaling."""
+    dim = cfg.rotary_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    scaling = cfg.rope_scaling_dict
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif rope_type == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = np.where(is_medium, smoothed, scaled)
+    return inv_freq.astype(np.float32)
+
+
+def apply_rope(x: Array, position_ids: Array, inv_freq: np.ndarray) -> Array:
+    """Rotate the first `2 * len(inv_freq)` channels of `x: [B, S, heads, hd]` (transformers' rotate_half layout).
+
+    Angles and the rotation are computed in float32; the result has x.dtype.
+    """
+    rot = 2 * inv_freq.shape[0]
+    angles = position_ids.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, S, rot/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, S, 1, rot]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    xr = x[..., :rot].astype(jnp.float32)
+    x1, x2 = xr[..., : rot // 2], xr[..., rot // 2:]
+    rotated = xr * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
+    if rot == x.shape[-1]:
+        return rotated.astype(x.dtype)
+    return jnp.concatenate([rotated.astype(x.dtype), x[..., rot:]], axis=-1)
+
+
+def attention(q: Array, k: Array, v: Array, mask: Array, scale) -> Array:
+    """Grouped-query attention with a float32 softmax.
+
+    q: [B, S, H, hd]; k, v: [B, T, K, hd] (H a multiple of K); mask: bool[B, S, T] (True = may attend).
+    Returns [B, S, H, hd] in q.dtype.
+    """
+    b, s, h, hd = q.shape
+    kv = k.shape[2]
+    qg = q.reshape(b, s, kv, h // kv, hd)
+    scores = jnp.einsum("bskgd,btkd->bkgst", qg, k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
+    return out.reshape(b, s, h, hd)
+
+
+def position_ids_from_mask(attention_mask: Array) -> Array:
+    """`i32[B, S]`: exclusive cumulative sum of `attention_mask` (first real token -> 0; left pads -> 0)."""
+    m = attention_mask.astype(jnp.int32)
+    return jnp.cumsum(m, axis=-1) - m
+
+
+def last_token_index(attention_mask: Array) -> Array:
+    """`i32[B]`: index of the last True of each row of `attention_mask bool[B, S]` (0 for an all-False row)."""
+    s = attention_mask.shape[-1]
+    idx = jnp.arange(s, dtype=jnp.int32)
+    return jnp.max(jnp.where(attention_mask, idx, 0), axis=-1)
+
+
+def last_token_scores(scores: Array, attention_mask: Array) -> Array:
+    """`f32[B]`: per-position scores `f32[B, S]` read at the last non-pad token (rewards of a score model)."""
+    idx = last_token_index(attention_mask)
+    return jnp.take_along_axis(scores, idx[:, None], axis=-1)[:, 0]
+
+
+# ----------------------------------------------------------------------------------------------------- KV cache
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Stacked per-layer key/value cache.
+
+    keys, values: [L, B, T, K, hd] (compute dtype); key_mask: bool[B, T] (True = slot holds a real token);
+    index: i32[] (next slot to write; the same for every row, rows are left-padded).
+    """
+
+    keys: Array
+    values: Array
+    key_mask: Array
+    index: Array
+
+    @property
+    def max_length(self) -> int:
+        return self.keys.shape[2]
+
+
+def init_cache(cfg: ModelConfig, batch_size: int, max_length: int, dtype=jnp.float32) -> KVCache:
+    """An empty cache for `max_length` slots (prompt + generated tokens)."""
+    shape = (cfg.num_layers, batch_size, max_length, cfg.num_kv_heads, cfg.head_dim)
+    return KVCache(
+        keys=jnp.zeros(shape, dtype),
+        values=jnp.zeros(shape, dtype),
+        key_mask=jnp.zeros((batch_size, max_length), bool),
+        index=jnp.zeros((), jnp.int32),
+    )
+
+
+# ------------------------------------------------------------------------------------------------ one layer
+
+
+def _dense_in(x: Array, kernel: Array, bias: Array | None, dtype) -> Array:
+    """x [B, S, D] @ kernel [D, *out] (+ bias [*out])."""
+    y = jnp.tensordot(x, kernel.astype(dtype), axes=((x.ndim - 1,), (0,)))
+    return y if bias is None else y + bias.astype(dtype)
+
+
+def _block(cfg: ModelConfig, dtype, inv_freq, p: dict, x: Array, positions: Array, mask: Array,
+           layer_idx, kv: tuple | None, cache_index):
+    """One transformer layer on `x: [B, S, D]` with this layer's weights `p` (no `layers` axis).
+
+    `mask: bool[B, S, T]`. With `kv = (keys, values)` (the whole stacked cache `[L, B, T, K, hd]`), the new keys and
+    values are written at `[layer_idx, :, cache_index:cache_index+S]` and attention reads that layer's slots.
+    Returns `(x, kv)`.
+    """
+    a = p["attn"]
+    h = _norm(cfg, x, p["attn_norm"])
+    q = _dense_in(h, a["q"]["kernel"], a["q"].get("bias"), dtype)  # [B, S, H, hd]
+    k = _dense_in(h, a["k"]["kernel"], a["k"].get("bias"), dtype)  # [B, S, K, hd]
+    v = _dense_in(h, a["v"]["kernel"], a["v"].get("bias"), dtype)
+    if cfg.qk_norm:
+        q = rms_norm(q, a["q_norm"]["scale"], cfg.norm_eps)
+        k = rms_norm(k, a["k_norm"]["scale"], cfg.norm_eps)
+    if cfg.position_embedding == "rope":
+        q = apply_rope(q, positions, inv_freq)
+        k = apply_rope(k, positions, inv_freq)
+    if kv is not None:
+        all_k, all_v = kv
+        start = (layer_idx, 0, cache_index, 0, 0)
+        all_k = jax.lax.dynamic_update_slice(all_k, k[None].astype(all_k.dtype), start)
+        all_v = jax.lax.dynamic_update_slice(all_v, v[None].astype(all_v.dtype), start)
+        k = jax.lax.dynamic_index_in_dim(all_k, layer_idx, 0, keepdims=False).astype(dtype)
+        v = jax.lax.dynamic_index_in_dim(all_v, layer_idx, 0, keepdims=False).astype(dtype)
+        kv = (all_k, all_v)
+    scale = cfg.head_dim ** -0.5
+    if cfg.attn_scale_by_inverse_layer_idx:
+        scale = scale / (layer_idx + 1).astype(jnp.float32)
+    o = attention(q, k, v, mask, scale)
+    attn_out = jnp.einsum("bshk,hkd->bsd", o, a["o"]["kernel"].astype(dtype))
+    if "bias" in a["o"]:
+        attn_out = attn_out + a["o"]["bias"].astype(dtype)
+
+    def mlp(hm):
+        m = p["mlp"]
+        act = activation_fn(cfg.activation)
+        up = _dense_in(hm, m["up"]["kernel"], m["up"].get("bias"), dtype)
+        if cfg.gated_mlp:
+            up = act(_dense_in(hm, m["gate"]["kernel"], m["gate"].get("bias"), dtype)) * up
+        else:
+            up = act(up)
+        return _dense_in(up, m["down"]["kernel"], m["down"].get("bias"), dtype)
+
+    if cfg.parallel_residual:
+        x = x + attn_out + mlp(_norm(cfg, x, p["mlp_norm"]))
+    else:
+        x = x + attn_out
+        x = x + mlp(_norm(cfg, x, p["mlp_norm"]))
+    return x, kv
+
+
+# ----------------------------------------------------------------------------------------------- parameters
+
+
+def _param(value: Array, axes: tuple) -> nnx.Param:
+    """A parameter annotated with logical axis names (no eager sharding: works without a mesh)."""
+    assert len(axes) == value.ndim, (axes, value.shape)
+    return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=False)
+
+
+class _Init:
+    """Random initialisation in the style of transformers' `_init_weights` (normal(0, initializer_range))."""
+
+    def __init__(self, rngs: nnx.Rngs, std: float, param_dtype):
+        self.rngs, self.std, self.dtype = rngs, std, param_dtype
+
+    def normal(self, shape, axes, std=None):
+        std = self.std if std is None else std
+        return _param(std * jax.random.normal(self.rngs.params(), shape, self.dtype), axes)
+
+    def zeros(self, shape, axes):
+        return _param(jnp.zeros(shape, self.dtype), axes)
+
+    def ones(self, shape, axes):
+        return _param(jnp.ones(shape, self.dtype), axes)
+
+
+def _norm_params(cfg: ModelConfig, init: _Init, lead: tuple, lead_axes: tuple) -> nnx.Dict:
+    d = nnx.Dict(scale=init.ones(lead + (cfg.hidden_size,), lead_axes + ("norm",)))
+    if cfg.norm_type == "layer":
+        d["bias"] = init.zeros(lead + (cfg.hidden_size,), lead_axes + ("norm",))
+    return d
+
+
+def _dense_params(init: _Init, shape: tuple, axes: tuple, n_in: int, bias: bool, std=None) -> nnx.Dict:
+    """kernel `[L, *in, *out]` (+ bias `[L, *out]`); `n_in` = number of input axes after `layers`."""
+    d = nnx.Dict(kernel=init.normal(shape, axes, std))
+    if bias:
+        d["bias"] = init.zeros(shape[:1] + shape[1 + n_in:], axes[:1] + axes[1 + n_in:])
+    return d
+
+
+class Backbone(nnx.Module):
+    """Embeddings + stacked layers + final norm. `__call__` returns final-normed hidden states.
+
+    Parameters (L = num_layers, D = hidden, H/K = query/kv heads, hd = head_dim, F = intermediate, V = vocab):
+      embed.embedding [V, D] (vocab, embed);  pos_embed.embedding [P, D] (positions, embed) for GPT-2
+      layers.attn_norm.{scale,bias} [L, D] (layers, norm);  layers.mlp_norm.{scale,bias} likewise
+      layers.attn.q.kernel [L, D, H, hd] (layers, embed, heads, head_dim); .bias [L, H, hd]
+      layers.attn.{k,v}.kernel [L, D, K, hd] (layers, embed, kv_heads, head_dim); .bias [L, K, hd]
+      layers.attn.o.kernel [L, H, hd, D] (layers, heads, head_dim, embed); .bias [L, D]
+      layers.attn.{q,k}_norm.scale [L, hd] (layers, head_dim)   (Qwen3)
+      layers.mlp.{gate,up}.kernel [L, D, F] (layers, embed, mlp); .bias [L, F]
+      layers.mlp.down.kernel [L, F, D] (layers, mlp, embed); .bias [L, D]
+      final_norm.{scale,bias} [D] (norm)
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
+                 scan_layers: bool = True, remat: bool = False):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.scan_layers = scan_layers
+        self.remat = remat
+        init = _Init(rngs, cfg.initializer_range, param_dtype)
+        L, D, H, K, hd, F = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                             cfg.intermediate_size)
+        self.embed = nnx.Dict(embedding=init.normal((cfg.vocab_size, D), ("vocab", "embed")))
+        if cfg.position_embedding == "learned":
+            self.pos_embed = nnx.Dict(
+                embedding=init.normal((cfg.max_position_embeddings, D), ("positions", "embed")))
+        else:
+            self.pos_embed = None
+        attn = nnx.Dict(
+            q=_dense_params(init, (L, D, H, hd), ("layers", "embed", "heads", "head_dim"), 1, cfg.qkv_bias),
+            k=_dense_params(init, (L, D, K, hd), ("layers", "embed", "kv_heads", "head_dim"), 1, cfg.qkv_bias),
+            v=_dense_params(init, (L, D, K, hd), ("layers", "embed", "kv_heads", "head_dim"), 1, cfg.qkv_bias),
+            o=_dense_params(init, (L, H, hd, D), ("layers", "heads", "head_dim", "embed"), 2, cfg.out_bias),
+        )
+        if cfg.qk_norm:
+            attn["q_norm"] = nnx.Dict(scale=init.ones((L, hd), ("layers", "head_dim")))
+            attn["k_norm"] = nnx.Dict(scale=init.ones((L, hd), ("layers", "head_dim")))
+        mlp = nnx.Dict(
+            up=_dense_params(init, (L, D, F), ("layers", "embed", "mlp"), 1, cfg.mlp_bias),
+            down=_dense_params(init, (L, F, D), ("layers", "mlp", "embed"), 1, cfg.mlp_bias),
+        )
+        if cfg.gated_mlp:
+            mlp["gate"] = _dense_params(init, (L, D, F), ("layers", "embed", "mlp"), 1, cfg.mlp_bias)
+        self.layers = nnx.Dict(
+            attn_norm=_norm_params(cfg, init, (L,), ("layers",)),
+            attn=attn,
+            mlp_norm=_norm_params(cfg, init, (L,), ("layers",)),
+            mlp=mlp,
+        )
+        self.final_norm = _norm_params(cfg, init, (), ())
+
+    def embed_tokens(self, input_ids: Array, attention_mask: Array, position_ids: Array) -> Array:
+        ids = jnp.where(attention_mask, input_ids, 0)
+        x = jnp.take(self.embed["embedding"][...], ids, axis=0).astype(self.dtype)
+        if self.pos_embed is not None:
+            x = x + jnp.take(self.pos_embed["embedding"][...], position_ids, axis=0, mode="clip").astype(self.dtype)
+        return x
+
+    def __call__(self, input_ids: Array, attention_mask: Array, position_ids: Array | None = None) -> Array:
+        """input_ids i32[B, S], attention_mask bool[B, S], position_ids i32[B, S] (default: exclusive cumsum of
+        the mask) -> hidden [B, S, D] after the final norm, in the compute dtype."""
+        return self.forward(input_ids, attention_mask, position_ids, None)[0]
+
+    def forward(self, input_ids: Array, attention_mask: Array, position_ids: Array | None = None,
+                cache: KVCache | None = None) -> tuple[Array, KVCache | None]:
+        """As `__call__`, with an optional KV cache -> (hidden [B, S, D], updated cache or None)."""
+        cfg = self.cfg
+        attention_mask = attention_mask.astype(bool)
+        if position_ids is None:
+            if cache is not None:
+                raise ValueError("position_ids are required when calling the model with a KV cache")
+            position_ids = position_ids_from_mask(attention_mask)
+        b, s = input_ids.shape
+        x = self.embed_tokens(input_ids, attention_mask, position_ids)
+
+        # attention masks bool[B, S, T], shared by all layers
+        if cache is None:
+            q_slot = jnp.arange(s)
+            k_slot = jnp.arange(s)
+            key_mask = attention_mask
+            index = None
+        else:
+            index = cache.index
+            key_mask = jax.lax.dynamic_update_slice(cache.key_mask, attention_mask, (0, index))
+            q_slot = index + jnp.arange(s)
+            k_slot = jnp.arange(cache.max_length)
+        mask = key_mask[:, None, :] & (k_slot[None, None, :] <= q_slot[None, :, None])
+        sliding = np.asarray(cfg.sliding_layers)
+        if sliding.any():
+            window_mask = mask & (k_slot[None, None, :] > q_slot[None, :, None] - cfg.sliding_window)
+
+        inv_freq = rope_inv_freq(cfg) if cfg.position_embedding == "rope" else None
+        layers = nnx.to_pure_dict(nnx.state(self.layers))
+
+        def body(carry, xs):
+            x, kv = carry
+            p, layer_idx, is_sliding = xs
+            m = jnp.where(is_sliding, window_mask, mask) if sliding.any() else mask
+            x, kv = _block(cfg, self.dtype, inv_freq, p, x, position_ids, m, layer_idx, kv, index)
+            return (x, kv), None
+
+        if self.remat:
+            body = jax.checkpoint(body)
+        kv = None if cache is None else (cache.keys, cache.values)
+        layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        if self.scan_layers:
+            (x, kv), _ = jax.lax.scan(body, (x, kv), (layers, layer_ids, jnp.asarray(sliding)))
+        else:
+            for i in range(cfg.num_layers):
+                p_i = jax.tree.map(lambda a: a[i], layers)
+                (x, kv), _ = body((x, kv), (p_i, layer_ids[i], jnp.asarray(sliding[i])))
+        x = _norm(cfg, x, nnx.to_pure_dict(nnx.state(self.final_norm)))
+        if cache is not None:
+            cache = KVCache(keys=kv[0], values=kv[1], key_mask=key_mask, index=cache.index + s)
+        return x, cache
+
+
+# ------------------------------------------------------------------------------------------------------ models
+
+
+class CausalLM(nnx.Module):
+    """Backbone + LM head (or tied input embeddings).
+
+    `model(input_ids, attention_mask, position_ids=None, cache=None) -> (hidden [B, S, D], cache)`;
+    `model.logits(hidden [..., D]) -> f32[..., V]`. Untied head: `lm_head.kernel [D, V]` (embed, vocab).
+    Slice `hidden` to the positions you need before `logits` (e.g. `hidden[:, P-1:-1]` for response tokens):
+    the vocabulary projection is the largest matmul of a small model.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
+                 scan_layers: bool = True, remat: bool = False):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.backbone = Backbone(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers,
+                                 remat=remat)
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            init = _Init(rngs, cfg.initializer_range, param_dtype)
+            self.lm_head = nnx.Dict(kernel=init.normal((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab")))
+
+    def __call__(self, input_ids: Array, attention_mask: Array, position_ids: Array | None = None,
+                 cache: KVCache | None = None) -> tuple[Array, KVCache | None]:
+        return self.backbone.forward(input_ids, attention_mask, position_ids, cache)
+
+    def logits(self, hidden: Array) -> Array:
+        """hidden [..., D] -> logits f32[..., V] (matmul in the compute dtype, float32 accumulation)."""
+        hidden = hidden.astype(self.dtype)
+        if self.lm_head is None:
+            w = self.backbone.embed["embedding"][...].astype(self.dtype)
+            return jnp.einsum("...d,vd->...v", hidden, w, preferred_element_type=jnp.float32)
+        w = self.lm_head["kernel"][...].astype(self.dtype)
+        return jnp.einsum("...d,dv->...v", hidden, w, preferred_element_type=jnp.float32)
+
+
+def init_value_head(cfg: ModelConfig, key: Array, param_dtype=jnp.float32) -> dict:
+    """torch.nn.Linear's default init, as TRL's `ValueHead`: kernel [D, 1] and bias [1] ~ U(-1/sqrt(D), 1/sqrt(D))."""
+    bound = 1.0 / math.sqrt(cfg.hidden_size)
+    k1, k2 = jax.random.split(key)
+    return {"kernel": jax.random.uniform(k1, (cfg.hidden_size, 1), param_dtype, -bound, bound),
+            "bias": jax.random.uniform(k2, (1,), param_dtype, -bound, bound)}
+
+
+class CausalLMWithValueHead(CausalLM):
+    """A causal LM with a scalar value head on its final hidden states (TRL's legacy
+    `AutoModelForCausalLMWithValueHead`; HF names `v_head.summary.{weight,bias}`).
+
+    `hidden, cache = model(...)`; `model.logits(hidden) -> f32[B, S, V]`; `model.value(hidden) -> f32[B, S]`.
+    `v_head.kernel [D, 1]` (embed, None), `v_head.bias [1]` (None,).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
+                 scan_layers: bool = True, remat: bool = False):
+        super().__init__(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers,
+                         remat=remat)
+        init = init_value_head(cfg, rngs.params(), param_dtype)
+        self.v_head = nnx.Dict(kernel=_param(init["kernel"], ("embed", None)), bias=_param(init["bias"], (None,)))
+
+    def value(self, hidden: Array) -> Array:
+        """hidden [B, S, D] -> values f32[B, S] (float32 matmul)."""
+        w = self.v_head["kernel"][...].astype(jnp.float32)
+        return (hidden.astype(jnp.float32) @ w)[..., 0] + self.v_head["bias"][...].astype(jnp.float32)[0]
+
+
+class ScoreModel(nnx.Module):
+    """Backbone + scalar `score` head: TRL's reward and value models (`XForSequenceClassification`, num_labels=1).
+
+    `model(input_ids, attention_mask, position_ids=None) -> f32[B, S]` per-position scores; the reward of a
+    sequence is the score at its last non-pad token (`last_token_scores`). `score.kernel [D, 1]` (embed, None),
+    optional `score.bias [1]` (transformers' heads have none).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
+                 bias: bool = False, scan_layers: bool = True, remat: bool = False):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.backbone = Backbone(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers,
+                                 remat=remat)
+        init = _Init(rngs, cfg.initializer_range, param_dtype)
+        self.score = nnx.Dict(kernel=init.normal((cfg.hidden_size, 1), ("embed", None)))
+        if bias:
+            self.score["bias"] = init.zeros((1,), (None,))
+
+    def scores(self, hidden: Array) -> Array:
+        """hidden [B, S, D] -> f32[B, S] (float32 matmul)."""
+        out = (hidden.astype(jnp.float32) @ self.score["kernel"][...].astype(jnp.float32))[..., 0]
+        if "bias" in self.score:
+            out = out + self.score["bias"][...].astype(jnp.float32)[0]
+        return out
+
+    def __call__(self, input_ids: Array, attention_mask: Array, position_ids: Array | None = None) -> Array:
+        return self.scores(self.backbone(input_ids, attention_mask, position_ids))
+
+
+# ---------------------------------------------------------------------------------------- functional helpers
+
+
+def apply_causal_lm(graphdef, params, input_ids, attention_mask, position_ids=None, cache=None):
+    """Pure forward of a split `CausalLM`: -> (logits f32[B, S, V], hidden [B, S, D], cache)."""
+    model = nnx.merge(graphdef, params)
+    hidden, cache = model(input_ids, attention_mask, position_ids, cache)
+    return model.logits(hidden), hidden, cache
+
+
+def apply_causal_lm_with_value(graphdef, params, input_ids, attention_mask, position_ids=None, cache=None):
+    """Pure forward of a split `CausalLMWithValueHead`: -> (logits f32[B, S, V], values f32[B, S], cache)."""
+    model = nnx.merge(graphdef, params)
+    hidden, cache = model(input_ids, attention_mask, position_ids, cache)
+    return model.logits(hidden), model.value(hidden), cache
+
+
+def apply_score_model(graphdef, params, input_ids, attention_mask, position_ids=None):
+    """Pure forward of a split `ScoreModel`: -> per-position scores f32[B, S]."""
+    return nnx.merge(graphdef, params)(input_ids, attention_mask, position_ids)
+
+
+def logical_axes(tree):
+    """Logical axis names of every parameter.
+
+    `tree`: an NNX module or a `State` (e.g. `nnx.split(model)[1]`). Returns the same structure (a State of
+    Variables) whose values are tuples of axis names (`"vocab", "embed", "heads", "kv_heads", "head_dim", "mlp",
+    "layers", "norm", "positions"`, or None for an axis of size 1 that is never sharded). Map it to shardings with
+    `jax.tree.map(rule, logical_axes(params), is_leaf=lambda x: isinstance(x, tuple))`; the result has the tree
+    structure of `params`.
+    """
+    state = nnx.state(tree) if isinstance(tree, nnx.Module) else tree
+
+    def axes(v):
+        names = v.get_metadata().get("out_sharding")
+        if names is None:
+            names = (None,) * np.ndim(v.get_value())
+        return v.replace(tuple(names))
+
+    return jax.tree.map(axes, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def count_params(tree) -> int:
+    state = nnx.state(tree) if isinstance(tree, nnx.Module) else tree
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state))
