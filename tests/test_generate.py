@@ -1,0 +1,237 @@
+"""The KV-cache sampler (ppojax.generate): parity with transformers' greedy decoding, sampling statistics,
+top-k / top-p / temperature, stop token and early exit.
+
+Tiny random transformers models are built with torch, saved with save_pretrained and loaded into ppojax.
+`build_tiny_hf` is shared with tests/test_forward.py and tests/test_rollout.py.
+"""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from ppojax.forward import sequence_inputs  # noqa: E402
+from ppojax.generate import generate_jit, process_logits, sample_logits  # noqa: E402
+from ppojax.models import load_pretrained  # noqa: E402
+
+torch.set_num_threads(1)
+
+VOCAB = 96
+PAD = 95  # distinct from eos/stop (0); never the greedy choice for the prompts below (checked)
+R = 10
+PROMPTS = np.array([[PAD, PAD, PAD, 5, 6, 7],       # left padded, 3 real tokens
+                    [8, 9, 10, 11, 12, 13],         # no padding
+                    [PAD, PAD, PAD, PAD, PAD, 20]],  # 1 real token
+                   dtype=np.int32)
+
+
+def build_tiny_hf(kind, directory, *, seed=0, score=False):
+    """A tiny random transformers model saved to `directory`; returns the torch model (eval mode).
+
+    kind: "gpt2" or "llama" (GQA: 4 query / 2 key-value heads). initializer_range 0.2 (not 0.02) spreads the
+    logits so greedy ties are impossible in float32. score=True builds the ForSequenceClassification
+    (num_labels=1) variant: a reward / value model.
+    """
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, initializer_range=0.2, pad_token_id=PAD, bos_token_id=0, eos_token_id=0)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=64, **common)
+        cls = transformers.GPT2ForSequenceClassification if score else transformers.GPT2LMHeadModel
+    elif kind == "llama":
+        config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2,
+                                          max_position_embeddings=64, **common)
+        cls = transformers.LlamaForSequenceClassification if score else transformers.LlamaForCausalLM
+    else:
+        raise ValueError(kind)
+    if score:
+        config.num_labels = 1
+    model = cls(config).eval()
+    model.save_pretrained(directory)
+    return model
+
+
+class _CountingLM(nnx.Module):
+    """Wraps a CausalLM and counts its forward calls on the host (prefill + one per decode step)."""
+
+    calls = []
+
+    def __init__(self, lm):
+        self.lm, self.cfg, self.dtype = lm, lm.cfg, lm.dtype
+
+    def __call__(self, *args, **kwargs):
+        jax.debug.callback(lambda: _CountingLM.calls.append(1))
+        return self.lm(*args, **kwargs)
+
+    def logits(self, hidden):
+        return self.lm.logits(hidden)
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def tiny(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(request.param)
+    hf = build_tiny_hf(request.param, directory)
+    lm, _ = load_pretrained(directory)
+    graphdef, params = nnx.split(lm)
+    return request.param, hf, lm, graphdef, params
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """(lm, graphdef, params) of a tiny Llama wrapped in `_CountingLM` (transparent; shares compilations)."""
+    directory = tmp_path_factory.mktemp("llama_gen")
+    build_tiny_hf("llama", directory)
+    lm, _ = load_pretrained(directory)
+    return lm, *nnx.split(_CountingLM(lm))
+
+
+def hf_greedy(hf, prompts, response_length, stop_token_id=None):
+    """transformers' greedy generate on the same left-padded batch (attention_mask = token != pad).
+
+    transformers derives position ids as cumsum(mask) - 1 (pads -> 0): real tokens get 0, 1, ... exactly like
+    ppojax's exclusive cumsum, and each generated token continues from the last real position.
+    """
+    with torch.no_grad():
+        out = hf.generate(torch.tensor(prompts, dtype=torch.long), attention_mask=torch.tensor(prompts != PAD),
+                          do_sample=False, max_new_tokens=response_length, pad_token_id=PAD,
+                          eos_token_id=stop_token_id)
+    out = out[:, prompts.shape[1]:].numpy()
+    return np.pad(out, [(0, 0), (0, response_length - out.shape[1])], constant_values=PAD)  # early stop
+
+
+def test_greedy_matches_transformers(tiny):
+    kind, hf, _, graphdef, params = tiny
+    expected = hf_greedy(hf, PROMPTS, R)
+    assert not (expected == PAD).any(), "test precondition: the pad token is never generated"
+    got = generate_jit(graphdef, params, jnp.asarray(PROMPTS), jax.random.key(0), response_length=R,
+                       pad_token_id=PAD, greedy=True)
+    np.testing.assert_array_equal(np.asarray(got), expected, err_msg=kind)
+
+    # with a stop token: transformers' eos handling (pad after eos, early stop) is the same contract
+    stop = int(expected[0, 3])  # appears in row 0 (and maybe elsewhere); rows without it run to R
+    expected_stop = hf_greedy(hf, PROMPTS, R, stop_token_id=stop)
+    got_stop = generate_jit(graphdef, params, jnp.asarray(PROMPTS), jax.random.key(0), response_length=R,
+                            pad_token_id=PAD, greedy=True, stop_token_id=stop)
+    np.testing.assert_array_equal(np.asarray(got_stop), expected_stop, err_msg=kind)
+    assert (expected_stop[0, 4:] == PAD).all()
+
+
+def test_top_k_1_equals_greedy(tiny_llama):
+    _, graphdef, params = tiny_llama
+    prompts = jnp.asarray(PROMPTS)
+    greedy = generate_jit(graphdef, params, prompts, jax.random.key(0), response_length=R, pad_token_id=PAD,
+                          greedy=True)
+    top1 = generate_jit(graphdef, params, prompts, jax.random.key(3), response_length=R, pad_token_id=PAD,
+                        temperature=0.7, top_k=1)
+    np.testing.assert_array_equal(np.asarray(top1), np.asarray(greedy))
+
+
+def _tv(draws, probs):
+    empirical = np.bincount(draws, minlength=probs.shape[-1]) / draws.shape[0]
+    return 0.5 * np.abs(empirical - probs).sum()
+
+
+def _expected_tv(probs, n):
+    """E[TV] of n multinomial draws from probs (normal approximation): 0.5 sum sqrt(2 p (1-p) / (pi n))."""
+    return 0.5 * np.sum(np.sqrt(2 * probs * (1 - probs) / (np.pi * n)))
+
+
+def test_first_token_frequencies_match_softmax(tiny_llama):
+    """4000 seeded draws of the first token (vmap over keys, through the whole generate) ~ softmax(l/T)."""
+    lm, graphdef, params = tiny_llama
+    n, temperature = 4000, 0.7
+    prompts = jnp.asarray(PROMPTS[:2])
+    draw = jax.jit(jax.vmap(lambda key: generate_jit(graphdef, params, prompts, key, response_length=1,
+                                                     pad_token_id=PAD, temperature=temperature)[:, 0]))
+    draws = np.asarray(draw(jax.random.split(jax.random.key(0), n)))  # [n, B]
+    hidden, _ = lm(*sequence_inputs(prompts, PAD))
+    logits = lm.logits(hidden[:, -1])
+    probs = np.asarray(jax.nn.softmax(logits / (temperature + 1e-7)))
+    untempered = np.asarray(jax.nn.softmax(logits))
+    for b in range(prompts.shape[0]):
+        bound = 2 * _expected_tv(probs[b], n)
+        assert _tv(draws[:, b], probs[b]) < bound
+        assert _tv(draws[:, b], untempered[b]) > bound  # the test can tell a wrong temperature
+
+
+@pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (0, 0.8), (20, 0.6)])
+def test_truncated_sampling_frequencies(top_k, top_p):
+    """Draws stay inside the top-k / top-p set and follow the renormalised softmax."""
+    n, temperature = 4000, 0.7
+    logits = jax.random.normal(jax.random.key(1), (2, VOCAB)) * 2.0
+    keys = jax.random.split(jax.random.key(2), n)
+    draws = np.asarray(jax.jit(jax.vmap(lambda k: sample_logits(logits, k, temperature=temperature, top_k=top_k,
+                                                               top_p=top_p)))(keys))
+    weights = process_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    probs = np.asarray(jax.nn.softmax(weights))
+    for b in range(2):
+        allowed = np.isfinite(np.asarray(weights[b]))
+        assert allowed[draws[:, b]].all()
+        if top_k:
+            assert allowed.sum() <= top_k
+        assert _tv(draws[:, b], probs[b]) < 2 * _expected_tv(probs[b], n)
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    rng = np.random.default_rng(0)
+    for top_p in (0.05, 0.3, 0.5, 0.9, 0.99):
+        logits = rng.normal(size=(4, 50)).astype(np.float32) * 3
+        kept = np.isfinite(np.asarray(process_logits(jnp.asarray(logits), temperature=1.0, top_p=top_p)))
+        for row, keep in zip(logits, kept):
+            probs = np.exp(row - row.max())
+            probs /= probs.sum()
+            order = np.argsort(-probs)
+            size = int(np.searchsorted(np.cumsum(probs[order]), top_p) + 1)  # smallest prefix with mass >= p
+            expected = np.zeros_like(keep)
+            expected[order[:size]] = True
+            np.testing.assert_array_equal(keep, expected)
+            assert probs[keep].sum() >= top_p - 1e-6
+            assert probs[keep].sum() - probs[keep].min() < top_p  # dropping any kept token falls short
+
+
+def test_temperature_scaling_as_spec():
+    logits = jax.random.normal(jax.random.key(0), (3, VOCAB))
+    process = jax.jit(process_logits, static_argnames=("temperature", "top_k", "top_p"))
+    for temperature in (0.3, 0.7, 1.0, 2.0):
+        np.testing.assert_allclose(process(logits, temperature=temperature), logits / (temperature + 1e-7),
+                                   rtol=1e-6)
+    # top_k / top_p act on the tempered distribution, top_k before top_p (transformers' order)
+    cut = process(logits, temperature=0.5, top_k=10, top_p=0.5)
+    assert (np.isfinite(np.asarray(cut)).sum(-1) <= 10).all()
+
+
+def test_stop_token_pads_and_matches_unstopped_sampling(tiny_llama):
+    """Same key: sampling with a stop token = sampling without, truncated after the stop (one key per step)."""
+    _, graphdef, params = tiny_llama
+    prompts, key = jnp.asarray(PROMPTS), jax.random.key(7)
+    kwargs = dict(response_length=R, pad_token_id=PAD, temperature=1.0)
+    free = np.asarray(generate_jit(graphdef, params, prompts, key, **kwargs))
+    assert not (free == PAD).any()
+    stop = int(free[1, 2])
+    stopped = np.asarray(generate_jit(graphdef, params, prompts, key, stop_token_id=stop, **kwargs))
+    for row_free, row_stopped in zip(free, stopped):
+        hits = np.flatnonzero(row_free == stop)
+        end = hits[0] + 1 if hits.size else R
+        np.testing.assert_array_equal(row_stopped[:end], row_free[:end])
+        assert (row_stopped[end:] == PAD).all()
+
+
+def test_decode_loop_exits_early_when_all_done(tiny_llama):
+    _, graphdef, params = tiny_llama
+    prompts = jnp.asarray(np.repeat(PROMPTS[1:2], 3, axis=0))  # identical rows: identical greedy tokens
+    kwargs = dict(response_length=R, pad_token_id=PAD, greedy=True)
+    _CountingLM.calls.clear()
+    free = np.asarray(generate_jit(graphdef, params, prompts, jax.random.key(0), **kwargs))
+    jax.effects_barrier()
+    assert len(_CountingLM.calls) == R  # prefill + R-1 decode steps
+    _CountingLM.calls.clear()
+    stop = int(free[0, 2])
+    end = int(np.flatnonzero(free[0] == stop)[0])  # first step that emits the stop token (<= 2)
+    stopped = np.asarray(generate_jit(graphdef, params, prompts, jax.random.key(0), stop_token_id=stop, **kwargs))
+    jax.effects_barrier()
+    assert len(_CountingLM.calls) == end + 1  # prefill + `end` decode steps, then every row is done
+    assert (stopped[:, end + 1:] == PAD).all() and (stopped[:, :end + 1] == free[:, :end + 1]).all()
