@@ -1,0 +1,163 @@
+"""A tiny real PPO setup (Llama policy/ref, Llama value and reward ScoreModels) shared by the sharding tests,
+and the subprocesses of the two-process test: ``python tests/sharding_helpers.py worker OUT.npz`` (with
+PPOJAX_* set) and ``python tests/sharding_helpers.py single OUT.npz`` (the one-device reference).
+
+Import-time side effects: none (the multi-device tests set XLA_FLAGS before JAX starts).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+#: XLA flags for the test subprocesses: LLVM optimisation and the new CPU fusion emitters off compile the
+#: tiny programs ~4x faster (the tests compare programs compiled with the same flags).
+FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+
+if __name__ == "__main__":  # a subprocess: make `ppojax` importable; a worker starts jax.distributed FIRST
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if sys.argv[1] == "worker":
+        from ppojax.sharding import initialize_distributed
+
+        assert initialize_distributed(), "expected PPOJAX_* variables for a distributed run"
+
+from ppojax import sharding as sh  # noqa: E402
+from ppojax.actor_critic import ActorCritic  # noqa: E402
+from ppojax.models import CausalLM, ModelConfig, ScoreModel  # noqa: E402
+from ppojax.rollout import Experience  # noqa: E402
+from ppojax.update import UpdateSettings, make_optimizer  # noqa: E402
+
+PAD, STOP, VOCAB, P, R, B = 0, 2, 128, 6, 8, 16
+CFG = ModelConfig(model_type="llama", vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8, intermediate_size=64)
+SETTINGS = UpdateSettings(num_ppo_epochs=2, num_mini_batches=2, gradient_accumulation_steps=1,
+                          learning_rate=1e-3, num_updates=4)
+NUM_MULTIHOST_UPDATES = 2
+
+
+def rollout_settings():
+    from ppojax.rollout import RolloutSettings  # noqa: PLC0415
+
+    return RolloutSettings(response_length=R, pad_token_id=PAD, temperature=0.7, stop_token_id=STOP,
+                           missing_eos_penalty=1.0, logprob_chunk_size=None)
+
+
+def build_models(seed=0):
+    """-> (ActorCritic, trainable params {"policy", "value"}, frozen {"ref", "reward"} params, graphdefs)."""
+    policy_def, policy = nnx.split(CausalLM(CFG, rngs=nnx.Rngs(seed)))
+    value_def, value = nnx.split(ScoreModel(CFG, rngs=nnx.Rngs(seed + 1)))
+    _, reward = nnx.split(ScoreModel(CFG, rngs=nnx.Rngs(seed + 2)))
+    ref = jax.tree.map(lambda x: x + 0.01, policy)  # a slightly different reference: non-zero KL
+    ac = ActorCritic(policy_def, value_def, PAD, temperature=0.7)
+    return ac, {"policy": policy, "value": value}, {"ref": ref, "reward": reward}, (policy_def, value_def)
+
+
+def prompts(seed=0):
+    """Left-padded prompts i32[B, P] (numpy, identical on every process)."""
+    rng = np.random.default_rng(seed)
+    q = rng.integers(3, VOCAB, size=(B, P)).astype(np.int32)
+    pad = rng.integers(0, 3, size=B)
+    q[np.arange(P)[None, :] < pad[:, None]] = PAD
+    return q
+
+
+def rollout(mesh, params, frozen, graphdefs, queries, key):
+    """One ``ppojax.rollout.make_experience`` on ``mesh``: the policy placed by GENERATE_RULES, the frozen
+    and value models by TRAIN_RULES, the prompts by rows."""
+    from ppojax.rollout import make_experience  # noqa: PLC0415
+
+    policy_def, value_def = graphdefs
+    return make_experience(
+        sh.shard_batch(jnp.asarray(queries), mesh), sh.put_replicated(key, mesh), rollout_settings(),
+        policy_graphdef=policy_def, policy_params=sh.shard_params(params["policy"], mesh, sh.GENERATE_RULES),
+        ref_params=sh.shard_params(frozen["ref"], mesh), value_graphdef=value_def,
+        value_params=sh.shard_params(params["value"], mesh), reward_graphdef=value_def,
+        reward_params=sh.shard_params(frozen["reward"], mesh))
+
+
+def run_updates(mesh, ac, params, experience, num_updates, settings=SETTINGS):
+    """``num_updates`` sharded PPO updates on the same experience. -> (state, list of metric dicts)."""
+    optimizer = make_optimizer()
+    state, shardings = sh.init_sharded_train_state(params, optimizer, mesh)
+    update = sh.make_sharded_ppo_update(ac, settings, optimizer, mesh, shardings)
+    history = []
+    for i in range(num_updates):
+        state, metrics = update(state, experience, jax.random.key(100 + i), 0.05)
+        history.append({k: float(v) for k, v in sh.to_host(metrics).items()})
+    assert update.jitted._cache_size() == 1  # the state keeps its shardings: no recompilation
+    return state, history
+
+
+def worker(out_path):
+    """One process of the two-process test: 2 local CPU devices; mesh (data=1, fsdp=2, tensor=2) over the
+    4 devices of both processes, so parameters, optimizer state and batch rows are split ACROSS processes.
+    Each process builds only ITS rows of the experience and makes global arrays from them."""
+    assert jax.process_count() == 2 and jax.device_count() == 4, (jax.process_count(), jax.device_count())
+    mesh = sh.make_mesh(data=1, fsdp=2, tensor=2)
+    ac, params, _, _ = build_models()
+    rows = sh.process_local_rows(B, mesh)
+    local = jax.tree.map(lambda x: x[rows], synthetic_experience())
+    experience = sh.host_local_batch_to_global(local, mesh)
+    assert not experience.logprobs.is_fully_addressable
+    state, history = run_updates(mesh, ac, params, experience, num_updates=NUM_MULTIHOST_UPDATES)
+    embed = state.params["policy"]["backbone"]["embed"]["embedding"]
+    assert not embed.is_fully_addressable and "fsdp" in str(embed.sharding.spec)
+    params_host = sh.to_host(state.params)  # every process takes part in the gather
+    if sh.is_main_process():
+        np.savez(out_path, rows=rows, metrics=metrics_array(history), **flat_params(params_host))
+    jax.distributed.shutdown()
+
+
+def single_process_reference(out_path):
+    """The same updates as :func:`worker` in one process on one device."""
+    ac, params, _, _ = build_models()
+    one = sh.make_mesh(devices=jax.devices()[:1])
+    state, history = run_updates(one, ac, params, synthetic_experience(), num_updates=NUM_MULTIHOST_UPDATES)
+    np.savez(out_path, metrics=metrics_array(history), **flat_params(sh.to_host(state.params)))
+
+
+def metrics_array(history):
+    return np.array([[h[k] for k in sorted(h)] for h in history])
+
+
+def flat_params(tree):
+    return {"param" + jax.tree_util.keystr(path): np.asarray(leaf)
+            for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def synthetic_experience(seed=0):
+    """A deterministic numpy ``Experience`` (no model run): random tokens with stop tokens, log-probs near
+    the tiny model's (~ -log V), values and scores; masks as SPEC's rollout makes them."""
+    rng = np.random.default_rng(seed)
+    queries = prompts(seed)
+    raw = rng.integers(3, VOCAB, size=(B, R)).astype(np.int32)
+    stop_at = rng.integers(1, 2 * R, size=B)  # past R: no stop token
+    for row, t in enumerate(stop_at):
+        if t < R:
+            raw[row, t] = STOP
+    contains_stop = stop_at < R
+    t = np.arange(R)[None, :]
+    responses = np.where(t > np.where(contains_stop, stop_at, R)[:, None], PAD, raw).astype(np.int32)
+    last_index = np.where(contains_stop, stop_at, R - 1).astype(np.int32)
+    padding_mask = t > last_index[:, None]
+    padding_mask_p1 = t > last_index[:, None] + 1
+    logprobs = (-np.log(VOCAB) + 0.3 * rng.normal(size=(B, R))).astype(np.float32)
+    ref_logprobs = (logprobs + 0.1 * rng.normal(size=(B, R))).astype(np.float32)
+    return Experience(
+        queries=queries, query_responses=np.concatenate([queries, raw], 1), responses=responses,
+        logprobs=np.where(padding_mask, 1.0, logprobs).astype(np.float32),
+        ref_logprobs=np.where(padding_mask, 1.0, ref_logprobs).astype(np.float32),
+        values=np.where(padding_mask_p1, 0.0, 0.1 * rng.normal(size=(B, R))).astype(np.float32),
+        scores=rng.normal(size=B).astype(np.float32), last_index=last_index, padding_mask=padding_mask,
+        padding_mask_p1=padding_mask_p1, contains_stop=contains_stop)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "worker":
+        worker(sys.argv[2])
+    else:
+        single_process_reference(sys.argv[2])

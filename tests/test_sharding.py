@@ -1,0 +1,254 @@
+"""Sharding over device meshes (ppojax.sharding).
+
+The main test process has ONE device, so this file runs twice:
+- in the main process: rule/spec/mesh-size checks that need no devices, and
+  ``test_multi_device_suite``, which re-runs this file in a subprocess with 8 virtual CPU devices
+  (``XLA_FLAGS=--xla_force_host_platform_device_count=8``, ``PPOJAX_SHARDING_CHILD=1``);
+- in that subprocess: the tests below ``if CHILD:`` (one rollout + update per mesh against one device,
+  FSDP memory per device, global whitening, the KV-cache constraint).
+"""
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
+
+from ppojax import sharding as sh
+from tests.sharding_helpers import FAST_COMPILE_FLAGS
+
+CHILD = os.environ.get("PPOJAX_SHARDING_CHILD") == "1"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def abstract_mesh(data, fsdp, tensor):
+    return AbstractMesh((data, fsdp, tensor), sh.MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+# ------------------------------------------------------------------------------------------------------
+# No devices needed
+# ------------------------------------------------------------------------------------------------------
+def test_mesh_shape_resolves_minus_one_and_rejects_bad_products():
+    assert sh.mesh_shape(-1, 1, 1, num_devices=8) == (8, 1, 1)
+    assert sh.mesh_shape(2, -1, 2, num_devices=8) == (2, 2, 2)
+    assert sh.mesh_shape(1, 1, 8, num_devices=8) == (1, 1, 8)
+    with pytest.raises(ValueError, match=r"has 4 devices but 8 are in use.*data \* fsdp \* tensor == 8"):
+        sh.mesh_shape(2, 2, 1, num_devices=8)
+    with pytest.raises(ValueError, match="do not split"):
+        sh.mesh_shape(-1, 3, 1, num_devices=8)
+    with pytest.raises(ValueError, match="at most one -1"):
+        sh.mesh_shape(-1, -1, 1, num_devices=8)
+    with pytest.raises(ValueError, match=f"has 16 devices but {jax.device_count()} are in use"):
+        sh.make_mesh(data=16)
+
+
+def test_rules_map_logical_axes_with_divisibility_fallback():
+    mesh = abstract_mesh(2, 2, 2)
+    spec = lambda shape, names, rules=sh.TRAIN_RULES: sh.logical_to_spec(shape, names, mesh, rules)  # noqa
+    # q kernel [L, D, H, hd]: embed -> fsdp, heads -> tensor
+    assert spec((2, 32, 4, 8), ("layers", "embed", "heads", "head_dim")) == P(None, "fsdp", "tensor")
+    assert spec((128, 32), ("vocab", "embed")) == P("tensor", "fsdp")
+    assert spec((2, 32), ("layers", "norm")) == P()
+    # 3 heads do not split over tensor=2: that dimension is replicated, the rest still sharded
+    assert spec((2, 32, 3, 8), ("layers", "embed", "heads", "head_dim")) == P(None, "fsdp")
+    # generation gathers over fsdp, keeps tensor
+    assert spec((2, 32, 4, 8), ("layers", "embed", "heads", "head_dim"), sh.GENERATE_RULES) == P(
+        None, None, "tensor")
+    # batch over (data, fsdp); 6 rows only split over data
+    assert spec((16, 5), ("batch", None)) == P(("data", "fsdp"))
+    assert spec((6, 5), ("batch", None)) == P("data")
+    # a mesh axis is used once per array
+    assert sh.logical_to_spec((8, 8), ("mlp", "heads"), mesh, sh.TRAIN_RULES) == P("tensor")
+    # size-1 mesh axes are omitted
+    assert sh.logical_to_spec((128, 32), ("vocab", "embed"), abstract_mesh(8, 1, 1), sh.TRAIN_RULES) == P()
+    with pytest.raises(ValueError, match="one name"):
+        spec((2, 3), ("embed",))
+
+
+def test_unnamed_parameters_shard_their_largest_divisible_dim_over_fsdp():
+    mesh = abstract_mesh(1, 4, 2)
+    assert sh.logical_to_spec((8, 16), (), mesh) == P(None, "fsdp")
+    assert sh.logical_to_spec((16, 6), None, mesh) == P("fsdp")
+    assert sh.logical_to_spec((6, 3), (), mesh) == P()         # nothing divides: replicated
+    assert sh.logical_to_spec((), (), mesh) == P()             # scalars
+    assert sh.logical_to_spec((8, 16), (), mesh, sh.GENERATE_RULES) == P()
+
+
+def test_param_logical_axes_reads_model_annotations_and_marks_plain_arrays_unnamed():
+    from flax import nnx
+
+    from ppojax.models import CausalLM, ModelConfig, logical_axes
+    from tests.toy_models import ToyLM
+
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=16, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=8, intermediate_size=32)
+    abstract = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)))
+    _, params = nnx.split(abstract)
+    names = sh.param_logical_axes({"policy": params, "plain": {"b": jnp.zeros(()), "w": jnp.zeros((16, 2))}})
+    leaves = lambda tree: jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, tuple))  # noqa: E731
+    # the same names ppojax.models reports
+    assert leaves(names["policy"]) == leaves(logical_axes(params))
+    assert ("layers", "embed", "heads", "head_dim") in leaves(names["policy"])
+    assert leaves(names["plain"]) == [(), ()]  # plain arrays: unnamed
+    # the models' own logical_axes tree gives the same shardings, with the structure of the params
+    mesh = abstract_mesh(2, 2, 2)
+    from_models = sh.logical_to_sharding(logical_axes(params), mesh, shapes=params)
+    assert jax.tree.structure(from_models) == jax.tree.structure(params)
+    assert from_models == sh.param_shardings(params, mesh)
+    q = from_models["backbone"]["layers"]["attn"]["q"]["kernel"]
+    assert q.spec == P(None, "fsdp", "tensor")
+    _, toy = nnx.split(nnx.eval_shape(lambda: ToyLM(16, 8, rngs=nnx.Rngs(0))))
+    assert all(n == () for n in leaves(sh.param_logical_axes(toy)))
+
+
+def test_initialize_distributed_is_a_noop_for_a_single_process(monkeypatch):
+    for var in ("PPOJAX_COORDINATOR", "PPOJAX_NUM_PROCESSES", "PPOJAX_PROCESS_ID", "PPOJAX_DISTRIBUTED",
+                "JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri", "TPU_WORKER_HOSTNAMES",
+                "TPU_PROCESS_ADDRESSES", "MEGASCALE_COORDINATOR_ADDRESS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(sh, "_cluster_env", lambda: None)  # e.g. when the tests run on a TPU VM
+    assert sh.initialize_distributed() is False
+    assert sh.initialize_distributed(num_processes=1) is False
+    monkeypatch.setenv("PPOJAX_NUM_PROCESSES", "2")
+    with pytest.raises(ValueError, match="missing coordinator_address"):
+        sh.initialize_distributed()
+    monkeypatch.setenv("PPOJAX_PROCESS_ID", "two")
+    with pytest.raises(ValueError, match="PPOJAX_PROCESS_ID"):
+        sh.initialize_distributed()
+    assert sh.is_main_process()
+
+
+if not CHILD:
+    def test_multi_device_suite():
+        """Runs the tests of this file that need 8 devices in a subprocess that has them."""
+        flags = os.environ.get("XLA_FLAGS", "")
+        env = dict(os.environ, PPOJAX_SHARDING_CHILD="1", PYTHONPATH=REPO + os.pathsep + os.environ.get(
+            "PYTHONPATH", ""),
+                   JAX_PLATFORMS="cpu",
+                   XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=8 {FAST_COMPILE_FLAGS}")
+        start = time.time()
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                               "-o", "addopts=-ra", os.path.abspath(__file__)],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+        print(proc.stdout[-4000:])
+        assert proc.returncode == 0, (f"8-device sharding tests failed after {time.time() - start:.0f}s:\n"
+                                      f"{proc.stdout[-8000:]}\n{proc.stderr[-3000:]}")
+
+# ------------------------------------------------------------------------------------------------------
+# 8 virtual devices (subprocess)
+# ------------------------------------------------------------------------------------------------------
+if CHILD:
+    from tests import sharding_helpers as H
+
+    MESHES = [(8, 1, 1), (2, 4, 1), (2, 2, 2), (1, 1, 8)]
+
+    def assert_trees_close(actual, expected, atol=1e-5, rtol=1e-5, what=""):
+        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=atol, rtol=rtol,
+                                       err_msg=f"{what}{jax.tree_util.keystr(path)}")
+
+    @pytest.fixture(scope="module")
+    def reference():
+        """The same rollout + one update on ONE device: mesh (1, 1, 1) over devices[:1]."""
+        assert jax.device_count() == 8
+        ac, params, frozen, graphdefs = H.build_models()
+        one = sh.make_mesh(devices=jax.devices()[:1])
+        experience = H.rollout(one, params, frozen, graphdefs, H.prompts(), jax.random.key(0))
+        experience = jax.tree.map(np.asarray, experience)
+        assert experience.padding_mask.any() and not experience.padding_mask.all()  # stop tokens happened
+        state, history = H.run_updates(one, ac, params, experience, num_updates=1)
+        return dict(ac=ac, params=params, frozen=frozen, graphdefs=graphdefs, experience=experience,
+                    params_after=jax.tree.map(np.asarray, state.params), metrics=history[0])
+
+    @pytest.mark.parametrize("shape", MESHES, ids=lambda s: "x".join(map(str, s)))
+    def test_rollout_and_update_match_one_device(reference, shape):
+        mesh = sh.make_mesh(*shape)
+        ref = reference
+        experience = H.rollout(mesh, ref["params"], ref["frozen"], ref["graphdefs"], H.prompts(),
+                               jax.random.key(0))
+        rows_per_device = {shard.data.shape[0] for shard in experience.logprobs.addressable_shards}
+        assert rows_per_device == {H.B // sh.data_parallel_size(mesh)}  # rows split over (data, fsdp)
+        np.testing.assert_array_equal(np.asarray(experience.query_responses),
+                                      ref["experience"].query_responses)  # same samples
+        assert_trees_close(experience, ref["experience"], what="experience")
+
+        state, history = H.run_updates(mesh, ref["ac"], ref["params"], ref["experience"], num_updates=1)
+        embed = state.params["policy"]["backbone"]["embed"]["embedding"]
+        assert embed.sharding.mesh.shape == mesh.shape and len(embed.sharding.device_set) == 8
+        if shape[1] > 1:  # the state really is split over fsdp (and kept that way by out_shardings)
+            assert "fsdp" in str(embed.sharding.spec)
+            assert "fsdp" in str(state.opt_state[0].mu["policy"]["backbone"]["embed"]["embedding"].sharding.spec)
+        metrics = history[0]
+        assert metrics.keys() == ref["metrics"].keys()
+        for name, value in metrics.items():
+            np.testing.assert_allclose(value, ref["metrics"][name], atol=1e-5, rtol=1e-5, err_msg=name)
+        assert_trees_close(state.params, ref["params_after"], what="params")
+        moved = max(float(np.abs(a - np.asarray(b)).max())
+                    for a, b in zip(jax.tree.leaves(ref["params_after"]), jax.tree.leaves(ref["params"])))
+        assert moved > 1e-4  # the update did change the parameters
+
+    def test_fsdp8_holds_an_eighth_of_params_and_optimizer_state_per_device(reference):
+        mesh = sh.make_mesh(data=1, fsdp=8)
+        from ppojax.update import make_optimizer
+
+        state, _ = sh.init_sharded_train_state(reference["params"], make_optimizer(), mesh)
+        total_params = sum(x.nbytes for x in jax.tree.leaves(state.params))
+        total_opt = sum(x.nbytes for x in jax.tree.leaves(state.opt_state))
+        for device in jax.devices():
+            held_params = sh.addressable_bytes(state.params, device)
+            held_opt = sh.addressable_bytes(state.opt_state, device)
+            # norms (1-D, "norm" axis) stay replicated: a few percent above 1/8
+            assert total_params / 8 <= held_params <= 1.1 * total_params / 8, (held_params, total_params)
+            assert total_opt / 8 <= held_opt <= 1.1 * total_opt / 8, (held_opt, total_opt)
+
+    def test_whitening_statistics_are_global():
+        """jnp.sum inside jit over a batch-sharded array is the global sum: the whitened advantages on 8
+        devices equal the numpy whitening over the WHOLE batch, not per-device whitening."""
+        from ppojax import ppo
+
+        rng = np.random.default_rng(0)
+        rows, length = 16, 6
+        rewards = rng.normal(size=(rows, length)).astype(np.float32) + np.arange(rows)[:, None]
+        values = rng.normal(size=(rows, length)).astype(np.float32)
+        padding = np.arange(length)[None, :] > rng.integers(0, length, size=rows)[:, None]
+        mesh = sh.make_mesh(data=8)
+        fn = jax.jit(lambda r, v, m: ppo.advantages_and_returns(r, v, m, 1.0, 0.95).advantages)
+        sharded = fn(*sh.shard_batch((rewards, values, padding), mesh))
+        assert sharded.sharding.spec[0] is not None  # still split by rows
+        raw = np.asarray(jax.jit(ppo.gae, static_argnums=(2, 3))(rewards, values, 1.0, 0.95))
+
+        def whiten(x, live):
+            mean = x[live].mean()
+            var = ((x[live] - mean) ** 2).sum() / (live.sum() - 1)
+            return np.where(live, (x - mean) / np.sqrt(var + 1e-8), 0.0)
+
+        np.testing.assert_allclose(np.asarray(sharded), whiten(raw, ~padding), atol=1e-5)
+        per_device = np.concatenate([whiten(raw[i:i + 2], ~padding[i:i + 2]) for i in range(0, rows, 2)])
+        assert np.abs(per_device - whiten(raw, ~padding)).max() > 0.5  # so the check above means something
+
+    def test_shard_batch_rejects_rows_that_do_not_split():
+        mesh = sh.make_mesh(data=2, fsdp=4)
+        with pytest.raises(ValueError, match="12 rows, which do not split over 8 data-parallel devices"):
+            sh.shard_batch({"x": np.zeros((12, 3))}, mesh)
+
+    def test_kv_cache_is_constrained_batch_and_kv_heads():
+        from ppojax.generate import generate
+        from ppojax.models import init_cache
+
+        mesh = sh.make_mesh(data=2, fsdp=2, tensor=2)
+        cache = jax.eval_shape(lambda: init_cache(H.CFG, 8, 12, jnp.float32))
+        shardings = sh.kv_cache_shardings(cache, mesh)
+        assert shardings.keys.spec == P(None, ("data", "fsdp"), None, "tensor")
+        assert shardings.key_mask.spec == P(("data", "fsdp")) and shardings.index.spec == P()
+        ac, params, _, _ = H.build_models()
+        policy = sh.shard_params(params["policy"], mesh, sh.GENERATE_RULES)
+        prompts = sh.shard_batch(jnp.asarray(H.prompts()[:8]), mesh)
+        lowered = jax.jit(lambda p, q, k: generate(
+            ac.policy_graphdef, p, q, k, response_length=4, pad_token_id=H.PAD,
+            init_cache_fn=sh.make_init_cache_fn(mesh))).lower(policy, prompts, jax.random.key(0))
+        text = lowered.as_text()
+        assert "sharding_constraint" in text and '{"tensor"}' in text, text[:2000]
