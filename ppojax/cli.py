@@ -127,6 +127,13 @@ def main(argv=None) -> int:
     except ConfigError as err:
         print(f"ppojax: error: {err}", file=sys.stderr)
         return 2
+    except Exception as err:  # the run's own clear errors: a message, not a traceback
+        from .checkpoint import CheckpointError
+        from .rewards import RewardFunctionError
+        if not isinstance(err, (CheckpointError, RewardFunctionError, FloatingPointError)):
+            raise
+        print(f"ppojax: error: {err}", file=sys.stderr)
+        return 1
     return 0
 
 

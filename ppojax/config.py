@@ -138,6 +138,10 @@ class PPOConfig:
     """None: start fresh; 'auto': resume from the latest checkpoint in output_dir; or a checkpoint path."""
     max_nonfinite_steps: int = 3
     """Stop after this many optimizer steps in a row skipped for a non-finite loss or gradient."""
+    on_nonfinite_reward: str = "error"
+    """A reward function returning NaN/inf: 'error' stops with a message naming the prompt; 'skip' lets it
+    through, so every optimizer step of that update is skipped (counted in ppo/nonfinite_total) and the run
+    goes on. 'skip' needs max_nonfinite_steps > num_ppo_epochs * num_mini_batches (the steps of one update)."""
     report_to: str = "tensorboard"
 
     # ---- mesh ----
@@ -208,6 +212,14 @@ class PPOConfig:
         need(self.dtype in ("float32", "bfloat16"), "dtype", "'float32' or 'bfloat16'")
         need(self.lr_scheduler_type in ("linear", "constant"), "lr_scheduler_type", "'linear' or 'constant'")
         need(self.stop_token in (None, "eos"), "stop_token", "None or 'eos' (or set stop_token_id)")
+        need(self.on_nonfinite_reward in ("error", "skip"), "on_nonfinite_reward", "'error' or 'skip'")
+        steps_per_update = self.num_ppo_epochs * self.num_mini_batches
+        if self.on_nonfinite_reward == "skip" and self.max_nonfinite_steps <= steps_per_update:
+            raise ConfigError(
+                f"on_nonfinite_reward='skip' with max_nonfinite_steps={self.max_nonfinite_steps}: an update with a "
+                f"NaN/inf reward skips all its num_ppo_epochs * num_mini_batches = {steps_per_update} optimizer "
+                f"steps, so the first one would stop the run. Set max_nonfinite_steps to more than "
+                f"{steps_per_update} (e.g. {2 * steps_per_update + 1} to stop after 3 bad updates in a row).")
         need(self.max_grad_norm is None or self.max_grad_norm > 0, "max_grad_norm", "None or > 0")
         need(isinstance(self.num_eval_prompts, int) and self.num_eval_prompts >= 0, "num_eval_prompts",
              "an integer >= 0")

@@ -78,12 +78,14 @@ def vader_sentiment_reward(*, include_prompt: bool = False) -> RewardFunction:
     return vader_sentiment
 
 
-def check_scores(scores, n: int, *, name: str = "reward function", prompts: Sequence[str] | None = None) -> np.ndarray:
+def check_scores(scores, n: int, *, name: str = "reward function", prompts: Sequence[str] | None = None,
+                 allow_nonfinite: bool = False) -> np.ndarray:
     """Validate what a reward function returned → float32[n].
 
     Errors (RewardFunctionError): not a 1-D sequence of numbers; a length other than `n` (naming both);
     any NaN/inf, before or after the cast to float32 (naming the prompt index, its value and, when `prompts`
-    is given, the prompt text).
+    is given, the prompt text), unless `allow_nonfinite` (PPOConfig ``on_nonfinite_reward='skip'``: the
+    NaN/inf goes through, and the update's non-finite guard skips that update's optimizer steps).
     """
     try:
         if scores is None or isinstance(scores, (str, bytes, int, float)):
@@ -107,6 +109,8 @@ def check_scores(scores, n: int, *, name: str = "reward function", prompts: Sequ
         )
     with np.errstate(over="ignore", invalid="ignore"):
         out = values.astype(np.float32)
+    if allow_nonfinite:
+        return out
     bad = np.flatnonzero(~np.isfinite(out))
     if bad.size:
         i = int(bad[0])
@@ -119,11 +123,13 @@ def check_scores(scores, n: int, *, name: str = "reward function", prompts: Sequ
     return out
 
 
-def call_reward_function(fn, prompts: Sequence[str], completions: Sequence[str]) -> np.ndarray:
+def call_reward_function(fn, prompts: Sequence[str], completions: Sequence[str], *,
+                         allow_nonfinite: bool = False) -> np.ndarray:
     """Call `fn(prompts, completions)` and validate the result → float32[B] (B = len(prompts)).
 
     An exception inside `fn` becomes a RewardFunctionError naming the function and chained to the original
-    (`raise ... from`, so its traceback is kept); the result goes through `check_scores`.
+    (`raise ... from`, so its traceback is kept); the result goes through `check_scores` (`allow_nonfinite`:
+    NaN/inf scores are returned instead of raising).
     """
     if len(prompts) != len(completions):
         raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions; they must pair up")
@@ -132,7 +138,7 @@ def call_reward_function(fn, prompts: Sequence[str], completions: Sequence[str])
         scores = fn(list(prompts), list(completions))
     except Exception as err:  # noqa: BLE001 - re-raised with context
         raise RewardFunctionError(f"{name} raised {type(err).__name__}: {err}") from err
-    return check_scores(scores, len(prompts), name=name, prompts=prompts)
+    return check_scores(scores, len(prompts), name=name, prompts=prompts, allow_nonfinite=allow_nonfinite)
 
 
 def _preview(value, limit: int = 80) -> str:

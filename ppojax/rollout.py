@@ -28,8 +28,10 @@ from flax import nnx, struct
 
 from ppojax import forward
 from ppojax.generate import generate
+from ppojax.sharding import to_host
 from ppojax.ppo.masks import INVALID_LOGPROB, contains_stop_token, response_masks, truncate_response
 from ppojax.ppo.shaping import apply_missing_eos_penalty
+from ppojax.rewards import call_reward_function
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,32 +255,6 @@ def decode_rollout_text(tokenizer, queries, responses, pad_token_id):
     return list(prompts), list(completions)
 
 
-def _call_reward_function(reward_fn, prompts, completions, allow_nonfinite=False):
-    try:
-        from ppojax.rewards import call_reward_function  # noqa: PLC0415 (optional until it lands)
-    except ImportError:
-        call_reward_function = _validated_reward_call
-    return call_reward_function(reward_fn, prompts, completions, allow_nonfinite=allow_nonfinite)
-
-
-def _validated_reward_call(reward_fn, prompts, completions, allow_nonfinite=False):
-    """Fallback validation (ppojax.rewards.call_reward_function is the real one)."""
-    name = getattr(reward_fn, "__name__", repr(reward_fn))
-    try:
-        out = reward_fn(prompts, completions)
-    except Exception as err:
-        raise RuntimeError(f"reward function {name} raised {type(err).__name__}: {err}") from err
-    scores = np.asarray(out, dtype=np.float32).reshape(-1)
-    if scores.shape[0] != len(prompts):
-        raise ValueError(f"reward function {name} returned {scores.shape[0]} scores for {len(prompts)} "
-                         "prompts; expected one float per (prompt, completion).")
-    bad = np.flatnonzero(~np.isfinite(scores))
-    if bad.size and not allow_nonfinite:
-        raise ValueError(f"reward function {name} returned {scores[bad[0]]} for prompt index {bad[0]} "
-                         f"({prompts[bad[0]]!r}); scores must be finite.")
-    return scores
-
-
 def _truncate_np(responses, stop_token_id, pad_token_id):
     """numpy twin of ``ppojax.ppo.masks.truncate_response`` (host side, no device dispatch)."""
     if stop_token_id is None:
@@ -293,7 +269,7 @@ def reward_function_scores(reward_fn: Callable[[list[str], list[str]], Sequence[
     """Host round trip: decode, call ``reward_fn(prompts, completions)``, validate -> np.float32[B].
     NaN/inf scores raise, unless ``allow_nonfinite`` (then the update's non-finite guard skips them)."""
     prompts, completions = decode_rollout_text(tokenizer, queries, responses, pad_token_id)
-    return _call_reward_function(reward_fn, prompts, completions, allow_nonfinite)
+    return call_reward_function(reward_fn, prompts, completions, allow_nonfinite=allow_nonfinite)
 
 
 def _finalize_scores(experience: Experience, scores, *, stop_token_id, missing_eos_penalty):
@@ -355,9 +331,9 @@ def make_experience(queries, key, settings: RolloutSettings, *, policy_graphdef,
     if reward_fn is not None:
         # Needs only the sampled tokens: runs on the host while the forwards above are still computing
         # (the whole buffer is fetched and sliced in numpy, so nothing waits on the forwards).
-        responses = _truncate_np(np.asarray(query_responses)[:, queries.shape[1]:], settings.stop_token_id,
+        responses = _truncate_np(to_host(query_responses)[:, queries.shape[1]:], settings.stop_token_id,
                                  settings.pad_token_id)
-        scores = reward_function_scores(reward_fn, tokenizer, np.asarray(queries), responses,
+        scores = reward_function_scores(reward_fn, tokenizer, to_host(queries), responses,
                                         settings.pad_token_id, allow_nonfinite=allow_nonfinite_scores)
     elif scores is None:
         scores = experience.scores

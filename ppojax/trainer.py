@@ -14,6 +14,7 @@ from ``self.state``.
 from __future__ import annotations
 
 import importlib
+import math
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -29,7 +30,8 @@ from .config import ConfigError, PPOConfig
 from .data import PromptBatches, check_tokenizer, load_prompt_dataset, prepare_prompts
 from .rollout import (Experience, RolloutSettings, experience_forwards, finalize_scores, make_experience,
                       sample_responses, value_head_values)
-from .update import (TrainState, UpdateSettings, init_train_state, make_ppo_update, optimizer_from_config)
+from . import sharding
+from .update import TrainState, UpdateSettings, optimizer_from_config
 
 SAMPLE_TEMPERATURE = 0.01  # TRL's near-greedy sample completions
 
@@ -64,6 +66,28 @@ def _copy(tree):
     return jax.tree.map(jnp.copy, tree)
 
 
+def _load_model(role: str, path, **kwargs):
+    """``load_pretrained`` with every way a checkpoint directory can be unusable (no config.json, missing,
+    truncated or corrupt weights, mismatched shapes) turned into a ConfigError naming the role and the path."""
+    from .models import load_pretrained
+    try:
+        return load_pretrained(path, **kwargs)
+    except (OSError, ValueError, KeyError) as err:
+        cause = err.args[0] if isinstance(err, KeyError) and err.args else err
+        raise ConfigError(f"could not load the {role} from {str(path)!r}: {cause}") from err
+
+
+def _as_config_error(fn, *args, **kwargs):
+    """Run a data/tokenizer check, re-raising its ValueError as a ConfigError (a ValueError too), so that
+    `ppojax train` prints the message instead of a traceback."""
+    try:
+        return fn(*args, **kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError, OSError) as err:
+        raise ConfigError(str(err)) from err
+
+
 class PPOTrainer:
     """PPO on a policy, a frozen reference, a value function and a reward source.
 
@@ -80,22 +104,23 @@ class PPOTrainer:
     def __init__(self, args: PPOConfig, processing_class=None, model=None, ref_model=None, reward_model=None,
                  train_dataset=None, value_model=None, *, logger=None):
         self.args = args.validate()
+        sharding.initialize_distributed()  # a no-op on one process; must precede other device work
+        self.mesh = sharding.mesh_from_config(args)
         dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
         self.dtype = dtype
         model_path = None
         if model is None:
-            from .models import load_pretrained
             model_path = resolve_model_path(args.model_name_or_path)
             kind = "value_head" if args.value_head == "policy" else "causal_lm"
-            model, _ = load_pretrained(model_path, kind=kind, dtype=dtype, seed=args.seed)
+            model, _ = _load_model("policy", model_path, kind=kind, dtype=dtype, seed=args.seed)
         if processing_class is None:
             if model_path is None:
                 raise ConfigError("processing_class (the tokenizer) is required when `model` is given.")
             from .models import load_tokenizer
-            processing_class = load_tokenizer(model_path)
+            processing_class = _as_config_error(load_tokenizer, model_path)
         self.tokenizer = processing_class
         self.model_config = model.cfg
-        self.pad_token_id = check_tokenizer(processing_class, model.cfg.vocab_size)
+        self.pad_token_id = _as_config_error(check_tokenizer, processing_class, model.cfg.vocab_size)
         self.stop_token_id = args.stop_token_id
         if self.stop_token_id is None and args.stop_token_is_eos:
             self.stop_token_id = processing_class.eos_token_id
@@ -111,14 +136,15 @@ class PPOTrainer:
         if reward_model is None and args.reward_function is not None:
             reward_model = resolve_reward_function(args.reward_function)
         if reward_model is None and args.reward_model_path is not None:
-            from .models import load_pretrained
-            reward_module, _ = load_pretrained(args.reward_model_path, kind="score", dtype=dtype)
+            reward_module, _ = _load_model("reward model", args.reward_model_path, kind="score", dtype=dtype)
         elif callable(reward_model) and not isinstance(reward_model, nnx.Module):
             self.reward_fn = reward_model
         elif reward_model is not None:
             reward_module = reward_model
         self.reward_graphdef, self.reward_params = (nnx.split(reward_module) if reward_module is not None
                                                     else (None, None))
+        if self.reward_params is not None:
+            self.reward_params = sharding.shard_params(self.reward_params, self.mesh)
 
         # ---- value function ----
         policy_graphdef, policy_params = nnx.split(model)
@@ -136,21 +162,24 @@ class PPOTrainer:
             self.ref_graphdef, self.ref_params = nnx.split(ref_model)
         else:
             self.ref_graphdef, self.ref_params = policy_graphdef, _copy(policy_params)
+        self.ref_params = sharding.shard_params(self.ref_params, self.mesh)
         self.rollout_settings = RolloutSettings(
             response_length=args.response_length, pad_token_id=self.pad_token_id, temperature=args.temperature,
             top_k=args.top_k, top_p=args.top_p, stop_token_id=self.stop_token_id,
             missing_eos_penalty=args.missing_eos_penalty, logprob_chunk_size=args.logits_chunk_size,
-            forward_batch_size=args.local_rollout_forward_batch_size)
+            forward_batch_size=args.local_rollout_forward_batch_size,
+            compute_full_kl=args.kl_estimator == "full")
 
         # ---- data ----
         self.prompts = None
         if train_dataset is not None or args.dataset:
-            texts = load_prompt_dataset(train_dataset if train_dataset is not None else self._dataset_source(),
-                                        column=args.dataset_text_field)
-            self.prompts = prepare_prompts(texts, processing_class, args.max_prompt_length,
-                                           chat_template=args.chat_template, stop_token_id=self.stop_token_id,
-                                           pad_token_id=self.pad_token_id)
-        self.sizes = args.derived()
+            texts = _as_config_error(load_prompt_dataset,
+                                     train_dataset if train_dataset is not None else self._dataset_source(),
+                                     column=args.dataset_text_field)
+            self.prompts = _as_config_error(prepare_prompts, texts, processing_class, args.max_prompt_length,
+                                            chat_template=args.chat_template, stop_token_id=self.stop_token_id,
+                                            pad_token_id=self.pad_token_id)
+        self.sizes = args.derived(sharding.data_parallel_size(self.mesh))
         self.train_queries, self.eval_queries = self._split_eval(args.num_eval_prompts)
         dataset_size = len(self.train_queries) if self.prompts is not None else self.sizes.batch_size
         self.num_updates = args.num_updates(dataset_size)
@@ -158,14 +187,18 @@ class PPOTrainer:
             raise ConfigError(f"The dataset has {len(self.train_queries)} training prompts after filtering and "
                               f"holding out num_eval_prompts={args.num_eval_prompts}, fewer than "
                               f"batch_size={self.sizes.batch_size}; lower batch_size or add prompts.")
-        self.batches = (PromptBatches(self.train_queries, self.sizes.batch_size, seed=args.seed)
+        self.batches = (PromptBatches(self.train_queries, self.sizes.batch_size, seed=args.seed,
+                                      process_index=jax.process_index(), process_count=jax.process_count())
                         if self.prompts is not None else None)
 
         # ---- optimisation state ----
         self.settings = UpdateSettings.from_config(args, self.num_updates)
         self.optimizer = optimizer_from_config(args)
-        self.state: TrainState = init_train_state(params, self.optimizer)
-        self._update = make_ppo_update(self.actor_critic, self.settings, self.optimizer)
+        # Parameters and optimizer state are created sharded over the mesh (fsdp/tensor rules).
+        self.state: TrainState
+        self.state, state_shardings = sharding.init_sharded_train_state(params, self.optimizer, self.mesh)
+        self._update = sharding.make_sharded_ppo_update(self.actor_critic, self.settings, self.optimizer,
+                                                        self.mesh, state_shardings)
         self.kl_coef = float(args.kl_coef)
         self.score_moments = ppo.RunningMoments.create()
         self.key = jax.random.key(args.seed)
@@ -191,8 +224,7 @@ class PPOTrainer:
         """TRL initialises the value model from the reward model; with a reward function there is none, so
         the value model is the policy's backbone with a fresh score head."""
         if self.args.value_model_path is not None:
-            from .models import load_pretrained
-            return load_pretrained(self.args.value_model_path, kind="score", dtype=dtype)[0]
+            return _load_model("value model", self.args.value_model_path, kind="score", dtype=dtype)[0]
         if reward_module is not None:
             return reward_module
         from .models import ScoreModel
@@ -218,34 +250,68 @@ class PPOTrainer:
                         dict(value_graphdef=self.actor_critic.value_graphdef,
                              value_params=self.state.params["value"]))
         reward_kwargs = (dict(scores=scores) if scores is not None else
-                         dict(reward_fn=self.reward_fn, tokenizer=self.tokenizer) if self.reward_fn is not None else
+                         dict(reward_fn=self.reward_fn, tokenizer=self.tokenizer,
+                              allow_nonfinite_scores=self._skip_nonfinite_reward) if self.reward_fn is not None else
                          dict(reward_graphdef=self.reward_graphdef, reward_params=self.reward_params))
-        return make_experience(queries, self._next_key(), self.rollout_settings,
-                               policy_graphdef=self.actor_critic.policy_graphdef, policy_params=self.policy_params,
+        # Generation reads the weights under GENERATE_RULES (gathered over fsdp); prompts are sharded by rows.
+        policy_params = sharding.shard_params(self.policy_params, self.mesh, sharding.GENERATE_RULES)
+        return make_experience(self._global_batch(queries), self._next_key(), self.rollout_settings,
+                               policy_graphdef=self.actor_critic.policy_graphdef, policy_params=policy_params,
                                ref_params=self.ref_params, ref_graphdef=self.ref_graphdef, **value_kwargs,
                                **reward_kwargs)
+
+    def _global_batch(self, local_rows):
+        """This process's prompt rows (np i32[b, P]) -> the global batch, rows over ('data', 'fsdp')."""
+        if jax.process_count() > 1:
+            return sharding.host_local_batch_to_global(np.asarray(local_rows, np.int32), self.mesh)
+        return sharding.shard_batch(jnp.asarray(local_rows, jnp.int32), self.mesh)
+
+    @property
+    def _skip_nonfinite_reward(self) -> bool:
+        return self.args.on_nonfinite_reward == "skip"
 
     def _process_scores(self, experience: Experience) -> Experience:
         """Legacy score scaling / normalisation / clipping (off by default)."""
         args = self.args
         if not (args.use_score_scaling or args.score_clip is not None):
             return experience
-        scores, self.score_moments = ppo.process_scores(
+        scores, moments = ppo.process_scores(
             experience.scores, self.score_moments, use_score_scaling=args.use_score_scaling,
             use_score_norm=args.use_score_norm, score_clip=args.score_clip)
+        # A NaN/inf score (on_nonfinite_reward='skip', or a reward model's) leaves the running moments as they
+        # were: the update is skipped anyway, and the moments must stay usable for the next one (no host sync).
+        finite = jnp.all(jnp.isfinite(experience.scores))
+        self.score_moments = jax.tree.map(lambda new, old: jnp.where(finite, new, old), moments,
+                                          self.score_moments)
         return experience.replace(scores=scores)
 
     def update(self, experience: Experience) -> dict[str, float]:
-        """One PPO update on a rollout batch; moves the KL controller. Returns host metrics."""
+        """One PPO update on a rollout batch; moves the KL controller. Returns host metrics.
+
+        An update whose optimizer steps were all skipped for non-finite values (a NaN/inf reward with
+        ``on_nonfinite_reward='skip'``, or a diverged loss) leaves the parameters, optimizer state, KL
+        coefficient and score moments as they were; the skipped steps are counted (``ppo/nonfinite_total``,
+        ``ppo/skipped_steps``) and reported on the console.
+        """
         start = time.perf_counter()
         experience = self._process_scores(experience)
+        nonfinite_before = int(self.state.nonfinite_total)  # read before the state is donated
         self.state, metrics = self._update(self.state, experience, self._next_key(), jnp.float32(self.kl_coef))
-        metrics = {name: float(value) for name, value in jax.device_get(metrics).items()}
+        metrics = {name: float(value) for name, value in sharding.to_host(metrics).items()}
         metrics["val/num_eos_tokens"] = float(experience.num_stop_tokens)
         batch = experience.scores.shape[0]
-        if self.args.adaptive_kl:
+        nonfinite_steps = int(metrics["ppo/nonfinite_total"]) - nonfinite_before
+        steps_per_update = self.settings.num_ppo_epochs * self.settings.num_mini_batches
+        all_skipped = nonfinite_steps > 0 and metrics["ppo/skipped_steps"] >= steps_per_update
+        if self.args.adaptive_kl and math.isfinite(metrics["objective/kl"]) and not all_skipped:
             self.kl_coef = float(ppo.adaptive_kl_update(self.kl_coef, metrics["objective/kl"], batch,
                                                         self.args.target_kl_for_adaptive, self.args.horizon))
+        if nonfinite_steps:
+            from .run_logging import stage
+            stage(f"update {int(self.state.update_count)}: {nonfinite_steps} of {steps_per_update} optimizer "
+                  f"steps skipped for a non-finite loss or gradient (mean score {metrics['objective/scores']}); "
+                  f"{int(self.state.nonfinite_streak)} in a row, the run stops at "
+                  f"max_nonfinite_steps={self.args.max_nonfinite_steps}.")
         self.episode += batch
         metrics["episode"] = float(self.episode)
         metrics["time/update_s"] = time.perf_counter() - start
@@ -307,7 +373,8 @@ class PPOTrainer:
             raise FloatingPointError(
                 f"{streak} optimizer steps in a row were skipped for a non-finite loss or gradient "
                 f"(max_nonfinite_steps={self.args.max_nonfinite_steps}); stopping. Last good checkpoint: "
-                f"{last or 'none yet'}. Lower learning_rate, check the reward for NaN/inf, or set max_grad_norm.")
+                f"{last or 'none yet'} (continue from it with resume=auto). Lower learning_rate, check the reward "
+                f"for NaN/inf, or set max_grad_norm.")
 
     # ------------------------------------------------------------------------------------------------
     # Checkpoints
@@ -399,7 +466,8 @@ class PPOTrainer:
         if self.reward_fn is None:
             return None
         from .rewards import call_reward_function
-        return [float(s) for s in call_reward_function(self.reward_fn, prompts, completions)]
+        return [float(s) for s in call_reward_function(self.reward_fn, prompts, completions,
+                                                         allow_nonfinite=self._skip_nonfinite_reward)]
 
     # ------------------------------------------------------------------------------------------------
     # Legacy API (TRL <= 0.11)
@@ -442,7 +510,7 @@ class PPOTrainer:
                               "update's static shape). Set batch_size in the config to your batch.")
         scores_np = np.asarray(scores, np.float32).reshape(-1)
         from .rewards import check_scores
-        check_scores(scores_np, n, name="step() scores")
+        scores_np = check_scores(scores_np, n, name="step() scores", allow_nonfinite=self._skip_nonfinite_reward)
         R = self.args.response_length
         padded_responses = np.full((n, R), self.pad_token_id, np.int32)
         for i, response in enumerate(responses):
@@ -465,5 +533,8 @@ class PPOTrainer:
     def save_model(self, output_dir) -> Path:
         """Write the trained policy as a Hugging Face checkpoint directory (config, safetensors, tokenizer)."""
         from .models import save_pretrained
-        policy = nnx.merge(self.actor_critic.policy_graphdef, self.policy_params)
+        host_params = sharding.to_host(self.policy_params)  # a collective: every process takes part
+        if not sharding.is_main_process():
+            return Path(output_dir)
+        policy = nnx.merge(self.actor_critic.policy_graphdef, jax.tree.map(jnp.asarray, host_params))
         return save_pretrained(policy, self.model_config, output_dir, tokenizer=self.tokenizer)

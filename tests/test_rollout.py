@@ -125,9 +125,20 @@ def test_experience_with_stop_token(models, rollouts):
     np.testing.assert_array_equal(np.where(np.asarray(exp.padding_mask), PAD, free_raw), raw)
 
 
-def test_forward_batch_size_and_chunking_do_not_change_results(models, rollouts):
+def torch_full_kl(policy_hf, ref_hf, query_responses):
+    """sum_v pi (log pi - log pi_ref) of the tempered distributions at the response positions."""
+    with torch.no_grad():
+        ids, mask, pos = trl_inputs(query_responses)
+        logp, logq = (torch.log_softmax(hf(input_ids=ids, attention_mask=mask, position_ids=pos)
+                                        .logits[:, P - 1:-1].double() / (T + 1e-7), -1) for hf in (policy_hf, ref_hf))
+    return (logp.exp() * (logp - logq)).sum(-1).numpy()
+
+
+def test_forward_batch_size_chunking_and_full_kl(models, rollouts):
+    """Micro-batched, differently chunked forwards give the same experience; the legacy `full` KL matches."""
     _, _, (settings, exp) = rollouts
-    small = dataclasses.replace(settings, forward_batch_size=1, logprob_chunk_size=3)
+    assert exp.full_kl is None
+    small = dataclasses.replace(settings, forward_batch_size=1, logprob_chunk_size=3, compute_full_kl=True)
     kw = model_kwargs(models)
     again = experience_forwards(kw["policy_params"], kw["ref_params"], kw["value_params"], kw["reward_params"],
                                 exp.query_responses, prompt_length=P, settings=small,
@@ -135,6 +146,9 @@ def test_forward_batch_size_and_chunking_do_not_change_results(models, rollouts)
                                 reward_graphdef=kw["reward_graphdef"])
     for name in ("logprobs", "ref_logprobs", "values"):
         np.testing.assert_allclose(getattr(again, name), getattr(exp, name), atol=1e-5, err_msg=name)
+    expected = torch_full_kl(models["policy"][0], models["ref"][0], np.asarray(exp.query_responses))
+    expected = np.where(np.asarray(exp.padding_mask), 0.0, expected)
+    np.testing.assert_allclose(again.full_kl, expected, atol=3e-5, rtol=1e-4)
 
 
 class _Tokenizer:

@@ -54,13 +54,35 @@ def _architecture(model_type: str, kind: str) -> str:
 
 
 def read_safetensors_header(path: Path) -> tuple[dict, int]:
-    """(header dict, byte offset of the data) of a .safetensors file."""
+    """(header dict, byte offset of the data) of a .safetensors file.
+
+    Checks that the file is whole: a readable JSON header, and as many data bytes as the header's tensors
+    claim (a truncated download or an interrupted copy fails here, naming the file, not later in a reshape).
+    """
+    size = os.path.getsize(path)
+    fix = "re-download or re-save the checkpoint"
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) != 8:
-            raise ValueError(f"{path} is not a safetensors file (too short)")
+            raise ValueError(f"{path} is not a safetensors file (too short: {size} bytes); {fix}")
         (n,) = struct.unpack("<Q", raw)
-        header = json.loads(f.read(n))
+        if n > size - 8:
+            raise ValueError(f"{path} is truncated or not a safetensors file: its header claims {n} bytes, the "
+                             f"file has {size}; {fix}")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"{path} is corrupt: its header is not valid JSON ({err}); {fix}") from None
+    try:
+        if not isinstance(header, dict):
+            raise TypeError
+        end = max([int(info["data_offsets"][1]) for name, info in header.items() if name != "__metadata__"],
+                  default=0)
+    except (TypeError, KeyError, IndexError, ValueError):
+        raise ValueError(f"{path} is corrupt: its header does not list tensors with data_offsets; {fix}") from None
+    if 8 + n + end > size:
+        raise ValueError(f"{path} is truncated: its tensors need {end} bytes of data, the file holds "
+                         f"{size - 8 - n}; {fix}")
     return header, 8 + n
 
 

@@ -1,0 +1,93 @@
+"""The benchmark harness runs end to end (`python -m benchmarks.run --quick`) and writes a valid report.
+How fast anything is, is not tested. The TRL side needs `.venv-bench` (`bash benchmarks/install.sh`); without
+it the TRL checks are skipped with that message, and the report must say TRL is not available."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.common import METRIC_KEYS, make_config, make_prompts
+from benchmarks.flops import Dims, param_count, ppo_update_flops
+from benchmarks.run import trl_python
+
+REPO = Path(__file__).resolve().parent.parent
+SIDE_KEYS = ("episodes_per_s", "time_to_first_update_s", "generation_tokens_per_s", "update_tokens_per_s",
+             "peak_rss_mb", "rollout_s", "update_s")
+
+
+@pytest.fixture(scope="module")
+def quick_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "quick.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--quick", "--json", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+@pytest.mark.slow
+def test_quick_report_structure(quick_report):
+    report, stdout = quick_report
+    assert report["schema"] == 1 and report["quick"] is True
+    assert report["machine"]["cores"] >= 1 and report["machine"]["cpu_model"]
+    assert set(report["sizes"]) == {"tiny"}
+    assert report["peak"]["jax"]["flops_per_s"] > 0
+    assert report["peak"]["peak_flops_per_s"] >= report["peak"]["jax"]["flops_per_s"]
+    tiny = report["sizes"]["tiny"]
+    assert "prompts" not in tiny["config"] and tiny["config"]["response_length"] == 32
+    assert tiny["flops"]["total"] == tiny["flops"]["rollout"] + tiny["flops"]["update"] > 0
+    for side in ("trl", "ppojax"):
+        r = tiny[side]
+        assert isinstance(r["available"], bool)
+        if r["available"]:
+            for k in SIDE_KEYS:
+                assert isinstance(r[k], (int, float)) and math.isfinite(r[k]) and r[k] > 0, (side, k, r.get(k))
+            assert 0 < tiny["mfu"][side]["overall_mfu"]
+        else:
+            assert r.get("reason") or r.get("error")
+    if tiny["trl"]["available"] and tiny["ppojax"]["available"]:
+        assert tiny["ratio_ppojax_over_trl"]["episodes_per_s"] > 0
+    else:
+        assert tiny["ratio_ppojax_over_trl"] is None
+    assert "episodes/s (steady)" in stdout
+
+
+@pytest.mark.slow
+def test_quick_report_trl(quick_report):
+    if not trl_python().exists():
+        pytest.skip(f"TRL benchmark skipped: {trl_python()} not found (install: bash benchmarks/install.sh)")
+    report, _ = quick_report
+    trl = report["sizes"]["tiny"]["trl"]
+    assert trl["available"], trl
+    assert trl["versions"]["trl"] == "1.12.0"
+    assert trl["threads"] in trl["threads_tried"]
+    assert trl["num_updates"] == len(trl["updates"]) >= 2
+    assert trl["episodes_per_cpu_s"] > 0 and trl["other_load_cores"] is not None
+    assert report["peak"]["torch"]["flops_per_s"] > 0
+
+
+def test_prompts_are_left_padded_and_fixed_length():
+    cfg = make_config("tiny", quick=True)
+    assert len(cfg["prompts"]) == cfg["batch_size"] * cfg["num_updates"]
+    for p in cfg["prompts"]:
+        assert len(p) == cfg["prompt_length"]
+        real = [t for t in p if t != cfg["pad_token_id"]]
+        assert p[len(p) - len(real):] == real and real[0] == cfg["bos_token_id"]
+        assert all(3 <= t < cfg["model"]["vocab_size"] for t in real[1:])
+    assert make_prompts(4, 16, 512, seed=0) == make_prompts(4, 16, 512, seed=0)
+    assert set(METRIC_KEYS) >= {"episodes_per_s", "time_to_first_update_s"}
+
+
+def test_flops_smollm2_shape():
+    cfg = make_config("smollm2", quick=True)
+    d = Dims.from_config(cfg["model"])
+    assert param_count(d) == 134_515_008  # SmolLM2-135M
+    f = ppo_update_flops(d, 8, 16, 32, 4)
+    # update = 4 epochs × 3 (fwd+bwd) × (policy + value forwards); rollout ≈ 4 forwards' worth
+    assert 5 < f["update"] / f["rollout"] < 7
+    per_token_2n = 2 * (param_count(d) - d.vocab * d.hidden)  # non-embedding matmuls, ~2N per token
+    assert f["value_forward"] / (8 * 48) == pytest.approx(per_token_2n, rel=0.05)
+    assert ppo_update_flops(d, 8, 16, 32, 4, lm_head_positions="all")["total"] > f["total"]
