@@ -63,6 +63,13 @@ def run_training(config: PPOConfig) -> dict:
                                        after["scores"][:4])
     with stage(f"saving the trained policy to {out / 'policy'} (Hugging Face format)"):
         trainer.save_model(out / "policy")
+    export_check = None
+    if trainer.eval_queries is not None and _torch_available():
+        from .export_check import greedy_continuations_agree
+        with stage("checking the export: transformers must write ppojax's greedy continuations"):
+            export_check = greedy_continuations_agree(out / "policy", trainer, trainer.eval_queries[:4],
+                                                      config.response_length)
+        print(f"ppojax: transformers reproduces ppojax's greedy continuations: {export_check['agree']}")
     plot = trainer.logger.plot(out / "training_curves.png")
     trainer.logger.close()
     steady = [m["eps"] for m in history[1:]] or [m["eps"] for m in history]
@@ -82,12 +89,18 @@ def run_training(config: PPOConfig) -> dict:
         "policy_dir": str(out / "policy"),
         "checkpoint_dir": str(trainer.checkpoint_dir),
         "plot": None if plot is None else str(plot),
+        "export_greedy_match": None if export_check is None else export_check["agree"],
         "metrics": str(out / "metrics.jsonl"),
         "tensorboard": str(out / "tensorboard"),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))
     return summary
+
+
+def _torch_available() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("torch") is not None
 
 
 def export_checkpoint(checkpoint: str, out_dir: str) -> Path:

@@ -38,6 +38,7 @@ def test_train_command_writes_every_output(tiny_dirs, tmp_path, capsys):
     assert 0.0 <= summary["held_out_mean_score_before"] <= 1.0
     assert (out / "policy" / "config.json").is_file() and (out / "policy" / "model.safetensors").is_file()
     assert (out / "training_curves.png").stat().st_size > 5000
+    assert summary["export_greedy_match"] is True  # transformers writes ppojax's greedy continuations
     lines = (out / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2", "step_4"]

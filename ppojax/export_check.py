@@ -1,0 +1,42 @@
+"""Check an exported policy against ppojax itself: transformers (torch) must write the same greedy
+continuations as ppojax's sampler. Needs torch; the library itself does not."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def greedy_continuations_agree(policy_dir, trainer, queries, max_new_tokens: int) -> dict:
+    """Greedy-decode ``queries`` (np i32[B, P], left padded) with ppojax and with transformers loading
+    ``policy_dir``. Returns {"agree": bool, "ppojax": [[ids]], "transformers": [[ids]]} (ids up to and
+    including the stop token)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .generate import generate
+    from .ppo.masks import truncate_response
+
+    pad, stop = trainer.pad_token_id, trainer.stop_token_id
+    ours = generate(trainer.actor_critic.policy_graphdef, trainer.policy_params, jnp.asarray(queries), jax.random.key(0),
+                    response_length=max_new_tokens, pad_token_id=pad, greedy=True, stop_token_id=stop)
+    ours = np.asarray(truncate_response(ours, stop, pad))
+
+    model = AutoModelForCausalLM.from_pretrained(Path(policy_dir), dtype=torch.float32).eval()
+    ids = torch.as_tensor(np.asarray(queries), dtype=torch.long)
+    mask = ids != pad
+    # ppojax's positions: the exclusive cumsum of the mask, so a left-padded prompt starts at 0.
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask.long(), max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=pad, eos_token_id=stop if stop is not None else None,
+                             min_new_tokens=0)
+    theirs = out[:, ids.shape[1]:].numpy()
+    theirs = np.pad(theirs, [(0, 0), (0, max_new_tokens - theirs.shape[1])], constant_values=pad)
+    theirs = np.asarray(truncate_response(jnp.asarray(theirs), stop, pad))
+
+    def strip(rows):
+        return [[int(t) for t in row if t != pad] for row in rows]
+
+    return {"agree": bool(np.array_equal(ours, theirs)), "ppojax": strip(ours), "transformers": strip(theirs)}
