@@ -26,6 +26,7 @@ def _help_epilog() -> str:
 
 def run_training(config: PPOConfig) -> dict:
     """The whole job for one config. Returns the summary written to ``output_dir/summary.json``."""
+    from . import sharding
     from .run_logging import RunLogger, stage
     from .trainer import PPOTrainer
 
@@ -43,10 +44,16 @@ def run_training(config: PPOConfig) -> dict:
     trainer.logger = RunLogger(out, config, report_to=config.report_to,
                                resume_step=start_step if resumed else None)
     before = None
-    if trainer.eval_queries is not None:
+    before_path = out / "eval_before.json"
+    if resumed and before_path.is_file():  # the untrained policy was scored when the run started
+        before = json.loads(before_path.read_text())
+        print(f"ppojax: held-out mean score before training (from {before_path}): {before['mean_score']:.4f}")
+    elif trainer.eval_queries is not None:
         with stage("scoring held-out prompts before training (compiles the sampler the first time)"):
             before = trainer.evaluate(step=0)
         if before is not None:
+            if sharding.is_main_process():
+                before_path.write_text(json.dumps(before))
             print(f"ppojax: held-out mean score before training: {before['mean_score']:.4f}")
             trainer.logger.log_samples(0, before["prompts"][:4], before["completions"][:4], before["scores"][:4])
     with stage("training (the first update compiles the rollout and the update)"):

@@ -50,7 +50,9 @@ def test_train_command_writes_every_output(tiny_dirs, tmp_path, capsys):
     code = main(["train", str(REPO / "configs/tiny.yaml"), f"model_name_or_path={tiny_dirs / 'model'}",
                  f"dataset={tiny_dirs / 'prompts.jsonl'}", f"output_dir={out}", "resume=auto"])
     assert code == 0
-    assert json.loads((out / "summary.json").read_text())["updates"] == 4
+    again = json.loads((out / "summary.json").read_text())
+    assert again["updates"] == 4
+    assert again["held_out_mean_score_before"] == summary["held_out_mean_score_before"]  # not re-scored
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 4
 
 
