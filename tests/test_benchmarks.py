@@ -91,3 +91,23 @@ def test_flops_smollm2_shape():
     per_token_2n = 2 * (param_count(d) - d.vocab * d.hidden)  # non-embedding matmuls, ~2N per token
     assert f["value_forward"] / (8 * 48) == pytest.approx(per_token_2n, rel=0.05)
     assert ppo_update_flops(d, 8, 16, 32, 4, lm_head_positions="all")["total"] > f["total"]
+
+
+def test_flops_match_torch_flop_counter():
+    """Our count of a full forward equals torch's own FLOP counter on the same transformers model (eager
+    attention computes the whole S×S score matrix, so the non-causal half is added for the comparison)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from benchmarks.common import SIZES
+    from benchmarks.flops import _attention, backbone_forward, lm_head
+
+    cfg = SIZES["tiny"]["model"]
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg, attn_implementation="eager")).eval()
+    B, S = 2, 48
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(input_ids=torch.randint(3, cfg["vocab_size"], (B, S)))
+    d = Dims.from_config(cfg)
+    ours = backbone_forward(d, S) + lm_head(d, S) + _attention(d, 1) * (S * S - S * (S + 1) // 2)
+    assert counter.get_total_flops() == B * ours

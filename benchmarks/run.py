@@ -1,0 +1,356 @@
+"""One entry point for the benchmarks: the machine's matmul peak, TRL's PPO and ppojax's PPO on the same work,
+back to back, then the ratios ppojax / TRL and the model FLOP utilisation (MFU) of each.
+
+    python -m benchmarks.run [--quick] [--json out.json] [--only trl|ppojax] [--sizes tiny,smollm2]
+                             [--threads 1,2] [--smollm2-dir DIR] [--updates N]
+
+- peak: ``benchmarks.peak`` in a fresh process per backend (jax here; torch in the TRL interpreter);
+- TRL: ``benchmarks.trl_ppo`` in the ``.venv-bench`` interpreter (``bash benchmarks/install.sh``), once per
+  torch thread count; the fastest (steady episodes/s) is reported, with the thread count;
+- ppojax: ``benchmarks.ppojax_ppo.run(config) -> dict`` in a fresh process of this interpreter, if that
+  module exists (the contract is in ``benchmarks/common.py``); otherwise reported as not available.
+
+Every side runs in its own process so that thread settings and peak RSS are its own. ``--quick``: the tiny
+size only, few updates, TRL with 2 threads only, small matmuls (under two minutes).
+
+Timings on a shared machine are noisy. Each measurement records ``other_load_cores`` (cores that other
+processes kept busy meanwhile; 0 = a quiet machine), and ``--wait-quiet S`` waits up to S seconds for a
+quiet machine before each one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+
+from benchmarks.common import make_config, machine_info, peak_rss_mb
+from benchmarks.flops import mfu, ppo_update_flops
+
+REPO = Path(__file__).resolve().parent.parent
+SCHEMA = 1
+RATIO_KEYS = ("episodes_per_s", "episodes_per_cpu_s", "generation_tokens_per_s", "update_tokens_per_s",
+              "time_to_first_update_s", "peak_rss_mb")
+
+
+def default_smollm2_dir() -> str | None:
+    """The converted SmolLM2-135M-Instruct checkpoint, when the converter has written it (else random init)."""
+    path = REPO / ".cache" / "ppojax" / "smollm2-135m-instruct"
+    return str(path) if (path / "model.safetensors").exists() and (path / "config.json").exists() else None
+
+
+def trl_python() -> Path:
+    return Path(os.environ.get("PPOJAX_BENCH_PYTHON", REPO / ".venv-bench" / "bin" / "python"))
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    env.setdefault("PYTHONWARNINGS", "ignore")
+    return env
+
+
+def _busy_cpu_s() -> float | None:
+    """Seconds of CPU time the whole machine has spent busy (all cores), from /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _children_cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+WAIT_QUIET = {"max_s": 0.0, "below_cores": 0.25}  # set from --wait-quiet
+
+
+def _machine_load(window_s: float = 3.0) -> float | None:
+    """Cores kept busy (by anyone) over the next ``window_s`` seconds."""
+    b0 = _busy_cpu_s()
+    time.sleep(window_s)
+    b1 = _busy_cpu_s()
+    return None if b0 is None or b1 is None else (b1 - b0) / window_s
+
+
+def wait_until_quiet() -> dict | None:
+    """With ``--wait-quiet S``: before a measurement, wait (up to S seconds) until other processes keep fewer
+    than ``below_cores`` cores busy. Returns what it saw, or None when not asked."""
+    if WAIT_QUIET["max_s"] <= 0:
+        return None
+    t0 = time.perf_counter()
+    load = _machine_load()
+    while (load is not None and load >= WAIT_QUIET["below_cores"]
+           and time.perf_counter() - t0 < WAIT_QUIET["max_s"]):
+        load = _machine_load(10.0)
+    return {"waited_s": round(time.perf_counter() - t0, 1), "load_cores_at_start": load,
+            "quiet": load is not None and load < WAIT_QUIET["below_cores"]}
+
+
+def _subprocess_json(cmd: list[str], out: Path, timeout: float, log: Path) -> dict:
+    """Run ``cmd`` (which writes JSON to ``out``); on failure a dict with ``error``.
+
+    Adds ``process_wall_s`` and ``other_load_cores``: the average number of cores that OTHER processes kept
+    busy meanwhile (machine busy time minus the child's CPU time, over the wall time) — the noise indicator
+    of a shared machine (0 = the benchmark had the machine to itself)."""
+    quiet = wait_until_quiet()
+    t0 = time.perf_counter()
+    busy0, child0 = _busy_cpu_s(), _children_cpu_s()
+    try:
+        with open(log, "w") as logf:
+            proc = subprocess.run(cmd, cwd=REPO, env=_env(), stdout=logf, stderr=subprocess.STDOUT,
+                                  timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"available": False, "error": f"timed out after {timeout:.0f} s: {' '.join(cmd)}",
+                "log_tail": _tail(log)}
+    wall = time.perf_counter() - t0
+    busy1, child1 = _busy_cpu_s(), _children_cpu_s()
+    other = None
+    if busy0 is not None and busy1 is not None:
+        other = max(0.0, (busy1 - busy0) - (child1 - child0)) / wall
+    if proc.returncode != 0 or not out.exists():
+        return {"available": False, "error": f"exit code {proc.returncode}: {' '.join(cmd)}",
+                "log_tail": _tail(log)}
+    result = json.loads(out.read_text())
+    result.setdefault("available", True)
+    result["process_wall_s"] = wall
+    result["other_load_cores"] = other
+    if quiet is not None:
+        result["wait_quiet"] = quiet
+    return result
+
+
+def _tail(path: Path, n: int = 2000) -> str:
+    try:
+        return path.read_text()[-n:]
+    except OSError:
+        return ""
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def run_peak(tmp: Path, quick: bool) -> dict:
+    sizes, reps = ("2048", 5) if quick else ("2048,4096", 10)
+    result: dict = {}
+    runs = [("jax", sys.executable)]
+    torch_py = str(trl_python()) if trl_python().exists() else (
+        sys.executable if importlib.util.find_spec("torch") else None)
+    if torch_py:
+        runs.append(("torch", torch_py))
+    else:
+        result["torch"] = {"available": False, "error": "no interpreter with torch"}
+    for backend, py in runs:
+        out = tmp / f"peak_{backend}.json"
+        r = _subprocess_json([py, "-m", "benchmarks.peak", "--backend", backend, "--sizes", sizes,
+                              "--reps", str(reps), "--json", str(out)], out, 300, tmp / f"peak_{backend}.log")
+        result[backend] = dict(r.get(backend, {}), **{k: v for k, v in r.items() if k != backend})
+    rates = [v["flops_per_s"] for v in result.values() if isinstance(v, dict) and "flops_per_s" in v]
+    result["peak_flops_per_s"] = max(rates) if rates else None
+    return result
+
+
+def run_trl(config_path: Path, tmp: Path, threads: list[int], timeout: float) -> dict:
+    py = trl_python()
+    if not py.exists():
+        return {"available": False,
+                "reason": f"{py} not found: install TRL's environment with `bash benchmarks/install.sh`"}
+    by_threads = {}
+    for t in threads:
+        out = tmp / f"trl_{config_path.stem}_{t}.json"
+        by_threads[str(t)] = _subprocess_json(
+            [str(py), "-m", "benchmarks.trl_ppo", "--config", str(config_path), "--threads", str(t),
+             "--json", str(out)], out, timeout, tmp / f"trl_{config_path.stem}_{t}.log")
+    ok = {t: r for t, r in by_threads.items() if r.get("available") and "episodes_per_s" in r}
+    if not ok:
+        return {"available": False, "reason": "every TRL run failed", "by_threads": by_threads}
+    best_t = max(ok, key=lambda t: ok[t]["episodes_per_s"])
+    best = dict(ok[best_t])
+    best["by_threads"] = {t: {k: r.get(k) for k in ("episodes_per_s", "episodes_per_cpu_s", "time_to_first_update_s",
+                                                    "generation_tokens_per_s", "update_tokens_per_s",
+                                                    "peak_rss_mb", "other_load_cores", "error")}
+                          for t, r in by_threads.items()}
+    best["threads_tried"] = [int(t) for t in by_threads]
+    return best
+
+
+def run_ppojax(config_path: Path, tmp: Path, timeout: float) -> dict:
+    if importlib.util.find_spec("benchmarks.ppojax_ppo") is None:
+        return {"available": False, "reason": "benchmarks/ppojax_ppo.py does not exist yet"}
+    out = tmp / f"ppojax_{config_path.stem}.json"
+    return _subprocess_json([sys.executable, "-m", "benchmarks.run", "--_worker", "ppojax",
+                             "--_config", str(config_path), "--_out", str(out)], out, timeout,
+                            tmp / f"ppojax_{config_path.stem}.log")
+
+
+def _worker(config_path: str, out_path: str) -> int:
+    """Child process: ``benchmarks.ppojax_ppo.run(config)``, plus this process's peak RSS."""
+    import benchmarks.ppojax_ppo as side
+
+    if not callable(getattr(side, "run", None)):
+        result = {"available": False, "reason": "benchmarks.ppojax_ppo has no run(config) -> dict"}
+    else:
+        with open(config_path) as f:
+            config = json.load(f)
+        result = dict(side.run(config))
+        result.setdefault("side", "ppojax")
+        result.setdefault("peak_rss_mb", peak_rss_mb())
+        result.setdefault("available", True)
+    with open(out_path, "w") as f:
+        json.dump(result, f, indent=1)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _model_shape(config: dict) -> dict:
+    if config.get("model_dir"):
+        with open(Path(config["model_dir"]) / "config.json") as f:
+            return json.load(f)
+    return config["model"]
+
+
+def _versions() -> dict:
+    out = {}
+    for pkg in ("jax", "jaxlib", "flax", "optax", "ppojax"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def run_size(size: str, args, tmp: Path, peak: float | None) -> dict:
+    model_dir = args.smollm2_dir if size == "smollm2" else None
+    config = make_config(size, quick=args.quick, num_updates=args.updates, model_dir=model_dir)
+    config_path = tmp / f"{size}.json"
+    config_path.write_text(json.dumps(config))
+    timeout = 150 if args.quick else (600 if size == "tiny" else 2400)
+    shown = {k: v for k, v in config.items() if k != "prompts"}
+    flops = ppo_update_flops(_model_shape(config), config["batch_size"], config["prompt_length"],
+                             config["response_length"], config["num_ppo_epochs"])
+    entry = {"config": shown, "flops": flops}
+    skip = {"available": False, "reason": "skipped (--only)"}
+    print(f"[{size}] TRL ...", file=sys.stderr, flush=True)
+    entry["trl"] = run_trl(config_path, tmp, args.threads, timeout) if args.only in (None, "trl") else skip
+    print(f"[{size}] ppojax ...", file=sys.stderr, flush=True)
+    entry["ppojax"] = run_ppojax(config_path, tmp, timeout) if args.only in (None, "ppojax") else skip
+    entry["mfu"] = {side: mfu(flops, entry[side], peak) for side in ("trl", "ppojax")
+                    if entry[side].get("available") and peak and "rollout_s" in entry[side]}
+    if entry["trl"].get("available") and entry["ppojax"].get("available"):
+        entry["ratio_ppojax_over_trl"] = {
+            k: entry["ppojax"][k] / entry["trl"][k] for k in RATIO_KEYS
+            if entry["ppojax"].get(k) is not None and entry["trl"].get(k)}
+    else:
+        entry["ratio_ppojax_over_trl"] = None
+    return entry
+
+
+def _fmt(v, unit=""):
+    if v is None:
+        return "—"
+    if isinstance(v, float):
+        return f"{v:,.3g}{unit}" if abs(v) < 100 else f"{v:,.0f}{unit}"
+    return f"{v}{unit}"
+
+
+def table(report: dict) -> str:
+    lines = []
+    pk = report["peak"]
+    lines.append("float32 matmul peak: " + ", ".join(
+        f"{b} {pk[b]['flops_per_s'] / 1e9:.0f} GFLOP/s ({pk[b].get('flops_per_cpu_s', 0) / 1e9:.0f} per CPU-s)"
+        for b in ("jax", "torch")
+        if isinstance(pk.get(b), dict) and "flops_per_s" in pk[b]) + "".join(
+        f" [{b}: others kept {pk[b]['other_load_cores']:.2f} cores busy]" for b in ("jax", "torch")
+        if isinstance(pk.get(b), dict) and pk[b].get("other_load_cores") is not None))
+    rows = [("episodes/s (steady)", "episodes_per_s", ""), ("time to 1st update", "time_to_first_update_s", " s"),
+            ("episodes/CPU-second", "episodes_per_cpu_s", ""),
+            ("generation tok/s", "generation_tokens_per_s", ""), ("update tok/s", "update_tokens_per_s", ""),
+            ("peak RSS", "peak_rss_mb", " MB")]
+    for size, e in report["sizes"].items():
+        trl, pj, ratio = e["trl"], e["ppojax"], e.get("ratio_ppojax_over_trl") or {}
+        thr = f" ({trl['threads']} thr)" if trl.get("available") else ""
+        lines.append("")
+        lines.append(f"== {size}: B={e['config']['batch_size']} P={e['config']['prompt_length']} "
+                     f"R={e['config']['response_length']} epochs={e['config']['num_ppo_epochs']}, "
+                     f"{e['flops']['per_episode'] / 1e9:.3g} GFLOP/episode")
+        lines.append(f"{'':22}{'TRL' + thr:>16}{'ppojax':>14}{'ppojax/TRL':>12}")
+        for label, k, unit in rows:
+            lines.append(f"{label:22}{_fmt(trl.get(k), unit):>16}{_fmt(pj.get(k), unit):>14}"
+                         f"{_fmt(ratio.get(k)):>12}")
+        for side in ("trl", "ppojax"):
+            m = e["mfu"].get(side)
+            if m:
+                lines.append(f"MFU {side:7} rollout {m['rollout_mfu']:.1%}  update {m['update_mfu']:.1%}  "
+                             f"overall {m['overall_mfu']:.1%}  ({m['overall_flops_per_s'] / 1e9:.0f} GFLOP/s)")
+        for side, r in (("TRL", trl), ("ppojax", pj)):
+            if r.get("other_load_cores") is not None:
+                lines.append(f"{side}: other processes kept {r['other_load_cores']:.2f} cores busy meanwhile")
+            if not r.get("available"):
+                lines.append(f"{side}: not available: {r.get('reason') or r.get('error')}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny size, few updates (< 2 minutes)")
+    p.add_argument("--json", default=None, help="write the report here")
+    p.add_argument("--only", choices=["trl", "ppojax"], default=None, help="run one side only (peak always)")
+    p.add_argument("--sizes", default=None, help="comma-separated: tiny,smollm2 (default: both; tiny if --quick)")
+    p.add_argument("--threads", default=None,
+                   help="torch thread counts to try for TRL (default 1,2; with --quick just 2)")
+    p.add_argument("--updates", type=int, default=None, help="PPO updates per run (default per size)")
+    p.add_argument("--smollm2-dir", default=os.environ.get("PPOJAX_BENCH_SMOLLM2_DIR"),
+                   help="converted SmolLM2-135M HF checkpoint dir (default: .cache/ppojax/smollm2-135m-instruct "
+                        "when it exists, else random init of its config); 'random' forces random init")
+    p.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
+                   help="before each measurement wait up to S seconds for other processes to use < 0.25 cores")
+    p.add_argument("--_worker", help=argparse.SUPPRESS)
+    p.add_argument("--_config", help=argparse.SUPPRESS)
+    p.add_argument("--_out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args._worker:
+        return _worker(args._config, args._out)
+    if args.smollm2_dir is None:
+        args.smollm2_dir = default_smollm2_dir()
+    elif args.smollm2_dir == "random":
+        args.smollm2_dir = None
+    WAIT_QUIET["max_s"] = args.wait_quiet
+    args.threads = [int(t) for t in (args.threads or ("2" if args.quick else "1,2")).split(",")]
+    sizes = (args.sizes or ("tiny" if args.quick else "tiny,smollm2")).split(",")
+
+    t0 = time.perf_counter()
+    report = {"schema": SCHEMA, "quick": args.quick, "machine": machine_info(), "versions": _versions(),
+              "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    with tempfile.TemporaryDirectory(prefix="ppojax-bench-") as d:
+        tmp = Path(d)
+        print("[peak] ...", file=sys.stderr, flush=True)
+        report["peak"] = run_peak(tmp, args.quick)
+        report["sizes"] = {s: run_size(s, args, tmp, report["peak"]["peak_flops_per_s"]) for s in sizes}
+    report["machine"]["loadavg_1m_end"] = os.getloadavg()[0]
+    report["wall_s"] = time.perf_counter() - t0
+    print(table(report))
+    print(f"\n(wall {report['wall_s']:.0f} s; load average {report['machine']['loadavg_1m']:.2f} → "
+          f"{report['machine']['loadavg_1m_end']:.2f})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
