@@ -4,12 +4,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from ppojax.cli import main
-from ppojax.models import save_pretrained
-from tests.tiny_setup import PROMPTS, tiny_config, tiny_policy, tiny_tokenizer
+from tests.tiny_setup import write_tiny_run_inputs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -21,10 +19,7 @@ def good_fraction(prompts, completions):
 
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    save_pretrained(tiny_policy(), tiny_config(), root / "model", tokenizer=tiny_tokenizer())
-    (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    return root
+    return write_tiny_run_inputs(tmp_path_factory.mktemp("tiny"))
 
 
 def test_train_command_writes_every_output(tiny_dirs, tmp_path, capsys):

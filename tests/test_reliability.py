@@ -30,7 +30,7 @@ from ppojax.config import ConfigError, PPOConfig
 from ppojax.models import save_pretrained
 from ppojax.rewards import RewardFunctionError
 from tests.test_trainer import good_fraction, make_trainer
-from tests.tiny_setup import PROMPTS, WORDS, tiny_config, tiny_policy, tiny_tokenizer
+from tests.tiny_setup import write_tiny_run_inputs, PROMPTS, WORDS, tiny_config, tiny_policy, tiny_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_YAML = str(REPO / "configs" / "tiny.yaml")
@@ -173,10 +173,7 @@ def test_bad_reward_function_stops_before_the_first_update(error_trainer, reward
 # ------------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("reliability")
-    save_pretrained(tiny_policy(), tiny_config(), root / "model", tokenizer=tiny_tokenizer())
-    (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    return root
+    return write_tiny_run_inputs(tmp_path_factory.mktemp("reliability"))
 
 
 def _model_variant(root: Path, name: str, tokenizer=None, vocab_size=None) -> Path:

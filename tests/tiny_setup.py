@@ -1,4 +1,6 @@
 """A tiny word-level tokenizer and a tiny random Llama for trainer tests (no downloads)."""
+import json
+
 from flax import nnx
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
@@ -28,3 +30,11 @@ def tiny_policy(seed=0, value_head=False):
 
 
 PROMPTS = [" ".join(WORDS[(i * 3 + j) % len(WORDS)] for j in range(2 + i % 3)) for i in range(64)]
+
+
+def write_tiny_run_inputs(root):
+    """A tiny HF checkpoint directory (root/model) and a prompt file (root/prompts.jsonl) for `ppojax train`."""
+    from ppojax.models import save_pretrained
+    save_pretrained(tiny_policy(), tiny_config(), root / "model", tokenizer=tiny_tokenizer())
+    (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    return root
