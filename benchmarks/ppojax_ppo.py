@@ -105,6 +105,9 @@ def main(argv=None):
     parser.add_argument("--model-dir", default=None)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    from ppojax.host_memory import keep_freed_memory
+
+    keep_freed_memory()  # as the ppojax CLI does, before JAX starts
     result = run(make_config(args.size, quick=args.quick, num_updates=args.updates, model_dir=args.model_dir))
     text = json.dumps({k: v for k, v in result.items() if k != "updates"}, indent=2)
     print(text)

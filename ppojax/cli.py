@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from .config import ConfigError, PPOConfig, field_help
+from .host_memory import keep_freed_memory
 
 
 def _help_epilog() -> str:
@@ -129,6 +130,7 @@ def export_checkpoint(checkpoint: str, out_dir: str) -> Path:
 
 
 def main(argv=None) -> int:
+    keep_freed_memory()  # before JAX starts its threads (ppojax/host_memory.py)
     parser = argparse.ArgumentParser(prog="ppojax", description="PPO for language models in JAX.")
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="run PPO from a YAML config", epilog=_help_epilog(),

@@ -184,8 +184,15 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_length: int, dtype=jnp.flo
 
 
 def _dense_in(x: Array, kernel: Array, bias: Array | None, dtype) -> Array:
-    """x [B, S, D] @ kernel [D, *out] (+ bias [*out])."""
-    y = jnp.tensordot(x, kernel.astype(dtype), axes=((x.ndim - 1,), (0,)))
+    """x [B, S, D] @ kernel [D, *out] (+ bias [*out]).
+
+    A 2-D matmul on the flattened tokens [B*S, D]: with 3-D activations XLA:CPU fused the backward's
+    elementwise math with a 3-D transpose into a strided loop ~10x slower than the math (SmolLM2, 2026-11-22).
+    """
+    lead = x.shape[:-1]
+    out_shape = kernel.shape[1:]
+    k2 = kernel.astype(dtype).reshape(kernel.shape[0], -1)
+    y = jnp.dot(x.reshape(-1, x.shape[-1]), k2).reshape(*lead, *out_shape)
     return y if bias is None else y + bias.astype(dtype)
 
 
