@@ -461,7 +461,7 @@ STRICT_FIELDS = frozenset({
 HARMLESS_FIELDS = frozenset({
     "output_dir", "run_name", "resume", "total_episodes", "num_train_epochs", "logging_steps",
     "num_sample_generations", "save_steps", "save_total_limit", "report_to", "max_nonfinite_steps",
-    "on_nonfinite_reward",
+    "on_nonfinite_reward", "compilation_cache_dir",
 })
 """Fields that may differ silently (where and how long to run, what to log)."""
 

@@ -38,6 +38,9 @@ def run_training(config: PPOConfig) -> dict:
     print(f"ppojax: {len(trainer.train_queries)} training prompts, "
           f"{0 if trainer.eval_queries is None else len(trainer.eval_queries)} held out; "
           f"{trainer.num_updates} updates of {trainer.sizes.batch_size} prompts x {config.response_length} tokens")
+    if trainer.compilation_cache_dir is not None:
+        print(f"ppojax: compiled programs are cached in {trainer.compilation_cache_dir} (a re-run with the same "
+              "shapes skips compiling; compilation_cache_dir=none turns this off)")
     resumed = trainer.resume(config.resume) if config.resume else None
     start_step = int(trainer.state.update_count)
     if resumed:

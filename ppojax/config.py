@@ -143,6 +143,10 @@ class PPOConfig:
     through, so every optimizer step of that update is skipped (counted in ppo/nonfinite_total) and the run
     goes on. 'skip' needs max_nonfinite_steps > num_ppo_epochs * num_mini_batches (the steps of one update)."""
     report_to: str = "tensorboard"
+    compilation_cache_dir: Optional[str] = "auto"
+    """JAX's persistent compilation cache: a later run (a resume, a re-run with the same shapes) loads the
+    compiled rollout and update instead of compiling them again (tiny model: first update 13.7 s -> 2.7 s).
+    'auto': $JAX_COMPILATION_CACHE_DIR if set, else ~/.cache/ppojax/xla; a path; or 'none' (off)."""
 
     # ---- mesh ----
     mesh_data: int = -1

@@ -26,6 +26,7 @@ from flax import nnx
 
 from . import ppo
 from .actor_critic import ActorCritic
+from .compile_cache import enable_compilation_cache
 from .config import ConfigError, PPOConfig
 from .data import PromptBatches, check_tokenizer, load_prompt_dataset, prepare_prompts
 from .rollout import (Experience, RolloutSettings, experience_forwards, finalize_scores, make_experience,
@@ -105,6 +106,7 @@ class PPOTrainer:
                  train_dataset=None, value_model=None, *, logger=None):
         self.args = args.validate()
         sharding.initialize_distributed()  # a no-op on one process; must precede other device work
+        self.compilation_cache_dir = enable_compilation_cache(args.compilation_cache_dir)
         self.mesh = sharding.mesh_from_config(args)
         dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
         self.dtype = dtype

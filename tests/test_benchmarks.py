@@ -53,6 +53,9 @@ def test_quick_report_structure(quick_report):
     else:
         assert tiny["ratio_ppojax_over_trl"] is None
     assert "episodes/s (steady)" in stdout
+    if tiny["ppojax"]["available"]:  # the re-run on the filled compilation cache
+        warm = tiny["ppojax"]["warm_cache"]["time_to_first_update_s"]
+        assert isinstance(warm, float) and 0 < warm
 
 
 @pytest.mark.slow

@@ -1,0 +1,51 @@
+"""JAX's persistent compilation cache, switched on for ppojax runs.
+
+Compiling the sampler, the rollout forwards and the update is most of the time to the first update (12 s for
+the tiny benchmark model, ~45 s for SmolLM2-135M on 2 CPU cores). With the cache, a resumed or repeated run
+with the same shapes loads the compiled programs from disk instead. Entries are keyed by JAX on the program,
+its shapes, the devices and the versions, so a stale entry is never used.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+import jax
+
+
+def resolve_cache_dir(setting: Optional[str]) -> Optional[Path]:
+    """The directory a ``compilation_cache_dir`` setting means (None = off).
+
+    'auto' (or None): ``$JAX_COMPILATION_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/ppojax/xla``
+    (``~/.cache/ppojax/xla``); 'none' or '': off; anything else: that path.
+    """
+    if setting is None or setting == "auto":
+        env = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+        if env:
+            return Path(env).expanduser()
+        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+        return Path(base).expanduser() / "ppojax" / "xla"
+    if setting.lower() in ("none", ""):
+        return None
+    return Path(setting).expanduser()
+
+
+def enable_compilation_cache(setting: Optional[str]) -> Optional[Path]:
+    """Point JAX's persistent compilation cache at :func:`resolve_cache_dir` ``(setting)``; returns the
+    directory, or None when off. Programs that compile in under a second are not stored (JAX's default).
+    A directory that cannot be created turns the cache off with a warning instead of failing the run."""
+    path = resolve_cache_dir(setting)
+    if path is None:
+        return None
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        print(f"ppojax: compilation cache off: cannot create {path} ({err}); set compilation_cache_dir")
+        return None
+    if jax.config.jax_compilation_cache_dir != str(path):
+        from jax.experimental.compilation_cache import compilation_cache
+
+        jax.config.update("jax_compilation_cache_dir", str(path))
+        compilation_cache.reset_cache()  # JAX opens its cache directory once: reopen it at the new path
+    return path

@@ -1,0 +1,79 @@
+"""The persistent compilation cache: where it goes, and that a second process loads instead of compiling."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+from ppojax.compile_cache import enable_compilation_cache, resolve_cache_dir
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_resolve_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert resolve_cache_dir("auto") == tmp_path / "xdg" / "ppojax" / "xla"
+    assert resolve_cache_dir(None) == tmp_path / "xdg" / "ppojax" / "xla"
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "env"))
+    assert resolve_cache_dir("auto") == tmp_path / "env"
+    assert resolve_cache_dir("none") is None
+    assert resolve_cache_dir("") is None
+    assert resolve_cache_dir(str(tmp_path / "mine")) == tmp_path / "mine"
+
+
+def test_unwritable_cache_dir_turns_the_cache_off(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    before = jax.config.jax_compilation_cache_dir
+    assert enable_compilation_cache(str(blocker / "xla")) is None
+    assert "compilation cache off" in capsys.readouterr().out
+    assert jax.config.jax_compilation_cache_dir == before
+
+
+_CHILD = r"""
+import json, sys
+import jax, jax.numpy as jnp
+from ppojax.compile_cache import enable_compilation_cache
+hits = []
+jax.monitoring.register_event_listener(lambda name, **kw: hits.append(name))
+jax.jit(lambda x: x + 1).lower(1.0).compile()  # a compile BEFORE the cache is switched on: it must still work
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+enable_compilation_cache(sys.argv[1])
+out = jax.jit(lambda x: jnp.tanh(x) * 3.0 - x ** 2)(jnp.arange(5.0))
+enable_compilation_cache(sys.argv[2])  # moving the cache elsewhere mid-process takes effect too
+jax.jit(lambda x: jnp.sin(x) * 2.0)(jnp.arange(3.0))
+print(json.dumps({"hits": sum(h.endswith("cache_hits") for h in hits), "out": out.tolist()}))
+"""
+
+
+def _child(cache_dir, second_dir):
+    proc = subprocess.run([sys.executable, "-c", _CHILD, str(cache_dir), str(second_dir)], capture_output=True, text=True,
+                          cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_second_process_loads_the_compiled_program(tmp_path):
+    cache = tmp_path / "xla"
+    first = _child(cache, tmp_path / "moved")
+    assert first["hits"] == 0
+    assert any(cache.iterdir()), "the first process wrote no cache entry"
+    assert any((tmp_path / "moved").iterdir()), "a cache moved mid-process received no entry"
+    second = _child(cache, tmp_path / "moved")
+    assert second["hits"] >= 1, "the second process compiled again instead of loading from the cache"
+    assert second["out"] == pytest.approx(first["out"])
+
+
+def test_a_truncated_cache_entry_is_recompiled_not_fatal(tmp_path):
+    """A run killed while JAX wrote an entry leaves it half-written: the next run must still work."""
+    cache = tmp_path / "xla"
+    first = _child(cache, tmp_path / "moved")
+    entries = [p for p in cache.rglob("*") if p.is_file() and not p.name.endswith("atime")]
+    assert entries
+    for entry in entries:
+        entry.write_bytes(entry.read_bytes()[:100])
+    again = _child(cache, tmp_path / "moved")
+    assert again["out"] == pytest.approx(first["out"])
