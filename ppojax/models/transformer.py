@@ -4,10 +4,11 @@ One generic pre-norm block covers all of them; `ModelConfig` picks the variant (
 plain MLP, biases, q/k norm, rotary (partial) or learned positions, parallel residual, sliding window).
 
 Layout. The per-layer weights are STACKED along a leading `layers` axis (`[L, ...]`) and the layers run under
-`jax.lax.scan` (one compiled layer body, so 30 layers compile as fast as 1, and XLA reads each layer's slice of
-the stacked weights in place). `scan_layers=False` unrolls a Python loop instead: for debugging only, it is slower
-to compile AND to run (XLA on CPU copies every static slice of the stacked weights). Projection kernels keep the head axes separate (`q.kernel: [L, D, H, hd]`) so that every axis
-carries a logical name for sharding (see `logical_axes`).
+`jax.lax.scan` (one compiled layer body, so 30 layers compile as fast as 1; XLA:CPU copies each layer's slice
+out of the stacked weights per call, measured cheaper than unrolling). `scan_layers=False` unrolls a Python loop
+instead: for debugging only, it is slower to compile AND to run. Projection kernels keep the head axes separate
+(`q.kernel: [L, D, H, hd]`) so that every axis carries a logical name for sharding (see `logical_axes`); the
+matmuls themselves run on flattened 2-D operands (see `_dense_in`).
 
 Forward contract (SPEC): `input_ids i32[B, S]`, `attention_mask bool[B, S]` (True = real token, False = pad),
 `position_ids i32[B, S]` (exclusive cumulative sum of the mask for left-padded rows; `position_ids_from_mask`).
