@@ -69,7 +69,9 @@ def run(config: dict) -> dict:
 
     records = []
     previous_end = time.perf_counter()
-    for u in range(config["num_updates"]):
+    # ``stop_after_updates``: time only the first updates of a run configured for ``num_updates`` (the
+    # learning-rate schedule, hence the compiled update, depends on num_updates).
+    for u in range(config.get("stop_after_updates") or config["num_updates"]):
         cpu0 = time.process_time()
         key, k_gen, k_upd = jax.random.split(key, 3)
         queries = jnp.asarray(prompts[u * B:(u + 1) * B])

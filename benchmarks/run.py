@@ -200,7 +200,7 @@ def run_ppojax(config_path: Path, tmp: Path, timeout: float) -> dict:
                               tmp / f"ppojax_{config_path.stem}.log", env)
     if result.get("available"):
         warm_config = tmp / f"{config_path.stem}_warm.json"
-        warm_config.write_text(json.dumps(dict(json.loads(config_path.read_text()), num_updates=2)))
+        warm_config.write_text(json.dumps(dict(json.loads(config_path.read_text()), stop_after_updates=2)))
         warm_out = tmp / f"ppojax_{config_path.stem}_warm.json"
         warm = _subprocess_json([sys.executable, "-m", "benchmarks.run", "--_worker", "ppojax",
                                  "--_config", str(warm_config), "--_out", str(warm_out)], warm_out, timeout,
