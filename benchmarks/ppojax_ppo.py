@@ -42,6 +42,7 @@ def _models(config):
 
 def run(config: dict) -> dict:
     from ppojax.actor_critic import ActorCritic
+    from ppojax.forward import auto_chunk_size
     from ppojax.rollout import RolloutSettings, experience_forwards, finalize_scores, sample_responses
     from ppojax.update import UpdateSettings, init_train_state, make_ppo_update, make_optimizer
 
@@ -52,9 +53,11 @@ def run(config: dict) -> dict:
     ref_params = jax.tree.map(jnp.copy, policy_params)
     value_params = jax.tree.map(jnp.copy, reward_params)  # TRL: the value model starts as the reward model
     pad = config["pad_token_id"]
+    # logits chunking as PPOTrainer sizes it (logits_chunk_size=None): one micro-batch = the whole batch
+    chunk = auto_chunk_size(config["batch_size"], config["response_length"], policy.cfg.vocab_size)
     settings = RolloutSettings(response_length=config["response_length"], pad_token_id=pad,
-                               temperature=config["temperature"], stop_token_id=None, logprob_chunk_size=16)
-    actor_critic = ActorCritic(policy_graphdef, reward_graphdef, pad, config["temperature"], 16)
+                               temperature=config["temperature"], stop_token_id=None, logprob_chunk_size=chunk)
+    actor_critic = ActorCritic(policy_graphdef, reward_graphdef, pad, config["temperature"], chunk)
     update_settings = UpdateSettings(num_ppo_epochs=config["num_ppo_epochs"],
                                      num_mini_batches=config["num_mini_batches"],
                                      learning_rate=config["learning_rate"], num_updates=config["num_updates"])

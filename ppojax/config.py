@@ -76,8 +76,10 @@ class PPOConfig:
     num_mini_batches: int = 1
     local_rollout_forward_batch_size: Optional[int] = None
     """Rows per forward pass in the rollout's reference/value/reward forwards (None: the whole batch)."""
-    logits_chunk_size: Optional[int] = 16
-    """Response positions per logits chunk in log-prob computations (bounds [B, chunk, vocab] memory)."""
+    logits_chunk_size: Optional[int] = None
+    """Response positions per float32 logits chunk in log-prob computations (bounds [rows, chunk, vocab]
+    memory). None: all positions at once when a micro-batch's logits fit in 256 MB per device, else the
+    largest chunk that fits (chunks are recomputed in the backward pass instead of stored)."""
 
     # ---- PPO ----
     num_ppo_epochs: int = 4
@@ -202,6 +204,9 @@ class PPOConfig:
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "an integer >= 1")
         need(self.batch_size is None or (isinstance(self.batch_size, int) and self.batch_size >= 1),
              "batch_size", "None or an integer >= 1")
+        need(self.logits_chunk_size is None
+             or (isinstance(self.logits_chunk_size, int) and self.logits_chunk_size >= 1),
+             "logits_chunk_size", "None (sized from a 256 MB budget) or an integer >= 1")
         need(self.learning_rate >= 0, "learning_rate", "a learning rate >= 0")
         need(self.temperature >= 0, "temperature", "a temperature >= 0 (0 is greedy)")
         need(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "an integer >= 0 (0 = off)")

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from . import ppo
+from . import forward, ppo
 from .actor_critic import ActorCritic
 from .compile_cache import enable_compilation_cache
 from .config import ConfigError, PPOConfig
@@ -157,8 +157,10 @@ class PPOTrainer:
             value_graphdef, params["value"] = nnx.split(value_module)
             if reward_module is not None and value_model is None:
                 params["value"] = _copy(params["value"])  # the value model trains; the reward model must not
+        self.sizes = args.derived(sharding.data_parallel_size(self.mesh))
+        update_chunk, rollout_chunk = self._logits_chunk_sizes(model.cfg.vocab_size)
         self.actor_critic = ActorCritic(policy_graphdef, value_graphdef, self.pad_token_id, args.temperature,
-                                        args.logits_chunk_size)
+                                        update_chunk)
         # The reference: a frozen copy of the initial policy (never donated, never updated).
         if ref_model is not None:
             self.ref_graphdef, self.ref_params = nnx.split(ref_model)
@@ -168,7 +170,7 @@ class PPOTrainer:
         self.rollout_settings = RolloutSettings(
             response_length=args.response_length, pad_token_id=self.pad_token_id, temperature=args.temperature,
             top_k=args.top_k, top_p=args.top_p, stop_token_id=self.stop_token_id,
-            missing_eos_penalty=args.missing_eos_penalty, logprob_chunk_size=args.logits_chunk_size,
+            missing_eos_penalty=args.missing_eos_penalty, logprob_chunk_size=rollout_chunk,
             forward_batch_size=args.local_rollout_forward_batch_size,
             compute_full_kl=args.kl_estimator == "full")
 
@@ -181,7 +183,6 @@ class PPOTrainer:
             self.prompts = _as_config_error(prepare_prompts, texts, processing_class, args.max_prompt_length,
                                             chat_template=args.chat_template, stop_token_id=self.stop_token_id,
                                             pad_token_id=self.pad_token_id)
-        self.sizes = args.derived(sharding.data_parallel_size(self.mesh))
         self.train_queries, self.eval_queries = self._split_eval(args.num_eval_prompts)
         dataset_size = len(self.train_queries) if self.prompts is not None else self.sizes.batch_size
         self.num_updates = args.num_updates(dataset_size)
@@ -212,6 +213,19 @@ class PPOTrainer:
         if self.args.dataset == "movie_reviews":
             return "builtin:movie_reviews"
         return self.args.dataset
+
+    def _logits_chunk_sizes(self, vocab_size):
+        """(update, rollout) logits chunk sizes: the config's ``logits_chunk_size``, or (None) sized from
+        ``forward.LOGITS_MEMORY_BUDGET`` for the rows one device holds: a micro-batch in the update, a forward
+        batch in the rollout."""
+        if self.args.logits_chunk_size is not None:
+            return self.args.logits_chunk_size, self.args.logits_chunk_size
+        dp = sharding.data_parallel_size(self.mesh)
+        micro_rows = -(-self.sizes.micro_batch_size // dp)
+        forward_rows = -(-(self.args.local_rollout_forward_batch_size or self.sizes.batch_size) // dp)
+        length = self.args.response_length
+        return (forward.auto_chunk_size(micro_rows, length, vocab_size),
+                forward.auto_chunk_size(forward_rows, length, vocab_size))
 
     def _split_eval(self, num_eval):
         """Held-out prompts come off the END of the prompt set; the rest are for training."""

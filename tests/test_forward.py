@@ -136,3 +136,15 @@ def test_values_and_scores_follow_trl_get_reward(kind, tmp_path):
     # without prompt_length: the last non-pad token of the row (the same here: no pad inside a response)
     np.testing.assert_allclose(sequence_scores(score_model, jnp.asarray(QUERY_RESPONSES), PAD), scores,
                                atol=1e-6)
+
+
+def test_auto_chunk_size_fits_the_logits_budget():
+    from ppojax.forward import LOGITS_MEMORY_BUDGET, auto_chunk_size
+
+    # SmolLM2 benchmark: 8 rows x 32 steps x 49,152 vocab = 50 MB of float32 logits: no chunking
+    assert auto_chunk_size(8, 32, 49152) is None
+    # 64 rows x 512 steps x 128,256 vocab (Llama-3) would be 16.8 GB: chunks of 8 steps (262 MB budget)
+    chunk = auto_chunk_size(64, 512, 128256)
+    assert chunk == LOGITS_MEMORY_BUDGET // (4 * 64 * 128256) == 8
+    assert 4 * 64 * chunk * 128256 <= LOGITS_MEMORY_BUDGET < 4 * 64 * (chunk + 1) * 128256
+    assert auto_chunk_size(10**6, 4, 10**6) == 1  # not even one step fits: one at a time

@@ -104,3 +104,21 @@ def test_resume_continues_exactly(tmp_path):
             assert a[name] == b[name], name
     jax.tree.map(np.testing.assert_array_equal, straight.state.params, resumed.state.params)
     assert resumed.kl_coef == straight.kl_coef
+
+
+def test_logits_chunk_size_is_sized_from_the_memory_budget(tmp_path, monkeypatch):
+    from ppojax import forward
+
+    trainer = make_trainer(tmp_path, num_mini_batches=2, gradient_accumulation_steps=2)
+    # tiny vocabulary: a micro-batch's logits fit easily, so no chunking in the update or the rollout
+    assert trainer.actor_critic.logits_chunk_size is None and trainer.rollout_settings.logprob_chunk_size is None
+    vocab = trainer.model_config.vocab_size
+    # a budget of 3 response steps of one micro-batch (4 rows) -> chunks of 3 in the update;
+    # the rollout forwards all 16 rows at once, so less than one step of them fits -> 1
+    monkeypatch.setattr(forward, "LOGITS_MEMORY_BUDGET", 4 * 4 * 3 * vocab)
+    monkeypatch.setattr(forward.auto_chunk_size, "__defaults__", (forward.LOGITS_MEMORY_BUDGET,))
+    small = make_trainer(tmp_path / "small", num_mini_batches=2, gradient_accumulation_steps=2)
+    assert small.sizes.micro_batch_size == 4
+    assert small.actor_critic.logits_chunk_size == 3 and small.rollout_settings.logprob_chunk_size == 1
+    fixed = make_trainer(tmp_path / "fixed", logits_chunk_size=5)
+    assert fixed.actor_critic.logits_chunk_size == 5 and fixed.rollout_settings.logprob_chunk_size == 5
