@@ -147,7 +147,8 @@ class PPOConfig:
     report_to: str = "tensorboard"
     compilation_cache_dir: Optional[str] = "auto"
     """JAX's persistent compilation cache: a later run (a resume, a re-run with the same shapes) loads the
-    compiled rollout and update instead of compiling them again (tiny model: first update 13.7 s -> 2.7 s).
+    compiled rollout and update instead of compiling them again (benchmarks' first update: tiny 12.3 s ->
+    2.35 s, SmolLM2-135M 44.6 s -> 31.8 s).
     'auto': $JAX_COMPILATION_CACHE_DIR if set, else ~/.cache/ppojax/xla; a path; or 'none' (off)."""
 
     # ---- mesh ----
