@@ -278,7 +278,8 @@ def save_checkpoint(directory, step: int, train_state, host_state: dict, config_
     _pause_for_tests("started", step)
 
     with _orbax_checkpointer() as checkpointer:
-        checkpointer.save(tmp / STATE_DIR, args=_standard_save(train_state))
+        # orbax's tensorstore backend refuses relative paths (e.g. the demo's output_dir "outputs/demo")
+        checkpointer.save((tmp / STATE_DIR).absolute(), args=_standard_save(train_state))
     _pause_for_tests("state_written", step)
 
     if _is_primary():
@@ -434,11 +435,12 @@ def restore_checkpoint(path, abstract_train_state) -> tuple[Any, dict, dict]:
     path = _resolve(path)
     target = jax.tree.map(_abstract_leaf, abstract_train_state)
     with _orbax_checkpointer() as checkpointer:
-        metadata = checkpointer.metadata(path / STATE_DIR).item_metadata
+        state_dir = (path / STATE_DIR).absolute()  # orbax refuses relative paths
+        metadata = checkpointer.metadata(state_dir).item_metadata
         stored_tree = getattr(metadata, "tree", metadata)
         if stored_tree is not None:
             _check_structure(path, _flat_target(target), _flat_metadata(stored_tree))
-        train_state = checkpointer.restore(path / STATE_DIR, args=ocp.args.StandardRestore(target))
+        train_state = checkpointer.restore(state_dir, args=ocp.args.StandardRestore(target))
     host_payload = json.loads((path / HOST_STATE_FILE).read_text())
     config_dict = json.loads((path / CONFIG_FILE).read_text())
     return train_state, decode_host_state(host_payload["host_state"]), config_dict

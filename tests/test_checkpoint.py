@@ -318,3 +318,14 @@ def test_sharded_state_restores_into_the_target_sharding(tmp_path):
     out = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt")], capture_output=True, text=True,
                          env=env, timeout=120)
     assert "SHARDED OK" in out.stdout, out.stderr[-3000:]
+
+
+def test_relative_checkpoint_directory(tmp_path, monkeypatch):
+    """A relative output_dir (the demo's `outputs/demo`) saves and restores: orbax itself refuses relative paths."""
+    monkeypatch.chdir(tmp_path)
+    state = {"train": trained_state()}
+    path = ckpt.save_checkpoint("runs/ckpt", 2, state, {"update": 2}, config_dict())
+    assert (tmp_path / path).is_dir() and ckpt.latest_checkpoint("runs/ckpt") is not None
+    restored, host, _ = ckpt.restore_checkpoint("runs/ckpt", state)
+    assert_bit_equal(restored, state)
+    assert host["update"] == 2
