@@ -193,18 +193,19 @@ def run_ppojax(config_path: Path, tmp: Path, timeout: float) -> dict:
     # JAX's persistent compilation cache (on in ppojax runs), empty for the measured run: its first update
     # includes every compilation, the figure compared with TRL. A second, 2-update run on the filled cache
     # gives the first update of a re-run or a resume (``warm_cache``).
-    env = {"JAX_COMPILATION_CACHE_DIR": str(tmp / f"xla_cache_{config_path.stem}")}
-    out = tmp / f"ppojax_{config_path.stem}.json"
-    result = _subprocess_json([sys.executable, "-m", "benchmarks.run", "--_worker", "ppojax",
-                               "--_config", str(config_path), "--_out", str(out)], out, timeout,
-                              tmp / f"ppojax_{config_path.stem}.log", env)
+    cache = {"JAX_COMPILATION_CACHE_DIR": str(tmp / f"xla_cache_{config_path.stem}")}
+
+    def worker(config: Path, name: str) -> dict:
+        out = tmp / f"{name}.json"
+        return _subprocess_json([sys.executable, "-m", "benchmarks.run", "--_worker", "ppojax",
+                                 "--_config", str(config), "--_out", str(out)], out, timeout,
+                                tmp / f"{name}.log", cache)
+
+    result = worker(config_path, f"ppojax_{config_path.stem}")
     if result.get("available"):
         warm_config = tmp / f"{config_path.stem}_warm.json"
         warm_config.write_text(json.dumps(dict(json.loads(config_path.read_text()), stop_after_updates=2)))
-        warm_out = tmp / f"ppojax_{config_path.stem}_warm.json"
-        warm = _subprocess_json([sys.executable, "-m", "benchmarks.run", "--_worker", "ppojax",
-                                 "--_config", str(warm_config), "--_out", str(warm_out)], warm_out, timeout,
-                                tmp / f"ppojax_{config_path.stem}_warm.log", env)
+        warm = worker(warm_config, f"ppojax_{config_path.stem}_warm")
         result["warm_cache"] = {k: warm.get(k) for k in ("time_to_first_update_s", "setup_s", "error")
                                 if k in warm}
     return result
