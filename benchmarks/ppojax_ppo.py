@@ -4,8 +4,12 @@ backbone shape + a Linear(hidden, 1) score head), fixed-length responses, ``num_
 
     python -m benchmarks.ppojax_ppo --size tiny [--updates N] [--model-dir DIR] [--json out.json]
 
-Each update = one rollout (jitted sampler, then the jitted reference/value/reward forwards) and one update
-(the single jitted program of ``ppojax.update``), timed after ``jax.block_until_ready``.
+Each update is ONE call of ``ppojax.train_step`` (sampling, reference/value/reward forwards, rewards,
+advantages and the epochs of optimizer steps in one compiled program), timed after ``jax.block_until_ready``:
+that is the headline (episodes/s, time to the first update). The phases inside one program cannot be timed
+apart, so after the timed updates the same work runs as separate programs (the sampler alone, the rollout,
+the update) for the per-phase figures (generation / update tokens per second and MFU); ``--no-phases``
+skips them. ``--scan K`` runs the updates as ``train_steps`` blocks of K iterations in one ``lax.scan``.
 """
 from __future__ import annotations
 
@@ -40,66 +44,117 @@ def _models(config):
     return policy, reward, cfg
 
 
-def run(config: dict) -> dict:
+def build(config: dict):
+    """(PPOProgram, TrainState) for the benchmark: reward model in the program, value model = its copy."""
+    from ppojax import sharding
     from ppojax.actor_critic import ActorCritic
-    from ppojax.forward import auto_chunk_size
-    from ppojax.rollout import RolloutSettings, experience_forwards, finalize_scores, sample_responses
-    from ppojax.update import UpdateSettings, init_train_state, make_ppo_update, make_optimizer
+    from ppojax.config import PPOConfig
+    from ppojax.rewards import ModelScores
+    from ppojax.settings import StepSettings
+    from ppojax.train_step import PPOProgram
+    from ppojax.update import make_optimizer
 
-    t_setup = time.perf_counter()
-    policy, reward, _ = _models(config)
+    policy, reward, cfg = _models(config)
     policy_graphdef, policy_params = nnx.split(policy)
     reward_graphdef, reward_params = nnx.split(reward)
-    ref_params = jax.tree.map(jnp.copy, policy_params)
-    value_params = jax.tree.map(jnp.copy, reward_params)  # TRL: the value model starts as the reward model
     pad = config["pad_token_id"]
-    # logits chunking as PPOTrainer sizes it (logits_chunk_size=None): one micro-batch = the whole batch
-    chunk = auto_chunk_size(config["batch_size"], config["response_length"], policy.cfg.vocab_size)
-    settings = RolloutSettings(response_length=config["response_length"], pad_token_id=pad,
-                               temperature=config["temperature"], stop_token_id=None, logprob_chunk_size=chunk)
-    actor_critic = ActorCritic(policy_graphdef, reward_graphdef, pad, config["temperature"], chunk)
-    update_settings = UpdateSettings(num_ppo_epochs=config["num_ppo_epochs"],
-                                     num_mini_batches=config["num_mini_batches"],
-                                     learning_rate=config["learning_rate"], num_updates=config["num_updates"])
+    ppo_config = PPOConfig(batch_size=config["batch_size"], response_length=config["response_length"],
+                           max_prompt_length=config["prompt_length"], num_ppo_epochs=config["num_ppo_epochs"],
+                           num_mini_batches=config["num_mini_batches"], temperature=config["temperature"],
+                           learning_rate=config["learning_rate"], seed=config["seed"], reward_function="vader",
+                           mesh_data=1)
+    # logits chunking as PPOTrainer sizes it (logits_chunk_size=None)
+    settings = StepSettings.from_config(ppo_config, pad_token_id=pad, num_updates=config["num_updates"],
+                                        eos_token_id=config["eos_token_id"], vocab_size=cfg.vocab_size)
+    actor_critic = ActorCritic(policy_graphdef, reward_graphdef, pad, config["temperature"])
     optimizer = make_optimizer()
-    state = init_train_state({"policy": policy_params, "value": value_params}, optimizer)
-    update = make_ppo_update(actor_critic, update_settings, optimizer)
+    mesh = sharding.make_mesh(devices=jax.devices()[:1])
+    program = PPOProgram(actor_critic, ModelScores(reward_graphdef, pad), settings, optimizer, mesh)
+    # TRL: the reference is a copy of the policy, the value model starts as the reward model
+    params = {"policy": policy_params, "value": jax.tree.map(jnp.copy, reward_params)}
+    frozen = {"ref": jax.tree.map(jnp.copy, policy_params), "reward": reward_params}
+    state, shardings = sharding.init_sharded_train_state(params, optimizer, mesh, frozen=frozen, kl_coef=0.05)
+    return program, state, shardings
+
+
+def run(config: dict) -> dict:
+    from ppojax.train_step import make_train_step, make_train_steps
+
+    t_setup = time.perf_counter()
+    program, state, shardings = build(config)
     prompts = np.asarray(config["prompts"], np.int32)
-    B, P = config["batch_size"], config["prompt_length"]
-    key = jax.random.key(config["seed"])
+    B = config["batch_size"]
+    seed_key = jax.random.key(config["seed"])
     jax.block_until_ready(state)
     setup_s = time.perf_counter() - t_setup
+    scan = config.get("scan") or 1
 
     records = []
     previous_end = time.perf_counter()
     # ``stop_after_updates``: time only the first updates of a run configured for ``num_updates`` (the
-    # learning-rate schedule, hence the compiled update, depends on num_updates).
-    for u in range(config.get("stop_after_updates") or config["num_updates"]):
-        cpu0 = time.process_time()
-        key, k_gen, k_upd = jax.random.split(key, 3)
-        queries = jnp.asarray(prompts[u * B:(u + 1) * B])
-        t0 = time.perf_counter()
-        query_responses = jax.block_until_ready(
-            sample_responses(policy_graphdef, state.params["policy"], queries, k_gen, settings))
-        t1 = time.perf_counter()
-        experience = experience_forwards(
-            state.params["policy"], ref_params, state.params["value"], reward_params, query_responses,
-            prompt_length=P, settings=settings, policy_graphdef=policy_graphdef,
-            value_graphdef=reward_graphdef, reward_graphdef=reward_graphdef)
-        experience = jax.block_until_ready(finalize_scores(experience, experience.scores, settings))
-        t2 = time.perf_counter()
-        state, metrics = update(state, experience, k_upd, jnp.float32(0.05))
-        jax.block_until_ready((state, metrics))
-        t3 = time.perf_counter()
-        records.append({"total_s": t3 - previous_end, "generation_s": t1 - t0, "rollout_s": t2 - t0,
-                        "update_s": t3 - t2, "cpu_s": time.process_time() - cpu0})
-        previous_end = t3
+    # learning-rate schedule, hence the compiled program, depends on num_updates).
+    n = config.get("stop_after_updates") or config["num_updates"]
+    if scan == 1:
+        step = make_train_step(program, shardings)
+        for u in range(n):
+            cpu0 = time.process_time()
+            state, metrics = step(state, prompts[u * B:(u + 1) * B], jax.random.fold_in(seed_key, u))
+            jax.block_until_ready((state, metrics))
+            end = time.perf_counter()
+            records.append({"total_s": end - previous_end, "cpu_s": time.process_time() - cpu0})
+            previous_end = end
+        compilations = step.jitted._cache_size()
+    else:  # blocks of `scan` iterations, one program each; a block's time is shared by its iterations
+        steps = make_train_steps(program, shardings)
+        for first in range(0, n - n % scan, scan):
+            cpu0 = time.process_time()
+            block = prompts[first * B:(first + scan) * B].reshape(scan, B, -1)
+            keys = jax.vmap(lambda u: jax.random.fold_in(seed_key, u))(jnp.arange(first, first + scan))
+            state, metrics = steps(state, block, keys)
+            jax.block_until_ready((state, metrics))
+            end = time.perf_counter()
+            # the first block (it compiles) is ONE record, the warm-up that summarize() leaves out
+            parts = 1 if first == 0 else scan
+            records += [{"total_s": (end - previous_end) / parts, "cpu_s": (time.process_time() - cpu0) / parts}
+                        for _ in range(parts)]
+            previous_end = end
+        compilations = steps.jitted._cache_size()
+    phases = measure_phases(program, state, prompts[:B], seed_key) if config.get("phases", True) else {}
+    for record in records:
+        record.update(phases or {"generation_s": float("nan"), "rollout_s": float("nan"), "update_s": float("nan")})
     out = summarize(config, records, setup_s)
     out["peak_rss_mb"] = peak_rss_mb()
     out["jax_version"] = jax.__version__
     out["device"] = str(jax.devices()[0].platform)
-    out["update_compilations"] = update._cache_size()
+    out["update_compilations"] = compilations
+    out["scan"] = scan
     return out
+
+
+def measure_phases(program, state, prompts, key, repeats: int = 2) -> dict:
+    """Mean seconds of the phases run as separate programs (after one untimed call of each, which compiles):
+    ``generation_s`` (the sampler), ``rollout_s`` (sampling + forwards + reward: ``make_rollout``) and
+    ``update_s`` (``learn`` on that experience)."""
+    from ppojax import rollout
+    from ppojax.train_step import make_rollout
+    from ppojax.update import learn
+
+    sample = jax.jit(lambda s, q, k: rollout.sample(program, s, q, k))
+    run_rollout = make_rollout(program)
+    update = jax.jit(lambda s, e, k: learn(program, s, e, k))  # not donated: the state is reused
+    experience, _ = jax.block_until_ready(run_rollout(state, prompts, key))
+    jax.block_until_ready(sample(state, prompts, key))
+    jax.block_until_ready(update(state, experience, key))
+    times = {"generation_s": [], "rollout_s": [], "update_s": []}
+    for i in range(repeats):
+        k = jax.random.fold_in(key, 1000 + i)
+        for name, fn in (("generation_s", lambda: sample(state, prompts, k)),
+                         ("rollout_s", lambda: run_rollout(state, prompts, k)),
+                         ("update_s", lambda: update(state, experience, k))):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[name].append(time.perf_counter() - t0)
+    return {name: sum(v) / len(v) for name, v in times.items()}
 
 
 def main(argv=None):
@@ -109,11 +164,14 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--model-dir", default=None)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--scan", type=int, default=1, help="iterations per train_steps block (1: train_step)")
+    parser.add_argument("--no-phases", action="store_true", help="skip the per-phase timing")
     args = parser.parse_args(argv)
     from ppojax.host_memory import keep_freed_memory
 
     keep_freed_memory()  # as the ppojax CLI does, before JAX starts
-    result = run(make_config(args.size, quick=args.quick, num_updates=args.updates, model_dir=args.model_dir))
+    config = make_config(args.size, quick=args.quick, num_updates=args.updates, model_dir=args.model_dir)
+    result = run(dict(config, scan=args.scan, phases=not args.no_phases))
     text = json.dumps({k: v for k, v in result.items() if k != "updates"}, indent=2)
     print(text)
     if args.json:

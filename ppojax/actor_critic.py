@@ -1,14 +1,17 @@
-"""The trainable pair PPO updates: a policy and a value function, as graphdefs plus a parameter pytree.
+"""The one owner of the model forwards PPO needs: policy and reference log-probs, values, full-vocabulary KL.
 
-Two layouts (``value_head`` in the config):
+Both the rollout (behaviour and reference log-probs, values) and the loss (fresh log-probs, entropy, values)
+call :class:`ActorCritic`, so the two always compute the same quantities the same way.
+
+Value layouts (``value_head`` in the config):
 - 'separate' (TRL): the value function is a ScoreModel of its own (backbone + ``score`` head), usually
   initialised from the reward model. Trainable params: ``{"policy": ..., "value": ...}``.
 - 'policy' (legacy ``AutoModelForCausalLMWithValueHead``): the policy is a ``CausalLMWithValueHead`` whose
   ``value(hidden)`` head reads the policy's own final hidden states (one backbone pass gives log-probs and
   values). Trainable params: ``{"policy": ...}``.
 
-:class:`ActorCritic` is static (hashable) so it can be a static argument of ``jax.jit``; the parameters
-always travel separately, as explicit inputs.
+:class:`ActorCritic` is static (hashable): a ``jax.jit`` static argument; parameters always travel
+separately, as explicit inputs. Every method is pure; call it inside ``jit``.
 """
 from __future__ import annotations
 
@@ -23,27 +26,35 @@ from . import forward
 
 @dataclass(frozen=True)
 class ActorCritic:
-    """Static description of how to evaluate the policy and value on a rollout.
-
-    policy_graphdef: graphdef of a ``CausalLM``; value_graphdef: graphdef of a ``ScoreModel``, or None
-    when the policy is a ``CausalLMWithValueHead``. logits_chunk_size bounds the [B, chunk, V] logits held at once.
-    """
+    """policy_graphdef: graphdef of a ``CausalLM`` (a ``CausalLMWithValueHead`` when value_graphdef is
+    None); value_graphdef: graphdef of a ``ScoreModel`` or None; ref_graphdef: graphdef of the frozen
+    reference (None: the policy's). temperature: the sampling temperature the log-probs are taken at."""
 
     policy_graphdef: Any
     value_graphdef: Optional[Any]
     pad_token_id: int
     temperature: float
-    logits_chunk_size: Optional[int] = None
+    ref_graphdef: Optional[Any] = None
 
     @property
     def has_value_head(self) -> bool:
         return self.value_graphdef is None
 
     def policy(self, params):
-        """The merged policy module (call inside jit)."""
+        """The merged policy module."""
         return nnx.merge(self.policy_graphdef, params["policy"])
 
-    def evaluate(self, params, query_responses, prompt_length, with_entropy=True):
+    def reference(self, ref_params):
+        return nnx.merge(self.ref_graphdef or self.policy_graphdef, ref_params)
+
+    def _values_from(self, policy, hidden, params, query_responses, prompt_length):
+        if self.has_value_head:
+            return policy.value(hidden).astype(jnp.float32)
+        value_model = nnx.merge(self.value_graphdef, params["value"])
+        return forward.response_values(value_model, query_responses, prompt_length, self.pad_token_id)
+
+    # ---- the loss ----
+    def evaluate(self, params, query_responses, prompt_length, *, logits_chunk_size=None, with_entropy=True):
         """Fresh log-probs, entropy and values of a rollout's responses, unmasked.
 
         query_responses: i32[B, P+R] -> (logprobs f32[B, R], entropy f32[B, R] or None, values f32[B, R]).
@@ -51,21 +62,40 @@ class ActorCritic:
         policy = self.policy(params)
         hidden = forward.response_hidden(policy, query_responses, prompt_length, self.pad_token_id)
         tokens = query_responses[:, prompt_length:]
-        logprobs, entropy = forward.logprobs_from_hidden(
-            policy, hidden, tokens, self.temperature, chunk_size=self.logits_chunk_size,
-            with_entropy=with_entropy)
-        if self.has_value_head:
-            values = policy.value(hidden).astype(jnp.float32)
-        else:
-            value_model = nnx.merge(self.value_graphdef, params["value"])
-            values = forward.response_values(value_model, query_responses, prompt_length, self.pad_token_id)
-        return logprobs, entropy, values
+        logprobs, entropy = forward.logprobs_from_hidden(policy, hidden, tokens, self.temperature,
+                                                         chunk_size=logits_chunk_size, with_entropy=with_entropy)
+        return logprobs, entropy, self._values_from(policy, hidden, params, query_responses, prompt_length)
 
-    def values(self, params, query_responses, prompt_length):
-        """Values alone (the rollout needs no policy log-probs from a separate value model). f32[B, R]."""
-        if self.has_value_head:
-            policy = self.policy(params)
-            hidden = forward.response_hidden(policy, query_responses, prompt_length, self.pad_token_id)
-            return policy.value(hidden).astype(jnp.float32)
-        value_model = nnx.merge(self.value_graphdef, params["value"])
-        return forward.response_values(value_model, query_responses, prompt_length, self.pad_token_id)
+    # ---- the rollout ----
+    def rollout_forwards(self, params, ref_params, query_responses, prompt_length, *, logits_chunk_size=None,
+                         forward_batch_size=None, with_full_kl=False):
+        """Behaviour and reference log-probs, values and (optionally) the full-vocabulary KL, unmasked.
+
+        query_responses: i32[B, P+R]. Rows go through the models ``forward_batch_size`` at a time
+        (TRL's ``local_rollout_forward_batch_size``; None = all at once).
+        Returns (logprobs, ref_logprobs, values, full_kl or None), each f32[B, R].
+        """
+        P, pad, temperature = prompt_length, self.pad_token_id, self.temperature
+
+        def policy_and_ref(qr):
+            policy, ref = self.policy(params), self.reference(ref_params)
+            hidden = forward.response_hidden(policy, qr, P, pad)
+            ref_hidden = forward.response_hidden(ref, qr, P, pad)
+            logprobs, _ = forward.logprobs_from_hidden(policy, hidden, qr[:, P:], temperature,
+                                                       chunk_size=logits_chunk_size)
+            ref_logprobs, _ = forward.logprobs_from_hidden(ref, ref_hidden, qr[:, P:], temperature,
+                                                           chunk_size=logits_chunk_size)
+            values = policy.value(hidden).astype(jnp.float32) if self.has_value_head else None
+            full_kl = None
+            if with_full_kl:
+                full_kl = forward.full_kl_from_hidden(policy, hidden, ref, ref_hidden, temperature,
+                                                      chunk_size=logits_chunk_size)
+            return logprobs, ref_logprobs, values, full_kl
+
+        logprobs, ref_logprobs, values, full_kl = forward.map_batch(policy_and_ref, forward_batch_size,
+                                                                    query_responses)
+        if not self.has_value_head:
+            value_model = lambda: nnx.merge(self.value_graphdef, params["value"])  # noqa: E731
+            values = forward.map_batch(lambda qr: forward.response_values(value_model(), qr, P, pad),
+                                       forward_batch_size, query_responses)
+        return logprobs, ref_logprobs, values, full_kl

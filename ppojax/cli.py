@@ -32,14 +32,18 @@ def run_training(config: PPOConfig) -> dict:
     from .trainer import PPOTrainer
 
     start = time.time()
+    if config.reward_function is None and config.reward_model_path is None:
+        from .train.build import NO_REWARD
+        raise ConfigError(NO_REWARD)
     out = Path(config.output_dir)
     with stage(f"building models, data and the reward for {config.model_name_or_path!r}"):
         trainer = PPOTrainer(config)
     print(f"ppojax: {len(trainer.train_queries)} training prompts, "
           f"{0 if trainer.eval_queries is None else len(trainer.eval_queries)} held out; "
-          f"{trainer.num_updates} updates of {trainer.sizes.batch_size} prompts x {config.response_length} tokens")
-    if trainer.compilation_cache_dir is not None:
-        print(f"ppojax: compiled programs are cached in {trainer.compilation_cache_dir} (a re-run with the same "
+          f"{trainer.num_updates} updates of {trainer.run.settings.batch_size} prompts x {config.response_length} "
+          "tokens")
+    if trainer.run.compilation_cache_dir is not None:
+        print(f"ppojax: compiled programs are cached in {trainer.run.compilation_cache_dir} (a re-run with the same "
               "shapes skips compiling; compilation_cache_dir=none turns this off)")
     resumed = trainer.resume(config.resume) if config.resume else None
     start_step = int(trainer.state.update_count)

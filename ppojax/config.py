@@ -22,7 +22,8 @@ from typing import Any, Optional
 
 import yaml
 
-from .ppo.kl import KL_ESTIMATORS
+from .ppo.advantages import advantage_estimator_names
+from .ppo.kl import kl_estimator_names
 from .ppo.shaping import SCORE_POSITIONS
 
 
@@ -104,6 +105,9 @@ class PPOConfig:
     kl_coef: float = 0.05
     kl_estimator: str = "k1"
     """'k1', 'k3', or legacy 'abs', 'mse', 'full'."""
+    advantage_estimator: str = "gae"
+    """How advantages are computed from the rewards: 'gae' (generalised advantage estimation with the value
+    model, PPO)."""
     adaptive_kl: bool = False
     """Legacy adaptive KL controller (Ziegler et al.); kl_coef is its initial value."""
     target_kl_for_adaptive: float = 6.0
@@ -216,7 +220,9 @@ class PPOConfig:
         need(0.0 <= self.lam <= 1.0, "lam", "a GAE lambda in [0, 1]")
         need(self.cliprange > 0, "cliprange", "a clip range > 0")
         need(self.cliprange_value > 0, "cliprange_value", "a clip range > 0")
-        need(self.kl_estimator in KL_ESTIMATORS, "kl_estimator", f"one of {KL_ESTIMATORS}")
+        need(self.kl_estimator in kl_estimator_names(), "kl_estimator", f"one of {kl_estimator_names()}")
+        need(self.advantage_estimator in advantage_estimator_names(), "advantage_estimator",
+             f"one of {advantage_estimator_names()}")
         need(self.score_position in SCORE_POSITIONS, "score_position", f"one of {SCORE_POSITIONS}")
         need(self.value_head in ("separate", "policy"), "value_head", "'separate' or 'policy'")
         need(self.dtype in ("float32", "bfloat16"), "dtype", "'float32' or 'bfloat16'")
@@ -243,6 +249,11 @@ class PPOConfig:
             raise ConfigError("Both reward_model_path and reward_function are set; keep one of them.")
         self.derived()  # divisibility on one device; the trainer re-checks with the real mesh
         return self
+
+    def static_settings(self) -> "StaticSettings":
+        """The fields that shape compiled programs, as a hashable read-only view (a jit static argument)."""
+        return StaticSettings(tuple((f.name, getattr(self, f.name)) for f in fields(self)
+                                    if f.name not in _NOT_STATIC))
 
     # ---- (de)serialisation ----
     def to_dict(self) -> dict[str, Any]:
@@ -271,6 +282,32 @@ class PPOConfig:
             raise ConfigError(f"{path}: expected a mapping of field: value, got {type(values).__name__}.")
         values.update(parse_overrides(overrides or []))
         return cls.from_dict(values)
+
+
+_NOT_STATIC = frozenset({"output_dir", "run_name", "resume", "logging_steps", "num_sample_generations",
+                         "save_steps", "save_total_limit", "report_to", "compilation_cache_dir", "kl_coef",
+                         "total_episodes", "num_train_epochs", "num_eval_prompts"})
+
+
+@dataclass(frozen=True)
+class StaticSettings:
+    """A hashable view of the static config fields: ``view.gamma``; ``view.replace(temperature=0.01)``."""
+
+    items: tuple
+
+    def __getattr__(self, name):
+        if name == "items":
+            raise AttributeError(name)
+        for key, value in self.items:
+            if key == name:
+                return value
+        raise AttributeError(f"{name!r} is not a static config field")
+
+    def replace(self, **changes) -> "StaticSettings":
+        unknown = set(changes) - {k for k, _ in self.items}
+        if unknown:
+            raise AttributeError(f"not static config fields: {sorted(unknown)}")
+        return StaticSettings(tuple((k, changes.get(k, v)) for k, v in self.items))
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,9 @@ def greedy_continuations_agree(policy_dir, trainer, queries, max_new_tokens: int
     from .generate import generate
     from .ppo.masks import truncate_response
 
-    pad, stop = trainer.pad_token_id, trainer.stop_token_id
-    ours = generate(trainer.actor_critic.policy_graphdef, trainer.policy_params, jnp.asarray(queries), jax.random.key(0),
+    pad, stop = trainer.run.settings.pad_token_id, trainer.run.settings.stop_token_id
+    ours = generate(trainer.run.program.actor_critic.policy_graphdef, trainer.policy_params, jnp.asarray(queries),
+                    jax.random.key(0),
                     response_length=max_new_tokens, pad_token_id=pad, greedy=True, stop_token_id=stop)
     ours = np.asarray(truncate_response(ours, stop, pad))
 

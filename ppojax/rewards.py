@@ -6,11 +6,20 @@ host through `call_reward_function`, which turns every way it can go wrong into 
 function and the offending row, before any of it reaches the jitted update.
 
 Built in: `vader_sentiment_reward()`, VADER's compound sentiment score in [-1, 1] (the movie-review demo).
+
+Reward SOURCES (one class per kind) give a rollout's scores inside the compiled PPO program:
+`ModelScores` (a reward ScoreModel's forward, nothing leaves the device), `FunctionScores` (a Python function of
+the texts, reached through a host callback, the tokenizer's decode on the host), `TracedScores` (a reward written
+in JAX on the token ids, traced into the program) and `GivenScores` (the legacy
+`step()`: scores computed by the caller). Each has `scores(frozen, queries, responses) -> (scores f32[B],
+failures i32[])`; `failures` counts rows whose reward could not be computed (the function raised or returned
+something invalid), which the training loop turns back into the function's own error after the step.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence, runtime_checkable
+import threading
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -21,6 +30,11 @@ __all__ = [
     "call_reward_function",
     "check_scores",
     "reward_function_name",
+    "decode_rollout_text",
+    "ModelScores",
+    "FunctionScores",
+    "TracedScores",
+    "GivenScores",
 ]
 
 
@@ -144,3 +158,146 @@ def call_reward_function(fn, prompts: Sequence[str], completions: Sequence[str],
 def _preview(value, limit: int = 80) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ------------------------------------------------------------------------------------------ reward sources
+
+
+def decode_rollout_text(tokenizer, queries, responses, pad_token_id):
+    """Prompt and completion strings for a reward function (host side).
+
+    queries: int[B, P], responses: int[B, R] TRUNCATED. Pad ids are dropped, and the completion stops at
+    its first pad; special tokens (the stop token included) are skipped. -> (prompts, completions).
+    """
+    queries, responses = np.asarray(queries), np.asarray(responses)
+    prompt_ids = [[int(t) for t in row if t != pad_token_id] for row in queries]
+    completion_ids = []
+    for row in responses:
+        pads = np.flatnonzero(row == pad_token_id)
+        completion_ids.append([int(t) for t in row[:pads[0] if pads.size else len(row)]])
+    prompts = tokenizer.batch_decode(prompt_ids, skip_special_tokens=True)
+    completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    return list(prompts), list(completions)
+
+
+class ModelScores:
+    """Scores from a reward ScoreModel (TRL's ``get_reward``): its head at the last non-pad token of the
+    prompt + TRUNCATED response. The parameters are ``frozen["reward"]`` of the train state.
+
+    graphdef: the ScoreModel's graphdef; forward_batch_size: rows per forward (None = all at once).
+    """
+
+    in_program = True
+
+    def __init__(self, graphdef, pad_token_id: int, forward_batch_size=None):
+        self.graphdef, self.pad_token_id, self.forward_batch_size = graphdef, pad_token_id, forward_batch_size
+
+    def scores(self, frozen, queries, responses):
+        """queries i32[B, P], responses i32[B, R] (truncated) -> (scores f32[B], failures i32[] = 0)."""
+        import jax.numpy as jnp
+        from flax import nnx
+
+        from . import forward
+
+        tokens = jnp.concatenate([queries, responses], axis=1)
+        P = queries.shape[1]
+        scores = forward.map_batch(
+            lambda t: forward.sequence_scores(nnx.merge(self.graphdef, frozen["reward"]), t, self.pad_token_id,
+                                              prompt_length=P),
+            self.forward_batch_size, tokens)
+        return scores, jnp.zeros((), jnp.int32)
+
+
+class TracedScores:
+    """A reward written in JAX: ``fn(queries i32[B, P], responses i32[B, R]) -> f32[B]``, traced into the
+    program like a reward model (nothing leaves the device), so whole runs can be ``lax.scan``-ed and
+    ``jax.vmap``-ed. ``responses`` are truncated (pad after the stop token)."""
+
+    in_program = True
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def scores(self, frozen, queries, responses):
+        import jax.numpy as jnp
+
+        return jnp.asarray(self.fn(queries, responses), jnp.float32), jnp.zeros((), jnp.int32)
+
+
+class GivenScores:
+    """The caller's scores (legacy ``step(queries, responses, scores)``): ``scores`` f32[B], traced."""
+
+    in_program = True
+
+    def __init__(self, scores):
+        self.given = scores
+
+    def scores(self, frozen, queries, responses):
+        import jax.numpy as jnp
+
+        return jnp.asarray(self.given, jnp.float32), jnp.zeros((), jnp.int32)
+
+
+class FunctionScores:
+    """A Python reward function ``fn(prompts, completions) -> floats`` inside the compiled program.
+
+    ``scores()`` reaches the host through ``jax.pure_callback``: the tokenizer decodes the prompt and
+    completion ids there, :func:`call_reward_function` calls and validates ``fn``. On a mesh the callback runs
+    once per device on that device's rows (``shard_map``), so every process scores its own rows, as TRL's
+    processes do. A failure (``fn`` raised, returned the wrong number of scores or, unless
+    ``allow_nonfinite``, a NaN/inf) never raises inside the program: those rows get NaN (so the update's
+    non-finite guard skips every optimizer step of the iteration), ``failures`` counts them, and the error is
+    kept; :meth:`raise_pending` re-raises it after the step.
+
+    mesh: the device mesh of the program (None: one device). Host-side use: :meth:`host_scores`.
+    """
+
+    in_program = True
+    may_fail = True  # the program skips its update when failures > 0
+
+    def __init__(self, fn, tokenizer, pad_token_id: int, *, allow_nonfinite: bool = False, mesh=None):
+        self.fn, self.tokenizer, self.pad_token_id = fn, tokenizer, pad_token_id
+        self.allow_nonfinite, self.mesh = allow_nonfinite, mesh
+        self._errors: list[BaseException] = []
+        self._lock = threading.Lock()
+
+    @property
+    def name(self) -> str:
+        return f"reward function {reward_function_name(self.fn)}"
+
+    def host_scores(self, queries, responses) -> np.ndarray:
+        """Host side: decode, call ``fn``, validate -> float32[B]. Raises ``RewardFunctionError``."""
+        prompts, completions = decode_rollout_text(self.tokenizer, queries, responses, self.pad_token_id)
+        return call_reward_function(self.fn, prompts, completions, allow_nonfinite=self.allow_nonfinite)
+
+    def _callback(self, queries, responses):
+        try:
+            return self.host_scores(queries, responses), np.zeros(len(queries), np.int32)
+        except Exception as err:  # noqa: BLE001 - kept and re-raised by raise_pending() after the step
+            with self._lock:
+                self._errors.append(err)
+            return np.full(len(queries), np.nan, np.float32), np.ones(len(queries), np.int32)
+
+    def scores(self, frozen, queries, responses):
+        """queries i32[B, P], responses i32[B, R] (truncated) -> (scores f32[B], failures i32[])."""
+        import jax
+        import jax.numpy as jnp
+
+        def call(q, r):
+            shapes = (jax.ShapeDtypeStruct(q.shape[:1], jnp.float32), jax.ShapeDtypeStruct(q.shape[:1], jnp.int32))
+            return jax.pure_callback(self._callback, shapes, q, r, vmap_method="sequential")
+
+        if self.mesh is not None and self.mesh.size > 1:
+            from .sharding import batch_partition_spec
+
+            rows = batch_partition_spec(self.mesh)
+            call = jax.shard_map(call, mesh=self.mesh, in_specs=(rows, rows), out_specs=(rows, rows))
+        scores, failed = call(queries, responses)
+        return scores, jnp.sum(failed)
+
+    def raise_pending(self) -> None:
+        """Re-raise the first kept failure (and forget them all); a no-op when there is none."""
+        with self._lock:
+            errors, self._errors = self._errors, []
+        if errors:
+            raise errors[0]

@@ -265,12 +265,12 @@ def shard_params(params, mesh: Mesh, rules: Mapping[str, Any] = TRAIN_RULES, *, 
 # Train state
 # --------------------------------------------------------------------------------------------------
 def train_state_shardings(state, mesh: Mesh, rules: Mapping[str, Any] = TRAIN_RULES, *, logical_axes=None):
-    """Shardings of a ``ppojax.update.TrainState`` (concrete or from ``jax.eval_shape``).
+    """Shardings of a ``ppojax.types.TrainState`` (concrete or from ``jax.eval_shape``).
 
-    params: by the rules. opt_state: every subtree with the structure of ``params`` (Adam's ``mu``,
-    ``nu``, any optax state that mirrors the parameters) takes the parameters' shardings; other leaves
-    (step counts, scalars) are replicated, or use the :data:`UNNAMED` fallback if they are arrays.
-    Counters: replicated.
+    params and the frozen models: by the rules. opt_state: every subtree with the structure of ``params``
+    (Adam's ``mu``, ``nu``, any optax state that mirrors the parameters) takes the parameters' shardings;
+    other leaves (step counts, scalars) are replicated, or use the :data:`UNNAMED` fallback if they are
+    arrays. The KL coefficient, score moments and counters: replicated.
     """
     params_sh = param_shardings(state.params, mesh, rules, logical_axes=logical_axes)
     params_def = jax.tree.structure(state.params)
@@ -286,30 +286,47 @@ def train_state_shardings(state, mesh: Mesh, rules: Mapping[str, Any] = TRAIN_RU
         return rep if not shape else NamedSharding(mesh, fallback_spec(shape, mesh, rules.get(UNNAMED)))
 
     opt_sh = jax.tree.map(opt_leaf, state.opt_state, is_leaf=mirrors_params)
-    return state.replace(params=params_sh, opt_state=opt_sh, update_count=rep, optimizer_steps=rep,
-                         nonfinite_streak=rep, nonfinite_total=rep)
+    frozen_sh = None if state.frozen is None else param_shardings(state.frozen, mesh, rules)
+    return state.replace(params=params_sh, opt_state=opt_sh, frozen=frozen_sh,
+                         kl_coef=rep, score_moments=jax.tree.map(lambda _: rep, state.score_moments),
+                         update_count=rep, optimizer_steps=rep, nonfinite_streak=rep, nonfinite_total=rep,
+                         episode=rep)
 
 
 def init_sharded_train_state(params, optimizer, mesh: Mesh, rules: Mapping[str, Any] = TRAIN_RULES, *,
-                             logical_axes=None):
-    """``init_train_state`` with params and optimizer state created directly in their shardings (the
-    optimizer state is never materialised whole on one device). -> (state, state_shardings)."""
-    from ppojax.update import init_train_state  # noqa: PLC0415 (update imports nothing from here)
+                             frozen=None, kl_coef=0.05, logical_axes=None):
+    """``ppojax.types.init_train_state`` with params, frozen models and optimizer state created directly in
+    their shardings (the optimizer state is never materialised whole on one device).
+    -> (state, state_shardings)."""
+    from ppojax.types import init_train_state  # noqa: PLC0415 (types imports nothing from here)
 
-    init = lambda p: init_train_state(p, optimizer)  # noqa: E731
-    shardings = train_state_shardings(jax.eval_shape(init, params), mesh, rules, logical_axes=logical_axes)
+    init = lambda p, f: init_train_state(p, optimizer, frozen=f, kl_coef=kl_coef)  # noqa: E731
+    shardings = train_state_shardings(jax.eval_shape(init, params, frozen), mesh, rules,
+                                      logical_axes=logical_axes)
     params = shard_params(params, mesh, rules, logical_axes=logical_axes)
-    state = jax.jit(init, out_shardings=shardings)(params)
+    frozen = None if frozen is None else shard_params(frozen, mesh, rules)
+    state = jax.jit(init, out_shardings=shardings)(params, frozen)
     return state, shardings
 
 
 # --------------------------------------------------------------------------------------------------
 # Batches and the KV cache
 # --------------------------------------------------------------------------------------------------
+def batch_partition_spec(mesh: Mesh, rules: Mapping[str, Any] = TRAIN_RULES, axis: int = 0) -> PartitionSpec:
+    """Rows (dimension ``axis``) over the ``batch`` rule's mesh axes, ('data', 'fsdp'); the rest unsplit."""
+    axes = _as_axes(rules.get("batch"))
+    return PartitionSpec(*([None] * axis), axes) if axes else PartitionSpec()
+
+
 def batch_sharding(mesh: Mesh, rules: Mapping[str, Any] = TRAIN_RULES) -> NamedSharding:
     """Rows (leading axis) over the ``batch`` rule's mesh axes, ('data', 'fsdp'); the rest replicated."""
-    axes = _as_axes(rules.get("batch"))
-    return NamedSharding(mesh, PartitionSpec(axes) if axes else PartitionSpec())
+    return NamedSharding(mesh, batch_partition_spec(mesh, rules))
+
+
+def shard_batch_axis(x, mesh: Mesh, axis: int, rules: Mapping[str, Any] = TRAIN_RULES):
+    """Place an array whose dimension ``axis`` holds the batch rows (e.g. prompts i32[K, B, P] of
+    ``train_steps``: axis 1) with those rows over ('data', 'fsdp')."""
+    return _put(x, NamedSharding(mesh, batch_partition_spec(mesh, rules, axis)))
 
 
 def _batch_leaf_sharding(x, mesh, rules):
@@ -360,31 +377,6 @@ def make_init_cache_fn(mesh: Mesh, rules: Mapping[str, Any] = GENERATE_RULES):
         return jax.lax.with_sharding_constraint(cache, kv_cache_shardings(cache, mesh, rules))
 
     return init_cache_fn
-
-
-# --------------------------------------------------------------------------------------------------
-# The sharded update
-# --------------------------------------------------------------------------------------------------
-def make_sharded_ppo_update(actor_critic, settings, optimizer, mesh: Mesh, state_shardings,
-                            rules: Mapping[str, Any] = TRAIN_RULES):
-    """``ppojax.update.ppo_update`` jitted for ``mesh``: the state keeps ``state_shardings`` (from
-    :func:`init_sharded_train_state`) and is donated, metrics come back replicated; the experience is
-    placed with rows over ('data', 'fsdp') and the key / kl_coef replicated before the call (no-ops when
-    they already are). Same signature as ``make_ppo_update``'s function. ``.jitted`` is the jit object."""
-    from ppojax.update import ppo_update  # noqa: PLC0415
-
-    def update(state, experience, key, kl_coef):
-        return ppo_update(actor_critic, settings, optimizer, state, experience, key, kl_coef)
-
-    jitted = jax.jit(update, out_shardings=(state_shardings, replicated(mesh)), donate_argnums=(0,))
-
-    def sharded_update(state, experience, key, kl_coef):
-        experience = shard_batch(experience, mesh, rules)
-        key, kl_coef = put_replicated((key, jnp.asarray(kl_coef, jnp.float32)), mesh)
-        return jitted(state, experience, key, kl_coef)
-
-    sharded_update.jitted = jitted
-    return sharded_update
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,88 +1,33 @@
-"""The whole PPO update of SPEC.md as ONE jitted program (DESIGN "The shape of the update").
+"""The PPO update on one rollout batch (SPEC "KL and shaped rewards", "Advantages", "Loss", "Update structure").
 
-    ppo_update(state, experience, key, kl_coef):
-        rewards, kl   = shaped_rewards(scores, logprobs, ref_logprobs, ...)
-        advantages    = whiten(gae(rewards, values))                      # global statistics
+    learn(program, state, experience, key):
+        scores        = process_scores(experience.scores, state.score_moments)     # legacy, off by default
+        rewards, kl   = shaped_rewards(scores, kl_estimator(logprobs, ref_logprobs), state.kl_coef)
+        advantages    = advantage_estimator(rewards, values)                          # global statistics
         for epoch (lax.scan, key_e = split(key, epochs)[e]):
             order = permutation(key_e, B).reshape(num_mini_batches, -1)
             for mini-batch (lax.scan): grads = sum over micro-batches (lax.scan) of token-weighted grads
-                                       ONE optimizer step
-        metrics = mean of per-micro-batch diagnostics + rollout metrics, under TRL's names
+                                       ONE optimizer step (skipped when non-finite)
+        kl_coef       = adaptive_kl_update(kl_coef, kl)                               # legacy, off by default
+        metrics       = rollout metrics + mean per-micro-batch diagnostics, under TRL's names
 
 Semantics chosen where TRL differs (see README): one optimizer step per mini-batch (TRL >= 0.17 steps once
 per epoch when num_mini_batches > 1); micro-batch losses are token-weighted over the mini-batch, so
 accumulation equals one big batch exactly; the learning-rate schedule advances once per UPDATE, as TRL's
-scheduler does. Non-finite loss or gradients skip the optimizer step and are counted.
+scheduler does. Non-finite loss or gradients skip the optimizer step and are counted; an update whose every
+step was skipped leaves the KL coefficient and the score moments as they were.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import optax
-from flax import struct
 
 from . import ppo
-from .actor_critic import ActorCritic
+from .types import UpdateBatch
 
 
-@struct.dataclass
-class TrainState:
-    """Everything the update changes. params: the trainable pytree of an :class:`ActorCritic`.
-
-    update_count: PPO updates done (drives the learning-rate schedule); optimizer_steps: steps applied;
-    nonfinite_streak / nonfinite_total: optimizer steps skipped for a non-finite loss or gradient.
-    """
-
-    params: Any
-    opt_state: Any
-    update_count: jnp.ndarray
-    optimizer_steps: jnp.ndarray
-    nonfinite_streak: jnp.ndarray
-    nonfinite_total: jnp.ndarray
-
-
-@dataclass(frozen=True)
-class UpdateSettings:
-    """The static knobs of one update (hashable; shapes and loop counts depend on them)."""
-
-    num_ppo_epochs: int = 4
-    num_mini_batches: int = 1
-    gradient_accumulation_steps: int = 1
-    cliprange: float = 0.2
-    cliprange_value: float = 0.2
-    vf_coef: float = 0.1
-    entropy_coef: float = 0.0
-    gamma: float = 1.0
-    lam: float = 0.95
-    whiten_rewards: bool = False
-    kl_estimator: str = "k1"
-    score_position: str = "trl"
-    ratio_threshold: Optional[float] = None
-    early_stop_kl: Optional[float] = None
-    # learning-rate schedule, a function of the update index
-    learning_rate: float = 3e-6
-    lr_scheduler_type: str = "linear"
-    warmup_steps: int = 0
-    num_updates: int = 1
-
-    @classmethod
-    def from_config(cls, config, num_updates: int) -> "UpdateSettings":
-        return cls(
-            num_ppo_epochs=config.num_ppo_epochs, num_mini_batches=config.num_mini_batches,
-            gradient_accumulation_steps=config.gradient_accumulation_steps, cliprange=config.cliprange,
-            cliprange_value=config.cliprange_value, vf_coef=config.vf_coef, entropy_coef=config.entropy_coef,
-            gamma=config.gamma, lam=config.lam, whiten_rewards=config.whiten_rewards,
-            kl_estimator=config.kl_estimator, score_position=config.score_position,
-            ratio_threshold=config.ratio_threshold,
-            early_stop_kl=1.5 * config.target_kl if config.early_stopping else None,
-            learning_rate=config.learning_rate, lr_scheduler_type=config.lr_scheduler_type,
-            warmup_steps=config.warmup_steps, num_updates=num_updates)
-
-
-def learning_rate_at(settings: UpdateSettings, update_index):
+def learning_rate_at(settings, update_index):
     """HF's linear schedule with warmup, stepped once per update (as TRL's PPO steps its scheduler)."""
     u = jnp.asarray(update_index, jnp.float32)
     base = jnp.float32(settings.learning_rate)
@@ -113,61 +58,64 @@ def optimizer_from_config(config) -> optax.GradientTransformation:
                           max_grad_norm=config.max_grad_norm)
 
 
-def init_train_state(params, optimizer) -> TrainState:
-    def zero():  # distinct buffers: the state is donated, and one buffer may not be donated twice
-        return jnp.zeros((), jnp.int32)
+# --------------------------------------------------------------------------------------------------
+# Rewards and advantages on the whole (global) rollout batch
+# --------------------------------------------------------------------------------------------------
+def process_scores(settings, experience, moments):
+    """Legacy score scaling / normalisation / clipping (off by default). -> (scores f32[B], new moments).
 
-    return TrainState(params=params, opt_state=optimizer.init(params), update_count=zero(),
-                      optimizer_steps=zero(), nonfinite_streak=zero(), nonfinite_total=zero())
-
-
-class UpdateBatch(NamedTuple):
-    """Per-row tensors the loss reads; all share the leading batch axis [B, ...]."""
-
-    query_responses: jnp.ndarray  # i32[B, P+R]
-    logprobs: jnp.ndarray         # f32[B, R]  behaviour log-probs (INVALID_LOGPROB on padding)
-    values: jnp.ndarray           # f32[B, R]  rollout values (0 on padding_mask_p1)
-    advantages: jnp.ndarray       # f32[B, R]  whitened, 0 on padding
-    returns: jnp.ndarray          # f32[B, R]
-    padding_mask: jnp.ndarray     # bool[B, R] True = padding
-    padding_mask_p1: jnp.ndarray  # bool[B, R]
+    A NaN/inf score leaves the running moments as they were: that update is skipped anyway, and the moments
+    must stay usable for the next one."""
+    if not (settings.use_score_scaling or settings.score_clip is not None):
+        return experience.scores, moments
+    scores, new = ppo.process_scores(experience.scores, moments, use_score_scaling=settings.use_score_scaling,
+                                     use_score_norm=settings.use_score_norm, score_clip=settings.score_clip)
+    finite = jnp.all(jnp.isfinite(experience.scores))
+    return scores, jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, moments)
 
 
-def shaped_rewards_and_advantages(settings: UpdateSettings, experience, kl_coef):
-    """SPEC's KL-shaped rewards, GAE and whitening on the whole (global) rollout batch.
+def per_token_kl(settings, experience):
+    """The configured KL estimator's f32[B, R] (0 on padding)."""
+    if ppo.kl_estimator(settings.kl_estimator).needs_full_distribution:
+        return experience.full_kl  # computed in the rollout from both full distributions
+    return ppo.kl_per_token(experience.logprobs, experience.ref_logprobs, settings.kl_estimator)
 
-    Returns (UpdateBatch, rollout metrics dict).
+
+def shaped_rewards_and_advantages(settings, experience, scores, kl_coef):
+    """SPEC's KL-shaped rewards and the configured advantage estimator on the whole rollout batch.
+
+    scores: f32[B] (after legacy processing); kl_coef: f32[]. Returns (UpdateBatch, rollout metrics, kl f32[B, R]).
     """
-    if settings.kl_estimator == "full":
-        kl = experience.full_kl  # f32[B, R], computed in the rollout from both full distributions
-    else:
-        kl = ppo.kl_per_token(experience.logprobs, experience.ref_logprobs, settings.kl_estimator)
-    shaped = ppo.shaped_rewards(experience.scores, kl, experience.last_index, kl_coef,
-                                experience.padding_mask_p1, score_position=settings.score_position,
-                                whiten_rewards=settings.whiten_rewards)
-    adv = ppo.advantages_and_returns(shaped.rewards, experience.values, experience.padding_mask,
-                                     settings.gamma, settings.lam)
+    kl = per_token_kl(settings, experience)
+    shaped = ppo.shaped_rewards(scores, kl, experience.last_index, kl_coef, experience.padding_mask_p1,
+                                score_position=settings.score_position, whiten_rewards=settings.whiten_rewards)
+    estimator = ppo.advantage_estimator(settings.advantage_estimator)
+    adv = estimator.fn(ppo.AdvantageInputs(shaped.rewards, scores, experience.values, experience.padding_mask,
+                                           experience.padding_mask_p1), settings)
     metrics = ppo.rollout_metrics(experience.scores, kl, shaped.non_score_reward, experience.logprobs,
-                                  experience.padding_mask, num_stop_tokens=None)
+                                  experience.padding_mask, experience.num_eos_tokens)
+    if settings.use_score_scaling or settings.score_clip is not None:
+        metrics["objective/scores_processed"] = jnp.mean(scores)
     batch = UpdateBatch(experience.query_responses, experience.logprobs, experience.values,
                         adv.advantages, adv.returns, experience.padding_mask, experience.padding_mask_p1)
-    return batch, metrics
+    return batch, metrics, kl
 
 
-def micro_batch_loss(actor_critic: ActorCritic, settings: UpdateSettings, params, batch: UpdateBatch,
-                     policy_tokens, value_tokens):
+# --------------------------------------------------------------------------------------------------
+# The loss of one micro-batch
+# --------------------------------------------------------------------------------------------------
+def micro_batch_loss(actor_critic, settings, params, batch: UpdateBatch, policy_tokens, value_tokens):
     """Token-weighted PPO loss of one micro-batch on the current parameters. Returns (loss, stats)."""
     response_length = batch.logprobs.shape[1]
     prompt_length = batch.query_responses.shape[1] - response_length
-    logprobs, entropy, vpred = actor_critic.evaluate(params, batch.query_responses, prompt_length)
-    loss, stats = ppo.ppo_loss(
-        logprobs, vpred, entropy, batch.logprobs, batch.values, batch.advantages, batch.returns,
-        batch.padding_mask, batch.padding_mask_p1, cliprange=settings.cliprange,
-        cliprange_value=settings.cliprange_value, vf_coef=settings.vf_coef,
-        entropy_coef=settings.entropy_coef, policy_tokens=policy_tokens, value_tokens=value_tokens)
-    live = ~batch.padding_mask
+    logprobs, entropy, vpred = actor_critic.evaluate(params, batch.query_responses, prompt_length,
+                                                     logits_chunk_size=settings.update_logits_chunk)
+    loss, stats = ppo.ppo_loss(logprobs, vpred, entropy, batch, cliprange=settings.cliprange,
+                               cliprange_value=settings.cliprange_value, vf_coef=settings.vf_coef,
+                               entropy_coef=settings.entropy_coef, policy_tokens=policy_tokens,
+                               value_tokens=value_tokens)
     masked_new = jnp.where(batch.padding_mask, ppo.INVALID_LOGPROB, logprobs)
-    stats["policykl"] = ppo.masked_mean(batch.logprobs - masked_new, live)  # legacy early-stopping KL
+    stats["policykl"] = ppo.masked_mean(batch.logprobs - masked_new, ~batch.padding_mask)  # legacy early stop
     return loss, stats
 
 
@@ -187,21 +135,24 @@ def _select(condition, new, old):
     return jax.tree.map(lambda n, o: jnp.where(condition, n, o), new, old)
 
 
-def ppo_update(actor_critic: ActorCritic, settings: UpdateSettings, optimizer: optax.GradientTransformation,
-               state: TrainState, experience, key, kl_coef):
-    """One PPO update on one rollout batch. Pure; jit it with :func:`make_ppo_update`.
+# --------------------------------------------------------------------------------------------------
+# The update
+# --------------------------------------------------------------------------------------------------
+def learn(program, state, experience, key):
+    """One PPO update of ``state`` on ``experience`` (pure; traced inside ``ppojax.train_step``).
 
-    experience: any object with query_responses i32[B, P+R], logprobs, ref_logprobs, values f32[B, R],
-    scores f32[B], last_index i32[B], padding_mask, padding_mask_p1 bool[B, R] (see rollout.Experience).
-    key: PRNG key for the epoch permutations; kl_coef: f32 scalar (traced).
-    Returns (new state, metrics dict of scalars under TRL's names).
+    program: a ``ppojax.train_step.PPOProgram`` (actor_critic, settings, optimizer). key: PRNG key for the
+    epoch permutations. Returns (new state, metrics dict of f32/i32 scalars under TRL's names).
     """
-    batch, rollout_stats = shaped_rewards_and_advantages(settings, experience, kl_coef)
+    actor_critic, settings, optimizer = program.actor_critic, program.settings, program.optimizer
+    scores, moments = process_scores(settings, experience, state.score_moments)
+    batch, rollout_stats, kl = shaped_rewards_and_advantages(settings, experience, scores, state.kl_coef)
     batch_size = batch.logprobs.shape[0]
     mini_size = batch_size // settings.num_mini_batches
     grad_fn = jax.value_and_grad(
         lambda p, mb, pt, vt: micro_batch_loss(actor_critic, settings, p, mb, pt, vt), has_aux=True)
     lr = learning_rate_at(settings, state.update_count)
+    nonfinite_before = state.nonfinite_total
 
     def mini_batch_step(carry, rows):
         state, stopped = carry
@@ -234,8 +185,8 @@ def ppo_update(actor_critic: ActorCritic, settings: UpdateSettings, optimizer: o
             optimizer_steps=state.optimizer_steps + apply.astype(jnp.int32),
             nonfinite_streak=jnp.where(finite, 0, state.nonfinite_streak + (~skip).astype(jnp.int32)),
             nonfinite_total=state.nonfinite_total + (~finite & ~skip).astype(jnp.int32))
-        if settings.early_stop_kl is not None:  # legacy: stop the epochs once the policy KL is too large
-            stopped = stopped | (jnp.mean(stats["policykl"]) > settings.early_stop_kl)
+        if settings.early_stopping:  # legacy: stop the epochs once the policy KL is too large
+            stopped = stopped | (jnp.mean(stats["policykl"]) > 1.5 * settings.target_kl)
         stats["skipped"] = jnp.broadcast_to(~apply, stats["loss"].shape).astype(jnp.float32)
         return (new_state, stopped), stats
 
@@ -249,22 +200,30 @@ def ppo_update(actor_critic: ActorCritic, settings: UpdateSettings, optimizer: o
     metrics = dict(rollout_stats)
     for short, name in ppo.UPDATE_METRIC_NAMES.items():
         metrics[name] = jnp.mean(stats[short])
+    for short, name in ppo.LOSS_METRIC_NAMES.items():
+        metrics[name] = jnp.mean(jnp.sum(stats[short], axis=-1))
+    # TRL's val/ratio_var: the (unbiased) variance of the micro-batches' mean ratios (NaN with one).
+    metrics["val/ratio_var"] = jnp.var(stats["ratio"], ddof=1) if stats["ratio"].size > 1 else jnp.float32(jnp.nan)
     metrics["policy/policykl_avg"] = jnp.mean(stats["policykl"])
     metrics["ppo/skipped_steps"] = jnp.sum(stats["skipped"][..., 0])
     metrics["ppo/nonfinite_total"] = state.nonfinite_total
     metrics["lr"] = lr
-    metrics["objective/kl_coef"] = jnp.asarray(kl_coef, jnp.float32)
     metrics["first_micro_batch/ratio"] = stats["ratio"][0, 0, 0]
     metrics["first_micro_batch/approxkl"] = stats["approxkl"][0, 0, 0]
-    return state.replace(update_count=state.update_count + 1), metrics
 
-
-def make_ppo_update(actor_critic: ActorCritic, settings: UpdateSettings, optimizer):
-    """The jitted update ``(state, experience, key, kl_coef) -> (state, metrics)`` with the state donated.
-
-    Shardings follow the inputs' (jit propagates them); see ``ppojax.sharding`` for the rules.
-    """
-    def update(state, experience, key, kl_coef):
-        return ppo_update(actor_critic, settings, optimizer, state, experience, key, kl_coef)
-
-    return jax.jit(update, donate_argnums=(0,))
+    # ---- controllers: the KL coefficient and the score moments move unless every step was skipped ----
+    nonfinite_steps = state.nonfinite_total - nonfinite_before
+    all_skipped = (nonfinite_steps > 0) & (metrics["ppo/skipped_steps"] >= settings.steps_per_update)
+    kl_coef = state.kl_coef
+    if settings.adaptive_kl:
+        mean_kl = rollout_stats["objective/kl"]
+        moved = ppo.adaptive_kl_update(kl_coef, mean_kl, batch_size, settings.target_kl_for_adaptive,
+                                       settings.horizon)
+        kl_coef = jnp.where(jnp.isfinite(mean_kl) & ~all_skipped, moved, kl_coef)
+    metrics["objective/kl_coef"] = state.kl_coef  # the coefficient this update's rewards used
+    moments = _select(all_skipped, state.score_moments, moments)
+    state = state.replace(kl_coef=kl_coef, score_moments=moments, update_count=state.update_count + 1,
+                          episode=state.episode + batch_size)
+    metrics["episode"] = state.episode
+    metrics["ppo/nonfinite_steps"] = nonfinite_steps
+    return state, metrics

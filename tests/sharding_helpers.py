@@ -28,22 +28,21 @@ if __name__ == "__main__":  # a subprocess: make `ppojax` importable; a worker s
 from ppojax import sharding as sh  # noqa: E402
 from ppojax.actor_critic import ActorCritic  # noqa: E402
 from ppojax.models import CausalLM, ModelConfig, ScoreModel  # noqa: E402
-from ppojax.rollout import Experience  # noqa: E402
-from ppojax.update import UpdateSettings, make_optimizer  # noqa: E402
+from ppojax.config import PPOConfig  # noqa: E402
+from ppojax.rewards import ModelScores  # noqa: E402
+from ppojax.settings import StepSettings  # noqa: E402
+from ppojax.train_step import PPOProgram, make_rollout  # noqa: E402
+from ppojax.types import Experience  # noqa: E402
+from ppojax.update import learn, make_optimizer  # noqa: E402
 
 PAD, STOP, VOCAB, P, R, B = 0, 2, 128, 6, 8, 16
 CFG = ModelConfig(model_type="llama", vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, intermediate_size=64)
-SETTINGS = UpdateSettings(num_ppo_epochs=2, num_mini_batches=2, gradient_accumulation_steps=1,
-                          learning_rate=1e-3, num_updates=4)
+SETTINGS = StepSettings.from_config(
+    PPOConfig(num_ppo_epochs=2, num_mini_batches=2, gradient_accumulation_steps=1, learning_rate=1e-3,
+              batch_size=B, response_length=R, temperature=0.7, stop_token_id=STOP, missing_eos_penalty=1.0),
+    pad_token_id=PAD, stop_token_id=STOP, num_updates=4)
 NUM_MULTIHOST_UPDATES = 2
-
-
-def rollout_settings():
-    from ppojax.rollout import RolloutSettings  # noqa: PLC0415
-
-    return RolloutSettings(response_length=R, pad_token_id=PAD, temperature=0.7, stop_token_id=STOP,
-                           missing_eos_penalty=1.0, logprob_chunk_size=None)
 
 
 def build_models(seed=0):
@@ -66,29 +65,31 @@ def prompts(seed=0):
 
 
 def rollout(mesh, params, frozen, graphdefs, queries, key):
-    """One ``ppojax.rollout.make_experience`` on ``mesh``: the policy placed by GENERATE_RULES, the frozen
-    and value models by TRAIN_RULES, the prompts by rows."""
-    from ppojax.rollout import make_experience  # noqa: PLC0415
-
+    """The rollout half of the PPO program on ``mesh`` (``ppojax.train_step.make_rollout``): the state placed
+    by TRAIN_RULES (the policy is re-laid out for generation inside the program), the prompts by rows."""
     policy_def, value_def = graphdefs
-    return make_experience(
-        sh.shard_batch(jnp.asarray(queries), mesh), sh.put_replicated(key, mesh), rollout_settings(),
-        policy_graphdef=policy_def, policy_params=sh.shard_params(params["policy"], mesh, sh.GENERATE_RULES),
-        ref_params=sh.shard_params(frozen["ref"], mesh), value_graphdef=value_def,
-        value_params=sh.shard_params(params["value"], mesh), reward_graphdef=value_def,
-        reward_params=sh.shard_params(frozen["reward"], mesh))
+    ac = ActorCritic(policy_def, value_def, PAD, temperature=0.7)
+    program = PPOProgram(ac, ModelScores(value_def, PAD), SETTINGS, make_optimizer(), mesh)
+    state, _ = sh.init_sharded_train_state(params, program.optimizer, mesh, frozen=frozen)
+    experience, failures = make_rollout(program)(state, jnp.asarray(queries), key)
+    assert int(failures) == 0
+    return experience
 
 
 def run_updates(mesh, ac, params, experience, num_updates, settings=SETTINGS):
-    """``num_updates`` sharded PPO updates on the same experience. -> (state, list of metric dicts)."""
+    """``num_updates`` sharded PPO updates (``ppojax.update.learn``) on the same experience.
+    -> (state, list of metric dicts)."""
     optimizer = make_optimizer()
-    state, shardings = sh.init_sharded_train_state(params, optimizer, mesh)
-    update = sh.make_sharded_ppo_update(ac, settings, optimizer, mesh, shardings)
+    program = PPOProgram(ac, None, settings, optimizer, mesh)
+    state, shardings = sh.init_sharded_train_state(params, optimizer, mesh, kl_coef=0.05)
+    update = jax.jit(lambda s, e, k: learn(program, s, e, k), donate_argnums=(0,),
+                     out_shardings=(shardings, sh.replicated(mesh)))
+    experience = sh.shard_batch(experience, mesh)
     history = []
     for i in range(num_updates):
-        state, metrics = update(state, experience, jax.random.key(100 + i), 0.05)
+        state, metrics = update(state, experience, sh.put_replicated(jax.random.key(100 + i), mesh))
         history.append({k: float(v) for k, v in sh.to_host(metrics).items()})
-    assert update.jitted._cache_size() == 1  # the state keeps its shardings: no recompilation
+    assert update._cache_size() == 1  # the state keeps its shardings: no recompilation
     return state, history
 
 

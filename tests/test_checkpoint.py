@@ -22,7 +22,8 @@ from ppojax import checkpoint as ckpt
 from ppojax.config import PPOConfig
 from ppojax.data import PromptBatches
 from ppojax.ppo.controllers import RunningMoments
-from ppojax.update import init_train_state, make_optimizer
+from ppojax.types import init_train_state
+from ppojax.update import make_optimizer
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from ppojax import ppo
+from ppojax.types import UpdateBatch
 
 
 def gae_loop(rewards, values, gamma, lam):
@@ -128,8 +129,10 @@ def test_ppo_loss_token_weighting_adds_up_to_big_batch():
     kw = dict(cliprange=0.2, cliprange_value=0.2, vf_coef=0.1, entropy_coef=0.01)
 
     def loss(rows, **extra):
-        sub = [a[rows] for a in args]
-        return ppo.ppo_loss(*sub, padding_mask[rows], padding_mask_p1[rows], **kw, **extra)[0]
+        new_logprobs, vpred, entropy, old_logprobs, old_values, advantages, returns = [a[rows] for a in args]
+        batch = UpdateBatch(None, old_logprobs, old_values, advantages, returns, padding_mask[rows],
+                            padding_mask_p1[rows])
+        return ppo.ppo_loss(new_logprobs, vpred, entropy, batch, **kw, **extra)[0]
 
     big = loss(slice(None))
     counts = dict(policy_tokens=jnp.sum(~padding_mask), value_tokens=jnp.sum(~padding_mask_p1))
@@ -196,9 +199,10 @@ def _per_example_functions():
         shaped = ppo.shaped_rewards(scores, kl, masks.last_index, 0.05, masks.padding_mask_p1, whiten_rewards=True)
         adv = ppo.advantages_and_returns(shaped.rewards, b["values"], masks.padding_mask, 0.99, 0.95)
         ent = ppo.entropy_from_logits(b["logits"])
-        loss, stats = ppo.ppo_loss(b["lp"] + 0.01, b["values"], ent, b["lp"], b["values"], adv.advantages,
-                                   adv.returns, masks.padding_mask, masks.padding_mask_p1,
-                                   cliprange=0.2, cliprange_value=0.2, vf_coef=0.1)
+        batch = UpdateBatch(None, b["lp"], b["values"], adv.advantages, adv.returns, masks.padding_mask,
+                            masks.padding_mask_p1)
+        loss, stats = ppo.ppo_loss(b["lp"] + 0.01, b["values"], ent, batch, cliprange=0.2, cliprange_value=0.2,
+                                   vf_coef=0.1)
         metrics = ppo.rollout_metrics(scores, kl, shaped.non_score_reward, b["lp"], masks.padding_mask,
                                       jnp.sum(ppo.contains_stop_token(truncated, 0)))
         full = ppo.kl_full(b["dist"], b["dist"][::-1], masks.padding_mask)

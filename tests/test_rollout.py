@@ -1,8 +1,6 @@
-"""make_experience (ppojax.rollout) against SPEC's rollout steps, with independent references: torch
-transformers forwards (TRL's forward / get_reward) for log-probs, values and scores, numpy for truncation and
-masks; the Python reward-function path; no recompilation across rollouts."""
-import dataclasses
-
+"""The rollout half of the PPO program (``ppojax.train_step.make_rollout``) against SPEC's rollout steps, with
+independent references: torch transformers forwards (TRL's forward / get_reward) for log-probs, values and
+scores, numpy for truncation and masks; the Python reward-function path; no recompilation across rollouts."""
 import numpy as np
 import pytest
 
@@ -12,10 +10,16 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from ppojax import rollout  # noqa: E402
+from ppojax.actor_critic import ActorCritic  # noqa: E402
+from ppojax.config import PPOConfig  # noqa: E402
 from ppojax.models import load_pretrained  # noqa: E402
 from ppojax.ppo.masks import INVALID_LOGPROB  # noqa: E402
-from ppojax.rollout import (RolloutSettings, _sample_responses_jit, experience_forwards, make_experience,  # noqa: E402
-                            sample_responses, value_head_values)
+from ppojax.rewards import GivenScores, FunctionScores, ModelScores  # noqa: E402
+from ppojax.settings import StepSettings  # noqa: E402
+from ppojax.train_step import PPOProgram, make_rollout  # noqa: E402
+from ppojax.types import init_train_state  # noqa: E402
+from ppojax.update import make_optimizer  # noqa: E402
 from tests.test_forward import trl_first_true_indices, trl_inputs  # noqa: E402
 from tests.test_generate import PAD, PROMPTS, build_tiny_hf  # noqa: E402
 
@@ -35,10 +39,29 @@ def models(tmp_path_factory):
     return out
 
 
-def model_kwargs(models):
-    return dict(policy_graphdef=models["policy"][1], policy_params=models["policy"][2],
-                ref_params=models["ref"][2], value_graphdef=models["value"][1], value_params=models["value"][2],
-                reward_graphdef=models["reward"][1], reward_params=models["reward"][2])
+def settings_for(stop=None, penalty=None, chunk=4, forward_batch_size=None, kl_estimator="k1", response_length=R):
+    config = PPOConfig(response_length=response_length, temperature=T, stop_token_id=stop,
+                       missing_eos_penalty=penalty, logits_chunk_size=chunk, batch_size=len(PROMPTS),
+                       local_rollout_forward_batch_size=forward_batch_size, kl_estimator=kl_estimator)
+    return StepSettings.from_config(config, pad_token_id=PAD, stop_token_id=stop)
+
+
+def program_and_state(models, settings, reward=None):
+    """A PPOProgram over the tiny torch-twin models (reward: a ModelScores on models['reward'] by default)
+    and a TrainState holding their parameters."""
+    actor_critic = ActorCritic(models["policy"][1], models["value"][1], PAD, T)
+    reward = reward or ModelScores(models["reward"][1], PAD, settings.local_rollout_forward_batch_size)
+    program = PPOProgram(actor_critic, reward, settings, make_optimizer())
+    state = init_train_state({"policy": models["policy"][2], "value": models["value"][2]}, program.optimizer,
+                             frozen={"ref": models["ref"][2], "reward": models["reward"][2]})
+    return program, state
+
+
+def make_experience(models, settings, key, reward=None):
+    program, state = program_and_state(models, settings, reward)
+    experience, failures = make_rollout(program)(state, PROMPTS, key)
+    assert int(failures) == 0
+    return experience
 
 
 def torch_logprobs(hf, query_responses):
@@ -98,14 +121,14 @@ def rollouts(models):
     """The same key without and with a stop token; the stop token is picked from the unstopped sample so
     that some rows emit it mid-response and some never do."""
     key = jax.random.key(11)
-    free_settings = RolloutSettings(response_length=R, pad_token_id=PAD, temperature=T, logprob_chunk_size=4)
-    free = make_experience(PROMPTS, key, free_settings, **model_kwargs(models))
+    free_settings = settings_for()
+    free = make_experience(models, free_settings, key)
     raw = np.asarray(free.query_responses)[:, P:]
     candidates = [int(tok) for tok in raw[0, 1:-2] if not (raw[1:] == tok).all(-1).any()
                   and not (raw[1:] == tok).any(-1).all()]
     stop = candidates[0] if candidates else int(raw[0, 3])
-    stop_settings = dataclasses.replace(free_settings, stop_token_id=stop, missing_eos_penalty=PENALTY)
-    stopped = make_experience(PROMPTS, key, stop_settings, **model_kwargs(models))
+    stop_settings = settings_for(stop=stop, penalty=PENALTY)
+    stopped = make_experience(models, stop_settings, key)
     return key, (free_settings, free), (stop_settings, stopped)
 
 
@@ -138,12 +161,10 @@ def test_forward_batch_size_chunking_and_full_kl(models, rollouts):
     """Micro-batched, differently chunked forwards give the same experience; the legacy `full` KL matches."""
     _, _, (settings, exp) = rollouts
     assert exp.full_kl is None
-    small = dataclasses.replace(settings, forward_batch_size=1, logprob_chunk_size=3, compute_full_kl=True)
-    kw = model_kwargs(models)
-    again = experience_forwards(kw["policy_params"], kw["ref_params"], kw["value_params"], kw["reward_params"],
-                                exp.query_responses, prompt_length=P, settings=small,
-                                policy_graphdef=kw["policy_graphdef"], value_graphdef=kw["value_graphdef"],
-                                reward_graphdef=kw["reward_graphdef"])
+    small = settings_for(stop=settings.stop_token_id, penalty=PENALTY, chunk=3, forward_batch_size=1,
+                         kl_estimator="full")
+    program, state = program_and_state(models, small)
+    again = jax.jit(lambda s, qr: rollout.experience(program, s, qr, P)[0])(state, exp.query_responses)
     for name in ("logprobs", "ref_logprobs", "values"):
         np.testing.assert_allclose(getattr(again, name), getattr(exp, name), atol=1e-5, err_msg=name)
     expected = torch_full_kl(models["policy"][0], models["ref"][0], np.asarray(exp.query_responses))
@@ -166,8 +187,7 @@ def test_reward_function_scores(models, rollouts):
         seen.update(prompts=prompts, completions=completions)
         return [float(len(c.split())) for c in completions]
 
-    kw = {k: v for k, v in model_kwargs(models).items() if not k.startswith("reward")}
-    got = make_experience(PROMPTS, key, settings, reward_fn=reward_fn, tokenizer=_Tokenizer(), **kw)
+    got = make_experience(models, settings, key, FunctionScores(reward_fn, _Tokenizer(), PAD))
     np.testing.assert_array_equal(got.responses, exp.responses)
     responses = np.asarray(exp.responses)
     expected_prompts = [" ".join(f"w{i}" for i in row if i != PAD) for row in PROMPTS]
@@ -177,10 +197,17 @@ def test_reward_function_scores(models, rollouts):
     lengths = np.array([len(c.split()) for c in seen["completions"]], np.float32)
     np.testing.assert_allclose(got.scores, lengths - PENALTY * ~np.asarray(exp.contains_stop))
 
+    # A failing function never raises inside the program: its rows get NaN, the failures are counted, and
+    # raise_pending() re-raises the function's own error afterwards.
     for bad, match in [(lambda p, c: [1.0] * (len(p) - 1), "2 scores for 3 prompts"),
                        (lambda p, c: [0.0, float("nan"), 0.0], "prompt index 1")]:
+        source = FunctionScores(bad, _Tokenizer(), PAD)
+        program, state = program_and_state(models, settings, source)
+        failed, failures = make_rollout(program)(state, PROMPTS, key)
+        assert int(failures) == len(PROMPTS) and np.isnan(np.asarray(failed.scores)).all()
         with pytest.raises(ValueError, match=match):
-            make_experience(PROMPTS, key, settings, reward_fn=bad, tokenizer=_Tokenizer(), **kw)
+            source.raise_pending()
+        source.raise_pending()  # forgotten once raised
 
 
 def test_caller_scores_and_value_head_hook(tmp_path):
@@ -189,10 +216,11 @@ def test_caller_scores_and_value_head_hook(tmp_path):
     build_tiny_hf("llama", hf_dir, seed=0)
     policy, _ = load_pretrained(hf_dir, kind="value_head", seed=5)
     graphdef, params = nnx.split(policy)
-    settings = RolloutSettings(response_length=4, pad_token_id=PAD, temperature=T)
+    settings = settings_for(response_length=4)
     scores = np.array([0.5, -1.0, 2.0], np.float32)
-    exp = make_experience(PROMPTS, jax.random.key(0), settings, policy_graphdef=graphdef, policy_params=params,
-                          ref_params=params, policy_value_head=value_head_values, scores=scores)
+    program = PPOProgram(ActorCritic(graphdef, None, PAD, T), GivenScores(scores), settings, make_optimizer())
+    state = init_train_state({"policy": params}, program.optimizer, frozen={"ref": params, "reward": None})
+    exp, _ = make_rollout(program)(state, PROMPTS, jax.random.key(0))
     np.testing.assert_allclose(exp.scores, scores)
     np.testing.assert_allclose(exp.ref_logprobs, exp.logprobs, atol=1e-6)
     qr = np.asarray(exp.query_responses)
@@ -213,20 +241,22 @@ def test_no_recompilation_across_rollouts(models, rollouts):
 
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
-        counts, cache_sizes = [], []
+        counts = []
+        program, state = program_and_state(models, settings)
+        run = make_rollout(program)
         for i in range(3):
-            kw = model_kwargs(models)
-            # a trainer may re-split its modules every step: equal graphdefs must hit the jit cache
-            kw["policy_graphdef"] = nnx.graphdef(nnx.merge(kw["policy_graphdef"], kw["policy_params"]))
-            jax.block_until_ready(make_experience(PROMPTS, jax.random.key(100 + i), settings, **kw))
+            jax.block_until_ready(run(state, PROMPTS, jax.random.key(100 + i)))
             counts.append(len(compiles))
-            cache_sizes.append((_sample_responses_jit._cache_size(), experience_forwards._cache_size()))
+        # the stand-alone sampler: the temperature is traced, so near-greedy sample completions reuse it,
+        # and a re-split (equal) graphdef hits the jit cache
+        policy_def, policy_params = models["policy"][1], models["policy"][2]
+        for i, temperature in enumerate([T, 0.01]):
+            graphdef = nnx.graphdef(nnx.merge(policy_def, policy_params))
+            jax.block_until_ready(rollout.sample_jit(graphdef, policy_params, PROMPTS, jax.random.key(i),
+                                                     temperature, settings=settings))
+            counts.append(len(compiles))
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     assert counts[2] == counts[0], f"compilations after each rollout: {counts}"
-    assert cache_sizes[2] == cache_sizes[0], cache_sizes
-    # the sampling temperature is traced: near-greedy sample completions reuse the compiled sampler
-    kw = model_kwargs(models)
-    cold = dataclasses.replace(settings, temperature=0.01)
-    sample_responses(kw["policy_graphdef"], kw["policy_params"], PROMPTS, jax.random.key(0), cold)
-    assert _sample_responses_jit._cache_size() == cache_sizes[2][0]
+    assert counts[4] == counts[3], f"the sampler recompiled for another temperature: {counts}"
+    assert run.jitted._cache_size() == 1

@@ -31,7 +31,7 @@ def test_learning_raises_the_score_without_recompiling(tmp_path):
     scores = [m["objective/scores"] for m in history]
     first, last = np.mean(scores[:3]), np.mean(scores[-3:])
     assert last > first + 0.3, (first, last)
-    assert trainer._update.jitted._cache_size() == 1
+    assert trainer.train_step.jitted._cache_size() == 1
     assert all(np.isfinite(m["objective/kl"]) for m in history)
     for name in ("objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
                  "policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg", "loss/value_avg",
@@ -82,7 +82,7 @@ def test_save_model_round_trips_in_transformers(tmp_path):
     ids = np.array([[5, 4, 6, 2, 3]])
     from flax import nnx
     from ppojax.forward import sequence_inputs
-    policy = nnx.merge(trainer.actor_critic.policy_graphdef, trainer.policy_params)
+    policy = nnx.merge(trainer.run.program.actor_critic.policy_graphdef, trainer.policy_params)
     hidden, _ = policy(*sequence_inputs(ids, 0))
     ours = np.asarray(policy.logits(hidden))
     with torch.no_grad():
@@ -111,14 +111,15 @@ def test_logits_chunk_size_is_sized_from_the_memory_budget(tmp_path, monkeypatch
 
     trainer = make_trainer(tmp_path, num_mini_batches=2, gradient_accumulation_steps=2)
     # tiny vocabulary: a micro-batch's logits fit easily, so no chunking in the update or the rollout
-    assert trainer.actor_critic.logits_chunk_size is None and trainer.rollout_settings.logprob_chunk_size is None
-    vocab = trainer.model_config.vocab_size
+    settings = trainer.run.settings
+    assert settings.update_logits_chunk is None and settings.rollout_logits_chunk is None
+    vocab = trainer.run.model_config.vocab_size
     # a budget of 3 response steps of one micro-batch (4 rows) -> chunks of 3 in the update;
     # the rollout forwards all 16 rows at once, so less than one step of them fits -> 1
     monkeypatch.setattr(forward, "LOGITS_MEMORY_BUDGET", 4 * 4 * 3 * vocab)
     monkeypatch.setattr(forward.auto_chunk_size, "__defaults__", (forward.LOGITS_MEMORY_BUDGET,))
     small = make_trainer(tmp_path / "small", num_mini_batches=2, gradient_accumulation_steps=2)
-    assert small.sizes.micro_batch_size == 4
-    assert small.actor_critic.logits_chunk_size == 3 and small.rollout_settings.logprob_chunk_size == 1
+    assert small.run.settings.micro_batch_size == 4
+    assert small.run.settings.update_logits_chunk == 3 and small.run.settings.rollout_logits_chunk == 1
     fixed = make_trainer(tmp_path / "fixed", logits_chunk_size=5)
-    assert fixed.actor_critic.logits_chunk_size == 5 and fixed.rollout_settings.logprob_chunk_size == 5
+    assert fixed.run.settings.update_logits_chunk == 5 and fixed.run.settings.rollout_logits_chunk == 5

@@ -1,4 +1,4 @@
-"""The jitted PPO update against a plain Python loop of jax.grad + optax steps."""
+"""The jitted PPO update (``ppojax.update.learn``) against a plain Python loop of jax.grad + optax steps."""
 from typing import NamedTuple
 
 import jax
@@ -10,8 +10,11 @@ from flax import nnx
 
 from ppojax import ppo
 from ppojax.actor_critic import ActorCritic
-from ppojax.update import (UpdateSettings, init_train_state, make_optimizer, make_ppo_update,
-                           shaped_rewards_and_advantages)
+from ppojax.config import PPOConfig
+from ppojax.settings import StepSettings
+from ppojax.train_step import PPOProgram
+from ppojax.types import init_train_state
+from ppojax.update import learn, make_optimizer, shaped_rewards_and_advantages
 from tests.toy_models import ToyLM, ToyLMWithValueHead, ToyScore
 
 PAD, STOP, V, P, R, B = 0, 1, 16, 4, 6, 8
@@ -26,6 +29,21 @@ class Exp(NamedTuple):
     last_index: jnp.ndarray
     padding_mask: jnp.ndarray
     padding_mask_p1: jnp.ndarray
+    num_eos_tokens: jnp.ndarray = None
+    full_kl: jnp.ndarray = None
+
+
+def settings_for(num_updates=1, **config):
+    """StepSettings of a PPOConfig with the toy shapes (logits in chunks of 4, as before)."""
+    config = PPOConfig(batch_size=B, response_length=R, logits_chunk_size=4, **config)
+    return StepSettings.from_config(config, pad_token_id=PAD, stop_token_id=STOP, num_updates=num_updates)
+
+
+def make_update(ac, settings, optimizer):
+    """The jitted update ``(state, experience, key, kl_coef) -> (state, metrics)``, state donated."""
+    program = PPOProgram(ac, None, settings, optimizer)
+    return jax.jit(lambda state, exp, key, kl_coef: learn(program, state.replace(kl_coef=kl_coef), exp, key),
+                   donate_argnums=(0,))
 
 
 def build(value_head=False, seed=0):
@@ -33,11 +51,11 @@ def build(value_head=False, seed=0):
     policy_def, policy_params = nnx.split(policy)
     if value_head:
         params = {"policy": policy_params}
-        ac = ActorCritic(policy_def, None, PAD, temperature=0.7, logits_chunk_size=4)
+        ac = ActorCritic(policy_def, None, PAD, temperature=0.7)
     else:
         value_def, value_params = nnx.split(ToyScore(V, 8, rngs=nnx.Rngs(seed + 1)))
         params = {"policy": policy_params, "value": value_params}
-        ac = ActorCritic(policy_def, value_def, PAD, temperature=0.7, logits_chunk_size=4)
+        ac = ActorCritic(policy_def, value_def, PAD, temperature=0.7)
     rng = np.random.default_rng(seed)
     prompts = rng.integers(2, V, size=(B, P))
     prompts[:, :2] = np.where(rng.random((B, 2)) < 0.5, PAD, prompts[:, :2])  # some left padding
@@ -45,9 +63,9 @@ def build(value_head=False, seed=0):
     query_responses = jnp.asarray(np.concatenate([prompts, responses], 1), jnp.int32)
     truncated = ppo.truncate_response(query_responses[:, P:], STOP, PAD)
     masks = ppo.response_masks(truncated, PAD)
-    logprobs, _, values = ac.evaluate(params, query_responses, P)
+    logprobs, _, values = ac.evaluate(params, query_responses, P, logits_chunk_size=4)  # as the update's
     ref_params = jax.tree.map(lambda x: x + 0.05, params)
-    ref_logprobs, _, _ = ac.evaluate(ref_params, query_responses, P)
+    ref_logprobs, _, _ = ac.evaluate(ref_params, query_responses, P, logits_chunk_size=4)
     exp = Exp(query_responses,
               jnp.where(masks.padding_mask, ppo.INVALID_LOGPROB, logprobs),
               jnp.where(masks.padding_mask, ppo.INVALID_LOGPROB, ref_logprobs),
@@ -59,7 +77,7 @@ def build(value_head=False, seed=0):
 
 def reference_update(ac, settings, params, exp, key, kl_coef, update_index):
     """Plain loops: epochs x mini-batches, one jax.grad per mini-batch (big batch), optax.adamw."""
-    batch, _ = shaped_rewards_and_advantages(settings, exp, kl_coef)
+    batch, _, _ = shaped_rewards_and_advantages(settings, exp, exp.scores, kl_coef)
     lr = settings.learning_rate * (1 - update_index / settings.num_updates)
     opt = optax.adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0)
     opt_state = opt.init(params)
@@ -73,9 +91,8 @@ def reference_update(ac, settings, params, exp, key, kl_coef, update_index):
 
             def loss_fn(p):
                 logprobs, entropy, vpred = ac.evaluate(p, mb.query_responses, P)
-                return ppo.ppo_loss(logprobs, vpred, entropy, mb.logprobs, mb.values, mb.advantages,
-                                    mb.returns, mb.padding_mask, mb.padding_mask_p1, cliprange=0.2,
-                                    cliprange_value=0.2, vf_coef=0.1)
+                return ppo.ppo_loss(logprobs, vpred, entropy, mb, cliprange=0.2, cliprange_value=0.2,
+                                    vf_coef=0.1)
 
             (_, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
             first_stats = first_stats or stats
@@ -88,12 +105,12 @@ def reference_update(ac, settings, params, exp, key, kl_coef, update_index):
 @pytest.mark.parametrize("num_mini_batches,grad_accum,value_head", [(1, 1, False), (2, 2, False), (4, 2, True)])
 def test_update_matches_python_loop(num_mini_batches, grad_accum, value_head):
     ac, params, exp = build(value_head=value_head)
-    settings = UpdateSettings(num_ppo_epochs=2, num_mini_batches=num_mini_batches,
-                              gradient_accumulation_steps=grad_accum, learning_rate=1e-2, num_updates=4)
+    settings = settings_for(num_ppo_epochs=2, num_mini_batches=num_mini_batches,
+                            gradient_accumulation_steps=grad_accum, learning_rate=1e-2, num_updates=4)
     key, kl_coef = jax.random.key(3), jnp.float32(0.05)
     expected, expected_steps, first = reference_update(ac, settings, params, exp, key, 0.05, 0)
     optimizer = make_optimizer()
-    update = make_ppo_update(ac, settings, optimizer)
+    update = make_update(ac, settings, optimizer)
     state = init_train_state(jax.tree.map(jnp.copy, params), optimizer)
     state, metrics = update(state, exp, key, kl_coef)
     assert int(state.optimizer_steps) == expected_steps == 2 * num_mini_batches
@@ -112,8 +129,8 @@ def test_update_matches_python_loop(num_mini_batches, grad_accum, value_head):
 
 def test_accumulated_gradients_equal_big_batch_gradient():
     ac, params, exp = build()
-    settings = UpdateSettings()
-    batch, _ = shaped_rewards_and_advantages(settings, exp, 0.05)
+    settings = settings_for()
+    batch, _, _ = shaped_rewards_and_advantages(settings, exp, exp.scores, 0.05)
     from ppojax.update import micro_batch_loss
     tokens = (jnp.sum(~batch.padding_mask), jnp.sum(~batch.padding_mask_p1))
     big = jax.grad(lambda p: micro_batch_loss(ac, settings, p, batch, *tokens)[0])(params)
@@ -125,9 +142,9 @@ def test_accumulated_gradients_equal_big_batch_gradient():
 
 def test_no_recompilation_and_linear_lr_decay():
     ac, params, exp = build()
-    settings = UpdateSettings(num_ppo_epochs=1, learning_rate=1e-3, num_updates=4)
+    settings = settings_for(num_ppo_epochs=1, learning_rate=1e-3, num_updates=4)
     optimizer = make_optimizer()
-    update = make_ppo_update(ac, settings, optimizer)
+    update = make_update(ac, settings, optimizer)
     state = init_train_state(params, optimizer)
     lrs = []
     for i in range(3):
@@ -139,9 +156,9 @@ def test_no_recompilation_and_linear_lr_decay():
 
 def test_nonfinite_gradient_skips_the_step_and_is_counted():
     ac, params, exp = build()
-    settings = UpdateSettings(num_ppo_epochs=2, num_mini_batches=2, learning_rate=1e-2)
+    settings = settings_for(num_ppo_epochs=2, num_mini_batches=2, learning_rate=1e-2)
     optimizer = make_optimizer()
-    update = make_ppo_update(ac, settings, optimizer)
+    update = make_update(ac, settings, optimizer)
     state = init_train_state(jax.tree.map(jnp.copy, params), optimizer)
     bad = exp._replace(scores=exp.scores.at[0].set(jnp.nan))
     state, metrics = update(state, bad, jax.random.key(0), jnp.float32(0.05))
@@ -155,12 +172,12 @@ def test_nonfinite_gradient_skips_the_step_and_is_counted():
 def test_legacy_ratio_threshold_and_early_stopping_skip_steps():
     ac, params, exp = build()
     optimizer = make_optimizer()
-    settings = UpdateSettings(num_ppo_epochs=2, num_mini_batches=2, ratio_threshold=0.5)  # ratio ~1 > 0.5
+    settings = settings_for(num_ppo_epochs=2, num_mini_batches=2, ratio_threshold=0.5)  # ratio ~1 > 0.5
     fresh = lambda: init_train_state(jax.tree.map(jnp.copy, params), optimizer)  # noqa: E731 (donated)
-    state, _ = make_ppo_update(ac, settings, optimizer)(fresh(), exp,
-                                                        jax.random.key(0), jnp.float32(0.05))
+    state, _ = make_update(ac, settings, optimizer)(fresh(), exp, jax.random.key(0), jnp.float32(0.05))
     assert int(state.optimizer_steps) == 0
-    settings = UpdateSettings(num_ppo_epochs=3, num_mini_batches=2, early_stop_kl=-1.0, learning_rate=1e-2)
-    state, metrics = make_ppo_update(ac, settings, optimizer)(fresh(), exp,
-                                                              jax.random.key(0), jnp.float32(0.05))
+    # early stopping at a (config-invalid) negative target: any KL after the first step exceeds it
+    settings = settings_for(num_ppo_epochs=3, num_mini_batches=2, early_stopping=True, learning_rate=1e-2)
+    settings = settings.replace(target_kl=-1.0)
+    state, metrics = make_update(ac, settings, optimizer)(fresh(), exp, jax.random.key(0), jnp.float32(0.05))
     assert int(state.optimizer_steps) == 1  # the first step runs, then the KL check stops the rest

@@ -1,13 +1,16 @@
 """PPO's math as pure JAX functions (SPEC.md), no model code. Every function works under jit/vmap/grad."""
 from .controllers import (RunningMoments, adaptive_kl_update, fixed_kl_update, process_scores,
                           update_running_moments)
+from .advantages import (AdvantageEstimator, AdvantageInputs, advantage_estimator, advantage_estimator_names,
+                         register_advantage_estimator)
 from .gae import Advantages, advantages_and_returns, gae
-from .kl import KL_ESTIMATORS, kl_abs, kl_full, kl_k1, kl_k3, kl_mse, kl_per_token
+from .kl import (KL_ESTIMATORS, KLEstimator, kl_abs, kl_estimator, kl_estimator_names, kl_full, kl_k1, kl_k3,
+                 kl_mse, kl_per_token, register_kl_estimator)
 from .losses import (diagnostics, entropy_from_logits, mask_policy_and_value, policy_loss, ppo_loss,
                      value_loss)
 from .masks import (INVALID_LOGPROB, ResponseMasks, contains_stop_token, first_true_indices,
                     response_masks, truncate_response)
-from .metrics import UPDATE_METRIC_NAMES, rollout_metrics
+from .metrics import LOSS_METRIC_NAMES, UPDATE_METRIC_NAMES, rollout_metrics
 from .shaping import (SCORE_POSITIONS, ShapedRewards, apply_missing_eos_penalty, score_index,
                       shaped_rewards)
 from .stats import masked_mean, masked_sum, masked_var, masked_whiten

@@ -1,29 +1,67 @@
-"""Per-token KL estimators between the policy and the reference (SPEC: KL and shaped rewards).
+"""Per-token KL estimators between the policy and the reference (SPEC: KL and shaped rewards), by name.
 
-All take float32 log-probs of the CHOSEN tokens, shape [..., R]; with INVALID_LOGPROB written into both
-on padding, every estimator is exactly 0 there.
+Every estimator takes float32 log-probs of the CHOSEN tokens, shape [..., R]; with INVALID_LOGPROB written
+into both on padding, every estimator is exactly 0 there. A new estimator is one function and one
+registration::
+
+    @register_kl_estimator("k2")
+    def kl_k2(logprobs, ref_logprobs):
+        return 0.5 * jnp.square(logprobs - ref_logprobs)
+
+``full`` is registered with ``needs_full_distribution=True``: it is computed in the rollout from both
+models' whole distributions (``ppojax.forward.full_kl_from_hidden``), not from the chosen tokens.
 """
-import jax
+from typing import Callable, NamedTuple
+
 import jax.numpy as jnp
 
-KL_ESTIMATORS = ("k1", "k3", "abs", "mse", "full")
+
+class KLEstimator(NamedTuple):
+    name: str
+    fn: Callable | None           # (logprobs f32[..., R], ref_logprobs f32[..., R]) -> f32[..., R]
+    needs_full_distribution: bool = False
 
 
+_REGISTRY: dict[str, KLEstimator] = {}
+
+
+def register_kl_estimator(name: str, *, needs_full_distribution: bool = False):
+    """Decorator: make ``fn(logprobs, ref_logprobs) -> kl`` available as ``kl_estimator: name``."""
+    def register(fn):
+        _REGISTRY[name] = KLEstimator(name, fn, needs_full_distribution)
+        return fn
+    return register
+
+
+def kl_estimator(name: str) -> KLEstimator:
+    if name not in _REGISTRY:
+        raise ValueError(f"kl_estimator={name!r}: expected one of {kl_estimator_names()}.")
+    return _REGISTRY[name]
+
+
+def kl_estimator_names() -> tuple[str, ...]:
+    return tuple(_REGISTRY)
+
+
+@register_kl_estimator("k1")
 def kl_k1(logprobs, ref_logprobs):
     """k1 = log pi - log pi_ref (unbiased, can be negative)."""
     return logprobs - ref_logprobs
 
 
+@register_kl_estimator("k3")
 def kl_k3(logprobs, ref_logprobs):
     """k3 = (r - 1) - log r with log r = ref - logprobs (non-negative, low variance)."""
     log_ratio = ref_logprobs - logprobs
     return jnp.expm1(log_ratio) - log_ratio
 
 
+@register_kl_estimator("abs")
 def kl_abs(logprobs, ref_logprobs):
     return jnp.abs(logprobs - ref_logprobs)
 
 
+@register_kl_estimator("mse")
 def kl_mse(logprobs, ref_logprobs):
     return 0.5 * jnp.square(logprobs - ref_logprobs)
 
@@ -38,14 +76,19 @@ def kl_full(policy_log_dist, ref_log_dist, padding_mask):
     return jnp.where(padding_mask, 0.0, kl)
 
 
-_PER_TOKEN = {"k1": kl_k1, "k3": kl_k3, "abs": kl_abs, "mse": kl_mse}
+register_kl_estimator("full", needs_full_distribution=True)(None)
+
+#: The registered names (kept for callers that list them).
+KL_ESTIMATORS = kl_estimator_names()
 
 
 def kl_per_token(logprobs, ref_logprobs, estimator="k1"):
-    """Dispatch on a STATIC estimator name ('k1', 'k3', 'abs', 'mse'); 'full' needs :func:`kl_full`."""
-    if estimator not in _PER_TOKEN:
+    """The per-token estimate of a STATIC estimator name; 'full' needs :func:`kl_full` (the whole
+    distributions), so it is refused here."""
+    entry = kl_estimator(estimator)
+    if entry.needs_full_distribution:
         raise ValueError(
-            f"kl_estimator={estimator!r} is not a per-token estimator; use one of {sorted(_PER_TOKEN)}"
-            " (for 'full', compute kl_full from the two full log-distributions)."
-        )
-    return _PER_TOKEN[estimator](logprobs, ref_logprobs)
+            f"kl_estimator={estimator!r} is not a per-token estimator; it needs both full distributions "
+            f"(ppojax.ppo.kl_full; the rollout uses ppojax.forward.full_kl_from_hidden). Per-token ones: "
+            f"{[n for n in kl_estimator_names() if not kl_estimator(n).needs_full_distribution]}.")
+    return entry.fn(logprobs, ref_logprobs)

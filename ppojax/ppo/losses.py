@@ -60,24 +60,27 @@ def value_loss(vpred, old_values, returns, padding_mask_p1, cliprange_value, val
     return loss, clipped > unclipped
 
 
-def ppo_loss(new_logprobs, vpred, entropy, old_logprobs, old_values, advantages, returns, padding_mask,
-             padding_mask_p1, *, cliprange, cliprange_value, vf_coef, entropy_coef=0.0,
+def ppo_loss(new_logprobs, vpred, entropy, batch, *, cliprange, cliprange_value, vf_coef, entropy_coef=0.0,
              policy_tokens=None, value_tokens=None):
     """loss = pg_loss + vf_coef * vf_loss - entropy_coef * mean entropy, and the diagnostics.
 
     new_logprobs, vpred, entropy: f32[B, R] from the current parameters (unmasked; masked here).
-    The rest come from the experience. Returns (loss, stats) with stats under TRL's short names.
+    batch: the rollout's side (``ppojax.types.UpdateBatch`` or anything with these f32[B, R] / bool[B, R]
+    fields): ``logprobs`` (behaviour), ``values`` (rollout values), ``advantages``, ``returns``,
+    ``padding_mask``, ``padding_mask_p1``.
+    Returns (loss, stats) with stats under TRL's short names.
     """
+    padding_mask, padding_mask_p1 = batch.padding_mask, batch.padding_mask_p1
     new_logprobs, vpred = mask_policy_and_value(new_logprobs, vpred, padding_mask, padding_mask_p1)
     live = ~padding_mask
-    pg_loss, ratio, pg_clipped = policy_loss(new_logprobs, old_logprobs, advantages, padding_mask,
+    pg_loss, ratio, pg_clipped = policy_loss(new_logprobs, batch.logprobs, batch.advantages, padding_mask,
                                              cliprange, policy_tokens)
-    vf_loss, vf_clipped = value_loss(vpred, old_values, returns, padding_mask_p1, cliprange_value,
+    vf_loss, vf_clipped = value_loss(vpred, batch.values, batch.returns, padding_mask_p1, cliprange_value,
                                      value_tokens)
     denominator = jnp.sum(live) if policy_tokens is None else policy_tokens
     mean_entropy = jnp.sum(jnp.where(live, entropy, 0.0)) / denominator
     loss = pg_loss + vf_coef * vf_loss - entropy_coef * mean_entropy
-    stats = diagnostics(new_logprobs, old_logprobs, ratio, entropy, pg_clipped, vf_clipped,
+    stats = diagnostics(new_logprobs, batch.logprobs, ratio, entropy, pg_clipped, vf_clipped,
                         padding_mask, padding_mask_p1)
     stats.update(pg_loss=pg_loss, vf_loss=vf_loss, loss=loss)
     return loss, stats
@@ -87,7 +90,9 @@ def diagnostics(new_logprobs, old_logprobs, ratio, entropy, pg_clipped, vf_clipp
                 padding_mask_p1):
     """Per-batch PPO diagnostics, each a masked mean over live tokens (TRL averages some over padding).
 
-    approxkl = 0.5 (new - old)^2; ratio_var is the (biased) masked variance of the ratio.
+    approxkl = 0.5 (new - old)^2; ratio is the batch's mean ratio (TRL's ``val/ratio_var`` is the variance
+    of these means across micro-batches, computed by the update); ratio_token_var is the (biased) masked
+    variance of the ratio over this batch's tokens.
     """
     live, live_value = ~padding_mask, ~padding_mask_p1
     ratio_mean = masked_mean(ratio, live)
@@ -97,5 +102,5 @@ def diagnostics(new_logprobs, old_logprobs, ratio, entropy, pg_clipped, vf_clipp
         vf_clipfrac=masked_mean(vf_clipped.astype(jnp.float32), live_value),
         entropy=masked_mean(entropy, live),
         ratio=ratio_mean,
-        ratio_var=masked_mean(jnp.square(ratio - ratio_mean), live),
+        ratio_token_var=masked_mean(jnp.square(ratio - ratio_mean), live),
     )

@@ -1,0 +1,255 @@
+"""Build: a validated config (and optional user objects) -> everything a run needs, as one ``Run``.
+
+    config -> mesh -> policy (+ tokenizer) -> reward source -> value function -> reference -> prompts
+           -> StepSettings -> optimizer -> sharded TrainState -> PPOProgram
+
+Every user mistake found here is a ``ConfigError`` (``ppojax train`` prints it without a traceback and exits
+with 2); the checks that need only ``config.json`` files and the device count run before any weights are
+loaded.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .. import sharding
+from ..actor_critic import ActorCritic
+from ..compile_cache import enable_compilation_cache
+from ..config import ConfigError, PPOConfig
+from ..data import PromptBatches, check_tokenizer, load_prompt_dataset, prepare_prompts
+from ..rewards import FunctionScores, ModelScores
+from ..settings import StepSettings
+from ..train_step import PPOProgram
+from ..types import TrainState
+from ..update import optimizer_from_config
+
+
+@dataclass
+class Run:
+    """What a run is made of. ``state`` is the only part that changes (it is donated to every step).
+
+    program: the static PPO program (models' graphdefs, reward source, settings, optimizer, mesh).
+    train_queries / eval_queries: np i32[N, P] left-padded prompt ids (eval: held out, or None).
+    batches: the resumable prompt-batch iterator (None without a dataset: the legacy ``step()`` API).
+    """
+
+    config: PPOConfig
+    tokenizer: Any
+    model_config: Any
+    mesh: Any
+    program: PPOProgram
+    state: TrainState
+    state_shardings: Any
+    num_updates: int
+    train_queries: Optional[np.ndarray]
+    eval_queries: Optional[np.ndarray]
+    batches: Optional[PromptBatches]
+    compilation_cache_dir: Any = None
+
+    @property
+    def settings(self) -> StepSettings:
+        return self.program.settings
+
+    @property
+    def reward(self):
+        return self.program.reward
+
+
+# --------------------------------------------------------------------------------------------------
+# Resolving names to objects
+# --------------------------------------------------------------------------------------------------
+def resolve_reward_function(spec) -> Callable:
+    """'vader', 'module:function', or a callable -> a reward function f(prompts, completions)."""
+    if callable(spec):
+        return spec
+    if spec == "vader":
+        from ..rewards import vader_sentiment_reward
+        return vader_sentiment_reward()
+    module_name, sep, attr = str(spec).partition(":")
+    if not sep:
+        raise ConfigError(f"reward_function={spec!r}: expected 'vader' or 'module:function' "
+                          "(e.g. 'my_rewards:length_reward').")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"reward_function={spec!r} could not be imported ({err}); check that the module is "
+                          "on PYTHONPATH and defines that function.") from err
+
+
+def resolve_model_path(path: str) -> str:
+    """'smollm2' -> the bundled SmolLM2-135M-Instruct checkpoint (converted once); otherwise the path itself."""
+    if path == "smollm2":
+        from ..assets import smollm2_checkpoint
+        return str(smollm2_checkpoint())
+    return path
+
+
+def load_model(role: str, path, **kwargs):
+    """``load_pretrained`` with every way a checkpoint directory can be unusable (no config.json, missing,
+    truncated or corrupt weights, mismatched shapes) turned into a ConfigError naming the role and the path."""
+    from ..models import load_pretrained
+    try:
+        return load_pretrained(path, **kwargs)
+    except (OSError, ValueError, KeyError) as err:
+        cause = err.args[0] if isinstance(err, KeyError) and err.args else err
+        raise ConfigError(f"could not load the {role} from {str(path)!r}: {cause}") from err
+
+
+def as_config_error(fn, *args, **kwargs):
+    """Run a data/tokenizer check, re-raising its ValueError as a ConfigError, so that `ppojax train` prints
+    the message instead of a traceback."""
+    try:
+        return fn(*args, **kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError, OSError) as err:
+        raise ConfigError(str(err)) from err
+
+
+def _copy(tree):
+    return jax.tree.map(jnp.copy, tree)
+
+
+# --------------------------------------------------------------------------------------------------
+# The build
+# --------------------------------------------------------------------------------------------------
+NO_REWARD = ("No reward: set reward_function (e.g. 'vader' or 'my_module:my_reward') or reward_model_path (a "
+             "sequence-classification checkpoint), or pass reward_model to PPOTrainer.")
+
+
+def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=None, reward_model=None,
+              train_dataset=None, value_model=None) -> Run:
+    """Everything a run needs, from a validated config and (optionally) user-made objects (TRL's
+    ``PPOTrainer`` arguments; see ``ppojax.trainer.PPOTrainer``)."""
+    config = config.validate()
+    sharding.initialize_distributed()  # a no-op on one process; must precede other device work
+    cache_dir = enable_compilation_cache(config.compilation_cache_dir)
+    mesh = as_config_error(sharding.mesh_from_config, config)
+    dtype = jnp.bfloat16 if config.dtype == "bfloat16" else jnp.float32
+    data_parallel = sharding.data_parallel_size(mesh)
+    config.derived(data_parallel)  # batch sizes must split over the data-parallel devices (before loading)
+
+    # ---- policy and tokenizer ----
+    model_path = None
+    if model is None:
+        model_path = resolve_model_path(config.model_name_or_path)
+        kind = "value_head" if config.value_head == "policy" else "causal_lm"
+        model, _ = load_model("policy", model_path, kind=kind, dtype=dtype, seed=config.seed)
+    if processing_class is None:
+        if model_path is None:
+            raise ConfigError("processing_class (the tokenizer) is required when `model` is given.")
+        from ..models import load_tokenizer
+        processing_class = as_config_error(load_tokenizer, model_path)
+    pad_token_id = as_config_error(check_tokenizer, processing_class, model.cfg.vocab_size)
+    stop_token_id = config.stop_token_id
+    if stop_token_id is None and config.stop_token_is_eos:
+        stop_token_id = processing_class.eos_token_id
+    if stop_token_id is not None and stop_token_id == pad_token_id:
+        raise ConfigError(f"stop token id {stop_token_id} equals the pad token id; SPEC keys masks on "
+                          "`token != pad`. Give the tokenizer a distinct pad token.")
+    if config.value_head == "policy" and not hasattr(model, "value"):
+        raise ConfigError("value_head='policy' needs a CausalLMWithValueHead policy (load it with "
+                          "kind='value_head'), or set value_head='separate'.")
+    if config.missing_eos_penalty is not None and stop_token_id is None:
+        raise ConfigError("missing_eos_penalty is set but there is no stop token: every response would be "
+                          "penalised. Set stop_token: eos (or stop_token_id).")
+
+    # ---- reward source ----
+    reward_module = None
+    if reward_model is None and config.reward_function is not None:
+        reward_model = resolve_reward_function(config.reward_function)
+    if reward_model is None and config.reward_model_path is not None:
+        reward_module, _ = load_model("reward model", config.reward_model_path, kind="score", dtype=dtype)
+    elif callable(reward_model) and not isinstance(reward_model, nnx.Module):
+        pass
+    elif reward_model is not None:
+        reward_module, reward_model = reward_model, None
+
+    # ---- value function, reference ----
+    policy_graphdef, policy_params = nnx.split(model)
+    params = {"policy": policy_params}
+    value_graphdef = None
+    if config.value_head == "separate":
+        value_module = value_model or _default_value_model(config, model, reward_module, dtype)
+        value_graphdef, params["value"] = nnx.split(value_module)
+        if reward_module is not None and value_model is None:
+            params["value"] = _copy(params["value"])  # the value model trains; the reward model must not
+    if ref_model is not None:
+        ref_graphdef, ref_params = nnx.split(ref_model)
+    else:  # a frozen copy of the initial policy (never donated to the optimizer, never updated)
+        ref_graphdef, ref_params = policy_graphdef, _copy(policy_params)
+    reward_graphdef, reward_params = nnx.split(reward_module) if reward_module is not None else (None, None)
+    frozen = {"ref": ref_params, "reward": reward_params}
+
+    # ---- data ----
+    train_queries = eval_queries = batches = None
+    if train_dataset is not None or config.dataset:
+        texts = as_config_error(load_prompt_dataset,
+                                train_dataset if train_dataset is not None else _dataset_source(config),
+                                column=config.dataset_text_field)
+        prompts = as_config_error(prepare_prompts, texts, processing_class, config.max_prompt_length,
+                                  chat_template=config.chat_template, stop_token_id=stop_token_id,
+                                  pad_token_id=pad_token_id)
+        train_queries, eval_queries = _split_eval(prompts.input_ids, config.num_eval_prompts)
+    sizes = config.derived(data_parallel)
+    dataset_size = len(train_queries) if train_queries is not None else sizes.batch_size
+    num_updates = config.num_updates(dataset_size)
+    if train_queries is not None:
+        if len(train_queries) < sizes.batch_size:
+            raise ConfigError(f"The dataset has {len(train_queries)} training prompts after filtering and "
+                              f"holding out num_eval_prompts={config.num_eval_prompts}, fewer than "
+                              f"batch_size={sizes.batch_size}; lower batch_size or add prompts.")
+        batches = PromptBatches(train_queries, sizes.batch_size, seed=config.seed,
+                                process_index=jax.process_index(), process_count=jax.process_count())
+
+    # ---- the program and its state ----
+    settings = StepSettings.from_config(config, pad_token_id=pad_token_id, num_updates=num_updates,
+                                        stop_token_id=stop_token_id, eos_token_id=processing_class.eos_token_id,
+                                        data_parallel_size=data_parallel, vocab_size=model.cfg.vocab_size)
+    if reward_module is not None:
+        reward = ModelScores(reward_graphdef, pad_token_id, config.local_rollout_forward_batch_size)
+    elif reward_model is None:
+        reward = None  # only the legacy step() API, with the caller's scores, can run
+    else:
+        reward = FunctionScores(reward_model, processing_class, pad_token_id,
+                                allow_nonfinite=config.on_nonfinite_reward == "skip", mesh=mesh)
+    actor_critic = ActorCritic(policy_graphdef, value_graphdef, pad_token_id, config.temperature,
+                               ref_graphdef=ref_graphdef)
+    optimizer = optimizer_from_config(config)
+    program = PPOProgram(actor_critic, reward, settings, optimizer, mesh)
+    state, state_shardings = sharding.init_sharded_train_state(params, optimizer, mesh, frozen=frozen,
+                                                               kl_coef=config.kl_coef)
+    return Run(config=config, tokenizer=processing_class, model_config=model.cfg, mesh=mesh, program=program,
+               state=state, state_shardings=state_shardings, num_updates=num_updates,
+               train_queries=train_queries, eval_queries=eval_queries, batches=batches,
+               compilation_cache_dir=cache_dir)
+
+
+def _dataset_source(config):
+    return "builtin:movie_reviews" if config.dataset == "movie_reviews" else config.dataset
+
+
+def _split_eval(ids, num_eval):
+    """Held-out prompts come off the END of the prompt set; the rest are for training."""
+    if num_eval >= len(ids):
+        raise ConfigError(f"num_eval_prompts={num_eval} leaves no training prompts out of {len(ids)}.")
+    return (ids[:len(ids) - num_eval], ids[len(ids) - num_eval:]) if num_eval else (ids, None)
+
+
+def _default_value_model(config, policy, reward_module, dtype):
+    """TRL initialises the value model from the reward model; with a reward function there is none, so the
+    value model is the policy's backbone with a fresh score head."""
+    if config.value_model_path is not None:
+        return load_model("value model", config.value_model_path, kind="score", dtype=dtype)[0]
+    if reward_module is not None:
+        return reward_module
+    from ..models import ScoreModel
+    value = ScoreModel(policy.cfg, rngs=nnx.Rngs(config.seed + 1), dtype=dtype, param_dtype=dtype)
+    nnx.update(value.backbone, _copy(nnx.state(policy.backbone)))
+    return value
