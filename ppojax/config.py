@@ -61,14 +61,15 @@ class Rule:
     ok: the predicate (called on a value of the field's type, never on None).
     expected: what a good value is, e.g. '{a} >= 0' ({a} becomes 'an integer' or 'a number').
     fix: how to fix a bad value ('' for the generic "set NAME to EXPECTED").
-    registry: the check looks a name up in a registry of ppojax.ppo (importing JAX), so it runs after the
-        cheap checks have passed: a config error elsewhere is reported without importing JAX.
+    registry: for a name looked up in a registry of ppojax.ppo, the registered names (a function: importing
+        ppo imports JAX, so these checks run after the cheap ones have passed, and a config error elsewhere
+        is reported without importing JAX).
     """
 
     ok: Callable[[Any], bool]
     expected: str
     fix: str = ""
-    registry: bool = False
+    registry: Optional[Callable[[], tuple]] = None
 
 
 def at_least(low) -> Rule:
@@ -93,9 +94,9 @@ def one_of(*choices, fix: str = "") -> Rule:
 NON_EMPTY = Rule(lambda v: v.strip() != "", "a non-empty string")
 
 
-def _registry_rule(what: str, names: Callable[[], tuple]) -> Rule:
+def registered(what: str, names: Callable[[], tuple]) -> Rule:
     """A name that must be registered in ppojax.ppo (looked up lazily: importing ppo imports JAX)."""
-    return Rule(lambda v: v in names(), f"one of the registered {what}", registry=True)
+    return Rule(lambda v: v in names(), f"one of the registered {what}", registry=names)
 
 
 def _kl_estimators() -> tuple:
@@ -231,7 +232,7 @@ class PPOConfig:
     kl_coef: float = setting(0.05, static=False, on_resume=MAY_CHANGE, rule=at_least(0))
     """Weight of the per-token KL penalty to the reference model (the adaptive controller's initial value)."""
     kl_estimator: str = setting("k1", static=True, on_resume=MAY_CHANGE,
-                                rule=_registry_rule("KL estimators", _kl_estimators))
+                                rule=registered("KL estimators", _kl_estimators))
     """Per-token KL estimator: 'k1', 'k3', or legacy 'abs', 'mse', 'full'."""
     adaptive_kl: bool = setting(False, static=True, on_resume=MAY_CHANGE)
     """Legacy adaptive KL controller (Ziegler et al.); kl_coef is its initial value."""
@@ -240,7 +241,7 @@ class PPOConfig:
     horizon: int = setting(10000, static=True, on_resume=MAY_CHANGE, rule=at_least(1))
     """The adaptive controller's horizon: how fast kl_coef moves (legacy TRL's `horizon`)."""
     score_position: str = setting("trl", static=True, on_resume=MAY_CHANGE,
-                                  rule=_registry_rule("score positions", _score_positions))
+                                  rule=registered("score positions", _score_positions))
     """'trl': the score goes on the slot after the last token; 'legacy': on the last token."""
     missing_eos_penalty: Optional[float] = setting(None, static=True, on_resume=MAY_CHANGE, rule=at_least(0))
     """Subtracted from the score of a response without the stop token (None: off; needs a stop token)."""
@@ -552,7 +553,7 @@ def _checked_value(name: str, given: Any) -> Any:
             break
     value = _typed(name, value)
     rule = _FIELDS[name].metadata["rule"]
-    if value is not None and rule is not None and not rule.registry and not rule.ok(value):
+    if value is not None and rule is not None and rule.registry is None and not rule.ok(value):
         raise _bad(name, given, fix=rule.fix)
     return value
 
@@ -561,8 +562,8 @@ def _registry_problems(config: PPOConfig) -> list[ConfigError]:
     problems = []
     for name in FIELD_NAMES:
         rule, value = _FIELDS[name].metadata["rule"], getattr(config, name)
-        if rule is not None and rule.registry and value is not None and not rule.ok(value):
-            names = _kl_estimators() if name == "kl_estimator" else _score_positions()
+        if rule is not None and rule.registry is not None and value is not None and not rule.ok(value):
+            names = rule.registry()
             problems.append(ConfigError(f"{name}={value!r}: expected one of {', '.join(map(repr, names))}. "
                                         f"Fix: set {name} to one of them (the default is "
                                         f"{_default_text(name)})."))

@@ -294,7 +294,7 @@ def test_yaml_problems_name_the_file_line_and_column(tmp_path):
 
 def test_config_only_cross_field_checks():
     PPOConfig(batch_size=16, local_rollout_forward_batch_size=4, warmup_steps=1, total_episodes=32)
-    with pytest.raises(ConfigError, match=r"local_rollout_forward_batch_size=6 does not divide batch_size=16.*e\.g\. 4"):
+    with pytest.raises(ConfigError, match=r"forward_batch_size=6 does not divide batch_size=16.*e\.g\. 4"):
         PPOConfig(batch_size=16, local_rollout_forward_batch_size=6)
     with pytest.raises(ConfigError, match="warmup_steps=2 is not below the run's 2 update"):
         PPOConfig(batch_size=16, warmup_steps=2, total_episodes=32)

@@ -35,7 +35,8 @@ BAD_CONFIGS = [
       "'log_with' (TRL / transformers): use report_to", "WANDB_PROJECT", "'push_to_hub' (TRL / transformers)",
       "'save_strategy' (TRL / transformers): use save_steps", "'logging_dir' (TRL / transformers)",
       "'learning_rte': Did you mean 'learning_rate'?", "ppojax train --help"]),
-    ("alias-conflict", "ppo_epochs: 2\nnum_ppo_epochs: 3\n", ["ppo_epochs=2 and num_ppo_epochs=3 both set 'num_ppo_epochs'", "keep one"]),
+    ("alias-conflict", "ppo_epochs: 2\nnum_ppo_epochs: 3\n",
+     ["ppo_epochs=2 and num_ppo_epochs=3 both set 'num_ppo_epochs'", "keep one"]),
     ("legacy-mini-batch", "batch_size: 10\nmini_batch_size: 3\n", ["mini_batch_size=3 (legacy)", "multiple"]),
     # ---- types
     ("list-for-number", "learning_rate: [1.0e-5, 2.0e-5]\n",
