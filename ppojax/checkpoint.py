@@ -447,79 +447,19 @@ def restore_checkpoint(path, abstract_train_state) -> tuple[Any, dict, dict]:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# config compatibility
+# config compatibility: derived in config.py from each field's `on_resume` metadata (re-exported here)
 
-STRICT_FIELDS = frozenset({
-    # models: different weights or a different state structure
-    "model_name_or_path", "reward_model_path", "reward_function", "value_model_path", "value_head", "dtype",
-    # data: the iterator position only means something for the same prompts, order and batch
-    "dataset", "dataset_text_field", "max_prompt_length", "chat_template", "seed",
-    # shapes and batch structure
-    "response_length", "per_device_train_batch_size", "batch_size", "gradient_accumulation_steps",
-    "num_mini_batches",
-})
-"""Fields that must be equal to resume from a checkpoint (any field not listed below also counts as strict)."""
-
-HARMLESS_FIELDS = frozenset({
-    "output_dir", "run_name", "resume", "total_episodes", "num_train_epochs", "logging_steps",
-    "num_sample_generations", "save_steps", "save_total_limit", "report_to", "max_nonfinite_steps",
-    "on_nonfinite_reward", "compilation_cache_dir",
-})
-"""Fields that may differ silently (where and how long to run, what to log)."""
-
-TUNABLE_FIELDS = frozenset({
-    "num_ppo_epochs", "learning_rate", "lr_scheduler_type", "warmup_steps", "max_grad_norm", "adam_beta1",
-    "adam_beta2", "adam_epsilon", "weight_decay", "cliprange", "cliprange_value", "vf_coef", "entropy_coef",
-    "gamma", "lam", "whiten_rewards", "kl_coef", "kl_estimator", "adaptive_kl", "target_kl_for_adaptive",
-    "horizon", "score_position", "missing_eos_penalty", "use_score_scaling", "use_score_norm", "score_clip",
-    "ratio_threshold", "early_stopping", "target_kl", "temperature", "top_k", "top_p", "stop_token",
-    "stop_token_id", "local_rollout_forward_batch_size", "logits_chunk_size", "mesh_data", "mesh_fsdp",
-    "mesh_tensor",
-})
-"""Fields that may differ (training continues, but no longer exactly as the original run): reported back."""
-
-_ABSENT = object()
-
-
-def _field_defaults() -> dict[str, Any]:
-    try:
-        from .config import PPOConfig
-    except Exception:  # pragma: no cover - config is optional for this module
-        return {}
-    return {f.name: f.default for f in dataclasses.fields(PPOConfig) if f.default is not dataclasses.MISSING}
-
-
-def _normalise(value):
-    return json.loads(json.dumps(value, default=str))
+from .config import ConfigError as _ConfigError  # noqa: E402  (config imports nothing heavy)
+from .config import IGNORED_ON_RESUME_FIELDS as HARMLESS_FIELDS  # noqa: E402
+from .config import MAY_CHANGE_FIELDS as TUNABLE_FIELDS  # noqa: E402
+from .config import MUST_MATCH_FIELDS as STRICT_FIELDS  # noqa: E402
+from .config import resume_compatibility  # noqa: E402
 
 
 def check_compatible(saved_config, config) -> list[str]:
-    """Refuse to resume a run whose config differs from the checkpoint's where it matters.
-
-    saved_config / config: dicts (or PPOConfig). Raises CheckpointError listing every differing strict field
-    as ``name: saved -> now``. Returns the differing tunable fields (same format) so the caller can warn;
-    harmless fields (output_dir, logging, save_steps, total_episodes, resume, ...) are ignored. A field one
-    side lacks counts as its PPOConfig default (checkpoints from older versions stay loadable).
-    """
-    saved, now = _normalise(_as_dict(saved_config)), _normalise(_as_dict(config))
-    defaults = _normalise(_field_defaults())
-    strict, tunable = [], []
-    for name in sorted(set(saved) | set(now)):
-        if name in HARMLESS_FIELDS:
-            continue
-        if name == "per_device_train_batch_size" and saved.get("batch_size") is not None \
-                and saved.get("batch_size") == now.get("batch_size"):
-            continue  # ignored when the global batch_size is set (and equal)
-        a = saved.get(name, defaults.get(name, _ABSENT))
-        b = now.get(name, defaults.get(name, _ABSENT))
-        if a == b:
-            continue
-        line = f"  {name}: {'<absent>' if a is _ABSENT else repr(a)} -> {'<absent>' if b is _ABSENT else repr(b)}"
-        (tunable if name in TUNABLE_FIELDS else strict).append(line)
-    if strict:
-        raise CheckpointError(
-            "The checkpoint was written by a run with a different configuration "
-            f"({len(strict)} field(s) that must match differ; saved -> now):\n" + "\n".join(strict)
-            + "\nUse the checkpoint's values (its config.json), or start a fresh run (resume: null, or another "
-              "output_dir).")
-    return [line.strip() for line in tunable]
+    """:func:`ppojax.config.resume_compatibility` on dicts or PPOConfigs, raising CheckpointError (as
+    before) where a field that must match differs."""
+    try:
+        return resume_compatibility(_as_dict(saved_config), _as_dict(config))
+    except _ConfigError as err:
+        raise CheckpointError(str(err)) from None

@@ -1,8 +1,25 @@
-"""PPOConfig: every knob of a run, under TRL's names, validated once at the edge.
+"""PPOConfig: every knob of a run, under TRL's names, checked when it is built.
 
 Field names and defaults follow TRL 1.12's ``PPOConfig`` (SPEC "Defaults"); the legacy (TRL <= 0.11) names
-are accepted as aliases and mapped on load. Derived sizes (``batch_size``, ``mini_batch_size``,
-``micro_batch_size``, ``num_total_batches``) are computed by :meth:`PPOConfig.derived`, never stored twice.
+are accepted as aliases and mapped on load, and the TRL / transformers ``TrainingArguments`` keys ppojax has no
+field for are refused with the field that replaces them (``FOREIGN_KEYS``). Derived sizes (``batch_size``,
+``mini_batch_size``, ``micro_batch_size``) are computed by :meth:`PPOConfig.derived`, never stored twice.
+
+Every field is declared with :func:`setting`: its default, and metadata that the rest of ppojax derives from
+instead of copying field lists by hand:
+
+    static     the value shapes a compiled program (a ``jax.jit`` static argument): :meth:`static_settings`
+    on_resume  'must_match' / 'may_change' / 'ignored' when a run resumes from a checkpoint:
+               :func:`resume_compatibility`
+    rule       what the value must satisfy beyond its type (checked with the type by ``__post_init__``)
+
+and a docstring under it, its description (``ppojax train --help``, via :func:`field_help`).
+
+Checks run when the config is built, in Python (``PPOConfig(...)``) and from YAML alike, before any model is
+loaded: each field's type (no bool where a number is expected, no NaN/inf, no list where a number is
+expected) and range, then the checks that need several fields. Every bad value is reported in one
+``ConfigError`` naming the field, the value, what was expected and the fix. Checks that need the model or
+the devices (vocabulary, position limit, mesh vs devices) happen when the trainer is built.
 
 Batch sizes (global, over all devices and hosts):
     batch_size        prompts per rollout = one PPO update
@@ -16,155 +33,322 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import typing
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Union
 
 import yaml
-
-from .ppo.advantages import advantage_estimator_names
-from .ppo.kl import kl_estimator_names
-from .ppo.shaping import SCORE_POSITIONS
 
 
 class ConfigError(ValueError):
     """A bad configuration value; the message names the value, what was expected and the fix."""
 
 
+# ----------------------------------------------------------------------------------------------------------
+# field metadata
+
+MUST_MATCH = "must_match"  # a resumed run refuses a different value (models, data, shapes, batch structure)
+MAY_CHANGE = "may_change"  # a resumed run may use another value (reported): learning rate, clip ranges, ...
+IGNORED = "ignored"        # where and how long to run, what to log
+ON_RESUME = (MUST_MATCH, MAY_CHANGE, IGNORED)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a field's value must satisfy beyond its type.
+
+    ok: the predicate (called on a value of the field's type, never on None).
+    expected: what a good value is, e.g. '{a} >= 0' ({a} becomes 'an integer' or 'a number').
+    fix: how to fix a bad value ('' for the generic "set NAME to EXPECTED").
+    registry: for a name looked up in a registry of ppojax.ppo, the registered names (a function: importing
+        ppo imports JAX, so these checks run after the cheap ones have passed, and a config error elsewhere
+        is reported without importing JAX).
+    """
+
+    ok: Callable[[Any], bool]
+    expected: str
+    fix: str = ""
+    registry: Optional[Callable[[], tuple]] = None
+
+
+def at_least(low) -> Rule:
+    return Rule(lambda v: v >= low, f"{{a}} >= {low}")
+
+
+def above(low, fix: str = "") -> Rule:
+    return Rule(lambda v: v > low, f"{{a}} > {low}", fix)
+
+
+def between(low, high, *, open_low=False, open_high=False) -> Rule:
+    def ok(v):
+        return (low < v if open_low else low <= v) and (v < high if open_high else v <= high)
+    return Rule(ok, f"{{a}} in {'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}")
+
+
+def one_of(*choices, fix: str = "") -> Rule:
+    words = " or ".join(map(repr, choices)) if len(choices) <= 2 else "one of " + ", ".join(map(repr, choices))
+    return Rule(lambda v: v in choices, words, fix)
+
+
+NON_EMPTY = Rule(lambda v: v.strip() != "", "a non-empty string")
+
+
+def registered(what: str, names: Callable[[], tuple]) -> Rule:
+    """A name that must be registered in ppojax.ppo (looked up lazily: importing ppo imports JAX)."""
+    return Rule(lambda v: v in names(), f"one of the registered {what}", registry=names)
+
+
+def _kl_estimators() -> tuple:
+    from .ppo.kl import kl_estimator_names
+    return kl_estimator_names()
+
+
+def _advantage_estimators() -> tuple:
+    from .ppo.advantages import advantage_estimator_names
+    return advantage_estimator_names()
+
+
+def _score_positions() -> tuple:
+    from .ppo.shaping import SCORE_POSITIONS
+    return tuple(SCORE_POSITIONS)
+
+
+def _is_reward_function_spec(v: str) -> bool:
+    module, sep, function = v.partition(":")
+    return v == "vader" or (bool(sep) and bool(module.strip()) and bool(function.strip()))
+
+
+REPORT_SINKS = ("tensorboard", "wandb")
+"""Where metrics go besides the always-written JSONL files; report_to also takes 'none' and 'all'."""
+
+
+def _valid_report_to(v) -> bool:
+    names = [v] if isinstance(v, str) else list(v)
+    allowed = set(REPORT_SINKS) | {"none", "all"}
+    return bool(names) and all(n in allowed for n in names) and ("none" not in names or len(names) == 1)
+
+
+def setting(default, *, static: bool, on_resume: str, rule: Optional[Rule] = None):
+    """A PPOConfig field: its default and its metadata (see the module docstring)."""
+    if on_resume not in ON_RESUME:
+        raise ValueError(f"on_resume={on_resume!r}: expected one of {ON_RESUME}")
+    return dataclasses.field(default=default, metadata={"static": static, "on_resume": on_resume, "rule": rule})
+
+
 @dataclass
 class PPOConfig:
     # ---- models ----
-    model_name_or_path: str = "smollm2"
+    model_name_or_path: str = setting("smollm2", static=False, on_resume=MUST_MATCH, rule=NON_EMPTY)
     """Policy: a local Hugging Face checkpoint directory, or 'smollm2' for the bundled SmolLM2-135M-Instruct."""
-    reward_model_path: Optional[str] = None
+    reward_model_path: Optional[str] = setting(None, static=False, on_resume=MUST_MATCH, rule=NON_EMPTY)
     """A sequence-classification checkpoint scoring (prompt, completion); None when reward_function is set."""
-    reward_function: Optional[str] = None
+    reward_function: Optional[str] = setting(None, static=True, on_resume=MUST_MATCH, rule=Rule(
+        _is_reward_function_spec, "'vader' or 'module:function'",
+        "Fix: name a function f(prompts, completions) -> floats as 'my_rewards:length_reward' (its module on "
+        "PYTHONPATH), or use the built-in 'vader'."))
     """A Python reward 'module:function' taking (prompts, completions) -> floats, or 'vader' (sentiment)."""
-    value_model_path: Optional[str] = None
+    value_model_path: Optional[str] = setting(None, static=False, on_resume=MUST_MATCH, rule=NON_EMPTY)
     """Value model checkpoint. None: TRL's choice (the reward model), or the policy backbone + a new head."""
-    value_head: str = "separate"
+    value_head: str = setting("separate", static=True, on_resume=MUST_MATCH, rule=one_of("separate", "policy"))
     """'separate': a value model of its own (TRL); 'policy': a Linear head on the policy backbone (legacy)."""
-    dtype: str = "float32"
+    dtype: str = setting("float32", static=True, on_resume=MUST_MATCH, rule=one_of("float32", "bfloat16"))
     """Parameter and compute dtype: 'float32' or 'bfloat16' (log-softmax, losses and statistics stay float32)."""
 
     # ---- data ----
-    dataset: str = "movie_reviews"
+    dataset: str = setting("movie_reviews", static=False, on_resume=MUST_MATCH, rule=NON_EMPTY)
     """Prompts: 'movie_reviews' (bundled), or a local json/jsonl/csv/parquet file or HF datasets directory."""
-    dataset_text_field: str = "prompt"
+    dataset_text_field: str = setting("prompt", static=False, on_resume=MUST_MATCH, rule=NON_EMPTY)
     """Column holding the prompt text."""
-    max_prompt_length: int = 32
+    max_prompt_length: int = setting(32, static=True, on_resume=MUST_MATCH, rule=at_least(1))
     """Prompts are left padded to this many tokens; longer ones are filtered out (and counted)."""
-    chat_template: bool = False
+    chat_template: bool = setting(False, static=False, on_resume=MUST_MATCH)
     """Wrap each prompt in the tokenizer's chat template before tokenising."""
-    num_eval_prompts: int = 0
+    num_eval_prompts: int = setting(0, static=False, on_resume=MUST_MATCH, rule=at_least(0))
     """Held-out prompts (taken off the end of the dataset, never trained on), scored before and after
-    training with near-greedy decoding (T = 0.01) for summary.json."""
+    training with near-greedy decoding (T = 0.01) for summary.json. 0: no evaluation."""
 
     # ---- run ----
-    output_dir: str = "outputs/ppojax"
-    run_name: Optional[str] = None
-    seed: int = 0
-    total_episodes: Optional[int] = None
-    """Prompts to train on in all; None: num_train_epochs passes over the dataset."""
-    num_train_epochs: float = 1.0
+    output_dir: str = setting("outputs/ppojax", static=False, on_resume=IGNORED, rule=NON_EMPTY)
+    """Directory of the run: logs, samples, checkpoints/, the trained policy/ and summary.json."""
+    run_name: Optional[str] = setting(None, static=False, on_resume=IGNORED)
+    """Name of the run in TensorBoard / wandb (None: the output_dir's name)."""
+    seed: int = setting(0, static=False, on_resume=MUST_MATCH, rule=Rule(
+        lambda v: 0 <= v < 2**31, "an integer in [0, 2147483647]",
+        "Fix: use a seed in that range (JAX keys take 32 bits: a larger seed would silently give another "
+        "seed's stream)."))
+    """Seed of every random stream: initial value head, prompt order, sampling."""
+    total_episodes: Optional[int] = setting(None, static=False, on_resume=IGNORED, rule=at_least(1))
+    """Prompts to train on in all (rounded up to whole updates); None: num_train_epochs passes over the data."""
+    num_train_epochs: float = setting(1.0, static=False, on_resume=IGNORED, rule=above(0))
+    """Passes over the training prompts when total_episodes is None (may be fractional)."""
 
     # ---- batch sizes ----
-    per_device_train_batch_size: int = 8
+    per_device_train_batch_size: int = setting(8, static=True, on_resume=MUST_MATCH, rule=at_least(1))
     """TRL's micro-batch per data-parallel device; ignored when batch_size is set."""
-    batch_size: Optional[int] = None
-    """Global prompts per update; None derives it as TRL does (see module docstring)."""
-    gradient_accumulation_steps: int = 1
-    num_mini_batches: int = 1
-    local_rollout_forward_batch_size: Optional[int] = None
-    """Rows per forward pass in the rollout's reference/value/reward forwards (None: the whole batch)."""
-    logits_chunk_size: Optional[int] = None
+    batch_size: Optional[int] = setting(None, static=True, on_resume=MUST_MATCH, rule=at_least(1))
+    """Global prompts per update; None derives it as TRL does (see the module docstring)."""
+    gradient_accumulation_steps: int = setting(1, static=True, on_resume=MUST_MATCH, rule=at_least(1))
+    """Micro-batches whose gradients are summed into one optimizer step (splits each mini-batch)."""
+    num_mini_batches: int = setting(1, static=True, on_resume=MUST_MATCH, rule=at_least(1))
+    """Optimizer steps per PPO epoch: each update's batch is split into this many mini-batches."""
+    local_rollout_forward_batch_size: Optional[int] = setting(None, static=True, on_resume=MAY_CHANGE,
+                                                              rule=at_least(1))
+    """Rows per forward pass in the rollout's reference/value/reward forwards (None: the whole batch); must
+    divide the batch."""
+    logits_chunk_size: Optional[int] = setting(None, static=True, on_resume=MAY_CHANGE, rule=at_least(1))
     """Response positions per float32 logits chunk in log-prob computations (bounds [rows, chunk, vocab]
     memory). None: all positions at once when a micro-batch's logits fit in 256 MB per device, else the
     largest chunk that fits (chunks are recomputed in the backward pass instead of stored)."""
 
     # ---- PPO ----
-    num_ppo_epochs: int = 4
-    learning_rate: float = 3e-6
-    lr_scheduler_type: str = "linear"
+    num_ppo_epochs: int = setting(4, static=True, on_resume=MAY_CHANGE, rule=at_least(1))
+    """Passes over each rollout batch per update."""
+    learning_rate: float = setting(3e-6, static=True, on_resume=MAY_CHANGE, rule=at_least(0))
+    """Peak learning rate of AdamW (policy and value model)."""
+    lr_scheduler_type: str = setting("linear", static=True, on_resume=MAY_CHANGE, rule=one_of("linear", "constant"))
     """'linear' (to 0 over the updates, as TRL) or 'constant'."""
-    warmup_steps: int = 0
-    """Optimizer steps of linear warmup."""
-    max_grad_norm: Optional[float] = None
+    warmup_steps: int = setting(0, static=True, on_resume=MAY_CHANGE, rule=at_least(0))
+    """Updates of linear learning-rate warmup (the schedule steps once per update, as TRL's PPO)."""
+    max_grad_norm: Optional[float] = setting(None, static=True, on_resume=MAY_CHANGE, rule=above(0))
     """Clip the global gradient norm (None: off, as TRL's PPO)."""
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
-    weight_decay: float = 0.0
-    cliprange: float = 0.2
-    cliprange_value: float = 0.2
-    vf_coef: float = 0.1
-    entropy_coef: float = 0.0
-    gamma: float = 1.0
-    lam: float = 0.95
-    whiten_rewards: bool = False
-    kl_coef: float = 0.05
-    kl_estimator: str = "k1"
-    """'k1', 'k3', or legacy 'abs', 'mse', 'full'."""
-    advantage_estimator: str = "gae"
+    adam_beta1: float = setting(0.9, static=True, on_resume=MAY_CHANGE, rule=between(0, 1, open_high=True))
+    """AdamW's first-moment decay."""
+    adam_beta2: float = setting(0.999, static=True, on_resume=MAY_CHANGE, rule=between(0, 1, open_high=True))
+    """AdamW's second-moment decay."""
+    adam_epsilon: float = setting(1e-8, static=True, on_resume=MAY_CHANGE, rule=above(0))
+    """AdamW's epsilon (added to the second-moment root)."""
+    weight_decay: float = setting(0.0, static=True, on_resume=MAY_CHANGE, rule=at_least(0))
+    """AdamW's decoupled weight decay."""
+    cliprange: float = setting(0.2, static=True, on_resume=MAY_CHANGE, rule=above(0))
+    """PPO's policy ratio clip range epsilon: the ratio is clipped to [1 - cliprange, 1 + cliprange]."""
+    cliprange_value: float = setting(0.2, static=True, on_resume=MAY_CHANGE, rule=above(0))
+    """Clip range of the value prediction around the rollout's values."""
+    vf_coef: float = setting(0.1, static=True, on_resume=MAY_CHANGE, rule=at_least(0))
+    """Weight of the value loss in the total loss."""
+    entropy_coef: float = setting(0.0, static=True, on_resume=MAY_CHANGE, rule=at_least(0))
+    """Weight of the entropy bonus subtracted from the loss (0: off, as TRL)."""
+    gamma: float = setting(1.0, static=True, on_resume=MAY_CHANGE, rule=between(0, 1))
+    """Discount factor of the returns."""
+    lam: float = setting(0.95, static=True, on_resume=MAY_CHANGE, rule=between(0, 1))
+    """GAE's lambda: 0 uses one-step TD errors (low variance), 1 the full returns (no bias)."""
+    whiten_rewards: bool = setting(False, static=True, on_resume=MAY_CHANGE)
+    """Whiten the KL-shaped rewards (over the batch's response tokens) before GAE."""
+    kl_coef: float = setting(0.05, static=False, on_resume=MAY_CHANGE, rule=at_least(0))
+    """Weight of the per-token KL penalty to the reference model (the adaptive controller's initial value)."""
+    kl_estimator: str = setting("k1", static=True, on_resume=MAY_CHANGE,
+                                rule=registered("KL estimators", _kl_estimators))
+    """Per-token KL estimator: 'k1', 'k3', or legacy 'abs', 'mse', 'full'."""
+    advantage_estimator: str = setting("gae", static=True, on_resume=MUST_MATCH,
+                                       rule=registered("advantage estimators", _advantage_estimators))
     """How advantages are computed from the rewards: 'gae' (generalised advantage estimation with the value
     model, PPO)."""
-    adaptive_kl: bool = False
+    adaptive_kl: bool = setting(False, static=True, on_resume=MAY_CHANGE)
     """Legacy adaptive KL controller (Ziegler et al.); kl_coef is its initial value."""
-    target_kl_for_adaptive: float = 6.0
-    horizon: int = 10000
-    score_position: str = "trl"
+    target_kl_for_adaptive: float = setting(6.0, static=True, on_resume=MAY_CHANGE, rule=above(0))
+    """The KL (nats per sequence) the adaptive controller steers towards (legacy TRL's `target`)."""
+    horizon: int = setting(10000, static=True, on_resume=MAY_CHANGE, rule=at_least(1))
+    """The adaptive controller's horizon: how fast kl_coef moves (legacy TRL's `horizon`)."""
+    score_position: str = setting("trl", static=True, on_resume=MAY_CHANGE,
+                                  rule=registered("score positions", _score_positions))
     """'trl': the score goes on the slot after the last token; 'legacy': on the last token."""
-    missing_eos_penalty: Optional[float] = None
-    use_score_scaling: bool = False
-    use_score_norm: bool = False
-    score_clip: Optional[float] = None
-    ratio_threshold: Optional[float] = None
+    missing_eos_penalty: Optional[float] = setting(None, static=True, on_resume=MAY_CHANGE, rule=at_least(0))
+    """Subtracted from the score of a response without the stop token (None: off; needs a stop token)."""
+    use_score_scaling: bool = setting(False, static=True, on_resume=MAY_CHANGE)
+    """Legacy: divide scores by their running standard deviation."""
+    use_score_norm: bool = setting(False, static=True, on_resume=MAY_CHANGE)
+    """Legacy: also subtract the running mean (needs use_score_scaling)."""
+    score_clip: Optional[float] = setting(None, static=True, on_resume=MAY_CHANGE, rule=above(0))
+    """Legacy: clip the (scaled) scores to [-score_clip, score_clip] (None: off)."""
+    ratio_threshold: Optional[float] = setting(None, static=True, on_resume=MAY_CHANGE, rule=above(0))
     """Legacy: skip a mini-batch whose masked mean ratio exceeds this (None: off)."""
-    early_stopping: bool = False
-    target_kl: float = 1.0
+    early_stopping: bool = setting(False, static=True, on_resume=MAY_CHANGE)
+    """Legacy: stop an update's epochs once the policy KL exceeds 1.5 * target_kl."""
+    target_kl: float = setting(1.0, static=True, on_resume=MAY_CHANGE, rule=above(0))
     """Legacy early stopping: stop the epochs once the policy KL exceeds 1.5 * target_kl."""
 
     # ---- generation ----
-    response_length: int = 53
-    temperature: float = 0.7
-    top_k: int = 0
-    top_p: float = 1.0
-    stop_token: Optional[str] = None
+    response_length: int = setting(53, static=True, on_resume=MUST_MATCH, rule=at_least(1))
+    """Tokens sampled per prompt (responses are padded after the stop token to this length)."""
+    temperature: float = setting(0.7, static=True, on_resume=MAY_CHANGE, rule=above(0, fix=(
+        "Fix: PPO learns from sampled responses, so it needs a sampling temperature > 0; for near-greedy "
+        "sampling use a small one such as 0.01 (the default is 0.7).")))
+    """Sampling temperature (> 0: PPO needs sampled responses; near-greedy: e.g. 0.01)."""
+    top_k: int = setting(0, static=True, on_resume=MAY_CHANGE, rule=at_least(0))
+    """Sample only among the k most likely tokens (0: off)."""
+    top_p: float = setting(1.0, static=True, on_resume=MAY_CHANGE, rule=between(0, 1, open_low=True))
+    """Nucleus sampling: the smallest token set holding this probability (1.0: off)."""
+    stop_token: Optional[str] = setting(None, static=True, on_resume=MAY_CHANGE, rule=one_of(
+        "eos", fix="Fix: write stop_token: eos to stop at the tokenizer's eos token, or set stop_token_id."))
     """'eos': stop at the tokenizer's eos token; None: no stop token unless stop_token_id is set."""
-    stop_token_id: Optional[int] = None
+    stop_token_id: Optional[int] = setting(None, static=True, on_resume=MAY_CHANGE, rule=at_least(0))
+    """Token id that ends a response (instead of stop_token; must be in the vocabulary, not the pad id)."""
 
     # ---- logging, samples, checkpoints ----
-    logging_steps: int = 1
-    num_sample_generations: int = 10
-    """How many times during training to print sample completions (near-greedy, T = 0.01)."""
-    save_steps: int = 0
+    logging_steps: int = setting(1, static=False, on_resume=IGNORED, rule=Rule(
+        lambda v: v >= 1, "an integer >= 1",
+        "Fix: give a number of updates (TRL's fractional logging_steps, a share of the run, is not supported)."))
+    """Log metrics (metrics.jsonl, TensorBoard, wandb) every N updates."""
+    num_sample_generations: int = setting(10, static=False, on_resume=IGNORED, rule=at_least(0))
+    """How many times during training to print sample completions (near-greedy, T = 0.01); 0: never."""
+    save_steps: int = setting(0, static=False, on_resume=IGNORED, rule=at_least(0))
     """Checkpoint every N updates (0: only at the end)."""
-    save_total_limit: int = 3
-    resume: Optional[str] = None
-    """None: start fresh; 'auto': resume from the latest checkpoint in output_dir; or a checkpoint path."""
-    max_nonfinite_steps: int = 3
+    save_total_limit: int = setting(3, static=False, on_resume=IGNORED, rule=Rule(
+        lambda v: v >= 1, "an integer >= 1",
+        "Fix: set save_total_limit to an integer >= 1 (the default is 3); to keep every checkpoint, to more than "
+        "the run's saves."))
+    """Checkpoints kept in output_dir/checkpoints (the oldest are deleted)."""
+    resume: Optional[str] = setting(None, static=False, on_resume=IGNORED, rule=NON_EMPTY)
+    """None (or false): start fresh; 'auto' (or true): resume from the latest checkpoint in output_dir, or
+    start fresh when there is none; or the path of a checkpoint."""
+    max_nonfinite_steps: int = setting(3, static=False, on_resume=IGNORED, rule=at_least(1))
     """Stop after this many optimizer steps in a row skipped for a non-finite loss or gradient."""
-    on_nonfinite_reward: str = "error"
+    on_nonfinite_reward: str = setting("error", static=True, on_resume=IGNORED, rule=one_of("error", "skip"))
     """A reward function returning NaN/inf: 'error' stops with a message naming the prompt; 'skip' lets it
     through, so every optimizer step of that update is skipped (counted in ppo/nonfinite_total) and the run
     goes on. 'skip' needs max_nonfinite_steps > num_ppo_epochs * num_mini_batches (the steps of one update)."""
-    report_to: str = "tensorboard"
-    compilation_cache_dir: Optional[str] = "auto"
+    report_to: Union[str, list[str]] = setting("tensorboard", static=False, on_resume=IGNORED, rule=Rule(
+        _valid_report_to, "'tensorboard', 'wandb', 'none', 'all', or a list of 'tensorboard' and 'wandb'",
+        "Fix: e.g. report_to: [tensorboard, wandb]; metrics.jsonl is always written."))
+    """Metric sinks besides metrics.jsonl: 'tensorboard', 'wandb', a list of them, 'all' (every installed
+    one) or 'none'."""
+    compilation_cache_dir: Optional[str] = setting("auto", static=False, on_resume=IGNORED)
     """JAX's persistent compilation cache: a later run (a resume, a re-run with the same shapes) loads the
-    compiled rollout and update instead of compiling them again (benchmarks' first update: tiny 12.3 s ->
-    2.35 s, SmolLM2-135M 44.6 s -> 31.8 s).
-    'auto': $JAX_COMPILATION_CACHE_DIR if set, else ~/.cache/ppojax/xla; a path; or 'none' (off)."""
+    compiled programs instead of compiling them again (benchmarks/RESULTS.md). 'auto' (or None):
+    $JAX_COMPILATION_CACHE_DIR if set, else ~/.cache/ppojax/xla; a path; or 'none' (off)."""
 
     # ---- mesh ----
-    mesh_data: int = -1
-    """Mesh axis sizes; -1 takes the devices left over (at most one axis may be -1)."""
-    mesh_fsdp: int = 1
-    mesh_tensor: int = 1
+    mesh_data: int = setting(-1, static=True, on_resume=MAY_CHANGE, rule=Rule(
+        lambda v: v == -1 or v >= 1, "-1 or an integer >= 1"))
+    """Data-parallel mesh axis size; -1 takes the devices left over (at most one axis may be -1)."""
+    mesh_fsdp: int = setting(1, static=True, on_resume=MAY_CHANGE, rule=Rule(
+        lambda v: v == -1 or v >= 1, "-1 or an integer >= 1"))
+    """Fully-sharded (parameters and optimizer state) mesh axis size; -1: the devices left over."""
+    mesh_tensor: int = setting(1, static=True, on_resume=MAY_CHANGE, rule=Rule(
+        lambda v: v == -1 or v >= 1, "-1 or an integer >= 1"))
+    """Tensor-parallel mesh axis size; -1: the devices left over."""
 
     # --------------------------------------------------------------------------------------------------
+    def __post_init__(self):
+        self.validate()
+
     @property
     def stop_token_is_eos(self) -> bool:
         return self.stop_token == "eos"
+
+    @property
+    def report_sinks(self) -> tuple[str, ...]:
+        """report_to as the sinks to open: () for 'none'; 'all': tensorboard, and wandb when installed."""
+        names = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to)
+        if "all" in names:
+            import importlib.util
+            return tuple(s for s in REPORT_SINKS if s != "wandb" or importlib.util.find_spec("wandb"))
+        return tuple(dict.fromkeys(n for n in names if n != "none"))
+
+    def static_settings(self) -> "StaticSettings":
+        """The static fields only, as a hashable, immutable view (a ``jax.jit`` static argument): equal
+        for configs that differ only in non-static fields (output_dir, kl_coef, ...)."""
+        return StaticSettings(**{name: getattr(self, name) for name in STATIC_FIELDS})
 
     def derived(self, data_parallel_size: int = 1) -> "DerivedSizes":
         """The global batch sizes of SPEC's update structure, checked to divide."""
@@ -198,62 +382,34 @@ class PPOConfig:
 
     # ---- validation ----
     def validate(self) -> "PPOConfig":
-        """Check every value; raise ConfigError naming the first bad one. Returns self."""
-        def need(condition, name, expected):
-            if not condition:
-                raise ConfigError(f"{name}={getattr(self, name)!r}: expected {expected}.")
+        """Check (and normalise) every value; raise one ConfigError listing every bad one. Returns self.
 
-        for name in ("response_length", "max_prompt_length", "num_ppo_epochs", "num_mini_batches",
-                     "gradient_accumulation_steps", "per_device_train_batch_size", "horizon",
-                     "logging_steps", "max_nonfinite_steps"):
-            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "an integer >= 1")
-        need(self.batch_size is None or (isinstance(self.batch_size, int) and self.batch_size >= 1),
-             "batch_size", "None or an integer >= 1")
-        need(self.logits_chunk_size is None
-             or (isinstance(self.logits_chunk_size, int) and self.logits_chunk_size >= 1),
-             "logits_chunk_size", "None (sized from a 256 MB budget) or an integer >= 1")
-        need(self.learning_rate >= 0, "learning_rate", "a learning rate >= 0")
-        need(self.temperature >= 0, "temperature", "a temperature >= 0 (0 is greedy)")
-        need(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "an integer >= 0 (0 = off)")
-        need(0.0 < self.top_p <= 1.0, "top_p", "a value in (0, 1] (1.0 = off)")
-        need(0.0 <= self.gamma <= 1.0, "gamma", "a discount in [0, 1]")
-        need(0.0 <= self.lam <= 1.0, "lam", "a GAE lambda in [0, 1]")
-        need(self.cliprange > 0, "cliprange", "a clip range > 0")
-        need(self.cliprange_value > 0, "cliprange_value", "a clip range > 0")
-        need(self.kl_estimator in kl_estimator_names(), "kl_estimator", f"one of {kl_estimator_names()}")
-        need(self.advantage_estimator in advantage_estimator_names(), "advantage_estimator",
-             f"one of {advantage_estimator_names()}")
-        need(self.score_position in SCORE_POSITIONS, "score_position", f"one of {SCORE_POSITIONS}")
-        need(self.value_head in ("separate", "policy"), "value_head", "'separate' or 'policy'")
-        need(self.dtype in ("float32", "bfloat16"), "dtype", "'float32' or 'bfloat16'")
-        need(self.lr_scheduler_type in ("linear", "constant"), "lr_scheduler_type", "'linear' or 'constant'")
-        need(self.stop_token in (None, "eos"), "stop_token", "None or 'eos' (or set stop_token_id)")
-        need(self.on_nonfinite_reward in ("error", "skip"), "on_nonfinite_reward", "'error' or 'skip'")
-        steps_per_update = self.num_ppo_epochs * self.num_mini_batches
-        if self.on_nonfinite_reward == "skip" and self.max_nonfinite_steps <= steps_per_update:
-            raise ConfigError(
-                f"on_nonfinite_reward='skip' with max_nonfinite_steps={self.max_nonfinite_steps}: an update with a "
-                f"NaN/inf reward skips all its num_ppo_epochs * num_mini_batches = {steps_per_update} optimizer "
-                f"steps, so the first one would stop the run. Set max_nonfinite_steps to more than "
-                f"{steps_per_update} (e.g. {2 * steps_per_update + 1} to stop after 3 bad updates in a row).")
-        need(self.max_grad_norm is None or self.max_grad_norm > 0, "max_grad_norm", "None or > 0")
-        need(isinstance(self.num_eval_prompts, int) and self.num_eval_prompts >= 0, "num_eval_prompts",
-             "an integer >= 0")
-        need(isinstance(self.save_steps, int) and self.save_steps >= 0, "save_steps", "an integer >= 0 (0: end only)")
-        need(self.save_total_limit >= 1, "save_total_limit", "an integer >= 1")
-        need(self.target_kl_for_adaptive > 0, "target_kl_for_adaptive", "a target KL > 0")
-        axes = (self.mesh_data, self.mesh_fsdp, self.mesh_tensor)
-        need(all(a == -1 or a >= 1 for a in axes) and axes.count(-1) <= 1, "mesh_data",
-             "mesh sizes >= 1 with at most one -1 among mesh_data/mesh_fsdp/mesh_tensor")
-        if self.reward_model_path is not None and self.reward_function is not None:
-            raise ConfigError("Both reward_model_path and reward_function are set; keep one of them.")
-        self.derived()  # divisibility on one device; the trainer re-checks with the real mesh
+        Runs at construction; call it again after changing a field by hand."""
+        problems = []
+        for name in FIELD_NAMES:
+            try:
+                setattr(self, name, _checked_value(name, getattr(self, name)))
+            except ConfigError as err:
+                problems.append(str(err))
+        if not problems:  # the checks below need every value well typed
+            problems += _problems_together(self)
+        if not problems:  # registry lookups import JAX: only once everything else is right
+            problems += [str(err) for err in _registry_problems(self)]
+        if len(problems) == 1:
+            raise ConfigError(problems[0])
+        if problems:
+            raise ConfigError(f"{len(problems)} config values are not valid:\n"
+                              + "\n".join("  - " + p.replace("\n", "\n    ") for p in problems))
         return self
 
-    def static_settings(self) -> "StaticSettings":
-        """The fields that shape compiled programs, as a hashable read-only view (a jit static argument)."""
-        return StaticSettings(tuple((f.name, getattr(self, f.name)) for f in fields(self)
-                                    if f.name not in _NOT_STATIC))
+    def check_reward_source(self) -> "PPOConfig":
+        """For a training run (the CLI): one reward source must be set. (The legacy ``step()`` API takes
+        scores from the caller, so a config without one is valid in itself.)"""
+        if self.reward_model_path is None and self.reward_function is None:
+            raise ConfigError(
+                "No reward source: set reward_function ('vader', or 'module:function' taking (prompts, "
+                "completions) -> floats) or reward_model_path (a sequence-classification checkpoint).")
+        return self
 
     # ---- (de)serialisation ----
     def to_dict(self) -> dict[str, Any]:
@@ -267,47 +423,33 @@ class PPOConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "PPOConfig":
-        """Build from a mapping, translating legacy names and refusing unknown keys."""
-        values = normalise_keys(values)
-        return cls(**{name: coerce(name, value) for name, value in values.items()}).validate()
+        """Build from a mapping, translating legacy names and refusing unknown keys (all in one message)."""
+        return cls(**normalise_keys(values))
 
     @classmethod
     def from_yaml(cls, path, overrides: Optional[list[str]] = None) -> "PPOConfig":
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"Config file {str(path)!r} does not exist; pass the path of a YAML file "
-                              "(see configs/ for examples).")
-        values = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(values, dict):
-            raise ConfigError(f"{path}: expected a mapping of field: value, got {type(values).__name__}.")
+        """Build from a YAML file plus ``key=value`` overrides; malformed YAML and duplicate keys are errors
+        naming the file, line and column."""
+        values = load_yaml_mapping(path)
         values.update(parse_overrides(overrides or []))
         return cls.from_dict(values)
 
 
-_NOT_STATIC = frozenset({"output_dir", "run_name", "resume", "logging_steps", "num_sample_generations",
-                         "save_steps", "save_total_limit", "report_to", "compilation_cache_dir", "kl_coef",
-                         "total_episodes", "num_train_epochs", "num_eval_prompts"})
+FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in fields(PPOConfig))
+_FIELDS = {f.name: f for f in fields(PPOConfig)}
+_HINTS = typing.get_type_hints(PPOConfig)
 
+STATIC_FIELDS: tuple[str, ...] = tuple(n for n in FIELD_NAMES if _FIELDS[n].metadata["static"])
+"""Fields whose value shapes a compiled program (in declaration order)."""
+MUST_MATCH_FIELDS = frozenset(n for n in FIELD_NAMES if _FIELDS[n].metadata["on_resume"] == MUST_MATCH)
+MAY_CHANGE_FIELDS = frozenset(n for n in FIELD_NAMES if _FIELDS[n].metadata["on_resume"] == MAY_CHANGE)
+IGNORED_ON_RESUME_FIELDS = frozenset(n for n in FIELD_NAMES if _FIELDS[n].metadata["on_resume"] == IGNORED)
 
-@dataclass(frozen=True)
-class StaticSettings:
-    """A hashable view of the static config fields: ``view.gamma``; ``view.replace(temperature=0.01)``."""
-
-    items: tuple
-
-    def __getattr__(self, name):
-        if name == "items":
-            raise AttributeError(name)
-        for key, value in self.items:
-            if key == name:
-                return value
-        raise AttributeError(f"{name!r} is not a static config field")
-
-    def replace(self, **changes) -> "StaticSettings":
-        unknown = set(changes) - {k for k, _ in self.items}
-        if unknown:
-            raise AttributeError(f"not static config fields: {sorted(unknown)}")
-        return StaticSettings(tuple((k, changes.get(k, v)) for k, v in self.items))
+StaticSettings = dataclasses.make_dataclass(
+    "StaticSettings", [(n, _FIELDS[n].type) for n in STATIC_FIELDS], frozen=True)
+StaticSettings.__module__ = __name__
+StaticSettings.__doc__ = ("PPOConfig's static fields (STATIC_FIELDS) as a frozen, hashable view: "
+                          "PPOConfig.static_settings().")
 
 
 @dataclass(frozen=True)
@@ -316,6 +458,182 @@ class DerivedSizes:
     mini_batch_size: int
     micro_batch_size: int
 
+
+# ----------------------------------------------------------------------------------------------------------
+# checking values
+
+# Other spellings of a value -> the value (matched by type too, so `resume: 1` is not `resume: true`).
+VALUE_ALIASES: dict[str, list[tuple[Any, Any]]] = {
+    "kl_estimator": [("kl", "k1")],           # legacy TRL's kl_penalty: 'kl'
+    "resume": [(True, "auto"), (False, None)],
+    "report_to": [(None, "none")],
+}
+
+
+def _a(hint) -> str:
+    """'an integer' / 'a number' / 'a string' / 'true or false' for a field's (non-None) type."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    base = args[0] if args else hint
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(base, "a value")
+
+
+def expected_of(name: str) -> str:
+    """What a field takes, in words: 'null or an integer >= 1'."""
+    hint, rule = _HINTS[name], _FIELDS[name].metadata["rule"]
+    words = rule.expected.format(a=_a(hint)) if rule is not None else _a(hint)
+    return f"null or {words}" if type(None) in typing.get_args(hint) else words
+
+
+def _default_text(name: str) -> str:
+    """The default as written in YAML (null, true, 3.0e-06), strings quoted."""
+    default = _FIELDS[name].default
+    if isinstance(default, str):
+        return repr(default)
+    return yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("...").strip()
+
+
+def _bad(name: str, value: Any, got: str = "", fix: str = "") -> ConfigError:
+    expected = expected_of(name)
+    fix = fix or f"Fix: set {name} to {expected} (the default is {_default_text(name)})."
+    return ConfigError(f"{name}={value!r}: expected {expected}{got}. {fix}")
+
+
+def _kind(value) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, str):
+        return "a string"
+    return f"a {type(value).__name__}"
+
+
+def _typed(name: str, value: Any) -> Any:
+    """The value converted to the field's type (YAML 1.1 reads '1e-5' as a string), or ConfigError."""
+    hint = _HINTS[name]
+    args = typing.get_args(hint)
+    if value is None:
+        if type(None) in args:
+            return None
+        raise _bad(name, value, ", got null")
+    types = [a for a in args if a is not type(None)] or [hint]
+    if list[str] in types and isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return list(value)
+    target = types[0]
+    if target in (int, float) and (isinstance(value, bool) or not isinstance(value, (int, float, str))):
+        raise _bad(name, value, f", got {_kind(value)}")
+    if target is float:
+        try:
+            number = float(value)
+        except (ValueError, OverflowError):
+            raise _bad(name, value, ", got a string that is not a number") from None
+        if not math.isfinite(number):
+            raise _bad(name, value, ", got a non-finite number")
+        return number
+    if target is int:
+        if isinstance(value, int):
+            return value
+        try:
+            number = float(value)
+            if number == int(number):
+                return int(number)
+        except (ValueError, OverflowError):
+            pass
+        rule = _FIELDS[name].metadata["rule"]  # a number of the wrong kind: the field's own fix applies
+        raise _bad(name, value, ", got a value that is not a whole number",
+                   fix=rule.fix if rule is not None and not isinstance(value, str) else "")
+    if target is bool:
+        if isinstance(value, bool):
+            return value
+        raise _bad(name, value, f", got {_kind(value)}")
+    if target is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise _bad(name, value, f", got {_kind(value)}")
+
+
+def _checked_value(name: str, given: Any) -> Any:
+    """One field's value normalised (aliases, type) and checked against its rule, or ConfigError."""
+    value = given
+    for spelling, meaning in VALUE_ALIASES.get(name, ()):
+        if type(value) is type(spelling) and value == spelling:
+            value = meaning
+            break
+    value = _typed(name, value)
+    rule = _FIELDS[name].metadata["rule"]
+    if value is not None and rule is not None and rule.registry is None and not rule.ok(value):
+        raise _bad(name, given, fix=rule.fix)
+    return value
+
+
+def _registry_problems(config: PPOConfig) -> list[ConfigError]:
+    problems = []
+    for name in FIELD_NAMES:
+        rule, value = _FIELDS[name].metadata["rule"], getattr(config, name)
+        if rule is not None and rule.registry is not None and value is not None and not rule.ok(value):
+            names = rule.registry()
+            problems.append(ConfigError(f"{name}={value!r}: expected one of {', '.join(map(repr, names))}. "
+                                        f"Fix: set {name} to one of them (the default is "
+                                        f"{_default_text(name)})."))
+    return problems
+
+
+def _problems_together(c: PPOConfig) -> list[str]:
+    """The checks that need several fields (each field's own value already checked)."""
+    out = []
+    if c.reward_model_path is not None and c.reward_function is not None:
+        out.append(f"Both reward_model_path={c.reward_model_path!r} and reward_function={c.reward_function!r} "
+                   "are set; keep one of them.")
+    if c.value_head == "policy" and c.value_model_path is not None:
+        out.append(f"value_model_path={c.value_model_path!r} is set but value_head='policy' puts the value head "
+                   "on the policy (the value model would be ignored); remove value_model_path or set "
+                   "value_head: separate.")
+    axes = {"mesh_data": c.mesh_data, "mesh_fsdp": c.mesh_fsdp, "mesh_tensor": c.mesh_tensor}
+    if list(axes.values()).count(-1) > 1:
+        out.append(f"mesh sizes {axes}: at most one -1 (the axis taking the devices left over) among mesh_data/"
+                   "mesh_fsdp/mesh_tensor; give the others explicit sizes >= 1.")
+    steps_per_update = c.num_ppo_epochs * c.num_mini_batches
+    if c.on_nonfinite_reward == "skip" and c.max_nonfinite_steps <= steps_per_update:
+        out.append(
+            f"on_nonfinite_reward='skip' with max_nonfinite_steps={c.max_nonfinite_steps}: an update with a "
+            f"NaN/inf reward skips all its num_ppo_epochs * num_mini_batches = {steps_per_update} optimizer "
+            f"steps, so the first one would stop the run. Set max_nonfinite_steps to more than "
+            f"{steps_per_update} (e.g. {2 * steps_per_update + 1} to stop after 3 bad updates in a row).")
+    try:
+        sizes = c.derived()  # divisibility on one device; the trainer re-checks with the real mesh
+    except ConfigError as err:
+        out.append(str(err))
+        sizes = None
+    forward = c.local_rollout_forward_batch_size
+    if forward is not None and c.batch_size is not None and c.batch_size % forward:
+        out.append(f"local_rollout_forward_batch_size={forward} does not divide batch_size={c.batch_size}; "
+                   f"use a divisor of {c.batch_size} (e.g. "
+                   f"{max(d for d in range(1, forward + 1) if c.batch_size % d == 0)}), or null for the "
+                   "whole batch in one forward.")
+    if sizes is not None and c.total_episodes is not None:
+        most = math.ceil(c.total_episodes / sizes.batch_size)  # with more data-parallel devices: fewer
+        if c.warmup_steps >= most:
+            out.append(f"warmup_steps={c.warmup_steps} is not below the run's {'' if c.batch_size else 'at most '}"
+                       f"{most} update(s) (total_episodes {c.total_episodes} / batch_size {sizes.batch_size}): "
+                       f"the learning rate would never finish warming up. Set warmup_steps below {most}.")
+    if c.adaptive_kl and c.kl_coef == 0:
+        out.append("adaptive_kl=True with kl_coef=0.0: the controller scales kl_coef, its initial value, so it "
+                   "would stay 0; set kl_coef > 0 (e.g. 0.05) or adaptive_kl: false.")
+    if c.use_score_norm and not c.use_score_scaling:
+        out.append("use_score_norm=True only acts together with use_score_scaling (legacy TRL); set "
+                   "use_score_scaling: true too, or drop use_score_norm.")
+    if c.stop_token is not None and c.stop_token_id is not None:
+        out.append(f"stop_token={c.stop_token!r} and stop_token_id={c.stop_token_id} are both set; keep one "
+                   "(stop_token: eos means the tokenizer's eos id).")
+    if c.missing_eos_penalty is not None and c.stop_token is None and c.stop_token_id is None:
+        out.append(f"missing_eos_penalty={c.missing_eos_penalty} needs a stop token (without one every response "
+                   "would be penalised): set stop_token: eos (or stop_token_id), or remove missing_eos_penalty.")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# keys: legacy aliases, keys of TRL / transformers that ppojax has no field for, unknown keys
 
 # Legacy (TRL <= 0.11) and TRL-alternative names -> ppojax's field names.
 LEGACY_ALIASES = {
@@ -332,84 +650,289 @@ LEGACY_ALIASES = {
     "forward_batch_size": "local_rollout_forward_batch_size",
     "ent_coef": "entropy_coef",
 }
-# Legacy values that changed spelling.
-LEGACY_VALUES = {"kl_estimator": {"kl": "k1"}}
 
 
-def field_names() -> list[str]:
-    return [f.name for f in fields(PPOConfig)]
+def _same(reason: str, *names: str) -> dict[str, str]:
+    return dict.fromkeys(names, reason)
+
+
+_NOT_TRAINER = ("a transformers Trainer option with no ppojax counterpart (ppojax is not built on "
+                "transformers' Trainer); remove it")
+
+FOREIGN_KEYS: dict[str, str] = {
+    # precision
+    "bf16": "use dtype: bfloat16 (bf16: false is dtype: float32, the default)",
+    "fp16": "ppojax has no float16; use dtype: bfloat16 (or float32)",
+    **_same("evaluation runs in the training dtype; set dtype (float32 or bfloat16)",
+            "bf16_full_eval", "fp16_full_eval", "half_precision_backend", "fp16_opt_level", "fp16_backend"),
+    "tf32": "no such knob: XLA chooses matmul precision; set dtype (float32 or bfloat16)",
+    # run length, optimizer
+    "max_steps": "set total_episodes (updates x batch_size prompts) or num_train_epochs",
+    "warmup_ratio": "set warmup_steps (in updates)",
+    **_same("ppojax uses AdamW (optax): set adam_beta1, adam_beta2, adam_epsilon, weight_decay",
+            "optim", "optim_args", "optim_target_modules"),
+    "lr_scheduler_kwargs": "no scheduler arguments: lr_scheduler_type is 'linear' or 'constant', with warmup_steps",
+    # logging
+    "log_with": "use report_to (tensorboard, wandb, none or a list)",
+    **_same("no project field: wandb reads its project from the WANDB_PROJECT environment variable; run_name "
+            "names the run", "tracker_project_name", "project"),
+    **_same("ppojax does not use accelerate; report_to picks the metric sinks",
+            "tracker_kwargs", "accelerator_kwargs", "project_kwargs", "accelerator_config"),
+    "logging_dir": "logs are written under output_dir (metrics.jsonl, tensorboard/); set output_dir",
+    "logging_strategy": "use logging_steps (log every N updates)",
+    **_same("no such knob: ppojax logs on process 0 every logging_steps updates",
+            "logging_first_step", "log_level", "log_level_replica", "log_on_each_node", "disable_tqdm",
+            "logging_nan_inf_filter", "include_num_input_tokens_seen", "include_tokens_per_second"),
+    # evaluation
+    **_same("ppojax scores num_eval_prompts held-out prompts before and after training (in batches of "
+            "batch_size); set num_eval_prompts", "eval_strategy", "evaluation_strategy", "eval_steps", "do_eval",
+            "eval_on_start", "eval_delay", "per_device_eval_batch_size", "eval_accumulation_steps",
+            "eval_do_concat_batches", "eval_use_gather_object", "batch_eval_metrics", "include_for_metrics",
+            "include_inputs_for_metrics", "prediction_loss_only", "do_predict", "per_gpu_eval_batch_size"),
+    # checkpoints, hub
+    "save_strategy": "use save_steps (a checkpoint every N updates; 0: only at the end)",
+    **_same("checkpoints hold the whole training state (to resume); the trained policy is written in Hugging "
+            "Face format to output_dir/policy", "save_only_model", "save_on_each_node", "save_safetensors",
+            "enable_jit_checkpoint", "restore_callback_states_from_checkpoint"),
+    "resume_from_checkpoint": "use resume (auto, or a checkpoint path)",
+    "overwrite_output_dir": "no such knob: ppojax never deletes a run; set another output_dir, or resume: auto",
+    **_same("no best-model selection: the policy after the last update is saved",
+            "load_best_model_at_end", "metric_for_best_model", "greater_is_better"),
+    **_same("ppojax does not upload: the trained policy is saved in Hugging Face format in output_dir/policy "
+            "(upload it with `hf upload`)", "push_to_hub", "hub_model_id", "hub_token", "hub_private_repo",
+            "hub_strategy", "hub_always_push", "hub_revision", "push_to_hub_if_best_kwargs",
+            "push_to_hub_model_id", "push_to_hub_organization", "push_to_hub_token"),
+    # memory and compilation
+    **_same("no such knob: log-prob logits are computed in chunks recomputed in the backward pass "
+            "(logits_chunk_size); layer rematerialisation is not exposed", "gradient_checkpointing",
+            "gradient_checkpointing_kwargs", "activation_checkpointing", "activation_checkpointing_kwargs"),
+    **_same("no such knob: every step is compiled by XLA (jax.jit); compilation_cache_dir keeps the programs",
+            "torch_compile", "torch_compile_backend", "torch_compile_mode", "torchdynamo", "jit_mode_eval"),
+    **_same("a PyTorch option with no JAX counterpart; remove it", "use_liger_kernel", "liger_kernel_config",
+            "torch_empty_cache_steps", "optimize_cuda_cache", "optimize_device_cache", "use_cache", "use_ipex",
+            "use_mps_device"),
+    **_same("JAX picks the devices; set JAX_PLATFORMS=cpu in the environment to force the CPU",
+            "use_cpu", "no_cuda"),
+    "auto_find_batch_size": "no such knob: set batch_size (and local_rollout_forward_batch_size, "
+                            "logits_chunk_size to bound memory)",
+    # distribution
+    **_same("set the device mesh: mesh_data, mesh_fsdp, mesh_tensor (multi-host runs use jax.distributed)",
+            "deepspeed", "fsdp", "fsdp_config", "ds3_gather_for_generation", "ddp_find_unused_parameters",
+            "ddp_bucket_cap_mb", "ddp_broadcast_buffers", "ddp_static_graph", "ddp_backend", "ddp_timeout",
+            "local_rank", "parallelism_config", "tpu_num_cores", "sharded_ddp"),
+    # sizes TRL derives
+    **_same("a derived size: set batch_size, num_mini_batches and gradient_accumulation_steps (and the mesh)",
+            "world_size", "num_total_batches", "micro_batch_size", "local_batch_size", "local_mini_batch_size",
+            "backward_batch_size", "global_backward_batch_size", "global_batch_size", "per_gpu_train_batch_size"),
+    # data
+    **_same("no such knob: prompts are tokenised once, in memory; dataset_text_field names the prompt column",
+            "dataset_num_proc", "dataloader_drop_last", "dataloader_num_workers", "dataloader_pin_memory",
+            "dataloader_persistent_workers", "dataloader_prefetch_factor", "dataloader_multiprocessing_context",
+            "dataloader_in_order", "remove_unused_columns", "label_names", "length_column_name",
+            "group_by_length", "train_sampling_strategy"),
+    **_same("seed drives every random stream (data order included) and runs are deterministic; set seed",
+            "data_seed", "full_determinism"),
+    # models
+    **_same("no PEFT adapters: ppojax trains all the policy's parameters",
+            "model_adapter_name", "ref_adapter_name", "is_peft_model"),
+    "reward_model": "use reward_model_path (a sequence-classification checkpoint) or reward_function",
+    "is_encoder_decoder": "ppojax trains causal LMs only",
+    # the rest of TrainingArguments and legacy TRL
+    **_same(_NOT_TRAINER, "label_smoothing_factor", "neftune_noise_alpha", "average_tokens_across_devices",
+            "debug", "skip_memory_metrics", "do_train", "ignore_data_skip", "trackio_space_id",
+            "trackio_bucket_id", "trackio_static_space_id", "past_index", "ray_scope", "mp_parameters",
+            "tpu_metrics_debug", "dispatch_batches", "split_batches", "task_name", "compare_steps", "tracker",
+            "hub_private", "use_legacy_prediction_loop"),
+}
+"""Keys of TRL's PPOConfig (1.12 and legacy) and transformers' TrainingArguments that are not ppojax fields:
+what to set instead, or why ppojax has no such knob."""
+
+
+def _unknown_key_line(key) -> str:
+    text = str(key)
+    if text in FOREIGN_KEYS:
+        return f"{text!r} (TRL / transformers): {FOREIGN_KEYS[text]}."
+    close = difflib.get_close_matches(text, sorted(set(FIELD_NAMES) | set(LEGACY_ALIASES)), n=1)
+    return f"{text!r}: Did you mean {close[0]!r}?" if close else f"{text!r}: no field has a similar name."
 
 
 def normalise_keys(values: dict[str, Any]) -> dict[str, Any]:
-    """Map legacy names to fields, derive num_mini_batches from a legacy mini_batch_size, refuse unknowns."""
-    known = set(field_names())
+    """Map legacy names to fields, derive num_mini_batches from a legacy mini_batch_size, and refuse unknown
+    keys (all of them in one message, each with its replacement or closest valid name)."""
+    known = set(FIELD_NAMES)
     out: dict[str, Any] = {}
     values = dict(values)
     mini_batch_size = values.pop("mini_batch_size", None)
+    unknown = [key for key in values if LEGACY_ALIASES.get(key, key) not in known]
+    if unknown:
+        lines = [_unknown_key_line(key) for key in unknown]
+        head = (f"Unknown config key {lines[0]}" if len(lines) == 1
+                else f"{len(lines)} unknown config keys:\n" + "\n".join("  " + line for line in lines))
+        raise ConfigError(f"{head}\n`ppojax train --help` lists every field.")
+    given_as: dict[str, str] = {}
     for key, value in values.items():
         name = LEGACY_ALIASES.get(key, key)
-        if name not in known:
-            close = difflib.get_close_matches(key, sorted(known | set(LEGACY_ALIASES)), n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(f"Unknown config key {key!r}.{hint} `ppojax train --help` lists every field.")
         if name in out and out[name] != value:
-            raise ConfigError(f"{key!r} and another name for {name!r} are both set, to different values.")
-        out[name] = LEGACY_VALUES.get(name, {}).get(value, value)
+            raise ConfigError(f"{given_as[name]}={out[name]!r} and {key}={value!r} both set {name!r} (one is its "
+                              "legacy name); keep one of them.")
+        out[name], given_as[name] = value, key
     if mini_batch_size is not None:
-        batch = out.get("batch_size")
-        if batch is None or batch % mini_batch_size:
-            raise ConfigError(f"mini_batch_size={mini_batch_size} (legacy) needs a batch_size that is a multiple "
-                              f"of it; got batch_size={batch}.")
-        out["num_mini_batches"] = batch // mini_batch_size
+        mini = mini_batch_size
+        if isinstance(mini, bool) or not isinstance(mini, int) or mini < 1:
+            raise ConfigError(f"mini_batch_size={mini!r} (legacy): expected an integer >= 1. Fix: set it to the "
+                              "prompts per optimizer step, or use num_mini_batches instead.")
+        batch = _checked_value("batch_size", out.get("batch_size"))
+        if batch is None or batch % mini:
+            raise ConfigError(f"mini_batch_size={mini} (legacy) needs a batch_size that is a multiple "
+                              f"of it; got batch_size={batch}. Set batch_size (e.g. {4 * mini}) or use "
+                              "num_mini_batches instead.")
+        out["num_mini_batches"] = batch // mini
     return out
 
 
-def coerce(name: str, value: Any) -> Any:
-    """Convert a YAML value to the field's type (YAML 1.1 reads '1e-5' as a string), or raise ConfigError."""
-    import typing
+def field_names() -> list[str]:
+    return list(FIELD_NAMES)
 
-    hint = typing.get_type_hints(PPOConfig)[name]
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    target = args[0] if args else hint
-    if value is None:
-        if args or hint is type(None):
-            return None
-        raise ConfigError(f"{name}=None: expected a {target.__name__}.")
+
+# ----------------------------------------------------------------------------------------------------------
+# YAML and overrides
+
+class _StrictLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            first_line: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                try:
+                    key = self.construct_object(key_node, deep=True)
+                    seen = first_line.get(key)
+                except TypeError:  # an unhashable key: PyYAML's own error says so
+                    continue
+                line = key_node.start_mark.line + 1
+                if seen is not None:
+                    raise ConfigError(
+                        f"{key_node.start_mark.name}:{line}: key {key!r} is given twice (lines {seen} and {line}); "
+                        "YAML would silently keep the last one. Keep one of them.")
+                first_line[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _yaml_error(where: str, err: yaml.YAMLError) -> ConfigError:
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    position = f"{where}:{mark.line + 1}:{mark.column + 1}" if mark is not None else where
+    problem = " ".join(filter(None, [getattr(err, "context", None), getattr(err, "problem", None)])) or str(err)
+    return ConfigError(f"{position}: not valid YAML ({problem}). Fix the line (YAML: `key: value`, one per "
+                       "line, spaces not tabs for indentation; quote values with ':' or '#').")
+
+
+def load_yaml_mapping(path) -> dict[str, Any]:
+    """A YAML config file as a dict; every way it can be unreadable is a ConfigError naming the file."""
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"Config file {str(path)!r} is a directory; pass the path of a YAML file "
+                          "(see configs/ for examples).")
+    if not path.is_file():
+        raise ConfigError(f"Config file {str(path)!r} does not exist; pass the path of a YAML file "
+                          "(see configs/ for examples).")
+    raw = path.read_bytes()
     try:
-        if target is float and isinstance(value, (int, float, str)) and not isinstance(value, bool):
-            return float(value)
-        if target is int and isinstance(value, (int, float, str)) and not isinstance(value, bool):
-            if float(value) != int(float(value)):
-                raise ValueError
-            return int(float(value))
-        if target is bool and isinstance(value, bool):
-            return value
-        if target is str and isinstance(value, (str, int, float)):
-            return str(value)
-    except ValueError:
-        pass
-    raise ConfigError(f"{name}={value!r}: expected a {target.__name__}.")
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw[:err.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte {raw[err.start]:#04x} at offset {err.start}); "
+                          "save the config as UTF-8.") from None
+    try:
+        values = yaml.load(text, Loader=_loader_for(str(path)))
+    except yaml.YAMLError as err:
+        raise _yaml_error(str(path), err) from None
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: expected a mapping of field: value (one `key: value` per line), got "
+                          f"{_kind(values)}.")
+    return values
+
+
+def _loader_for(name: str):
+    """_StrictLoader whose marks carry ``name`` (PyYAML names a string's stream '<unicode string>')."""
+    class Loader(_StrictLoader):
+        def __init__(self, stream):
+            super().__init__(stream)
+            self.name = name
+    return Loader
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """['key=value', ...] -> {key: YAML-parsed value}."""
-    parsed = {}
+    """['key=value', ...] -> {key: YAML-parsed value}; a key given twice is an error."""
+    parsed: dict[str, Any] = {}
     for item in items:
         key, sep, raw = item.partition("=")
+        key = key.strip()
         if not sep or not key:
             raise ConfigError(f"Override {item!r} is not of the form key=value (e.g. learning_rate=1e-5).")
-        parsed[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
+        if key in parsed:
+            raise ConfigError(f"Override key {key!r} is given twice; keep one of them.")
+        try:
+            parsed[key] = yaml.load(raw, Loader=_loader_for(f"override {item!r}")) if raw.strip() else None
+        except yaml.YAMLError as err:
+            raise _yaml_error(f"override {item!r}", err) from None
     return parsed
 
+
+# ----------------------------------------------------------------------------------------------------------
+# resuming: which differences a checkpoint tolerates
+
+_ABSENT = object()
+
+
+def _json_value(value):
+    import json
+    return json.loads(json.dumps(value, default=str))
+
+
+def resume_compatibility(saved: dict, now: dict) -> list[str]:
+    """Refuse to resume a run whose config differs from the checkpoint's where it matters.
+
+    saved / now: config dicts (``PPOConfig.to_dict()``; a PPOConfig is accepted too). Raises ConfigError
+    listing every differing must_match field (and any key that is not a field) as ``name: saved -> now``.
+    Returns the differing may_change fields (same format) so the caller can report them; ignored fields
+    (output_dir, logging, save_steps, total_episodes, resume, ...) are skipped. A field one side lacks counts
+    as its default (checkpoints from older versions stay loadable).
+    """
+    saved, now = (_json_value(c.to_dict() if isinstance(c, PPOConfig) else dict(c)) for c in (saved, now))
+    defaults = _json_value({n: _FIELDS[n].default for n in FIELD_NAMES})
+    strict, tunable = [], []
+    for name in sorted(set(saved) | set(now)):
+        if name in IGNORED_ON_RESUME_FIELDS:
+            continue
+        if name == "per_device_train_batch_size" and saved.get("batch_size") is not None \
+                and saved.get("batch_size") == now.get("batch_size"):
+            continue  # ignored when the global batch_size is set (and equal)
+        a = saved.get(name, defaults.get(name, _ABSENT))
+        b = now.get(name, defaults.get(name, _ABSENT))
+        if a == b:
+            continue
+        line = f"  {name}: {'<absent>' if a is _ABSENT else repr(a)} -> {'<absent>' if b is _ABSENT else repr(b)}"
+        (tunable if name in MAY_CHANGE_FIELDS else strict).append(line)
+    if strict:
+        raise ConfigError(
+            "The checkpoint was written by a run with a different configuration "
+            f"({len(strict)} field(s) that must match differ; saved -> now):\n" + "\n".join(strict)
+            + "\nUse the checkpoint's values (its config.json), or start a fresh run (resume: null, or another "
+              "output_dir).")
+    return [line.strip() for line in tunable]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# help
 
 def field_help() -> list[tuple[str, str, str]]:
     """(name, default, description) for every field, for `ppojax train --help`."""
     docs = _field_docstrings()
-    rows = []
-    for f in fields(PPOConfig):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore
-        rows.append((f.name, repr(default), docs.get(f.name, "")))
-    return rows
+    return [(f.name, repr(f.default), docs.get(f.name, "")) for f in fields(PPOConfig)]
 
 
 def _field_docstrings() -> dict[str, str]:

@@ -51,7 +51,7 @@ class StepSettings:
         config_changes = {k: v for k, v in changes.items() if k not in own}
         derived = {k: v for k, v in changes.items() if k in own}
         if config_changes:
-            derived["config"] = self.config.replace(**config_changes)
+            derived["config"] = dataclasses.replace(self.config, **config_changes)
         return dataclasses.replace(self, **derived)
 
     @classmethod

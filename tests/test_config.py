@@ -71,3 +71,242 @@ def test_types_are_coerced_or_refused():
         PPOConfig.from_dict(dict(batch_size=2.5))
     with pytest.raises(ConfigError, match="whiten_rewards='yes'"):
         PPOConfig.from_dict(dict(whiten_rewards="yes"))
+
+
+# ---- field metadata (issue 13) ----------------------------------------------------------------------------
+
+import dataclasses  # noqa: E402
+import math  # noqa: E402
+
+from ppojax import config as C  # noqa: E402
+
+# Today's hand-written checkpoint lists (before the metadata): the derived sets must keep their behaviour.
+# num_eval_prompts was in none of them, i.e. strict by default; it is now declared must_match.
+OLD_STRICT = {"model_name_or_path", "reward_model_path", "reward_function", "value_model_path", "value_head", "dtype",
+              "dataset", "dataset_text_field", "max_prompt_length", "chat_template", "seed", "response_length",
+              "per_device_train_batch_size", "batch_size", "gradient_accumulation_steps", "num_mini_batches"}
+OLD_HARMLESS = {"output_dir", "run_name", "resume", "total_episodes", "num_train_epochs", "logging_steps",
+                "num_sample_generations", "save_steps", "save_total_limit", "report_to", "max_nonfinite_steps",
+                "on_nonfinite_reward", "compilation_cache_dir"}
+OLD_TUNABLE = {"num_ppo_epochs", "learning_rate", "lr_scheduler_type", "warmup_steps", "max_grad_norm", "adam_beta1",
+               "adam_beta2", "adam_epsilon", "weight_decay", "cliprange", "cliprange_value", "vf_coef", "entropy_coef",
+               "gamma", "lam", "whiten_rewards", "kl_coef", "kl_estimator", "adaptive_kl", "target_kl_for_adaptive",
+               "horizon", "score_position", "missing_eos_penalty", "use_score_scaling", "use_score_norm", "score_clip",
+               "ratio_threshold", "early_stopping", "target_kl", "temperature", "top_k", "top_p", "stop_token",
+               "stop_token_id", "local_rollout_forward_batch_size", "logits_chunk_size", "mesh_data", "mesh_fsdp",
+               "mesh_tensor"}
+
+
+def test_every_field_declares_its_metadata_and_a_description():
+    docs = {name: doc for name, _, doc in field_help()}
+    for f in dataclasses.fields(PPOConfig):
+        assert set(f.metadata) >= {"static", "on_resume"}, f.name
+        assert isinstance(f.metadata["static"], bool), f.name
+        assert f.metadata["on_resume"] in ("must_match", "may_change", "ignored"), f.name
+        assert len(docs[f.name]) > 15, f"{f.name} has no real description: {docs[f.name]!r}"
+
+
+def test_derived_sets_are_what_the_fields_declare():
+    declared = {kind: {f.name for f in dataclasses.fields(PPOConfig) if f.metadata["on_resume"] == kind}
+                for kind in ("must_match", "may_change", "ignored")}
+    assert C.MUST_MATCH_FIELDS == declared["must_match"]
+    assert C.MAY_CHANGE_FIELDS == declared["may_change"]
+    assert C.IGNORED_ON_RESUME_FIELDS == declared["ignored"]
+    assert set(C.STATIC_FIELDS) == {f.name for f in dataclasses.fields(PPOConfig) if f.metadata["static"]}
+    # the same classification as the hand-written lists they replace
+    assert C.MUST_MATCH_FIELDS == OLD_STRICT | {"num_eval_prompts", "advantage_estimator"}  # + new fields
+    assert C.IGNORED_ON_RESUME_FIELDS == OLD_HARMLESS and C.MAY_CHANGE_FIELDS == OLD_TUNABLE
+    from ppojax import checkpoint as ckpt
+    assert (ckpt.STRICT_FIELDS, ckpt.HARMLESS_FIELDS, ckpt.TUNABLE_FIELDS) == (
+        C.MUST_MATCH_FIELDS, C.IGNORED_ON_RESUME_FIELDS, C.MAY_CHANGE_FIELDS)
+
+
+def test_static_fields_cover_what_the_programs_read_today():
+    """Every PPOConfig field that today's hand-copied settings (UpdateSettings, RolloutSettings) take is
+    static, and the run/IO/logging fields and kl_coef (a traced state entry) are not."""
+    import ppojax.rollout as rollout
+    import ppojax.update as update
+    copied = set()
+    for module, name in ((update, "UpdateSettings"), (rollout, "RolloutSettings")):
+        settings = getattr(module, name, None)
+        if settings is not None:
+            copied |= {f.name for f in dataclasses.fields(settings)} & set(C.FIELD_NAMES)
+    copied |= {"early_stopping", "target_kl"}  # UpdateSettings.early_stop_kl = 1.5 * target_kl if early_stopping
+    assert copied <= set(C.STATIC_FIELDS), copied - set(C.STATIC_FIELDS)
+    assert not {"output_dir", "run_name", "seed", "resume", "report_to", "logging_steps", "save_steps", "kl_coef",
+                "total_episodes", "compilation_cache_dir"} & set(C.STATIC_FIELDS)
+
+
+def test_static_settings_is_a_jit_static_argument():
+    import jax
+    import jax.numpy as jnp
+
+    traces = []
+
+    def run(settings, x):
+        traces.append(settings)
+        return x * settings.cliprange
+
+    run_jit = jax.jit(run, static_argnums=0)
+    base = PPOConfig(batch_size=16)
+    same = dataclasses.replace(base, output_dir="elsewhere", kl_coef=0.3, seed=7, save_steps=2)
+    assert base.static_settings() == same.static_settings()
+    assert hash(base.static_settings()) == hash(same.static_settings())
+    other = dataclasses.replace(base, cliprange=0.1)
+    assert other.static_settings() != base.static_settings()
+    assert float(run_jit(base.static_settings(), jnp.float32(1))) == pytest.approx(0.2)
+    run_jit(same.static_settings(), jnp.float32(2))
+    assert len(traces) == 1  # equal views: no new trace
+    assert float(run_jit(other.static_settings(), jnp.float32(1))) == pytest.approx(0.1)
+    assert len(traces) == 2
+    view = base.static_settings()
+    assert view.response_length == 53 and view.batch_size == 16
+    assert not hasattr(view, "output_dir") and not hasattr(view, "kl_coef")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        view.cliprange = 0.3
+
+
+def test_resume_compatibility_refuses_must_match_and_reports_may_change():
+    saved = PPOConfig(model_name_or_path="tiny", response_length=8).to_dict()
+    now = {**saved, "response_length": 16, "seed": 3, "output_dir": "b", "learning_rate": 1e-5, "report_to": "none"}
+    with pytest.raises(ConfigError) as err:
+        C.resume_compatibility(saved, now)
+    message = str(err.value)
+    assert "2 field(s) that must match differ" in message
+    assert "  response_length: 8 -> 16" in message and "  seed: 0 -> 3" in message
+    assert "  learning_rate:" not in message and "  output_dir:" not in message and "  report_to:" not in message
+    assert C.resume_compatibility(saved, {**saved, "learning_rate": 1e-5, "output_dir": "b"}) == [
+        "learning_rate: 3e-06 -> 1e-05"]
+    from ppojax import checkpoint as ckpt
+    with pytest.raises(ckpt.CheckpointError) as again:  # the checkpoint module's name for it, as before
+        ckpt.check_compatible(saved, now)
+    assert str(again.value) == message
+
+
+# ---- values checked when the config is built (issue 17) ---------------------------------------------------
+
+def test_python_construction_is_checked():
+    with pytest.raises(ConfigError, match=r"temperature=0: expected a number > 0.*0\.01"):
+        PPOConfig(temperature=0)
+    with pytest.raises(ConfigError, match="kl_coef=-0.1"):
+        PPOConfig(kl_coef=-0.1)
+    with pytest.raises(ConfigError, match="cliprange=0"):
+        dataclasses.replace(PPOConfig(), cliprange=0)
+    config = PPOConfig()
+    config.vf_coef = -1.0  # a hand edit after construction: validate() sees it
+    with pytest.raises(ConfigError, match="vf_coef=-1.0"):
+        config.validate()
+
+
+def test_all_bad_values_are_reported_together():
+    with pytest.raises(ConfigError) as err:
+        PPOConfig(kl_coef=-1, vf_coef=-1, entropy_coef=-1, total_episodes=0)
+    message = str(err.value)
+    assert message.startswith("4 config values are not valid:")
+    for name in ("kl_coef=-1", "vf_coef=-1", "entropy_coef=-1", "total_episodes=0"):
+        assert name in message
+
+
+NUMERIC = [f.name for f in dataclasses.fields(PPOConfig) if C._a(C._HINTS[f.name]) in ("an integer", "a number")]
+
+
+@pytest.mark.parametrize("name", NUMERIC)
+def test_every_numeric_field_refuses_bools_lists_and_non_finite(name):
+    assert len(NUMERIC) > 40
+    for bad, got in ((True, "got a boolean"), ([1, 2], "got a list"), (math.nan, ""), (math.inf, ""),
+                     ("many", "")):
+        with pytest.raises(ConfigError) as err:
+            PPOConfig(**{name: bad})
+        assert str(err.value).startswith(f"{name}={bad!r}: expected "), str(err.value)
+        assert got in str(err.value) and "Fix:" in str(err.value)
+
+
+def test_value_spellings_resume_and_report_to():
+    assert PPOConfig(resume=True).resume == "auto" and PPOConfig(resume=False).resume is None
+    assert PPOConfig(resume="auto").resume == "auto" and PPOConfig(resume="ckpt/step_4").resume == "ckpt/step_4"
+    assert PPOConfig.from_dict({"resume": True}).to_dict()["resume"] == "auto"
+    assert PPOConfig(report_to="none").report_sinks == ()
+    assert PPOConfig(report_to=None).report_sinks == ()
+    assert PPOConfig(report_to="wandb").report_sinks == ("wandb",)
+    assert PPOConfig(report_to=["wandb", "tensorboard", "wandb"]).report_sinks == ("wandb", "tensorboard")
+    assert PPOConfig(report_to="all").report_sinks[0] == "tensorboard"
+    for bad in ("mlflow", ["tensorboard", "none"], [], ["wandb", 3], True):
+        with pytest.raises(ConfigError, match="report_to="):
+            PPOConfig(report_to=bad)
+    assert PPOConfig(kl_estimator="kl").kl_estimator == "k1"  # legacy TRL's kl_penalty value
+
+
+def test_help_text_no_longer_calls_temperature_zero_greedy():
+    docs = {name: doc for name, _, doc in field_help()}
+    assert "> 0" in docs["temperature"] and "greedy" not in docs["temperature"].replace("near-greedy", "")
+    assert "every N updates" in docs["logging_steps"]
+
+
+# TRL 1.12's PPOConfig fields (trl/experimental/ppo/ppo_config.py and trl/trainer/base_config.py) and legacy TRL
+# (<= 0.11) PPOConfig fields, read from their sources.
+TRL_1_12_PPO = """learning_rate dataset_num_proc num_mini_batches total_episodes local_rollout_forward_batch_size
+num_sample_generations response_length stop_token stop_token_id temperature missing_eos_penalty sft_model_path
+world_size num_total_batches micro_batch_size local_batch_size batch_size local_mini_batch_size mini_batch_size
+push_to_hub reward_model_path model_adapter_name ref_adapter_name num_ppo_epochs whiten_rewards kl_coef kl_estimator
+cliprange vf_coef cliprange_value gamma lam ds3_gather_for_generation logging_steps gradient_checkpointing bf16
+lr_scheduler_kwargs use_liger_kernel torch_empty_cache_steps""".split()
+TRL_LEGACY_PPO = """seed log_with task_name model_name query_dataset reward_model remove_unused_columns tracker_kwargs
+accelerator_kwargs project_kwargs tracker_project_name push_to_hub_if_best_kwargs steps learning_rate adap_kl_ctrl
+init_kl_coef kl_penalty target horizon gamma lam cliprange cliprange_value vf_coef batch_size forward_batch_size
+mini_batch_size gradient_accumulation_steps world_size ppo_epochs max_grad_norm optimize_cuda_cache
+optimize_device_cache early_stopping target_kl compare_steps ratio_threshold use_score_scaling use_score_norm
+score_clip whiten_rewards is_encoder_decoder is_peft_model backward_batch_size global_backward_batch_size
+global_batch_size""".split()
+
+
+def test_every_trl_and_trainer_key_is_a_field_an_alias_or_explained():
+    transformers = pytest.importorskip("transformers")
+    trainer_keys = [f.name for f in dataclasses.fields(transformers.TrainingArguments)]
+    accepted = set(C.FIELD_NAMES) | set(C.LEGACY_ALIASES) | {"mini_batch_size"}
+    missing = [k for k in TRL_1_12_PPO + TRL_LEGACY_PPO + trainer_keys if k not in accepted and k not in C.FOREIGN_KEYS]
+    assert not missing, missing
+    assert not set(C.FOREIGN_KEYS) & accepted  # a key is either taken or explained, never both
+    with pytest.raises(ConfigError) as err:
+        PPOConfig.from_dict({"bf16": True, "learning_rte": 1e-5, "log_with": "wandb", "batch_size": 8, "zzzz": 1})
+    message = str(err.value)
+    assert message.startswith("4 unknown config keys:")
+    assert "'bf16' (TRL / transformers): use dtype: bfloat16" in message
+    assert "'learning_rte': Did you mean 'learning_rate'?" in message
+    assert "'log_with' (TRL / transformers): use report_to" in message
+    assert "'zzzz': no field has a similar name" in message
+
+
+def test_yaml_problems_name_the_file_line_and_column(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("learning_rate: 1.0e-5\nbatch_size: 16\nlearning_rate: 2.0e-5\n")
+    with pytest.raises(ConfigError, match=r"c.yaml:3: key 'learning_rate' is given twice \(lines 1 and 3\)"):
+        PPOConfig.from_yaml(path)
+    path.write_text("learning_rate: 1.0e-5\n  batch_size: 16\n")
+    with pytest.raises(ConfigError, match=r"c.yaml:2:13: not valid YAML \(mapping values are not allowed"):
+        PPOConfig.from_yaml(path)
+    with pytest.raises(ConfigError, match="is a directory"):
+        PPOConfig.from_yaml(tmp_path)
+    with pytest.raises(ConfigError, match="given twice"):
+        parse_overrides(["seed=1", "seed=2"])
+    with pytest.raises(ConfigError, match=r"override 'seed=\[1':1:"):
+        parse_overrides(["seed=[1"])
+
+
+def test_config_only_cross_field_checks():
+    PPOConfig(batch_size=16, local_rollout_forward_batch_size=4, warmup_steps=1, total_episodes=32)
+    with pytest.raises(ConfigError, match=r"forward_batch_size=6 does not divide batch_size=16.*e\.g\. 4"):
+        PPOConfig(batch_size=16, local_rollout_forward_batch_size=6)
+    with pytest.raises(ConfigError, match="warmup_steps=2 is not below the run's 2 update"):
+        PPOConfig(batch_size=16, warmup_steps=2, total_episodes=32)
+    with pytest.raises(ConfigError, match="would stay 0"):
+        PPOConfig(adaptive_kl=True, kl_coef=0)
+    with pytest.raises(ConfigError, match="use_score_scaling"):
+        PPOConfig(use_score_norm=True)
+    with pytest.raises(ConfigError, match="needs a stop token"):
+        PPOConfig(missing_eos_penalty=1.0)
+    PPOConfig(missing_eos_penalty=1.0, stop_token="eos")
+    with pytest.raises(ConfigError, match="value model would be ignored"):
+        PPOConfig(value_head="policy", value_model_path="v")
+    with pytest.raises(ConfigError, match="No reward source"):
+        PPOConfig().check_reward_source()
+    assert PPOConfig(reward_function="vader").check_reward_source().reward_function == "vader"
