@@ -469,6 +469,8 @@ def claim_output_dir(output_dir, config: Any, *, resume: Union[None, bool, str, 
 def _decide(out: Path, now: dict, lock: DirectoryLock, resume, overwrite: bool, resume_with_changes: bool,
             compatible: Optional[Compatible], say) -> RunClaim:
     contents = _contents(out)
+    if contents == [IDENTITY_FILE] and (read_identity(out) or {}).get("status") == "running":
+        contents = []  # a run that stopped before writing anything (e.g. a bad login): nothing to keep
     if not contents:
         identity = _new_identity(now, _attempt(resume, []))
         write_json(out / IDENTITY_FILE, identity)

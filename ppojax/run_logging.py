@@ -265,6 +265,14 @@ class RunLogger:
         else:
             metric_rows = _truncate_jsonl(self.metrics_path, int(resume_step))
             sample_rows = _truncate_jsonl(self.samples_path, int(resume_step))
+        if "wandb" in self.report_to:  # first: a wandb that cannot start leaves no other sink's files behind
+            from .wandb_sink import WandbSink
+
+            if run_name is None and isinstance(config_dict, dict):
+                run_name = config_dict.get("run_name")
+            self._wandb = WandbSink(run_id=run_id or _run_id_of(self.output_dir), output_dir=self.output_dir,
+                                    config=config_dict, run_name=run_name, resume_step=resume_step,
+                                    metric_rows=metric_rows, sample_rows=sample_rows, say=say)
         if "tensorboard" in self.report_to:
             markdown = None if config is None else _config_markdown(config_dict)
             if resume_step is None:
@@ -273,14 +281,6 @@ class RunLogger:
                     self._tensorboard.add_text("config", markdown, 0)
             else:
                 self._tensorboard = TensorBoardSink.rebuild(self.tensorboard_dir, metric_rows, sample_rows, markdown)
-        if "wandb" in self.report_to:
-            from .wandb_sink import WandbSink
-
-            if run_name is None and isinstance(config_dict, dict):
-                run_name = config_dict.get("run_name")
-            self._wandb = WandbSink(run_id=run_id or _run_id_of(self.output_dir), output_dir=self.output_dir,
-                                    config=config_dict, run_name=run_name, resume_step=resume_step,
-                                    metric_rows=metric_rows, sample_rows=sample_rows, say=say)
 
     def _refuse_existing_logs(self) -> None:
         from .run_dir import RunDirError

@@ -121,7 +121,7 @@ def test_finished_run_with_the_same_config_is_left_byte_identical(tmp_path):
 def test_resume_same_config_appends_an_attempt(tmp_path):
     out = tmp_path / "run"
     with claim_output_dir(out, CONFIG):
-        pass  # a run that crashed: status stays "running"
+        (out / "metrics.jsonl").write_text("")  # a run that crashed after it began: status stays "running"
     with claim_output_dir(out, CONFIG, resume=True, compatible=tunable_checker) as claim:
         assert claim.outcome == "resume" and claim.changes == [] and not claim.was_finished
         identity = read_identity(out)
@@ -237,6 +237,7 @@ HOLDER = textwrap.dedent("""
     except RunDirError as e:
         print("REFUSED", e, flush=True)
         sys.exit(3)
+    (claim.output_dir / "metrics.jsonl").write_text('{"step": 1}\\n')  # the run has begun writing
     print("CLAIMED", claim.outcome, flush=True)
     time.sleep(hold)
     claim.release()
@@ -293,7 +294,17 @@ def test_two_processes_claiming_one_directory_exactly_one_wins(tmp_path):
     assert len(claimed) == 1 and len(refused) == 1, outputs
     assert claimed[0].startswith("CLAIMED fresh")
     assert "in use by another ppojax run" in refused[0] or "already holds run" in refused[0]
-    assert sorted(p.name for p in out.iterdir()) == ["run.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "run.json"]
+
+
+def test_a_run_that_wrote_nothing_is_not_kept(tmp_path):
+    """A claim whose run stopped before writing any output (e.g. wandb could not log in) leaves only run.json:
+    a fresh run may take the directory without a choice to make."""
+    out = tmp_path / "run"
+    first = claim_output_dir(out, CONFIG)
+    first.release()
+    with claim_output_dir(out, CONFIG) as second:
+        assert second.outcome == "fresh" and second.run_id != first.run_id
 
 
 def test_lock_from_another_host_is_never_taken_over(tmp_path):
