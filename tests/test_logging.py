@@ -410,3 +410,40 @@ def test_plot_labels_ticks_and_held_out_marks(tmp_path):
             logger.log_metrics(row["step"], row)
         path = logger.plot(held_out_before=-0.02, held_out_after=0.47)
     assert path == tmp_path / "training_curves.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_whole_flow_and_a_rerun_of_a_finished_run(tmp_path, capsys):
+    """claim -> RunLogger -> checkpoints -> summary/plot -> mark_finished, as the CLI wires it; the same
+    command again finds the run finished and leaves every byte of every file as it was."""
+    import hashlib
+
+    from ppojax.run_dir import claim_output_dir
+
+    def train(config) -> str:
+        claim = claim_output_dir(tmp_path / "run", config, resume=config["resume"])
+        try:
+            if claim.outcome == "finished":
+                return claim.results_message()
+            with RunLogger(claim.output_dir, config, enabled=True, report_to="tensorboard", run_id=claim.run_id,
+                           resume_step=None if claim.outcome == "fresh" else 0) as logger:
+                for step in range(1, 5):
+                    logger.log_metrics(step, metrics_at(step))
+                    if step % 2 == 0:
+                        logger.checkpoint_saved(step)
+                logger.log_samples(4, ["p"], ["c"], [0.5])
+                logger.plot(held_out_before=0.1, held_out_after=0.4)
+                logger.write_summary({"final_kl": float("nan"), "held_out_after": 0.4})
+            claim.mark_finished()
+            return "trained"
+        finally:
+            claim.release()
+
+    config = {"learning_rate": 3e-6, "resume": "auto", "output_dir": str(tmp_path / "run")}
+    assert train(config) == "trained"
+    files = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in (tmp_path / "run").rglob("*") if p.is_file()}
+    assert {p.name for p in files} >= {"run.json", "metrics.jsonl", "samples.jsonl", "summary.json",
+                                      "training_curves.png"}
+    message = train(config)
+    assert "nothing to do" in message and str(tmp_path / "run" / "summary.json") in message
+    assert {p: hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in (tmp_path / "run").rglob("*") if p.is_file()} == files
