@@ -275,12 +275,17 @@ class RunLogger:
                                     metric_rows=metric_rows, sample_rows=sample_rows, say=say)
         if "tensorboard" in self.report_to:
             markdown = None if config is None else _config_markdown(config_dict)
-            if resume_step is None:
-                self._tensorboard = TensorBoardSink(self.tensorboard_dir)
-                if markdown is not None:
-                    self._tensorboard.add_text("config", markdown, 0)
-            else:
-                self._tensorboard = TensorBoardSink.rebuild(self.tensorboard_dir, metric_rows, sample_rows, markdown)
+            try:
+                if resume_step is None:
+                    self._tensorboard = TensorBoardSink(self.tensorboard_dir)
+                    if markdown is not None:
+                        self._tensorboard.add_text("config", markdown, 0)
+                else:
+                    self._tensorboard = TensorBoardSink.rebuild(self.tensorboard_dir, metric_rows, sample_rows,
+                                                                markdown)
+            except BaseException:
+                self.close(exit_code=1)
+                raise
 
     def _refuse_existing_logs(self) -> None:
         from .run_dir import RunDirError
