@@ -7,7 +7,9 @@ format, a plot of score and KL, and ``summary.json`` into ``output_dir``.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -26,18 +28,54 @@ def _help_epilog() -> str:
 
 
 def run_training(config: PPOConfig) -> dict:
-    """The whole job for one config. Returns the summary written to ``output_dir/summary.json``."""
+    """The whole job for one config. Returns the summary written to ``output_dir/summary.json``.
+
+    The run first claims ``output_dir`` (``ppojax.run_dir``): a directory holding another run is refused
+    before anything is loaded, and a finished run with the same config prints where its results are and
+    changes nothing."""
     from . import sharding
-    from .run_logging import RunLogger, stage
+    from .checkpoint import check_compatible
+    from .run_dir import claim_output_dir
+
+    config.check_reward_source()
+    sharding.initialize_distributed()  # the claim is process 0's: it needs to know which process it is
+    claim = None
+    if sharding.is_main_process():
+        claim = claim_output_dir(config.output_dir, config.to_dict(), resume=config.resume,
+                                 overwrite=config.overwrite_output_dir,
+                                 resume_with_changes=config.resume_with_changes, compatible=check_compatible)
+    try:
+        if _all_processes_agree(claim is not None and claim.outcome == "finished"):
+            if claim is not None:
+                print(claim.results_message())
+            summary_path = Path(config.output_dir) / "summary.json"
+            return json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+        return _train_and_report(config, claim)
+    finally:
+        if claim is not None:
+            claim.release()
+
+
+def _all_processes_agree(flag: bool) -> bool:
+    """Process 0's ``flag`` on every process (a no-op on one process)."""
+    import jax
+    if jax.process_count() == 1:
+        return flag
+    import numpy as np
+    from jax.experimental import multihost_utils
+    return bool(multihost_utils.broadcast_one_to_all(np.int32(flag)))
+
+
+def _train_and_report(config: PPOConfig, claim) -> dict:
+    from . import sharding
+    from .run_logging import stage
+    from .strict_json import write_json
     from .trainer import PPOTrainer
 
     start = time.time()
-    if config.reward_function is None and config.reward_model_path is None:
-        from .train.build import NO_REWARD
-        raise ConfigError(NO_REWARD)
     out = Path(config.output_dir)
     with stage(f"building models, data and the reward for {config.model_name_or_path!r}"):
-        trainer = PPOTrainer(config)
+        trainer = PPOTrainer(config, claim=claim)
     print(f"ppojax: {len(trainer.train_queries)} training prompts, "
           f"{0 if trainer.eval_queries is None else len(trainer.eval_queries)} held out; "
           f"{trainer.num_updates} updates of {trainer.run.settings.batch_size} prompts x {config.response_length} "
@@ -46,70 +84,77 @@ def run_training(config: PPOConfig) -> dict:
         print(f"ppojax: compiled programs are cached in {trainer.run.compilation_cache_dir} (a re-run with the same "
               "shapes skips compiling; compilation_cache_dir=none turns this off)")
     resumed = trainer.resume(config.resume) if config.resume else None
-    start_step = int(trainer.state.update_count)
     if resumed:
-        print(f"ppojax: resumed from {resumed} at update {start_step}")
-    trainer.logger = RunLogger(out, config, report_to=config.report_to,
-                               resume_step=start_step if resumed else None)
-    before = None
-    before_path = out / "eval_before.json"
-    if resumed and before_path.is_file():  # the untrained policy was scored when the run started
-        before = json.loads(before_path.read_text())
-        print(f"ppojax: held-out mean score before training (from {before_path}): {before['mean_score']:.4f}")
-    elif trainer.eval_queries is not None:
-        with stage("scoring held-out prompts before training (compiles the sampler the first time)"):
-            before = trainer.evaluate(step=0)
-        if before is not None:
-            if sharding.is_main_process():
-                before_path.write_text(json.dumps(before))
-            print(f"ppojax: held-out mean score before training: {before['mean_score']:.4f}")
-            trainer.logger.log_samples(0, before["prompts"][:4], before["completions"][:4], before["scores"][:4])
-    with stage("training (the first update compiles the rollout and the update)"):
-        t0 = time.time()
-        history = trainer.train()
-        train_seconds = time.time() - t0
-    after = None
-    if trainer.eval_queries is not None:
-        with stage("scoring held-out prompts after training"):
-            after = trainer.evaluate(step=trainer.num_updates)
-        if after is not None:
-            print(f"ppojax: held-out mean score after training: {after['mean_score']:.4f}")
-            trainer.logger.log_samples(trainer.num_updates, after["prompts"][:4], after["completions"][:4],
-                                       after["scores"][:4])
-    with stage(f"saving the trained policy to {out / 'policy'} (Hugging Face format)"):
-        trainer.save_model(out / "policy")
-    export_check = None
-    if trainer.eval_queries is not None and _torch_available():
-        from .export_check import greedy_continuations_agree
-        with stage("checking the export: transformers must write ppojax's greedy continuations"):
-            export_check = greedy_continuations_agree(out / "policy", trainer, trainer.eval_queries[:4],
-                                                      config.response_length)
-        print(f"ppojax: transformers reproduces ppojax's greedy continuations: {export_check['agree']}")
-    plot = trainer.logger.plot(out / "training_curves.png")
-    trainer.logger.close()
-    steady = [m["eps"] for m in history[1:]] or [m["eps"] for m in history]
-    summary = {
-        "model": config.model_name_or_path,
-        "updates": int(trainer.state.update_count),
-        "episodes": trainer.episode,
-        "held_out_prompts": 0 if trainer.eval_queries is None else len(trainer.eval_queries),
-        "held_out_mean_score_before": None if before is None else before["mean_score"],
-        "held_out_mean_score_after": None if after is None else after["mean_score"],
-        "final_kl": history[-1]["objective/kl"] if history else None,
-        "final_mean_score": history[-1]["objective/scores"] if history else None,
-        "kl_coef": trainer.kl_coef,
-        "episodes_per_second_steady": sum(steady) / len(steady) if steady else None,
-        "train_seconds": train_seconds,
-        "wall_seconds": time.time() - start,
-        "policy_dir": str(out / "policy"),
-        "checkpoint_dir": str(trainer.checkpoint_dir),
-        "plot": None if plot is None else str(plot),
-        "export_greedy_match": None if export_check is None else export_check["agree"],
-        "metrics": str(out / "metrics.jsonl"),
-        "tensorboard": str(out / "tensorboard"),
-    }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(json.dumps(summary, indent=2))
+        print(f"ppojax: resumed from {resumed} at update {int(trainer.state.update_count)}")
+    logger = trainer.open_logger(resumed)
+    exit_code = 1
+    try:
+        before = None
+        before_path = out / "eval_before.json"
+        if before_path.is_file():  # the untrained policy was scored when the run started (its samples are logged)
+            before = json.loads(before_path.read_text())
+            print(f"ppojax: held-out mean score before training (from {before_path}): {before['mean_score']:.4f}")
+        elif trainer.eval_queries is not None:
+            with stage("scoring held-out prompts before training (compiles the sampler the first time)"):
+                before = trainer.evaluate(step=0)
+            if before is not None:
+                if sharding.is_main_process():
+                    write_json(before_path, before)
+                print(f"ppojax: held-out mean score before training: {before['mean_score']:.4f}")
+                logger.log_samples(0, before["prompts"][:4], before["completions"][:4], before["scores"][:4])
+        with stage("training (the first update compiles the training step)"):
+            t0 = time.time()
+            history = trainer.train()
+            train_seconds = time.time() - t0
+        after = None
+        if trainer.eval_queries is not None:
+            with stage("scoring held-out prompts after training"):
+                after = trainer.evaluate(step=trainer.num_updates)
+            if after is not None:
+                print(f"ppojax: held-out mean score after training: {after['mean_score']:.4f}")
+                logger.log_samples(trainer.num_updates, after["prompts"][:4], after["completions"][:4],
+                                   after["scores"][:4])
+        with stage(f"saving the trained policy to {out / 'policy'} (Hugging Face format)"):
+            trainer.save_model(out / "policy")
+        export_check = None
+        if trainer.eval_queries is not None and _torch_available():
+            from .export_check import greedy_continuations_agree
+            with stage("checking the export: transformers must write ppojax's greedy continuations"):
+                export_check = greedy_continuations_agree(out / "policy", trainer, trainer.eval_queries[:4],
+                                                          config.response_length)
+            print(f"ppojax: transformers reproduces ppojax's greedy continuations: {export_check['agree']}")
+        plot = logger.plot(out / "training_curves.png", held_out_before=before and before["mean_score"],
+                           held_out_after=after and after["mean_score"])
+        from .run_logging import read_jsonl
+        rows = read_jsonl(out / "metrics.jsonl")  # the whole run's, a resumed run's earlier updates included
+        steady = [r["eps"] for r in (history[1:] or history) if r.get("eps") is not None]
+        summary = {
+            "model": config.model_name_or_path,
+            "updates": int(trainer.state.update_count),
+            "episodes": trainer.episode,
+            "held_out_prompts": 0 if trainer.eval_queries is None else len(trainer.eval_queries),
+            "held_out_mean_score_before": None if before is None else before["mean_score"],
+            "held_out_mean_score_after": None if after is None else after["mean_score"],
+            "final_kl": rows[-1].get("objective/kl") if rows else None,
+            "final_mean_score": rows[-1].get("objective/scores") if rows else None,
+            "kl_coef": trainer.kl_coef,
+            "episodes_per_second_steady": sum(steady) / len(steady) if steady else None,
+            "train_seconds": train_seconds,
+            "wall_seconds": time.time() - start,
+            "policy_dir": str(out / "policy"),
+            "checkpoint_dir": str(trainer.checkpoint_dir),
+            "plot": None if plot is None else str(plot),
+            "export_greedy_match": None if export_check is None else export_check["agree"],
+            "metrics": str(out / "metrics.jsonl"),
+            "tensorboard": str(out / "tensorboard") if "tensorboard" in config.report_sinks else None,
+        }
+        logger.write_summary(summary)
+        print(json.dumps(summary, indent=2))
+        exit_code = 0
+    finally:
+        logger.close(exit_code=exit_code)
+    if claim is not None:
+        claim.mark_finished()
     return summary
 
 
@@ -138,6 +183,8 @@ def export_checkpoint(checkpoint: str, out_dir: str) -> Path:
 
 def main(argv=None) -> int:
     keep_freed_memory()  # before JAX starts its threads (ppojax/host_memory.py)
+    # Past `ulimit -f`, a write fails with EFBIG (reported below) instead of the kernel killing the process.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     parser = argparse.ArgumentParser(prog="ppojax", description="PPO for language models in JAX.")
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="run PPO from a YAML config", epilog=_help_epilog(),
@@ -159,11 +206,28 @@ def main(argv=None) -> int:
     except Exception as err:  # the run's own clear errors: a message, not a traceback
         from .checkpoint import CheckpointError
         from .rewards import RewardFunctionError
+        from .train.loop import RunInterrupted
+        if isinstance(err, RunInterrupted):
+            print(f"ppojax: {err}", file=sys.stderr)
+            return err.exit_code
+        if isinstance(err, OSError) and err.errno in DISK_FULL:
+            print(f"ppojax: error: {_disk_full_message(err, args)}", file=sys.stderr)
+            return 1
         if not isinstance(err, (CheckpointError, RewardFunctionError, FloatingPointError)):
             raise
         print(f"ppojax: error: {err}", file=sys.stderr)
         return 1
     return 0
+
+
+DISK_FULL = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
+
+
+def _disk_full_message(err: OSError, args) -> str:
+    where = err.filename or "the output directory"
+    return (f"{err.strerror} while writing {where}: the disk (or the file-size limit) is full. Nothing written "
+            "before it is lost; free space and continue with resume=auto (the last complete checkpoint is "
+            "intact).")
 
 
 if __name__ == "__main__":

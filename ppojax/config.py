@@ -301,6 +301,13 @@ class PPOConfig:
     resume: Optional[str] = setting(None, static=False, on_resume=IGNORED, rule=NON_EMPTY)
     """None (or false): start fresh; 'auto' (or true): resume from the latest checkpoint in output_dir, or
     start fresh when there is none; or the path of a checkpoint."""
+    overwrite_output_dir: bool = setting(False, static=False, on_resume=IGNORED)
+    """Start a fresh run even though output_dir holds another run: the old run is moved aside to
+    '<output_dir>.replaced-<UTC time>' (never deleted). Hugging Face TrainingArguments' name."""
+    resume_with_changes: bool = setting(False, static=False, on_resume=IGNORED)
+    """Let a resume continue a run whose tunable settings (learning rate, clip ranges, ...) differ from the
+    saved run's; without it such a resume is refused with the list of changes (fields that must match are
+    always refused)."""
     max_nonfinite_steps: int = setting(3, static=False, on_resume=IGNORED, rule=at_least(1))
     """Stop after this many optimizer steps in a row skipped for a non-finite loss or gradient."""
     on_nonfinite_reward: str = setting("error", static=True, on_resume=IGNORED, rule=one_of("error", "skip"))
@@ -695,7 +702,6 @@ FOREIGN_KEYS: dict[str, str] = {
             "Face format to output_dir/policy", "save_only_model", "save_on_each_node", "save_safetensors",
             "enable_jit_checkpoint", "restore_callback_states_from_checkpoint"),
     "resume_from_checkpoint": "use resume (auto, or a checkpoint path)",
-    "overwrite_output_dir": "no such knob: ppojax never deletes a run; set another output_dir, or resume: auto",
     **_same("no best-model selection: the policy after the last update is saved",
             "load_best_model_at_end", "metric_for_best_model", "greater_is_better"),
     **_same("ppojax does not upload: the trained policy is saved in Hugging Face format in output_dir/policy "

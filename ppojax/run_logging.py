@@ -1,34 +1,54 @@
-"""What a run tells its user: TensorBoard scalars, a JSONL file per update, sample tables, a progress bar,
-timestamped stage messages and a plot. (Named ``run_logging`` so it can never shadow the standard library's
-``logging``, e.g. when a script inside the package directory is run directly.)
+"""What a run tells its user: a JSONL file per update, TensorBoard and wandb, sample tables, a progress bar
+(or one line per update when stdout is not a terminal), timestamped stage messages and a plot. (Named
+``run_logging`` so it can never shadow the standard library's ``logging``.)
 
 Files under ``output_dir`` (process 0 only; every other process logs nothing and writes nothing):
 
-    metrics.jsonl       one line per update: {"step": 12, "objective/kl": ..., ...}; non-finite values as null
+    metrics.jsonl       one line per update: {"step": 12, "objective/kl": ..., ...}; non-finite values as null.
+                        THE SOURCE OF TRUTH: every other sink is rebuilt or backfilled from it.
     samples.jsonl       one line per sample: {"step": 12, "prompt": ..., "completion": ..., "score": ...}
-    tensorboard/        tensorboardX event files: the metrics as scalars under their TRL names, samples as text
+    tensorboard/        the metrics as scalars under their TRL names, samples and the config as text
+                        (ppojax/tensorboard_sink.py)
+    wandb/              wandb's own files, when report_to includes 'wandb' and $WANDB_DIR is unset
+                        (ppojax/wandb_sink.py)
 
-Resume: ``RunLogger(..., resume_step=N)`` first drops every line with step > N from both JSONL files (and
-tells TensorBoard to hide events after N), so a resumed run's files equal an uninterrupted run's. A fresh
-run (``resume_step=None``) starts both files empty.
+Every sink holds every step exactly once after any kill/resume sequence:
+- the JSONL files are appended and flushed per call; ``RunLogger(..., resume_step=N)`` first drops their
+  lines with step > N (and a torn last line), rewriting them atomically;
+- TensorBoard is written synchronously and flushed at every step; on resume its event files are rebuilt from
+  the two JSONL files (steps <= N), so steps after N are physically gone and none is missing;
+- wandb receives a step only once a checkpoint covers it (:meth:`RunLogger.checkpoint_saved`) and a resume
+  backfills what it lacks (wandb_sink.py says why).
+A fresh logger (``resume_step=None``) never truncates: it refuses a directory that already holds logs (claim
+the directory first, ``ppojax.run_dir.claim_output_dir``).
 """
 from __future__ import annotations
 
 import json
 import math
-import os
-import struct
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
-__all__ = ["RunLogger", "stage", "read_jsonl", "read_tensorboard_scalars", "format_postfix"]
+from .strict_json import dumps, to_strict, write_json, write_text_atomic
+from .tensorboard_sink import TensorBoardSink, read_tensorboard_scalars, read_tensorboard_texts
+
+__all__ = ["RunLogger", "stage", "read_jsonl", "read_tensorboard_scalars", "read_tensorboard_texts",
+           "format_postfix", "normalise_report_to", "plot_metrics", "curves_figure", "LineProgress", "REPORT_TO_CHOICES"]
 
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
 TENSORBOARD_DIR = "tensorboard"
+SUMMARY_FILE = "summary.json"
 PLOT_KEYS = ("objective/scores", "objective/kl")
+REPORT_TO_CHOICES = ("tensorboard", "wandb")
+AXIS_LABELS = {
+    "objective/scores": "mean score (training batch)",
+    "objective/kl": "KL to the initial model (nats)",
+    "objective/rlhf_reward": "score - KL penalty",
+    "objective/entropy": "entropy (nats)",
+}
 
 _T0 = time.time()
 
@@ -40,6 +60,10 @@ def _main_process() -> bool:
         return jax.process_index() == 0
     except Exception:  # pragma: no cover - no jax backend
         return True
+
+
+def _prefix() -> str:
+    return f"[ppojax {time.strftime('%H:%M:%S')} +{time.time() - _T0:.1f}s]"
 
 
 def _write_console(text: str, file=None) -> None:
@@ -59,8 +83,7 @@ class _Stage:
 
     def _say(self, text: str) -> None:
         if self.enabled:
-            clock = time.strftime("%H:%M:%S")
-            _write_console(f"[ppojax {clock} +{time.time() - _T0:.1f}s] {text}")
+            _write_console(f"{_prefix()} {text}")
 
     def __enter__(self) -> "_Stage":
         return self
@@ -76,6 +99,31 @@ def stage(message: str, *, enabled: Optional[bool] = None) -> _Stage:
     ``with stage("compiling the update…"):`` also prints when (and how long after) the stage ends.
     """
     return _Stage(message, _main_process() if enabled is None else enabled)
+
+
+def normalise_report_to(report_to: Union[None, str, Sequence[str]]) -> tuple[str, ...]:
+    """``report_to`` as a tuple of sink names: 'tensorboard', 'wandb', a list of them, or a comma-separated
+    string; None, 'none' or [] mean the JSONL files only. Raises ConfigError naming an unknown value."""
+    from .config import ConfigError
+
+    if report_to is None:
+        return ()
+    items = report_to.split(",") if isinstance(report_to, str) else report_to
+    if not isinstance(items, (list, tuple)):
+        raise ConfigError(f"report_to={report_to!r}: expected 'tensorboard', 'wandb', a list of them, or 'none'.")
+    names = []
+    for item in items:
+        name = str(item).strip().lower()
+        if name and name not in names:
+            names.append(name)
+    if names == ["none"] or not names:
+        return ()
+    unknown = [n for n in names if n not in REPORT_TO_CHOICES]
+    if unknown:
+        raise ConfigError(f"report_to={report_to!r}: {', '.join(map(repr, unknown))} is not a log sink; expected "
+                          f"'tensorboard', 'wandb', a list of them (e.g. [tensorboard, wandb]), or 'none' (only "
+                          f"metrics.jsonl and samples.jsonl).")
+    return tuple(names)
 
 
 def _to_float(value) -> Optional[float]:
@@ -102,7 +150,7 @@ def read_jsonl(path) -> list[dict]:
     if not path.exists():
         return []
     rows = []
-    for line in path.read_text().splitlines():
+    for line in path.read_text(encoding="utf-8").splitlines():
         if not line.strip():
             continue
         try:
@@ -114,23 +162,14 @@ def read_jsonl(path) -> list[dict]:
     return rows
 
 
-def _truncate_jsonl(path: Path, keep_through_step: float) -> int:
-    """Keep the lines with step <= keep_through_step (rewritten atomically); returns how many were dropped."""
+def _truncate_jsonl(path: Path, keep_through_step: int) -> list[dict]:
+    """Keep the rows with step <= keep_through_step (rewritten atomically, torn lines dropped); returns them."""
     if not path.exists():
-        return 0
-    lines = path.read_text().splitlines()
-    kept = []
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict) and isinstance(row.get("step"), (int, float)) and row["step"] <= keep_through_step:
-            kept.append(line)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
-    return len(lines) - len(kept)
+        return []
+    kept = [row for row in read_jsonl(path)
+            if isinstance(row.get("step"), (int, float)) and row["step"] <= keep_through_step]
+    write_text_atomic(path, "".join(dumps(row) + "\n" for row in kept))
+    return kept
 
 
 def _shorten(text: str, limit: int) -> str:
@@ -151,57 +190,131 @@ def format_postfix(metrics: Mapping[str, Any], episodes_per_second: Optional[flo
     return post
 
 
-class RunLogger:
-    """Metrics to TensorBoard + ``metrics.jsonl``, samples to console + TensorBoard + ``samples.jsonl``.
+class LineProgress:
+    """tqdm's ``update`` / ``set_postfix`` / ``close`` as one printed line per update, for a stdout that is not
+    a terminal (a log file, CI): ``[ppojax 12:00:03 +41.2s] update 3/30: score 0.123, kl 0.450, eps 1.6``.
 
-    output_dir: the run's directory; config: a PPOConfig or dict (logged once as TensorBoard text);
-    enabled: default True on process 0 only; report_to: "tensorboard" or "none" (the JSONL files are always
-    written); resume_step: the update count of the checkpoint a resumed run starts from (see module doc).
+    The line of an update is printed at its ``set_postfix`` (or at the next ``update``/``close`` if none)."""
+
+    def __init__(self, total: int, initial: int = 0, enabled: bool = True, file=None):
+        self.total, self.n, self.enabled, self.file = total, initial, enabled, file
+        self.postfix: dict[str, str] = {}
+        self._pending = False
+
+    def update(self, n: int = 1) -> None:
+        self._emit()
+        self.n += n
+        self._pending = True
+
+    def set_postfix(self, ordered_dict: Optional[Mapping] = None, refresh: bool = True, **kwargs) -> None:
+        self.postfix = {str(k): str(v) for k, v in {**(ordered_dict or {}), **kwargs}.items()}
+        self._emit()
+
+    def _emit(self) -> None:
+        if not self._pending:
+            return
+        self._pending = False
+        if self.enabled:
+            values = ", ".join(f"{k} {v}" for k, v in self.postfix.items())
+            _write_console(f"{_prefix()} update {self.n}/{self.total}" + (f": {values}" if values else ""),
+                           self.file)
+
+    def close(self) -> None:
+        self._emit()
+
+    def __enter__(self) -> "LineProgress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class RunLogger:
+    """Metrics to ``metrics.jsonl`` + the ``report_to`` sinks; samples to the console, ``samples.jsonl`` and the
+    sinks (see the module doc).
+
+    output_dir: the run's directory (claimed: ``ppojax.run_dir.claim_output_dir``). config: a PPOConfig or dict
+    (TensorBoard text, wandb config). enabled: default True on process 0 only. report_to: see
+    :func:`normalise_report_to`. resume_step: the update count of the checkpoint a resumed run starts from
+    (0 when a resumed run found no checkpoint); None: a fresh run, whose directory must hold no logs yet.
+    run_id: the wandb run id (``RunClaim.run_id``; default: output_dir's run.json, else a new id).
     """
 
     def __init__(self, output_dir, config: Any = None, *, enabled: Optional[bool] = None,
-                 report_to: Optional[str] = "tensorboard", resume_step: Optional[int] = None):
+                 report_to: Union[None, str, Sequence[str]] = "tensorboard", resume_step: Optional[int] = None,
+                 run_id: Optional[str] = None, run_name: Optional[str] = None, say=print):
+        self.report_to = normalise_report_to(report_to)
         self.enabled = _main_process() if enabled is None else bool(enabled)
         self.output_dir = Path(output_dir)
         self.metrics_path = self.output_dir / METRICS_FILE
         self.samples_path = self.output_dir / SAMPLES_FILE
         self.tensorboard_dir = self.output_dir / TENSORBOARD_DIR
-        self.report_to = (report_to or "none").lower()
-        if self.report_to not in ("tensorboard", "none"):
-            raise ValueError(f"report_to={report_to!r}: expected 'tensorboard' or 'none'.")
-        self._writer = None
+        self._tensorboard: Optional[TensorBoardSink] = None
+        self._wandb = None
         if not self.enabled:
             return
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        keep = -math.inf if resume_step is None else int(resume_step)  # fresh run: start empty
-        for path in (self.metrics_path, self.samples_path):
-            _truncate_jsonl(path, keep)
-        if self.report_to == "tensorboard":
-            from tensorboardX import SummaryWriter
+        if "wandb" in self.report_to:
+            from .wandb_sink import import_wandb
 
-            had_events = self.tensorboard_dir.is_dir() and any(self.tensorboard_dir.iterdir())
-            # purge_step hides events >= it that an interrupted (or earlier) run left in the same directory
-            purge = (0 if resume_step is None else int(resume_step) + 1) if had_events else None
-            self._writer = SummaryWriter(logdir=str(self.tensorboard_dir), purge_step=purge, flush_secs=10)
-            if config is not None and resume_step is None:
-                self._writer.add_text("config", _config_markdown(config), 0)
+            import_wandb()  # a missing package is an error before anything is written
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        config_dict = _config_dict(config)
+        if resume_step is None:
+            self._refuse_existing_logs()
+            metric_rows, sample_rows = [], []
+        else:
+            metric_rows = _truncate_jsonl(self.metrics_path, int(resume_step))
+            sample_rows = _truncate_jsonl(self.samples_path, int(resume_step))
+        if "wandb" in self.report_to:  # first: a wandb that cannot start leaves no other sink's files behind
+            from .wandb_sink import WandbSink
+
+            if run_name is None and isinstance(config_dict, dict):
+                run_name = config_dict.get("run_name")
+            self._wandb = WandbSink(run_id=run_id or _run_id_of(self.output_dir), output_dir=self.output_dir,
+                                    config=config_dict, run_name=run_name, resume_step=resume_step,
+                                    metric_rows=metric_rows, sample_rows=sample_rows, say=say)
+        if "tensorboard" in self.report_to:
+            markdown = None if config is None else _config_markdown(config_dict)
+            try:
+                if resume_step is None:
+                    self._tensorboard = TensorBoardSink(self.tensorboard_dir)
+                    if markdown is not None:
+                        self._tensorboard.add_text("config", markdown, 0)
+                else:
+                    self._tensorboard = TensorBoardSink.rebuild(self.tensorboard_dir, metric_rows, sample_rows,
+                                                                markdown)
+            except BaseException:
+                self.close(exit_code=1)
+                raise
+
+    def _refuse_existing_logs(self) -> None:
+        from .run_dir import RunDirError
+
+        found = [p.name for p in (self.metrics_path, self.samples_path) if p.is_file() and p.stat().st_size]
+        if self.tensorboard_dir.is_dir() and any(self.tensorboard_dir.iterdir()):
+            found.append(TENSORBOARD_DIR + "/")
+        if found:
+            raise RunDirError(
+                f"{self.output_dir} already holds the logs of a run ({', '.join(found)}); a new run never truncates "
+                f"them. Continue that run (resume=auto; RunLogger(resume_step=<checkpoint step>)), use another "
+                f"output_dir, or move it aside with overwrite_output_dir=true (ppojax.run_dir.claim_output_dir).")
 
     # ---- metrics ----
     def log_metrics(self, step: int, metrics: Mapping[str, Any]) -> None:
-        """One update's scalars (TRL names, e.g. ``objective/kl``): TensorBoard + one line of metrics.jsonl."""
+        """One update's scalars (TRL names, e.g. ``objective/kl``): metrics.jsonl, TensorBoard, wandb."""
         if not self.enabled:
             return
         values = _clean_metrics(metrics)
-        if self._writer is not None:
-            for name, value in values.items():
-                if value is not None:
-                    self._writer.add_scalar(name, value, int(step))
-        _append_line(self.metrics_path, {"step": int(step), **values})
+        _append_lines(self.metrics_path, [{"step": int(step), **values}])
+        if self._tensorboard is not None:
+            self._tensorboard.add_scalars(int(step), values)
+        if self._wandb is not None:
+            self._wandb.log_metrics(int(step), values)
 
     # ---- samples ----
     def log_samples(self, step: int, prompts: Sequence[str], completions: Sequence[str],
                     scores: Optional[Iterable[Any]] = None, *, width: int = 60) -> None:
-        """A table of sample completions: console, TensorBoard text ``samples``, and samples.jsonl."""
+        """A table of sample completions: console, samples.jsonl, TensorBoard text ``samples``, wandb Table."""
         if not self.enabled:
             return
         prompts, completions = list(prompts), list(completions)
@@ -209,58 +322,109 @@ class RunLogger:
         if not len(prompts) == len(completions) == len(scores):
             raise ValueError(f"log_samples: {len(prompts)} prompts, {len(completions)} completions and "
                              f"{len(scores)} scores; expected the same number of each.")
-        rows = [(_shorten(p, width), _shorten(c, width), "" if s is None else f"{s:.4f}")
+        rows = [{"step": int(step), "prompt": p, "completion": c, "score": s}
                 for p, c, s in zip(prompts, completions, scores)]
-        _write_console(_text_table(f"samples at update {step}", ("prompt", "completion", "score"), rows))
-        if self._writer is not None:
-            md = ["| prompt | completion | score |", "|---|---|---|"]
-            md += ["| " + " | ".join(_md_cell(x) for x in (p, c, "" if s is None else f"{s:.4f}")) + " |"
-                   for p, c, s in zip(prompts, completions, scores)]
-            self._writer.add_text("samples", "\n".join(md), int(step))
-        with open(self.samples_path, "a") as f:
-            for p, c, s in zip(prompts, completions, scores):
-                f.write(json.dumps({"step": int(step), "prompt": p, "completion": c, "score": s}) + "\n")
-            f.flush()
+        shown = [(_shorten(r["prompt"], width), _shorten(r["completion"], width),
+                  "" if r["score"] is None else f"{r['score']:.4f}") for r in rows]
+        _write_console(_text_table(f"samples at update {step}", ("prompt", "completion", "score"), shown))
+        _append_lines(self.samples_path, rows)
+        if self._tensorboard is not None:
+            from .tensorboard_sink import samples_markdown
+
+            self._tensorboard.add_text("samples", samples_markdown(rows), int(step))
+        if self._wandb is not None:
+            self._wandb.log_samples(int(step), rows)
+
+    # ---- checkpoints and the end ----
+    def checkpoint_saved(self, step: int) -> None:
+        """Tell the sinks that a checkpoint at ``step`` is on disk (wandb then receives the steps <= it)."""
+        if self._wandb is not None:
+            self._wandb.checkpoint_saved(int(step))
+
+    def write_summary(self, summary: Mapping[str, Any], path=None) -> Optional[Path]:
+        """``summary.json`` as strict JSON (non-finite floats as null), atomically; also wandb's run summary."""
+        if not self.enabled:
+            return None
+        path = Path(path) if path is not None else self.output_dir / SUMMARY_FILE
+        write_json(path, dict(summary))
+        if self._wandb is not None:
+            self._wandb.update_summary(to_strict(dict(summary), default=str))
+        return path
 
     # ---- console ----
     def stage(self, message: str) -> _Stage:
         """Timestamped stage message (see :func:`stage`); silent on other processes."""
         return _Stage(message, self.enabled)
 
-    def progress(self, total_updates: int, initial: int = 0):
-        """A tqdm bar over updates (disabled off process 0); set its postfix with :func:`format_postfix`."""
+    def progress(self, total_updates: int, initial: int = 0, *, lines: Optional[bool] = None):
+        """Progress over updates; set its postfix with :func:`format_postfix` after each ``update(1)``.
+
+        A tqdm bar when stdout is a terminal; otherwise (``lines`` default) a :class:`LineProgress` that prints
+        one line per update instead of carriage-return redraws. Silent off process 0."""
+        if lines is None:
+            lines = not _is_terminal(sys.stdout)
+        if lines or not self.enabled:
+            return LineProgress(total_updates, initial, enabled=self.enabled)
         from tqdm.auto import tqdm
 
-        return tqdm(total=total_updates, initial=initial, unit="update", desc="ppo", dynamic_ncols=True,
-                    disable=not self.enabled)
+        return tqdm(total=total_updates, initial=initial, unit="update", desc="ppo", dynamic_ncols=True)
 
     # ---- plot ----
-    def plot(self, path=None, keys: Sequence[str] = PLOT_KEYS) -> Optional[Path]:
-        """A PNG of ``objective/scores`` and ``objective/kl`` over updates, from metrics.jsonl."""
+    def plot(self, path=None, keys: Sequence[str] = PLOT_KEYS, *, held_out_before: Optional[float] = None,
+             held_out_after: Optional[float] = None) -> Optional[Path]:
+        """A PNG of ``keys`` over updates from metrics.jsonl, with the held-out mean score before (update 0)
+        and after training (the last update) marked on the score panel when given."""
         if not self.enabled:
             return None
         path = Path(path) if path is not None else self.output_dir / "training_curves.png"
-        return plot_metrics(self.metrics_path, path, keys)
+        return plot_metrics(self.metrics_path, path, keys, held_out_before=held_out_before,
+                            held_out_after=held_out_after)
 
     def flush(self) -> None:
-        if self._writer is not None:
-            self._writer.flush()
+        if self._tensorboard is not None:
+            self._tensorboard.flush()
 
-    def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+    def close(self, exit_code: int = 0) -> None:
+        """Close the sinks (wandb: steps no checkpoint covers are dropped; a resume logs them again)."""
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
+        if self._wandb is not None:
+            self._wandb.close(exit_code)
+            self._wandb = None
 
     def __enter__(self) -> "RunLogger":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(exit_code=1 if exc_type is not None else 0)
 
 
-def _append_line(path: Path, row: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(row, allow_nan=False) + "\n")
+def _is_terminal(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
+def _run_id_of(output_dir: Path) -> str:
+    """The run id of output_dir's run.json, or a new one (a RunLogger used without a claim)."""
+    from .run_dir import read_identity
+
+    try:
+        identity = read_identity(output_dir)
+    except Exception:
+        identity = None
+    if identity is not None:
+        return str(identity["run_id"])
+    import secrets
+
+    return f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(3)}"
+
+
+def _append_lines(path: Path, rows: Sequence[dict]) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write("".join(dumps(row) + "\n" for row in rows))
         f.flush()
 
 
@@ -278,9 +442,15 @@ def _text_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]
     return "\n".join([title, line, fmt(header), line, *(fmt(r) for r in rows), line])
 
 
-def _config_markdown(config: Any) -> str:
+def _config_dict(config: Any) -> Any:
+    if config is None:
+        return None
     if hasattr(config, "to_dict"):
         config = config.to_dict()
+    return to_strict(dict(config), default=str) if isinstance(config, Mapping) else config
+
+
+def _config_markdown(config: Any) -> str:
     if not isinstance(config, Mapping):
         return f"`{config!r}`"
     lines = ["| field | value |", "|---|---|"]
@@ -288,49 +458,50 @@ def _config_markdown(config: Any) -> str:
     return "\n".join(lines)
 
 
-def plot_metrics(metrics_path, png_path, keys: Sequence[str] = PLOT_KEYS) -> Path:
-    """Plot ``keys`` of a metrics.jsonl over its steps into ``png_path`` (matplotlib, no display needed)."""
-    try:
-        from matplotlib.figure import Figure  # the object API draws with Agg; no pyplot, no global backend
-    except ImportError as e:  # pragma: no cover
-        raise ImportError("plotting needs matplotlib: pip install 'ppojax[demo]' (or matplotlib)") from e
-    rows = read_jsonl(metrics_path)
-    fig = Figure(figsize=(5.0 * len(keys), 3.6), dpi=100)
-    axes = fig.subplots(1, len(keys), squeeze=False)[0]
-    for ax, key in zip(axes, keys):
-        points = [(r["step"], r[key]) for r in rows if r.get(key) is not None and "step" in r]
-        if points:
-            xs, ys = zip(*points)
-            ax.plot(xs, ys, marker="." if len(points) < 50 else None, linewidth=1.4)
-        else:
-            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
-        ax.set_title(key)
-        ax.set_xlabel("update")
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
+def plot_metrics(metrics_path, png_path, keys: Sequence[str] = PLOT_KEYS, *,
+                 held_out_before: Optional[float] = None, held_out_after: Optional[float] = None) -> Path:
+    """Plot ``keys`` of a metrics.jsonl over its steps into ``png_path`` (see :func:`curves_figure`)."""
+    fig = curves_figure(read_jsonl(metrics_path), keys, held_out_before=held_out_before,
+                        held_out_after=held_out_after)
     png_path = Path(png_path)
     png_path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png_path, format="png")
     return png_path
 
 
-def read_tensorboard_scalars(logdir) -> dict[str, list[tuple[int, float]]]:
-    """{tag: [(step, value), ...]} of every scalar in the event files under ``logdir`` (no TensorBoard needed;
-    TFRecord framing read directly, protos from tensorboardX). Purged steps are not filtered out."""
-    from tensorboardX.proto import event_pb2
-
-    scalars: dict[str, list[tuple[int, float]]] = {}
-    for path in sorted(Path(logdir).rglob("events.out.tfevents.*")):
-        data = path.read_bytes()
-        offset = 0
-        while offset + 12 <= len(data):
-            (length,) = struct.unpack("<Q", data[offset:offset + 8])
-            start = offset + 12
-            if start + length + 4 > len(data):
-                break  # torn record at the end of a crashed run's file
-            event = event_pb2.Event.FromString(data[start:start + length])
-            offset = start + length + 4
-            for value in event.summary.value:
-                if value.HasField("simple_value"):
-                    scalars.setdefault(value.tag, []).append((int(event.step), float(value.simple_value)))
-    return scalars
+def curves_figure(rows: Sequence[Mapping], keys: Sequence[str] = PLOT_KEYS, *,
+                  held_out_before: Optional[float] = None, held_out_after: Optional[float] = None):
+    """A matplotlib Figure (no pyplot, no display) with one panel per key over the updates of ``rows``
+    (metrics.jsonl rows): y-axis labels, integer update ticks, and on the score panel the held-out mean
+    score before training (at update 0) and after (at the last update) when given."""
+    try:
+        from matplotlib.figure import Figure  # the object API draws with Agg; no global backend
+        from matplotlib.ticker import MaxNLocator
+    except ImportError as e:  # pragma: no cover
+        raise ImportError("plotting needs matplotlib: pip install 'ppojax[demo]' (or matplotlib)") from e
+    fig = Figure(figsize=(5.2 * len(keys), 3.8), dpi=100)
+    axes = fig.subplots(1, len(keys), squeeze=False)[0]
+    last_step = max((int(r["step"]) for r in rows if isinstance(r.get("step"), (int, float))), default=0)
+    score_axis = list(keys).index("objective/scores") if "objective/scores" in keys else 0
+    marks = [(0, _to_float(held_out_before), "o", "C1", "held-out mean, before training"),
+             (last_step, _to_float(held_out_after), "*", "C2", "held-out mean, after training")]
+    for index, (ax, key) in enumerate(zip(axes, keys)):
+        points = [(r["step"], r[key]) for r in rows if r.get(key) is not None and "step" in r]
+        if points:
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, marker="." if len(points) < 50 else None, linewidth=1.4, label="training batch")
+        else:
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+        if index == score_axis and any(value is not None for _, value, *_ in marks):
+            for x, value, marker, color, label in marks:
+                if value is not None:
+                    ax.scatter([x], [value], marker=marker, s=120 if marker == "*" else 55, color=color,
+                               zorder=3, label=f"{label}: {value:.3f}")
+            ax.legend(loc="best", fontsize=8)
+        ax.set_title(key)
+        ax.set_xlabel("update")
+        ax.set_ylabel(AXIS_LABELS.get(key, key))
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig

@@ -25,7 +25,7 @@ from . import ppo, rollout, sharding
 from .config import ConfigError, PPOConfig
 from .train.build import NO_REWARD, build_run
 from .train.legacy import LegacyAPI
-from .train.loop import Hook, nonfinite_check, reward_failure_check, run_updates
+from .train.loop import Hook, RunInterrupted, StopSignals, nonfinite_check, reward_failure_check, run_updates
 from .train_step import make_train_step
 
 SAMPLE_TEMPERATURE = 0.01  # TRL's near-greedy sample completions
@@ -44,11 +44,12 @@ class PPOTrainer(LegacyAPI):
     """
 
     def __init__(self, args: PPOConfig, processing_class=None, model=None, ref_model=None, reward_model=None,
-                 train_dataset=None, value_model=None, *, logger=None, split_train_step: bool = False):
+                 train_dataset=None, value_model=None, *, logger=None, claim=None, split_train_step: bool = False):
         self.args = args
         self.run = build_run(args, processing_class, model, ref_model, reward_model, train_dataset, value_model)
         self.train_step = make_train_step(self.run.program, self.run.state_shardings, split=split_train_step)
         self.logger = logger
+        self.claim = claim  # the run's hold on output_dir (ppojax.run_dir); train() takes one if None
 
     # ---- the run's parts, under the names TRL users know ----
     @property
@@ -113,14 +114,21 @@ class PPOTrainer(LegacyAPI):
             raise ConfigError("train() needs prompts: pass train_dataset or set `dataset` in the config.")
         if run.reward is None:
             raise ConfigError(NO_REWARD)
-        if args.resume is not None and int(run.state.update_count) == 0:
-            self.resume(args.resume)
         total = run.num_updates if num_updates is None else num_updates
+        took_hold = self._hold_output_dir()
+        try:
+            if self.logger is None:
+                resumed = (self.resume(args.resume) if args.resume is not None and int(run.state.update_count) == 0
+                           else None)
+                self.open_logger(resumed)
+            return self._train(total, progress)
+        finally:
+            if took_hold:
+                self.claim.release()
+
+    def _train(self, total: int, progress: bool) -> list[dict[str, float]]:
+        run, args = self.run, self.args
         start = int(run.state.update_count)
-        if self.logger is None:
-            from .run_logging import RunLogger
-            self.logger = RunLogger(args.output_dir, args, report_to=args.report_to,
-                                    resume_step=start if start else None)
         bar = self.logger.progress(total, initial=start) if progress else None
         sample_every = max(1, total // max(1, args.num_sample_generations)) if args.num_sample_generations else 0
 
@@ -139,15 +147,50 @@ class PPOTrainer(LegacyAPI):
                  Hook(progress_bar), Hook(nonfinite_check(lambda: self.checkpoint_dir)),
                  Hook(lambda end: self.log_samples(end.step), every=sample_every, at_end=sample_every > 0),
                  Hook(lambda end: self.save_checkpoint() if end.step != end.total else None, every=args.save_steps)]
+        stop = StopSignals()
         try:
-            history = run_updates(run, self.train_step, total, hooks)
+            with stop:
+                history = run_updates(run, self.train_step, total, hooks, should_stop=stop.requested)
         finally:
             if bar is not None:
                 bar.close()
-        if total > start:
-            self.save_checkpoint()
+        if int(run.state.update_count) > start:
+            path = self.save_checkpoint()
+            if stop.signal is not None:
+                raise RunInterrupted(stop.signal, int(run.state.update_count), path)
         self.logger.flush()
         return history
+
+    def _hold_output_dir(self) -> bool:
+        """Hold ``output_dir`` for this call of train() (process 0 only). The first call claims it (refusing a
+        directory that holds another run, or one in use: ``ppojax.run_dir``); later calls take the lock
+        again. A claim the caller passed in (the CLI's) is the caller's to release. Returns whether this
+        call took the lock (and must release it)."""
+        if not sharding.is_main_process() or (self.claim is not None and self.claim.lock.held):
+            return False
+        from .run_dir import DirectoryLock, claim_output_dir
+        if self.claim is None:
+            from .checkpoint import check_compatible
+            args = self.args
+            self.claim = claim_output_dir(args.output_dir, args.to_dict(), resume=args.resume,
+                                          overwrite=args.overwrite_output_dir,
+                                          resume_with_changes=args.resume_with_changes, compatible=check_compatible)
+        else:
+            self.claim.lock = DirectoryLock.acquire(self.claim.output_dir)
+        return True
+
+    def open_logger(self, resumed: Optional[Path]):
+        """The run's logger: a resumed run's logs are cut back to its checkpoint (and every sink rebuilt to
+        hold each step once); a run that found its directory holding this run but no checkpoint restarts
+        its logs from 0."""
+        from .run_logging import RunLogger
+        if resumed is not None:
+            resume_step = int(self.run.state.update_count)
+        else:
+            resume_step = 0 if self.claim is not None and self.claim.outcome == "resume" else None
+        self.logger = RunLogger(self.args.output_dir, self.args, report_to=self.args.report_sinks,
+                                resume_step=resume_step, run_id=getattr(self.claim, "run_id", None))
+        return self.logger
 
     # ------------------------------------------------------------------------------------------------
     # Checkpoints
@@ -159,8 +202,11 @@ class PPOTrainer(LegacyAPI):
     def save_checkpoint(self) -> Path:
         from .checkpoint import save_checkpoint
         step = int(self.run.state.update_count)
-        return save_checkpoint(self.checkpoint_dir, step, self.run.state.without_frozen(), self.host_state(),
+        path = save_checkpoint(self.checkpoint_dir, step, self.run.state.without_frozen(), self.host_state(),
                                self.args.to_dict(), save_total_limit=self.args.save_total_limit)
+        if self.logger is not None:
+            self.logger.checkpoint_saved(step)  # sinks that cannot rewrite history (wandb) catch up to here
+        return path
 
     def resume(self, where: str = "auto") -> Optional[Path]:
         """Restore from ``where``: 'auto' (latest in output_dir/checkpoints, or start fresh if none) or a path.

@@ -267,6 +267,7 @@ def test_bad_input_is_a_clear_error_before_compute(tiny_dirs, tmp_path, capsys, 
     overrides = [f"model_name_or_path={tiny_dirs / 'model'}", f"dataset={tiny_dirs / 'prompts.jsonl'}",
                  f"output_dir={tmp_path / 'run'}", "report_to=none"]
     overrides += _bad_input(tiny_dirs, case)
+    overrides = list({item.partition("=")[0]: item for item in overrides}.values())  # the case's value wins
     code = main(["train", TINY_YAML, *overrides])
     err = capsys.readouterr().err
     assert code == 2, err

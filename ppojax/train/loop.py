@@ -10,8 +10,10 @@ failing step is saved (the last checkpoint stays the newest).
 """
 from __future__ import annotations
 
+import signal
+import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import jax
@@ -110,3 +112,54 @@ def nonfinite_check(checkpoint_dir: Optional[Callable[[], Any]] = None):
                 f"{last or 'none yet'} (continue from it with resume=auto). Lower learning_rate, check the "
                 "reward for NaN/inf, or set max_grad_norm.")
     return check
+
+
+# --------------------------------------------------------------------------------------------------
+# Graceful stop
+# --------------------------------------------------------------------------------------------------
+class RunInterrupted(Exception):
+    """SIGINT or SIGTERM stopped the run between updates; a checkpoint of the last update was written."""
+
+    def __init__(self, signum: int, update: int, checkpoint):
+        self.signum, self.update, self.checkpoint = signum, update, checkpoint
+        name = signal.Signals(signum).name
+        super().__init__(f"stopped by {name} after update {update}; checkpoint {checkpoint} written. Continue "
+                         "with resume=auto.")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum  # the shell's convention for a process ended by a signal
+
+
+class StopSignals:
+    """Within ``with``: the first SIGINT / SIGTERM (what preemption sends) is recorded, so the loop finishes
+    the update in flight and stops; a second one interrupts at once (KeyboardInterrupt). A no-op outside the
+    main thread, where Python cannot install handlers."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.signal = None
+        self._previous = {}
+
+    def requested(self) -> bool:
+        return self.signal is not None
+
+    def _handle(self, signum, frame):
+        if self.signal is not None:
+            raise KeyboardInterrupt
+        self.signal = signum
+        from ..run_logging import stage
+        stage(f"{signal.Signals(signum).name} received: finishing this update, then writing a checkpoint "
+              "(send it again to stop at once).")
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
