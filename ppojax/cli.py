@@ -37,8 +37,11 @@ def run_training(config: PPOConfig) -> dict:
     from .checkpoint import check_compatible
     from .run_dir import claim_output_dir
 
+    from .train.build import preflight
+
     config.check_reward_source()
     sharding.initialize_distributed()  # the claim is process 0's: it needs to know which process it is
+    preflight(config)  # what the models' config.json files and the devices refute, before anything is loaded
     claim = None
     if sharding.is_main_process():
         claim = claim_output_dir(config.output_dir, config.to_dict(), resume=config.resume,

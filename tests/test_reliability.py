@@ -309,7 +309,7 @@ TIMEOUT = 300
 def _run_args(dirs: Path, out: Path) -> list[str]:
     return ["train", TINY_YAML, f"model_name_or_path={dirs / 'model'}", f"dataset={dirs / 'prompts.jsonl'}",
             f"output_dir={out}", "reward_function=tests.test_reliability:blocking_good_fraction",
-            "num_eval_prompts=0", "num_sample_generations=0", "report_to=none", "save_steps=1",
+            "num_eval_prompts=0", "num_sample_generations=0", "report_to=tensorboard", "save_steps=1",
             "adaptive_kl=true", "kl_coef=0.1", "use_score_scaling=true", "use_score_norm=true"]
 
 
@@ -425,4 +425,21 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tiny_dirs, kill_env, fi
             # KL coefficient, score moments, PRNG key, data position, episode
             assert json.loads((final / "host_state.json").read_text())["host_state"] == want_host, name
             policies.add((out / "policy" / "model.safetensors").read_bytes())
+            assert_sinks_hold_every_step_once(out)
         assert len(policies) == 1  # the exported policies are byte-identical
+
+
+def assert_sinks_hold_every_step_once(out: Path) -> None:
+    """TensorBoard's scalars, read back from the event files, equal metrics.jsonl step by step: every step
+    once, in order, none missing, nothing of a killed attempt left over."""
+    from ppojax.tensorboard_sink import read_tensorboard_scalars
+
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    scalars = read_tensorboard_scalars(out / "tensorboard")
+    tags = {name for row in rows for name, value in row.items() if name != "step" and value is not None}
+    assert set(scalars) == tags, set(scalars) ^ tags
+    for tag in tags:
+        want = [(row["step"], np.float32(row[tag])) for row in rows if row.get(tag) is not None]
+        got = [(step, np.float32(value)) for step, value in scalars[tag]]
+        assert got == want, (out, tag, got, want)
+    assert not [p for p in (out / "tensorboard").rglob("*") if p.is_file() and p.stat().st_size == 0]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import jax
@@ -123,12 +124,83 @@ NO_REWARD = ("No reward: set reward_function (e.g. 'vader' or 'my_module:my_rewa
              "sequence-classification checkpoint), or pass reward_model to PPOTrainer.")
 
 
+# --------------------------------------------------------------------------------------------------
+# Checks from config.json files and the device count alone (no weights, no tokenizer)
+# --------------------------------------------------------------------------------------------------
+def _model_config(role: str, path):
+    from ..models import load_config
+    try:
+        return load_config(path)
+    except (OSError, ValueError, KeyError) as err:
+        raise ConfigError(f"could not read the {role}'s config from {str(path)!r}: {err}") from err
+
+
+def _hf_config(path) -> dict:
+    import json
+    try:
+        return json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def preflight(config: PPOConfig, *, policy_given: bool = False, reward_given: bool = False) -> None:
+    """Everything about ``config`` that the models' ``config.json`` files and the device count can refute,
+    before any weights are loaded (``ppojax train`` calls it before claiming output_dir). ``*_given``: the
+    caller passed that model as an object (its path in the config is not used)."""
+    import jax
+
+    try:
+        mesh_shape = sharding.mesh_shape(config.mesh_data, config.mesh_fsdp, config.mesh_tensor,
+                                         num_devices=jax.device_count())
+    except ValueError as err:
+        raise ConfigError(f"{err} (this process sees {jax.device_count()} {jax.default_backend()} device(s); "
+                          "with several processes, every process's devices count).") from err
+    data_parallel = mesh_shape[0] * mesh_shape[1]
+    sizes = config.derived(data_parallel)
+    rows = config.local_rollout_forward_batch_size
+    if rows is not None and sizes.batch_size % rows:
+        raise ConfigError(f"local_rollout_forward_batch_size={rows} does not divide batch_size={sizes.batch_size} "
+                          f"(the rollout forwards the batch in slices of that many rows); pick a divisor of "
+                          f"{sizes.batch_size}.")
+    if not policy_given:
+        path = resolve_model_path(config.model_name_or_path)
+        policy = _model_config("policy", path)
+        length = config.max_prompt_length + config.response_length
+        if length > policy.max_position_embeddings:
+            raise ConfigError(
+                f"max_prompt_length + response_length = {config.max_prompt_length} + {config.response_length} = "
+                f"{length} exceeds the policy's max_position_embeddings={policy.max_position_embeddings} "
+                f"({path}/config.json); shorten the prompts or the responses.")
+        if config.stop_token_id is not None and config.stop_token_id >= policy.vocab_size:
+            raise ConfigError(f"stop_token_id={config.stop_token_id} is outside the policy's vocabulary "
+                              f"(vocab_size={policy.vocab_size}): it can never be sampled, so no response would "
+                              "ever stop. Use a token id of the tokenizer (e.g. stop_token: eos).")
+    if config.reward_model_path is not None and not reward_given:
+        hf = _hf_config(config.reward_model_path)
+        _model_config("reward model", config.reward_model_path)  # exists, parses, supported architecture
+        architectures = hf.get("architectures") or []
+        if architectures and not any(a.endswith("ForSequenceClassification") for a in architectures):
+            raise ConfigError(
+                f"reward_model_path={config.reward_model_path!r} is a {', '.join(architectures)} checkpoint, not a "
+                "reward model: it has no trained score head, so its scores would come from a random one. Use a "
+                "sequence-classification checkpoint (XForSequenceClassification with num_labels=1, e.g. from "
+                "TRL's RewardTrainer), or a reward_function.")
+        labels = hf.get("num_labels") or len(hf.get("id2label") or {}) or 1
+        if labels != 1:
+            raise ConfigError(
+                f"reward_model_path={config.reward_model_path!r} is a classifier with {labels} labels "
+                f"({hf.get('id2label')}); a reward model has ONE output (num_labels=1), the score.")
+    if config.value_model_path is not None:
+        _model_config("value model", config.value_model_path)
+
+
 def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=None, reward_model=None,
               train_dataset=None, value_model=None) -> Run:
     """Everything a run needs, from a validated config and (optionally) user-made objects (TRL's
     ``PPOTrainer`` arguments; see ``ppojax.trainer.PPOTrainer``)."""
     config = config.validate()
     sharding.initialize_distributed()  # a no-op on one process; must precede other device work
+    preflight(config, policy_given=model is not None, reward_given=reward_model is not None)
     cache_dir = enable_compilation_cache(config.compilation_cache_dir)
     mesh = as_config_error(sharding.mesh_from_config, config)
     dtype = jnp.bfloat16 if config.dtype == "bfloat16" else jnp.float32

@@ -1,0 +1,216 @@
+"""A run's outputs are never lost or mixed, and a user's mistake never ends in a traceback (issue 17), through
+``ppojax train`` itself: a finished run re-run changes nothing; a fresh run never touches another run's
+directory; overwrite moves the old run aside; a resume with changed settings is refused unless allowed; a
+second process cannot share a directory; SIGTERM / SIGINT stop after the update in flight with a checkpoint
+and a one-line hint; bad inputs that need the models' config.json or the devices are refused before any
+weights are loaded, fast.
+
+(The module-level mechanisms are tested in tests/test_run_dir.py, test_logging.py, test_checkpoint.py and
+test_config_errors.py; SIGKILL + resume with every sink in tests/test_reliability.py.)
+"""
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ppojax.cli import main
+from ppojax.models import ScoreModel, save_pretrained
+from tests.tiny_setup import tiny_config, tiny_policy, tiny_tokenizer, write_tiny_run_inputs
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_YAML = str(REPO / "configs" / "tiny.yaml")
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    return write_tiny_run_inputs(tmp_path_factory.mktemp("tiny"))
+
+
+def args_for(dirs, out, *extra):
+    return ["train", TINY_YAML, f"model_name_or_path={dirs / 'model'}", f"dataset={dirs / 'prompts.jsonl'}",
+            f"output_dir={out}", "num_eval_prompts=0", *extra]
+
+
+def snapshot(directory: Path) -> dict:
+    """Every file under ``directory`` with its bytes' hash and its modification time."""
+    return {str(p.relative_to(directory)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def finished_run(tiny_dirs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("finished") / "run"
+    assert main(args_for(tiny_dirs, out)) == 0
+    return out
+
+
+def test_rerunning_a_finished_run_changes_nothing(tiny_dirs, finished_run, capsys):
+    before = snapshot(finished_run)
+    assert json.loads((finished_run / "run.json").read_text())["status"] == "finished"
+    capsys.readouterr()
+    assert main(args_for(tiny_dirs, finished_run, "resume=auto")) == 0
+    printed = capsys.readouterr().out
+    assert "already holds this run, finished" in printed and str(finished_run / "summary.json") in printed
+    assert snapshot(finished_run) == before  # byte for byte, times included
+    assert not (finished_run / "run.lock").exists()
+
+
+def test_a_fresh_run_never_touches_another_runs_directory(tiny_dirs, finished_run, capsys):
+    before = snapshot(finished_run)
+    assert main(args_for(tiny_dirs, finished_run, "learning_rate=0.5")) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "Traceback" not in err
+    assert "resume=auto" in err and "output_dir=<another directory>" in err and "overwrite_output_dir=true" in err
+    assert snapshot(finished_run) == before
+
+
+def test_overwrite_moves_the_old_run_aside(tiny_dirs, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(args_for(tiny_dirs, out, "total_episodes=16")) == 0
+    old = snapshot(out)
+    assert main(args_for(tiny_dirs, out, "total_episodes=16", "overwrite_output_dir=true", "seed=1")) == 0
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("run.replaced-")]
+    assert len(aside) == 1 and snapshot(aside[0]) == old  # moved whole, nothing deleted
+    assert json.loads((out / "run.json").read_text())["config"]["seed"] == 1
+    assert str(aside[0]) in capsys.readouterr().out
+
+
+def test_resume_with_changed_settings_is_refused_unless_allowed(tiny_dirs, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(args_for(tiny_dirs, out, "total_episodes=32", "save_steps=1")) == 0
+    before = snapshot(out)
+    capsys.readouterr()
+    # more episodes is fine (a finished run continued); a new learning rate is a change that must be allowed
+    code = main(args_for(tiny_dirs, out, "total_episodes=48", "save_steps=1", "resume=auto", "learning_rate=0.5"))
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 2 and "learning_rate" in err and "resume_with_changes" in err and "Traceback" not in err
+    assert snapshot(out) == before
+    assert main(args_for(tiny_dirs, out, "total_episodes=48", "save_steps=1", "resume=auto", "learning_rate=0.5",
+                         "resume_with_changes=true")) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["lr"] == pytest.approx(0.5 * 1 / 3, rel=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Signals and concurrency: real processes
+# ------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cli_env(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("jax_cache")
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO), "JAX_COMPILATION_CACHE_DIR": str(cache),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+
+
+def start(dirs, out, env, *extra):
+    log = out.with_suffix(".log")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "ppojax.cli", *args_for(dirs, out, "total_episodes=1600",
+                                                                               "save_steps=0", *extra)],
+                                cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+    return proc, log
+
+
+def wait_for_updates(out: Path, proc, log: Path, n: int, timeout=240):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        metrics = out / "metrics.jsonl"
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= n:
+            return
+        assert proc.poll() is None, log.read_text()[-3000:]
+        time.sleep(0.1)
+    raise AssertionError(log.read_text()[-3000:])
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_finishes_the_update_writes_a_checkpoint_and_exits_with_a_hint(tiny_dirs, tmp_path, cli_env,
+                                                                                signum, capsys):
+    out = tmp_path / "run"
+    proc, log = start(tiny_dirs, out, cli_env)
+    wait_for_updates(out, proc, log, 2)
+    proc.send_signal(signum)
+    proc.wait(timeout=120)
+    text = log.read_text()
+    assert proc.returncode == 128 + signum, text[-3000:]
+    assert "Traceback" not in text
+    name = signal.Signals(signum).name
+    last = [line for line in text.splitlines() if line.startswith(f"ppojax: stopped by {name}")]
+    assert len(last) == 1 and "Continue with resume=auto" in last[0], text[-2000:]
+    step = len((out / "metrics.jsonl").read_text().splitlines())
+    assert f"after update {step};" in last[0]
+    assert (out / "checkpoints" / f"step_{step}" / "COMPLETE").exists()
+    assert not (out / "run.lock").exists()
+    # the run continues from there
+    assert main(args_for(tiny_dirs, out, "total_episodes=" + str(16 * (step + 1)), "save_steps=0",
+                         "resume=auto")) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, step + 2))
+
+
+def test_two_runs_cannot_share_a_directory(tiny_dirs, tmp_path, cli_env, capsys):
+    out = tmp_path / "run"
+    proc, log = start(tiny_dirs, out, cli_env)
+    try:
+        wait_for_updates(out, proc, log, 1)
+        assert main(args_for(tiny_dirs, out, "total_episodes=1600", "save_steps=0", "resume=auto")) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert f"pid {proc.pid}" in err and "Traceback" not in err, err
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Bad inputs that need the models' config.json or the devices: refused before any weights load, fast
+# ------------------------------------------------------------------------------------------------------------
+def _reward_dirs(root: Path):
+    """A causal LM and a 2-label classifier, each a real transformers checkpoint directory."""
+    causal = root / "causal_reward"
+    save_pretrained(tiny_policy(), tiny_config(), causal, tokenizer=tiny_tokenizer())
+    two = root / "two_labels"
+    save_pretrained(ScoreModel(tiny_config(), rngs=__import__("flax").nnx.Rngs(0)), tiny_config(), two,
+                    tokenizer=tiny_tokenizer())
+    config = json.loads((two / "config.json").read_text())
+    config.update(id2label={"0": "NEGATIVE", "1": "POSITIVE"}, label2id={"NEGATIVE": 0, "POSITIVE": 1})
+    (two / "config.json").write_text(json.dumps(config))
+    return causal, two
+
+
+BUILD_ERRORS = {
+    "stop token outside the vocabulary": (["stop_token_id=500"],
+                                          r"stop_token_id=500 is outside the policy's vocabulary \(vocab_size=16\)"),
+    "prompt + response past max_position_embeddings": (["response_length=80"],
+                                                       r"6 \+ 80 = 86 exceeds the policy's max_position_embeddings=64"),
+    "a causal LM as the reward model": (["reward_model_path={causal}", "reward_function=null"],
+                                        r"is a LlamaForCausalLM checkpoint, not a reward model"),
+    "a 2-label classifier as the reward model": (["reward_model_path={two}", "reward_function=null"],
+                                                 r"classifier with 2 labels"),
+    "mesh larger than the devices": (["mesh_data=4"], r"4 devices but 1 are in use"),
+    "forward batch size that does not divide": (["local_rollout_forward_batch_size=5"],
+                                                r"does not divide batch_size=16"),
+    "no reward source": (["reward_function=null"], r"No reward source"),
+}
+
+
+@pytest.mark.parametrize("case", list(BUILD_ERRORS))
+def test_bad_inputs_found_in_config_json_are_refused_before_loading(tiny_dirs, tmp_path, cli_env, case):
+    extra, pattern = BUILD_ERRORS[case]
+    causal, two = _reward_dirs(tmp_path)
+    extra = [e.format(causal=causal, two=two) for e in extra]
+    out = tmp_path / "run"
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "ppojax.cli", *args_for(tiny_dirs, out, *extra)], cwd=REPO,
+                          env=cli_env, capture_output=True, text=True, timeout=60)
+    elapsed = time.perf_counter() - t0
+    text = proc.stdout + proc.stderr
+    import re
+    assert proc.returncode == 2, text[-2000:]
+    assert "Traceback" not in text and re.search(pattern, " ".join(proc.stderr.split())), text[-2000:]
+    assert elapsed < 2.0, elapsed  # python + jax start-up included; no weights loaded, nothing compiled
+    assert not out.exists()  # refused before the output directory was claimed
