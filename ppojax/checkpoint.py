@@ -70,7 +70,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import jax
 import numpy as np
