@@ -1,28 +1,54 @@
-"""Atomic, resumable checkpoints of a whole training run (orbax for the device state, JSON for the rest).
+"""Atomic, verifiable, resumable checkpoints of a whole training run (orbax for the device state, JSON for the rest).
 
 Layout of ``directory`` (e.g. ``output_dir/checkpoints``)::
 
-    step_120/                 a COMPLETE checkpoint (only names ``step_<int>`` holding COMPLETE count)
+    step_120/                 a checkpoint
         train_state/          orbax pytree of the TrainState (params, optimizer state, counters), any sharding
         host_state.json       KL coefficient, score moments, PRNG key data, data iterator position, counts ...
         config.json           the run's config (``PPOConfig.to_dict()``)
-        COMPLETE              written last: {"step": 120, "time": ...}
+        MANIFEST.json         size and CRC32 checksums of every file above (``file_manifest.py``)
+        COMPLETE              written last: {"step": 120, "time": ..., "manifest_crc32": <CRC32 of MANIFEST.json>}
     step_130.tmp/             a save in progress, or one killed mid-way: ignored, removed by the next save
+    damaged/step_110/         a damaged checkpoint the next save moved aside (never deleted by ppojax)
 
 Protocol of :func:`save_checkpoint` (all processes call it; process 0 does the file-system bookkeeping):
 
-1. process 0 removes leftovers of crashed saves (``step_*.tmp``, ``step_*`` without COMPLETE) and creates
-   ``step_N.tmp``; barrier;
+1. process 0 tidies ``directory`` (rules below) and creates ``step_N.tmp``; barrier;
 2. orbax writes ``step_N.tmp/train_state`` (every process writes its shards; orbax finalises it atomically);
-3. process 0 writes host_state.json and config.json, fsyncs the tree, writes COMPLETE, fsyncs it, then
-   renames ``step_N.tmp`` -> ``step_N`` (one atomic rename) and fsyncs the directory;
+3. process 0 writes host_state.json and config.json, then MANIFEST.json (it reads the files back to checksum
+   them), fsyncs the tree, writes COMPLETE, fsyncs it, then renames ``step_N.tmp`` -> ``step_N`` (one atomic
+   rename) and fsyncs the directory;
 4. only then, older checkpoints beyond ``save_total_limit`` are renamed to ``*.tmp`` (so a crash while
-   deleting never leaves a half-deleted "complete" checkpoint) and deleted.
+   deleting never leaves a half-deleted checkpoint looking whole) and deleted.
 
 A process killed at any point therefore leaves either the new complete checkpoint or none, and the previous
-ones intact. Saves are synchronous: when the call returns the checkpoint is on disk. ``directory`` must be a
-POSIX file system that every process sees (local disk for one host; a shared one for multi-host runs, as
+ones intact. A save that fails (a full disk: ENOSPC, EDQUOT, or EFBIG under ``ulimit -f``) removes its
+``.tmp`` directory and raises one :class:`CheckpointError` naming the checkpoint, the cause and the previous
+intact checkpoint. Saves are synchronous: when the call returns the checkpoint is on disk. ``directory`` must
+be a POSIX file system that every process sees (local disk for one host; a shared one for multi-host runs, as
 orbax requires). Crash tests can stop a save at a chosen stage with ``PPOJAX_TEST_PAUSE_IN_SAVE`` (below).
+
+Verification (:func:`verify_checkpoint`): a checkpoint is intact when its COMPLETE marker is present, its
+MANIFEST.json matches the checksum in COMPLETE, every file the manifest lists exists with its size and
+checksums, the manifest lists the model state, host_state.json and config.json, and both JSON files parse.
+Checkpoints written before manifests existed (COMPLETE without ``manifest_crc32`` and no MANIFEST.json) pass on
+their structure alone (marker, train_state/, both JSON files parse); damage inside them surfaces when they are
+restored, as a CheckpointError. Resuming (:func:`latest_checkpoint`, :func:`resolve_checkpoint`,
+:func:`restore_checkpoint`) reads every byte once to verify it, newest step first, skips each damaged
+checkpoint with one line naming the file and what is wrong, and uses the newest intact one.
+
+What the next save does with what it finds (the rules that keep ``save_total_limit`` true after crashes):
+
+- ``step_N.<anything>`` (``.tmp``, ``.deleting.tmp``): debris of a crashed save or deletion, never a
+  committed checkpoint: deleted.
+- ``step_N`` that fails verification and holds no file besides COMPLETE / MANIFEST.json (nothing of value):
+  deleted. (A save never re-reads older checkpoints: it checks their presence and sizes, and knows the
+  checksum failures this process found, e.g. those resume skipped.)
+- any other ``step_N`` that fails it (a truncated or missing file, a missing marker or config.json): moved
+  aside into ``directory/damaged/`` with one line saying so, and never deleted by ppojax: it may hold
+  something the user can repair, and it no longer counts towards the limit.
+- ``save_total_limit`` counts the checkpoints that pass; after the new one is committed, the oldest beyond the
+  limit are deleted. A checkpoint is thus deleted only once an intact newer one (the one just written) exists.
 
 Host state is any JSON-able dict; numpy/jax arrays and scalars are stored with their dtype (restored as
 numpy arrays, bit for bit), typed PRNG keys as their uint32 key data plus the implementation name (restored
@@ -31,24 +57,34 @@ stored as ``float(x)`` comes back as the same float32.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
+import gc
 import json
+import logging
 import operator
 import os
 import re
 import shutil
+import sys
 import time
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Optional, Union
 
 import jax
 import numpy as np
 
+from . import file_manifest
+
 __all__ = [
     "CheckpointError",
     "save_checkpoint",
+    "verify_checkpoint",
     "latest_checkpoint",
+    "resolve_checkpoint",
     "list_checkpoints",
+    "read_checkpoint_config",
     "restore_checkpoint",
     "check_compatible",
     "encode_host_state",
@@ -59,16 +95,25 @@ __all__ = [
 ]
 
 COMPLETE = "COMPLETE"
+MANIFEST_FILE = "MANIFEST.json"
 STATE_DIR = "train_state"
 HOST_STATE_FILE = "host_state.json"
 CONFIG_FILE = "config.json"
+DAMAGED_DIR = "damaged"
 FORMAT_VERSION = 1
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _OURS_RE = re.compile(r"^step_\d+(\..*)?$")  # every name a save may leave behind
 
+Log = Callable[[str], None]
+
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be used here; the message says why and what to do."""
+    """A checkpoint that cannot be used here, or a save that failed; the message says why and what to do."""
+
+
+def _warn(message: str) -> None:
+    """Default ``log`` of the functions that skip or move damaged checkpoints: one line on stderr."""
+    print(f"ppojax: {message}", file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -87,7 +132,7 @@ def _barrier(name: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# listing
+# verification
 
 
 def _step_of(path: Path) -> Optional[int]:
@@ -99,8 +144,111 @@ def _is_complete(path: Path) -> bool:
     return _step_of(path) is not None and (path / COMPLETE).is_file() and (path / STATE_DIR).is_dir()
 
 
+def _describe(name: str) -> str:
+    """How a file of a checkpoint is named in messages."""
+    if name.startswith(STATE_DIR + "/"):
+        return f"model state file {name}"
+    if name == HOST_STATE_FILE:
+        return f"host state file {name}"
+    if name == CONFIG_FILE:
+        return f"config file {name}"
+    return name
+
+
+def _json_problem(path: Path, name: str) -> Optional[str]:
+    try:
+        json.loads((path / name).read_text())
+    except FileNotFoundError:
+        return f"{_describe(name)} is missing"
+    except (OSError, UnicodeDecodeError) as err:
+        return f"{_describe(name)} cannot be read ({err})"
+    except ValueError as err:
+        return f"{_describe(name)} is not valid JSON ({err})"
+    return None
+
+
+# Checksum verifications made in this process: resolved path -> (manifest_signature at the time, problem or
+# None). While the files are not rewritten (same signature) the answer stands: restore_checkpoint trusts the
+# check latest_checkpoint just made instead of reading a multi-GB checkpoint again, and the next save (which
+# only stats older checkpoints) still knows which one resume found corrupted.
+_verified: dict[Path, tuple[tuple, Optional[str]]] = {}
+
+
+def verify_checkpoint(path, *, checksums: bool = True) -> tuple[bool, str]:
+    """Whether ``path`` is an intact checkpoint: ``(True, what was checked)`` or ``(False, one-line reason)``.
+
+    The reason names the file and what is wrong, e.g. "model state file train_state/d/ab12 is 1,234 bytes,
+    the manifest says 5,678 (truncated)". ``checksums=False`` checks presence and sizes only (``stat``,
+    no file is read but the small JSON ones) plus what an earlier check in this process found; True also reads
+    every byte against the manifest's CRC32s (once per process while the files are unchanged).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        return False, "does not exist" if not path.exists() else "is not a directory"
+    if not (path / COMPLETE).is_file():
+        return False, ("not a complete checkpoint: no COMPLETE marker (its save was interrupted, or the marker "
+                       "was deleted)")
+    try:
+        marker = json.loads((path / COMPLETE).read_text())
+        if not isinstance(marker, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as err:
+        return False, f"its {COMPLETE} marker is damaged ({err})"
+    if "manifest_crc32" not in marker and not (path / MANIFEST_FILE).exists():
+        return _verify_structure(path)
+    try:
+        raw = (path / MANIFEST_FILE).read_bytes()
+    except FileNotFoundError:
+        return False, f"{MANIFEST_FILE} is missing"
+    except OSError as err:
+        return False, f"{MANIFEST_FILE} cannot be read ({err})"
+    if file_manifest.crc32_hex(raw) != marker.get("manifest_crc32"):
+        return False, f"{MANIFEST_FILE} does not match the checksum recorded in {COMPLETE}"
+    try:
+        manifest = json.loads(raw)
+        files = manifest["files"]
+    except (ValueError, KeyError, TypeError) as err:
+        return False, f"{MANIFEST_FILE} is malformed ({err})"
+    for name in (HOST_STATE_FILE, CONFIG_FILE):
+        if name not in files:
+            return False, f"{_describe(name)} is not in {MANIFEST_FILE}"
+    if not any(name.startswith(STATE_DIR + "/") for name in files):
+        return False, f"{MANIFEST_FILE} lists no model state file ({STATE_DIR}/)"
+    problem = file_manifest.check_manifest(path, manifest, checksums=False, describe=_describe)
+    problem = problem or _json_problem(path, HOST_STATE_FILE) or _json_problem(path, CONFIG_FILE)
+    if problem:
+        return False, problem
+    key, signature = path.resolve(), file_manifest.manifest_signature(path, manifest)
+    known = _verified.get(key)
+    if known is not None and known[0] == signature:
+        problem = known[1]
+    elif not checksums:
+        return True, f"{len(files)} files present with their sizes"
+    else:
+        problem = file_manifest.check_manifest(path, manifest, checksums=True, describe=_describe)
+        _verified[key] = (signature, problem)
+    if problem:
+        return False, problem
+    return True, f"{len(files)} files match their sizes and checksums"
+
+
+def _verify_structure(path: Path) -> tuple[bool, str]:
+    """A checkpoint written before manifests existed: marker present (checked), state dir, both JSON files."""
+    if not (path / STATE_DIR).is_dir() or not any(p.is_file() for p in (path / STATE_DIR).rglob("*")):
+        return False, f"the model state {STATE_DIR}/ is missing"
+    problem = _json_problem(path, HOST_STATE_FILE) or _json_problem(path, CONFIG_FILE)
+    if problem:
+        return False, problem
+    return True, f"no {MANIFEST_FILE} (written by an older ppojax): structure checked, not sizes or checksums"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# listing and choosing
+
+
 def list_checkpoints(directory) -> list[Path]:
-    """The complete checkpoints under ``directory``, oldest step first (tmp / half-written ones excluded)."""
+    """The complete checkpoints under ``directory`` (COMPLETE marker and train_state/ present; not verified),
+    oldest step first; tmp / half-written ones excluded."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
@@ -108,10 +256,84 @@ def list_checkpoints(directory) -> list[Path]:
     return sorted(found, key=lambda p: _step_of(p))  # type: ignore[arg-type,return-value]
 
 
-def latest_checkpoint(directory) -> Optional[Path]:
-    """The complete checkpoint with the highest step under ``directory``, or None."""
-    found = list_checkpoints(directory)
-    return found[-1] if found else None
+def _candidates(directory: Path) -> list[Path]:
+    """Every ``step_N`` directory under ``directory``, newest step first."""
+    if not directory.is_dir():
+        return []
+    found = [p for p in directory.iterdir() if _step_of(p) is not None and p.is_dir()]
+    return sorted(found, key=lambda p: _step_of(p), reverse=True)  # type: ignore[arg-type,return-value]
+
+
+def _newest_intact(directory: Path) -> tuple[Optional[Path], list[tuple[Path, str]]]:
+    """(the newest checkpoint that verifies or None, [(skipped newer checkpoint, reason)])."""
+    skipped = []
+    for path in _candidates(directory):
+        ok, reason = verify_checkpoint(path)
+        if ok:
+            return path, skipped
+        skipped.append((path, reason))
+    return None, skipped
+
+
+def _report_skipped(skipped: list[tuple[Path, str]], chosen: Optional[Path], log: Log) -> None:
+    then = f"using {chosen.name}" if chosen is not None else "no intact checkpoint is left"
+    for path, reason in skipped:
+        log(f"skipping {path}: {reason}; {then}")
+
+
+def latest_checkpoint(directory, *, log: Log = _warn) -> Optional[Path]:
+    """The newest checkpoint under ``directory`` that verifies (sizes and checksums), or None.
+
+    Newer damaged ones are skipped, each with ONE line through ``log`` ("skipping <dir>/step_8: model state
+    file train_state/... is 1,234 bytes, the manifest says 5,678 (truncated); using step_6").
+    """
+    chosen, skipped = _newest_intact(Path(directory))
+    _report_skipped(skipped, chosen, log)
+    return chosen
+
+
+def resolve_checkpoint(where: Union[str, os.PathLike, bool], checkpoint_dir=None, *,
+                       log: Log = _warn) -> Optional[Path]:
+    """The intact checkpoint to resume from, or None when ``where`` is auto and nothing was saved yet.
+
+    where: ``"auto"`` or ``True`` -> the newest intact checkpoint under ``checkpoint_dir`` (None if it holds
+    no ``step_N`` at all; a CheckpointError if it holds some and none verifies). A path -> a ``step_N``
+    checkpoint (it must verify), a checkpoints directory or a run's output_dir (``<dir>/checkpoints``): its
+    newest intact checkpoint. Raises CheckpointError (one line per problem, no traceback) for a path that does
+    not exist, a damaged checkpoint, or a directory without an intact one.
+    """
+    if where is True or where == "auto":
+        if checkpoint_dir is None:
+            raise CheckpointError("resume='auto' needs the checkpoints directory to look in.")
+        return _newest_in(Path(checkpoint_dir), log, none_ok=True)
+    path = Path(where)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint path {path} does not exist; give a step_N checkpoint, a checkpoints "
+                              "directory, or resume: auto.")
+    if _step_of(path) is not None or (path / COMPLETE).exists():
+        ok, reason = verify_checkpoint(path)
+        if ok:
+            return path
+        alternative, _ = _newest_intact(path.parent)
+        hint = f"; the newest intact checkpoint beside it is {alternative}" if alternative is not None else ""
+        raise CheckpointError(f"cannot resume from {path}: {reason}{hint}.")
+    if not _candidates(path) and (path / "checkpoints").is_dir():  # a run's output_dir
+        path = path / "checkpoints"
+    return _newest_in(path, log, none_ok=False)
+
+
+def _newest_in(directory: Path, log: Log, none_ok: bool) -> Optional[Path]:
+    chosen, skipped = _newest_intact(directory)
+    _report_skipped(skipped, chosen, log)
+    if chosen is not None:
+        return chosen
+    if skipped:
+        raise CheckpointError(
+            f"none of the {len(skipped)} checkpoint(s) under {directory} is intact (each is named above with "
+            f"what is wrong): restore the missing files, or move them aside to start a fresh run.")
+    if none_ok:
+        return None
+    raise CheckpointError(f"no checkpoint under {directory} (looked for step_<N>/{COMPLETE}).")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -195,12 +417,19 @@ def _fsync_tree(root: Path) -> None:
         _fsync_path(Path(dirpath))
 
 
-def _write_json(path: Path, payload: Any) -> None:
-    text = json.dumps(payload, indent=1, sort_keys=False, allow_nan=True)
-    with open(path, "w") as f:
-        f.write(text)
+def _write_bytes(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _json_bytes(payload: Any) -> bytes:
+    return json.dumps(payload, indent=1, sort_keys=False, allow_nan=True).encode()
+
+
+def _write_json(path: Path, payload: Any) -> None:
+    _write_bytes(path, _json_bytes(payload))
 
 
 def _remove(path: Path) -> None:
@@ -220,18 +449,154 @@ def _remove(path: Path) -> None:
         doomed.unlink(missing_ok=True)
 
 
-def _clean_leftovers(directory: Path, keep: Iterable[Path] = ()) -> list[Path]:
-    """Remove entries of crashed saves/deletions: ``step_*.<anything>`` and ``step_N`` without COMPLETE."""
-    keep = {p.resolve() for p in keep}
-    removed = []
-    for p in directory.iterdir():
-        if p.resolve() in keep or not _OURS_RE.match(p.name):
+def _remove_failed_save(tmp: Path) -> None:
+    """Remove a failed save's ``.tmp`` directory; retried briefly in case a writer thread of orbax was still
+    finishing a file in it when the error surfaced."""
+    for _ in range(20):
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not tmp.exists():
+            return
+        time.sleep(0.05)
+
+
+def _holds_data(path: Path) -> bool:
+    """Whether ``path`` holds any file besides a checkpoint's marker and manifest (i.e. anything of value)."""
+    if not path.is_dir():
+        return False
+    return any(p.is_file() and p.relative_to(path).as_posix() not in (COMPLETE, MANIFEST_FILE)
+               for p in path.rglob("*"))
+
+
+def _move_aside(path: Path) -> Path:
+    """Move a damaged checkpoint into ``<its directory>/damaged/`` (``step_N``, or ``step_N.2`` ... if taken)."""
+    damaged = path.parent / DAMAGED_DIR
+    damaged.mkdir(exist_ok=True)
+    destination, copy = damaged / path.name, 1
+    while destination.exists():
+        copy += 1
+        destination = damaged / f"{path.name}.{copy}"
+    os.replace(path, destination)
+    _fsync_path(path.parent)
+    _fsync_path(damaged)
+    return destination
+
+
+def _tidy(directory: Path, log: Log) -> None:
+    """Apply the module doc's rules to what crashed saves and damage left under ``directory``."""
+    for path in sorted(directory.iterdir()):
+        if not _OURS_RE.match(path.name):
             continue
-        if _STEP_RE.match(p.name) and _is_complete(p):
+        if _step_of(path) is None:  # step_N.<suffix>: debris of a crashed save or deletion
+            _remove(path)
             continue
-        _remove(p)
-        removed.append(p)
-    return removed
+        ok, reason = verify_checkpoint(path, checksums=False)
+        if ok:
+            continue
+        if not _holds_data(path):
+            _remove(path)
+        else:
+            log(f"moved damaged checkpoint {path} aside to {_move_aside(path)}: {reason}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# errors of the storage (a full disk) and of orbax
+
+
+_FIXES = {
+    errno.ENOSPC: "free space or set save_total_limit",
+    errno.EDQUOT: "free space (or raise the quota) or set save_total_limit",
+    errno.EFBIG: "raise the file size limit (`ulimit -f unlimited`) or use a file system that allows larger files",
+}
+_ERRNO_IN_TEXT = re.compile(r"os_error_code='?(\d+)")  # how tensorstore reports the errno of a failed write
+
+
+def _errno_of(exc: Optional[BaseException]) -> Optional[int]:
+    """The errno of an OSError anywhere in ``exc``'s chain (orbax/tensorstore report it in the message)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno:
+            return exc.errno
+        m = _ERRNO_IN_TEXT.search(str(exc))
+        if m:
+            return int(m.group(1))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _one_line(exc: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _release_abandoned_work(err: BaseException) -> None:
+    """Let go of what a failed orbax call left behind, quietly. Only on the failure path.
+
+    When one array's read or write fails, orbax abandons the coroutines of the others and closes their event
+    loop. Later, Python would print tracebacks through ``sys.unraisablehook``: "Exception ignored in:
+    <coroutine ...>" whenever those coroutines are collected (the frames in ``err``'s tracebacks keep them
+    alive: after the CheckpointError was printed, or at exit), and "RuntimeError: Event loop is closed" when
+    tensorstore reads still in flight complete into the closed loop (from tensorstore's threads, at any time).
+    The second kind can come before orbax's error reaches us, so :func:`_orbax_checkpointer` installs the
+    filter that drops those two kinds of noise before any orbax call. Here: drop the tracebacks of ``err``'s
+    chain (the exceptions and their messages stay chained) and collect now."""
+    stack, seen = [err], set()
+    while stack:
+        exc = stack.pop()
+        if exc is None or id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        exc.__traceback__ = None
+        stack += [exc.__cause__, exc.__context__]
+    gc.collect()
+
+
+def _is_orbax_noise(unraisable) -> bool:
+    code = getattr(unraisable.object, "cr_code", None)  # a coroutine being closed
+    if code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename:
+        return True
+    return isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"
+
+
+def _install_orbax_noise_filter() -> None:
+    """Chain a filter in front of ``sys.unraisablehook`` that drops the noise orbax's abandoned work makes
+    after a failed read or write (see :func:`_release_abandoned_work`); everything else reaches the previous
+    hook. Installed once, at the first orbax call of this module."""
+    previous = sys.unraisablehook
+    if getattr(previous, "ppojax_orbax_noise_filter", False):
+        return
+
+    def hook(unraisable):
+        if not _is_orbax_noise(unraisable):
+            previous(unraisable)
+
+    hook.ppojax_orbax_noise_filter = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
+
+
+@contextlib.contextmanager
+def _orbax_logs_held():
+    """Hold the ERROR records orbax logs through absl while it runs: replayed if the call succeeds, dropped if
+    it fails. orbax logs an exception of its background writer threads (with its traceback) before re-raising
+    it in the foreground, where this module turns it into ONE CheckpointError."""
+    logger = logging.getLogger("absl")
+    held: list[logging.LogRecord] = []
+
+    class _Hold(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            if record.levelno >= logging.ERROR:
+                held.append(record)
+                return False
+            return True
+
+    hold = _Hold()
+    logger.addFilter(hold)
+    try:
+        yield
+    finally:
+        logger.removeFilter(hold)
+    for record in held:  # only reached when the body succeeded
+        logger.handle(record)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -241,19 +606,23 @@ def _clean_leftovers(directory: Path, keep: Iterable[Path] = ()) -> list[Path]:
 def _orbax_checkpointer():
     import orbax.checkpoint as ocp
 
+    _install_orbax_noise_filter()
     # Synchronous: save() returns once the data is written and finalised, on every process.
     return ocp.Checkpointer(ocp.StandardCheckpointHandler())
 
 
 def save_checkpoint(directory, step: int, train_state, host_state: dict, config_dict: dict, *,
-                    save_total_limit: Optional[int] = None) -> Path:
-    """Write checkpoint ``directory/step_<step>`` atomically and return its path.
+                    save_total_limit: Optional[int] = None, log: Log = _warn) -> Path:
+    """Write checkpoint ``directory/step_<step>`` atomically, with its manifest, and return its path.
 
     train_state: a pytree of (possibly sharded, multi-host) ``jax.Array``s, e.g. ``update.TrainState``;
     host_state: JSON-able dict (arrays, numpy scalars and typed PRNG keys allowed, see the module doc);
     config_dict: the run's config as a dict. Call on EVERY process (orbax writes each process's shards).
-    save_total_limit: keep this many complete checkpoints (the newest steps, always including this one);
-    None keeps all. Older ones are deleted only after this one is complete.
+    save_total_limit: keep this many intact checkpoints (the newest steps, always including this one);
+    None keeps all. Older ones are deleted only after this one is complete. log: where a damaged checkpoint
+    moved aside is reported (one line).
+    Raises CheckpointError when the storage fails (full disk, file size limit, permissions): the ``.tmp``
+    directory is removed and the message names the checkpoint, the cause and the previous intact checkpoint.
     """
     try:
         step = operator.index(step)
@@ -270,34 +639,49 @@ def save_checkpoint(directory, step: int, train_state, host_state: dict, config_
     host_payload = {"format_version": FORMAT_VERSION, "step": step, "host_state": encode_host_state(host_state)}
     config_payload = json.loads(json.dumps(_as_dict(config_dict), default=str))
 
-    if _is_primary():
-        directory.mkdir(parents=True, exist_ok=True)
-        _clean_leftovers(directory)
-        tmp.mkdir()
-    _barrier(f"save_start_{step}")
-    _pause_for_tests("started", step)
+    try:
+        if _is_primary():
+            directory.mkdir(parents=True, exist_ok=True)
+            _tidy(directory, log)
+            tmp.mkdir()
+        _barrier(f"save_start_{step}")
+        _pause_for_tests("started", step)
+        with _orbax_logs_held(), _orbax_checkpointer() as checkpointer:
+            # orbax's tensorstore backend refuses relative paths (e.g. the demo's output_dir "outputs/demo")
+            checkpointer.save((tmp / STATE_DIR).absolute(), args=_standard_save(train_state))
+        _pause_for_tests("state_written", step)
+        if _is_primary():
+            _write_json(tmp / HOST_STATE_FILE, host_payload)
+            _write_json(tmp / CONFIG_FILE, config_payload)
+            manifest = _json_bytes(file_manifest.build_manifest(tmp, skip=(COMPLETE, MANIFEST_FILE)))
+            _write_bytes(tmp / MANIFEST_FILE, manifest)
+            _fsync_tree(tmp)
+            _write_json(tmp / COMPLETE, {"step": step, "time": time.time(), "format_version": FORMAT_VERSION,
+                                         "manifest_crc32": file_manifest.crc32_hex(manifest)})
+            _fsync_path(tmp)
+            _pause_for_tests("marked", step)
+    except BaseException as err:
+        if _is_primary() and tmp.exists():
+            _remove_failed_save(tmp)
+        code = _errno_of(err)
+        if code is None or not isinstance(err, Exception):
+            raise
+        _release_abandoned_work(err)
+        intact = [p for p in list_checkpoints(directory) if verify_checkpoint(p, checksums=False)[0]]
+        then = f"the previous checkpoint {intact[-1].name} is intact" if intact else "no earlier checkpoint exists"
+        fix = _FIXES.get(code, "check the directory's file system")
+        raise CheckpointError(f"{os.strerror(code).lower()} while writing {final}; {then}; {fix}.") from err
 
-    with _orbax_checkpointer() as checkpointer:
-        # orbax's tensorstore backend refuses relative paths (e.g. the demo's output_dir "outputs/demo")
-        checkpointer.save((tmp / STATE_DIR).absolute(), args=_standard_save(train_state))
-    _pause_for_tests("state_written", step)
-
     if _is_primary():
-        _write_json(tmp / HOST_STATE_FILE, host_payload)
-        _write_json(tmp / CONFIG_FILE, config_payload)
-        _fsync_tree(tmp)
-        _write_json(tmp / COMPLETE, {"step": step, "time": time.time(), "format_version": FORMAT_VERSION})
-        _fsync_path(tmp)
-        _pause_for_tests("marked", step)
         if final.exists():  # the same step saved again (e.g. after a resume): replace it
             _remove(final)
         os.replace(tmp, final)
         _fsync_path(directory)
         _pause_for_tests("committed", step)
         if save_total_limit is not None:
-            complete = list_checkpoints(directory)
-            older = [p for p in complete if p != final]
-            for p in older[: max(0, len(complete) - save_total_limit)]:
+            older = [p for p in list_checkpoints(directory)
+                     if p != final and verify_checkpoint(p, checksums=False)[0]]
+            for p in older[: max(0, len(older) + 1 - save_total_limit)]:
                 _remove(p)
     _barrier(f"save_done_{step}")
     return final
@@ -338,22 +722,6 @@ def _as_dict(config) -> dict:
 
 # ----------------------------------------------------------------------------------------------------------
 # restore
-
-
-def _resolve(path) -> Path:
-    path = Path(path)
-    if _is_complete(path):
-        return path
-    if path.is_dir() and _step_of(path) is None:
-        latest = latest_checkpoint(path)
-        if latest is not None:
-            return latest
-        raise CheckpointError(f"No complete checkpoint under {path} (looked for step_<N>/{COMPLETE}).")
-    if not path.exists():
-        raise CheckpointError(f"Checkpoint {path} does not exist.")
-    raise CheckpointError(
-        f"{path} is not a complete checkpoint (no {COMPLETE} marker or no {STATE_DIR}/): it was probably "
-        "interrupted while being written. Resume from `latest_checkpoint(<checkpoints dir>)` instead.")
 
 
 def _key_str(entry) -> str:
@@ -421,29 +789,62 @@ def _check_structure(path: Path, target: dict, stored: dict) -> None:
               "from the run that wrote it; use the same config, or start a fresh run.")
 
 
-def restore_checkpoint(path, abstract_train_state) -> tuple[Any, dict, dict]:
+def _read_json(path: Path, name: str) -> Any:
+    problem = _json_problem(path, name)
+    if problem:
+        raise CheckpointError(f"cannot resume from {path}: {problem}.")
+    return json.loads((path / name).read_text())
+
+
+def read_checkpoint_config(path) -> dict:
+    """The config dict a checkpoint was written with (its config.json); CheckpointError naming the file if it
+    is missing or not JSON. ``path``: a checkpoint, e.g. from :func:`resolve_checkpoint`."""
+    config = _read_json(Path(path), CONFIG_FILE)
+    if not isinstance(config, dict):
+        raise CheckpointError(f"cannot resume from {path}: {_describe(CONFIG_FILE)} is not a JSON object.")
+    return config
+
+
+def restore_checkpoint(path, abstract_train_state, *, log: Log = _warn) -> tuple[Any, dict, dict]:
     """Restore ``(train_state, host_state, config_dict)`` from checkpoint ``path``.
 
-    path: a ``step_<N>`` directory, or a checkpoints directory (its latest complete checkpoint is used).
-    abstract_train_state: the target pytree: concrete arrays or ``jax.ShapeDtypeStruct``s (e.g. from
-    ``jax.eval_shape``), whose ``sharding`` decides where each restored array lives (so a sharded run gets
-    sharded arrays; a leaf without sharding gets the one it was saved with). Call on every process.
-    Raises CheckpointError naming every tensor path whose presence, shape or dtype differs.
+    path: a ``step_<N>`` directory (it must verify), or a checkpoints directory / run output_dir (its newest
+    intact checkpoint is used; damaged newer ones are skipped with one line each through ``log``), resolved
+    by :func:`resolve_checkpoint`. abstract_train_state: the target pytree: concrete arrays or
+    ``jax.ShapeDtypeStruct``s (e.g. from ``jax.eval_shape``), whose ``sharding`` decides where each restored
+    array lives (so a sharded run gets sharded arrays; a leaf without sharding gets the one it was saved
+    with). Call on every process.
+    Raises CheckpointError: a damaged checkpoint (one line naming the file and what is wrong), an error of
+    orbax / tensorstore while reading (chained, so the cause stays inspectable), or every tensor path whose
+    presence, shape or dtype differs from the target.
     """
     import orbax.checkpoint as ocp
 
-    path = _resolve(path)
+    path = resolve_checkpoint(path, log=log)
+    assert path is not None  # an explicit path never resolves to None
     target = jax.tree.map(_abstract_leaf, abstract_train_state)
-    with _orbax_checkpointer() as checkpointer:
-        state_dir = (path / STATE_DIR).absolute()  # orbax refuses relative paths
-        metadata = checkpointer.metadata(state_dir).item_metadata
-        stored_tree = getattr(metadata, "tree", metadata)
-        if stored_tree is not None:
-            _check_structure(path, _flat_target(target), _flat_metadata(stored_tree))
-        train_state = checkpointer.restore(state_dir, args=ocp.args.StandardRestore(target))
-    host_payload = json.loads((path / HOST_STATE_FILE).read_text())
-    config_dict = json.loads((path / CONFIG_FILE).read_text())
-    return train_state, decode_host_state(host_payload["host_state"]), config_dict
+    state_dir = (path / STATE_DIR).absolute()  # orbax refuses relative paths
+    with _orbax_logs_held(), _orbax_checkpointer() as checkpointer:
+        try:
+            metadata = checkpointer.metadata(state_dir).item_metadata
+            stored_tree = getattr(metadata, "tree", metadata)
+            if stored_tree is not None:
+                _check_structure(path, _flat_target(target), _flat_metadata(stored_tree))
+            train_state = checkpointer.restore(state_dir, args=ocp.args.StandardRestore(target))
+        except CheckpointError:
+            raise
+        except Exception as err:
+            message = f"cannot read the model state in {path} ({STATE_DIR}/): {_one_line(err)}"
+            _release_abandoned_work(err)
+            raise CheckpointError(message) from err
+    host_payload = _read_json(path, HOST_STATE_FILE)
+    config_dict = read_checkpoint_config(path)
+    try:
+        host_state = decode_host_state(host_payload["host_state"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"cannot resume from {path}: {_describe(HOST_STATE_FILE)} is malformed "
+                              f"({_one_line(err)}).") from err
+    return train_state, host_state, config_dict
 
 
 # ----------------------------------------------------------------------------------------------------------

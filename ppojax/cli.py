@@ -34,7 +34,7 @@ def run_training(config: PPOConfig) -> dict:
     before anything is loaded, and a finished run with the same config prints where its results are and
     changes nothing."""
     from . import sharding
-    from .checkpoint import check_compatible
+    from .config import resume_compatibility
     from .run_dir import claim_output_dir
 
     from .train.build import preflight
@@ -46,7 +46,7 @@ def run_training(config: PPOConfig) -> dict:
     if sharding.is_main_process():
         claim = claim_output_dir(config.output_dir, config.to_dict(), resume=config.resume,
                                  overwrite=config.overwrite_output_dir,
-                                 resume_with_changes=config.resume_with_changes, compatible=check_compatible)
+                                 resume_with_changes=config.resume_with_changes, compatible=resume_compatibility)
     try:
         if _all_processes_agree(claim is not None and claim.outcome == "finished"):
             if claim is not None:
@@ -167,18 +167,15 @@ def _torch_available() -> bool:
 
 
 def export_checkpoint(checkpoint: str, out_dir: str) -> Path:
-    """Write the policy of a training checkpoint as a Hugging Face directory."""
-    from .checkpoint import CONFIG_FILE, latest_checkpoint
+    """Write the policy of a training checkpoint (a step_N directory, a checkpoints directory or a run's
+    output_dir: its newest intact checkpoint) as a Hugging Face directory."""
+    from .checkpoint import read_checkpoint_config, resolve_checkpoint
     from .trainer import PPOTrainer
 
-    path = Path(checkpoint)
-    if not (path / CONFIG_FILE).is_file():
-        found = latest_checkpoint(path)
-        if found is None:
-            raise ConfigError(f"{checkpoint!r} is neither a checkpoint (step_N) nor a directory holding one.")
-        path = found
-    values = json.loads((path / CONFIG_FILE).read_text())
-    config = PPOConfig.from_dict({**values, "resume": None})
+    path = resolve_checkpoint(checkpoint)
+    if path is None:
+        raise ConfigError(f"{checkpoint!r} holds no checkpoint (step_N) yet.")
+    config = PPOConfig.from_dict({**read_checkpoint_config(path), "resume": None})
     trainer = PPOTrainer(config)
     trainer.resume(str(path))
     return trainer.save_model(out_dir)

@@ -170,7 +170,7 @@ class PPOTrainer(LegacyAPI):
             return False
         from .run_dir import DirectoryLock, claim_output_dir
         if self.claim is None:
-            from .checkpoint import check_compatible
+            from .config import resume_compatibility as check_compatible
             args = self.args
             self.claim = claim_output_dir(args.output_dir, args.to_dict(), resume=args.resume,
                                           overwrite=args.overwrite_output_dir,
@@ -208,16 +208,16 @@ class PPOTrainer(LegacyAPI):
             self.logger.checkpoint_saved(step)  # sinks that cannot rewrite history (wandb) catch up to here
         return path
 
-    def resume(self, where: str = "auto") -> Optional[Path]:
-        """Restore from ``where``: 'auto' (latest in output_dir/checkpoints, or start fresh if none) or a path.
-        Refuses a checkpoint from an incompatible config. Returns the checkpoint used, or None."""
-        from .checkpoint import CONFIG_FILE, check_compatible, latest_checkpoint, restore_checkpoint
-        path = latest_checkpoint(self.checkpoint_dir) if where == "auto" else Path(where)
+    def resume(self, where="auto") -> Optional[Path]:
+        """Restore from ``where``: 'auto' (the newest checkpoint in output_dir/checkpoints that verifies; damaged
+        ones are skipped with one line each; None when nothing was saved yet) or a checkpoint path. Refuses a
+        checkpoint from an incompatible config. Returns the checkpoint used, or None."""
+        from .checkpoint import read_checkpoint_config, resolve_checkpoint, restore_checkpoint
+        from .config import resume_compatibility
+        path = resolve_checkpoint(where, self.checkpoint_dir)
         if path is None:
             return None
-        config_file = Path(path) / CONFIG_FILE
-        saved_config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-        changed = check_compatible(saved_config, self.args.to_dict())  # raises on a field that must match
+        changed = resume_compatibility(read_checkpoint_config(path), self.args.to_dict())  # raises if must-match
         if changed:
             print(f"ppojax: resuming {path} with changed settings: {', '.join(changed)}")
         frozen = self.run.state.frozen

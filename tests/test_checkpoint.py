@@ -1,15 +1,19 @@
 """Checkpoints: bit-exact round trip, keep-last-K, crash safety (leftovers and a real SIGKILL mid-save),
-config compatibility and structure-mismatch messages."""
+config compatibility and structure-mismatch messages; manifests and damage (each damaged checkpoint skipped
+with one line, the older one restored), save_total_limit after real crashes, a full disk (ulimit -f)."""
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+import zlib
 from pathlib import Path
 
 import jax
@@ -19,6 +23,7 @@ import optax
 import pytest
 
 from ppojax import checkpoint as ckpt
+from ppojax import file_manifest
 from ppojax.config import PPOConfig
 from ppojax.data import PromptBatches
 from ppojax.ppo.controllers import RunningMoments
@@ -330,3 +335,414 @@ def test_relative_checkpoint_directory(tmp_path, monkeypatch):
     restored, host, _ = ckpt.restore_checkpoint("runs/ckpt", state)
     assert_bit_equal(restored, state)
     assert host["update"] == 2
+
+
+# ----------------------------------------------------------------------------------------------------------
+# manifests, damage, resume choice
+
+
+def small_tree(step: int) -> dict:
+    """A state whose values depend on the step (so the restored checkpoint is identifiable); one ~32 kB file."""
+    rng = np.random.default_rng(step)
+    return {"w": jnp.asarray(rng.standard_normal((64, 128), np.float32)),
+            "b": jnp.asarray(rng.standard_normal(5), jnp.bfloat16), "n": jnp.int32(step)}
+
+
+def files_of(path: Path) -> dict[str, int]:
+    """Every file under a checkpoint (relative name -> size), walked independently of the module."""
+    out = {}
+    for dirpath, _, names in os.walk(path):
+        for name in names:
+            full = Path(dirpath, name)
+            out[full.relative_to(path).as_posix()] = full.stat().st_size
+    return out
+
+
+def largest_state_file(path: Path) -> str:
+    sizes = {k: v for k, v in files_of(path).items() if k.startswith("train_state/")}
+    return max(sizes, key=sizes.get)
+
+
+def block_crcs(path: Path, block_size: int) -> list[str]:
+    """Reference: CRC32 of each block_size piece of the file, read in one plain loop."""
+    out = []
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(block_size)
+            if not block and out:
+                break
+            out.append(f"{zlib.crc32(block):08x}")
+            if len(block) < block_size:
+                break
+    return out
+
+
+def test_manifest_lists_every_file_with_size_and_checksum(tmp_path, monkeypatch):
+    monkeypatch.setattr(file_manifest, "BLOCK_SIZE", 4096)  # several blocks per data file
+    path = ckpt.save_checkpoint(tmp_path, 3, small_tree(3), {"update": 3}, config_dict())
+    on_disk = files_of(path)
+    raw = (path / ckpt.MANIFEST_FILE).read_bytes()
+    manifest = json.loads(raw)
+    assert json.loads((path / ckpt.COMPLETE).read_text())["manifest_crc32"] == f"{zlib.crc32(raw):08x}"
+    assert manifest["block_size"] == 4096 and manifest["checksum"] == "crc32"
+    assert set(manifest["files"]) == set(on_disk) - {ckpt.COMPLETE, ckpt.MANIFEST_FILE}
+    assert {"config.json", "host_state.json"} < set(manifest["files"])
+    for name, entry in manifest["files"].items():
+        assert entry["size"] == on_disk[name], name
+        assert entry["crc32"] == block_crcs(path / name, 4096), name
+    assert max(len(e["crc32"]) for e in manifest["files"].values()) >= 8  # the ~32 kB data file: 8+ blocks
+    assert ckpt.verify_checkpoint(path) == (True, f"{len(manifest['files'])} files match their sizes and checksums")
+
+
+def _truncate(path: Path, rel: str):
+    full = path / rel
+    before = full.stat().st_size
+    with open(full, "r+b") as f:
+        f.truncate(before // 2)
+    return f"model state file {rel} is {before // 2:,} bytes, the manifest says {before:,} (truncated)"
+
+
+def _corrupt(path: Path, rel: str):  # same size, one byte flipped in the middle
+    full = path / rel
+    size = full.stat().st_size
+    with open(full, "r+b") as f:
+        f.seek(size // 2)
+        byte = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert full.stat().st_size == size
+    return (f"model state file {rel} has changed contents: bytes 0-{size - 1:,} do not match the manifest's "
+            "checksum (same size)")
+
+
+def _delete_state_file(path: Path, rel: str):
+    (path / rel).unlink()
+    return f"model state file {rel} is missing"
+
+
+def _delete_config(path: Path, rel: str):
+    (path / "config.json").unlink()
+    return "config file config.json is missing"
+
+
+def _config_not_json(path: Path, rel: str):  # rewritten, same size, not JSON
+    size = (path / "config.json").stat().st_size
+    (path / "config.json").write_bytes(b"{" * size)
+    return ("config file config.json is not valid JSON (Expecting property name enclosed in double quotes: "
+            "line 1 column 2 (char 1))")
+
+
+def _delete_complete(path: Path, rel: str):
+    (path / ckpt.COMPLETE).unlink()
+    return "not a complete checkpoint: no COMPLETE marker (its save was interrupted, or the marker was deleted)"
+
+
+def _delete_manifest(path: Path, rel: str):
+    (path / ckpt.MANIFEST_FILE).unlink()
+    return "MANIFEST.json is missing"
+
+
+DAMAGES = [_truncate, _corrupt, _delete_state_file, _delete_config, _config_not_json, _delete_complete,
+           _delete_manifest]
+
+
+@pytest.mark.parametrize("damage", DAMAGES, ids=lambda f: f.__name__.strip("_"))
+def test_damaged_latest_checkpoint_is_skipped_in_one_line(tmp_path, capfd, damage):
+    """The newest checkpoint is damaged: verify names the file and what is wrong; resume skips it with ONE
+    line and restores the older one bit for bit; restoring it explicitly is one CheckpointError; the next
+    save moves it aside (it holds data) and save_total_limit counts only intact checkpoints."""
+    d = tmp_path / "checkpoints"
+    ckpt.save_checkpoint(d, 6, small_tree(6), {"update": 6}, config_dict())
+    step_8 = ckpt.save_checkpoint(d, 8, small_tree(8), {"update": 8}, config_dict())
+    reason = damage(step_8, largest_state_file(step_8))
+
+    assert ckpt.verify_checkpoint(step_8) == (False, reason)
+    lines: list[str] = []
+    assert ckpt.latest_checkpoint(d, log=lines.append) == d / "step_6"
+    assert lines == [f"skipping {step_8}: {reason}; using step_6"]
+
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), small_tree(0))
+    capfd.readouterr()
+    restored, host, _ = ckpt.restore_checkpoint(d, target)  # the default log: one line on stderr
+    assert_bit_equal(restored, small_tree(6))
+    assert host == {"update": 6}
+    out, err = capfd.readouterr()
+    assert err == f"ppojax: skipping {step_8}: {reason}; using step_6\n" and out == ""
+
+    with pytest.raises(ckpt.CheckpointError) as raised:
+        ckpt.restore_checkpoint(step_8, target)
+    assert str(raised.value) == f"cannot resume from {step_8}: {reason}; the newest intact checkpoint beside it " \
+                                f"is {d / 'step_6'}."
+    assert ckpt.resolve_checkpoint("auto", d, log=lambda m: None) == d / "step_6"
+
+    # the resumed run saves step 7 with save_total_limit=1: the damaged step_8 is moved aside (not counted,
+    # not deleted), step_6 is deleted because the intact step_7 now exists
+    moved: list[str] = []
+    ckpt.save_checkpoint(d, 7, small_tree(7), {"update": 7}, config_dict(), save_total_limit=1, log=moved.append)
+    assert moved == [f"moved damaged checkpoint {step_8} aside to {d / 'damaged' / 'step_8'}: {reason}"]
+    assert sorted(p.name for p in d.iterdir()) == ["damaged", "step_7"]
+    assert ckpt.verify_checkpoint(d / "damaged" / "step_8") == (False, reason)
+    assert ckpt.latest_checkpoint(d, log=lambda m: pytest.fail(m)) == d / "step_7"
+    out, err = capfd.readouterr()
+    assert "Traceback" not in out + err and "ERROR" not in out + err
+
+
+def test_changed_bytes_name_their_block(tmp_path, monkeypatch):
+    monkeypatch.setattr(file_manifest, "BLOCK_SIZE", 4096)
+    path = ckpt.save_checkpoint(tmp_path, 1, small_tree(1), {}, config_dict())
+    rel = largest_state_file(path)
+    assert (path / rel).stat().st_size > 12_288
+    with open(path / rel, "r+b") as f:
+        f.seek(10_000)
+        byte = f.read(1)
+        f.seek(10_000)
+        f.write(bytes([byte[0] ^ 1]))  # one bit
+    reason = (f"model state file {rel} has changed contents: bytes 8,192-12,287 do not match the manifest's "
+              "checksum (same size)")
+    assert ckpt.verify_checkpoint(path) == (False, reason)
+    # the sizes-only check a save makes of older checkpoints still knows what this process found
+    assert ckpt.verify_checkpoint(path, checksums=False) == (False, reason)
+
+
+def test_edited_manifest_is_damage(tmp_path):
+    path = ckpt.save_checkpoint(tmp_path, 1, small_tree(1), {}, config_dict())
+    manifest = json.loads((path / ckpt.MANIFEST_FILE).read_text())
+    manifest["files"]["config.json"]["size"] += 1
+    (path / ckpt.MANIFEST_FILE).write_text(json.dumps(manifest))
+    assert ckpt.verify_checkpoint(path) == (False, "MANIFEST.json does not match the checksum recorded in COMPLETE")
+
+
+def make_legacy(path: Path) -> None:
+    """What a checkpoint of the previous format looks like: no manifest, COMPLETE without its checksum."""
+    (path / ckpt.MANIFEST_FILE).unlink()
+    marker = json.loads((path / ckpt.COMPLETE).read_text())
+    del marker["manifest_crc32"]
+    (path / ckpt.COMPLETE).write_text(json.dumps(marker))
+
+
+LEGACY_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import numpy as np, jax, jax.numpy as jnp
+    from ppojax import checkpoint as ckpt
+
+    def tree(step):
+        rng = np.random.default_rng(step)
+        return {"w": jnp.asarray(rng.standard_normal((64, 128), np.float32)),
+                "b": jnp.asarray(rng.standard_normal(5), jnp.bfloat16), "n": jnp.int32(step)}
+
+    path = ckpt.save_checkpoint(sys.argv[1], 5, tree(5), {"update": 5}, {})
+    (path / ckpt.MANIFEST_FILE).unlink()  # the previous format: no manifest, no checksum in COMPLETE
+    marker = json.loads((path / ckpt.COMPLETE).read_text())
+    del marker["manifest_crc32"]
+    (path / ckpt.COMPLETE).write_text(json.dumps(marker))
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree(0))
+    restored, _, _ = ckpt.restore_checkpoint(path, target)
+    assert all(np.array_equal(np.asarray(restored[k]), np.asarray(v)) for k, v in tree(5).items())
+    print(ckpt.verify_checkpoint(path)[1], flush=True)
+    data = max((p for p in (path / "train_state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    with open(data, "r+b") as f:
+        f.truncate(100)
+    messages = set()
+    for attempt in range(5):  # orbax abandons work at a different point each time
+        try:
+            ckpt.restore_checkpoint(path, target)
+        except ckpt.CheckpointError as err:
+            assert err.__cause__ is not None  # orbax's error stays chained for whoever debugs it
+            messages.add(str(err))
+    for message in messages:  # as the CLI: print the message, exit
+        print(f"ppojax: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(1)
+""")
+
+
+def test_checkpoint_without_manifest_restores_and_damage_is_one_error(tmp_path):
+    """Checkpoints written before manifests still resume; damage orbax meets while reading one is ONE
+    CheckpointError (the orbax/tensorstore error chained), and nothing else is printed, then or at exit
+    (orbax's abandoned coroutines, if collected later, would print tracebacks)."""
+    script = tmp_path / "legacy.py"
+    script.write_text(LEGACY_SCRIPT)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "checkpoints")], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert out.stdout == "no MANIFEST.json (written by an older ppojax): structure checked, not sizes or checksums\n"
+    lines = out.stderr.splitlines()
+    path = tmp_path / "checkpoints" / "step_5"
+    assert len(lines) == 1, out.stderr[-3000:]
+    assert lines[0].startswith(f"ppojax: error: cannot read the model state in {path} (train_state/): ")
+
+    (path / "config.json").write_text("{not json")
+    assert ckpt.verify_checkpoint(path) == (
+        False, "config file config.json is not valid JSON (Expecting property name enclosed in double quotes: "
+               "line 1 column 2 (char 1))")
+
+
+def test_resolve_checkpoint_paths(tmp_path):
+    out_dir = tmp_path / "run"
+    d = out_dir / "checkpoints"
+    with pytest.raises(ckpt.CheckpointError) as raised:
+        ckpt.resolve_checkpoint(tmp_path / "nope" / "step_3")
+    assert str(raised.value) == (f"checkpoint path {tmp_path / 'nope' / 'step_3'} does not exist; give a step_N "
+                                 "checkpoint, a checkpoints directory, or resume: auto.")
+    with pytest.raises(ckpt.CheckpointError, match="checkpoint path .*nope does not exist"):
+        ckpt.restore_checkpoint(tmp_path / "nope", small_tree(0))
+    assert ckpt.resolve_checkpoint("auto", d) is None  # nothing saved yet: start fresh
+    d.mkdir(parents=True)
+    assert ckpt.resolve_checkpoint(True, d) is None
+    with pytest.raises(ckpt.CheckpointError, match=r"no checkpoint under .*checkpoints \(looked for step_<N>/"):
+        ckpt.resolve_checkpoint(d)
+    for step in (2, 4):
+        ckpt.save_checkpoint(d, step, small_tree(step), {}, config_dict())
+    for where in ("auto", True):
+        assert ckpt.resolve_checkpoint(where, d) == d / "step_4"
+    assert ckpt.resolve_checkpoint(d) == d / "step_4"          # a checkpoints directory
+    assert ckpt.resolve_checkpoint(out_dir) == d / "step_4"    # a run's output_dir
+    assert ckpt.resolve_checkpoint(d / "step_2") == d / "step_2"
+    assert ckpt.read_checkpoint_config(d / "step_2") == json.loads(json.dumps(config_dict()))
+    # every checkpoint damaged: resume refuses (rather than silently starting over), one line each
+    for step in (2, 4):
+        (d / f"step_{step}" / "config.json").unlink()
+    lines: list[str] = []
+    with pytest.raises(ckpt.CheckpointError) as raised:
+        ckpt.resolve_checkpoint("auto", d, log=lines.append)
+    assert str(raised.value) == (f"none of the 2 checkpoint(s) under {d} is intact (each is named above with what "
+                                 "is wrong): restore the missing files, or move them aside to start a fresh run.")
+    assert lines == [f"skipping {d / f'step_{s}'}: config file config.json is missing; no intact checkpoint is left"
+                     for s in (4, 2)]
+    with pytest.raises(ckpt.CheckpointError, match="config file config.json is missing"):
+        ckpt.read_checkpoint_config(d / "step_2")
+
+
+LIMIT_SCRIPT = textwrap.dedent("""
+    import sys
+    import numpy as np, jax.numpy as jnp
+    from ppojax import checkpoint as ckpt
+
+    def tree(step):
+        rng = np.random.default_rng(step)
+        return {"w": jnp.asarray(rng.standard_normal((256, 256), np.float32))}
+
+    for step in (1, 2, 3, 4):  # paused (then killed) at a stage of step 4's save
+        ckpt.save_checkpoint(sys.argv[1], step, tree(step), {"update": step}, {"m": "x"}, save_total_limit=2)
+""")
+
+
+def test_save_total_limit_holds_after_real_crashes(tmp_path):
+    """Runs with save_total_limit=2 are SIGKILLed at each stage of a save; a checkpoint is then damaged. The
+    next save leaves exactly the intact checkpoints the limit allows, no debris, and the damaged one aside."""
+    script = tmp_path / "limit.py"
+    script.write_text(LIMIT_SCRIPT)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
+    stages = ["started", "state_written", "marked", "committed"]
+    procs = {}
+    for stage in stages:
+        procs[stage] = subprocess.Popen([sys.executable, str(script), str(tmp_path / stage)], text=True, env={
+            **env, ckpt.PAUSE_ENV: f"{stage}@4"}, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        for stage, proc in procs.items():
+            assert proc.stdout.readline().strip() == f"PPOJAX_PAUSED {stage} 4", stage
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    # what each crash left: the limit is broken after "committed" (step_2 not yet deleted)
+    left = {stage: sorted(p.name for p in (tmp_path / stage).iterdir()) for stage in stages}
+    assert left == {"started": ["step_2", "step_3", "step_4.tmp"], "state_written": ["step_2", "step_3", "step_4.tmp"],
+                    "marked": ["step_2", "step_3", "step_4.tmp"], "committed": ["step_2", "step_3", "step_4"]}
+
+    def intact(directory):
+        return [p.name for p in ckpt.list_checkpoints(directory) if ckpt.verify_checkpoint(p)[0]]
+
+    for stage in stages:
+        plain, damaged = tmp_path / stage, tmp_path / f"{stage}-damaged"
+        shutil.copytree(plain, damaged)
+        newest = ckpt.list_checkpoints(damaged)[-1]
+        reason = _truncate(newest, largest_state_file(newest))
+        for directory in (plain, damaged):
+            lines: list[str] = []
+            ckpt.save_checkpoint(directory, 5, small_tree(5), {}, config_dict(), save_total_limit=2,
+                                 log=lines.append)
+            names = sorted(p.name for p in directory.iterdir())
+            if directory == plain:
+                want = ["step_4", "step_5"] if stage == "committed" else ["step_3", "step_5"]
+                assert names == want and intact(directory) == want and lines == [], stage
+            else:  # the damaged newest is moved aside and not counted: the older intact one is kept
+                want = ["step_3", "step_5"] if stage == "committed" else ["step_2", "step_5"]
+                assert names == ["damaged"] + want and intact(directory) == want, stage
+                assert lines == [f"moved damaged checkpoint {newest} aside to {directory / 'damaged' / newest.name}: "
+                                 f"{reason}"], stage
+
+
+FULL_DISK_SCRIPT = textwrap.dedent("""
+    import resource, signal, sys
+    import numpy as np, jax.numpy as jnp
+    from ppojax import checkpoint as ckpt
+
+    # As the CLI must: without this, a write past `ulimit -f` kills the process (SIGXFSZ) instead of failing
+    # with EFBIG.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+    def tree(step, n):
+        return {"w": jnp.asarray(np.random.default_rng(step).standard_normal(n, np.float32))}
+
+    directory = sys.argv[1]
+    ckpt.save_checkpoint(directory, 6, tree(6, 1000), {"update": 6}, {"m": "x"}, save_total_limit=1)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    failed = 0
+    for state, host in [(tree(8, 250_000), {"update": 8}),                     # ~1 MB array: orbax's write
+                        (tree(8, 1000), {"update": 8, "big": np.zeros(60_000)})]:  # ~300 kB host_state.json
+        try:
+            ckpt.save_checkpoint(directory, 8, state, host, {"m": "x"}, save_total_limit=1)
+        except ckpt.CheckpointError as err:
+            print(f"ppojax: error: {err}", file=sys.stderr, flush=True)
+            failed += 1
+    sys.exit(1 if failed else 0)
+""")
+
+
+def test_full_disk_is_one_message_and_keeps_the_previous_checkpoint(tmp_path):
+    """A real write failure (EFBIG past `ulimit -f`), in orbax's background writers and in the JSON files: one
+    message each, no traceback or orbax log, no .tmp left, the previous checkpoint intact and restorable."""
+    script = tmp_path / "full.py"
+    script.write_text(FULL_DISK_SCRIPT)
+    directory = tmp_path / "checkpoints"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, str(script), str(directory)], capture_output=True, text=True, env=env,
+                         timeout=120)
+    message = (f"ppojax: error: file too large while writing {directory / 'step_8'}; the previous checkpoint "
+               "step_6 is intact; raise the file size limit (`ulimit -f unlimited`) or use a file system that "
+               "allows larger files.")
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert out.stderr.splitlines() == [message, message] and out.stdout == ""
+    assert sorted(p.name for p in directory.iterdir()) == ["step_6"]
+    assert ckpt.verify_checkpoint(directory / "step_6")[0]
+    target = {"w": jax.ShapeDtypeStruct((1000,), jnp.float32)}
+    restored, host, _ = ckpt.restore_checkpoint(directory, target)
+    assert host == {"update": 6}
+    assert bits(restored["w"]) == bits(np.random.default_rng(6).standard_normal(1000, np.float32))
+
+
+def test_no_space_left_message(tmp_path, monkeypatch):
+    """ENOSPC (which needs a small file system to cause for real) words the message for a full disk."""
+    real_write = ckpt._write_json
+
+    def full_disk(path, payload):
+        if path.name == ckpt.HOST_STATE_FILE:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        real_write(path, payload)
+
+    monkeypatch.setattr(ckpt, "_write_json", full_disk)
+    with pytest.raises(ckpt.CheckpointError) as raised:
+        ckpt.save_checkpoint(tmp_path, 2, small_tree(2), {}, config_dict())
+    assert str(raised.value) == (f"no space left on device while writing {tmp_path / 'step_2'}; no earlier "
+                                 "checkpoint exists; free space or set save_total_limit.")
+    assert isinstance(raised.value.__cause__, OSError) and not any(tmp_path.iterdir())
+    monkeypatch.setattr(ckpt, "_write_json", real_write)
+    ckpt.save_checkpoint(tmp_path, 2, small_tree(2), {}, config_dict())
+    monkeypatch.setattr(ckpt, "_write_json", full_disk)
+    with pytest.raises(ckpt.CheckpointError, match="; the previous checkpoint step_2 is intact; free space"):
+        ckpt.save_checkpoint(tmp_path, 3, small_tree(3), {}, config_dict())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2"]
