@@ -23,7 +23,8 @@ import numpy as np
 from flax import nnx
 
 from .config import ModelConfig
-from .keymaps import IGNORED_SUFFIXES, hf_to_params, params_to_hf
+from .errors import ModelLoadError
+from .families import family_for, hf_to_params, params_to_hf
 from .transformer import CausalLM, CausalLMWithValueHead, ScoreModel, init_value_head
 
 log = logging.getLogger(__name__)
@@ -35,19 +36,6 @@ _DTYPES = {
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
 }
 _NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
-_ARCHITECTURES = {
-    ("gpt2", "causal_lm"): "GPT2LMHeadModel", ("gpt2", "score"): "GPT2ForSequenceClassification",
-    ("gpt_neox", "causal_lm"): "GPTNeoXForCausalLM", ("gpt_neox", "score"): "GPTNeoXForSequenceClassification",
-    ("gpt2", "backbone"): "GPT2Model", ("gpt_neox", "backbone"): "GPTNeoXModel",
-}
-_FAMILY_NAME = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
-
-
-def _architecture(model_type: str, kind: str) -> str:
-    if (model_type, kind) in _ARCHITECTURES:
-        return _ARCHITECTURES[(model_type, kind)]
-    base = _FAMILY_NAME[model_type]
-    return {"score": f"{base}ForSequenceClassification", "backbone": f"{base}Model"}.get(kind, f"{base}ForCausalLM")
 
 
 # ------------------------------------------------------------------------------------------------ safetensors
@@ -94,7 +82,11 @@ class SafetensorsCheckpoint:
         self.directory = d
         index, single = d / SAFE_INDEX, d / SAFE_WEIGHTS
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            index_data = read_json(index)
+            weight_map = index_data.get("weight_map") if isinstance(index_data, dict) else None
+            if not isinstance(weight_map, dict):
+                raise ModelLoadError(f"{index} has no \"weight_map\" object (tensor name -> shard file); "
+                                     f"re-save the checkpoint")
             files = sorted(set(weight_map.values()))
         elif single.exists():
             files = [SAFE_WEIGHTS]
@@ -168,13 +160,26 @@ def write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray], m
 # ----------------------------------------------------------------------------------------------------- config
 
 
+def read_json(file: Path) -> Any:
+    """The parsed JSON `file`; `ModelLoadError` naming the file and where it breaks."""
+    try:
+        text = file.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ModelLoadError(f"{file} is not UTF-8 text (byte {err.start}); re-save or re-download it") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ModelLoadError(f"{file} is not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}; "
+                             f"fix or re-download it") from None
+
+
 def load_config(path: str | os.PathLike) -> ModelConfig:
     """`ModelConfig` of a checkpoint directory (its `config.json`)."""
     file = Path(path) / "config.json"
     if not file.exists():
         raise FileNotFoundError(f"{file} does not exist: expected a Hugging Face checkpoint directory "
                                 f"(config.json + model.safetensors)")
-    return ModelConfig.from_hf(json.loads(file.read_text()))
+    return ModelConfig.from_hf(read_json(file), source=str(file))
 
 
 def load_tokenizer(path: str | os.PathLike, **kwargs):
@@ -192,11 +197,12 @@ _MODEL_CLASSES = {"causal_lm": CausalLM, "value_head": CausalLMWithValueHead, "s
 
 
 def read_params(path: str | os.PathLike, cfg: ModelConfig, kind: str = "causal_lm") -> dict:
-    """The checkpoint's weights as a nested dict of numpy arrays in ppojax layout (see `keymaps`)."""
+    """The checkpoint's weights as a nested dict of numpy arrays in ppojax layout (see `families/keys.py`)."""
     ckpt = SafetensorsCheckpoint(path)
     params = hf_to_params(cfg, kind, ckpt.get, names=ckpt.names, has=ckpt.__contains__)
-    unused = [n for n in ckpt.names if n not in ckpt.used and not n.endswith(IGNORED_SUFFIXES)
-              and not (cfg.tie_word_embeddings and n in ("lm_head.weight", "embed_out.weight"))]
+    family = family_for(cfg.model_type)
+    unused = [n for n in ckpt.names if n not in ckpt.used and not n.endswith(family.ignored_tensors)
+              and not (cfg.tie_word_embeddings and n == family.lm_head)]
     if unused:
         log.warning("%d tensors of %s were not used for a %s model: %s", len(unused), path, kind, unused[:8])
     return params
@@ -302,7 +308,7 @@ def save_pretrained(model, cfg: ModelConfig, out_dir: str | os.PathLike, tokeniz
     some = next(iter(tensors.values()))
     config = cfg.to_hf()
     hf_kind = "causal_lm" if kind == "value_head" else kind
-    config["architectures"] = [_architecture(cfg.model_type, hf_kind)]
+    config["architectures"] = [family_for(cfg.model_type).architectures[cfg.model_type][hf_kind]]
     config["dtype"] = {np.dtype(np.float32): "float32", np.dtype(ml_dtypes.bfloat16): "bfloat16",
                        np.dtype(np.float16): "float16"}.get(some.dtype, "float32")
     if kind == "score":
