@@ -164,6 +164,7 @@ class ModelConfig:
             raise c.unsupported("quantization_config", c.peek("quantization_config"),
                                 "unquantized checkpoints (dequantize it with transformers first)")
         kw = family.config_from_hf(c)
+        # the keys every family shares; `to_hf` writes the same ones
         kw.update(model_type=c.model_type, initializer_range=c.number("initializer_range", 0.02),
                   pad_token_id=c.get("pad_token_id"))
         kw["extra"] = _freeze({k: v for k, v in config.items() if k not in c.used and k not in _NOT_KEPT})
@@ -178,12 +179,7 @@ class ModelConfig:
         """A config dict that transformers' `AutoConfig.for_model(**d)` / `from_pretrained` accepts."""
         d = _thaw(self.extra) if self.extra else {}
         d.update(family_for(self.model_type).config_to_hf(self))
-        eos = list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id
-        d.update(
-            model_type=self.model_type, vocab_size=self.vocab_size,
-            tie_word_embeddings=self.tie_word_embeddings, initializer_range=self.initializer_range,
-            pad_token_id=self.pad_token_id, bos_token_id=self.bos_token_id, eos_token_id=eos,
-        )
+        d.update(model_type=self.model_type, initializer_range=self.initializer_range, pad_token_id=self.pad_token_id)
         return d
 
 

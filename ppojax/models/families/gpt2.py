@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .hf_config import HFConfig
+from .hf_config import HFConfig, vocab_and_tokens, vocab_and_tokens_to_hf
 from .keys import Key, Split, Unflatten
 from .registry import Family, register_family, transformers_classes
 
@@ -26,7 +26,8 @@ def config_from_hf(c: HFConfig) -> dict[str, Any]:
     if hidden % heads:
         raise c.error("n_embd", hidden, f"expected a multiple of n_head ({heads})")
     return dict(
-        vocab_size=c.size("vocab_size"), hidden_size=hidden, num_layers=c.size("n_layer", "num_hidden_layers"),
+        **vocab_and_tokens(c, tie=True, bos=50256, eos=50256),
+        hidden_size=hidden, num_layers=c.size("n_layer", "num_hidden_layers"),
         num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads,
         intermediate_size=c.optional_size("n_inner", None) or 4 * hidden,
         max_position_embeddings=c.size("n_positions", "max_position_embeddings", default=1024),
@@ -35,8 +36,6 @@ def config_from_hf(c: HFConfig) -> dict[str, Any]:
         qkv_bias=True, out_bias=True, qk_norm=False,
         attn_scale_by_inverse_layer_idx=c.flag("scale_attn_by_inverse_layer_idx", False),
         position_embedding="learned", parallel_residual=False,
-        tie_word_embeddings=c.flag("tie_word_embeddings", True),
-        bos_token_id=c.get("bos_token_id", 50256), eos_token_id=c.get("eos_token_id", 50256),
     )
 
 
@@ -45,6 +44,7 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         n_embd=cfg.hidden_size, n_layer=cfg.num_layers, n_head=cfg.num_heads, n_inner=cfg.intermediate_size,
         n_positions=cfg.max_position_embeddings, activation_function=cfg.activation,
         layer_norm_epsilon=cfg.norm_eps, scale_attn_by_inverse_layer_idx=cfg.attn_scale_by_inverse_layer_idx,
+        **vocab_and_tokens_to_hf(cfg),
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .hf_config import HFConfig, rope_parameters
+from .hf_config import HFConfig, rope_parameters, vocab_and_tokens, vocab_and_tokens_to_hf
 from .keys import Key, Split, T, Unflatten
 from .registry import Family, register_family, transformers_classes
 
@@ -29,15 +29,14 @@ def config_from_hf(c: HFConfig) -> dict[str, Any]:
     theta, partial = float(rope.pop("rope_theta")), float(rope.pop("partial_rotary_factor"))
     bias = c.flag("attention_bias", True)
     return dict(
-        vocab_size=c.size("vocab_size"), hidden_size=hidden, num_layers=c.size("num_hidden_layers"),
+        **vocab_and_tokens(c, tie=False, bos=0, eos=2),
+        hidden_size=hidden, num_layers=c.size("num_hidden_layers"),
         num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads, intermediate_size=c.size("intermediate_size"),
         max_position_embeddings=max_positions, norm_type="layer", norm_eps=c.number("layer_norm_eps", 1e-5),
         activation=c.get("hidden_act", "gelu"), gated_mlp=False, mlp_bias=True, qkv_bias=bias, out_bias=bias,
         qk_norm=False, position_embedding="rope", rope_theta=theta,
         rope_scaling=rope if rope["rope_type"] != "default" else None, partial_rotary_factor=partial,
         parallel_residual=c.flag("use_parallel_residual", True),
-        tie_word_embeddings=c.flag("tie_word_embeddings", False),
-        bos_token_id=c.get("bos_token_id", 0), eos_token_id=c.get("eos_token_id", 2),
     )
 
 
@@ -49,7 +48,7 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         intermediate_size=cfg.intermediate_size, max_position_embeddings=cfg.max_position_embeddings,
         hidden_act=cfg.activation, layer_norm_eps=cfg.norm_eps, use_parallel_residual=cfg.parallel_residual,
         attention_bias=cfg.qkv_bias, rope_parameters=rope, rotary_pct=cfg.partial_rotary_factor,
-        rotary_emb_base=cfg.rope_theta,
+        rotary_emb_base=cfg.rope_theta, **vocab_and_tokens_to_hf(cfg),
     )
 
 

@@ -7,9 +7,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ModelLoadError, UnsupportedModelError
+
+if TYPE_CHECKING:
+    from ..config import ModelConfig
 
 _REQUIRED = object()
 
@@ -136,6 +139,20 @@ def rope_parameters(c: HFConfig, *, theta: float, partial: float | None, max_pos
         if key in rope and (isinstance(rope[key], bool) or not isinstance(rope[key], (int, float))):
             raise c.error(f"{chosen}.{key}", rope[key], "expected a number")
     return rope
+
+
+def vocab_and_tokens(c: HFConfig, *, tie: bool, bos: int | None, eos: int | None) -> dict[str, Any]:
+    """The `ModelConfig` fields of the standard keys vocab_size, tie_word_embeddings, bos/eos_token_id (the
+    arguments are the model type's transformers defaults)."""
+    return dict(vocab_size=c.size("vocab_size"), tie_word_embeddings=c.flag("tie_word_embeddings", tie),
+                bos_token_id=c.get("bos_token_id", bos), eos_token_id=c.get("eos_token_id", eos))
+
+
+def vocab_and_tokens_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """The inverse of `vocab_and_tokens`."""
+    eos = list(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple) else cfg.eos_token_id
+    return dict(vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tie_word_embeddings,
+                bos_token_id=cfg.bos_token_id, eos_token_id=eos)
 
 
 def attention_layer_types(c: HFConfig, num_layers: int) -> tuple[str, ...] | None:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .hf_config import HFConfig, attention_layer_types, rope_parameters
+from .hf_config import (HFConfig, attention_layer_types, rope_parameters, vocab_and_tokens,
+                        vocab_and_tokens_to_hf)
 from .keys import Key, T, Unflatten
 from .registry import Family, register_family, transformers_classes
 
@@ -79,8 +80,8 @@ def config_from_hf(c: HFConfig) -> dict[str, Any]:
     else:
         qkv_bias = out_bias = c.flag("attention_bias", False)
     return dict(
-        vocab_size=c.size("vocab_size"), hidden_size=hidden, num_layers=n_layers, num_heads=heads,
-        num_kv_heads=kv_heads, head_dim=head_dim,
+        **vocab_and_tokens(c, tie=False, bos=defaults["bos"], eos=defaults["eos"]),
+        hidden_size=hidden, num_layers=n_layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
         intermediate_size=c.size("intermediate_size"), max_position_embeddings=max_positions,
         norm_type="rms", norm_eps=c.number("rms_norm_eps", 1e-6), activation=c.get("hidden_act", "silu"),
         gated_mlp=True, mlp_bias=c.flag("mlp_bias", False) if mt == "llama" else False,
@@ -88,8 +89,6 @@ def config_from_hf(c: HFConfig) -> dict[str, Any]:
         sliding_window=sliding_window, layer_types=layer_types,
         position_embedding="rope", rope_theta=theta, rope_scaling=rope if rope["rope_type"] != "default" else None,
         partial_rotary_factor=1.0, parallel_residual=False,
-        tie_word_embeddings=c.flag("tie_word_embeddings", False),
-        bos_token_id=c.get("bos_token_id", defaults["bos"]), eos_token_id=c.get("eos_token_id", defaults["eos"]),
     )
 
 
@@ -99,7 +98,7 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
         num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size,
         max_position_embeddings=cfg.max_position_embeddings, hidden_act=cfg.activation, rms_norm_eps=cfg.norm_eps,
-        rope_parameters=rope, rope_theta=cfg.rope_theta,
+        rope_parameters=rope, rope_theta=cfg.rope_theta, **vocab_and_tokens_to_hf(cfg),
     )
     mt = cfg.model_type
     if mt in ("llama", "qwen3"):
