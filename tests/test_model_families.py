@@ -28,6 +28,7 @@ from ppojax.models import (
     UnsupportedModelError,
     load_config,
     load_pretrained,
+    read_params,
     register_family,
     save_pretrained,
 )
@@ -184,6 +185,28 @@ def test_import_follows_transformers_reading_of_config(case, tmp_path):
     assert load_config(out) == cfg
 
 
+def test_tied_config_with_a_different_stored_head_is_untied_as_transformers_does(tmp_path):
+    """transformers' `tie_weights` leaves the LM head untied when the checkpoint stores one that differs from the
+    embedding, whatever tie_word_embeddings says."""
+    write_checkpoint(tmp_path / "hf", _llama(tie_word_embeddings=False))
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(_llama(tie_word_embeddings=True)))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids, mask = left_padded_batch([8, 5], 8)
+    ref = torch_forward(reference, ids, mask).logits.numpy()
+
+    model, cfg = load_pretrained(tmp_path / "hf")
+    assert not cfg.tie_word_embeddings
+    assert max_diff_live(_forward(*nnx.split(model), ids, mask), ref, mask) < 1e-4
+    tied_cfg = load_config(tmp_path / "hf")
+    tied = nnx.eval_shape(lambda: CausalLM(tied_cfg, rngs=nnx.Rngs(0)))  # what the config alone would give
+    assert tied.lm_head is None
+    with pytest.raises(ModelLoadError, match=r"tie_word_embeddings=true.*stores a different lm_head\.weight"):
+        read_params(tmp_path / "hf", tied_cfg)
+    out = save_pretrained(model, cfg, tmp_path / "export")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert max_diff_live(torch_forward(reloaded, ids, mask).logits.numpy(), ref, mask) < 1e-5
+
+
 # id -> (config.json, regex the UnsupportedModelError must match: the key, its value, what ppojax supports)
 REFUSED = {
     "partial_rotary_factor_with_scaled_rope": (
@@ -211,6 +234,7 @@ REFUSED = {
     "neox_head_dim": (_neox(head_dim=8), r"head_dim 8 .*hidden_size // num_attention_heads \(16\)"),
     "quantized": (_llama(quantization_config=dict(quant_method="bitsandbytes", load_in_8bit=True)),
                   r"quantization_config .*unquantized"),
+    "activation": (_llama(hidden_act="gelu_10"), r"hidden_act 'gelu_10' .*ppojax supports silu, swish, gelu"),
 }
 
 

@@ -16,9 +16,7 @@ import dataclasses
 from typing import Any
 
 from .errors import ModelLoadError, UnsupportedModelError
-from .families import SUPPORTED_ROPE_TYPES, HFConfig, family_for
-
-SUPPORTED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "relu")
+from .families import SUPPORTED_ACTIVATIONS, SUPPORTED_ROPE_TYPES, HFConfig, family_for
 
 __all__ = ["FrozenDict", "ModelConfig", "ModelLoadError", "SUPPORTED_ACTIVATIONS", "SUPPORTED_ROPE_TYPES",
            "UnsupportedModelError"]

@@ -24,7 +24,7 @@ from flax import nnx
 
 from .config import ModelConfig
 from .errors import ModelLoadError
-from .families import family_for, hf_to_params, params_to_hf
+from .families import family_for, hf_to_params, params_to_hf, tensor_name
 from .transformer import CausalLM, CausalLMWithValueHead, ScoreModel, init_value_head
 
 log = logging.getLogger(__name__)
@@ -198,14 +198,33 @@ _MODEL_CLASSES = {"causal_lm": CausalLM, "value_head": CausalLMWithValueHead, "s
 
 def read_params(path: str | os.PathLike, cfg: ModelConfig, kind: str = "causal_lm") -> dict:
     """The checkpoint's weights as a nested dict of numpy arrays in ppojax layout (see `families/keys.py`)."""
-    ckpt = SafetensorsCheckpoint(path)
-    params = hf_to_params(cfg, kind, ckpt.get, names=ckpt.names, has=ckpt.__contains__)
+    return _read_params(SafetensorsCheckpoint(path), cfg, kind)
+
+
+def _read_params(ckpt: SafetensorsCheckpoint, cfg: ModelConfig, kind: str) -> dict:
     family = family_for(cfg.model_type)
+    if cfg.tie_word_embeddings and kind in ("causal_lm", "value_head") and _stored_head_differs(ckpt, cfg, kind):
+        raise ModelLoadError(
+            f"{ckpt.directory}: the config ties the LM head to the embedding (tie_word_embeddings=true) but the "
+            f"checkpoint stores a different {family.lm_head}, which transformers then uses untied; load it with "
+            f"load_pretrained (which does the same) or pass cfg.replace(tie_word_embeddings=False)")
+    params = hf_to_params(cfg, kind, ckpt.get, names=ckpt.names, has=ckpt.__contains__)
     unused = [n for n in ckpt.names if n not in ckpt.used and not n.endswith(family.ignored_tensors)
               and not (cfg.tie_word_embeddings and n == family.lm_head)]
     if unused:
-        log.warning("%d tensors of %s were not used for a %s model: %s", len(unused), path, kind, unused[:8])
+        log.warning("%d tensors of %s were not used for a %s model: %s", len(unused), ckpt.directory, kind,
+                    unused[:8])
     return params
+
+
+def _stored_head_differs(ckpt: SafetensorsCheckpoint, cfg: ModelConfig, kind: str) -> bool:
+    """Whether the checkpoint holds an LM head that differs from the embedding (transformers' `tie_weights` then
+    leaves the two untied, whatever tie_word_embeddings says)."""
+    head = family_for(cfg.model_type).lm_head
+    if head not in ckpt:
+        return False
+    embedding = tensor_name(cfg, kind, ("backbone", "embed", "embedding"), ckpt.names)
+    return embedding in ckpt and not np.array_equal(ckpt.get(head), ckpt.get(embedding))
 
 
 def load_pretrained(path: str | os.PathLike, *, kind: str = "causal_lm", dtype=jnp.float32, param_dtype=None,
@@ -226,7 +245,12 @@ def load_pretrained(path: str | os.PathLike, *, kind: str = "causal_lm", dtype=j
             and not list(Path(path).glob("*.safetensors")):
         raise FileNotFoundError(f"no weights in {path}: expected {Path(path, SAFE_WEIGHTS)} or "
                                 f"{Path(path, SAFE_INDEX)}")
-    loaded = read_params(path, cfg, kind)
+    ckpt = SafetensorsCheckpoint(path)
+    if cfg.tie_word_embeddings and kind in ("causal_lm", "value_head") and _stored_head_differs(ckpt, cfg, kind):
+        log.warning("%s: tie_word_embeddings is true but the checkpoint stores a different %s: using it untied, "
+                    "as transformers does", path, family_for(cfg.model_type).lm_head)
+        cfg = cfg.replace(tie_word_embeddings=False)
+    loaded = _read_params(ckpt, cfg, kind)
     extra = {}
     if kind == "score" and "bias" in loaded.get("score", {}):
         extra["bias"] = True

@@ -32,7 +32,7 @@ def config_from_hf(c: HFConfig) -> dict[str, Any]:
         intermediate_size=c.optional_size("n_inner", None) or 4 * hidden,
         max_position_embeddings=c.size("n_positions", "max_position_embeddings", default=1024),
         norm_type="layer", norm_eps=c.number("layer_norm_epsilon", 1e-5),
-        activation=c.get("activation_function", "gelu_new"), gated_mlp=False, mlp_bias=True,
+        activation=c.activation("activation_function", "gelu_new"), gated_mlp=False, mlp_bias=True,
         qkv_bias=True, out_bias=True, qk_norm=False,
         attn_scale_by_inverse_layer_idx=c.flag("scale_attn_by_inverse_layer_idx", False),
         position_embedding="learned", parallel_residual=False,

@@ -33,7 +33,7 @@ def config_from_hf(c: HFConfig) -> dict[str, Any]:
         hidden_size=hidden, num_layers=c.size("num_hidden_layers"),
         num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads, intermediate_size=c.size("intermediate_size"),
         max_position_embeddings=max_positions, norm_type="layer", norm_eps=c.number("layer_norm_eps", 1e-5),
-        activation=c.get("hidden_act", "gelu"), gated_mlp=False, mlp_bias=True, qkv_bias=bias, out_bias=bias,
+        activation=c.activation("hidden_act", "gelu"), gated_mlp=False, mlp_bias=True, qkv_bias=bias, out_bias=bias,
         qk_norm=False, position_embedding="rope", rope_theta=theta,
         rope_scaling=rope if rope["rope_type"] != "default" else None, partial_rotary_factor=partial,
         parallel_residual=c.flag("use_parallel_residual", True),

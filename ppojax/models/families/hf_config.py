@@ -16,6 +16,8 @@ if TYPE_CHECKING:
 
 _REQUIRED = object()
 
+# transformers' ACT2FN names that `transformer.activation_fn` computes.
+SUPPORTED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "relu")
 # RoPE variants ppojax computes (`transformer.rope_inv_freq`).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # Keys each RoPE variant needs in its parameters (transformers' `validate_rope`).
@@ -86,6 +88,12 @@ class HFConfig:
         value = self.get(key, default)
         if not isinstance(value, bool):
             raise self.error(key, value, "expected true or false")
+        return value
+
+    def activation(self, key: str, default: str) -> str:
+        value = self.get(key, default)
+        if value not in SUPPORTED_ACTIVATIONS:
+            raise self.unsupported(key, value, ", ".join(SUPPORTED_ACTIVATIONS))
         return value
 
     # ------------------------------------------------------------------------------------------------ errors

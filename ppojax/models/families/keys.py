@@ -165,6 +165,15 @@ def backbone_prefix(cfg: ModelConfig, kind: str, names: Iterable[str] = ()) -> s
     return prefix
 
 
+def tensor_name(cfg: ModelConfig, kind: str, path: tuple[str, ...], names: Iterable[str] = ()) -> str:
+    """The checkpoint name of the (not per-layer) parameter at `path` in a model of `kind`."""
+    names = list(names)
+    key = next((k for k in key_table(cfg, kind) if k.path == path and not k.per_layer), None)
+    if key is None:
+        raise ValueError(f"no tensor of a {cfg.model_type} {kind} model maps to {'.'.join(path)}")
+    return key.name(backbone_prefix(cfg, kind, names))
+
+
 def hf_to_params(cfg: ModelConfig, kind: str, get: Getter, names: Iterable[str] = (),
                  has: Callable[[str], bool] = lambda name: True) -> dict:
     """Nested dict of arrays in the layout of `nnx.to_pure_dict(nnx.state(model))` for a model of `kind`.

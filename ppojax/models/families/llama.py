@@ -83,7 +83,7 @@ def config_from_hf(c: HFConfig) -> dict[str, Any]:
         **vocab_and_tokens(c, tie=False, bos=defaults["bos"], eos=defaults["eos"]),
         hidden_size=hidden, num_layers=n_layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
         intermediate_size=c.size("intermediate_size"), max_position_embeddings=max_positions,
-        norm_type="rms", norm_eps=c.number("rms_norm_eps", 1e-6), activation=c.get("hidden_act", "silu"),
+        norm_type="rms", norm_eps=c.number("rms_norm_eps", 1e-6), activation=c.activation("hidden_act", "silu"),
         gated_mlp=True, mlp_bias=c.flag("mlp_bias", False) if mt == "llama" else False,
         qkv_bias=qkv_bias, out_bias=out_bias, qk_norm=(mt == "qwen3"),
         sliding_window=sliding_window, layer_types=layer_types,
