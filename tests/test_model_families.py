@@ -225,6 +225,12 @@ REFUSED = {
         r"layer_types \['full_attention', 'sliding_attention'\] .*use_sliding_window=true"),
     "mistral_chunked_attention_layers": (
         _mistral(layer_types=["chunked_attention", "full_attention"]), r"layer_types \['chunked_attention'\]"),
+    "mistral_layer_types_without_window": (
+        _mistral(head_dim=16, sliding_window=None, layer_types=["full_attention", "full_attention"]),
+        r"layer_types \['full_attention', 'full_attention'\] .*only with a sliding_window and a head_dim"),
+    "mistral_layer_types_without_head_dim": (
+        _mistral(sliding_window=3, layer_types=["sliding_attention", "full_attention"]),
+        r"layer_types .*only with a sliding_window and a head_dim"),
     "gpt2_unscaled_attention": (
         dict(model_type="gpt2", vocab_size=V, n_embd=64, n_layer=2, n_head=4, scale_attn_weights=False),
         r"scale_attn_weights False .*scale_attn_weights=true"),
@@ -248,12 +254,13 @@ def test_import_refuses_what_it_would_not_reproduce(case, tmp_path):
     assert str(tmp_path / "config.json") in str(err.value)
 
 
-@pytest.mark.parametrize("case", ["partial_rotary_factor_with_scaled_rope", "qwen2_sliding_layers_without_window"])
+@pytest.mark.parametrize("case", ["partial_rotary_factor_with_scaled_rope", "qwen2_sliding_layers_without_window",
+                                  "mistral_layer_types_without_window", "mistral_layer_types_without_head_dim"])
 def test_refused_configs_that_transformers_cannot_run_either(case, tmp_path):
-    """Two refusals are configs on which transformers itself fails: ppojax has no behaviour to match."""
+    """Some refusals are configs on which transformers itself fails: ppojax has no behaviour to match."""
     (tmp_path / "config.json").write_text(json.dumps(REFUSED[case][0]))
-    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path))
     with pytest.raises((RuntimeError, ValueError, TypeError)):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path))
         with torch.no_grad():
             model(input_ids=torch.ones((1, 8), dtype=torch.long), use_cache=False)
 

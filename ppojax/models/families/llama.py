@@ -50,28 +50,7 @@ def config_from_hf(c: HFConfig) -> dict[str, Any]:
     if rope["rope_type"] != "default" and partial != 1.0:
         raise c.unsupported("partial_rotary_factor", partial, f"1.0 with rope_type {rope['rope_type']!r}")
 
-    sliding_window, layer_types = None, None
-    if mt == "mistral":
-        sliding_window = c.get("sliding_window", 4096)
-        layer_types = attention_layer_types(c, n_layers)
-    elif mt in ("qwen2", "qwen3"):
-        use_sliding = c.flag("use_sliding_window", False)
-        window, max_window_layers = c.get("sliding_window", 4096), c.size("max_window_layers", default=28)
-        layer_types = attention_layer_types(c, n_layers)
-        if use_sliding and window is not None:
-            sliding_window = window
-            if layer_types is None:
-                layer_types = tuple("sliding_attention" if i >= max_window_layers else "full_attention"
-                                    for i in range(n_layers))
-        elif layer_types is not None and "sliding_attention" in layer_types:
-            # transformers fails on such a checkpoint ("Could not find a `sliding_window`"): refuse it too
-            raise c.unsupported("layer_types", list(layer_types), "'sliding_attention' layers only with "
-                                "use_sliding_window=true and a sliding_window")
-        else:
-            layer_types = None
-    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
-                                       or sliding_window <= 0):
-        raise c.error("sliding_window", sliding_window, "expected a positive integer or null")
+    sliding_window, layer_types = _attention_windows(c, n_layers)
 
     if mt == "qwen2":
         qkv_bias, out_bias = True, False
@@ -92,6 +71,39 @@ def config_from_hf(c: HFConfig) -> dict[str, Any]:
     )
 
 
+def _attention_windows(c: HFConfig, n_layers: int) -> tuple[int | None, tuple[str, ...] | None]:
+    """(sliding_window, layer_types) as transformers 5 applies them; layer_types None: every layer alike."""
+    mt = c.model_type
+    if mt == "llama":
+        return None, None  # LlamaModel has no sliding window (such keys stay in `extra`)
+    layer_types = attention_layer_types(c, n_layers)
+    if mt == "mistral":
+        window = c.get("sliding_window", 4096)
+        # transformers loads a mistral config with a layer_types key as Ministral, which honours it per layer but
+        # fails without a sliding_window or a head_dim
+        if "layer_types" in c and (window is None or c.peek("head_dim") is None):
+            raise c.unsupported("layer_types", c.peek("layer_types"), "layer_types in a mistral config only "
+                                "with a sliding_window and a head_dim (transformers cannot run it without them)")
+        needs = "a sliding_window"
+    else:  # qwen2, qwen3 (Qwen2Config.__post_init__)
+        window = c.get("sliding_window", 4096)
+        if not c.flag("use_sliding_window", False):
+            window = None
+        max_window_layers = c.size("max_window_layers", default=28)
+        if layer_types is None and window is not None:
+            layer_types = tuple("sliding_attention" if i >= max_window_layers else "full_attention"
+                                for i in range(n_layers))
+        needs = "use_sliding_window=true and a sliding_window"
+    if window is None:
+        if layer_types is not None and "sliding_attention" in layer_types:
+            # transformers fails on these ("Could not find a `sliding_window`"): nothing to match, so refuse
+            raise c.unsupported("layer_types", list(layer_types), f"'sliding_attention' layers only with {needs}")
+        return None, None
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise c.error("sliding_window", window, "expected a positive integer or null")
+    return window, layer_types
+
+
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     rope = {"rope_type": "default", **cfg.rope_scaling_dict, "rope_theta": cfg.rope_theta}
     d = dict(
@@ -107,7 +119,7 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         d["mlp_bias"] = cfg.mlp_bias
     if mt in ("mistral", "qwen2", "qwen3"):
         d["sliding_window"] = cfg.sliding_window
-    if mt == "mistral" and cfg.layer_types is not None:
+    if mt == "mistral" and cfg.layer_types is not None and cfg.sliding_window is not None:  # read as Ministral
         d["layer_types"] = list(cfg.layer_types)
     if mt in ("qwen2", "qwen3"):
         d["use_sliding_window"] = cfg.sliding_window is not None
