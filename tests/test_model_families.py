@@ -241,6 +241,11 @@ REFUSED = {
     "quantized": (_llama(quantization_config=dict(quant_method="bitsandbytes", load_in_8bit=True)),
                   r"quantization_config .*unquantized"),
     "activation": (_llama(hidden_act="gelu_10"), r"hidden_act 'gelu_10' .*ppojax supports silu, swish, gelu"),
+    "llama_sliding_window": (_llama(sliding_window=3),
+                             r"sliding_window 3 .*KV cache of generate\(\) but not in the forward"),
+    "llama_sliding_layer_types": (
+        _llama(sliding_window=3, layer_types=["full_attention", "sliding_attention"]),
+        r"layer_types \['full_attention', 'sliding_attention'\] .*no sliding window for llama"),
 }
 
 
@@ -263,6 +268,116 @@ def test_refused_configs_that_transformers_cannot_run_either(case, tmp_path):
         model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path))
         with torch.no_grad():
             model(input_ids=torch.ones((1, 8), dtype=torch.long), use_cache=False)
+
+
+# Random mixes of the keys whose precedence transformers defines: each config must be read as transformers
+# reads it, or refused. The reference is the module transformers builds (its inv_freq, its layers' windows).
+_ABSENT = "absent"
+_L3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
+ROPE_KEYS = {
+    "rope_theta": [_ABSENT, 20000.0],
+    "partial_rotary_factor": [_ABSENT, 0.5, 1.0],
+    "rope_scaling": [_ABSENT, None, {}, dict(type="linear", factor=2.0), dict(_L3),
+                     dict(rope_type="linear", factor=3.0, rope_theta=7000.0),
+                     dict(rope_type="default", rope_theta=3e3)],
+    "rope_parameters": [_ABSENT, None, dict(rope_type="default", rope_theta=5e5), dict(rope_type="linear", factor=2.0),
+                        dict(_L3, original_max_position_embeddings=16, rope_theta=1e5),
+                        dict(rope_type="default", partial_rotary_factor=0.5), dict(rope_type="dynamic", factor=2.0)],
+    "original_max_position_embeddings": [_ABSENT, 32],
+    "rotary_pct": [_ABSENT, 0.5],
+    "rotary_emb_base": [_ABSENT, 5000.0],
+}
+WINDOW_KEYS = {
+    "sliding_window": [_ABSENT, None, 3],
+    "use_sliding_window": [_ABSENT, True, False],
+    "max_window_layers": [_ABSENT, 1, 0],
+    "layer_types": [_ABSENT, None, ["full_attention", "sliding_attention"], ["sliding_attention"] * 2,
+                    ["attention", "sliding_attention"], ["full_attention"] * 2],
+    "head_dim": [_ABSENT, 16],
+}
+
+
+def _random_configs(keys, model_types, n, seed):
+    rng = np.random.default_rng(seed)
+    for _ in range(n):
+        mt = model_types[rng.integers(len(model_types))]
+        config = _neox() if mt == "gpt_neox" else dict(_llama(), model_type=mt)
+        for key, options in keys.items():
+            value = options[rng.integers(len(options))]
+            if value != _ABSENT:
+                config[key] = json.loads(json.dumps(value))
+        yield config
+
+
+def _transformers_reading(directory, config, read):
+    """`read(model)` of the model transformers builds from `config` (written as directory/config.json), after a
+    forward that must run; None if transformers fails on the config."""
+    (directory / "config.json").write_text(json.dumps(config))
+    try:
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(directory))
+        with torch.no_grad():
+            model(input_ids=torch.ones((1, 6), dtype=torch.long))
+        return read(model)
+    except Exception:  # noqa: BLE001  (any failure: transformers cannot run this config)
+        return None
+
+
+@pytest.mark.parametrize("aspect", ["rope", "windows"])
+def test_random_configs_are_read_as_transformers_reads_them_or_refused(aspect, tmp_path):
+    from ppojax.models.transformer import rope_inv_freq
+
+    if aspect == "rope":
+        configs = _random_configs(ROPE_KEYS, ["llama", "mistral", "qwen2", "qwen3", "gpt_neox"], 80, seed=0)
+
+        def theirs(model):
+            rotary = (getattr(model, "gpt_neox", None) or model.model).rotary_emb
+            assert rotary.attention_scaling == 1.0
+            return rotary.inv_freq.numpy()
+
+        def ours(cfg):
+            return rope_inv_freq(cfg)
+    else:
+        configs = _random_configs(WINDOW_KEYS, ["llama", "mistral", "qwen2", "qwen3"], 80, seed=1)
+
+        def theirs(model):
+            if type(model).__name__.startswith("Llama"):
+                return [None, None]
+            if type(model).__name__.startswith("Mistral"):  # every layer slides when a window is set
+                return [model.config.sliding_window] * 2
+            return [layer.self_attn.sliding_window for layer in model.model.layers]  # Ministral, Qwen2, Qwen3
+
+        def ours(cfg):
+            return [cfg.sliding_window if sliding else None for sliding in cfg.sliding_layers]
+
+    outcomes = []
+    for config in configs:
+        reference = _transformers_reading(tmp_path, config, theirs)
+        try:
+            got = ours(ModelConfig.from_hf(config))
+        except ModelLoadError as err:
+            # refused: transformers fails on it too, or a feature ppojax lacks (dynamic RoPE), or (llama + a window)
+            # transformers' generate() disagrees with its own forward
+            assert reference is None or any(s in str(err) for s in ("generate()", "rope_type 'dynamic'")), (
+                config, str(err))
+            outcomes.append("refused")
+            continue
+        assert reference is not None, ("transformers fails on a config ppojax loads", config)
+        np.testing.assert_allclose(np.asarray(got, dtype=float), np.asarray(reference, dtype=float), rtol=1e-6,
+                                   err_msg=json.dumps(config))
+        outcomes.append("same")
+    assert outcomes.count("same") > 30 and outcomes.count("refused") > 5  # the mixes exercise both outcomes
+
+
+def test_why_llama_with_a_window_is_refused(tmp_path):
+    """transformers' Llama with a sliding_window: the forward ignores it, its generate()'s KV cache applies it."""
+    plain = write_checkpoint(tmp_path / "plain", _llama())
+    windowed = write_checkpoint(tmp_path / "windowed", _llama(sliding_window=3))
+    windowed.load_state_dict(plain.state_dict())
+    ids = torch.tensor(left_padded_batch([10], 10)[0], dtype=torch.long)
+    with torch.no_grad():
+        torch.testing.assert_close(windowed(ids).logits, plain(ids).logits, rtol=0, atol=0)
+        steps = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+        assert not torch.equal(windowed.generate(ids, **steps), plain.generate(ids, **steps))
 
 
 # ------------------------------------------------------------------------------------------ broken config.json

@@ -56,14 +56,15 @@ class HFConfig:
         return self.data.get(key, default)
 
     # ----------------------------------------------------------------------------------------- typed reads
-    def size(self, *keys: str, default: Any = _REQUIRED) -> int:
-        """A positive integer read from the first of `keys` present (aliases, e.g. "n_embd", "hidden_size");
+    def size(self, *keys: str, default: Any = _REQUIRED, minimum: int = 1) -> int:
+        """An integer >= `minimum` read from the first of `keys` present (aliases, e.g. "n_embd", "hidden_size");
         `default` when none is present (required when no default is given)."""
         for key in keys:
             if key in self.data:
                 value = self.get(key)
-                if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                    raise self.error(key, value, "expected a positive integer")
+                if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                    raise self.error(key, value, "expected a positive integer" if minimum == 1 else
+                                     f"expected an integer >= {minimum}")
                 return value
             self.used.add(key)
         if default is _REQUIRED:

@@ -75,7 +75,15 @@ def _attention_windows(c: HFConfig, n_layers: int) -> tuple[int | None, tuple[st
     """(sliding_window, layer_types) as transformers 5 applies them; layer_types None: every layer alike."""
     mt = c.model_type
     if mt == "llama":
-        return None, None  # LlamaModel has no sliding window (such keys stay in `extra`)
+        # LlamaModel's attention has no window, but transformers' KV cache keeps only `sliding_window` keys on the
+        # layers it takes as sliding (cache_utils.get_layer_types_and_kwargs: those layer_types names, else all
+        # when sliding_window is set), so its generate() disagrees with its own forward: refuse such a config.
+        window, types = c.peek("sliding_window"), c.peek("layer_types")
+        key, value = ("layer_types", types) if isinstance(types, list) else ("sliding_window", window)
+        if (isinstance(types, list) and "sliding_attention" in types) or (types is None and window is not None):
+            raise c.unsupported(key, value, "no sliding window for llama (transformers applies it in the KV cache "
+                                "of generate() but not in the forward); remove the key or use model_type mistral")
+        return None, None
     layer_types = attention_layer_types(c, n_layers)
     if mt == "mistral":
         window = c.get("sliding_window", 4096)
@@ -89,7 +97,7 @@ def _attention_windows(c: HFConfig, n_layers: int) -> tuple[int | None, tuple[st
         window = c.get("sliding_window", 4096)
         if not c.flag("use_sliding_window", False):
             window = None
-        max_window_layers = c.size("max_window_layers", default=28)
+        max_window_layers = c.size("max_window_layers", default=28, minimum=0)
         if layer_types is None and window is not None:
             layer_types = tuple("sliding_attention" if i >= max_window_layers else "full_attention"
                                 for i in range(n_layers))
