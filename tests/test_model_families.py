@@ -156,6 +156,14 @@ FOLLOWED = {
     # qwen2: the window on the layers from max_window_layers on
     "qwen2_max_window_layers": (
         _qwen2(use_sliding_window=True, sliding_window=3, max_window_layers=1), _qwen2(sliding_window=3)),
+    # options of each family that change the forward
+    "gpt2_options": (dict(model_type="gpt2", vocab_size=V, n_embd=64, n_layer=2, n_head=4, n_positions=32, n_inner=None,
+                          activation_function="relu", scale_attn_by_inverse_layer_idx=True,
+                          reorder_and_upcast_attn=True, tie_word_embeddings=False, pad_token_id=0), None),
+    "neox_options": (_neox(attention_bias=False, use_parallel_residual=False, hidden_act="gelu_new",
+                           layer_norm_eps=1e-3, tie_word_embeddings=True), None),
+    "llama_head_dim_and_biases": (_llama(head_dim=32, attention_bias=True, mlp_bias=True, rms_norm_eps=1e-3), None),
+    "qwen3_attention_bias": (dict(_llama(head_dim=8, attention_bias=True), model_type="qwen3"), None),
     # transformers' per-type default for a missing num_key_value_heads (8 for mistral, not num_attention_heads)
     "mistral_default_num_key_value_heads": (
         {k: v for k, v in _mistral(num_attention_heads=16, sliding_window=None).items()
@@ -390,6 +398,9 @@ def test_broken_config_json_names_the_file_and_the_place(tmp_path):
         load_config(tmp_path)
     file.write_bytes(b'{"model_type": "llama\xff"}')
     with pytest.raises(ModelLoadError, match=rf"{file} is not UTF-8 text \(byte 21\)"):
+        load_config(tmp_path)
+    file.write_text(json.dumps({"hidden_size": 64}))
+    with pytest.raises(UnsupportedModelError, match=rf"{file}: has no model_type; ppojax supports gpt2, llama"):
         load_config(tmp_path)
     file.write_text("[1, 2]")
     with pytest.raises(ModelLoadError, match=rf"{file}: expected a JSON object"):

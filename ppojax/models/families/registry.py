@@ -82,7 +82,6 @@ def family_for(model_type: Any, source: str = "config.json") -> Family:
     """The family registered for `model_type`; `UnsupportedModelError` naming the supported types otherwise."""
     family = _FAMILIES.get(model_type) if isinstance(model_type, str) else None
     if family is None:
-        raise UnsupportedModelError(
-            f"{source}: model_type {model_type!r} is not supported; ppojax supports "
-            f"{', '.join(supported_model_types())}")
+        what = "has no model_type" if model_type is None else f"model_type {model_type!r} is not supported"
+        raise UnsupportedModelError(f"{source}: {what}; ppojax supports {', '.join(supported_model_types())}")
     return family
