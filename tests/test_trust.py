@@ -111,8 +111,10 @@ def start(dirs, out, env, *extra):
     log = out.with_suffix(".log")
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as f:
+        # a long run at a gentle learning rate (the tiny model diverges after many updates at tiny.yaml's 1e-2)
         proc = subprocess.Popen([sys.executable, "-m", "ppojax.cli", *args_for(dirs, out, "total_episodes=1600",
-                                                                               "save_steps=0", *extra)],
+                                                                               "save_steps=0", "learning_rate=1e-4",
+                                                                               *extra)],
                                 cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
     return proc, log
 
@@ -148,7 +150,7 @@ def test_a_signal_finishes_the_update_writes_a_checkpoint_and_exits_with_a_hint(
     assert not (out / "run.lock").exists()
     # the run continues from there
     assert main(args_for(tiny_dirs, out, "total_episodes=" + str(16 * (step + 1)), "save_steps=0",
-                         "resume=auto")) == 0
+                         "learning_rate=1e-4", "resume=auto", "resume_with_changes=true")) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, step + 2))
 
@@ -158,7 +160,8 @@ def test_two_runs_cannot_share_a_directory(tiny_dirs, tmp_path, cli_env, capsys)
     proc, log = start(tiny_dirs, out, cli_env)
     try:
         wait_for_updates(out, proc, log, 1)
-        assert main(args_for(tiny_dirs, out, "total_episodes=1600", "save_steps=0", "resume=auto")) == 2
+        assert main(args_for(tiny_dirs, out, "total_episodes=1600", "save_steps=0", "learning_rate=1e-4",
+                             "resume=auto")) == 2
         err = " ".join(capsys.readouterr().err.split())
         assert f"pid {proc.pid}" in err and "Traceback" not in err, err
     finally:

@@ -9,7 +9,9 @@ Typical use::
     save_pretrained(nnx.merge(graphdef, params), cfg, "out_dir", tokenizer=load_tokenizer("path/to/hf_dir"))
 """
 
-from .config import SUPPORTED_MODEL_TYPES, ModelConfig, UnsupportedModelError
+from .config import ModelConfig
+from .errors import ModelLoadError, UnsupportedModelError
+from .families import Family, family_for, register_family, supported_model_types
 from .hf_io import load_config, load_pretrained, load_tokenizer, read_params, save_pretrained
 from .transformer import (
     Backbone,
@@ -29,7 +31,8 @@ from .transformer import (
 )
 
 __all__ = [
-    "SUPPORTED_MODEL_TYPES", "ModelConfig", "UnsupportedModelError",
+    "ModelConfig", "ModelLoadError", "UnsupportedModelError",
+    "Family", "family_for", "register_family", "supported_model_types",
     "load_config", "load_pretrained", "load_tokenizer", "read_params", "save_pretrained",
     "Backbone", "CausalLM", "CausalLMWithValueHead", "KVCache", "ScoreModel",
     "apply_causal_lm", "apply_causal_lm_with_value", "apply_score_model", "count_params", "init_cache", "last_token_index",

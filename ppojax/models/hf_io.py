@@ -23,7 +23,8 @@ import numpy as np
 from flax import nnx
 
 from .config import ModelConfig
-from .keymaps import IGNORED_SUFFIXES, hf_to_params, params_to_hf
+from .errors import ModelLoadError
+from .families import family_for, hf_to_params, params_to_hf, tensor_name
 from .transformer import CausalLM, CausalLMWithValueHead, ScoreModel, init_value_head
 
 log = logging.getLogger(__name__)
@@ -35,19 +36,6 @@ _DTYPES = {
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
 }
 _NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
-_ARCHITECTURES = {
-    ("gpt2", "causal_lm"): "GPT2LMHeadModel", ("gpt2", "score"): "GPT2ForSequenceClassification",
-    ("gpt_neox", "causal_lm"): "GPTNeoXForCausalLM", ("gpt_neox", "score"): "GPTNeoXForSequenceClassification",
-    ("gpt2", "backbone"): "GPT2Model", ("gpt_neox", "backbone"): "GPTNeoXModel",
-}
-_FAMILY_NAME = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
-
-
-def _architecture(model_type: str, kind: str) -> str:
-    if (model_type, kind) in _ARCHITECTURES:
-        return _ARCHITECTURES[(model_type, kind)]
-    base = _FAMILY_NAME[model_type]
-    return {"score": f"{base}ForSequenceClassification", "backbone": f"{base}Model"}.get(kind, f"{base}ForCausalLM")
 
 
 # ------------------------------------------------------------------------------------------------ safetensors
@@ -94,7 +82,11 @@ class SafetensorsCheckpoint:
         self.directory = d
         index, single = d / SAFE_INDEX, d / SAFE_WEIGHTS
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            index_data = read_json(index)
+            weight_map = index_data.get("weight_map") if isinstance(index_data, dict) else None
+            if not isinstance(weight_map, dict):
+                raise ModelLoadError(f"{index} has no \"weight_map\" object (tensor name -> shard file); "
+                                     f"re-save the checkpoint")
             files = sorted(set(weight_map.values()))
         elif single.exists():
             files = [SAFE_WEIGHTS]
@@ -168,13 +160,26 @@ def write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray], m
 # ----------------------------------------------------------------------------------------------------- config
 
 
+def read_json(file: Path) -> Any:
+    """The parsed JSON `file`; `ModelLoadError` naming the file and where it breaks."""
+    try:
+        text = file.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ModelLoadError(f"{file} is not UTF-8 text (byte {err.start}); re-save or re-download it") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ModelLoadError(f"{file} is not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}; "
+                             f"fix or re-download it") from None
+
+
 def load_config(path: str | os.PathLike) -> ModelConfig:
     """`ModelConfig` of a checkpoint directory (its `config.json`)."""
     file = Path(path) / "config.json"
     if not file.exists():
         raise FileNotFoundError(f"{file} does not exist: expected a Hugging Face checkpoint directory "
                                 f"(config.json + model.safetensors)")
-    return ModelConfig.from_hf(json.loads(file.read_text()))
+    return ModelConfig.from_hf(read_json(file), source=str(file))
 
 
 def load_tokenizer(path: str | os.PathLike, **kwargs):
@@ -192,14 +197,34 @@ _MODEL_CLASSES = {"causal_lm": CausalLM, "value_head": CausalLMWithValueHead, "s
 
 
 def read_params(path: str | os.PathLike, cfg: ModelConfig, kind: str = "causal_lm") -> dict:
-    """The checkpoint's weights as a nested dict of numpy arrays in ppojax layout (see `keymaps`)."""
-    ckpt = SafetensorsCheckpoint(path)
+    """The checkpoint's weights as a nested dict of numpy arrays in ppojax layout (see `families/keys.py`)."""
+    return _read_params(SafetensorsCheckpoint(path), cfg, kind)
+
+
+def _read_params(ckpt: SafetensorsCheckpoint, cfg: ModelConfig, kind: str) -> dict:
+    family = family_for(cfg.model_type)
+    if cfg.tie_word_embeddings and kind in ("causal_lm", "value_head") and _stored_head_differs(ckpt, cfg, kind):
+        raise ModelLoadError(
+            f"{ckpt.directory}: the config ties the LM head to the embedding (tie_word_embeddings=true) but the "
+            f"checkpoint stores a different {family.lm_head}, which transformers then uses untied; load it with "
+            f"load_pretrained (which does the same) or pass cfg.replace(tie_word_embeddings=False)")
     params = hf_to_params(cfg, kind, ckpt.get, names=ckpt.names, has=ckpt.__contains__)
-    unused = [n for n in ckpt.names if n not in ckpt.used and not n.endswith(IGNORED_SUFFIXES)
-              and not (cfg.tie_word_embeddings and n in ("lm_head.weight", "embed_out.weight"))]
+    unused = [n for n in ckpt.names if n not in ckpt.used and not n.endswith(family.ignored_tensors)
+              and not (cfg.tie_word_embeddings and n == family.lm_head)]
     if unused:
-        log.warning("%d tensors of %s were not used for a %s model: %s", len(unused), path, kind, unused[:8])
+        log.warning("%d tensors of %s were not used for a %s model: %s", len(unused), ckpt.directory, kind,
+                    unused[:8])
     return params
+
+
+def _stored_head_differs(ckpt: SafetensorsCheckpoint, cfg: ModelConfig, kind: str) -> bool:
+    """Whether the checkpoint holds an LM head that differs from the embedding (transformers' `tie_weights` then
+    leaves the two untied, whatever tie_word_embeddings says)."""
+    head = family_for(cfg.model_type).lm_head
+    if head not in ckpt:
+        return False
+    embedding = tensor_name(cfg, kind, ("backbone", "embed", "embedding"), ckpt.names)
+    return embedding in ckpt and not np.array_equal(ckpt.get(head), ckpt.get(embedding))
 
 
 def load_pretrained(path: str | os.PathLike, *, kind: str = "causal_lm", dtype=jnp.float32, param_dtype=None,
@@ -220,7 +245,12 @@ def load_pretrained(path: str | os.PathLike, *, kind: str = "causal_lm", dtype=j
             and not list(Path(path).glob("*.safetensors")):
         raise FileNotFoundError(f"no weights in {path}: expected {Path(path, SAFE_WEIGHTS)} or "
                                 f"{Path(path, SAFE_INDEX)}")
-    loaded = read_params(path, cfg, kind)
+    ckpt = SafetensorsCheckpoint(path)
+    if cfg.tie_word_embeddings and kind in ("causal_lm", "value_head") and _stored_head_differs(ckpt, cfg, kind):
+        log.warning("%s: tie_word_embeddings is true but the checkpoint stores a different %s: using it untied, "
+                    "as transformers does", path, family_for(cfg.model_type).lm_head)
+        cfg = cfg.replace(tie_word_embeddings=False)
+    loaded = _read_params(ckpt, cfg, kind)
     extra = {}
     if kind == "score" and "bias" in loaded.get("score", {}):
         extra["bias"] = True
@@ -302,7 +332,7 @@ def save_pretrained(model, cfg: ModelConfig, out_dir: str | os.PathLike, tokeniz
     some = next(iter(tensors.values()))
     config = cfg.to_hf()
     hf_kind = "causal_lm" if kind == "value_head" else kind
-    config["architectures"] = [_architecture(cfg.model_type, hf_kind)]
+    config["architectures"] = [family_for(cfg.model_type).architectures[cfg.model_type][hf_kind]]
     config["dtype"] = {np.dtype(np.float32): "float32", np.dtype(ml_dtypes.bfloat16): "bfloat16",
                        np.dtype(np.float16): "float16"}.get(some.dtype, "float32")
     if kind == "score":
