@@ -9,6 +9,7 @@ Typical use::
     save_pretrained(nnx.merge(graphdef, params), cfg, "out_dir", tokenizer=load_tokenizer("path/to/hf_dir"))
 """
 
+from .attention import ATTENTION_IMPLEMENTATIONS
 from .config import SUPPORTED_MODEL_TYPES, ModelConfig, UnsupportedModelError
 from .hf_io import load_config, load_pretrained, load_tokenizer, read_params, save_pretrained
 from .transformer import (
@@ -27,6 +28,8 @@ from .transformer import (
     logical_axes,
     position_ids_from_mask,
 )
+from .precision import PRECISIONS, precision_dtypes
+from .remat import REMAT_POLICIES
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES", "ModelConfig", "UnsupportedModelError",
@@ -34,4 +37,5 @@ __all__ = [
     "Backbone", "CausalLM", "CausalLMWithValueHead", "KVCache", "ScoreModel",
     "apply_causal_lm", "apply_causal_lm_with_value", "apply_score_model", "count_params", "init_cache", "last_token_index",
     "last_token_scores", "logical_axes", "position_ids_from_mask",
+    "ATTENTION_IMPLEMENTATIONS", "PRECISIONS", "REMAT_POLICIES", "precision_dtypes",
 ]
