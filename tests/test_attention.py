@@ -12,6 +12,7 @@ from ppojax.models import CausalLM, ModelConfig
 from ppojax.models.attention import attention, check_attention_implementation, resolve_implementation
 
 ON_CUDA = jax.devices()[0].platform == "gpu" and bool(getattr(jax.devices()[0], "compute_capability", None))
+FULL_FLOAT32 = jax.default_matmul_precision("highest")  # GPUs default to TF32 for float32 matmuls
 
 
 def reference_attention(q, k, v, mask, scale):
@@ -67,14 +68,16 @@ def test_full_forward_matches_reference(heads, kv_heads, window):
     ref = reference_attention(q, k, v, mask, scale)
     fn = jax.jit(lambda q, k, v, m: attention(q, k, v, m, scale=scale, implementation="xla", is_causal=True,
                                               window=window))
-    out = np.asarray(fn(q, k, v, mask))
+    with FULL_FLOAT32:
+        out = np.asarray(fn(q, k, v, mask))
     assert out.shape == q.shape and out.dtype == np.float32
     assert np.isfinite(out).all()  # left-pad queries and the all-pad row see no key: finite, never NaN
     live = live_rows(mask)
     assert (~live).sum() >= 8 + 3  # the test does cover fully masked rows
     np.testing.assert_allclose(out[live], ref[live], atol=2e-6)
     # the hints change nothing: the mask alone gives the same result
-    bare = jax.jit(lambda q, k, v, m: attention(q, k, v, m, scale=scale, implementation="xla"))(q, k, v, mask)
+    with FULL_FLOAT32:
+        bare = jax.jit(lambda q, k, v, m: attention(q, k, v, m, scale=scale, implementation="xla"))(q, k, v, mask)
     np.testing.assert_allclose(np.asarray(bare)[live], ref[live], atol=2e-6)
 
 
@@ -92,8 +95,8 @@ def test_cache_decode_matches_reference():
         if window is not None:
             mask &= (np.arange(t) > q_slot - window)[None, None]
         ref = reference_attention(q, k, v, mask, 0.25)
-        fn = jax.jit(lambda q, k, v, m, n: attention(q, k, v, m, scale=0.25, implementation="xla", kv_length=n))
-        out = np.asarray(fn(q, k, v, mask, jnp.int32(written)))
+        with FULL_FLOAT32:
+            out = np.asarray(jax.jit(lambda q, k, v, m: attention(q, k, v, m, scale=0.25))(q, k, v, mask))
         np.testing.assert_allclose(out, ref, atol=2e-6)
 
 
@@ -110,6 +113,7 @@ def test_implementation_choice_and_errors():
     assert resolve_implementation("auto", jnp.float32, 64, 8, 8) == "xla"
     assert resolve_implementation("auto", jnp.bfloat16, 12, 8, 8) == "xla"
     assert resolve_implementation("auto", jnp.bfloat16, 64, 7, 7) == "xla"
+    assert resolve_implementation("auto", jnp.bfloat16, 64, 1, 64) == "xla"  # decode
     assert resolve_implementation("xla", jnp.bfloat16, 64, 8, 8) == "xla"
     if not ON_CUDA:
         assert resolve_implementation("auto", jnp.bfloat16, 64, 8, 8) == "xla"
@@ -146,7 +150,37 @@ def test_cudnn_matches_reference(window):
     dmask = (key_mask & (np.arange(64) < 50))[:, None, :]
     dref = reference_attention(np.asarray(qd, np.float32), np.asarray(k16, np.float32), np.asarray(v16, np.float32),
                                dmask, 0.125)
-    dfn = jax.jit(lambda q, k, v, m, n: attention(q, k, v, m, scale=0.125, implementation="cudnn", kv_length=n))
-    dout = np.asarray(dfn(qd, k16, v16, dmask, jnp.int32(50)), np.float32)
+    dfn = jax.jit(lambda q, k, v, m: attention(q, k, v, m, scale=0.125, implementation="cudnn"))
+    dout = np.asarray(dfn(qd, k16, v16, dmask), np.float32)
     assert np.isfinite(dout).all()
     np.testing.assert_allclose(dout[live_rows(dmask)], dref[live_rows(dmask)], atol=3e-2)
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="cuDNN's fused attention needs an NVIDIA GPU")
+def test_cudnn_model_matches_xla_model():
+    """A bfloat16 llama (GQA, left padding) under remat 'dots': 'auto' takes cuDNN for the forward, and its logits
+    and gradient match the XLA attention's within bfloat16 rounding (the two kernels round differently)."""
+    cfg = ModelConfig.from_hf(dict(model_type="llama", vocab_size=128, hidden_size=128, intermediate_size=256,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 128, (3, 16)), jnp.int32)
+    mask = jnp.asarray(left_padded_mask([16, 9, 4], 16))
+
+    def loss(graphdef, params):
+        model = nnx.merge(graphdef, params)
+        logits = model.logits(model(ids, mask)[0])
+        return jnp.sum(jnp.where(mask[..., None], jax.nn.log_softmax(logits), 0.0) ** 2) / 1e4, logits
+
+    results = {}
+    for impl in ("auto", "xla"):
+        graphdef, params = nnx.split(CausalLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, remat="dots",
+                                              attention_implementation=impl))
+        fn = jax.jit(jax.value_and_grad(loss, argnums=1, has_aux=True), static_argnums=0)
+        assert ("cudnn" in fn.lower(graphdef, params).compile().as_text()) == (impl == "auto")
+        (_, logits), grads = fn(graphdef, params)
+        results[impl] = (np.asarray(logits), np.concatenate([np.ravel(np.asarray(g, np.float32))
+                                                             for g in jax.tree.leaves(grads)]))
+    (la, ga), (lx, gx) = results["auto"], results["xla"]
+    assert np.isfinite(la).all() and np.isfinite(ga).all()
+    live = np.asarray(mask)
+    assert np.abs(la - lx)[live].max() < 0.05 * np.abs(lx[live]).max()
+    assert ga @ gx / (np.linalg.norm(ga) * np.linalg.norm(gx)) > 0.99

@@ -2,27 +2,28 @@
 
 One entry point, `attention(q, k, v, mask, ...)`, for the full forward (S queries over S keys) and for the KV-cache
 calls (S queries over T cache slots; decode is S = 1). The boolean `mask` is the single source of truth for who
-attends to whom (key padding, causality, sliding window); `is_causal`, `window` and `kv_length` are exact hints
-that it already implies, passed on so that cuDNN can skip whole blocks (above the diagonal, outside the window,
-past the written part of the cache).
+attends to whom (key padding, causality, sliding window); `is_causal` and `window` are exact hints that it
+already implies, passed on so that cuDNN can skip whole blocks (above the diagonal, outside the window).
 
 Why the mask goes in as a boolean tensor. Rows are LEFT padded: a real query at slot i attends to the real keys
 in `[first_real, i]`. `jax.nn.dot_product_attention`'s cheap padding form (`query_seq_lengths` /
 `key_value_seq_lengths`) means "slots `[0, length)` are real", i.e. right padding, so it cannot say "skip the
 first `p_b` slots" (cuDNN's packed-segment offsets could, but `jax.nn.dot_product_attention` does not expose
 them). Rolling each row to right padding would work only for masks whose real tokens are contiguous, while the
-model's contract accepts any `attention_mask`. So the mask is passed whole; the cuDNN path turns it into an
-additive bias (`jax._src.cudnn.fused_attention_stablehlo.combine_bias_and_mask`), which costs one bias read per
-block, and `is_causal` still lets it skip the blocks above the diagonal.
+model's contract accepts any `attention_mask` (a sampled pad id inside a response makes a hole). So the mask is
+passed whole; the cuDNN path turns it into an additive bias `[B, 1, S, T]`
+(`jax._src.cudnn.fused_attention_stablehlo.combine_bias_and_mask`), read per block in the forward and written as
+a bias gradient in the backward, and `is_causal` still lets it skip the blocks above the diagonal.
 
 GQA: `k, v` keep their K heads; `jax.nn.dot_product_attention` groups the H query heads itself (XLA: a reshape to
 `[B, S, K, H/K, hd]`; cuDNN: natively), so no repeat of the keys is ever materialised.
 
 Implementations: "xla" (any backend, any dtype), "cudnn" (NVIDIA GPU, bfloat16/float16, head_dim a multiple of 8
-and <= 128, or <= 256 from Hopper on), "auto" (cuDNN where those hold, else XLA: `jax.nn.dot_product_attention`'s
-own `implementation=None` always means XLA today). Both keep the softmax in float32, and a query whose every key
-is masked gets a finite output (XLA: a uniform average; cuDNN: zeros where the padding form applies, else a
-uniform average), never NaN; callers ignore such positions.
+and <= 128, or <= 256 from Hopper on), "auto" (cuDNN where those hold and there is more than one query, else XLA:
+`jax.nn.dot_product_attention`'s own `implementation=None` always means XLA today; for one query against the
+cache, XLA's fused matrix-vector products beat the flash kernel, whose query tile is then nearly empty). Both keep
+the softmax in float32, and a query whose every key is masked gets a finite output (an average over the keys the
+kernel did not skip), never NaN; callers ignore such positions.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def resolve_implementation(implementation: str, dtype, head_dim: int, q_len: int
 
     "auto" takes cuDNN's fused flash kernel on an Ampere-or-later NVIDIA GPU when the call fits it: a 16-bit dtype,
     a supported head_dim, and (because the mask enters as a bias, whose backward cuDNN runs only on even lengths)
-    even query and key lengths, or a single query (decode, never differentiated).
+    even query and key lengths; never for a single query (decode), where XLA is faster.
     """
     if implementation == "xla":
         return "xla"
@@ -84,27 +85,23 @@ def resolve_implementation(implementation: str, dtype, head_dim: int, q_len: int
     fits = (capability is not None and capability >= (8, 0)
             and jnp.dtype(dtype) in [jnp.dtype(d) for d in CUDNN_DTYPES]
             and head_dim % 8 == 0 and head_dim <= max_head_dim
-            and (q_len == 1 or (q_len % 2 == 0 and kv_len % 2 == 0)))
+            and q_len > 1 and q_len % 2 == 0 and kv_len % 2 == 0)
     return "cudnn" if fits else "xla"
 
 
 def attention(q: Array, k: Array, v: Array, mask: Array, *, scale: float, implementation: str = "auto",
-              is_causal: bool = False, window: int | None = None, kv_length: Array | None = None) -> Array:
+              is_causal: bool = False, window: int | None = None) -> Array:
     """Grouped-query attention with a float32 softmax.
 
     q: [B, S, H, hd]; k, v: [B, T, K, hd] (H a multiple of K; same dtype as q); mask: bool[B, S, T] (True = may
     attend). scale: a Python float (cuDNN takes it as a constant; fold a traced factor into q instead).
     Hints, each implied by `mask` (so the result does not depend on them): `is_causal` (query s may attend only to
-    keys t <= s: the no-cache forward, S == T), `window` (query s attends only to keys t > s - window, S == T),
-    `kv_length` (i32[]: keys at t >= kv_length are masked for every row: the written part of a KV cache).
+    keys t <= s: the no-cache forward, S == T), `window` (query s attends only to keys t > s - window, S == T).
     Returns [B, S, H, hd] in q.dtype.
     """
-    b, s, h, hd = q.shape
+    s, hd = q.shape[1], q.shape[3]
     t = k.shape[1]
     impl = resolve_implementation(implementation, q.dtype, hd, s, t)
-    kv_lengths = None if kv_length is None else jnp.broadcast_to(jnp.asarray(kv_length, jnp.int32), (b,))
     return jax.nn.dot_product_attention(
         q, k, v, mask=mask[:, None, :, :], scale=float(scale), is_causal=is_causal,
-        key_value_seq_lengths=kv_lengths,
-        local_window_size=None if window is None else (window - 1, 0),
-        implementation=impl)
+        local_window_size=None if window is None else (window - 1, 0), implementation=impl)

@@ -407,7 +407,6 @@ class Backbone(nnx.Module):
             key_mask = jax.lax.dynamic_update_slice(cache.key_mask, attention_mask, (0, index))
             q_slot = index + jnp.arange(s)
             k_slot = jnp.arange(cache.max_length)
-            attn_kwargs["kv_length"] = index + s  # slots past the ones written so far are empty
         mask = key_mask[:, None, :] & (k_slot[None, None, :] <= q_slot[None, :, None])
         if sliding.any():
             window_mask = mask & (k_slot[None, None, :] > q_slot[None, :, None] - cfg.sliding_window)
