@@ -140,7 +140,7 @@ def test_cudnn_matches_reference(window):
                               mask, 0.125)
     fn = jax.jit(lambda q, k, v, m: attention(q, k, v, m, scale=0.125, implementation="cudnn", is_causal=True,
                                               window=window))
-    assert "cudnn" in fn.lower(q16, k16, v16, mask).compile().as_text()
+    assert "__cudnn$fmha" in fn.lower(q16, k16, v16, mask).compile().as_text()
     out = np.asarray(fn(q16, k16, v16, mask), np.float32)
     assert np.isfinite(out).all()
     live = live_rows(mask)
@@ -175,7 +175,9 @@ def test_cudnn_model_matches_xla_model():
         graphdef, params = nnx.split(CausalLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, remat="dots",
                                               attention_implementation=impl))
         fn = jax.jit(jax.value_and_grad(loss, argnums=1, has_aux=True), static_argnums=0)
-        assert ("cudnn" in fn.lower(graphdef, params).compile().as_text()) == (impl == "auto")
+        hlo = fn.lower(graphdef, params).compile().as_text()
+        assert ("__cudnn$fmhaScaleBiasSoftmaxBackward" in hlo) == (impl == "auto")
+        assert ("__cudnn$fmha" in hlo) == (impl == "auto")
         (_, logits), grads = fn(graphdef, params)
         results[impl] = (np.asarray(logits), np.concatenate([np.ravel(np.asarray(g, np.float32))
                                                              for g in jax.tree.leaves(grads)]))
