@@ -9,6 +9,7 @@ Typical use::
     save_pretrained(nnx.merge(graphdef, params), cfg, "out_dir", tokenizer=load_tokenizer("path/to/hf_dir"))
 """
 
+from .attention import ATTENTION_IMPLEMENTATIONS
 from .config import ModelConfig
 from .errors import ModelLoadError, UnsupportedModelError
 from .families import Family, family_for, register_family, supported_model_types
@@ -29,6 +30,8 @@ from .transformer import (
     logical_axes,
     position_ids_from_mask,
 )
+from .precision import PRECISIONS, precision_dtypes
+from .remat import REMAT_POLICIES
 
 __all__ = [
     "ModelConfig", "ModelLoadError", "UnsupportedModelError",
@@ -37,4 +40,5 @@ __all__ = [
     "Backbone", "CausalLM", "CausalLMWithValueHead", "KVCache", "ScoreModel",
     "apply_causal_lm", "apply_causal_lm_with_value", "apply_score_model", "count_params", "init_cache", "last_token_index",
     "last_token_scores", "logical_axes", "position_ids_from_mask",
+    "ATTENTION_IMPLEMENTATIONS", "PRECISIONS", "REMAT_POLICIES", "precision_dtypes",
 ]

@@ -228,13 +228,15 @@ def _stored_head_differs(ckpt: SafetensorsCheckpoint, cfg: ModelConfig, kind: st
 
 
 def load_pretrained(path: str | os.PathLike, *, kind: str = "causal_lm", dtype=jnp.float32, param_dtype=None,
-                    scan_layers: bool = True, remat: bool = False, seed: int = 0):
+                    scan_layers: bool = True, remat: str = "none", attention_implementation: str = "auto",
+                    seed: int = 0):
     """Load a Hugging Face checkpoint directory into a ppojax model.
 
     kind: "causal_lm" -> `CausalLM`; "score" -> `ScoreModel` (reward/value models, `XForSequenceClassification`);
     "value_head" -> `CausalLMWithValueHead`. A head missing from the checkpoint (`v_head.summary.*`, or
     `score.weight` when a score model starts from a causal-LM checkpoint) is initialised randomly from `seed`,
-    with a warning. dtype: compute dtype; param_dtype: storage dtype (default: dtype).
+    with a warning. dtype: compute dtype; param_dtype: storage dtype (default: dtype). remat,
+    attention_implementation, scan_layers: as the model classes' (`transformer.Backbone`).
     Returns `(model, cfg)`.
     """
     if kind not in _MODEL_CLASSES:
@@ -256,7 +258,8 @@ def load_pretrained(path: str | os.PathLike, *, kind: str = "causal_lm", dtype=j
         extra["bias"] = True
     model_cls = _MODEL_CLASSES[kind]
     abstract = nnx.eval_shape(lambda: model_cls(cfg, rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=param_dtype,
-                                                scan_layers=scan_layers, remat=remat, **extra))
+                                                scan_layers=scan_layers, remat=remat,
+                                                attention_implementation=attention_implementation, **extra))
     graphdef, state = nnx.split(abstract)
     key = jax.random.key(seed)
     if kind == "value_head" and "v_head" not in loaded:

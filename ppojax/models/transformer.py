@@ -12,9 +12,14 @@ matmuls themselves run on flattened 2-D operands (see `_dense_in`).
 
 Forward contract (SPEC): `input_ids i32[B, S]`, `attention_mask bool[B, S]` (True = real token, False = pad),
 `position_ids i32[B, S]` (exclusive cumulative sum of the mask for left-padded rows; `position_ids_from_mask`).
-Pad ids are replaced by 0 before the embedding. Attention is causal AND ignores pad keys. Softmax and norm
-statistics are float32 whatever the compute dtype. A query that sees no valid key (a left-pad position) gets a
-finite, meaningless output (never NaN); callers ignore pad positions.
+Pad ids are replaced by 0 before the embedding. Attention is causal AND ignores pad keys; it runs through
+`jax.nn.dot_product_attention` (`attention.py`: cuDNN's fused kernel or XLA, `attention_implementation`). Softmax
+and norm statistics are float32 whatever the compute dtype. A query that sees no valid key (a left-pad position)
+gets a finite, meaningless output (never NaN); callers ignore pad positions.
+
+Model options (static, part of the graphdef): `dtype` / `param_dtype` (compute / storage; named pairs in
+`precision.py`), `remat` ("none" | "full" | "dots", `remat.py`), `attention_implementation` ("auto" | "xla" |
+"cudnn"), `scan_layers`.
 
 KV cache (`KVCache`, `init_cache`): keys/values `[L, B, T, K, hd]`, `key_mask bool[B, T]`, `index i32[]` (next write
 slot). A call with a cache writes its S tokens at slots `[index, index + S)`, marks them valid where
@@ -33,10 +38,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from .attention import attention, check_attention_implementation
 from .config import ModelConfig
+from .remat import check_remat, remat_layer
 
 Array = jax.Array
-_MASKED = -1e30  # finite "minus infinity" for masked scores: an all-masked row stays NaN-free
 
 # ----------------------------------------------------------------------------------------- small pure functions
 
@@ -114,22 +120,6 @@ def apply_rope(x: Array, position_ids: Array, inv_freq: np.ndarray) -> Array:
     return jnp.concatenate([rotated.astype(x.dtype), x[..., rot:]], axis=-1)
 
 
-def attention(q: Array, k: Array, v: Array, mask: Array, scale) -> Array:
-    """Grouped-query attention with a float32 softmax.
-
-    q: [B, S, H, hd]; k, v: [B, T, K, hd] (H a multiple of K); mask: bool[B, S, T] (True = may attend).
-    Returns [B, S, H, hd] in q.dtype.
-    """
-    b, s, h, hd = q.shape
-    kv = k.shape[2]
-    qg = q.reshape(b, s, kv, h // kv, hd)
-    scores = jnp.einsum("bskgd,btkd->bkgst", qg, k, preferred_element_type=jnp.float32) * scale
-    scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
-    return out.reshape(b, s, h, hd)
-
-
 def position_ids_from_mask(attention_mask: Array) -> Array:
     """`i32[B, S]`: exclusive cumulative sum of `attention_mask` (first real token -> 0; left pads -> 0)."""
     m = attention_mask.astype(jnp.int32)
@@ -198,11 +188,12 @@ def _dense_in(x: Array, kernel: Array, bias: Array | None, dtype) -> Array:
 
 
 def _block(cfg: ModelConfig, dtype, inv_freq, p: dict, x: Array, positions: Array, mask: Array,
-           layer_idx, kv: tuple | None, cache_index):
+           layer_idx, kv: tuple | None, cache_index, attn_kwargs: dict):
     """One transformer layer on `x: [B, S, D]` with this layer's weights `p` (no `layers` axis).
 
     `mask: bool[B, S, T]`. With `kv = (keys, values)` (the whole stacked cache `[L, B, T, K, hd]`), the new keys and
     values are written at `[layer_idx, :, cache_index:cache_index+S]` and attention reads that layer's slots.
+    `attn_kwargs`: the static implementation and the mask hints of `attention.attention`.
     Returns `(x, kv)`.
     """
     a = p["attn"]
@@ -224,10 +215,11 @@ def _block(cfg: ModelConfig, dtype, inv_freq, p: dict, x: Array, positions: Arra
         k = jax.lax.dynamic_index_in_dim(all_k, layer_idx, 0, keepdims=False).astype(dtype)
         v = jax.lax.dynamic_index_in_dim(all_v, layer_idx, 0, keepdims=False).astype(dtype)
         kv = (all_k, all_v)
-    scale = cfg.head_dim ** -0.5
     if cfg.attn_scale_by_inverse_layer_idx:
-        scale = scale / (layer_idx + 1).astype(jnp.float32)
-    o = attention(q, k, v, mask, scale)
+        # GPT-2's scores / (layer_idx + 1): layer_idx is traced under the layer scan and cuDNN takes the scale as
+        # a constant, so the per-layer factor is folded into q
+        q = q * (1.0 / (layer_idx + 1).astype(jnp.float32)).astype(q.dtype)
+    o = attention(q, k, v, mask, scale=cfg.head_dim ** -0.5, **attn_kwargs)
     attn_out = jnp.einsum("bshk,hkd->bsd", o, a["o"]["kernel"].astype(dtype))
     if "bias" in a["o"]:
         attn_out = attn_out + a["o"]["bias"].astype(dtype)
@@ -248,6 +240,33 @@ def _block(cfg: ModelConfig, dtype, inv_freq, p: dict, x: Array, positions: Arra
         x = x + attn_out
         x = x + mlp(_norm(cfg, x, p["mlp_norm"]))
     return x, kv
+
+
+@jax.custom_vjp
+def matmul_float32_out(x: Array, w: Array) -> Array:
+    """x [..., D] @ w [D, V] -> f32[..., V], float32 accumulation; x and w in the compute dtype.
+
+    The float32 output keeps the logits' precision, but autodiff would then run both backward matmuls with a
+    float32 cotangent against a bfloat16 operand (promoted to float32 matmuls); the custom VJP rounds the
+    cotangent to the compute dtype so the backward matmuls run in it, as the forward's. Identical to autodiff in
+    float32.
+    """
+    return jnp.einsum("...d,dv->...v", x, w, preferred_element_type=jnp.float32)
+
+
+def _matmul_float32_out_fwd(x, w):
+    return matmul_float32_out(x, w), (x, w)
+
+
+def _matmul_float32_out_bwd(residuals, g):
+    x, w = residuals
+    g = g.astype(x.dtype)
+    dx = jnp.einsum("...v,dv->...d", g, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    dw = jnp.einsum("...d,...v->dv", x, g, preferred_element_type=jnp.float32).astype(w.dtype)
+    return dx, dw
+
+
+matmul_float32_out.defvjp(_matmul_float32_out_fwd, _matmul_float32_out_bwd)
 
 
 # ----------------------------------------------------------------------------------------------- parameters
@@ -307,11 +326,14 @@ class Backbone(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
-                 scan_layers: bool = True, remat: bool = False):
+                 scan_layers: bool = True, remat: str = "none", attention_implementation: str = "auto"):
+        check_remat(remat)
+        check_attention_implementation(attention_implementation, dtype, cfg.head_dim)
         self.cfg = cfg
         self.dtype = dtype
         self.scan_layers = scan_layers
         self.remat = remat
+        self.attention_implementation = attention_implementation
         init = _Init(rngs, cfg.initializer_range, param_dtype)
         L, D, H, K, hd, F = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                              cfg.intermediate_size)
@@ -368,19 +390,24 @@ class Backbone(nnx.Module):
         b, s = input_ids.shape
         x = self.embed_tokens(input_ids, attention_mask, position_ids)
 
-        # attention masks bool[B, S, T], shared by all layers
+        # attention masks bool[B, S, T], shared by all layers (True = may attend), and the hints that let a fused
+        # kernel skip blocks the mask rules out anyway (see attention.attention)
+        sliding = np.asarray(cfg.sliding_layers)
+        attn_kwargs = dict(implementation=self.attention_implementation)
         if cache is None:
             q_slot = jnp.arange(s)
             k_slot = jnp.arange(s)
             key_mask = attention_mask
             index = None
+            attn_kwargs["is_causal"] = True
+            if sliding.all():
+                attn_kwargs["window"] = cfg.sliding_window
         else:
             index = cache.index
             key_mask = jax.lax.dynamic_update_slice(cache.key_mask, attention_mask, (0, index))
             q_slot = index + jnp.arange(s)
             k_slot = jnp.arange(cache.max_length)
         mask = key_mask[:, None, :] & (k_slot[None, None, :] <= q_slot[None, :, None])
-        sliding = np.asarray(cfg.sliding_layers)
         if sliding.any():
             window_mask = mask & (k_slot[None, None, :] > q_slot[None, :, None] - cfg.sliding_window)
 
@@ -391,11 +418,11 @@ class Backbone(nnx.Module):
             x, kv = carry
             p, layer_idx, is_sliding = xs
             m = jnp.where(is_sliding, window_mask, mask) if sliding.any() else mask
-            x, kv = _block(cfg, self.dtype, inv_freq, p, x, position_ids, m, layer_idx, kv, index)
+            x, kv = _block(cfg, self.dtype, inv_freq, p, x, position_ids, m, layer_idx, kv, index, attn_kwargs)
             return (x, kv), None
 
-        if self.remat:
-            body = jax.checkpoint(body)
+        # under scan, XLA cannot merge the recomputation into the forward anyway (jax.checkpoint's docs)
+        body = remat_layer(body, self.remat, prevent_cse=not self.scan_layers)
         kv = None if cache is None else (cache.keys, cache.values)
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         if self.scan_layers:
@@ -423,11 +450,11 @@ class CausalLM(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
-                 scan_layers: bool = True, remat: bool = False):
+                 scan_layers: bool = True, remat: str = "none", attention_implementation: str = "auto"):
         self.cfg = cfg
         self.dtype = dtype
         self.backbone = Backbone(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers,
-                                 remat=remat)
+                                 remat=remat, attention_implementation=attention_implementation)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -440,12 +467,11 @@ class CausalLM(nnx.Module):
 
     def logits(self, hidden: Array) -> Array:
         """hidden [..., D] -> logits f32[..., V] (matmul in the compute dtype, float32 accumulation)."""
-        hidden = hidden.astype(self.dtype)
         if self.lm_head is None:
-            w = self.backbone.embed["embedding"][...].astype(self.dtype)
-            return jnp.einsum("...d,vd->...v", hidden, w, preferred_element_type=jnp.float32)
-        w = self.lm_head["kernel"][...].astype(self.dtype)
-        return jnp.einsum("...d,dv->...v", hidden, w, preferred_element_type=jnp.float32)
+            w = self.backbone.embed["embedding"][...].astype(self.dtype).T  # the transpose folds into the dot
+        else:
+            w = self.lm_head["kernel"][...].astype(self.dtype)
+        return matmul_float32_out(hidden.astype(self.dtype), w)
 
 
 def init_value_head(cfg: ModelConfig, key: Array, param_dtype=jnp.float32) -> dict:
@@ -465,9 +491,9 @@ class CausalLMWithValueHead(CausalLM):
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
-                 scan_layers: bool = True, remat: bool = False):
+                 scan_layers: bool = True, remat: str = "none", attention_implementation: str = "auto"):
         super().__init__(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers,
-                         remat=remat)
+                         remat=remat, attention_implementation=attention_implementation)
         init = init_value_head(cfg, rngs.params(), param_dtype)
         self.v_head = nnx.Dict(kernel=_param(init["kernel"], ("embed", None)), bias=_param(init["bias"], (None,)))
 
@@ -486,11 +512,12 @@ class ScoreModel(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
-                 bias: bool = False, scan_layers: bool = True, remat: bool = False):
+                 bias: bool = False, scan_layers: bool = True, remat: str = "none",
+                 attention_implementation: str = "auto"):
         self.cfg = cfg
         self.dtype = dtype
         self.backbone = Backbone(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers,
-                                 remat=remat)
+                                 remat=remat, attention_implementation=attention_implementation)
         init = _Init(rngs, cfg.initializer_range, param_dtype)
         self.score = nnx.Dict(kernel=init.normal((cfg.hidden_size, 1), ("embed", None)))
         if bias:
