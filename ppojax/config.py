@@ -152,8 +152,18 @@ class PPOConfig:
     """Value model checkpoint. None: TRL's choice (the reward model), or the policy backbone + a new head."""
     value_head: str = setting("separate", static=True, on_resume=MUST_MATCH, rule=one_of("separate", "policy"))
     """'separate': a value model of its own (TRL); 'policy': a Linear head on the policy backbone (legacy)."""
-    dtype: str = setting("float32", static=True, on_resume=MUST_MATCH, rule=one_of("float32", "bfloat16"))
-    """Parameter and compute dtype: 'float32' or 'bfloat16' (log-softmax, losses and statistics stay float32)."""
+    precision: str = setting("float32", static=True, on_resume=MUST_MATCH,
+                             rule=one_of("float32", "bfloat16", "mixed"))
+    """Precision policy of every model: 'float32'; 'bfloat16' (parameters, optimizer moments and matmuls in
+    bfloat16); 'mixed' (float32 parameters and optimizer moments, bfloat16 matmuls). Log-softmax, losses and
+    statistics are float32 always. Legacy name: dtype."""
+    remat: str = setting("none", static=True, on_resume=MAY_CHANGE, rule=one_of("none", "full", "dots"))
+    """Rematerialisation of the layers in the backward pass: 'none' (keep every activation), 'full' (keep
+    only each layer's input, recompute the rest: least memory), 'dots' (keep the projection outputs,
+    recompute attention and the element-wise ops)."""
+    attention_implementation: str = setting("auto", static=True, on_resume=MAY_CHANGE,
+                                            rule=one_of("auto", "xla", "cudnn"))
+    """'auto' (cuDNN's fused kernel on an NVIDIA GPU when it applies, XLA elsewhere), 'xla', or 'cudnn'."""
 
     # ---- data ----
     dataset: str = setting("movie_reviews", static=False, on_resume=MUST_MATCH, rule=NON_EMPTY)
@@ -656,6 +666,7 @@ LEGACY_ALIASES = {
     "steps": "total_episodes",
     "forward_batch_size": "local_rollout_forward_batch_size",
     "ent_coef": "entropy_coef",
+    "dtype": "precision",
 }
 
 
@@ -668,8 +679,9 @@ _NOT_TRAINER = ("a transformers Trainer option with no ppojax counterpart (ppoja
 
 FOREIGN_KEYS: dict[str, str] = {
     # precision
-    "bf16": "use dtype: bfloat16 (bf16: false is dtype: float32, the default)",
-    "fp16": "ppojax has no float16; use dtype: bfloat16 (or float32)",
+    "bf16": "use precision: mixed (float32 master weights, bfloat16 matmuls) or precision: bfloat16 (bf16: false is "
+            "precision: float32, the default)",
+    "fp16": "ppojax has no float16; use precision: mixed or bfloat16 (or float32)",
     **_same("evaluation runs in the training dtype; set dtype (float32 or bfloat16)",
             "bf16_full_eval", "fp16_full_eval", "half_precision_backend", "fp16_opt_level", "fp16_backend"),
     "tf32": "no such knob: XLA chooses matmul precision; set dtype (float32 or bfloat16)",

@@ -177,12 +177,12 @@ def test_structure_mismatch_names_the_tensor(tmp_path):
 
 def test_check_compatible_lists_every_difference():
     saved = config_dict(output_dir="a", save_steps=5)
-    now = config_dict(model_name_or_path="other", response_length=16, dtype="bfloat16", batch_size=32,
+    now = config_dict(model_name_or_path="other", response_length=16, precision="bfloat16", batch_size=32,
                       output_dir="b", save_steps=10, total_episodes=999, resume="auto", learning_rate=1e-5)
     with pytest.raises(ckpt.CheckpointError) as err:
         ckpt.check_compatible(saved, now)
     message = str(err.value)
-    for line in ("batch_size: None -> 32", "dtype: 'float32' -> 'bfloat16'",
+    for line in ("batch_size: None -> 32", "precision: 'float32' -> 'bfloat16'",
                  "model_name_or_path: 'tiny' -> 'other'", "response_length: 8 -> 16"):
         assert line in message
     assert "4 field(s)" in message

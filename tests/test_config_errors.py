@@ -29,7 +29,7 @@ BAD_CONFIGS = [
     ("trl-keys-and-typo", "bf16: true\nfp16: false\nper_device_eval_batch_size: 8\ngradient_checkpointing: true\n"
      "log_with: wandb\ntracker_project_name: x\npush_to_hub: false\nsave_strategy: steps\neval_strategy: 'no'\n"
      "logging_dir: logs\nlearning_rte: 1.0e-5\n",
-     ["11 unknown config keys:", "'bf16' (TRL / transformers): use dtype: bfloat16",
+     ["11 unknown config keys:", "'bf16' (TRL / transformers): use precision: mixed",
       "'fp16' (TRL / transformers): ppojax has no float16", "'per_device_eval_batch_size' (TRL / transformers)",
       "num_eval_prompts", "'gradient_checkpointing' (TRL / transformers): no such knob",
       "'log_with' (TRL / transformers): use report_to", "WANDB_PROJECT", "'push_to_hub' (TRL / transformers)",
@@ -74,9 +74,9 @@ BAD_CONFIGS = [
     ("seed-too-large", "seed: 4294967296\n", ["seed=4294967296", "32 bits"]),
     ("empty-strings", "dataset_text_field: ''\noutput_dir: ' '\n",
      ["dataset_text_field='': expected a non-empty string", "output_dir=' '"]),
-    ("choices", "dtype: float16\nvalue_head: both\nlr_scheduler_type: cosine\non_nonfinite_reward: ignore\n"
+    ("choices", "precision: float16\nvalue_head: both\nlr_scheduler_type: cosine\non_nonfinite_reward: ignore\n"
      "stop_token: EOS\n",
-     ["dtype='float16': expected 'float32' or 'bfloat16'", "value_head='both'",
+     ["precision='float16': expected one of 'float32', 'bfloat16', 'mixed'", "value_head='both'",
       "lr_scheduler_type='cosine': expected 'linear' or 'constant'",
       "on_nonfinite_reward='ignore': expected 'error' or 'skip'", "stop_token='EOS': expected null or 'eos'"]),
     ("kl-estimator", "kl_estimator: k2\n", ["kl_estimator='k2': expected one of 'k1', 'k3'"]),
@@ -148,6 +148,6 @@ def test_cli_overrides_are_checked_like_the_file(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "override 'kl_coef=[1':1:" in err  # the override that is not YAML comes first
     assert main(["train", str(good), "temperature=0", "bf16=true"]) == 2
-    assert "'bf16' (TRL / transformers): use dtype: bfloat16" in capsys.readouterr().err
+    assert "'bf16' (TRL / transformers): use precision: mixed" in capsys.readouterr().err
     assert main(["train", str(good), "temperature=0"]) == 2
     assert "temperature=0: expected a number > 0" in capsys.readouterr().err

@@ -123,3 +123,28 @@ def test_logits_chunk_size_is_sized_from_the_memory_budget(tmp_path, monkeypatch
     assert small.run.settings.update_logits_chunk == 3 and small.run.settings.rollout_logits_chunk == 1
     fixed = make_trainer(tmp_path / "fixed", logits_chunk_size=5)
     assert fixed.run.settings.update_logits_chunk == 5 and fixed.run.settings.rollout_logits_chunk == 5
+
+
+def test_precision_and_remat_policies_reach_every_model(tmp_path):
+    """precision: mixed keeps float32 parameters (and Adam moments) with bfloat16 compute in the policy, the
+    reference and the value model; remat and the attention choice reach the model graphs; a step trains."""
+    from flax import nnx
+    import jax.numpy as jnp
+    from tests.tiny_setup import write_tiny_run_inputs
+
+    dirs = write_tiny_run_inputs(tmp_path / "inputs")
+    config = PPOConfig.from_dict(dict(
+        model_name_or_path=str(dirs / "model"), dataset=str(dirs / "prompts.jsonl"), reward_function="tests.test_cli:good_fraction",
+        output_dir=str(tmp_path / "run"), report_to="none", batch_size=16, response_length=8, max_prompt_length=6,
+        total_episodes=16, num_sample_generations=0, precision="mixed", remat="dots", attention_implementation="xla"))
+    trainer = PPOTrainer(config)
+    state = trainer.state
+    for tree in (state.params, state.opt_state, state.frozen["ref"]):
+        assert {x.dtype for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)} == {np.dtype("float32")}
+    ac = trainer.run.program.actor_critic
+    for graphdef, params in ((ac.policy_graphdef, state.params["policy"]), (ac.value_graphdef, state.params["value"])):
+        model = nnx.merge(graphdef, params)
+        backbone = model.backbone
+        assert model.dtype == jnp.bfloat16 and backbone.remat == "dots"
+    history = trainer.train(progress=False)
+    assert np.isfinite(history[-1]["loss/policy_avg"]) and int(trainer.state.optimizer_steps) == 4

@@ -203,7 +203,7 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
     preflight(config, policy_given=model is not None, reward_given=reward_model is not None)
     cache_dir = enable_compilation_cache(config.compilation_cache_dir)
     mesh = as_config_error(sharding.mesh_from_config, config)
-    dtype = jnp.bfloat16 if config.dtype == "bfloat16" else jnp.float32
+    model_options = model_kwargs(config)
     data_parallel = sharding.data_parallel_size(mesh)
     config.derived(data_parallel)  # batch sizes must split over the data-parallel devices (before loading)
 
@@ -212,7 +212,7 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
     if model is None:
         model_path = resolve_model_path(config.model_name_or_path)
         kind = "value_head" if config.value_head == "policy" else "causal_lm"
-        model, _ = load_model("policy", model_path, kind=kind, dtype=dtype, seed=config.seed)
+        model, _ = load_model("policy", model_path, kind=kind, seed=config.seed, **model_options)
     if processing_class is None:
         if model_path is None:
             raise ConfigError("processing_class (the tokenizer) is required when `model` is given.")
@@ -237,7 +237,7 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
     if reward_model is None and config.reward_function is not None:
         reward_model = resolve_reward_function(config.reward_function)
     if reward_model is None and config.reward_model_path is not None:
-        reward_module, _ = load_model("reward model", config.reward_model_path, kind="score", dtype=dtype)
+        reward_module, _ = load_model("reward model", config.reward_model_path, kind="score", **model_options)
     elif callable(reward_model) and not isinstance(reward_model, nnx.Module):
         pass
     elif reward_model is not None:
@@ -248,7 +248,7 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
     params = {"policy": policy_params}
     value_graphdef = None
     if config.value_head == "separate":
-        value_module = value_model or _default_value_model(config, model, reward_module, dtype)
+        value_module = value_model or _default_value_model(config, model, reward_module, model_options)
         value_graphdef, params["value"] = nnx.split(value_module)
         if reward_module is not None and value_model is None:
             params["value"] = _copy(params["value"])  # the value model trains; the reward model must not
@@ -314,14 +314,23 @@ def _split_eval(ids, num_eval):
     return (ids[:len(ids) - num_eval], ids[len(ids) - num_eval:]) if num_eval else (ids, None)
 
 
-def _default_value_model(config, policy, reward_module, dtype):
+def model_kwargs(config) -> dict:
+    """The model constructor arguments the config sets: precision (compute and parameter dtypes),
+    rematerialisation, attention implementation."""
+    from ..models import precision_dtypes
+    compute, params = precision_dtypes(config.precision)
+    return dict(dtype=compute, param_dtype=params, remat=config.remat,
+                attention_implementation=config.attention_implementation)
+
+
+def _default_value_model(config, policy, reward_module, model_options):
     """TRL initialises the value model from the reward model; with a reward function there is none, so the
     value model is the policy's backbone with a fresh score head."""
     if config.value_model_path is not None:
-        return load_model("value model", config.value_model_path, kind="score", dtype=dtype)[0]
+        return load_model("value model", config.value_model_path, kind="score", **model_options)[0]
     if reward_module is not None:
         return reward_module
     from ..models import ScoreModel
-    value = ScoreModel(policy.cfg, rngs=nnx.Rngs(config.seed + 1), dtype=dtype, param_dtype=dtype)
+    value = ScoreModel(policy.cfg, rngs=nnx.Rngs(config.seed + 1), **model_options)
     nnx.update(value.backbone, _copy(nnx.state(policy.backbone)))
     return value
