@@ -175,3 +175,18 @@ def test_no_recompilation_after_the_first_step(tmp_path):
         jax.monitoring.unregister_event_duration_listener(listener)
     assert counts[0] > 0 and counts[-1] == counts[0], f"compilations after each update: {counts}"
     assert trainer.train_step.jitted._cache_size() == 1
+
+
+def test_the_vmap_seeds_example_runs_and_every_seed_learns():
+    """examples/vmap_seeds.py (4 whole runs in one program) as a user runs it."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(repo / "examples" / "vmap_seeds.py")], cwd=repo, capture_output=True,
+                          text=True, timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(repo)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = re.findall(r"seed \d: mean score ([\d.]+) \(first 3 iterations\) -> ([\d.]+)", proc.stdout)
+    assert len(runs) == 4 and all(float(last) > float(first) + 0.15 for first, last in runs), proc.stdout
