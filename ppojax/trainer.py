@@ -249,8 +249,11 @@ class PPOTrainer(LegacyAPI):
     def log_samples(self, step: int, num: int = 4):
         if self.run.train_queries is None or self.logger is None:
             return
-        queries = (self.eval_queries if self.eval_queries is not None else self.train_queries)[:num]
-        prompts, completions = self.sample_completions(queries, step=step)
+        # a whole batch, of which the first `num` are shown: the sampler compiled for evaluation is reused
+        queries = (self.eval_queries if self.eval_queries is not None else self.train_queries)
+        prompts, completions = self.sample_completions(_whole_batch(queries[:num], self.run.settings.batch_size),
+                                                       step=step)
+        prompts, completions = prompts[:num], completions[:num]
         self.logger.log_samples(step, prompts, completions, self.score_texts(prompts, completions))
 
     def evaluate(self, step: int = 0) -> Optional[dict[str, Any]]:
@@ -261,10 +264,7 @@ class PPOTrainer(LegacyAPI):
         batch = self.run.settings.batch_size
         prompts, completions = [], []
         for start in range(0, len(self.eval_queries), batch):
-            chunk = self.eval_queries[start:start + batch]
-            if len(chunk) < batch:  # keep one compiled shape: pad with copies, drop them after
-                chunk = np.concatenate([chunk, np.repeat(chunk[-1:], batch - len(chunk), 0)])
-            p, c = self.sample_completions(chunk, step=step)
+            p, c = self.sample_completions(_whole_batch(self.eval_queries[start:start + batch], batch), step=step)
             keep = min(batch, len(self.eval_queries) - start)
             prompts += p[:keep]
             completions += c[:keep]
@@ -290,3 +290,10 @@ class PPOTrainer(LegacyAPI):
             return Path(output_dir)
         policy = nnx.merge(self.run.program.actor_critic.policy_graphdef, jax.tree.map(jnp.asarray, host_params))
         return save_pretrained(policy, self.run.model_config, output_dir, tokenizer=self.tokenizer)
+
+
+def _whole_batch(queries, batch_size):
+    """np i32[n, P] padded to [batch_size, P] with copies of the last row (one compiled sampler shape)."""
+    if len(queries) >= batch_size:
+        return queries
+    return np.concatenate([queries, np.repeat(queries[-1:], batch_size - len(queries), 0)])

@@ -77,10 +77,14 @@ def resolve_reward_function(spec) -> Callable:
         raise ConfigError(f"reward_function={spec!r}: expected 'vader' or 'module:function' "
                           "(e.g. 'my_rewards:length_reward').")
     try:
-        return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
-        raise ConfigError(f"reward_function={spec!r} could not be imported ({err}); check that the module is "
-                          "on PYTHONPATH and defines that function.") from err
+        fn = getattr(importlib.import_module(module_name), attr)
+    except Exception as err:  # noqa: BLE001 - any failure to import the user's module is a config error
+        raise ConfigError(f"reward_function={spec!r} could not be imported ({type(err).__name__}: {err}); check "
+                          "that the module is on PYTHONPATH, imports cleanly and defines that function.") from err
+    if not callable(fn):
+        raise ConfigError(f"reward_function={spec!r} is a {type(fn).__name__}, not a function f(prompts, "
+                          "completions) -> floats.")
+    return fn
 
 
 def resolve_model_path(path: str) -> str:
@@ -175,6 +179,8 @@ def preflight(config: PPOConfig, *, policy_given: bool = False, reward_given: bo
             raise ConfigError(f"stop_token_id={config.stop_token_id} is outside the policy's vocabulary "
                               f"(vocab_size={policy.vocab_size}): it can never be sampled, so no response would "
                               "ever stop. Use a token id of the tokenizer (e.g. stop_token: eos).")
+    if config.reward_function is not None and not reward_given:
+        resolve_reward_function(config.reward_function)  # importable, and a function
     if config.reward_model_path is not None and not reward_given:
         hf = _hf_config(config.reward_model_path)
         _model_config("reward model", config.reward_model_path)  # exists, parses, supported architecture
@@ -331,6 +337,12 @@ def _default_value_model(config, policy, reward_module, model_options):
     if reward_module is not None:
         return reward_module
     from ..models import ScoreModel
-    value = ScoreModel(policy.cfg, rngs=nnx.Rngs(config.seed + 1), **model_options)
-    nnx.update(value.backbone, _copy(nnx.state(policy.backbone)))
-    return value
+    # Built abstractly: the backbone is the policy's (copied), only the new head is drawn (as transformers
+    # initialises a missing score head: normal(0, initializer_range)). An eager init of the whole model would
+    # compile and run a random draw per weight shape, only to be overwritten.
+    abstract = nnx.eval_shape(lambda: ScoreModel(policy.cfg, rngs=nnx.Rngs(config.seed + 1), **model_options))
+    graphdef, state = nnx.split(abstract)
+    head = state["score"]["kernel"]
+    kernel = policy.cfg.initializer_range * jax.random.normal(jax.random.key(config.seed + 1), head.shape, head.dtype)
+    state = nnx.State({"backbone": _copy(nnx.state(policy.backbone)), "score": {"kernel": kernel}})
+    return nnx.merge(graphdef, state)
