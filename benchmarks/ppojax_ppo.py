@@ -26,21 +26,23 @@ from benchmarks.common import make_config, peak_rss_mb, summarize
 
 
 def _models(config):
-    """(policy, reward ScoreModel, value ScoreModel, ModelConfig) for the benchmark's shapes."""
-    from ppojax.models import CausalLM, ModelConfig, ScoreModel, load_pretrained
+    """(policy, reward ScoreModel, ModelConfig) for the benchmark's shapes, in ``config['precision']``
+    (default float32)."""
+    from ppojax.models import CausalLM, ModelConfig, ScoreModel, load_pretrained, precision_dtypes
 
+    dtype, param_dtype = precision_dtypes(config.get("precision", "float32"))
+    options = dict(dtype=dtype, param_dtype=param_dtype, remat=config.get("remat", "none"))
     if config.get("model_dir"):
-        policy, cfg = load_pretrained(config["model_dir"])
-        reward, _ = load_pretrained(config["model_dir"], kind="score", seed=1)
+        policy, cfg = load_pretrained(config["model_dir"], **options)
+        reward, _ = load_pretrained(config["model_dir"], kind="score", seed=1, **options)
     else:
         cfg = ModelConfig.from_hf(dict(config["model"], model_type="llama"))
-        policy = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)))
-        # Random init compiled once (an eager init of a large model is slow).
-        graphdef, _ = nnx.split(policy)
-        state = jax.jit(lambda: nnx.split(CausalLM(cfg, rngs=nnx.Rngs(0)))[1])()
-        policy = nnx.merge(graphdef, state)
-        reward_graphdef, _ = nnx.split(nnx.eval_shape(lambda: ScoreModel(cfg, rngs=nnx.Rngs(1))))
-        reward = nnx.merge(reward_graphdef, jax.jit(lambda: nnx.split(ScoreModel(cfg, rngs=nnx.Rngs(1)))[1])())
+
+        def random(cls, seed):  # random init compiled once (an eager init of a large model is slow)
+            graphdef = nnx.graphdef(nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(seed), **options)))
+            return nnx.merge(graphdef, jax.jit(lambda: nnx.state(cls(cfg, rngs=nnx.Rngs(seed), **options)))())
+
+        policy, reward = random(CausalLM, 0), random(ScoreModel, 1)
     return policy, reward, cfg
 
 

@@ -40,7 +40,7 @@ if _threads_arg:
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("ACCELERATE_MIXED_PRECISION", "no")
+os.environ.setdefault("ACCELERATE_MIXED_PRECISION", "bf16" if "--bf16" in sys.argv else "no")
 
 from benchmarks.common import make_config, peak_rss_mb, summarize  # noqa: E402
 
@@ -85,7 +85,7 @@ def _models(config: dict):
     return policy, reward, value
 
 
-def run(config: dict, threads: int) -> dict:
+def run(config: dict, threads: int, device: str = "cpu", bf16: bool = False) -> dict:
     import torch
 
     torch.set_num_threads(threads)
@@ -121,10 +121,10 @@ def run(config: dict, threads: int) -> dict:
         learning_rate=config["learning_rate"],
         seed=config["seed"],
         num_sample_generations=0,
-        bf16=False,
+        bf16=bf16,  # autocast: float32 master weights, bfloat16 matmuls (ppojax's precision: mixed)
         fp16=False,
         gradient_checkpointing=False,
-        use_cpu=True,
+        use_cpu=device == "cpu",
         report_to="none",
         save_strategy="no",
         logging_steps=1,
@@ -197,7 +197,9 @@ def run(config: dict, threads: int) -> dict:
         peak_rss_mb=peak_rss_mb(),
         versions={"trl": trl.__version__, "torch": torch.__version__,
                   "transformers": transformers.__version__},
-        settings=("float32, SDPA attention, no gradient checkpointing, ref model = TRL's deep copy, "
+        device=device,
+        settings=(f"{'bf16 autocast' if bf16 else 'float32'} on {device}, SDPA attention, no gradient checkpointing, "
+                  "ref model = TRL's deep copy, "
                   f"optimizer {getattr(args.optim, 'value', args.optim)} (TrainingArguments default)"),
     )
     return result
@@ -212,13 +214,15 @@ def main(argv=None) -> int:
     p.add_argument("--model-dir", default=None, help="converted HF checkpoint directory (else random init)")
     p.add_argument("--config", default=None, help="a make_config() JSON file (overrides the above)")
     p.add_argument("--json", default=None, help="write the result here (default: stdout)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where TRL runs")
+    p.add_argument("--bf16", action="store_true", help="TRL's bf16 (autocast over float32 weights)")
     a = p.parse_args(argv)
     if a.config:
         with open(a.config) as f:
             config = json.load(f)
     else:
         config = make_config(a.size, quick=a.quick, num_updates=a.updates, model_dir=a.model_dir)
-    result = run(config, a.threads)
+    result = run(config, a.threads, a.device, a.bf16)
     text = json.dumps(result, indent=1)
     if a.json:
         with open(a.json, "w") as f:

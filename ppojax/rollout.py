@@ -37,6 +37,7 @@ def sample_with(policy_graphdef, policy_params, queries, key, settings, *, tempe
     ``GENERATE_RULES`` (gathered over fsdp once for the whole decode loop) and the KV cache is sharded by rows.
     """
     init_cache_fn = None
+    policy_params = _in_compute_dtype(policy_graphdef, policy_params)
     if mesh is not None:
         policy_params = jax.lax.with_sharding_constraint(
             policy_params, sharding.param_shardings(policy_params, mesh, sharding.GENERATE_RULES))
@@ -47,6 +48,18 @@ def sample_with(policy_graphdef, policy_params, queries, key, settings, *, tempe
                          top_k=settings.top_k, top_p=settings.top_p, greedy=greedy,
                          stop_token_id=settings.stop_token_id, init_cache_fn=init_cache_fn)
     return jnp.concatenate([queries.astype(jnp.int32), responses], axis=1)
+
+
+def _in_compute_dtype(graphdef, params):
+    """The weights cast ONCE to the model's compute dtype before the decode loop (under ``precision: mixed``
+    the loop would otherwise read float32 weights and convert them at every generated token)."""
+    from flax import nnx
+
+    compute = getattr(nnx.merge(graphdef, params), "dtype", None)
+    if compute is None:
+        return params
+    return jax.tree.map(lambda x: x.astype(compute) if jnp.issubdtype(x.dtype, jnp.floating)
+                        and jnp.finfo(x.dtype).bits > jnp.finfo(compute).bits else x, params)
 
 
 def sample(program, state, prompts, key):

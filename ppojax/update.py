@@ -177,7 +177,7 @@ def learn(program, state, experience, key):
         if settings.ratio_threshold is not None:  # legacy: drop a mini-batch whose ratio blew up
             skip = skip | (jnp.mean(stats["ratio"]) > settings.ratio_threshold)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = jax.tree.map(lambda p, u: p - lr * u.astype(p.dtype), state.params, updates)
+        params = jax.tree.map(lambda p, u: p - (lr * u).astype(p.dtype), state.params, updates)  # keeps bf16 bf16
         apply = finite & ~skip
         new_state = state.replace(
             params=_select(apply, params, state.params),
