@@ -9,6 +9,8 @@ Value layouts (``value_head`` in the config):
 - 'policy' (legacy ``AutoModelForCausalLMWithValueHead``): the policy is a ``CausalLMWithValueHead`` whose
   ``value(hidden)`` head reads the policy's own final hidden states (one backbone pass gives log-probs and
   values). Trainable params: ``{"policy": ...}``.
+- no critic (``has_critic=False``: the critic-free advantage estimators grpo, rloo, reinforce_pp): no value
+  function at all; values are zeros and nothing computes them. Trainable params: ``{"policy": ...}``.
 
 :class:`ActorCritic` is static (hashable): a ``jax.jit`` static argument; parameters always travel
 separately, as explicit inputs. Every method is pure; call it inside ``jit``.
@@ -18,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -28,17 +31,25 @@ from . import forward
 class ActorCritic:
     """policy_graphdef: graphdef of a ``CausalLM`` (a ``CausalLMWithValueHead`` when value_graphdef is
     None); value_graphdef: graphdef of a ``ScoreModel`` or None; ref_graphdef: graphdef of the frozen
-    reference (None: the policy's). temperature: the sampling temperature the log-probs are taken at."""
+    reference (None: the policy's). temperature: the sampling temperature the log-probs are taken at.
+    has_critic: False for the critic-free estimators (then value_graphdef is None and there is no head)."""
 
     policy_graphdef: Any
     value_graphdef: Optional[Any]
     pad_token_id: int
     temperature: float
     ref_graphdef: Optional[Any] = None
+    has_critic: bool = True
 
     @property
     def has_value_head(self) -> bool:
-        return self.value_graphdef is None
+        return self.has_critic and self.value_graphdef is None
+
+    def is_critic_path(self, path) -> bool:
+        """Whether a pytree path into the trainable params (or an optimizer state mirroring them) is the
+        critic's: under ``"value"`` (a separate value model) or the policy's ``"v_head"``."""
+        keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)][:2]
+        return keys[:1] == ["value"] or keys == ["policy", "v_head"]
 
     def policy(self, params):
         """The merged policy module."""
@@ -48,6 +59,8 @@ class ActorCritic:
         return nnx.merge(self.ref_graphdef or self.policy_graphdef, ref_params)
 
     def _values_from(self, policy, hidden, params, query_responses, prompt_length):
+        if not self.has_critic:
+            return jnp.zeros(hidden.shape[:2], jnp.float32)
         if self.has_value_head:
             return policy.value(hidden).astype(jnp.float32)
         value_model = nnx.merge(self.value_graphdef, params["value"])
@@ -94,7 +107,9 @@ class ActorCritic:
 
         logprobs, ref_logprobs, values, full_kl = forward.map_batch(policy_and_ref, forward_batch_size,
                                                                     query_responses)
-        if not self.has_value_head:
+        if not self.has_critic:
+            values = jnp.zeros_like(logprobs)
+        elif not self.has_value_head:
             value_model = lambda: nnx.merge(self.value_graphdef, params["value"])  # noqa: E731
             values = forward.map_batch(lambda qr: forward.response_values(value_model(), qr, P, pad),
                                        forward_batch_size, query_responses)

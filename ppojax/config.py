@@ -189,7 +189,8 @@ class PPOConfig:
         "seed's stream)."))
     """Seed of every random stream: initial value head, prompt order, sampling."""
     total_episodes: Optional[int] = setting(None, static=False, on_resume=IGNORED, rule=at_least(1))
-    """Prompts to train on in all (rounded up to whole updates); None: num_train_epochs passes over the data."""
+    """Episodes (sampled responses: num_generations per prompt) to train on in all, rounded up to whole
+    updates; None: num_train_epochs passes over the data."""
     num_train_epochs: float = setting(1.0, static=False, on_resume=IGNORED, rule=above(0))
     """Passes over the training prompts when total_episodes is None (may be fractional)."""
 
@@ -197,7 +198,8 @@ class PPOConfig:
     per_device_train_batch_size: int = setting(8, static=True, on_resume=MUST_MATCH, rule=at_least(1))
     """TRL's micro-batch per data-parallel device; ignored when batch_size is set."""
     batch_size: Optional[int] = setting(None, static=True, on_resume=MUST_MATCH, rule=at_least(1))
-    """Global prompts per update; None derives it as TRL does (see the module docstring)."""
+    """Global episodes (sampled responses) per update: batch_size / num_generations prompts. None derives it
+    as TRL does (see the module docstring)."""
     gradient_accumulation_steps: int = setting(1, static=True, on_resume=MUST_MATCH, rule=at_least(1))
     """Micro-batches whose gradients are summed into one optimizer step (splits each mini-batch)."""
     num_mini_batches: int = setting(1, static=True, on_resume=MUST_MATCH, rule=at_least(1))
@@ -252,7 +254,42 @@ class PPOConfig:
     advantage_estimator: str = setting("gae", static=True, on_resume=MUST_MATCH,
                                        rule=registered("advantage estimators", _advantage_estimators))
     """How advantages are computed from the rewards: 'gae' (generalised advantage estimation with the value
-    model, PPO)."""
+    model: PPO); the critic-free ones, which build no value model: 'grpo' (group-relative: (R - group mean) /
+    group std), 'rloo' (leave-one-out group baseline), 'reinforce_pp' (REINFORCE++: the token-level KL-shaped
+    reward-to-go whitened over the batch). grpo and rloo need num_generations >= 2."""
+    num_generations: int = setting(1, static=True, on_resume=MUST_MATCH, rule=at_least(1))
+    """Samples per prompt (TRL's GRPO/RLOO name; legacy RLOO: rloo_k): each prompt is sampled this many
+    times and its samples form one group of consecutive rows. batch_size counts samples, so an update takes
+    batch_size / num_generations prompts."""
+    scale_rewards: str = setting("group", static=True, on_resume=MAY_CHANGE, rule=one_of("group", "batch", "none"))
+    """grpo only (TRL's name): divide the centred returns by the std of their group ('group'), of the whole
+    batch ('batch'), or not at all ('none': Dr. GRPO)."""
+    normalize_advantages: bool = setting(False, static=True, on_resume=MAY_CHANGE)
+    """rloo only (TRL's name): whiten the leave-one-out advantages over the batch."""
+    critic_warmup: int = setting(0, static=True, on_resume=MAY_CHANGE, rule=at_least(0))
+    """Updates at the start of the run that train only the value function (verl's critic_warmup): the
+    policy's parameters stay as they are. Needs a critic (advantage_estimator: gae)."""
+    kl_loss_coef: float = setting(0.0, static=True, on_resume=MAY_CHANGE, rule=at_least(0))
+    """Weight of a KL-to-the-reference term IN THE LOSS (GRPO-style; TRL's GRPO beta, verl's kl_loss_coef);
+    0: off. kl_coef is the KL in the REWARD (PPO-style): set it to 0 to keep the KL in the loss only."""
+    kl_loss_type: str = setting("low_var_kl", static=True, on_resume=MAY_CHANGE,
+                                rule=registered("KL estimators", _kl_estimators))
+    """The per-token KL estimator of the loss term: 'low_var_kl' (k3 clamped to [-10, 10], verl), 'k3'
+    (TRL's GRPO), 'k2', 'k1', ... ('full' is for the reward only)."""
+    cliprange_low: Optional[float] = setting(None, static=True, on_resume=MAY_CHANGE, rule=above(0))
+    """Lower policy clip range: the ratio is clipped below at 1 - cliprange_low (None: cliprange; TRL's
+    GRPO epsilon, verl's clip_ratio_low)."""
+    cliprange_high: Optional[float] = setting(None, static=True, on_resume=MAY_CHANGE, rule=above(0))
+    """Upper policy clip range ("clip-higher", DAPO recommends 0.28): clipped above at 1 + cliprange_high
+    (None: cliprange; TRL's epsilon_high, verl's clip_ratio_high)."""
+    dual_clip_c: Optional[float] = setting(None, static=True, on_resume=MAY_CHANGE, rule=above(1))
+    """Dual-clip PPO: for negative advantages the per-token loss is at most -A * dual_clip_c (> 1; verl's
+    clip_ratio_c, TRL's GRPO delta). None: off."""
+    loss_agg_mode: str = setting("token-mean", static=True, on_resume=MAY_CHANGE,
+                                 rule=one_of("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"))
+    """How per-token policy (and KL) losses are averaged (verl's names): 'token-mean' over the batch's live
+    tokens (PPO; TRL's GRPO 'bnpo'/'dapo'), 'seq-mean-token-mean' (each sequence's mean, then over sequences:
+    TRL's 'grpo'), 'seq-mean-token-sum-norm' (sum / (sequences x response_length): TRL's 'dr_grpo')."""
     adaptive_kl: bool = setting(False, static=True, on_resume=MAY_CHANGE)
     """Legacy adaptive KL controller (Ziegler et al.); kl_coef is its initial value."""
     target_kl_for_adaptive: float = setting(6.0, static=True, on_resume=MAY_CHANGE, rule=above(0))
@@ -389,12 +426,19 @@ class PPOConfig:
                 f"micro_batch_size={micro} does not split over {data_parallel_size} data-parallel devices; "
                 f"make batch_size a multiple of "
                 f"{self.num_mini_batches * self.gradient_accumulation_steps * data_parallel_size}.")
-        return DerivedSizes(batch_size=batch, mini_batch_size=mini, micro_batch_size=micro)
+        groups = self.num_generations
+        if batch % (groups * data_parallel_size):
+            raise ConfigError(
+                f"batch_size={batch} (samples) does not split into num_generations={groups} samples of each "
+                f"prompt{f' with the same number of prompts on each of {data_parallel_size} data-parallel devices' if data_parallel_size > 1 else ''}; "
+                f"make batch_size a multiple of {groups * data_parallel_size}.")
+        return DerivedSizes(batch_size=batch, mini_batch_size=mini, micro_batch_size=micro,
+                            prompts_per_batch=batch // groups)
 
     def num_updates(self, dataset_size: int, data_parallel_size: int = 1) -> int:
         episodes = self.total_episodes
-        if episodes is None:
-            episodes = int(self.num_train_epochs * dataset_size)
+        if episodes is None:  # episodes are samples: num_generations per prompt
+            episodes = int(self.num_train_epochs * dataset_size) * self.num_generations
         return max(1, math.ceil(episodes / self.derived(data_parallel_size).batch_size))
 
     # ---- validation ----
@@ -412,6 +456,8 @@ class PPOConfig:
             problems += _problems_together(self)
         if not problems:  # registry lookups import JAX: only once everything else is right
             problems += [str(err) for err in _registry_problems(self)]
+        if not problems:
+            problems += _estimator_problems(self)
         if len(problems) == 1:
             raise ConfigError(problems[0])
         if problems:
@@ -471,9 +517,10 @@ StaticSettings.__doc__ = ("PPOConfig's static fields (STATIC_FIELDS) as a frozen
 
 @dataclass(frozen=True)
 class DerivedSizes:
-    batch_size: int
+    batch_size: int         # rollout rows (samples) per update
     mini_batch_size: int
     micro_batch_size: int
+    prompts_per_batch: int  # batch_size / num_generations
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -649,6 +696,33 @@ def _problems_together(c: PPOConfig) -> list[str]:
     return out
 
 
+def _estimator_problems(c: PPOConfig) -> list[str]:
+    """The advantage estimator's options against each other (the estimator is a registered one)."""
+    from .ppo.advantages import advantage_estimator
+    estimator = advantage_estimator(c.advantage_estimator)
+    from_group, critic_free = estimator.needs_groups, not estimator.uses_critic
+    out = []
+    if from_group and c.num_generations < 2:
+        out.append(f"advantage_estimator={c.advantage_estimator!r} compares the samples of each prompt, so it needs "
+                   f"num_generations >= 2 (got {c.num_generations}); set e.g. num_generations: 4.")
+    if c.scale_rewards != "group" and c.advantage_estimator != "grpo":
+        out.append(f"scale_rewards={c.scale_rewards!r} only applies to advantage_estimator: grpo (this run uses "
+                   f"{c.advantage_estimator!r}); remove it.")
+    if c.normalize_advantages and c.advantage_estimator != "rloo":
+        out.append(f"normalize_advantages=True only applies to advantage_estimator: rloo (this run uses "
+                   f"{c.advantage_estimator!r}; gae already whitens its advantages); remove it.")
+    if critic_free and c.critic_warmup:
+        out.append(f"critic_warmup={c.critic_warmup} but advantage_estimator={c.advantage_estimator!r} has no critic "
+                   "to warm up; remove critic_warmup (or use advantage_estimator: gae).")
+    if critic_free and c.value_model_path is not None:
+        out.append(f"value_model_path={c.value_model_path!r} is set but advantage_estimator="
+                   f"{c.advantage_estimator!r} uses no value model; remove value_model_path.")
+    if c.kl_loss_type == "full":
+        out.append("kl_loss_type='full' is not available in the loss (it needs both full distributions, computed "
+                   "once in the rollout); use 'low_var_kl', 'k3', 'k2' or 'k1'.")
+    return out
+
+
 # ----------------------------------------------------------------------------------------------------------
 # keys: legacy aliases, keys of TRL / transformers that ppojax has no field for, unknown keys
 
@@ -667,6 +741,14 @@ LEGACY_ALIASES = {
     "forward_batch_size": "local_rollout_forward_batch_size",
     "ent_coef": "entropy_coef",
     "dtype": "precision",
+    "rloo_k": "num_generations",           # legacy TRL RLOO
+    "epsilon": "cliprange",                # TRL GRPO / RLOO
+    "epsilon_high": "cliprange_high",      # TRL GRPO / RLOO
+    "clip_ratio_low": "cliprange_low",     # verl
+    "clip_ratio_high": "cliprange_high",   # verl
+    "clip_ratio_c": "dual_clip_c",         # verl
+    "delta": "dual_clip_c",                # TRL GRPO's two-sided clipping bound
+    "adv_estimator": "advantage_estimator",  # verl
 }
 
 
@@ -697,6 +779,10 @@ FOREIGN_KEYS: dict[str, str] = {
             "names the run", "tracker_project_name", "project"),
     **_same("ppojax does not use accelerate; report_to picks the metric sinks",
             "tracker_kwargs", "accelerator_kwargs", "project_kwargs", "accelerator_config"),
+    "beta": "TRL's GRPO beta is the KL IN THE LOSS: kl_loss_coef; TRL's RLOO/PPO beta is the KL in the reward: "
+            "kl_coef. Set the one you mean",
+    "loss_type": "set loss_agg_mode: TRL's GRPO 'grpo' is 'seq-mean-token-mean', 'bnpo' and 'dapo' are "
+                 "'token-mean', 'dr_grpo' is 'seq-mean-token-sum-norm'",
     "logging_dir": "logs are written under output_dir (metrics.jsonl, tensorboard/); set output_dir",
     "logging_strategy": "use logging_steps (log every N updates)",
     **_same("no such knob: ppojax logs on process 0 every logging_steps updates",

@@ -63,7 +63,14 @@ def _in_compute_dtype(graphdef, params):
 
 
 def sample(program, state, prompts, key):
-    """Step 1 inside the PPO program: the current policy samples at the configured temperature."""
+    """Step 1 inside the PPO program: the current policy samples at the configured temperature.
+
+    prompts: i32[B / G, P] -> query_responses i32[B, P+R]: each prompt is sampled ``G = num_generations``
+    times, its samples on consecutive rows (the groups of ``ppojax.ppo.advantages``). On a mesh the rows stay
+    split over the batch axes in order, so a group never straddles two data-parallel shards when each
+    shard's prompt count is whole (``PPOConfig.derived`` checks it)."""
+    if program.settings.num_generations > 1:
+        prompts = jnp.repeat(prompts, program.settings.num_generations, axis=0)
     return sample_with(program.actor_critic.policy_graphdef, state.params["policy"], prompts, key,
                        program.settings, mesh=program.mesh)
 

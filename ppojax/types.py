@@ -26,7 +26,8 @@ class Experience:
     responses:       i32[B, R]    truncated responses (pad after the first stop token): what was rewarded.
     logprobs:        f32[B, R]    behaviour log-probs of the sampled tokens, INVALID_LOGPROB on padding_mask.
     ref_logprobs:    f32[B, R]    reference-model log-probs, INVALID_LOGPROB on padding_mask.
-    values:          f32[B, R]    value of state query + response[:t], 0 on padding_mask_p1.
+    values:          f32[B, R]    value of state query + response[:t], 0 on padding_mask_p1 (all 0 when the
+                                  advantage estimator uses no critic).
     scores:          f32[B]       sequence scores as the reward source returned them, missing_eos_penalty
                                   applied (TRL's ``objective/scores``); legacy score processing happens in
                                   the update, which sees the state's running moments.
@@ -64,11 +65,12 @@ class UpdateBatch(NamedTuple):
 
     query_responses: jax.Array  # i32[B, P+R]
     logprobs: jax.Array         # f32[B, R]  behaviour log-probs (INVALID_LOGPROB on padding)
-    values: jax.Array           # f32[B, R]  rollout values (0 on padding_mask_p1)
+    values: jax.Array           # f32[B, R]  rollout values (0 on padding_mask_p1; 0 without a critic)
     advantages: jax.Array       # f32[B, R]  whitened, 0 on padding
     returns: jax.Array          # f32[B, R]
     padding_mask: jax.Array     # bool[B, R] True = padding
     padding_mask_p1: jax.Array  # bool[B, R]
+    ref_logprobs: Any = None    # f32[B, R]  reference log-probs (INVALID_LOGPROB on padding): KL-in-loss term
 
 
 @struct.dataclass

@@ -96,24 +96,30 @@ def shaped_rewards_and_advantages(settings, experience, scores, kl_coef):
                                   experience.padding_mask, experience.num_eos_tokens)
     if settings.use_score_scaling or settings.score_clip is not None:
         metrics["objective/scores_processed"] = jnp.mean(scores)
-    batch = UpdateBatch(experience.query_responses, experience.logprobs, experience.values,
-                        adv.advantages, adv.returns, experience.padding_mask, experience.padding_mask_p1)
+    batch = UpdateBatch(experience.query_responses, experience.logprobs, experience.values, adv.advantages,
+                        adv.returns, experience.padding_mask, experience.padding_mask_p1,
+                        ref_logprobs=experience.ref_logprobs if settings.kl_loss_coef else None)
     return batch, metrics, kl
 
 
 # --------------------------------------------------------------------------------------------------
 # The loss of one micro-batch
 # --------------------------------------------------------------------------------------------------
-def micro_batch_loss(actor_critic, settings, params, batch: UpdateBatch, policy_tokens, value_tokens):
-    """Token-weighted PPO loss of one micro-batch on the current parameters. Returns (loss, stats)."""
+def micro_batch_loss(actor_critic, settings, params, batch: UpdateBatch, policy_tokens, value_tokens, rows=None):
+    """PPO loss of one micro-batch on the current parameters, normalised by its mini-batch's live-token and
+    row counts (None: its own), so micro-batch gradients sum to the mini-batch's. Returns (loss, stats)."""
     response_length = batch.logprobs.shape[1]
     prompt_length = batch.query_responses.shape[1] - response_length
     logprobs, entropy, vpred = actor_critic.evaluate(params, batch.query_responses, prompt_length,
                                                      logits_chunk_size=settings.update_logits_chunk)
-    loss, stats = ppo.ppo_loss(logprobs, vpred, entropy, batch, cliprange=settings.cliprange,
+    kl_loss_fn = ppo.kl_estimator(settings.kl_loss_type).fn if settings.kl_loss_coef else None
+    loss, stats = ppo.ppo_loss(logprobs, vpred, entropy, batch, cliprange=settings.cliprange_low or settings.cliprange,
                                cliprange_value=settings.cliprange_value, vf_coef=settings.vf_coef,
                                entropy_coef=settings.entropy_coef, policy_tokens=policy_tokens,
-                               value_tokens=value_tokens)
+                               value_tokens=value_tokens, rows=rows, cliprange_high=settings.cliprange_high,
+                               dual_clip_c=settings.dual_clip_c, loss_agg_mode=settings.loss_agg_mode,
+                               kl_loss_coef=settings.kl_loss_coef, kl_loss_fn=kl_loss_fn,
+                               with_value=actor_critic.has_critic)
     masked_new = jnp.where(batch.padding_mask, ppo.INVALID_LOGPROB, logprobs)
     stats["policykl"] = ppo.masked_mean(batch.logprobs - masked_new, ~batch.padding_mask)  # legacy early stop
     return loss, stats
@@ -135,6 +141,15 @@ def _select(condition, new, old):
     return jax.tree.map(lambda n, o: jnp.where(condition, n, o), new, old)
 
 
+def _keep_policy(actor_critic, frozen, new, old):
+    """``new`` with every leaf outside the critic (``actor_critic.is_critic_path``) replaced by ``old`` while
+    ``frozen`` (a traced bool). Works on parameters and on optimizer states that mirror them; leaves of
+    neither (Adam's step count) follow ``new``."""
+    def pick(path, n, o):
+        return n if actor_critic.is_critic_path(path) else jnp.where(frozen, o, n)
+    return jax.tree_util.tree_map_with_path(pick, new, old)
+
+
 # --------------------------------------------------------------------------------------------------
 # The update
 # --------------------------------------------------------------------------------------------------
@@ -150,9 +165,12 @@ def learn(program, state, experience, key):
     batch_size = batch.logprobs.shape[0]
     mini_size = batch_size // settings.num_mini_batches
     grad_fn = jax.value_and_grad(
-        lambda p, mb, pt, vt: micro_batch_loss(actor_critic, settings, p, mb, pt, vt), has_aux=True)
+        lambda p, mb, pt, vt: micro_batch_loss(actor_critic, settings, p, mb, pt, vt, mini_size), has_aux=True)
     lr = learning_rate_at(settings, state.update_count)
     nonfinite_before = state.nonfinite_total
+    # Critic warm-up: during the first ``critic_warmup`` updates only the critic's parameters (and their
+    # optimizer moments) change; the policy's are kept as they were.
+    policy_frozen = state.update_count < settings.critic_warmup if settings.critic_warmup else None
 
     def mini_batch_step(carry, rows):
         state, stopped = carry
@@ -178,6 +196,9 @@ def learn(program, state, experience, key):
             skip = skip | (jnp.mean(stats["ratio"]) > settings.ratio_threshold)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = jax.tree.map(lambda p, u: p - (lr * u).astype(p.dtype), state.params, updates)  # keeps bf16 bf16
+        if policy_frozen is not None:
+            params = _keep_policy(actor_critic, policy_frozen, params, state.params)
+            opt_state = _keep_policy(actor_critic, policy_frozen, opt_state, state.opt_state)
         apply = finite & ~skip
         new_state = state.replace(
             params=_select(apply, params, state.params),
@@ -199,9 +220,11 @@ def learn(program, state, experience, key):
     # stats leaves: [epochs, mini_batches, micro_batches]
     metrics = dict(rollout_stats)
     for short, name in ppo.UPDATE_METRIC_NAMES.items():
-        metrics[name] = jnp.mean(stats[short])
+        if short in stats:
+            metrics[name] = jnp.mean(stats[short])
     for short, name in ppo.LOSS_METRIC_NAMES.items():
-        metrics[name] = jnp.mean(jnp.sum(stats[short], axis=-1))
+        if short in stats:
+            metrics[name] = jnp.mean(jnp.sum(stats[short], axis=-1))
     # TRL's val/ratio_var: the (unbiased) variance of the micro-batches' mean ratios (NaN with one).
     metrics["val/ratio_var"] = jnp.var(stats["ratio"], ddof=1) if stats["ratio"].size > 1 else jnp.float32(jnp.nan)
     metrics["policy/policykl_avg"] = jnp.mean(stats["policykl"])

@@ -79,7 +79,7 @@ BAD_CONFIGS = [
      ["precision='float16': expected one of 'float32', 'bfloat16', 'mixed'", "value_head='both'",
       "lr_scheduler_type='cosine': expected 'linear' or 'constant'",
       "on_nonfinite_reward='ignore': expected 'error' or 'skip'", "stop_token='EOS': expected null or 'eos'"]),
-    ("kl-estimator", "kl_estimator: k2\n", ["kl_estimator='k2': expected one of 'k1', 'k3'"]),
+    ("kl-estimator", "kl_estimator: k9\n", ["kl_estimator='k9': expected one of 'k1', 'k2', 'k3'"]),
     ("reward-function-spec", "reward_function: my_rewards\n",
      ["reward_function='my_rewards': expected null or 'vader' or 'module:function'", "PYTHONPATH"]),
     ("logging-steps-fraction", "logging_steps: 0.1\n", ["logging_steps=0.1", "number of updates"]),

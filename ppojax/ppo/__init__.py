@@ -4,8 +4,8 @@ from .controllers import (RunningMoments, adaptive_kl_update, fixed_kl_update, p
 from .advantages import (AdvantageEstimator, AdvantageInputs, advantage_estimator, advantage_estimator_names,
                          register_advantage_estimator)
 from .gae import Advantages, advantages_and_returns, gae
-from .kl import (KL_ESTIMATORS, KLEstimator, kl_abs, kl_estimator, kl_estimator_names, kl_full, kl_k1, kl_k3,
-                 kl_mse, kl_per_token, register_kl_estimator)
+from .kl import (KL_ESTIMATORS, KLEstimator, kl_abs, kl_estimator, kl_estimator_names, kl_full, kl_k1, kl_k2, kl_k3,
+                 kl_low_var, kl_mse, kl_per_token, register_kl_estimator)
 from .losses import (diagnostics, entropy_from_logits, mask_policy_and_value, policy_loss, ppo_loss,
                      value_loss)
 from .masks import (INVALID_LOGPROB, ResponseMasks, contains_stop_token, first_true_indices,

@@ -56,6 +56,19 @@ def kl_k3(logprobs, ref_logprobs):
     return jnp.expm1(log_ratio) - log_ratio
 
 
+@register_kl_estimator("k2")
+def kl_k2(logprobs, ref_logprobs):
+    """k2 = (log r)^2 / 2 (Schulman's k2; verl's 'mse'/'k2'): non-negative, biased, low variance."""
+    return 0.5 * jnp.square(logprobs - ref_logprobs)
+
+
+@register_kl_estimator("low_var_kl")
+def kl_low_var(logprobs, ref_logprobs):
+    """k3 clamped to [-10, 10] (verl's 'low_var_kl'): k3's low variance without its blow-up when the policy
+    puts far less mass on a token than the reference (exp(ref - logprobs) overflows the loss)."""
+    return jnp.clip(kl_k3(logprobs, ref_logprobs), -10.0, 10.0)
+
+
 @register_kl_estimator("abs")
 def kl_abs(logprobs, ref_logprobs):
     return jnp.abs(logprobs - ref_logprobs)

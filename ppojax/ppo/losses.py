@@ -1,9 +1,9 @@
 """The clipped PPO losses and their diagnostics (SPEC: Loss).
 
-Masks named ``padding_mask*`` are True on padding. The losses are TOKEN-weighted: a micro-batch's sums
-are divided by the live-token counts of its whole MINI-batch (``policy_tokens``, ``value_tokens``), so
-summing micro-batch gradients gives exactly the big-batch gradient. With one micro-batch per mini-batch
-this is TRL's ``masked_mean``.
+Masks named ``padding_mask*`` are True on padding. A micro-batch's sums are divided by the counts of its
+whole MINI-batch (live tokens ``policy_tokens`` / ``value_tokens``, or ``rows`` for the sequence-mean
+aggregation modes), so summing micro-batch gradients gives exactly the big-batch gradient. With one
+micro-batch per mini-batch and ``loss_agg_mode='token-mean'`` this is TRL's ``masked_mean``.
 """
 from typing import NamedTuple
 
@@ -31,19 +31,50 @@ class LossTerms(NamedTuple):
     entropy_loss: jnp.ndarray
 
 
-def policy_loss(new_logprobs, old_logprobs, advantages, padding_mask, cliprange, policy_tokens=None):
-    """Clipped surrogate: sum(max(-A r, -A clip(r, 1-eps, 1+eps))) over live tokens / policy_tokens.
+#: How per-token losses become one number (verl's ``loss_agg_mode``; TRL's GRPO ``loss_type`` in brackets):
+#: 'token-mean'             sum over live tokens / live tokens of the batch (PPO, TRL's PPO; GRPO 'bnpo'/'dapo')
+#: 'seq-mean-token-mean'    each sequence's token mean, then the mean over sequences (GRPO 'grpo')
+#: 'seq-mean-token-sum-norm' sum over live tokens / (sequences x response_length): a fixed-length sum with no
+#:                          length bias (GRPO 'dr_grpo')
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
-    All f32[B, R]. ``policy_tokens=None`` means this batch's own live-token count (a masked mean).
-    Returns (loss scalar, ratio f32[B, R], clipped bool[B, R]).
+
+def aggregate(per_token, padding_mask, mode="token-mean", *, tokens=None, rows=None):
+    """A scalar from per-token losses f32[B, R] over live tokens (padding_mask True = padding), by ``mode``.
+
+    tokens / rows: the live-token count and the row count of the whole MINI-batch when this is one of its
+    micro-batches (None: this batch's own), so that micro-batch results SUM to the mini-batch's value.
     """
     live = ~padding_mask
+    summed_rows = jnp.sum(jnp.where(live, per_token, 0.0), axis=-1)
+    rows = per_token.shape[0] if rows is None else rows
+    if mode == "token-mean":
+        return jnp.sum(summed_rows) / (jnp.sum(live) if tokens is None else tokens)
+    if mode == "seq-mean-token-mean":
+        return jnp.sum(summed_rows / jnp.maximum(jnp.sum(live, axis=-1), 1)) / rows
+    if mode == "seq-mean-token-sum-norm":
+        return jnp.sum(summed_rows) / (rows * per_token.shape[-1])
+    raise ValueError(f"loss_agg_mode={mode!r}; expected one of {LOSS_AGG_MODES}")
+
+
+def policy_loss(new_logprobs, old_logprobs, advantages, padding_mask, cliprange, policy_tokens=None, *,
+                cliprange_high=None, dual_clip_c=None, loss_agg_mode="token-mean", rows=None):
+    """Clipped surrogate max(-A r, -A clip(r, 1 - cliprange, 1 + cliprange_high)) over live tokens.
+
+    All f32[B, R]. cliprange_high: the upper clip range ("clip-higher", DAPO; None = cliprange).
+    dual_clip_c: for A < 0, the loss is at most -A c (dual-clip PPO, Ye et al. 2020; TRL's GRPO ``delta``;
+    None = off). Aggregated by ``loss_agg_mode`` (:func:`aggregate`; ``policy_tokens`` / ``rows`` are the
+    mini-batch's counts). Returns (loss scalar, ratio f32[B, R], clipped bool[B, R]).
+    """
+    upper = cliprange if cliprange_high is None else cliprange_high
     ratio = jnp.exp(new_logprobs - old_logprobs)
     unclipped = -advantages * ratio
-    clipped = -advantages * jnp.clip(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    clipped = -advantages * jnp.clip(ratio, 1.0 - cliprange, 1.0 + upper)
     per_token = jnp.maximum(unclipped, clipped)
-    denominator = jnp.sum(live) if policy_tokens is None else policy_tokens
-    return jnp.sum(jnp.where(live, per_token, 0.0)) / denominator, ratio, clipped > unclipped
+    if dual_clip_c is not None:
+        per_token = jnp.where(advantages < 0, jnp.minimum(per_token, -advantages * dual_clip_c), per_token)
+    loss = aggregate(per_token, padding_mask, loss_agg_mode, tokens=policy_tokens, rows=rows)
+    return loss, ratio, clipped > unclipped
 
 
 def value_loss(vpred, old_values, returns, padding_mask_p1, cliprange_value, value_tokens=None):
@@ -61,45 +92,56 @@ def value_loss(vpred, old_values, returns, padding_mask_p1, cliprange_value, val
 
 
 def ppo_loss(new_logprobs, vpred, entropy, batch, *, cliprange, cliprange_value, vf_coef, entropy_coef=0.0,
-             policy_tokens=None, value_tokens=None):
-    """loss = pg_loss + vf_coef * vf_loss - entropy_coef * mean entropy, and the diagnostics.
+             policy_tokens=None, value_tokens=None, rows=None, cliprange_high=None, dual_clip_c=None,
+             loss_agg_mode="token-mean", kl_loss_coef=0.0, kl_loss_fn=None, with_value=True):
+    """loss = pg_loss + vf_coef * vf_loss + kl_loss_coef * kl_loss - entropy_coef * mean entropy, and the
+    diagnostics.
 
     new_logprobs, vpred, entropy: f32[B, R] from the current parameters (unmasked; masked here).
     batch: the rollout's side (``ppojax.types.UpdateBatch`` or anything with these f32[B, R] / bool[B, R]
     fields): ``logprobs`` (behaviour), ``values`` (rollout values), ``advantages``, ``returns``,
-    ``padding_mask``, ``padding_mask_p1``.
+    ``padding_mask``, ``padding_mask_p1``, and ``ref_logprobs`` when ``kl_loss_coef`` > 0.
+    kl_loss_fn: a per-token KL estimator (logprobs, ref_logprobs) -> f32[B, R] for the KL-in-the-loss term
+    (GRPO-style), aggregated like the policy loss. with_value=False: no critic, no value term.
     Returns (loss, stats) with stats under TRL's short names.
     """
     padding_mask, padding_mask_p1 = batch.padding_mask, batch.padding_mask_p1
     new_logprobs, vpred = mask_policy_and_value(new_logprobs, vpred, padding_mask, padding_mask_p1)
     live = ~padding_mask
     pg_loss, ratio, pg_clipped = policy_loss(new_logprobs, batch.logprobs, batch.advantages, padding_mask,
-                                             cliprange, policy_tokens)
-    vf_loss, vf_clipped = value_loss(vpred, batch.values, batch.returns, padding_mask_p1, cliprange_value,
-                                     value_tokens)
+                                             cliprange, policy_tokens, cliprange_high=cliprange_high,
+                                             dual_clip_c=dual_clip_c, loss_agg_mode=loss_agg_mode, rows=rows)
     denominator = jnp.sum(live) if policy_tokens is None else policy_tokens
     mean_entropy = jnp.sum(jnp.where(live, entropy, 0.0)) / denominator
-    loss = pg_loss + vf_coef * vf_loss - entropy_coef * mean_entropy
-    stats = diagnostics(new_logprobs, batch.logprobs, ratio, entropy, pg_clipped, vf_clipped,
-                        padding_mask, padding_mask_p1)
-    stats.update(pg_loss=pg_loss, vf_loss=vf_loss, loss=loss)
+    loss = pg_loss - entropy_coef * mean_entropy
+    stats = diagnostics(new_logprobs, batch.logprobs, ratio, entropy, pg_clipped, padding_mask)
+    stats.update(pg_loss=pg_loss)
+    if with_value:
+        vf_loss, vf_clipped = value_loss(vpred, batch.values, batch.returns, padding_mask_p1, cliprange_value,
+                                         value_tokens)
+        loss = loss + vf_coef * vf_loss
+        stats.update(vf_loss=vf_loss, vf_clipfrac=masked_mean(vf_clipped.astype(jnp.float32), ~padding_mask_p1))
+    if kl_loss_coef:
+        kl_loss = aggregate(kl_loss_fn(new_logprobs, batch.ref_logprobs), padding_mask, loss_agg_mode,
+                            tokens=policy_tokens, rows=rows)
+        loss = loss + kl_loss_coef * kl_loss
+        stats.update(kl_loss=kl_loss)
+    stats.update(loss=loss)
     return loss, stats
 
 
-def diagnostics(new_logprobs, old_logprobs, ratio, entropy, pg_clipped, vf_clipped, padding_mask,
-                padding_mask_p1):
+def diagnostics(new_logprobs, old_logprobs, ratio, entropy, pg_clipped, padding_mask):
     """Per-batch PPO diagnostics, each a masked mean over live tokens (TRL averages some over padding).
 
     approxkl = 0.5 (new - old)^2; ratio is the batch's mean ratio (TRL's ``val/ratio_var`` is the variance
     of these means across micro-batches, computed by the update); ratio_token_var is the (biased) masked
     variance of the ratio over this batch's tokens.
     """
-    live, live_value = ~padding_mask, ~padding_mask_p1
+    live = ~padding_mask
     ratio_mean = masked_mean(ratio, live)
     return dict(
         approxkl=masked_mean(0.5 * jnp.square(new_logprobs - old_logprobs), live),
         pg_clipfrac=masked_mean(pg_clipped.astype(jnp.float32), live),
-        vf_clipfrac=masked_mean(vf_clipped.astype(jnp.float32), live_value),
         entropy=masked_mean(entropy, live),
         ratio=ratio_mean,
         ratio_token_var=masked_mean(jnp.square(ratio - ratio_mean), live),

@@ -26,6 +26,7 @@ def rollout_metrics(scores, kl, non_score_reward, logprobs, padding_mask, num_eo
     return metrics
 
 
+#: Names absent from a run's loss (no critic: no value terms; no KL in the loss) are left out of its metrics.
 #: Short diagnostic names from losses.ppo_loss, averaged over micro-batches, mini-batches and epochs
 #: -> TRL's metric names.
 UPDATE_METRIC_NAMES = {
@@ -41,5 +42,6 @@ UPDATE_METRIC_NAMES = {
 LOSS_METRIC_NAMES = {
     "pg_loss": "loss/policy_avg",
     "vf_loss": "loss/value_avg",
+    "kl_loss": "loss/kl_avg",
     "loss": "loss/total_avg",
 }

@@ -23,6 +23,7 @@ from .. import sharding
 from ..actor_critic import ActorCritic
 from ..compile_cache import enable_compilation_cache
 from ..config import ConfigError, PPOConfig
+from ..ppo.advantages import advantage_estimator
 from ..data import PromptBatches, check_tokenizer, load_prompt_dataset, prepare_prompts
 from ..rewards import FunctionScores, ModelScores
 from ..settings import StepSettings
@@ -210,6 +211,7 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
     cache_dir = enable_compilation_cache(config.compilation_cache_dir)
     mesh = as_config_error(sharding.mesh_from_config, config)
     model_options = model_kwargs(config)
+    uses_critic = advantage_estimator(config.advantage_estimator).uses_critic
     data_parallel = sharding.data_parallel_size(mesh)
     config.derived(data_parallel)  # batch sizes must split over the data-parallel devices (before loading)
 
@@ -217,7 +219,7 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
     model_path = None
     if model is None:
         model_path = resolve_model_path(config.model_name_or_path)
-        kind = "value_head" if config.value_head == "policy" else "causal_lm"
+        kind = "value_head" if config.value_head == "policy" and uses_critic else "causal_lm"
         model, _ = load_model("policy", model_path, kind=kind, seed=config.seed, **model_options)
     if processing_class is None:
         if model_path is None:
@@ -231,7 +233,7 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
     if stop_token_id is not None and stop_token_id == pad_token_id:
         raise ConfigError(f"stop token id {stop_token_id} equals the pad token id; SPEC keys masks on "
                           "`token != pad`. Give the tokenizer a distinct pad token.")
-    if config.value_head == "policy" and not hasattr(model, "value"):
+    if uses_critic and config.value_head == "policy" and not hasattr(model, "value"):
         raise ConfigError("value_head='policy' needs a CausalLMWithValueHead policy (load it with "
                           "kind='value_head'), or set value_head='separate'.")
     if config.missing_eos_penalty is not None and stop_token_id is None:
@@ -253,7 +255,7 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
     policy_graphdef, policy_params = nnx.split(model)
     params = {"policy": policy_params}
     value_graphdef = None
-    if config.value_head == "separate":
+    if uses_critic and config.value_head == "separate":
         value_module = value_model or _default_value_model(config, model, reward_module, model_options)
         value_graphdef, params["value"] = nnx.split(value_module)
         if reward_module is not None and value_model is None:
@@ -276,14 +278,17 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
                                   pad_token_id=pad_token_id)
         train_queries, eval_queries = _split_eval(prompts.input_ids, config.num_eval_prompts)
     sizes = config.derived(data_parallel)
-    dataset_size = len(train_queries) if train_queries is not None else sizes.batch_size
+    dataset_size = len(train_queries) if train_queries is not None else sizes.prompts_per_batch
     num_updates = config.num_updates(dataset_size)
     if train_queries is not None:
-        if len(train_queries) < sizes.batch_size:
+        if len(train_queries) < sizes.prompts_per_batch:
+            per_update = (f"batch_size={sizes.batch_size}" if config.num_generations == 1 else
+                          f"the {sizes.prompts_per_batch} prompts an update takes (batch_size={sizes.batch_size} / "
+                          f"num_generations={config.num_generations})")
             raise ConfigError(f"The dataset has {len(train_queries)} training prompts after filtering and "
                               f"holding out num_eval_prompts={config.num_eval_prompts}, fewer than "
-                              f"batch_size={sizes.batch_size}; lower batch_size or add prompts.")
-        batches = PromptBatches(train_queries, sizes.batch_size, seed=config.seed,
+                              f"{per_update}; lower batch_size or add prompts.")
+        batches = PromptBatches(train_queries, sizes.prompts_per_batch, seed=config.seed,
                                 process_index=jax.process_index(), process_count=jax.process_count())
 
     # ---- the program and its state ----
@@ -298,7 +303,7 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
         reward = FunctionScores(reward_model, processing_class, pad_token_id,
                                 allow_nonfinite=config.on_nonfinite_reward == "skip", mesh=mesh)
     actor_critic = ActorCritic(policy_graphdef, value_graphdef, pad_token_id, config.temperature,
-                               ref_graphdef=ref_graphdef)
+                               ref_graphdef=ref_graphdef, has_critic=uses_critic)
     optimizer = optimizer_from_config(config)
     program = PPOProgram(actor_critic, reward, settings, optimizer, mesh)
     state, state_shardings = sharding.init_sharded_train_state(params, optimizer, mesh, frozen=frozen,
