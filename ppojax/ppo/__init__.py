@@ -6,8 +6,8 @@ from .advantages import (AdvantageEstimator, AdvantageInputs, advantage_estimato
 from .gae import Advantages, advantages_and_returns, gae
 from .kl import (KL_ESTIMATORS, KLEstimator, kl_abs, kl_estimator, kl_estimator_names, kl_full, kl_k1, kl_k2, kl_k3,
                  kl_low_var, kl_mse, kl_per_token, register_kl_estimator)
-from .losses import (diagnostics, entropy_from_logits, mask_policy_and_value, policy_loss, ppo_loss,
-                     value_loss)
+from .losses import (LOSS_AGG_MODES, aggregate, diagnostics, entropy_from_logits, mask_policy_and_value,
+                     policy_loss, ppo_loss, value_loss)
 from .masks import (INVALID_LOGPROB, ResponseMasks, contains_stop_token, first_true_indices,
                     response_masks, truncate_response)
 from .metrics import LOSS_METRIC_NAMES, UPDATE_METRIC_NAMES, rollout_metrics
