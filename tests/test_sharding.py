@@ -252,3 +252,26 @@ if CHILD:
             init_cache_fn=sh.make_init_cache_fn(mesh))).lower(policy, prompts, jax.random.key(0))
         text = lowered.as_text()
         assert "sharding_constraint" in text and '{"tensor"}' in text, text[:2000]
+
+    # ---- critic-free estimators: group statistics over a sharded batch ----
+    from ppojax.actor_critic import ActorCritic
+    def _critic_free_updates(mesh, estimator):
+        """One update of the critic-free ``estimator`` (groups of 4 consecutive rows, KL in the loss) on the
+        synthetic experience: no value model, params {"policy"} only."""
+        ac, params, _, (policy_def, _) = H.build_models()
+        ac = ActorCritic(policy_def, None, H.PAD, temperature=0.7, has_critic=False)
+        settings = H.SETTINGS.replace(advantage_estimator=estimator, num_generations=4, kl_loss_coef=0.04,
+                                      loss_agg_mode="seq-mean-token-mean", cliprange_high=0.28)
+        return H.run_updates(mesh, ac, {"policy": params["policy"]}, H.synthetic_experience(), 1, settings)
+
+    @pytest.mark.parametrize("estimator, shape", [("grpo", (8, 1, 1)), ("grpo", (2, 4, 1)), ("grpo", (4, 2, 1)),
+                                                  ("rloo", (2, 4, 1)), ("reinforce_pp", (2, 4, 1))])
+    def test_group_statistics_equal_one_device(estimator, shape):
+        """The group mean/std (and REINFORCE++'s global whitening) inside the program see the whole batch on
+        every mesh, even where a group's 4 rows straddle data-parallel shards (8 shards of 2 rows)."""
+        one_state, one = _critic_free_updates(sh.make_mesh(devices=jax.devices()[:1]), estimator)
+        state, history = _critic_free_updates(sh.make_mesh(*shape), estimator)
+        assert "loss/value_avg" not in history[0] and "loss/kl_avg" in history[0]
+        for name, value in history[0].items():
+            np.testing.assert_allclose(value, one[0][name], atol=1e-5, rtol=1e-5, err_msg=name)
+        assert_trees_close(state.params, one_state.params, what="params")
