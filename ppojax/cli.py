@@ -1,4 +1,5 @@
-"""Command line: ``ppojax train CONFIG.yaml [key=value ...]`` and ``ppojax export CHECKPOINT OUT_DIR``.
+"""Command line: ``ppojax train CONFIG.yaml [key=value ...]``, ``ppojax export CHECKPOINT OUT_DIR`` and
+``ppojax plan CONFIG.yaml --model PRESET|DIR --devices N --mesh d,f,t`` (memory / FLOP plan, no weights).
 
 ``train`` runs a whole job: load (and if needed fetch/convert) the models, evaluate the held-out prompts,
 train with logs, samples and checkpoints, evaluate again, then write the trained policy in Hugging Face
@@ -181,6 +182,32 @@ def export_checkpoint(checkpoint: str, out_dir: str) -> Path:
     return trainer.save_model(out_dir)
 
 
+def run_plan(args) -> None:
+    """``ppojax plan``: set up the virtual devices BEFORE JAX starts, then compile and print the plan."""
+    from . import plan
+    mesh = plan.parse_mesh(args.mesh) if args.mesh else None
+    devices = args.devices or (mesh[0] * mesh[1] * mesh[2] if mesh else 1)
+    if mesh and mesh[0] * mesh[1] * mesh[2] != devices:
+        raise ConfigError(f"--mesh {args.mesh} has {mesh[0] * mesh[1] * mesh[2]} devices but --devices is "
+                          f"{devices}; make data * fsdp * tensor == {devices}.")
+    if args.lora_rank is not None and args.lora_rank < 1:
+        raise ConfigError(f"--lora-rank {args.lora_rank}: expected a rank >= 1.")
+    programs = tuple(p.strip() for p in args.programs.split(",") if p.strip())
+    unknown = [p for p in programs if p not in plan.PROGRAMS]
+    if unknown or not programs:
+        raise ConfigError(f"--programs {args.programs!r}: expected names among {', '.join(plan.PROGRAMS)}.")
+    config = PPOConfig.from_yaml(args.config, args.overrides)
+    model = args.model or config.model_name_or_path
+    plan.model_config_for(model)  # a bad model name fails before the devices are set up
+    plan.use_virtual_devices(devices)
+    result = plan.plan(config, model, mesh_shape=mesh, hbm_gb=args.hbm_gb, programs=programs,
+                       lora_rank=args.lora_rank)
+    print(plan.format_plan(result))
+    if args.json:
+        from .strict_json import write_json
+        write_json(Path(args.json), result.to_dict())
+
+
 def main(argv=None) -> int:
     keep_freed_memory()  # before JAX starts its threads (ppojax/host_memory.py)
     # Past `ulimit -f`, a write fails with EFBIG (reported below) instead of the kernel killing the process.
@@ -194,10 +221,29 @@ def main(argv=None) -> int:
     export = commands.add_parser("export", help="write a checkpoint's policy in Hugging Face format")
     export.add_argument("checkpoint", help="a step_N checkpoint, or output_dir/checkpoints")
     export.add_argument("out_dir")
-    args = parser.parse_args(argv)
+    plan = commands.add_parser("plan", help="compile the PPO programs ahead of time against abstract shapes on N "
+                               "virtual CPU devices and print the per-device memory, FLOPs and whether it fits")
+    plan.add_argument("config", help="YAML config (batch sizes, lengths, precision, remat; see configs/plan.yaml)")
+    plan.add_argument("overrides", nargs="*", help="key=value overrides of config fields")
+    plan.add_argument("--model", help="a preset (smollm2-135m, llama-3.2-1b, llama-3.1-8b, qwen2.5-7b, "
+                      "llama-3.1-70b) or a checkpoint directory's config.json (default: model_name_or_path)")
+    plan.add_argument("--devices", type=int, help="virtual devices (default: the --mesh product, else 1)")
+    plan.add_argument("--mesh", help="data,fsdp,tensor (default: the config's mesh_* fields)")
+    plan.add_argument("--hbm-gb", type=float, default=80.0, help="memory per device in GB (1e9 bytes)")
+    plan.add_argument("--lora-rank", type=int, help="derive LoRA's memory with rank-r adapters (see ppojax/plan.py)")
+    plan.add_argument("--programs", default="train_step,rollout,update",
+                      help="comma-separated: train_step, rollout, update")
+    plan.add_argument("--json", help="also write the plan as JSON to this file")
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # key=value overrides given after an option (argparse stops the positional list there)
+        if not hasattr(args, "overrides") or any(e.startswith("-") or "=" not in e for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides += extra
     try:
         if args.command == "train":
             run_training(PPOConfig.from_yaml(args.config, args.overrides))
+        elif args.command == "plan":
+            run_plan(args)
         else:
             print(export_checkpoint(args.checkpoint, args.out_dir))
     except ConfigError as err:

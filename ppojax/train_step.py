@@ -164,6 +164,12 @@ def make_rollout(program: PPOProgram):
     return run
 
 
+def make_update(program: PPOProgram, state_shardings=None):
+    """``update(state, experience, key) -> (state, metrics)``: the update half of :func:`ppo_iteration`
+    (``learn``) as its own jit object, the state donated (``ppojax.plan`` compiles it alone)."""
+    return _jit(program, lambda state, experience, key: learn(program, state, experience, key), state_shardings)
+
+
 def make_legacy_step(program: PPOProgram, prompt_length: int, state_shardings=None):
     """``step(state, query_responses i32[B, P+R], scores f32[B], key) -> (state, metrics)``: the legacy API's
     update on caller-given tokens and scores, one compiled program."""

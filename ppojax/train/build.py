@@ -292,9 +292,6 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
                                 process_index=jax.process_index(), process_count=jax.process_count())
 
     # ---- the program and its state ----
-    settings = StepSettings.from_config(config, pad_token_id=pad_token_id, num_updates=num_updates,
-                                        stop_token_id=stop_token_id, eos_token_id=processing_class.eos_token_id,
-                                        data_parallel_size=data_parallel, vocab_size=model.cfg.vocab_size)
     if reward_module is not None:
         reward = ModelScores(reward_graphdef, pad_token_id, config.local_rollout_forward_batch_size)
     elif reward_model is None:
@@ -302,16 +299,34 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
     else:
         reward = FunctionScores(reward_model, processing_class, pad_token_id,
                                 allow_nonfinite=config.on_nonfinite_reward == "skip", mesh=mesh)
-    actor_critic = ActorCritic(policy_graphdef, value_graphdef, pad_token_id, config.temperature,
-                               ref_graphdef=ref_graphdef, has_critic=uses_critic)
-    optimizer = optimizer_from_config(config)
-    program = PPOProgram(actor_critic, reward, settings, optimizer, mesh)
+    program = make_program(config, mesh, (policy_graphdef, value_graphdef, ref_graphdef), reward,
+                           pad_token_id=pad_token_id, stop_token_id=stop_token_id,
+                           eos_token_id=processing_class.eos_token_id, num_updates=num_updates,
+                           vocab_size=model.cfg.vocab_size)
+    optimizer = program.optimizer
     state, state_shardings = sharding.init_sharded_train_state(params, optimizer, mesh, frozen=frozen,
                                                                kl_coef=config.kl_coef)
     return Run(config=config, tokenizer=processing_class, model_config=model.cfg, mesh=mesh, program=program,
                state=state, state_shardings=state_shardings, num_updates=num_updates,
                train_queries=train_queries, eval_queries=eval_queries, batches=batches,
                compilation_cache_dir=cache_dir)
+
+
+def make_program(config: PPOConfig, mesh, graphdefs, reward, *, pad_token_id: int, stop_token_id, eos_token_id,
+                 num_updates: int, vocab_size: int) -> PPOProgram:
+    """The static PPO program: settings, model forwards, reward source and optimizer on ``mesh``.
+
+    graphdefs: (policy, value or None for a value head on the policy, reference or None for the policy's).
+    Shared by ``build_run`` (real weights) and ``ppojax.plan`` (abstract shapes).
+    """
+    policy_graphdef, value_graphdef, ref_graphdef = graphdefs
+    settings = StepSettings.from_config(config, pad_token_id=pad_token_id, num_updates=num_updates,
+                                        stop_token_id=stop_token_id, eos_token_id=eos_token_id,
+                                        data_parallel_size=sharding.data_parallel_size(mesh), vocab_size=vocab_size)
+    actor_critic = ActorCritic(policy_graphdef, value_graphdef, pad_token_id, config.temperature,
+                               ref_graphdef=ref_graphdef,
+                               has_critic=advantage_estimator(config.advantage_estimator).uses_critic)
+    return PPOProgram(actor_critic, reward, settings, optimizer_from_config(config), mesh)
 
 
 def _dataset_source(config):

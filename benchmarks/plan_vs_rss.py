@@ -1,0 +1,141 @@
+"""The planner against reality: ``ppojax plan``'s per-device peak vs the measured peak RSS of one SmolLM2-135M
+rollout and one update on this machine's one CPU device (a measurement: run it by hand, not in the tests).
+
+    python -m benchmarks.plan_vs_rss [--smollm2-dir DIR|random] [--out benchmarks/plan_vs_rss.json]
+
+Each phase runs in a fresh process (so its peak RSS is its own): build the run with real weights (a reward
+ScoreModel of the policy's shape, as the plan assumes), then compile and run the rollout (``make_rollout``)
+or the update (``make_update`` on an experience of the rollout's shapes). Reported: the process's peak RSS,
+its RSS before the phase's program was compiled (the built state + the runtime), and the plan's figures for
+the same config (``ppojax plan ... --programs rollout,update --json``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_DIR = REPO / ".cache/ppojax/smollm2-135m-instruct"
+OVERRIDES = ["precision=float32", "remat=none", "max_prompt_length=32", "response_length=32", "batch_size=8",
+             "gradient_accumulation_steps=1", "num_mini_batches=1", "num_ppo_epochs=1", "logits_chunk_size=null",
+             "stop_token=eos"]
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+
+
+def phase(name: str, model_dir: str) -> dict:
+    """In this (fresh) process: build the run, then compile and run one ``name`` program; -> RSS figures."""
+    from ppojax.host_memory import keep_freed_memory
+    keep_freed_memory()  # as the ppojax command does
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from benchmarks.common import peak_rss_mb
+    from ppojax.config import PPOConfig
+    from ppojax.models import CausalLM, ScoreModel, load_pretrained, load_tokenizer
+    from ppojax.plan import PRESETS, model_config_for
+    from ppojax.train.build import build_run
+    from ppojax.train_step import make_rollout, make_update, rollout_part
+
+    config = PPOConfig.from_yaml(REPO / "configs/plan.yaml", OVERRIDES)
+    runtime_mb = _rss_mb()
+    if model_dir == "random":  # a random init of SmolLM2's config (same shapes)
+        cfg, _, _ = model_config_for("smollm2-135m")
+        policy = CausalLM(cfg, rngs=nnx.Rngs(0))
+        tokenizer_dir = DEFAULT_DIR if DEFAULT_DIR.is_dir() else None
+    else:
+        policy, cfg = load_pretrained(model_dir)
+        tokenizer_dir = model_dir
+    tokenizer = _tokenizer(tokenizer_dir, cfg)
+    reward = ScoreModel(policy.cfg, rngs=nnx.Rngs(1))
+    run = build_run(config, processing_class=tokenizer, model=policy, reward_model=reward)
+    del policy, reward
+    prompts = jnp.full((run.settings.batch_size, config.max_prompt_length), 5, jnp.int32)
+    key = jax.random.key(0)
+    built_mb = _rss_mb()
+    if name == "rollout":
+        experience, _ = make_rollout(run.program)(run.state, prompts, key)
+        jax.block_until_ready(experience)
+    else:
+        shapes, _ = jax.eval_shape(lambda s, p, k: rollout_part(run.program, s, p, k), run.state, prompts, key)
+        experience = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        state, metrics = make_update(run.program, run.state_shardings)(run.state, experience, key)
+        jax.block_until_ready((state, metrics))
+    return {"phase": name, "runtime_rss_mb": runtime_mb, "built_rss_mb": built_mb, "peak_rss_mb": peak_rss_mb(),
+            "model": model_dir, "presets_checked": "smollm2-135m" in PRESETS}
+
+
+def _tokenizer(path, cfg):
+    if path is not None:
+        from ppojax.models import load_tokenizer
+        return load_tokenizer(path)
+
+    class Ids:  # the plan's token ids, without a tokenizer on disk
+        eos_token_id = cfg.eos_token_ids[0]
+        pad_token_id = 0
+        vocab_size = cfg.vocab_size
+
+        def __len__(self):
+            return cfg.vocab_size
+    return Ids()
+
+
+def planned() -> dict:
+    """The plan of the same config (one device), from the CLI's JSON."""
+    out = Path("/tmp/ppojax_plan_vs_rss.json")
+    subprocess.run([sys.executable, "-m", "ppojax.cli", "plan", str(REPO / "configs/plan.yaml"), "--model", "smollm2",
+                    "--programs", "rollout,update", "--json", str(out), *OVERRIDES], check=True, cwd=REPO,
+                   env={**os.environ, "PYTHONPATH": str(REPO)})
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smollm2-dir", default=str(DEFAULT_DIR) if DEFAULT_DIR.is_dir() else "random")
+    parser.add_argument("--phase", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=str(REPO / "benchmarks/plan_vs_rss.json"))
+    args = parser.parse_args()
+    if args.phase:
+        print(json.dumps(phase(args.phase, args.smollm2_dir)))
+        return
+    from benchmarks.common import machine_info
+    measured = {}
+    for name in ("rollout", "update"):
+        done = subprocess.run([sys.executable, "-m", "benchmarks.plan_vs_rss", "--phase", name, "--smollm2-dir",
+                               args.smollm2_dir], capture_output=True, text=True, cwd=REPO,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+        if done.returncode:  # e.g. -9: the kernel's OOM killer on a shared machine
+            print(f"{name}: the measuring process failed (exit {done.returncode}): {done.stderr[-500:]}")
+            measured[name] = {"peak_rss_mb": None, "runtime_rss_mb": None, "built_rss_mb": None,
+                              "exit_code": done.returncode}
+            continue
+        measured[name] = json.loads(done.stdout.strip().splitlines()[-1])
+    plan = planned()
+    rows = []
+    for p in plan["programs"]:
+        m = measured[p["name"]]
+        rows.append({"program": p["name"], "plan_peak_mb": p["peak_bytes"] / 1e6,
+                     "plan_resident_mb": p["resident_bytes"] / 1e6, "plan_temp_mb": p["temp_bytes"] / 1e6,
+                     "measured_peak_rss_mb": m["peak_rss_mb"], "runtime_rss_mb": m["runtime_rss_mb"],
+                     "built_rss_mb": m["built_rss_mb"],
+                     "exit_code": m.get("exit_code", 0)})
+    result = {"machine": machine_info(), "overrides": OVERRIDES, "model": args.smollm2_dir, "rows": rows}
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    for r in rows:
+        print(f"{r['program']:<8} plan peak {r['plan_peak_mb']:8.0f} MB (resident {r['plan_resident_mb']:.0f}, "
+              f"temporaries {r['plan_temp_mb']:.0f}) | measured peak RSS {r['measured_peak_rss_mb']} MB (runtime "
+              f"{r['runtime_rss_mb']} MB, after building {r['built_rss_mb']} MB)")
+
+
+if __name__ == "__main__":
+    main()

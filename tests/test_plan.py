@@ -1,0 +1,102 @@
+"""`ppojax plan`: ahead-of-time memory / FLOP plan on virtual CPU devices (ppojax/plan.py).
+
+The plans run the CLI in subprocesses (it sets up its own N virtual devices before JAX starts) on a tiny
+one-layer Llama whose config.json is written to a temporary directory (no weights anywhere).
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ppojax.cli import main
+from ppojax.plan import PRESETS, model_config_for, parse_mesh
+from tests.sharding_helpers import FAST_COMPILE_FLAGS
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=8,
+            num_key_value_heads=8, vocab_size=256, max_position_embeddings=64, eos_token_id=2, pad_token_id=0)
+SETTINGS = ["batch_size=16", "max_prompt_length=8", "response_length=4", "num_ppo_epochs=1", "precision=float32",
+            "remat=none", "stop_token=eos", "gradient_accumulation_steps=1", "logits_chunk_size=null"]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_plan")
+    (path / "config.json").write_text(json.dumps(TINY))
+    return path
+
+
+def run_plan(model, out, *args):
+    """The CLI in a subprocess -> (completed process, the plan's JSON)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "XLA_FLAGS": FAST_COMPILE_FLAGS}
+    done = subprocess.run([sys.executable, "-m", "ppojax.cli", "plan", str(REPO / "configs/plan.yaml"),
+                           "--model", str(model), "--json", str(out), *args, *SETTINGS],
+                          capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done, json.loads(Path(out).read_text())
+
+
+@pytest.fixture(scope="module")
+def one_device(tiny_model, tmp_path_factory):
+    return run_plan(tiny_model, tmp_path_factory.mktemp("p1") / "plan.json", "--programs", "train_step,update")
+
+
+def test_fsdp8_holds_an_eighth_of_the_arguments(tiny_model, one_device, tmp_path):
+    _, single = one_device
+    _, split = run_plan(tiny_model, tmp_path / "plan.json", "--devices", "8", "--mesh", "1,8,1",
+                        "--programs", "update")
+    assert split["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1} and split["devices"] == 8
+
+    def update(plan):
+        return next(p for p in plan["programs"] if p["name"] == "update")
+
+    # XLA's own per-device argument bytes (state + experience) and the plan's state bytes: ~1/8 each
+    ratio = update(split)["argument_bytes"] / update(single)["argument_bytes"]
+    assert abs(ratio * 8 - 1) < 0.25, ratio
+    assert abs(split["state_bytes"] * 8 / single["state_bytes"] - 1) < 0.25
+    assert update(split)["peak_bytes"] < update(single)["peak_bytes"]
+
+
+def test_xla_flops_and_the_model_shape_count_agree_in_scale(one_device):
+    # one layer, one epoch, one decode step: XLA's loop-bodies-once count sees nearly the whole update
+    _, plan = one_device
+    step = next(p for p in plan["programs"] if p["name"] == "train_step")
+    ratio = step["flops"] * plan["devices"] / plan["model_flops"]["total"]
+    assert 0.5 < ratio < 2.0, ratio
+
+
+def test_cli_prints_the_table_and_the_fit(one_device):
+    done, plan = one_device
+    out = done.stdout
+    assert "per device (GB)" in out and "train_step" in out and "update" in out and "temporaries" in out
+    assert "fits a 80 GB device" in out and "reward ScoreModel" in out
+    assert plan["fits"] is True and plan["peak_bytes"] > plan["state_bytes"] > 0
+
+
+def test_presets_read_through_the_family_code():
+    cfg, _, _ = model_config_for("meta-llama/Llama-3.1-8B")
+    assert (cfg.hidden_size, cfg.num_layers, cfg.num_kv_heads, cfg.vocab_size) == (4096, 32, 8, 128256)
+    assert cfg.rope_scaling_dict["rope_type"] == "llama3" and not cfg.tie_word_embeddings
+    qwen, _, _ = model_config_for("Qwen2.5-7B")
+    assert qwen.qkv_bias and qwen.num_kv_heads == 4 and qwen.sliding_window is None
+    assert model_config_for("llama-3.2-1b")[0].tie_word_embeddings
+    assert set(PRESETS) >= {"llama-3.2-1b", "llama-3.1-8b", "qwen2.5-7b", "llama-3.1-70b"}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "llama-9b"], "neither a preset"),
+    (["--model", "llama-3.2-1b", "--devices", "8", "--mesh", "2,2,1"], "make data * fsdp * tensor == 8"),
+    (["--model", "llama-3.2-1b", "--mesh", "2,x,1"], "expected three sizes"),
+    (["--model", "llama-3.2-1b", "--programs", "sample"], "--programs"),
+])
+def test_bad_inputs_exit_2_with_a_message(args, message, capsys):
+    code = main(["plan", str(REPO / "configs/plan.yaml"), *args])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err, err
+
+
+def test_parse_mesh():
+    assert parse_mesh("1,8,1") == (1, 8, 1)
