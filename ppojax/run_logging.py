@@ -48,6 +48,7 @@ AXIS_LABELS = {
     "objective/kl": "KL to the initial model (nats)",
     "objective/rlhf_reward": "score - KL penalty",
     "objective/entropy": "entropy (nats)",
+    "objective/kl_coef": "KL coefficient (adaptive controller)",
 }
 
 _T0 = time.time()
@@ -503,5 +504,26 @@ def curves_figure(rows: Sequence[Mapping], keys: Sequence[str] = PLOT_KEYS, *,
         ax.set_ylabel(AXIS_LABELS.get(key, key))
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
+        if key == "objective/kl":
+            _kl_coef_on_twin_axis(ax, rows)
     fig.tight_layout()
     return fig
+
+
+def _kl_coef_on_twin_axis(kl_ax, rows: Sequence[Mapping]) -> None:
+    """The KL coefficient over the updates on a right-hand axis of the KL panel, when it moved (the adaptive
+    controller); a fixed coefficient adds nothing."""
+    points = [(r["step"], _to_float(r.get("objective/kl_coef"))) for r in rows if "step" in r]
+    points = [(x, y) for x, y in points if y is not None]
+    if len({y for _, y in points}) < 2:
+        return
+    from matplotlib.ticker import MaxNLocator
+
+    xs, ys = zip(*points)
+    twin = kl_ax.twinx()
+    twin.plot(xs, ys, color="C3", linestyle="--", linewidth=1.2, label="KL coefficient (adaptive)")
+    twin.set_ylabel(AXIS_LABELS["objective/kl_coef"], color="C3")
+    twin.tick_params(axis="y", colors="C3")
+    twin.xaxis.set_major_locator(MaxNLocator(integer=True))
+    lines = kl_ax.get_lines() + twin.get_lines()
+    kl_ax.legend(lines, [line.get_label() for line in lines], loc="best", fontsize=8)

@@ -412,6 +412,23 @@ def test_plot_labels_ticks_and_held_out_marks(tmp_path):
     assert path == tmp_path / "training_curves.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_shows_the_adaptive_kl_coefficient_only_when_it_moves():
+    from ppojax.run_logging import curves_figure
+
+    rows = [{"step": s, "objective/scores": 0.1 * s, "objective/kl": 0.3 * s, "objective/kl_coef": 0.05}
+            for s in range(1, 8)]
+    assert len(curves_figure(rows).axes) == 2  # a fixed coefficient: no extra axis
+    rows = [{**r, "objective/kl_coef": 0.05 * 1.1 ** r["step"]} for r in rows]
+    fig = curves_figure(rows)
+    score_ax, kl_ax, coef_ax = fig.axes
+    assert coef_ax.get_ylabel() == "KL coefficient (adaptive controller)"
+    np.testing.assert_allclose(coef_ax.get_lines()[0].get_ydata(), [r["objective/kl_coef"] for r in rows])
+    assert [t.get_text() for t in kl_ax.get_legend().get_texts()] == ["training batch", "KL coefficient (adaptive)"]
+    fig.canvas.draw()
+    ticks = [t for t in kl_ax.get_xticks() if kl_ax.get_xlim()[0] <= t <= kl_ax.get_xlim()[1]]
+    assert ticks and all(float(t).is_integer() for t in ticks)
+
+
 def test_the_whole_flow_and_a_rerun_of_a_finished_run(tmp_path, capsys):
     """claim -> RunLogger -> checkpoints -> summary/plot -> mark_finished, as the CLI wires it; the same
     command again finds the run finished and leaves every byte of every file as it was."""
