@@ -10,6 +10,9 @@ that is the headline (episodes/s, time to the first update). The phases inside o
 apart, so after the timed updates the same work runs as separate programs (the sampler alone, the rollout,
 the update) for the per-phase figures (generation / update tokens per second and MFU); ``--no-phases``
 skips them. ``--scan K`` runs the updates as ``train_steps`` blocks of K iterations in one ``lax.scan``.
+``--estimator grpo`` (or rloo, reinforce_pp) runs the same work with a critic-free advantage estimator: no
+value model (its forward, loss, parameters and optimizer state are gone), 4 samples per prompt for the group
+estimators; ``state_mb`` reports the trainable state's size either way.
 """
 from __future__ import annotations
 
@@ -51,6 +54,7 @@ def build(config: dict):
     from ppojax import sharding
     from ppojax.actor_critic import ActorCritic
     from ppojax.config import PPOConfig
+    from ppojax.ppo import advantage_estimator
     from ppojax.rewards import ModelScores
     from ppojax.settings import StepSettings
     from ppojax.train_step import PPOProgram
@@ -60,20 +64,25 @@ def build(config: dict):
     policy_graphdef, policy_params = nnx.split(policy)
     reward_graphdef, reward_params = nnx.split(reward)
     pad = config["pad_token_id"]
+    estimator = advantage_estimator(config.get("advantage_estimator", "gae"))
     ppo_config = PPOConfig(batch_size=config["batch_size"], response_length=config["response_length"],
                            max_prompt_length=config["prompt_length"], num_ppo_epochs=config["num_ppo_epochs"],
                            num_mini_batches=config["num_mini_batches"], temperature=config["temperature"],
                            learning_rate=config["learning_rate"], seed=config["seed"], reward_function="vader",
-                           mesh_data=1)
+                           mesh_data=1, advantage_estimator=estimator.name,
+                           num_generations=4 if estimator.needs_groups else 1)
     # logits chunking as PPOTrainer sizes it (logits_chunk_size=None)
     settings = StepSettings.from_config(ppo_config, pad_token_id=pad, num_updates=config["num_updates"],
                                         eos_token_id=config["eos_token_id"], vocab_size=cfg.vocab_size)
-    actor_critic = ActorCritic(policy_graphdef, reward_graphdef, pad, config["temperature"])
+    actor_critic = ActorCritic(policy_graphdef, reward_graphdef if estimator.uses_critic else None, pad,
+                               config["temperature"], has_critic=estimator.uses_critic)
     optimizer = make_optimizer()
     mesh = sharding.make_mesh(devices=jax.devices()[:1])
     program = PPOProgram(actor_critic, ModelScores(reward_graphdef, pad), settings, optimizer, mesh)
     # TRL: the reference is a copy of the policy, the value model starts as the reward model
-    params = {"policy": policy_params, "value": jax.tree.map(jnp.copy, reward_params)}
+    params = {"policy": policy_params}
+    if estimator.uses_critic:
+        params["value"] = jax.tree.map(jnp.copy, reward_params)
     frozen = {"ref": jax.tree.map(jnp.copy, policy_params), "reward": reward_params}
     state, shardings = sharding.init_sharded_train_state(params, optimizer, mesh, frozen=frozen, kl_coef=0.05)
     return program, state, shardings
@@ -85,7 +94,7 @@ def run(config: dict) -> dict:
     t_setup = time.perf_counter()
     program, state, shardings = build(config)
     prompts = np.asarray(config["prompts"], np.int32)
-    B = config["batch_size"]
+    B = config["batch_size"] // program.settings.num_generations  # prompts per update
     seed_key = jax.random.key(config["seed"])
     jax.block_until_ready(state)
     setup_s = time.perf_counter() - t_setup
@@ -130,6 +139,8 @@ def run(config: dict) -> dict:
     out["device"] = str(jax.devices()[0].platform)
     out["update_compilations"] = compilations
     out["scan"] = scan
+    out["advantage_estimator"] = program.settings.advantage_estimator
+    out["state_mb"] = sum(x.nbytes for x in jax.tree.leaves((state.params, state.opt_state))) / 1e6
     return out
 
 
@@ -168,12 +179,13 @@ def main(argv=None):
     parser.add_argument("--json", default=None)
     parser.add_argument("--scan", type=int, default=1, help="iterations per train_steps block (1: train_step)")
     parser.add_argument("--no-phases", action="store_true", help="skip the per-phase timing")
+    parser.add_argument("--estimator", default="gae", help="advantage_estimator (gae, grpo, rloo, reinforce_pp)")
     args = parser.parse_args(argv)
     from ppojax.host_memory import keep_freed_memory
 
     keep_freed_memory()  # as the ppojax CLI does, before JAX starts
     config = make_config(args.size, quick=args.quick, num_updates=args.updates, model_dir=args.model_dir)
-    result = run(dict(config, scan=args.scan, phases=not args.no_phases))
+    result = run(dict(config, scan=args.scan, phases=not args.no_phases, advantage_estimator=args.estimator))
     text = json.dumps({k: v for k, v in result.items() if k != "updates"}, indent=2)
     print(text)
     if args.json:

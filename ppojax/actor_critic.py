@@ -45,11 +45,14 @@ class ActorCritic:
     def has_value_head(self) -> bool:
         return self.has_critic and self.value_graphdef is None
 
-    def is_critic_path(self, path) -> bool:
-        """Whether a pytree path into the trainable params (or an optimizer state mirroring them) is the
-        critic's: under ``"value"`` (a separate value model) or the policy's ``"v_head"``."""
+    def owner(self, path) -> Optional[str]:
+        """Whose a pytree path into the trainable params (or an optimizer state mirroring them) is: 'critic'
+        (under ``"value"``, a separate value model, or the policy's ``"v_head"``), 'policy', or None (a leaf
+        of neither, e.g. Adam's step count)."""
         keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)][:2]
-        return keys[:1] == ["value"] or keys == ["policy", "v_head"]
+        if keys[:1] == ["value"] or keys == ["policy", "v_head"]:
+            return "critic"
+        return "policy" if keys[:1] == ["policy"] else None
 
     def policy(self, params):
         """The merged policy module."""

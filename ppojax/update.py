@@ -142,11 +142,11 @@ def _select(condition, new, old):
 
 
 def _keep_policy(actor_critic, frozen, new, old):
-    """``new`` with every leaf outside the critic (``actor_critic.is_critic_path``) replaced by ``old`` while
-    ``frozen`` (a traced bool). Works on parameters and on optimizer states that mirror them; leaves of
-    neither (Adam's step count) follow ``new``."""
+    """``new`` with every leaf of the policy (``actor_critic.owner``) replaced by ``old`` while ``frozen`` (a
+    traced bool). Works on parameters and on optimizer states that mirror them; the critic's leaves and
+    those of neither (Adam's step count, which the critic's bias correction needs) follow ``new``."""
     def pick(path, n, o):
-        return n if actor_critic.is_critic_path(path) else jnp.where(frozen, o, n)
+        return jnp.where(frozen, o, n) if actor_critic.owner(path) == "policy" else n
     return jax.tree_util.tree_map_with_path(pick, new, old)
 
 
