@@ -104,11 +104,12 @@ def shaped_rewards_and_advantages(settings, experience, scores, kl_coef):
 # --------------------------------------------------------------------------------------------------
 # The loss of one micro-batch
 # --------------------------------------------------------------------------------------------------
-def micro_batch_loss(actor_critic, settings, params, batch: UpdateBatch, policy_tokens, value_tokens):
-    """Token-weighted PPO loss of one micro-batch on the current parameters. Returns (loss, stats)."""
+def micro_batch_loss(actor_critic, settings, params, batch: UpdateBatch, policy_tokens, value_tokens, frozen=None):
+    """Token-weighted PPO loss of one micro-batch on the current parameters (``frozen``: the state's frozen
+    models, read by the policy under LoRA). Returns (loss, stats)."""
     response_length = batch.logprobs.shape[1]
     prompt_length = batch.query_responses.shape[1] - response_length
-    logprobs, entropy, vpred = actor_critic.evaluate(params, batch.query_responses, prompt_length,
+    logprobs, entropy, vpred = actor_critic.evaluate(params, batch.query_responses, prompt_length, frozen=frozen,
                                                      logits_chunk_size=settings.update_logits_chunk)
     loss, stats = ppo.ppo_loss(logprobs, vpred, entropy, batch, cliprange=settings.cliprange,
                                cliprange_value=settings.cliprange_value, vf_coef=settings.vf_coef,
@@ -150,7 +151,7 @@ def learn(program, state, experience, key):
     batch_size = batch.logprobs.shape[0]
     mini_size = batch_size // settings.num_mini_batches
     grad_fn = jax.value_and_grad(
-        lambda p, mb, pt, vt: micro_batch_loss(actor_critic, settings, p, mb, pt, vt), has_aux=True)
+        lambda p, mb, pt, vt: micro_batch_loss(actor_critic, settings, p, mb, pt, vt, state.frozen), has_aux=True)
     lr = learning_rate_at(settings, state.update_count)
     nonfinite_before = state.nonfinite_total
 

@@ -170,9 +170,9 @@ def with_lora(model, spec: LoraSpec, key: jax.Array):
     base_graphdef + base: the model as given (the reference: adapters off); lora_graphdef + base + adapters: the
     adapted model (`nnx.merge(lora_graphdef, base, adapters)`). `base` holds the very arrays of `model` (no copy).
     """
-    base_graphdef, _ = nnx.split(model)
-    add_lora(model, spec, key)
-    lora_graphdef, adapters, base = nnx.split(model, nnx.LoRAParam, ...)
+    base_graphdef, state = nnx.split(model)
+    model = add_lora(nnx.merge(base_graphdef, state), spec, key)  # a new module on the same arrays: the caller's
+    lora_graphdef, adapters, base = nnx.split(model, nnx.LoRAParam, ...)  # model keeps no adapters
     return base_graphdef, lora_graphdef, adapters, base
 
 

@@ -23,6 +23,7 @@ from .. import sharding
 from ..actor_critic import ActorCritic
 from ..compile_cache import enable_compilation_cache
 from ..config import ConfigError, PPOConfig
+from ..models.lora import LoraSpec, resolve_target_modules, with_lora
 from ..data import PromptBatches, check_tokenizer, load_prompt_dataset, prepare_prompts
 from ..rewards import FunctionScores, ModelScores
 from ..settings import StepSettings
@@ -52,6 +53,8 @@ class Run:
     eval_queries: Optional[np.ndarray]
     batches: Optional[PromptBatches]
     compilation_cache_dir: Any = None
+    lora: Optional[LoraSpec] = None  # the policy's LoRA adapters (None: full fine-tuning)
+    model_path: Optional[str] = None  # the policy's checkpoint directory (None: the caller passed the model)
 
     @property
     def settings(self) -> StepSettings:
@@ -175,6 +178,7 @@ def preflight(config: PPOConfig, *, policy_given: bool = False, reward_given: bo
                 f"max_prompt_length + response_length = {config.max_prompt_length} + {config.response_length} = "
                 f"{length} exceeds the policy's max_position_embeddings={policy.max_position_embeddings} "
                 f"({path}/config.json); shorten the prompts or the responses.")
+        lora_spec_from_config(config, policy)  # LoRA target modules the policy's family has
         if config.stop_token_id is not None and config.stop_token_id >= policy.vocab_size:
             raise ConfigError(f"stop_token_id={config.stop_token_id} is outside the policy's vocabulary "
                               f"(vocab_size={policy.vocab_size}): it can never be sampled, so no response would "
@@ -249,21 +253,29 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
     elif reward_model is not None:
         reward_module, reward_model = reward_model, None
 
-    # ---- value function, reference ----
-    policy_graphdef, policy_params = nnx.split(model)
-    params = {"policy": policy_params}
+    # ---- value function (from the policy before any adapters), policy, reference ----
+    params = {}
     value_graphdef = None
     if config.value_head == "separate":
         value_module = value_model or _default_value_model(config, model, reward_module, model_options)
         value_graphdef, params["value"] = nnx.split(value_module)
         if reward_module is not None and value_model is None:
             params["value"] = _copy(params["value"])  # the value model trains; the reward model must not
+    lora_spec = lora_spec_from_config(config, model.cfg)
+    frozen, base_graphdef = {}, None
+    if lora_spec is not None:  # only the adapters train; the base weights are frozen and serve the reference too
+        base_graphdef, policy_graphdef, params["policy"], frozen["base"] = with_lora(
+            model, lora_spec, jax.random.key(config.seed + 3))
+    else:
+        policy_graphdef, params["policy"] = nnx.split(model)
     if ref_model is not None:
         ref_graphdef, ref_params = nnx.split(ref_model)
+    elif lora_spec is not None:  # the base weights with the adapters off (ActorCritic.reference): no copy
+        ref_graphdef, ref_params = None, None
     else:  # a frozen copy of the initial policy (never donated to the optimizer, never updated)
-        ref_graphdef, ref_params = policy_graphdef, _copy(policy_params)
+        ref_graphdef, ref_params = policy_graphdef, _copy(params["policy"])
     reward_graphdef, reward_params = nnx.split(reward_module) if reward_module is not None else (None, None)
-    frozen = {"ref": ref_params, "reward": reward_params}
+    frozen.update(ref=ref_params, reward=reward_params)
 
     # ---- data ----
     train_queries = eval_queries = batches = None
@@ -298,7 +310,8 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
         reward = FunctionScores(reward_model, processing_class, pad_token_id,
                                 allow_nonfinite=config.on_nonfinite_reward == "skip", mesh=mesh)
     actor_critic = ActorCritic(policy_graphdef, value_graphdef, pad_token_id, config.temperature,
-                               ref_graphdef=ref_graphdef)
+                               ref_graphdef=ref_graphdef, base_graphdef=base_graphdef,
+                               lora_scale=None if lora_spec is None else lora_spec.scale)
     optimizer = optimizer_from_config(config)
     program = PPOProgram(actor_critic, reward, settings, optimizer, mesh)
     state, state_shardings = sharding.init_sharded_train_state(params, optimizer, mesh, frozen=frozen,
@@ -306,7 +319,16 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
     return Run(config=config, tokenizer=processing_class, model_config=model.cfg, mesh=mesh, program=program,
                state=state, state_shardings=state_shardings, num_updates=num_updates,
                train_queries=train_queries, eval_queries=eval_queries, batches=batches,
-               compilation_cache_dir=cache_dir)
+               compilation_cache_dir=cache_dir, lora=lora_spec, model_path=model_path)
+
+
+def lora_spec_from_config(config, model_config) -> Optional[LoraSpec]:
+    """The policy's LoRA adapters from ``lora_*`` (None when lora_r = 0); target names checked against the
+    policy's family (a ConfigError naming the bad names and the ones the model has)."""
+    if config.lora_r == 0:
+        return None
+    targets = as_config_error(resolve_target_modules, model_config, config.lora_target_modules)
+    return LoraSpec(config.lora_r, config.lora_alpha, targets, config.lora_dropout)
 
 
 def _dataset_source(config):
