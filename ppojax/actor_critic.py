@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from . import forward
-from .models.lora import merge_lora
+from .models.lora import heads, merge_lora
 
 
 @dataclass(frozen=True)
@@ -65,11 +65,12 @@ class ActorCritic:
             return nnx.merge(self.policy_graphdef, frozen["base"], params["policy"])
         return nnx.merge(self.policy_graphdef, params["policy"])
 
-    def reference(self, frozen):
-        """The reference module: ``frozen["ref"]``, or under LoRA without one the base weights (adapters off)."""
+    def reference(self, frozen, params=None):
+        """The reference module: ``frozen["ref"]``, or under LoRA without one the base weights (adapters off;
+        a legacy value head, which the reference never reads, comes from ``params`` to complete the graph)."""
         if frozen.get("ref") is not None:
             return nnx.merge(self.ref_graphdef or self.policy_graphdef, frozen["ref"])
-        return nnx.merge(self.base_graphdef, frozen["base"])
+        return nnx.merge(self.base_graphdef, frozen["base"], heads(params["policy"]))
 
     def sampling_policy(self, params, frozen):
         """(graphdef, weights) the sampler and the export read: the policy itself, or under LoRA the base graph
@@ -113,7 +114,7 @@ class ActorCritic:
         P, pad, temperature = prompt_length, self.pad_token_id, self.temperature
 
         def policy_and_ref(qr):
-            policy, ref = self.policy(params, frozen), self.reference(frozen)
+            policy, ref = self.policy(params, frozen), self.reference(frozen, params)
             hidden = forward.response_hidden(policy, qr, P, pad)
             ref_hidden = forward.response_hidden(ref, qr, P, pad)
             logprobs, _ = forward.logprobs_from_hidden(policy, hidden, qr[:, P:], temperature,

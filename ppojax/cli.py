@@ -1,4 +1,4 @@
-"""Command line: ``ppojax train CONFIG.yaml [key=value ...]`` and ``ppojax export CHECKPOINT OUT_DIR``.
+"""Command line: ``ppojax train CONFIG.yaml [key=value ...]`` and ``ppojax export CHECKPOINT OUT_DIR [--adapter]``.
 
 ``train`` runs a whole job: load (and if needed fetch/convert) the models, evaluate the held-out prompts,
 train with logs, samples and checkpoints, evaluate again, then write the trained policy in Hugging Face
@@ -117,7 +117,8 @@ def _train_and_report(config: PPOConfig, claim) -> dict:
                 print(f"ppojax: held-out mean score after training: {after['mean_score']:.4f}")
                 logger.log_samples(trainer.num_updates, after["prompts"][:4], after["completions"][:4],
                                    after["scores"][:4])
-        with stage(f"saving the trained policy to {out / 'policy'} (Hugging Face format)"):
+        what = f" (merged) and its LoRA adapter to {out / 'policy_adapter'} (PEFT)" if config.lora_r else ""
+        with stage(f"saving the trained policy to {out / 'policy'} (Hugging Face format){what}"):
             trainer.save_model(out / "policy")
         export_check = None
         if trainer.eval_queries is not None and _torch_available():
@@ -145,6 +146,7 @@ def _train_and_report(config: PPOConfig, claim) -> dict:
             "train_seconds": train_seconds,
             "wall_seconds": time.time() - start,
             "policy_dir": str(out / "policy"),
+            "adapter_dir": str(out / "policy_adapter") if config.lora_r else None,
             "checkpoint_dir": str(trainer.checkpoint_dir),
             "plot": None if plot is None else str(plot),
             "export_greedy_match": None if export_check is None else export_check["agree"],
@@ -166,9 +168,10 @@ def _torch_available() -> bool:
     return importlib.util.find_spec("torch") is not None
 
 
-def export_checkpoint(checkpoint: str, out_dir: str) -> Path:
+def export_checkpoint(checkpoint: str, out_dir: str, adapter: bool = False) -> Path:
     """Write the policy of a training checkpoint (a step_N directory, a checkpoints directory or a run's
-    output_dir: its newest intact checkpoint) as a Hugging Face directory."""
+    output_dir: its newest intact checkpoint) as a Hugging Face directory (a LoRA run: the merged model, and
+    its PEFT adapter in ``<out_dir>_adapter``); ``adapter``: only the PEFT adapter directory, in out_dir."""
     from .checkpoint import read_checkpoint_config, resolve_checkpoint
     from .trainer import PPOTrainer
 
@@ -177,8 +180,11 @@ def export_checkpoint(checkpoint: str, out_dir: str) -> Path:
         raise ConfigError(f"{checkpoint!r} holds no checkpoint (step_N) yet.")
     config = PPOConfig.from_dict({**read_checkpoint_config(path), "resume": None})
     trainer = PPOTrainer(config)
+    if adapter and config.lora_r == 0:
+        raise ConfigError(f"--adapter: the run of {str(path)!r} trained every weight (lora_r=0), so it has no "
+                          "adapter; export the whole policy without --adapter.")
     trainer.resume(str(path))
-    return trainer.save_model(out_dir)
+    return trainer.save_adapter(out_dir) if adapter else trainer.save_model(out_dir)
 
 
 def main(argv=None) -> int:
@@ -194,12 +200,15 @@ def main(argv=None) -> int:
     export = commands.add_parser("export", help="write a checkpoint's policy in Hugging Face format")
     export.add_argument("checkpoint", help="a step_N checkpoint, or output_dir/checkpoints")
     export.add_argument("out_dir")
+    export.add_argument("--adapter", action="store_true",
+                        help="a LoRA run: write the PEFT adapter directory (adapter_config.json, "
+                             "adapter_model.safetensors) instead of the merged model")
     args = parser.parse_args(argv)
     try:
         if args.command == "train":
             run_training(PPOConfig.from_yaml(args.config, args.overrides))
         else:
-            print(export_checkpoint(args.checkpoint, args.out_dir))
+            print(export_checkpoint(args.checkpoint, args.out_dir, adapter=args.adapter))
     except ConfigError as err:
         print(f"ppojax: error: {err}", file=sys.stderr)
         return 2

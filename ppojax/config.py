@@ -632,10 +632,6 @@ def _problems_together(c: PPOConfig) -> list[str]:
         out.append(f"value_model_path={c.value_model_path!r} is set but value_head='policy' puts the value head "
                    "on the policy (the value model would be ignored); remove value_model_path or set "
                    "value_head: separate.")
-    if c.lora_r > 0 and c.value_head == "policy":
-        out.append(f"lora_r={c.lora_r} with value_head='policy': the legacy value head shares the policy's "
-                   "backbone, whose base weights are frozen under LoRA. Set value_head: separate (the default), "
-                   "or lora_r: 0.")
     lora_set = [f"{n}={getattr(c, n)!r}" for n in ("lora_alpha", "lora_dropout", "lora_target_modules")
                 if getattr(c, n) != _FIELDS[n].default]
     if c.lora_r == 0 and lora_set:

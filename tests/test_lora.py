@@ -177,7 +177,7 @@ def test_lora_run_learns_trains_only_adapters_and_exports(tmp_path):
     # the reference forward is the base model's forward (adapters off), with no copy of the policy
     assert state.frozen["ref"] is None and set(state.frozen) == {"base", "ref", "reward"}
     base_model = _lora_policy()  # an independent instance of the initial policy
-    np.testing.assert_array_equal(_policy_logits(ac.reference(state.frozen), ids, mask),
+    np.testing.assert_array_equal(_policy_logits(ac.reference(state.frozen, state.params), ids, mask),
                                   _policy_logits(base_model, ids, mask))
     assert _count(state.frozen["base"]) == _count(nnx.state(base_model))
 
@@ -195,7 +195,7 @@ def test_lora_run_learns_trains_only_adapters_and_exports(tmp_path):
     assert _count(state.params["policy"]) == L * per_layer
     assert _count(state.opt_state) == 2 * (L * per_layer + _count(state.params["value"]))
     # the base weights did not move; the reference is still the initial policy
-    np.testing.assert_array_equal(_policy_logits(ac.reference(state.frozen), ids, mask),
+    np.testing.assert_array_equal(_policy_logits(ac.reference(state.frozen, state.params), ids, mask),
                                   _policy_logits(base_model, ids, mask))
 
     # exports: policy/ (merged) in transformers, policy_adapter/ (PEFT) on the base checkpoint in peft
@@ -227,3 +227,30 @@ def test_lora_target_modules_are_checked_before_any_weights_load(tmp_path):
                        lora_target_modules=["q_proj", "c_fc"])
     with pytest.raises(ConfigError, match=r"'q_proj' is not a projection of a gpt2 model.*\['c_fc', 'c_proj'\]"):
         preflight(config)
+
+
+def test_lora_with_the_legacy_value_head_trains_adapters_and_the_head(tmp_path):
+    """value_head='policy' (TRL <= 0.11's value-head model with a peft_config): the new v_head trains with the
+    adapters (PEFT's modules_to_save); every other weight stays frozen and is the reference."""
+    from ppojax.config import PPOConfig
+    from ppojax.trainer import PPOTrainer
+    from tests.test_trainer import good_fraction
+    from tests.tiny_setup import PROMPTS, tiny_policy, tiny_tokenizer
+    config = PPOConfig(output_dir=str(tmp_path / "run"), report_to="none", batch_size=16, response_length=8,
+                       max_prompt_length=6, learning_rate=3e-3, total_episodes=32, num_sample_generations=0,
+                       value_head="policy", lora_r=4, lora_target_modules=["q_proj", "v_proj"])
+    trainer = PPOTrainer(config, processing_class=tiny_tokenizer(), model=tiny_policy(value_head=True),
+                         reward_model=good_fraction, train_dataset=PROMPTS)
+    before = jax.tree.map(np.asarray, nnx.to_pure_dict(trainer.state.params["policy"]))
+    base_before = jax.tree.map(np.asarray, nnx.to_pure_dict(trainer.state.frozen["base"]))
+    history = trainer.train(progress=False)
+    after = nnx.to_pure_dict(trainer.state.params["policy"])
+    assert set(after) == {"backbone", "v_head"} and np.isfinite(history[-1]["loss/value_avg"])
+    assert not np.array_equal(before["v_head"]["kernel"], after["v_head"]["kernel"])
+    assert not np.array_equal(before["backbone"]["layers"]["attn"]["q"]["lora_b"],
+                              after["backbone"]["layers"]["attn"]["q"]["lora_b"])
+    jax.tree.map(np.testing.assert_array_equal, base_before, nnx.to_pure_dict(trainer.state.frozen["base"]))
+    ids, mask = _batch()
+    ac, state = trainer.run.program.actor_critic, trainer.state
+    np.testing.assert_array_equal(_policy_logits(ac.reference(state.frozen, state.params), ids % 16, mask),
+                                  _policy_logits(tiny_policy(value_head=True), ids % 16, mask))

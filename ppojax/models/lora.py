@@ -164,16 +164,28 @@ def add_lora(model, spec: LoraSpec, key: jax.Array):
     return model
 
 
-def with_lora(model, spec: LoraSpec, key: jax.Array):
-    """Split `model` for LoRA training -> (base_graphdef, lora_graphdef, adapters, base).
+# Heads a model gets new, so they train with the adapters (PEFT's modules_to_save): the legacy value head.
+TRAINED_HEADS = nnx.PathContains("v_head")
+TRAINABLE = nnx.Any(nnx.LoRAParam, TRAINED_HEADS)
 
-    base_graphdef + base: the model as given (the reference: adapters off); lora_graphdef + base + adapters: the
-    adapted model (`nnx.merge(lora_graphdef, base, adapters)`). `base` holds the very arrays of `model` (no copy).
+
+def with_lora(model, spec: LoraSpec, key: jax.Array):
+    """Split `model` for LoRA training -> (base_graphdef, lora_graphdef, trainable, base).
+
+    trainable: the adapters, and a legacy value head (`v_head`) if the model has one (it is new: it trains);
+    base: every other weight, frozen. `nnx.merge(lora_graphdef, base, trainable)` is the adapted model;
+    `nnx.merge(base_graphdef, base, heads(trainable))` the model as given (adapters off). `base` holds the very
+    arrays of `model` (no copy); the caller's `model` gets no adapters.
     """
     base_graphdef, state = nnx.split(model)
-    model = add_lora(nnx.merge(base_graphdef, state), spec, key)  # a new module on the same arrays: the caller's
-    lora_graphdef, adapters, base = nnx.split(model, nnx.LoRAParam, ...)  # model keeps no adapters
-    return base_graphdef, lora_graphdef, adapters, base
+    model = add_lora(nnx.merge(base_graphdef, state), spec, key)  # a new module on the same arrays
+    lora_graphdef, trainable, base = nnx.split(model, TRAINABLE, ...)
+    return base_graphdef, lora_graphdef, trainable, base
+
+
+def heads(trainable: nnx.State) -> nnx.State:
+    """The trained heads of `trainable` (no adapters): what the base graph needs besides the frozen base."""
+    return nnx.split_state(trainable, nnx.LoRAParam, ...)[1]
 
 
 def _adapted_projections(adapters_pure: dict, prefix=()):
@@ -194,10 +206,10 @@ def lora_delta(a: jax.Array, b: jax.Array, scale: float, kernel_shape: tuple) ->
 
 
 def merge_lora(base: nnx.State, adapters: nnx.State, scale: float) -> nnx.State:
-    """The base State with every adapted kernel replaced by `W + scale * A @ B` (in W's dtype): the State of the
-    model without adapters that computes what the adapted model computes (sampling, the merged HF export).
-    Pure: traces under `jit`; `base` is not changed."""
-    flat = dict(nnx.to_flat_state(base))
+    """The base State with every adapted kernel replaced by `W + scale * A @ B` (in W's dtype), plus the trained
+    heads of `adapters` (`heads`): the State of the model without adapters that computes what the adapted model
+    computes (sampling, the merged HF export). Pure: traces under `jit`; `base` is not changed."""
+    flat = dict(nnx.to_flat_state(base)) | dict(nnx.to_flat_state(heads(adapters)))
     for path, ab in _adapted_projections(nnx.to_pure_dict(adapters)):
         var = flat[path + ("kernel",)]
         kernel = var.get_value()
