@@ -114,10 +114,11 @@ def test_derived_sets_are_what_the_fields_declare():
     assert C.IGNORED_ON_RESUME_FIELDS == declared["ignored"]
     assert set(C.STATIC_FIELDS) == {f.name for f in dataclasses.fields(PPOConfig) if f.metadata["static"]}
     # the same classification as the hand-written lists they replace
-    assert C.MUST_MATCH_FIELDS == OLD_STRICT | {"num_eval_prompts", "advantage_estimator"}  # + new fields
+    assert C.MUST_MATCH_FIELDS == OLD_STRICT | {"num_eval_prompts", "advantage_estimator",  # + new fields
+                                                "lora_r", "lora_alpha", "lora_target_modules"}
     # fields added since those lists, each classified deliberately
     assert C.IGNORED_ON_RESUME_FIELDS == OLD_HARMLESS | {"overwrite_output_dir", "resume_with_changes"}
-    assert C.MAY_CHANGE_FIELDS == OLD_TUNABLE | {"remat", "attention_implementation"}
+    assert C.MAY_CHANGE_FIELDS == OLD_TUNABLE | {"remat", "attention_implementation", "lora_dropout"}
     from ppojax import checkpoint as ckpt
     assert (ckpt.STRICT_FIELDS, ckpt.HARMLESS_FIELDS, ckpt.TUNABLE_FIELDS) == (
         C.MUST_MATCH_FIELDS, C.IGNORED_ON_RESUME_FIELDS, C.MAY_CHANGE_FIELDS)
