@@ -29,7 +29,6 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from .config import ModelConfig
@@ -217,7 +216,3 @@ def merge_lora(base: nnx.State, adapters: nnx.State, scale: float) -> nnx.State:
         flat[path + ("kernel",)] = var.replace(merged.astype(kernel.dtype))
     return nnx.from_flat_state(list(flat.items()))
 
-
-def count_adapter_params(adapters) -> int:
-    """Number of adapter parameters (the trainable ones under LoRA)."""
-    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(adapters))
