@@ -14,6 +14,15 @@ Value layouts (``value_head`` in the config):
 
 :class:`ActorCritic` is static (hashable): a ``jax.jit`` static argument; parameters always travel
 separately, as explicit inputs. Every method is pure; call it inside ``jit``.
+
+LoRA (``lora_r`` > 0, ``ppojax.models.lora``): the trainable ``params["policy"]`` hold ONLY the adapters and the
+frozen base weights are ``frozen["base"]``. The policy is ``base + adapters`` (``policy_graphdef`` has the
+adapters), the reference is ``base`` alone under ``base_graphdef`` (the adapters off: no copy of the policy), and
+the sampler reads the adapters merged into the base kernels once per call (:meth:`sampling_policy`). The optimizer,
+the update and the checkpoints see ``params`` and so work on the adapters only, with no special case.
+
+Frozen models (``state.frozen``): ``"ref"`` (a copy of the initial policy, the caller's reference model, or None
+under LoRA), ``"base"`` (LoRA only), ``"reward"`` (the reward model, or None).
 """
 from __future__ import annotations
 
@@ -25,6 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from . import forward
+from .models.lora import heads, merge_lora
 
 
 @dataclass(frozen=True)
@@ -32,7 +42,9 @@ class ActorCritic:
     """policy_graphdef: graphdef of a ``CausalLM`` (a ``CausalLMWithValueHead`` when value_graphdef is
     None); value_graphdef: graphdef of a ``ScoreModel`` or None; ref_graphdef: graphdef of the frozen
     reference (None: the policy's). temperature: the sampling temperature the log-probs are taken at.
-    has_critic: False for the critic-free estimators (then value_graphdef is None and there is no head)."""
+    has_critic: False for the critic-free estimators (then value_graphdef is None and there is no head).
+    base_graphdef, lora_scale: under LoRA, the graphdef of the policy WITHOUT adapters (its weights are
+    ``frozen["base"]``) and the adapters' alpha / r; None otherwise."""
 
     policy_graphdef: Any
     value_graphdef: Optional[Any]
@@ -40,6 +52,8 @@ class ActorCritic:
     temperature: float
     ref_graphdef: Optional[Any] = None
     has_critic: bool = True
+    base_graphdef: Optional[Any] = None
+    lora_scale: Optional[float] = None
 
     @property
     def has_value_head(self) -> bool:
@@ -54,12 +68,30 @@ class ActorCritic:
             return "critic"
         return "policy" if keys[:1] == ["policy"] else None
 
-    def policy(self, params):
-        """The merged policy module."""
+    @property
+    def lora(self) -> bool:
+        return self.base_graphdef is not None
+
+    def policy(self, params, frozen=None):
+        """The policy module: ``params["policy"]``, or under LoRA ``frozen["base"]`` + the adapters."""
+        if self.lora:
+            return nnx.merge(self.policy_graphdef, frozen["base"], params["policy"])
         return nnx.merge(self.policy_graphdef, params["policy"])
 
-    def reference(self, ref_params):
-        return nnx.merge(self.ref_graphdef or self.policy_graphdef, ref_params)
+    def reference(self, frozen, params=None):
+        """The reference module: ``frozen["ref"]``, or under LoRA without one the base weights (adapters off;
+        a legacy value head, which the reference never reads, comes from ``params`` to complete the graph)."""
+        if frozen.get("ref") is not None:
+            return nnx.merge(self.ref_graphdef or self.policy_graphdef, frozen["ref"])
+        return nnx.merge(self.base_graphdef, frozen["base"], heads(params["policy"]))
+
+    def sampling_policy(self, params, frozen):
+        """(graphdef, weights) the sampler and the export read: the policy itself, or under LoRA the base graph
+        with the adapters merged into its kernels (``W + scale * A @ B``: the decode loop then runs plain
+        projections; the log-probs PPO uses still come from :meth:`evaluate` / :meth:`rollout_forwards`)."""
+        if not self.lora:
+            return self.policy_graphdef, params["policy"]
+        return self.base_graphdef, merge_lora(frozen["base"], params["policy"], self.lora_scale)
 
     def _values_from(self, policy, hidden, params, query_responses, prompt_length):
         if not self.has_critic:
@@ -70,12 +102,14 @@ class ActorCritic:
         return forward.response_values(value_model, query_responses, prompt_length, self.pad_token_id)
 
     # ---- the loss ----
-    def evaluate(self, params, query_responses, prompt_length, *, logits_chunk_size=None, with_entropy=True):
-        """Fresh log-probs, entropy and values of a rollout's responses, unmasked.
+    def evaluate(self, params, query_responses, prompt_length, *, frozen=None, logits_chunk_size=None,
+                 with_entropy=True):
+        """Fresh log-probs, entropy and values of a rollout's responses, unmasked (``frozen``: the state's
+        frozen models; needed under LoRA, where the policy's base weights live there).
 
         query_responses: i32[B, P+R] -> (logprobs f32[B, R], entropy f32[B, R] or None, values f32[B, R]).
         """
-        policy = self.policy(params)
+        policy = self.policy(params, frozen)
         hidden = forward.response_hidden(policy, query_responses, prompt_length, self.pad_token_id)
         tokens = query_responses[:, prompt_length:]
         logprobs, entropy = forward.logprobs_from_hidden(policy, hidden, tokens, self.temperature,
@@ -83,10 +117,11 @@ class ActorCritic:
         return logprobs, entropy, self._values_from(policy, hidden, params, query_responses, prompt_length)
 
     # ---- the rollout ----
-    def rollout_forwards(self, params, ref_params, query_responses, prompt_length, *, logits_chunk_size=None,
+    def rollout_forwards(self, params, frozen, query_responses, prompt_length, *, logits_chunk_size=None,
                          forward_batch_size=None, with_full_kl=False):
         """Behaviour and reference log-probs, values and (optionally) the full-vocabulary KL, unmasked.
 
+        frozen: the state's frozen models (the reference, and the base weights under LoRA).
         query_responses: i32[B, P+R]. Rows go through the models ``forward_batch_size`` at a time
         (TRL's ``local_rollout_forward_batch_size``; None = all at once).
         Returns (logprobs, ref_logprobs, values, full_kl or None), each f32[B, R].
@@ -94,7 +129,7 @@ class ActorCritic:
         P, pad, temperature = prompt_length, self.pad_token_id, self.temperature
 
         def policy_and_ref(qr):
-            policy, ref = self.policy(params), self.reference(ref_params)
+            policy, ref = self.policy(params, frozen), self.reference(frozen, params)
             hidden = forward.response_hidden(policy, qr, P, pad)
             ref_hidden = forward.response_hidden(ref, qr, P, pad)
             logprobs, _ = forward.logprobs_from_hidden(policy, hidden, qr[:, P:], temperature,
@@ -117,3 +152,14 @@ class ActorCritic:
             values = forward.map_batch(lambda qr: forward.response_values(value_model(), qr, P, pad),
                                        forward_batch_size, query_responses)
         return logprobs, ref_logprobs, values, full_kl
+
+
+def sampling_weights(actor_critic: ActorCritic, params, frozen):
+    """:meth:`ActorCritic.sampling_policy`'s weights outside a program (samples, evaluation, export): compiled
+    once, so the LoRA merge is one program rather than op by op."""
+    if not actor_critic.lora:
+        return params["policy"]
+    return _sampling_weights_jit(actor_critic, params, frozen)
+
+
+_sampling_weights_jit = jax.jit(lambda ac, params, frozen: ac.sampling_policy(params, frozen)[1], static_argnums=0)

@@ -1,5 +1,5 @@
-"""Command line: ``ppojax train CONFIG.yaml [key=value ...]``, ``ppojax export CHECKPOINT OUT_DIR`` and
-``ppojax plan CONFIG.yaml --model PRESET|DIR --devices N --mesh d,f,t`` (memory / FLOP plan, no weights).
+"""Command line: ``ppojax train CONFIG.yaml [key=value ...]``, ``ppojax export CHECKPOINT OUT_DIR [--adapter]``
+and ``ppojax plan CONFIG.yaml --model PRESET|DIR --devices N --mesh d,f,t`` (memory / FLOP plan, no weights).
 
 ``train`` runs a whole job: load (and if needed fetch/convert) the models, evaluate the held-out prompts,
 train with logs, samples and checkpoints, evaluate again, then write the trained policy in Hugging Face
@@ -118,7 +118,8 @@ def _train_and_report(config: PPOConfig, claim) -> dict:
                 print(f"ppojax: held-out mean score after training: {after['mean_score']:.4f}")
                 logger.log_samples(trainer.num_updates, after["prompts"][:4], after["completions"][:4],
                                    after["scores"][:4])
-        with stage(f"saving the trained policy to {out / 'policy'} (Hugging Face format)"):
+        what = f" (merged) and its LoRA adapter to {out / 'policy_adapter'} (PEFT)" if config.lora_r else ""
+        with stage(f"saving the trained policy to {out / 'policy'} (Hugging Face format){what}"):
             trainer.save_model(out / "policy")
         export_check = None
         if trainer.eval_queries is not None and _torch_available():
@@ -146,6 +147,7 @@ def _train_and_report(config: PPOConfig, claim) -> dict:
             "train_seconds": train_seconds,
             "wall_seconds": time.time() - start,
             "policy_dir": str(out / "policy"),
+            "adapter_dir": str(out / "policy_adapter") if config.lora_r else None,
             "checkpoint_dir": str(trainer.checkpoint_dir),
             "plot": None if plot is None else str(plot),
             "export_greedy_match": None if export_check is None else export_check["agree"],
@@ -167,9 +169,10 @@ def _torch_available() -> bool:
     return importlib.util.find_spec("torch") is not None
 
 
-def export_checkpoint(checkpoint: str, out_dir: str) -> Path:
+def export_checkpoint(checkpoint: str, out_dir: str, adapter: bool = False) -> Path:
     """Write the policy of a training checkpoint (a step_N directory, a checkpoints directory or a run's
-    output_dir: its newest intact checkpoint) as a Hugging Face directory."""
+    output_dir: its newest intact checkpoint) as a Hugging Face directory (a LoRA run: the merged model, and
+    its PEFT adapter in ``<out_dir>_adapter``); ``adapter``: only the PEFT adapter directory, in out_dir."""
     from .checkpoint import read_checkpoint_config, resolve_checkpoint
     from .trainer import PPOTrainer
 
@@ -178,8 +181,11 @@ def export_checkpoint(checkpoint: str, out_dir: str) -> Path:
         raise ConfigError(f"{checkpoint!r} holds no checkpoint (step_N) yet.")
     config = PPOConfig.from_dict({**read_checkpoint_config(path), "resume": None})
     trainer = PPOTrainer(config)
+    if adapter and config.lora_r == 0:
+        raise ConfigError(f"--adapter: the run of {str(path)!r} trained every weight (lora_r=0), so it has no "
+                          "adapter; export the whole policy without --adapter.")
     trainer.resume(str(path))
-    return trainer.save_model(out_dir)
+    return trainer.save_adapter(out_dir) if adapter else trainer.save_model(out_dir)
 
 
 def run_plan(args) -> None:
@@ -221,6 +227,9 @@ def main(argv=None) -> int:
     export = commands.add_parser("export", help="write a checkpoint's policy in Hugging Face format")
     export.add_argument("checkpoint", help="a step_N checkpoint, or output_dir/checkpoints")
     export.add_argument("out_dir")
+    export.add_argument("--adapter", action="store_true",
+                        help="a LoRA run: write the PEFT adapter directory (adapter_config.json, "
+                             "adapter_model.safetensors) instead of the merged model")
     plan = commands.add_parser("plan", help="compile the PPO programs ahead of time against abstract shapes on N "
                                "virtual CPU devices and print the per-device memory, FLOPs and whether it fits")
     plan.add_argument("config", help="YAML config (batch sizes, lengths, precision, remat; see configs/plan.yaml)")
@@ -245,7 +254,7 @@ def main(argv=None) -> int:
         elif args.command == "plan":
             run_plan(args)
         else:
-            print(export_checkpoint(args.checkpoint, args.out_dir))
+            print(export_checkpoint(args.checkpoint, args.out_dir, adapter=args.adapter))
     except ConfigError as err:
         print(f"ppojax: error: {err}", file=sys.stderr)
         return 2

@@ -165,6 +165,29 @@ class PPOConfig:
                                             rule=one_of("auto", "xla", "cudnn"))
     """'auto' (cuDNN's fused kernel on an NVIDIA GPU when it applies, XLA elsewhere), 'xla', or 'cudnn'."""
 
+    # ---- LoRA (PEFT's LoraConfig(r, lora_alpha, lora_dropout, target_modules); TRL's --use_peft --lora_r ...) ----
+    lora_r: int = setting(0, static=True, on_resume=MUST_MATCH, rule=at_least(0))
+    """LoRA rank of the policy's adapters (PEFT's r; TRL's lora_r with use_peft). 0: no LoRA, every weight
+    trains. r > 0: only the adapters train (the optimizer state holds only them), the reference is the same
+    base weights with the adapters off (no copy of the policy), checkpoints hold the adapters (the base is
+    reloaded from model_name_or_path), and the run writes the merged model to policy/ and a PEFT adapter
+    directory to policy_adapter/. LoRA usually wants a ~100x larger learning_rate than full fine-tuning."""
+    lora_alpha: float = setting(32.0, static=True, on_resume=MUST_MATCH, rule=above(0))
+    """The adapters add (lora_alpha / lora_r) * x A B (PEFT's lora_alpha; TRL's default 32)."""
+    lora_dropout: float = setting(0.0, static=False, on_resume=MAY_CHANGE, rule=between(0, 1, open_high=True))
+    """PEFT's lora_dropout, written to the adapter's adapter_config.json. PPO itself runs the adapters without
+    dropout, as TRL's PPOTrainer does (it turns off every dropout of its models, LoRA's included): dropout in
+    the loss forward would move the probability ratio away from 1 before any update."""
+    lora_target_modules: Union[str, list[str]] = setting("all-linear", static=True, on_resume=MUST_MATCH, rule=Rule(
+        lambda v: v == "all-linear" if isinstance(v, str) else bool(v) and all(n.strip() for n in v),
+        "'all-linear' or a non-empty list of module names",
+        "Fix: list the modules to adapt, e.g. [q_proj, v_proj] (PEFT reads a single string as a regular "
+        "expression; ppojax takes names), or use 'all-linear'."))
+    """Modules to adapt, named as transformers / PEFT name them (PEFT's target_modules): Llama, Mistral, Qwen:
+    q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; GPT-2: c_proj, c_fc; GPT-NeoX: dense,
+    dense_h_to_4h, dense_4h_to_h. 'all-linear': all of them (never the LM head). Checked against the
+    policy's family before any weights are loaded."""
+
     # ---- data ----
     dataset: str = setting("movie_reviews", static=False, on_resume=MUST_MATCH, rule=NON_EMPTY)
     """Prompts: 'movie_reviews' (bundled), or a local json/jsonl/csv/parquet file or HF datasets directory."""
@@ -402,7 +425,10 @@ class PPOConfig:
     def static_settings(self) -> "StaticSettings":
         """The static fields only, as a hashable, immutable view (a ``jax.jit`` static argument): equal
         for configs that differ only in non-static fields (output_dir, kl_coef, ...)."""
-        return StaticSettings(**{name: getattr(self, name) for name in STATIC_FIELDS})
+        def hashable(v):
+            return tuple(v) if isinstance(v, list) else v  # lora_target_modules
+
+        return StaticSettings(**{name: hashable(getattr(self, name)) for name in STATIC_FIELDS})
 
     def derived(self, data_parallel_size: int = 1) -> "DerivedSizes":
         """The global batch sizes of SPEC's update structure, checked to divide."""
@@ -653,6 +679,11 @@ def _problems_together(c: PPOConfig) -> list[str]:
         out.append(f"value_model_path={c.value_model_path!r} is set but value_head='policy' puts the value head "
                    "on the policy (the value model would be ignored); remove value_model_path or set "
                    "value_head: separate.")
+    lora_set = [f"{n}={getattr(c, n)!r}" for n in ("lora_alpha", "lora_dropout", "lora_target_modules")
+                if getattr(c, n) != _FIELDS[n].default]
+    if c.lora_r == 0 and lora_set:
+        out.append(f"{', '.join(lora_set)} set but lora_r=0 (LoRA off: every weight trains). Set lora_r > 0 "
+                   "(e.g. 16) to train LoRA adapters, or remove the lora_* settings.")
     axes = {"mesh_data": c.mesh_data, "mesh_fsdp": c.mesh_fsdp, "mesh_tensor": c.mesh_tensor}
     if list(axes.values()).count(-1) > 1:
         out.append(f"mesh sizes {axes}: at most one -1 (the axis taking the devices left over) among mesh_data/"
@@ -837,8 +868,15 @@ FOREIGN_KEYS: dict[str, str] = {
     **_same("seed drives every random stream (data order included) and runs are deterministic; set seed",
             "data_seed", "full_determinism"),
     # models
-    **_same("no PEFT adapters: ppojax trains all the policy's parameters",
+    **_same("no named adapters: with lora_r > 0 the policy is the base model + ppojax's LoRA adapters and the "
+            "reference is the same base with the adapters off (TRL's default for a PEFT policy)",
             "model_adapter_name", "ref_adapter_name", "is_peft_model"),
+    **_same("set lora_r > 0 (e.g. 16) to train LoRA adapters, with lora_alpha, lora_dropout and "
+            "lora_target_modules (PEFT's LoraConfig(r, lora_alpha, lora_dropout, target_modules))",
+            "use_peft", "peft_config", "lora_rank"),
+    **_same("not supported: ppojax's adapters are plain LoRA (alpha / r scaling) on the projections named in "
+            "lora_target_modules; remove it", "use_rslora", "use_dora", "lora_modules_to_save", "lora_task_type",
+            "load_in_4bit", "load_in_8bit"),
     "reward_model": "use reward_model_path (a sequence-classification checkpoint) or reward_function",
     "is_encoder_decoder": "ppojax trains causal LMs only",
     # the rest of TrainingArguments and legacy TRL

@@ -20,7 +20,7 @@ def greedy_continuations_agree(policy_dir, trainer, queries, max_new_tokens: int
     from .ppo.masks import truncate_response
 
     pad, stop = trainer.run.settings.pad_token_id, trainer.run.settings.stop_token_id
-    ours = generate(trainer.run.program.actor_critic.policy_graphdef, trainer.policy_params, jnp.asarray(queries),
+    ours = generate(trainer.policy_graphdef, trainer.policy_params, jnp.asarray(queries),
                     jax.random.key(0),
                     response_length=max_new_tokens, pad_token_id=pad, greedy=True, stop_token_id=stop)
     ours = np.asarray(truncate_response(ours, stop, pad))

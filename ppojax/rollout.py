@@ -71,8 +71,8 @@ def sample(program, state, prompts, key):
     shard's prompt count is whole (``PPOConfig.derived`` checks it)."""
     if program.settings.num_generations > 1:
         prompts = jnp.repeat(prompts, program.settings.num_generations, axis=0)
-    return sample_with(program.actor_critic.policy_graphdef, state.params["policy"], prompts, key,
-                       program.settings, mesh=program.mesh)
+    graphdef, weights = program.actor_critic.sampling_policy(state.params, state.frozen)
+    return sample_with(graphdef, weights, prompts, key, program.settings, mesh=program.mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("policy_graphdef", "settings", "greedy", "mesh"))
@@ -96,7 +96,7 @@ def experience_forwards(program, state, query_responses, prompt_length) -> Exper
     responses = truncate_response(raw_responses, settings.stop_token_id, pad)
     masks = response_masks(responses, pad)
     logprobs, ref_logprobs, values, full_kl = program.actor_critic.rollout_forwards(
-        state.params, reference_params(state), query_responses, P,
+        state.params, state.frozen, query_responses, P,
         logits_chunk_size=settings.rollout_logits_chunk,
         forward_batch_size=settings.local_rollout_forward_batch_size,
         with_full_kl=program.kl_estimator.needs_full_distribution)
@@ -117,11 +117,6 @@ def experience_forwards(program, state, query_responses, prompt_length) -> Exper
         num_eos_tokens=num_eos,
         full_kl=None if full_kl is None else jnp.where(masks.padding_mask, 0.0, full_kl),
     )
-
-
-def reference_params(state):
-    """The reference model's parameters: ``frozen["ref"]`` (a copy of the initial policy)."""
-    return state.frozen["ref"]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -65,8 +65,16 @@ class PPOTrainer(LegacyAPI):
         return self.run.tokenizer
 
     @property
+    def policy_graphdef(self):
+        """The graphdef of :attr:`policy_params` (under LoRA: the base model's)."""
+        actor_critic = self.run.program.actor_critic
+        return actor_critic.base_graphdef if actor_critic.lora else actor_critic.policy_graphdef
+
+    @property
     def policy_params(self):
-        return self.run.state.params["policy"]
+        """The policy's weights as one model (under LoRA: the adapters merged into the base kernels)."""
+        from .actor_critic import sampling_weights
+        return sampling_weights(self.run.program.actor_critic, self.run.state.params, self.run.state.frozen)
 
     @property
     def kl_coef(self) -> float:
@@ -237,7 +245,7 @@ class PPOTrainer(LegacyAPI):
         """
         settings = self.run.settings
         key = jax.random.fold_in(jax.random.key(self.args.seed + 1), step)
-        query_responses = rollout.sample_jit(self.run.program.actor_critic.policy_graphdef, self.policy_params,
+        query_responses = rollout.sample_jit(self.policy_graphdef, self.policy_params,
                                              jnp.asarray(queries, jnp.int32), key, jnp.float32(temperature),
                                              settings=settings, mesh=self.run.mesh)
         P = queries.shape[1]
@@ -283,13 +291,32 @@ class PPOTrainer(LegacyAPI):
 
     # ------------------------------------------------------------------------------------------------
     def save_model(self, output_dir) -> Path:
-        """Write the trained policy as a Hugging Face checkpoint directory (config, safetensors, tokenizer)."""
+        """Write the trained policy as a Hugging Face checkpoint directory (config, safetensors, tokenizer).
+
+        Under LoRA: the merged model (adapters folded into the base weights) there, and the PEFT adapter
+        directory beside it (``<output_dir>_adapter``, :meth:`save_adapter`)."""
         from .models import save_pretrained
         host_params = sharding.to_host(self.policy_params)  # a collective: every process takes part
+        if self.run.lora is not None:
+            self.save_adapter(Path(output_dir).with_name(Path(output_dir).name + "_adapter"))
         if not sharding.is_main_process():
             return Path(output_dir)
-        policy = nnx.merge(self.run.program.actor_critic.policy_graphdef, jax.tree.map(jnp.asarray, host_params))
+        policy = nnx.merge(self.policy_graphdef, jax.tree.map(jnp.asarray, host_params))
         return save_pretrained(policy, self.run.model_config, output_dir, tokenizer=self.tokenizer)
+
+    def save_adapter(self, output_dir) -> Path:
+        """Write the policy's LoRA adapters as a PEFT adapter directory (``adapter_config.json``,
+        ``adapter_model.safetensors``, the tokenizer): ``peft.PeftModel.from_pretrained(base, output_dir)``."""
+        if self.run.lora is None:
+            raise ConfigError("save_adapter: this run has no LoRA adapters (lora_r=0); save_model writes the "
+                              "whole policy.")
+        from .models.peft_io import save_peft_adapter
+        host_adapters = sharding.to_host(self.run.state.params["policy"])  # a collective
+        if not sharding.is_main_process():
+            return Path(output_dir)
+        base = self.run.model_path or self.args.model_name_or_path
+        return save_peft_adapter(host_adapters, self.run.model_config, self.run.lora, output_dir,
+                                 base_model_name_or_path=str(base), tokenizer=self.tokenizer)
 
 
 def _whole_batch(queries, batch_size):

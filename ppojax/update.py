@@ -105,12 +105,14 @@ def shaped_rewards_and_advantages(settings, experience, scores, kl_coef):
 # --------------------------------------------------------------------------------------------------
 # The loss of one micro-batch
 # --------------------------------------------------------------------------------------------------
-def micro_batch_loss(actor_critic, settings, params, batch: UpdateBatch, policy_tokens, value_tokens, rows=None):
+def micro_batch_loss(actor_critic, settings, params, batch: UpdateBatch, policy_tokens, value_tokens, rows=None,
+                     frozen=None):
     """PPO loss of one micro-batch on the current parameters, normalised by its mini-batch's live-token and
-    row counts (None: its own), so micro-batch gradients sum to the mini-batch's. Returns (loss, stats)."""
+    row counts (None: its own), so micro-batch gradients sum to the mini-batch's (``frozen``: the state's
+    frozen models, read by the policy under LoRA). Returns (loss, stats)."""
     response_length = batch.logprobs.shape[1]
     prompt_length = batch.query_responses.shape[1] - response_length
-    logprobs, entropy, vpred = actor_critic.evaluate(params, batch.query_responses, prompt_length,
+    logprobs, entropy, vpred = actor_critic.evaluate(params, batch.query_responses, prompt_length, frozen=frozen,
                                                      logits_chunk_size=settings.update_logits_chunk)
     kl_loss_fn = ppo.kl_estimator(settings.kl_loss_type).fn if settings.kl_loss_coef else None
     loss, stats = ppo.ppo_loss(logprobs, vpred, entropy, batch, cliprange=settings.cliprange_low or settings.cliprange,
@@ -165,7 +167,8 @@ def learn(program, state, experience, key):
     batch_size = batch.logprobs.shape[0]
     mini_size = batch_size // settings.num_mini_batches
     grad_fn = jax.value_and_grad(
-        lambda p, mb, pt, vt: micro_batch_loss(actor_critic, settings, p, mb, pt, vt, mini_size), has_aux=True)
+        lambda p, mb, pt, vt: micro_batch_loss(actor_critic, settings, p, mb, pt, vt, mini_size, state.frozen),
+        has_aux=True)
     lr = learning_rate_at(settings, state.update_count)
     nonfinite_before = state.nonfinite_total
     # Critic warm-up: during the first ``critic_warmup`` updates only the critic's parameters (and their

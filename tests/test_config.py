@@ -114,13 +114,14 @@ def test_derived_sets_are_what_the_fields_declare():
     assert C.IGNORED_ON_RESUME_FIELDS == declared["ignored"]
     assert set(C.STATIC_FIELDS) == {f.name for f in dataclasses.fields(PPOConfig) if f.metadata["static"]}
     # the same classification as the hand-written lists they replace
-    assert C.MUST_MATCH_FIELDS == OLD_STRICT | {"num_eval_prompts", "advantage_estimator",
-                                                "num_generations"}  # + new fields
+    assert C.MUST_MATCH_FIELDS == OLD_STRICT | {"num_eval_prompts", "advantage_estimator",  # + new fields
+                                                "num_generations", "lora_r", "lora_alpha", "lora_target_modules"}
     # fields added since those lists, each classified deliberately
     assert C.IGNORED_ON_RESUME_FIELDS == OLD_HARMLESS | {"overwrite_output_dir", "resume_with_changes"}
     assert C.MAY_CHANGE_FIELDS == OLD_TUNABLE | {
         "remat", "attention_implementation", "scale_rewards", "normalize_advantages", "critic_warmup",
-        "kl_loss_coef", "kl_loss_type", "cliprange_low", "cliprange_high", "dual_clip_c", "loss_agg_mode"}
+        "kl_loss_coef", "kl_loss_type", "cliprange_low", "cliprange_high", "dual_clip_c", "loss_agg_mode",
+        "lora_dropout"}
     from ppojax import checkpoint as ckpt
     assert (ckpt.STRICT_FIELDS, ckpt.HARMLESS_FIELDS, ckpt.TUNABLE_FIELDS) == (
         C.MUST_MATCH_FIELDS, C.IGNORED_ON_RESUME_FIELDS, C.MAY_CHANGE_FIELDS)

@@ -187,20 +187,42 @@ def _dense_in(x: Array, kernel: Array, bias: Array | None, dtype) -> Array:
     return y if bias is None else y + bias.astype(dtype)
 
 
+def _with_lora(y: Array, x: Array, d: dict, n_in: int, dtype, scale: float | None) -> Array:
+    """`y + scale * (x @ lora_a) @ lora_b` when the projection `d` carries LoRA adapters, else `y`.
+
+    x: [B, S, *in] (`n_in` input axes), `lora_a [*in, r]`, `lora_b [r, *out]`, y: [B, S, *out]. The rank-r path
+    stays two thin 2-D matmuls on the flattened tokens (never the [in, out] product: no weight-sized temporary).
+    """
+    if "lora_a" not in d:
+        return y
+    a, b = d["lora_a"], d["lora_b"]
+    r = a.shape[-1]
+    lead = x.shape[:x.ndim - n_in]
+    xa = jnp.dot(x.reshape(math.prod(lead), -1), a.astype(dtype).reshape(-1, r))
+    delta = jnp.dot((xa * scale).astype(dtype), b.astype(dtype).reshape(r, -1))
+    return y + delta.reshape(*lead, *b.shape[1:]).astype(y.dtype)
+
+
+def _project(x: Array, d: dict, dtype, lora_scale: float | None) -> Array:
+    """A one-input-axis projection `x [B, S, D] -> [B, S, *out]`: kernel, optional bias, optional LoRA."""
+    return _with_lora(_dense_in(x, d["kernel"], d.get("bias"), dtype), x, d, 1, dtype, lora_scale)
+
+
 def _block(cfg: ModelConfig, dtype, inv_freq, p: dict, x: Array, positions: Array, mask: Array,
-           layer_idx, kv: tuple | None, cache_index, attn_kwargs: dict):
+           layer_idx, kv: tuple | None, cache_index, attn_kwargs: dict, lora_scale: float | None = None):
     """One transformer layer on `x: [B, S, D]` with this layer's weights `p` (no `layers` axis).
 
     `mask: bool[B, S, T]`. With `kv = (keys, values)` (the whole stacked cache `[L, B, T, K, hd]`), the new keys and
     values are written at `[layer_idx, :, cache_index:cache_index+S]` and attention reads that layer's slots.
-    `attn_kwargs`: the static implementation and the mask hints of `attention.attention`.
+    `attn_kwargs`: the static implementation and the mask hints of `attention.attention`. `lora_scale`: alpha / r
+    of the LoRA adapters some projections carry (`lora.py`; None without adapters).
     Returns `(x, kv)`.
     """
     a = p["attn"]
     h = _norm(cfg, x, p["attn_norm"])
-    q = _dense_in(h, a["q"]["kernel"], a["q"].get("bias"), dtype)  # [B, S, H, hd]
-    k = _dense_in(h, a["k"]["kernel"], a["k"].get("bias"), dtype)  # [B, S, K, hd]
-    v = _dense_in(h, a["v"]["kernel"], a["v"].get("bias"), dtype)
+    q = _project(h, a["q"], dtype, lora_scale)  # [B, S, H, hd]
+    k = _project(h, a["k"], dtype, lora_scale)  # [B, S, K, hd]
+    v = _project(h, a["v"], dtype, lora_scale)
     if cfg.qk_norm:
         q = rms_norm(q, a["q_norm"]["scale"], cfg.norm_eps)
         k = rms_norm(k, a["k_norm"]["scale"], cfg.norm_eps)
@@ -223,16 +245,17 @@ def _block(cfg: ModelConfig, dtype, inv_freq, p: dict, x: Array, positions: Arra
     attn_out = jnp.einsum("bshk,hkd->bsd", o, a["o"]["kernel"].astype(dtype))
     if "bias" in a["o"]:
         attn_out = attn_out + a["o"]["bias"].astype(dtype)
+    attn_out = _with_lora(attn_out, o, a["o"], 2, dtype, lora_scale)
 
     def mlp(hm):
         m = p["mlp"]
         act = activation_fn(cfg.activation)
-        up = _dense_in(hm, m["up"]["kernel"], m["up"].get("bias"), dtype)
+        up = _project(hm, m["up"], dtype, lora_scale)
         if cfg.gated_mlp:
-            up = act(_dense_in(hm, m["gate"]["kernel"], m["gate"].get("bias"), dtype)) * up
+            up = act(_project(hm, m["gate"], dtype, lora_scale)) * up
         else:
             up = act(up)
-        return _dense_in(up, m["down"]["kernel"], m["down"].get("bias"), dtype)
+        return _project(up, m["down"], dtype, lora_scale)
 
     if cfg.parallel_residual:
         x = x + attn_out + mlp(_norm(cfg, x, p["mlp_norm"]))
@@ -323,6 +346,8 @@ class Backbone(nnx.Module):
       layers.mlp.{gate,up}.kernel [L, D, F] (layers, embed, mlp); .bias [L, F]
       layers.mlp.down.kernel [L, F, D] (layers, mlp, embed); .bias [L, D]
       final_norm.{scale,bias} [D] (norm)
+    LoRA adapters (`lora.add_lora`, optional) sit beside a projection's kernel: `lora_a [L, *in, r]`
+    (layers, *in axes, None), `lora_b [L, r, *out]` (layers, None, *out axes), e.g. `layers.attn.q.lora_a`.
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
@@ -334,6 +359,7 @@ class Backbone(nnx.Module):
         self.scan_layers = scan_layers
         self.remat = remat
         self.attention_implementation = attention_implementation
+        self.lora_scale = None  # alpha / r once `lora.add_lora` attaches adapters (static: part of the graphdef)
         init = _Init(rngs, cfg.initializer_range, param_dtype)
         L, D, H, K, hd, F = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                              cfg.intermediate_size)
@@ -418,7 +444,8 @@ class Backbone(nnx.Module):
             x, kv = carry
             p, layer_idx, is_sliding = xs
             m = jnp.where(is_sliding, window_mask, mask) if sliding.any() else mask
-            x, kv = _block(cfg, self.dtype, inv_freq, p, x, position_ids, m, layer_idx, kv, index, attn_kwargs)
+            x, kv = _block(cfg, self.dtype, inv_freq, p, x, position_ids, m, layer_idx, kv, index, attn_kwargs,
+                           self.lora_scale)
             return (x, kv), None
 
         # under scan, XLA cannot merge the recomputation into the forward anyway (jax.checkpoint's docs)

@@ -49,17 +49,17 @@ def kl_k1(logprobs, ref_logprobs):
     return logprobs - ref_logprobs
 
 
+@register_kl_estimator("k2")
+def kl_k2(logprobs, ref_logprobs):
+    """k2 = (log r)^2 / 2 (Schulman's k2; verl's 'mse'/'k2'): non-negative, biased, low variance."""
+    return 0.5 * jnp.square(logprobs - ref_logprobs)
+
+
 @register_kl_estimator("k3")
 def kl_k3(logprobs, ref_logprobs):
     """k3 = (r - 1) - log r with log r = ref - logprobs (non-negative, low variance)."""
     log_ratio = ref_logprobs - logprobs
     return jnp.expm1(log_ratio) - log_ratio
-
-
-@register_kl_estimator("k2")
-def kl_k2(logprobs, ref_logprobs):
-    """k2 = (log r)^2 / 2 (Schulman's k2; verl's 'mse'/'k2'): non-negative, biased, low variance."""
-    return 0.5 * jnp.square(logprobs - ref_logprobs)
 
 
 @register_kl_estimator("low_var_kl")

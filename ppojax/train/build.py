@@ -23,6 +23,7 @@ from .. import sharding
 from ..actor_critic import ActorCritic
 from ..compile_cache import enable_compilation_cache
 from ..config import ConfigError, PPOConfig
+from ..models.lora import LoraSpec, resolve_target_modules, with_lora
 from ..ppo.advantages import advantage_estimator
 from ..data import PromptBatches, check_tokenizer, load_prompt_dataset, prepare_prompts
 from ..rewards import FunctionScores, ModelScores
@@ -53,6 +54,8 @@ class Run:
     eval_queries: Optional[np.ndarray]
     batches: Optional[PromptBatches]
     compilation_cache_dir: Any = None
+    lora: Optional[LoraSpec] = None  # the policy's LoRA adapters (None: full fine-tuning)
+    model_path: Optional[str] = None  # the policy's checkpoint directory (None: the caller passed the model)
 
     @property
     def settings(self) -> StepSettings:
@@ -176,6 +179,7 @@ def preflight(config: PPOConfig, *, policy_given: bool = False, reward_given: bo
                 f"max_prompt_length + response_length = {config.max_prompt_length} + {config.response_length} = "
                 f"{length} exceeds the policy's max_position_embeddings={policy.max_position_embeddings} "
                 f"({path}/config.json); shorten the prompts or the responses.")
+        lora_spec_from_config(config, policy)  # LoRA target modules the policy's family has
         if config.stop_token_id is not None and config.stop_token_id >= policy.vocab_size:
             raise ConfigError(f"stop_token_id={config.stop_token_id} is outside the policy's vocabulary "
                               f"(vocab_size={policy.vocab_size}): it can never be sampled, so no response would "
@@ -251,21 +255,29 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
     elif reward_model is not None:
         reward_module, reward_model = reward_model, None
 
-    # ---- value function, reference ----
-    policy_graphdef, policy_params = nnx.split(model)
-    params = {"policy": policy_params}
+    # ---- value function (from the policy before any adapters), policy, reference ----
+    params = {}
     value_graphdef = None
     if uses_critic and config.value_head == "separate":
         value_module = value_model or _default_value_model(config, model, reward_module, model_options)
         value_graphdef, params["value"] = nnx.split(value_module)
         if reward_module is not None and value_model is None:
             params["value"] = _copy(params["value"])  # the value model trains; the reward model must not
+    lora_spec = lora_spec_from_config(config, model.cfg)
+    frozen, base_graphdef = {}, None
+    if lora_spec is not None:  # only the adapters train; the base weights are frozen and serve the reference too
+        base_graphdef, policy_graphdef, params["policy"], frozen["base"] = with_lora(
+            model, lora_spec, jax.random.key(config.seed + 3))
+    else:
+        policy_graphdef, params["policy"] = nnx.split(model)
     if ref_model is not None:
         ref_graphdef, ref_params = nnx.split(ref_model)
+    elif lora_spec is not None:  # the base weights with the adapters off (ActorCritic.reference): no copy
+        ref_graphdef, ref_params = None, None
     else:  # a frozen copy of the initial policy (never donated to the optimizer, never updated)
-        ref_graphdef, ref_params = policy_graphdef, _copy(policy_params)
+        ref_graphdef, ref_params = policy_graphdef, _copy(params["policy"])
     reward_graphdef, reward_params = nnx.split(reward_module) if reward_module is not None else (None, None)
-    frozen = {"ref": ref_params, "reward": reward_params}
+    frozen.update(ref=ref_params, reward=reward_params)
 
     # ---- data ----
     train_queries = eval_queries = batches = None
@@ -302,22 +314,32 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
     program = make_program(config, mesh, (policy_graphdef, value_graphdef, ref_graphdef), reward,
                            pad_token_id=pad_token_id, stop_token_id=stop_token_id,
                            eos_token_id=processing_class.eos_token_id, num_updates=num_updates,
-                           vocab_size=model.cfg.vocab_size)
+                           vocab_size=model.cfg.vocab_size, base_graphdef=base_graphdef,
+                           lora_scale=None if lora_spec is None else lora_spec.scale)
     optimizer = program.optimizer
     state, state_shardings = sharding.init_sharded_train_state(params, optimizer, mesh, frozen=frozen,
                                                                kl_coef=config.kl_coef)
     return Run(config=config, tokenizer=processing_class, model_config=model.cfg, mesh=mesh, program=program,
                state=state, state_shardings=state_shardings, num_updates=num_updates,
                train_queries=train_queries, eval_queries=eval_queries, batches=batches,
-               compilation_cache_dir=cache_dir)
+               compilation_cache_dir=cache_dir, lora=lora_spec, model_path=model_path)
+
+
+def lora_spec_from_config(config, model_config) -> Optional[LoraSpec]:
+    """The policy's LoRA adapters from ``lora_*`` (None when lora_r = 0); target names checked against the
+    policy's family (a ConfigError naming the bad names and the ones the model has)."""
+    if config.lora_r == 0:
+        return None
+    targets = as_config_error(resolve_target_modules, model_config, config.lora_target_modules)
+    return LoraSpec(config.lora_r, config.lora_alpha, targets, config.lora_dropout)
 
 
 def make_program(config: PPOConfig, mesh, graphdefs, reward, *, pad_token_id: int, stop_token_id, eos_token_id,
-                 num_updates: int, vocab_size: int) -> PPOProgram:
+                 num_updates: int, vocab_size: int, base_graphdef=None, lora_scale=None) -> PPOProgram:
     """The static PPO program: settings, model forwards, reward source and optimizer on ``mesh``.
 
     graphdefs: (policy, value or None for a value head on the policy, reference or None for the policy's).
-    Shared by ``build_run`` (real weights) and ``ppojax.plan`` (abstract shapes).
+    base_graphdef, lora_scale: under LoRA, the policy without adapters and alpha / r (``ActorCritic``). Shared by ``build_run`` (real weights) and ``ppojax.plan`` (abstract shapes).
     """
     policy_graphdef, value_graphdef, ref_graphdef = graphdefs
     settings = StepSettings.from_config(config, pad_token_id=pad_token_id, num_updates=num_updates,
@@ -325,7 +347,8 @@ def make_program(config: PPOConfig, mesh, graphdefs, reward, *, pad_token_id: in
                                         data_parallel_size=sharding.data_parallel_size(mesh), vocab_size=vocab_size)
     actor_critic = ActorCritic(policy_graphdef, value_graphdef, pad_token_id, config.temperature,
                                ref_graphdef=ref_graphdef,
-                               has_critic=advantage_estimator(config.advantage_estimator).uses_critic)
+                               has_critic=advantage_estimator(config.advantage_estimator).uses_critic,
+                               base_graphdef=base_graphdef, lora_scale=lora_scale)
     return PPOProgram(actor_critic, reward, settings, optimizer_from_config(config), mesh)
 
 

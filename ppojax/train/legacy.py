@@ -45,7 +45,7 @@ class LegacyAPI:
             self._generate_calls = getattr(self, "_generate_calls", 0) + 1
             key = jax.random.fold_in(jax.random.key(self.run.config.seed + 2), self._generate_calls)
         query_responses = rollout.sample_jit(
-            self.run.program.actor_critic.policy_graphdef, self.run.state.params["policy"], jnp.asarray(padded),
+            self.policy_graphdef, self.policy_params, jnp.asarray(padded),
             key, jnp.float32(settings.temperature if temperature is None else temperature), settings=settings,
             greedy=greedy, mesh=self.run.mesh)
         responses = np.asarray(ppo.truncate_response(query_responses[:, padded.shape[1]:], settings.stop_token_id,
