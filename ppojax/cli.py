@@ -125,8 +125,10 @@ def _train_and_report(config: PPOConfig, claim) -> dict:
         if trainer.eval_queries is not None and _torch_available():
             from .export_check import greedy_continuations_agree
             with stage("checking the export: transformers must write ppojax's greedy continuations"):
-                export_check = greedy_continuations_agree(out / "policy", trainer, trainer.eval_queries[:4],
-                                                          config.response_length)
+                export_check = greedy_continuations_agree(
+                    out / "policy", trainer.policy_graphdef, trainer.policy_params, trainer.eval_queries[:4],
+                    config.response_length, pad_token_id=trainer.run.settings.pad_token_id,
+                    stop_token_id=trainer.run.settings.stop_token_id)
             print(f"ppojax: transformers reproduces ppojax's greedy continuations: {export_check['agree']}")
         plot = logger.plot(out / "training_curves.png", held_out_before=before and before["mean_score"],
                            held_out_after=after and after["mean_score"])

@@ -9,9 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def greedy_continuations_agree(policy_dir, trainer, queries, max_new_tokens: int) -> dict:
-    """Greedy-decode ``queries`` (np i32[B, P], left padded) with ppojax and with transformers loading
-    ``policy_dir``. Returns {"agree": bool, "ppojax": [[ids]], "transformers": [[ids]]} (ids up to and
+def greedy_continuations_agree(policy_dir, policy_graphdef, policy_params, queries, max_new_tokens: int, *,
+                               pad_token_id: int, stop_token_id: int | None) -> dict:
+    """Greedy-decode ``queries`` (np i32[B, P], left padded) with ppojax's policy (``policy_graphdef`` +
+    ``policy_params``, one plain causal LM) and with transformers loading ``policy_dir``. Returns {"agree": bool, "ppojax": [[ids]], "transformers": [[ids]]} (ids up to and
     including the stop token)."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -19,8 +20,8 @@ def greedy_continuations_agree(policy_dir, trainer, queries, max_new_tokens: int
     from .generate import generate
     from .ppo.masks import truncate_response
 
-    pad, stop = trainer.run.settings.pad_token_id, trainer.run.settings.stop_token_id
-    ours = generate(trainer.policy_graphdef, trainer.policy_params, jnp.asarray(queries),
+    pad, stop = pad_token_id, stop_token_id
+    ours = generate(policy_graphdef, policy_params, jnp.asarray(queries),
                     jax.random.key(0),
                     response_length=max_new_tokens, pad_token_id=pad, greedy=True, stop_token_id=stop)
     ours = np.asarray(truncate_response(ours, stop, pad))

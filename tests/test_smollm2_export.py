@@ -1,6 +1,5 @@
 """The real default policy (SmolLM2-135M-Instruct from its GGUF) through ppojax's export: transformers
 loads it and writes the same greedy continuations as ppojax's sampler."""
-from types import SimpleNamespace
 
 import pytest
 from flax import nnx
@@ -18,13 +17,10 @@ def test_exported_smollm2_writes_ppojax_greedy_continuations(tmp_path):
     tokenizer = load_tokenizer(source)
     save_pretrained(model, cfg, tmp_path / "policy", tokenizer=tokenizer)
     graphdef, params = nnx.split(model)
-    trainer = SimpleNamespace(  # what greedy_continuations_agree reads of a PPOTrainer
-        run=SimpleNamespace(program=SimpleNamespace(actor_critic=SimpleNamespace(policy_graphdef=graphdef)),
-                            settings=SimpleNamespace(pad_token_id=tokenizer.pad_token_id,
-                                                     stop_token_id=tokenizer.eos_token_id)),
-        policy_params=params)
     prompts = ["The movie was", "I did not expect the ending to be so", "Honestly, the acting"]
     queries = left_pad([tokenizer(p)["input_ids"] for p in prompts], 10, tokenizer.pad_token_id)
-    result = greedy_continuations_agree(tmp_path / "policy", trainer, queries, max_new_tokens=8)
+    result = greedy_continuations_agree(tmp_path / "policy", graphdef, params, queries, max_new_tokens=8,
+                                        pad_token_id=tokenizer.pad_token_id,
+                                        stop_token_id=tokenizer.eos_token_id)
     assert result["agree"], result
     assert all(len(row) > 0 for row in result["ppojax"])
