@@ -2,6 +2,7 @@
 rollout and one update on this machine's one CPU device (a measurement: run it by hand, not in the tests).
 
     python -m benchmarks.plan_vs_rss [--smollm2-dir DIR|random] [--out benchmarks/plan_vs_rss.json]
+    python -m benchmarks.plan_vs_rss --remat full --phases update --out benchmarks/plan_vs_rss_remat_full.json
 
 Each phase runs in a fresh process (so its peak RSS is its own): build the run with real weights (a reward
 ScoreModel of the policy's shape, as the plan assumes), then compile and run the rollout (``make_rollout``)
@@ -32,7 +33,7 @@ def _rss_mb() -> float:
                 return int(line.split()[1]) / 1024
 
 
-def phase(name: str, model_dir: str) -> dict:
+def phase(name: str, model_dir: str, overrides: list) -> dict:
     """In this (fresh) process: build the run, then compile and run one ``name`` program; -> RSS figures."""
     from ppojax.host_memory import keep_freed_memory
     keep_freed_memory()  # as the ppojax command does
@@ -47,7 +48,7 @@ def phase(name: str, model_dir: str) -> dict:
     from ppojax.train.build import build_run
     from ppojax.train_step import make_rollout, make_update, rollout_part
 
-    config = PPOConfig.from_yaml(REPO / "configs/plan.yaml", OVERRIDES)
+    config = PPOConfig.from_yaml(REPO / "configs/plan.yaml", overrides)
     runtime_mb = _rss_mb()
     if model_dir == "random":  # a random init of SmolLM2's config (same shapes)
         cfg, _, _ = model_config_for("smollm2-135m")
@@ -90,11 +91,11 @@ def _tokenizer(path, cfg):
     return Ids()
 
 
-def planned() -> dict:
+def planned(phases: list, overrides: list) -> dict:
     """The plan of the same config (one device), from the CLI's JSON."""
     out = Path("/tmp/ppojax_plan_vs_rss.json")
     subprocess.run([sys.executable, "-m", "ppojax.cli", "plan", str(REPO / "configs/plan.yaml"), "--model", "smollm2",
-                    "--programs", "rollout,update", "--json", str(out), *OVERRIDES], check=True, cwd=REPO,
+                    "--programs", ",".join(phases), "--json", str(out), *overrides], check=True, cwd=REPO,
                    env={**os.environ, "PYTHONPATH": str(REPO)})
     return json.loads(out.read_text())
 
@@ -102,17 +103,21 @@ def planned() -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smollm2-dir", default=str(DEFAULT_DIR) if DEFAULT_DIR.is_dir() else "random")
+    parser.add_argument("--remat", default="none", choices=["none", "full", "dots"])
+    parser.add_argument("--phases", default="rollout,update", help="comma-separated: rollout,update")
     parser.add_argument("--phase", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(REPO / "benchmarks/plan_vs_rss.json"))
     args = parser.parse_args()
+    overrides = [o for o in OVERRIDES if not o.startswith("remat=")] + [f"remat={args.remat}"]
+    phases = args.phases.split(",")
     if args.phase:
-        print(json.dumps(phase(args.phase, args.smollm2_dir)))
+        print(json.dumps(phase(args.phase, args.smollm2_dir, overrides)))
         return
     from benchmarks.common import machine_info
     measured = {}
-    for name in ("rollout", "update"):
+    for name in phases:
         done = subprocess.run([sys.executable, "-m", "benchmarks.plan_vs_rss", "--phase", name, "--smollm2-dir",
-                               args.smollm2_dir], capture_output=True, text=True, cwd=REPO,
+                               args.smollm2_dir, "--remat", args.remat], capture_output=True, text=True, cwd=REPO,
                               env={**os.environ, "PYTHONPATH": str(REPO)})
         if done.returncode:  # e.g. -9: the kernel's OOM killer on a shared machine
             print(f"{name}: the measuring process failed (exit {done.returncode}): {done.stderr[-500:]}")
@@ -120,7 +125,7 @@ def main() -> None:
                               "exit_code": done.returncode}
             continue
         measured[name] = json.loads(done.stdout.strip().splitlines()[-1])
-    plan = planned()
+    plan = planned(phases, overrides)
     rows = []
     for p in plan["programs"]:
         m = measured[p["name"]]
@@ -129,7 +134,7 @@ def main() -> None:
                      "measured_peak_rss_mb": m["peak_rss_mb"], "runtime_rss_mb": m["runtime_rss_mb"],
                      "built_rss_mb": m["built_rss_mb"],
                      "exit_code": m.get("exit_code", 0)})
-    result = {"machine": machine_info(), "overrides": OVERRIDES, "model": args.smollm2_dir, "rows": rows}
+    result = {"machine": machine_info(), "overrides": overrides, "model": args.smollm2_dir, "rows": rows}
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     for r in rows:
         print(f"{r['program']:<8} plan peak {r['plan_peak_mb']:8.0f} MB (resident {r['plan_resident_mb']:.0f}, "

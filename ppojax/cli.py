@@ -115,9 +115,12 @@ def _train_and_report(config: PPOConfig, claim) -> dict:
             with stage("scoring held-out prompts after training"):
                 after = trainer.evaluate(step=trainer.num_updates)
             if after is not None:
-                print(f"ppojax: held-out mean score after training: {after['mean_score']:.4f}")
-                logger.log_samples(trainer.num_updates, after["prompts"][:4], after["completions"][:4],
-                                   after["scores"][:4])
+                if sharding.is_main_process():
+                    write_json(out / "eval_after.json", after)
+                # not logged as samples: the sample hook logged the last update's completions of the same
+                # held-out prompts at this step; eval_after.json holds them all
+                print(f"ppojax: held-out mean score after training: {after['mean_score']:.4f} (completions: "
+                      f"{out / 'eval_after.json'})")
         what = f" (merged) and its LoRA adapter to {out / 'policy_adapter'} (PEFT)" if config.lora_r else ""
         with stage(f"saving the trained policy to {out / 'policy'} (Hugging Face format){what}"):
             trainer.save_model(out / "policy")

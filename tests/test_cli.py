@@ -38,6 +38,11 @@ def test_train_command_writes_every_output(tiny_dirs, tmp_path, capsys):
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2", "step_4"]
     assert any((out / "tensorboard").iterdir())
+    after = json.loads((out / "eval_after.json").read_text())
+    assert after["mean_score"] == pytest.approx(summary["held_out_mean_score_after"])
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    keys = [(s["step"], s["prompt"]) for s in samples]
+    assert len(keys) == len(set(keys)) and 0 in {s["step"] for s in samples}  # each step's samples once
     printed = capsys.readouterr().out
     assert "held-out mean score before training" in printed and "samples at update" in printed
 
