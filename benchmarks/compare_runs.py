@@ -16,9 +16,10 @@ KEYS = ("objective/scores", "objective/kl")
 
 
 def load(run_dir: Path) -> dict:
-    summary = json.loads((run_dir / "summary.json").read_text())
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return {"summary": summary, "rows": rows}
+    from ppojax.run_logging import read_jsonl
+
+    return {"summary": json.loads((run_dir / "summary.json").read_text()),
+            "rows": read_jsonl(run_dir / "metrics.jsonl")}
 
 
 def table(runs: dict) -> str:
