@@ -12,15 +12,15 @@ import numpy as np
 def greedy_continuations_agree(policy_dir, policy_graphdef, policy_params, queries, max_new_tokens: int, *,
                                pad_token_id: int, stop_token_id: int | None) -> dict:
     """Greedy-decode ``queries`` (np i32[B, P], left padded) with ppojax's policy (``policy_graphdef`` +
-    ``policy_params``, one plain causal LM) and with transformers loading ``policy_dir``. Returns {"agree": bool, "ppojax": [[ids]], "transformers": [[ids]]} (ids up to and
-    including the stop token)."""
+    ``policy_params``, one plain causal LM) and with transformers loading ``policy_dir``. Returns
+    {"agree": bool, "ppojax": [[ids]], "transformers": [[ids]]} (ids up to and including the stop token)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from .generate import generate
     from .ppo.masks import truncate_response
 
-    pad, stop = pad_token_id, stop_token_id
+    pad, stop = pad_token_id, stop_token_id  # short names for the lines below
     ours = generate(policy_graphdef, policy_params, jnp.asarray(queries),
                     jax.random.key(0),
                     response_length=max_new_tokens, pad_token_id=pad, greedy=True, stop_token_id=stop)
