@@ -76,6 +76,33 @@ def rollout(mesh, params, frozen, graphdefs, queries, key):
     return experience
 
 
+def lora_rollout_and_update(mesh, experience=None):
+    """The PPO program with LoRA (rank 4 on q/v/down_proj) on ``mesh``: the trainable policy params are the
+    adapters only, the base weights are frozen and are also the reference (``frozen["ref"]`` None). One rollout,
+    then one update on ``experience`` (default: this rollout's; pass the one-device rollout's so that two meshes
+    update on the same data). The adapters start non-zero (B += 0.01), so the policy differs from the reference.
+    -> (rollout Experience, state after the update, metrics dict)."""
+    from ppojax.models.lora import LoraSpec, with_lora  # noqa: PLC0415
+
+    _, params, frozen, (policy_def, value_def) = build_models()
+    spec = LoraSpec(4, 8.0, ("q_proj", "v_proj", "down_proj"))
+    base_def, lora_def, adapters, base = with_lora(nnx.merge(policy_def, params["policy"]), spec,
+                                                   jax.random.key(3))
+    adapters = jax.tree.map(lambda x: x + 0.01, adapters)
+    ac = ActorCritic(lora_def, value_def, PAD, temperature=0.7, base_graphdef=base_def, lora_scale=spec.scale)
+    program = PPOProgram(ac, ModelScores(value_def, PAD), SETTINGS, make_optimizer(), mesh)
+    state, shardings = sh.init_sharded_train_state(
+        {"policy": adapters, "value": params["value"]}, program.optimizer, mesh,
+        frozen={"base": base, "ref": None, "reward": frozen["reward"]})
+    rolled, failures = make_rollout(program)(state, jnp.asarray(prompts()), jax.random.key(0))
+    assert int(failures) == 0
+    update = jax.jit(lambda s, e, k: learn(program, s, e, k), donate_argnums=(0,),
+                     out_shardings=(shardings, sh.replicated(mesh)))
+    state, metrics = update(state, sh.shard_batch(rolled if experience is None else experience, mesh),
+                            sh.put_replicated(jax.random.key(100), mesh))
+    return rolled, state, {k: float(v) for k, v in sh.to_host(metrics).items()}
+
+
 def run_updates(mesh, ac, params, experience, num_updates, settings=SETTINGS):
     """``num_updates`` sharded PPO updates (``ppojax.update.learn``) on the same experience.
     -> (state, list of metric dicts)."""

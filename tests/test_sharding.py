@@ -205,6 +205,33 @@ if CHILD:
             assert total_params / 8 <= held_params <= 1.1 * total_params / 8, (held_params, total_params)
             assert total_opt / 8 <= held_opt <= 1.1 * total_opt / 8, (held_opt, total_opt)
 
+    def test_lora_rollout_and_update_match_one_device():
+        """LoRA on a mesh with every axis split (2, 2, 2): the same samples, metrics and adapters as on one
+        device; the frozen base weights (the reference too) are split over fsdp like a full model's, each
+        adapter is laid out as its kernel, and Adam's moments hold the adapters and the value model only."""
+        rolled_one, state_one, metrics_one = H.lora_rollout_and_update(sh.make_mesh(devices=jax.devices()[:1]))
+        rolled_one = jax.tree.map(np.asarray, rolled_one)
+        assert np.abs(rolled_one.logprobs - rolled_one.ref_logprobs)[~rolled_one.padding_mask].max() > 1e-3
+        rolled, state, metrics = H.lora_rollout_and_update(sh.make_mesh(2, 2, 2), experience=rolled_one)
+        np.testing.assert_array_equal(np.asarray(rolled.query_responses), rolled_one.query_responses)
+        assert_trees_close(rolled, rolled_one, what="experience")
+        assert metrics.keys() == metrics_one.keys()
+        for name, value in metrics.items():
+            np.testing.assert_allclose(value, metrics_one[name], atol=1e-5, rtol=1e-5, err_msg=name)
+        assert_trees_close(state.params, jax.tree.map(np.asarray, state_one.params), what="params")
+
+        base_q = state.frozen["base"]["backbone"]["layers"]["attn"]["q"]
+        assert "fsdp" in str(base_q["kernel"].sharding.spec) and len(base_q["kernel"].sharding.device_set) == 8
+        assert "fsdp" in str(state.frozen["base"]["backbone"]["embed"]["embedding"].sharding.spec)
+        adapters = state.params["policy"]["backbone"]["layers"]
+        assert adapters["attn"]["q"]["lora_a"].sharding.spec[:2] == base_q["kernel"].sharding.spec[:2]
+        mu = state.opt_state[0].mu["policy"]
+        mu_paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(mu)]
+        assert mu_paths and all("lora_" in p for p in mu_paths), mu_paths
+        assert set(adapters) == {"attn", "mlp"} and set(adapters["attn"]) == {"q", "v"}
+        moved = np.abs(np.asarray(adapters["mlp"]["down"]["lora_b"]) - 0.01).max()
+        assert moved > 1e-4  # the update trained the adapters
+
     def test_whitening_statistics_are_global():
         """jnp.sum inside jit over a batch-sharded array is the global sum: the whitened advantages on 8
         devices equal the numpy whitening over the WHOLE batch, not per-device whitening."""
