@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from .config import ConfigError, PPOConfig, field_help
-from .host_memory import keep_freed_memory
+from .host_memory import reexec_with_huge_pages
 
 
 def _help_epilog() -> str:
@@ -220,7 +220,8 @@ def run_plan(args) -> None:
 
 
 def main(argv=None) -> int:
-    keep_freed_memory()  # before JAX starts its threads (ppojax/host_memory.py)
+    if argv is None:  # run as the `ppojax` program (not main([...]) from Python): huge pages for XLA's buffers
+        reexec_with_huge_pages()  # ppojax/host_memory.py
     # Past `ulimit -f`, a write fails with EFBIG (reported below) instead of the kernel killing the process.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     parser = argparse.ArgumentParser(prog="ppojax", description="PPO for language models in JAX.")

@@ -1,51 +1,75 @@
-"""Keep freed host memory for reuse: a measured speed-up of XLA:CPU on glibc Linux.
+"""Transparent huge pages for glibc's malloc: XLA:CPU's per-step buffers fault in 2 MiB at a time.
 
-XLA:CPU allocates every temporary buffer of a step with ``malloc`` and frees it at the end. glibc serves
-large requests (the stacked weight gradients, activations: tens to hundreds of MB) with a fresh ``mmap``
-and returns them with ``munmap``, so each step faults every page back in (SmolLM2-135M, one forward +
-backward on 8 x 48 tokens: ~300,000 page faults, 0.8 CPU-s in the kernel, ~15 % of the step; one PPO
-update of the SmolLM2 benchmark: 880,000 faults, 25.6 s -> 20.6 s without them). Telling
-glibc to serve everything from one heap that it never trims removes the faults; the process keeps its
-peak memory instead of returning it between steps (a training run reaches the same peak every step).
+XLA:CPU allocates a step's temporaries as ONE block (every activation, gradient and logits chunk of the
+program: gigabytes at SmolLM2) with ``malloc`` and frees it when the step ends. glibc serves a block that
+large with a fresh ``mmap`` and returns it with ``munmap``, so every step faults the block in again, 4 KiB
+page by page (millions of faults per update). glibc's tunable ``glibc.malloc.hugetlb=1`` (glibc >= 2.35)
+marks those mappings for transparent huge pages (``madvise(MADV_HUGEPAGE)``): 512x fewer faults, and the
+memory still goes back to the kernel after each step.
 
-:func:`keep_freed_memory` does that with ``mallopt``. Call it before JAX starts its threads (before the
-first computation) so that they share the main heap; the CLI and the benchmarks call it first thing.
-``PPOJAX_KEEP_FREED_MEMORY=0`` turns it off. Elsewhere than glibc (macOS, musl) it does nothing.
+glibc reads tunables only when a process starts, so the entry points (the ``ppojax`` command, the benchmarks)
+call :func:`reexec_with_huge_pages` first: it re-executes the process once with ``GLIBC_TUNABLES`` extended.
+From a notebook, start Python with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` in the environment.
+``PPOJAX_HUGE_PAGES=0`` turns it off. It does nothing off glibc Linux or where the kernel's transparent huge
+pages are ``never``.
+
+Why not keep freed memory in the heap instead (``mallopt``: no ``mmap``, never trim; ppojax did that before):
+after a step frees its block, a later small request splits the free block, the next step's block no longer
+fits anywhere and the heap grows by a whole block. A SmolLM2 run grew by 3.6 GB every few updates
+(``benchmarks/RESULTS.md``).
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
+import platform
+import sys
 
-# mallopt parameters (malloc.h)
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_MAX = -4
-_M_ARENA_MAX = -8
-_NEVER = -1  # as size_t: the largest value, i.e. never trim (mallopt takes an int)
-
-_applied = False
+TUNABLE = "glibc.malloc.hugetlb=1"
+OFF_SWITCH = "PPOJAX_HUGE_PAGES"
+_THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
-def keep_freed_memory() -> bool:
-    """Make glibc reuse freed memory instead of unmapping it. Returns True if it was applied (or already was).
-
-    Sets one malloc arena for all threads (large buffers then come from the main heap), no ``mmap`` for
-    large requests, and no trimming (freed memory stays in the process). A 2 GiB trim threshold was not
-    enough: a SmolLM2 PPO update still re-faulted 3.4 GB (880,000 faults, 20 % of its time).
-    """
-    global _applied
-    if _applied:
-        return True
-    if os.environ.get("PPOJAX_KEEP_FREED_MEMORY", "1") == "0":
+def _glibc_has_hugetlb_tunable() -> bool:
+    name, version = platform.libc_ver()
+    if name != "glibc":
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc
+        major, minor = (int(part) for part in version.split(".")[:2])
+    except ValueError:
         return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    ok = all(mallopt(param, value) == 1 for param, value in
-             ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, _NEVER)))
-    _applied = ok
-    return ok
+    return (major, minor) >= (2, 35)
+
+
+def transparent_huge_pages_usable() -> bool:
+    """True when glibc can ask for huge pages here: glibc >= 2.35 on Linux, and the kernel's transparent huge
+    pages are ``always`` or ``madvise`` (the bracketed word of /sys/kernel/mm/transparent_hugepage/enabled)."""
+    if not sys.platform.startswith("linux") or not _glibc_has_hugetlb_tunable():
+        return False
+    try:
+        with open(_THP_MODE) as f:
+            mode = f.read()
+    except OSError:
+        return False
+    return "[always]" in mode or "[madvise]" in mode
+
+
+def huge_pages_requested(environ=os.environ) -> bool:
+    """Whether this process was started with glibc's huge-page tunable."""
+    return TUNABLE in environ.get("GLIBC_TUNABLES", "").split(":")
+
+
+def reexec_with_huge_pages() -> None:
+    """Re-execute this Python process (same interpreter, same arguments) with ``glibc.malloc.hugetlb=1`` added
+    to ``GLIBC_TUNABLES``. Returns without doing anything when the tunable is already set, when
+    ``PPOJAX_HUGE_PAGES=0``, or when huge pages are not usable here. Call it first thing, before any output,
+    threads or files are opened: nothing of this process survives the exec."""
+    if os.environ.get(OFF_SWITCH, "1") == "0" or huge_pages_requested() or not transparent_huge_pages_usable():
+        return
+    tunables = ":".join(part for part in (os.environ.get("GLIBC_TUNABLES"), TUNABLE) if part)
+    argv = [sys.executable, *sys.orig_argv[1:]]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execve(sys.executable, argv, {**os.environ, "GLIBC_TUNABLES": tunables})
+    except OSError:  # e.g. the interpreter cannot be executed again: run on without huge pages
+        return

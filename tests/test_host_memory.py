@@ -1,4 +1,5 @@
-"""keep_freed_memory: freed large buffers are reused instead of being unmapped and faulted in again."""
+"""reexec_with_huge_pages: the process runs again with glibc's huge-page tunable, and a large buffer as XLA:CPU
+allocates one (malloc, written, freed, every step) then faults in 2 MiB pages instead of 4 KiB ones."""
 import json
 import os
 import subprocess
@@ -7,40 +8,80 @@ from pathlib import Path
 
 import pytest
 
+from ppojax import host_memory
+
 REPO = Path(__file__).resolve().parents[1]
+PAGES = 64 * 2**20 // 4096  # 4 KiB pages of the 64 MiB buffer
 
 _CHILD = r"""
-import ctypes, json, resource
-from ppojax.host_memory import keep_freed_memory
-applied = keep_freed_memory()
+import ctypes, json, os, resource
+from ppojax.host_memory import reexec_with_huge_pages
+reexec_with_huge_pages()
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
-size = 64 * 2**20  # a buffer as XLA:CPU allocates one: plain malloc, written, freed
+size = 64 * 2**20
 faults = []
-for _ in range(6):
+for _ in range(4):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     buffer = libc.malloc(size)
     ctypes.memset(buffer, 1, size)
     libc.free(buffer)
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(json.dumps({"applied": applied, "faults": faults}))
+print(json.dumps({"tunables": os.environ.get("GLIBC_TUNABLES"), "faults": faults}))
 """
+
+usable = pytest.mark.skipif(not host_memory.transparent_huge_pages_usable(),
+                            reason="needs glibc >= 2.35 and transparent huge pages 'always' or 'madvise'")
 
 
 def _child(**env):
+    environ = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", host_memory.OFF_SWITCH)}
     proc = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, cwd=REPO, timeout=120,
-                          env={**os.environ, **env})
+                          env={**environ, **env})
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt")
-def test_freed_buffers_are_reused_without_page_faults():
-    on = _child(PPOJAX_KEEP_FREED_MEMORY="1")
-    off = _child(PPOJAX_KEEP_FREED_MEMORY="0")
-    assert on["applied"] is True and off["applied"] is False
-    pages = 64 * 2**20 // 4096
-    # Without it every 64 MB buffer is faulted in again; with it only the first one is.
-    assert min(off["faults"][1:]) > pages // 4, off
-    assert max(on["faults"][1:]) < pages // 20, on
+@usable
+def test_reexec_adds_the_tunable_and_keeps_the_users_own():
+    assert _child()["tunables"] == host_memory.TUNABLE
+    assert _child(GLIBC_TUNABLES="glibc.malloc.arena_max=2")["tunables"] == \
+        f"glibc.malloc.arena_max=2:{host_memory.TUNABLE}"
+    assert _child(GLIBC_TUNABLES="glibc.malloc.arena_max=2", PPOJAX_HUGE_PAGES="0")["tunables"] == \
+        "glibc.malloc.arena_max=2"
+
+
+@usable
+def test_a_large_buffer_faults_in_huge_pages_and_is_still_returned():
+    on = _child()
+    off = _child(PPOJAX_HUGE_PAGES="0")
+    assert off["tunables"] is None
+    # every round maps the buffer afresh (freed memory goes back to the kernel): 4 KiB faults without the
+    # tunable, 2 MiB ones with it
+    assert min(off["faults"]) > PAGES // 2, off
+    assert max(on["faults"]) < PAGES // 8, on
+
+
+def test_usable_follows_the_kernels_transparent_huge_page_mode(tmp_path, monkeypatch):
+    mode = tmp_path / "enabled"
+    monkeypatch.setattr(host_memory, "_THP_MODE", str(mode))
+    monkeypatch.setattr(host_memory, "_glibc_has_hugetlb_tunable", lambda: True)
+    monkeypatch.setattr(host_memory.sys, "platform", "linux")
+    for text, expected in (("always [madvise] never", True), ("[always] madvise never", True),
+                           ("always madvise [never]", False)):
+        mode.write_text(text + "\n")
+        assert host_memory.transparent_huge_pages_usable() is expected, text
+    mode.unlink()
+    assert host_memory.transparent_huge_pages_usable() is False  # no such file: not Linux's THP
+    monkeypatch.setattr(host_memory, "_glibc_has_hugetlb_tunable", lambda: False)
+    mode.write_text("[always] madvise never\n")
+    assert host_memory.transparent_huge_pages_usable() is False  # musl, or glibc before 2.35
+
+
+def test_glibc_version_gate(monkeypatch):
+    for libc, expected in ((("glibc", "2.36"), True), (("glibc", "2.35"), True), (("glibc", "2.31"), False),
+                           (("musl", "1.2"), False), (("", ""), False)):
+        monkeypatch.setattr(host_memory.platform, "libc_ver", lambda libc=libc: libc)
+        assert host_memory._glibc_has_hugetlb_tunable() is expected, libc
