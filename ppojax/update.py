@@ -197,15 +197,23 @@ def learn(program, state, experience, key):
         skip = stopped
         if settings.ratio_threshold is not None:  # legacy: drop a mini-batch whose ratio blew up
             skip = skip | (jnp.mean(stats["ratio"]) > settings.ratio_threshold)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = jax.tree.map(lambda p, u: p - (lr * u).astype(p.dtype), state.params, updates)  # keeps bf16 bf16
-        if policy_frozen is not None:
-            params = _keep_policy(actor_critic, policy_frozen, params, state.params)
-            opt_state = _keep_policy(actor_critic, policy_frozen, opt_state, state.opt_state)
         apply = finite & ~skip
+
+        def optimizer_step(params, opt_state):
+            updates, new_opt_state = optimizer.update(grads, opt_state, params)
+            new_params = jax.tree.map(lambda p, u: p - (lr * u).astype(p.dtype), params, updates)  # bf16 stays
+            if policy_frozen is not None:
+                new_params = _keep_policy(actor_critic, policy_frozen, new_params, params)
+                new_opt_state = _keep_policy(actor_critic, policy_frozen, new_opt_state, opt_state)
+            return new_params, new_opt_state
+
+        # A branch, not where(apply, new, old): with both values live XLA copies every carried parameter and
+        # Adam moment at each step; the branch updates them in place.
+        params, opt_state = jax.lax.cond(apply, optimizer_step, lambda p, o: (p, o), state.params,
+                                         state.opt_state)
         new_state = state.replace(
-            params=_select(apply, params, state.params),
-            opt_state=_select(apply, opt_state, state.opt_state),
+            params=params,
+            opt_state=opt_state,
             optimizer_steps=state.optimizer_steps + apply.astype(jnp.int32),
             nonfinite_streak=jnp.where(finite, 0, state.nonfinite_streak + (~skip).astype(jnp.int32)),
             nonfinite_total=state.nonfinite_total + (~finite & ~skip).astype(jnp.int32))
