@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from .config import ConfigError, PPOConfig, field_help
-from .host_memory import reexec_with_huge_pages
+from .program_start import start_program
 
 
 def _help_epilog() -> str:
@@ -207,12 +207,12 @@ def run_plan(args) -> None:
     unknown = [p for p in programs if p not in plan.PROGRAMS]
     if unknown or not programs:
         raise ConfigError(f"--programs {args.programs!r}: expected names among {', '.join(plan.PROGRAMS)}.")
-    config = PPOConfig.from_yaml(args.config, args.overrides)
+    overrides = [*args.overrides, *([f"lora_r={args.lora_rank}"] if args.lora_rank is not None else [])]
+    config = PPOConfig.from_yaml(args.config, overrides)
     model = args.model or config.model_name_or_path
     plan.model_config_for(model)  # a bad model name fails before the devices are set up
-    plan.use_virtual_devices(devices)
-    result = plan.plan(config, model, mesh_shape=mesh, hbm_gb=args.hbm_gb, programs=programs,
-                       lora_rank=args.lora_rank)
+    plan.use_virtual_devices(devices, config.precision)
+    result = plan.plan(config, model, mesh_shape=mesh, hbm_gb=args.hbm_gb, programs=programs)
     print(plan.format_plan(result))
     if args.json:
         from .strict_json import write_json
@@ -221,7 +221,7 @@ def run_plan(args) -> None:
 
 def main(argv=None) -> int:
     if argv is None:  # run as the `ppojax` program (not main([...]) from Python): huge pages for XLA's buffers
-        reexec_with_huge_pages()  # ppojax/host_memory.py
+        start_program()  # and the XLA:CPU options recorded for this CPU (ppojax/program_start.py)
     # Past `ulimit -f`, a write fails with EFBIG (reported below) instead of the kernel killing the process.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     parser = argparse.ArgumentParser(prog="ppojax", description="PPO for language models in JAX.")
@@ -245,7 +245,8 @@ def main(argv=None) -> int:
     plan.add_argument("--devices", type=int, help="virtual devices (default: the --mesh product, else 1)")
     plan.add_argument("--mesh", help="data,fsdp,tensor (default: the config's mesh_* fields)")
     plan.add_argument("--hbm-gb", type=float, default=80.0, help="memory per device in GB (1e9 bytes)")
-    plan.add_argument("--lora-rank", type=int, help="derive LoRA's memory with rank-r adapters (see ppojax/plan.py)")
+    plan.add_argument("--lora-rank", type=int, help="LoRA adapters of rank r on the policy (= the override "
+                      "lora_r=r; lora_target_modules chooses the projections, all-linear by default)")
     plan.add_argument("--programs", default="train_step,rollout,update",
                       help="comma-separated: train_step, rollout, update")
     plan.add_argument("--json", help="also write the plan as JSON to this file")

@@ -13,11 +13,10 @@ The plan compiles for the CPU backend (``N`` virtual CPU devices stand in for th
 numbers are XLA:CPU's buffer assignment of the same sharded program: fusion and the attention kernel differ
 on GPU/TPU (cuDNN's fused attention needs less scratch), so read them as an estimate with those caveats.
 
-LoRA (``lora_rank``): derived, not compiled (ppojax's own LoRA is a separate feature). The argument bytes are
-recounted with the policy and value bases frozen (parameters only, no optimizer moments), the reference
-sharing the policy's base (adapters off, as TRL/peft does), and rank-r adapters (+ their AdamW moments) on
-every attention and MLP projection; the temporaries are the full program's (an upper bound: LoRA drops the
-weight gradients they hold) and, as the estimate, the full program's minus its weight-gradient buffers.
+LoRA (``lora_r`` > 0, or ``--lora-rank``): compiled as a run builds it (``train.build``): the policy's base
+weights frozen and shared with the reference (adapters off), rank-r adapters (and a legacy value head) the only
+trainable policy weights, the sampler reading the merged weights. A separate value model trains whole, as in a
+run; ``value_head: policy`` puts the value head on the adapted policy instead.
 """
 from __future__ import annotations
 
@@ -73,8 +72,6 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 PROGRAMS = ("train_step", "rollout", "update")
-#: The projections a LoRA adapter is put on (every attention and MLP matrix, peft's "all-linear" minus the head).
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -137,29 +134,42 @@ def _with_shardings(tree, shardings):
 def abstract_run(config: PPOConfig, model_cfg, mesh) -> AbstractRun:
     """The PPO program of ``config`` for a policy of shape ``model_cfg`` on ``mesh``, with an abstract state:
     trainable policy and value model (or a value head), frozen reference (the policy's shape) and a reward
-    ScoreModel of the policy's shape. Nothing is allocated."""
+    ScoreModel of the policy's shape; under LoRA the policy's frozen base is the reference. Nothing is
+    allocated."""
     from . import sharding
     from .models import CausalLM, CausalLMWithValueHead, ScoreModel
+    from .models.lora import TRAINABLE, add_lora
     from .rewards import ModelScores
-    from .train.build import make_program, model_kwargs
+    from .train.build import lora_spec_from_config, make_program, model_kwargs
     from .types import init_train_state
 
     options = model_kwargs(config)
     rngs = lambda: nnx.Rngs(0)  # noqa: E731 - eval_shape: no random numbers are drawn
     policy_class = CausalLMWithValueHead if config.value_head == "policy" else CausalLM
-    policy_def, policy = nnx.split(nnx.eval_shape(lambda: policy_class(model_cfg, rngs=rngs(), **options)))
+    new_policy = lambda: policy_class(model_cfg, rngs=rngs(), **options)  # noqa: E731
+    policy_def, policy = nnx.split(nnx.eval_shape(new_policy))
     score_def, score = nnx.split(nnx.eval_shape(lambda: ScoreModel(model_cfg, rngs=rngs(), **options)))
-    params = {"policy": policy}
     value_def = None
+    params, frozen = {}, {}
     if config.value_head == "separate":
         value_def, params["value"] = score_def, score
-    frozen = {"ref": policy, "reward": score}
+    lora_spec = lora_spec_from_config(config, model_cfg)
+    base_def = None
+    if lora_spec is None:
+        params["policy"] = policy
+        frozen.update(ref=policy, reward=score)
+    else:  # as train.build: adapters (+ a value head) train; the base is frozen and is also the reference
+        base_def = policy_def
+        adapted = nnx.eval_shape(lambda: add_lora(new_policy(), lora_spec, jax.random.key(0)))
+        policy_def, params["policy"], frozen["base"] = nnx.split(adapted, TRAINABLE, ...)
+        frozen.update(ref=None, reward=score)
     pad = model_cfg.pad_token_id if model_cfg.pad_token_id is not None else 0
     eos = model_cfg.eos_token_ids[0] if model_cfg.eos_token_ids else None
     stop = config.stop_token_id if config.stop_token_id is not None else (eos if config.stop_token_is_eos else None)
     reward = ModelScores(score_def, pad, config.local_rollout_forward_batch_size)
     program = make_program(config, mesh, (policy_def, value_def, None), reward, pad_token_id=pad,
-                           stop_token_id=stop, eos_token_id=eos, num_updates=1, vocab_size=model_cfg.vocab_size)
+                           stop_token_id=stop, eos_token_id=eos, num_updates=1, vocab_size=model_cfg.vocab_size,
+                           base_graphdef=base_def, lora_scale=None if lora_spec is None else lora_spec.scale)
     state = jax.eval_shape(lambda p, f: init_train_state(p, program.optimizer, frozen=f, kl_coef=config.kl_coef),
                            params, frozen)
     state_shardings = sharding.train_state_shardings(state, mesh)
@@ -235,33 +245,6 @@ def device_bytes(tree) -> int:
 
 
 # --------------------------------------------------------------------------------------------------
-# LoRA, derived (see the module docstring)
-# --------------------------------------------------------------------------------------------------
-def lora_adapter_params(model_cfg, rank: int) -> int:
-    """Adapter parameters of one backbone: A [in, r] and B [r, out] on every LORA_TARGETS projection."""
-    D, H, K, hd, F, L = (model_cfg.hidden_size, model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim,
-                         model_cfg.intermediate_size, model_cfg.num_layers)
-    shapes = [(D, H * hd), (D, K * hd), (D, K * hd), (H * hd, D), (D, F), (D, F), (F, D)]
-    return L * rank * sum(i + o for i, o in shapes)
-
-
-def lora_state_bytes(run: AbstractRun, model_cfg, rank: int) -> dict:
-    """Per-device bytes of the TrainState under LoRA: frozen policy/value bases (no moments), the reference
-    sharing the policy's base, the reward model, adapters + AdamW moments. Adapters (and the value's score
-    head) are taken as split over all the devices that split the weights (fsdp x tensor).
-    -> {"state": bytes, "trainable": full trainable bytes (params only) the update's gradients are sized by}."""
-    state = run.state
-    mesh = run.program.mesh
-    weight_split = mesh.shape["fsdp"] * mesh.shape["tensor"]
-    itemsize = np.dtype(jax.tree.leaves(state.params)[0].dtype).itemsize
-    trainable = device_bytes(state.params)
-    models = len(state.params)  # policy and value (or the policy with its value head)
-    adapters = models * lora_adapter_params(model_cfg, rank) * itemsize * 3 / weight_split  # params + mu + nu
-    base = trainable + device_bytes(state.frozen["reward"])  # frozen: ref = the policy's base with adapters off
-    return {"state": int(base + adapters), "trainable": trainable}
-
-
-# --------------------------------------------------------------------------------------------------
 # The plan
 # --------------------------------------------------------------------------------------------------
 @dataclasses.dataclass
@@ -279,8 +262,7 @@ class Plan:
     resident_bytes: dict      # program -> per-device bytes of ALL its inputs (the whole state stays resident)
     model_flops: Optional[dict]
     hbm_bytes: float
-    lora_rank: Optional[int] = None
-    lora: Optional[dict] = None  # program -> {"upper": bytes, "estimate": bytes}; state bytes
+    trainable_bytes: int = 0  # per device: the trained weights + their optimizer moments (adapters only under LoRA)
 
     def peak(self, program: ProgramPlan) -> int:
         """Per-device peak: every input resident (XLA leaves unused arguments out of its count, but the
@@ -289,8 +271,6 @@ class Plan:
 
     @property
     def peak_bytes(self) -> int:
-        if self.lora is not None:
-            return max(v["estimate"] for k, v in self.lora.items() if k != "state")
         return max(self.peak(p) for p in self.programs)
 
     @property
@@ -302,7 +282,8 @@ class Plan:
                 "devices": self.devices, "state_bytes": self.state_bytes, "hbm_bytes": self.hbm_bytes,
                 "programs": [{**dataclasses.asdict(p), "resident_bytes": self.resident_bytes[p.name],
                               "peak_bytes": self.peak(p)} for p in self.programs],
-                "model_flops": self.model_flops, "lora_rank": self.lora_rank, "lora": self.lora,
+                "model_flops": self.model_flops, "lora_r": self.config.lora_r,
+                "trainable_bytes": self.trainable_bytes,
                 "peak_bytes": self.peak_bytes, "fits": self.fits}
 
 
@@ -318,7 +299,7 @@ def _model_flops(hf: dict, sizes, config: PPOConfig) -> Optional[dict]:
 
 
 def plan(config: PPOConfig, model: str, *, mesh_shape=None, hbm_gb: float = 80.0,
-         programs=PROGRAMS, lora_rank: Optional[int] = None) -> Plan:
+         programs=PROGRAMS) -> Plan:
     """Compile ``programs`` for ``model`` (preset name or checkpoint directory) on a mesh of the devices JAX
     sees (``mesh_shape`` (data, fsdp, tensor), default: the config's mesh fields) and read their memory."""
     from . import sharding
@@ -344,29 +325,14 @@ def plan(config: PPOConfig, model: str, *, mesh_shape=None, hbm_gb: float = 80.0
     num_params = count_params(nnx.eval_shape(lambda: _causal_lm(model_cfg)))
     result = Plan(model=model, source=source, num_params=num_params, mesh=dict(mesh.shape), devices=devices,
                   config=config, state_bytes=device_bytes(run.state), programs=compiled, resident_bytes=resident,
-                  model_flops=_model_flops(hf, sizes, config), hbm_bytes=hbm_gb * GB, lora_rank=lora_rank)
-    if lora_rank is not None:
-        result.lora = _lora_rows(result, run, model_cfg, lora_rank)
+                  model_flops=_model_flops(hf, sizes, config), hbm_bytes=hbm_gb * GB,
+                  trainable_bytes=device_bytes(run.state.params) + device_bytes(run.state.opt_state))
     return result
 
 
 def _causal_lm(model_cfg):
     from .models import CausalLM
     return CausalLM(model_cfg, rngs=nnx.Rngs(0))
-
-
-def _lora_rows(result: Plan, run: AbstractRun, model_cfg, rank: int) -> dict:
-    """Per program: LoRA's per-device peak as an upper bound (the full program's temporaries) and as the
-    estimate (minus the weight gradients: an accumulator and one micro-batch's, 2 x the trainable bytes)."""
-    lora = lora_state_bytes(run, model_cfg, rank)
-    rows = {"state": lora["state"]}
-    for p in result.programs:
-        inputs = result.resident_bytes[p.name] - result.state_bytes
-        # outputs that are not aliased into the state (metrics, the rollout's experience) are unchanged
-        upper = lora["state"] + inputs + p.output_bytes - p.alias_bytes + p.temp_bytes
-        grads = 2 * lora["trainable"] if p.name != "rollout" else 0
-        rows[p.name] = {"upper": int(upper), "estimate": int(max(upper - grads, lora["state"] + inputs))}
-    return rows
 
 
 # --------------------------------------------------------------------------------------------------
@@ -380,15 +346,24 @@ def format_plan(p: Plan) -> str:
     c = p.config
     sizes = c.derived(p.mesh["data"] * p.mesh["fsdp"])
     mesh = ", ".join(f"{k} {v}" for k, v in p.mesh.items())
+    if c.lora_r:
+        policy = (f"policy with rank-{c.lora_r} LoRA adapters on {', '.join(c.lora_target_modules)} "
+                  if not isinstance(c.lora_target_modules, str) else
+                  f"policy with rank-{c.lora_r} LoRA adapters ({c.lora_target_modules}) ") + "(only they train)"
+        reference = "the frozen base weights as the reference (adapters off)"
+    else:
+        policy, reference = "trainable policy", "frozen reference (a copy of the policy)"
     lines = [
         f"ppojax plan: {p.model} ({p.source}), {p.num_params / 1e9:.2f} B parameters per model, precision "
         f"{c.precision}, remat {c.remat}",
         f"  mesh ({mesh}) on {p.devices} virtual CPU device(s); rollout batch {sizes.batch_size} x (prompt "
         f"{c.max_prompt_length} + response {c.response_length}), micro-batch {sizes.micro_batch_size}, "
         f"{c.num_ppo_epochs} epoch(s)",
-        f"  models: trainable policy + {'value model' if c.value_head == 'separate' else 'value head'}, frozen "
-        "reference, and a reward ScoreModel of the policy's shape (in the program: a Python reward function "
+        f"  models: {policy}, {'trainable value model' if c.value_head == 'separate' else 'value head on it'}, "
+        f"{reference}, and a reward ScoreModel of the policy's shape (in the program: a Python reward function "
         "would be a host callback)",
+        f"  state {_gb(p.state_bytes)} GB per device, of which trained weights + optimizer moments "
+        f"{_gb(p.trainable_bytes)} GB",
         "",
         f"  {'per device (GB)':<16}{'arguments':>11}{'resident':>10}{'outputs':>9}{'aliased':>9}{'temporaries':>13}"
         f"{'peak':>8}{'compile s':>11}",
@@ -399,13 +374,9 @@ def format_plan(p: Plan) -> str:
                      f"{_gb(p.peak(prog)):>8}{prog.compile_seconds:>11.1f}")
     lines.append("  (resident: every input incl. the whole TrainState, which stays in memory even where a program "
                  "does not read it; peak = resident + outputs - aliased + temporaries)")
-    if p.lora is not None:
-        lines.append(f"  LoRA rank {p.lora_rank} (derived from the compiled full programs, see ppojax/plan.py): "
-                     f"state {_gb(p.lora['state'])} GB per device")
-        for prog in p.programs:
-            row = p.lora[prog.name]
-            lines.append(f"    {prog.name:<14} peak estimate {_gb(row['estimate'])} GB (upper bound "
-                         f"{_gb(row['upper'])} GB)")
+    if c.precision == "bfloat16":
+        lines.append("  (bfloat16: compiled without hoisting XLA:CPU's float32 copies of the weights out of the loops, "
+                     "copies an accelerator never makes; see NO_HOISTED_UPCASTS in ppojax/plan.py)")
     lines.append("")
     step = next((q for q in p.programs if q.name == "train_step"), None)
     if step is not None and step.flops is not None:
@@ -416,24 +387,33 @@ def format_plan(p: Plan) -> str:
                      f"(rollout {p.model_flops['rollout'] / 1e12:.4g}, update {p.model_flops['update'] / 1e12:.4g})")
         lines.append(text)
     verdict = "fits" if p.fits else "does NOT fit"
-    what = "LoRA estimate" if p.lora is not None else "peak"
-    lines.append(f"  {what} {_gb(p.peak_bytes)} GB per device: {verdict} a {p.hbm_bytes / GB:g} GB device")
+    lines.append(f"  peak {_gb(p.peak_bytes)} GB per device: {verdict} a {p.hbm_bytes / GB:g} GB device")
     return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------------------------------
 # Devices
 # --------------------------------------------------------------------------------------------------
-def use_virtual_devices(n: int) -> None:
+#: XLA:CPU computes a bfloat16 dot in float32 and converts its operands; loop-invariant code motion then hoists
+#: the converts of the weights out of the layer and decode loops, i.e. a float32 copy of every weight that an
+#: accelerator (which multiplies bfloat16 directly) never makes. A bfloat16 plan turns that pass off.
+NO_HOISTED_UPCASTS = "--xla_disable_hlo_passes=while-loop-invariant-code-motion"
+
+
+def use_virtual_devices(n: int, precision: str = "float32") -> None:
     """Make JAX see ``n`` virtual CPU devices (the plan's stand-ins for accelerators). Must run before JAX
-    starts a backend; LLVM's optimisation is turned off (it changes the machine code, not the buffers XLA
-    assigns, and compiling a large program would take minutes longer)."""
+    starts a backend. LLVM's optimisation is turned off (it changes the machine code, not the buffers XLA
+    assigns, and compiling a large program would take minutes longer); for ``precision='bfloat16'`` also the
+    hoisting of XLA:CPU's float32 weight copies (``NO_HOISTED_UPCASTS``)."""
     import os
     if n < 1:
         raise ConfigError(f"--devices {n}: expected a number of devices >= 1.")
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_backend_optimization_level" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()
+        flags = f"{flags} --xla_backend_optimization_level=0"
+    if precision == "bfloat16" and "xla_disable_hlo_passes" not in flags:
+        flags = f"{flags} {NO_HOISTED_UPCASTS}"
+    os.environ["XLA_FLAGS"] = flags.strip()
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", n)
 

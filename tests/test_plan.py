@@ -76,6 +76,27 @@ def test_cli_prints_the_table_and_the_fit(one_device):
     assert plan["fits"] is True and plan["peak_bytes"] > plan["state_bytes"] > 0
 
 
+def test_lora_plan_compiles_adapters_as_the_only_trained_weights(tiny_model, one_device, tmp_path):
+    """--lora-rank compiles the LoRA program itself: the trained state is the adapters (+ the value head) and
+    their two Adam moments, counted here from the model's shapes; the frozen base is also the reference."""
+    r = 4
+    done, lora = run_plan(tiny_model, tmp_path / "plan.json", "--lora-rank", str(r), "--programs", "train_step",
+                          "value_head=policy")
+    _, full = run_plan(tiny_model, tmp_path / "full.json", "--programs", "train_step", "value_head=policy")
+    D, F, L, q = TINY["hidden_size"], TINY["intermediate_size"], TINY["num_hidden_layers"], TINY["hidden_size"]
+    kv = TINY["num_key_value_heads"] * D // TINY["num_attention_heads"]
+    in_out = [(D, q), (D, kv), (D, kv), (q, D), (D, F), (D, F), (F, D)]  # q, k, v, o, gate, up, down
+    adapters = L * r * sum(i + o for i, o in in_out)
+    value_head = D + 1
+    expected = 3 * 4 * (adapters + value_head)  # params + Adam's mu and nu, float32
+    assert 0 <= lora["trainable_bytes"] - expected < 64, (lora["trainable_bytes"], expected)
+    assert full["trainable_bytes"] > 10 * lora["trainable_bytes"]
+    # full: policy + its two moments + the reference copy + reward; LoRA: base (= reference) + reward + adapters'
+    # state. So LoRA's state is the full one without the trained policy's state, plus the adapters' state.
+    assert abs(lora["state_bytes"] - (full["state_bytes"] - full["trainable_bytes"] + lora["trainable_bytes"])) < 1024
+    assert lora["lora_r"] == r and "rank-4 LoRA adapters" in done.stdout and "frozen base" in done.stdout
+
+
 def test_presets_read_through_the_family_code():
     cfg, _, _ = model_config_for("meta-llama/Llama-3.1-8B")
     assert (cfg.hidden_size, cfg.num_layers, cfg.num_kv_heads, cfg.vocab_size) == (4096, 32, 8, 128256)
