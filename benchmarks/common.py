@@ -234,4 +234,16 @@ def machine_info() -> dict:
         "platform": platform.platform(),
         "python": sys.version.split()[0],
         "loadavg_1m": os.getloadavg()[0],
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),  # incl. options recorded for this CPU (xla_cpu_options)
+        "cpu_signature": _cpu_signature(),
     }
+
+
+def _cpu_signature() -> str:
+    """The key of this CPU's recorded XLA:CPU options (ppojax.xla_cpu_options); the TRL side (its own
+    interpreter, no ppojax) reads this module too."""
+    try:
+        from ppojax.xla_cpu_options import this_cpu
+    except ImportError:
+        return ""
+    return this_cpu().signature

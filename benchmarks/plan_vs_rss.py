@@ -35,8 +35,8 @@ def _rss_mb() -> float:
 
 def phase(name: str, model_dir: str, overrides: list) -> dict:
     """In this (fresh) process: build the run, then compile and run one ``name`` program; -> RSS figures."""
-    from ppojax.host_memory import reexec_with_huge_pages
-    reexec_with_huge_pages()  # as the ppojax command does (ppojax/host_memory.py)
+    from ppojax.program_start import start_program
+    start_program()  # as the ppojax command does (ppojax/program_start.py)
     import jax
     import jax.numpy as jnp
     from flax import nnx

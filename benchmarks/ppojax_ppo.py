@@ -183,9 +183,9 @@ def main(argv=None):
     parser.add_argument("--no-phases", action="store_true", help="skip the per-phase timing")
     parser.add_argument("--estimator", default="gae", help="advantage_estimator (gae, grpo, rloo, reinforce_pp)")
     args = parser.parse_args(argv)
-    from ppojax.host_memory import reexec_with_huge_pages
+    from ppojax.program_start import start_program
 
-    reexec_with_huge_pages()  # as the ppojax CLI does (ppojax/host_memory.py)
+    start_program()  # as the ppojax command does (ppojax/program_start.py)
     config = make_config(args.size, quick=args.quick, num_updates=args.updates, model_dir=args.model_dir)
     result = run(dict(config, scan=args.scan, phases=not args.no_phases, advantage_estimator=args.estimator))
     text = json.dumps({k: v for k, v in result.items() if k != "updates"}, indent=2)

@@ -213,9 +213,9 @@ def run_ppojax(config_path: Path, tmp: Path, timeout: float) -> dict:
 
 def _worker(config_path: str, out_path: str) -> int:
     """Child process: ``benchmarks.ppojax_ppo.run(config)``, plus this process's peak RSS."""
-    from ppojax.host_memory import reexec_with_huge_pages
+    from ppojax.program_start import start_program
 
-    reexec_with_huge_pages()  # as the ppojax CLI does (ppojax/host_memory.py)
+    start_program()  # as the ppojax command does (ppojax/program_start.py)
     import benchmarks.ppojax_ppo as side
 
     if not callable(getattr(side, "run", None)):

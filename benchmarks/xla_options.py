@@ -23,16 +23,13 @@ import subprocess
 import sys
 import time
 
-# name -> XLA_FLAGS. "default" is what jax does with no flags.
-OPTION_SETS = {
-    "default": "",
-    # YNNPACK takes the dots in their own dtype: a bf16 dot stays bf16 (by default XLA upcasts it to f32 first)
-    "ynn_dot": "--xla_cpu_experimental_ynn_fusion_type=dot",
-    # oneDNN instead of XNNPACK/YNNPACK for the dots (oneDNN is torch's CPU matmul library)
-    "onednn_dot": "--xla_cpu_use_onednn=true --xla_cpu_experimental_onednn_fusion_type=dot --xla_cpu_use_xnnpack=false",
-    "no_xnnpack": "--xla_cpu_use_xnnpack=false",  # XLA's own (Eigen) dots
-    "vector_512": "--xla_cpu_prefer_vector_width=512",  # LLVM's codegen for the fusions around the dots
-}
+from ppojax import xla_cpu_options
+from ppojax.xla_cpu_options import CANDIDATES
+
+# name -> XLA_FLAGS. "default" is what jax does with no flags. One list for the benchmark and the run-time choice.
+OPTION_SETS = {s.name: s.flags for s in CANDIDATES}
+#: --record keeps a set only when it beats the default by more than this fraction (the spread of repeats)
+RECORD_MARGIN = 0.05
 
 HIDDEN, INTERMEDIATE, VOCAB = 576, 1536, 49152  # SmolLM2-135M
 
@@ -165,7 +162,8 @@ def run_set(name: str, tokens: int, reps: int, workload: str = "dots") -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sets", default=",".join(OPTION_SETS), help="comma-separated names from OPTION_SETS")
+    p.add_argument("--sets", default=None, help="comma-separated names from OPTION_SETS (default: the ones this "
+                   "CPU's instruction sets make worth timing, ppojax.xla_cpu_options.candidates)")
     p.add_argument("--tokens", type=int, default=512, help="rows of every dot (sequences x tokens)")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--workload", default="dots", choices=["dots", "step"],
@@ -173,6 +171,8 @@ def main(argv=None) -> int:
     p.add_argument("--torch-python", default=None,
                    help="also time the dots with torch under this interpreter (e.g. .venv-bench/bin/python)")
     p.add_argument("--json", default=None)
+    p.add_argument("--record", action="store_true",
+                   help="record the fastest set for this CPU (ppojax applies it at start-up; needs --workload step)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
@@ -180,8 +180,14 @@ def main(argv=None) -> int:
         return 0
     from benchmarks.common import machine_info
 
+    if a.record and a.workload != "step":
+        p.error("--record chooses by a whole training step: add --workload step")
+    sets = a.sets.split(",") if a.sets else [s.name for s in xla_cpu_options.candidates(xla_cpu_options.this_cpu())]
+    unknown = [name for name in sets if name not in OPTION_SETS]
+    if unknown:
+        p.error(f"--sets: unknown {', '.join(unknown)}; expected names among {', '.join(OPTION_SETS)}")
     results = {"machine": machine_info(), "tokens": a.tokens, "workload": a.workload, "sets": {}}
-    for name in a.sets.split(","):
+    for name in sets:
         results["sets"][name] = run_set(name, a.tokens, a.reps, a.workload)
         r = results["sets"][name]
         if "error" in r:
@@ -199,10 +205,25 @@ def main(argv=None) -> int:
         else:
             print(f"torch {r['torch']}: float32 {r['by_dtype']['float32']['gflops']:7.1f} GFLOP/s   "
                   f"bfloat16 {r['by_dtype']['bfloat16']['gflops']:7.1f} GFLOP/s", flush=True)
+    if a.record:
+        winner, seconds = choose(results["sets"])
+        path = xla_cpu_options.record(winner, seconds)
+        print(f"recorded {winner} for {xla_cpu_options.this_cpu().signature} in {path}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)
     return 0
+
+
+def choose(step_results: dict) -> tuple[str, dict]:
+    """-> (the set to record, float32 step seconds per set that ran): the fastest set if it beats "default" by
+    more than RECORD_MARGIN, else "default"."""
+    seconds = {name: r["by_dtype"]["float32"]["seconds"] for name, r in step_results.items() if "error" not in r}
+    if "default" not in seconds:
+        raise SystemExit("--record needs the default set to have run (it is the baseline)")
+    best = min(seconds, key=seconds.get)
+    winner = best if seconds[best] < seconds["default"] * (1 - RECORD_MARGIN) else "default"
+    return winner, seconds
 
 
 if __name__ == "__main__":

@@ -1,0 +1,19 @@
+"""What a ppojax program (the ``ppojax`` command, the benchmarks) does first, before JAX starts its backend.
+
+1. Re-execute once with glibc's huge-page tunable (``host_memory``): XLA:CPU's per-step buffers fault in
+   2 MiB at a time.
+2. Add the XLA:CPU options recorded as fastest for this CPU, if any (``xla_cpu_options``): XLA reads
+   ``XLA_FLAGS`` once, when the backend starts.
+
+From Python (a notebook, ``cli.main([...])``) neither happens by itself: call :func:`start_program` before the
+first JAX operation, or start Python with the environment it would set.
+"""
+from __future__ import annotations
+
+from . import xla_cpu_options
+from .host_memory import reexec_with_huge_pages
+
+
+def start_program() -> None:
+    reexec_with_huge_pages()
+    xla_cpu_options.apply()

@@ -1,0 +1,168 @@
+"""XLA:CPU options chosen at run time for the CPU a run starts on, from a measurement on that CPU.
+
+Which XLA:CPU options are fastest depends on the CPU (its vector width, its bf16/AMX units) and on the XLA
+version, and one host's winner can lose on another (``benchmarks/RESULTS.md``). So nothing here is a rule
+typed in for one host:
+
+    the CPU's features (/proc/cpuinfo: model name, instruction-set flags)
+      -> the option sets worth timing on it (``CANDIDATES``: each names the instruction sets it needs)
+      -> ``python -m benchmarks.xla_options --workload step --record`` times them there and records the winner
+         (``default`` when nothing beats XLA's defaults) under the CPU's signature and the jaxlib version
+      -> at start-up :func:`apply` adds the recorded options for THIS CPU to ``XLA_FLAGS``.
+
+A CPU with no record runs XLA's defaults. A user's own ``XLA_FLAGS`` holding any ``--xla_cpu_`` option wins:
+nothing is added. ``PPOJAX_XLA_CPU_OPTIONS=0`` turns the choice off. XLA reads ``XLA_FLAGS`` once, when JAX
+starts its CPU backend, so the entry points (the ``ppojax`` command, the benchmarks) call :func:`apply` before
+any computation; in a notebook call it before the first JAX operation.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Mapping, Optional
+
+OFF_SWITCH = "PPOJAX_XLA_CPU_OPTIONS"
+RECORD_FILE = "xla_cpu_options.json"
+
+#: The instruction sets that decide which XLA:CPU code paths pay off; the signature keeps only these, so a
+#: record survives flags that do not matter (a microcode or virtualisation flag) but never a different unit.
+RELEVANT_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+                  "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "bf16")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptionSet:
+    """A named ``XLA_FLAGS`` fragment and the instruction sets (all of them) it needs to be worth timing."""
+
+    name: str
+    flags: str
+    needs: tuple[str, ...] = ()
+    why: str = ""
+
+
+CANDIDATES = (
+    OptionSet("default", "", (), "XLA's defaults (YNNPACK/XNNPACK dots, LLVM's vector width)"),
+    OptionSet("ynn_dot", "--xla_cpu_experimental_ynn_fusion_type=dot", (),
+              "dots fused into YNNPACK in their own dtype (a bf16 dot stays bf16)"),
+    OptionSet("no_xnnpack", "--xla_cpu_use_xnnpack=false", (), "XLA's own (Eigen) dots"),
+    OptionSet("vector_512", "--xla_cpu_prefer_vector_width=512", ("avx512f",),
+              "512-bit vectors in LLVM's code for the fusions around the dots"),
+    OptionSet("onednn_dot", "--xla_cpu_use_onednn=true --xla_cpu_experimental_onednn_fusion_type=dot "
+              "--xla_cpu_use_xnnpack=false", ("avx2",),
+              "oneDNN's dots (torch's CPU library; the route to AVX512-BF16 and AMX units)"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cpu:
+    """What a choice is keyed by: the CPU's model name and its relevant instruction sets."""
+
+    model_name: str
+    flags: frozenset
+
+    @property
+    def signature(self) -> str:
+        relevant = sorted(f for f in self.flags if f in RELEVANT_FLAGS)
+        return f"{self.model_name} [{' '.join(relevant)}]"
+
+
+def parse_cpuinfo(text: str) -> Cpu:
+    """/proc/cpuinfo's text -> Cpu (x86: 'model name' and 'flags'; ARM: 'CPU part' and 'Features')."""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() not in fields:  # the first processor's entry
+            fields[key.strip()] = value.strip()
+    name = fields.get("model name") or fields.get("CPU part") or platform.processor() or "unknown"
+    flags = fields.get("flags") or fields.get("Features") or ""
+    return Cpu(" ".join(name.split()), frozenset(flags.split()))
+
+
+def this_cpu() -> Cpu:
+    try:
+        return parse_cpuinfo(Path("/proc/cpuinfo").read_text())
+    except OSError:  # not Linux: no flags, so only the option sets that need none are timed
+        return Cpu(platform.processor() or platform.machine() or "unknown", frozenset())
+
+
+def candidates(cpu: Cpu) -> list[OptionSet]:
+    """The option sets worth timing on ``cpu``: those whose instruction sets it has."""
+    return [s for s in CANDIDATES if all(flag in cpu.flags for flag in s.needs)]
+
+
+def _jaxlib_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("jaxlib")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def record_path(environ: Mapping[str, str] = os.environ) -> Path:
+    """``$XDG_CACHE_HOME/ppojax/xla_cpu_options.json`` (``~/.cache/ppojax/...``)."""
+    base = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "ppojax" / RECORD_FILE
+
+
+def _key(cpu: Cpu, jaxlib: str) -> str:
+    # flag names and their meanings change between XLA versions: a record applies to the jaxlib it was timed on
+    return f"{cpu.signature} jaxlib {jaxlib}"
+
+
+def _read(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def record(option_set: str, measurements: dict, *, cpu: Optional[Cpu] = None, jaxlib: Optional[str] = None,
+           environ: Mapping[str, str] = os.environ) -> Path:
+    """Record ``option_set`` (a CANDIDATES name) as the measured choice for ``cpu`` (default: this one);
+    ``measurements``: what decided it (seconds per set), kept beside it. Written atomically."""
+    chosen = next((s for s in CANDIDATES if s.name == option_set), None)
+    if chosen is None:
+        raise ValueError(f"option set {option_set!r}: expected one of {', '.join(s.name for s in CANDIDATES)}")
+    cpu, jaxlib = cpu or this_cpu(), jaxlib or _jaxlib_version()
+    path = record_path(environ)
+    records = _read(path)
+    records[_key(cpu, jaxlib)] = {"option_set": chosen.name, "flags": chosen.flags, "measurements": measurements,
+                                  "recorded": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(records, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+    return path
+
+
+def recorded_choice(cpu: Optional[Cpu] = None, jaxlib: Optional[str] = None,
+                    environ: Mapping[str, str] = os.environ) -> Optional[dict]:
+    """The record for ``cpu`` and ``jaxlib`` (default: this CPU, the installed jaxlib), or None."""
+    cpu, jaxlib = cpu or this_cpu(), jaxlib or _jaxlib_version()
+    entry = _read(record_path(environ)).get(_key(cpu, jaxlib))
+    known = {s.name: s for s in CANDIDATES}
+    if not isinstance(entry, dict) or entry.get("option_set") not in known:
+        return None
+    return {**entry, "flags": known[entry["option_set"]].flags}  # the flags as this version of ppojax spells them
+
+
+def apply(environ=os.environ, cpu: Optional[Cpu] = None, jaxlib: Optional[str] = None,
+          announce: bool = True) -> Optional[str]:
+    """Add the recorded XLA:CPU options for this CPU to ``environ["XLA_FLAGS"]``. Returns the flags added, or
+    None (no record, the record says ``default``, the user set ``--xla_cpu_`` options, or switched off)."""
+    if environ.get(OFF_SWITCH, "1") == "0" or "--xla_cpu_" in environ.get("XLA_FLAGS", ""):
+        return None
+    entry = recorded_choice(cpu, jaxlib, environ)
+    if entry is None or not entry["flags"]:
+        return None
+    environ["XLA_FLAGS"] = " ".join(f for f in (environ.get("XLA_FLAGS", ""), entry["flags"]) if f)
+    if announce:
+        print(f"ppojax: XLA:CPU options measured fastest on this CPU ({entry['option_set']}, recorded "
+              f"{entry.get('recorded', '?')} in {record_path(environ)}): {entry['flags']}; "
+              f"{OFF_SWITCH}=0 turns them off", flush=True)
+    return entry["flags"]

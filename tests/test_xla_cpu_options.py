@@ -1,0 +1,110 @@
+"""The run-time choice of XLA:CPU options follows the CPU's features (ppojax/xla_cpu_options.py), with mocked
+/proc/cpuinfo texts for three kinds of host; and the benchmark's --record rule."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.xla_options import RECORD_MARGIN, choose
+from ppojax import xla_cpu_options as xo
+
+REPO = Path(__file__).resolve().parents[1]
+
+SAPPHIRE_RAPIDS = """processor\t: 0
+vendor_id\t: GenuineIntel
+model name\t: Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz
+flags\t\t: fpu sse2 avx avx2 fma avx512f avx512dq avx512bw avx512vl avx512_vnni avx512_bf16 avx512_fp16 amx_bf16 amx_tile amx_int8 hypervisor
+"""
+ZEN3 = """processor\t: 0
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC 7B13
+flags\t\t: fpu sse2 avx avx2 fma hypervisor
+processor\t: 1
+model name\t: AMD EPYC 7B13
+flags\t\t: fpu sse2 avx avx2 fma hypervisor
+"""
+NEOVERSE = """processor\t: 0
+BogoMIPS\t: 2100.00
+Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid sve bf16
+CPU implementer\t: 0x41
+CPU part\t: 0xd40
+"""
+
+
+def names(cpu):
+    return [s.name for s in xo.candidates(cpu)]
+
+
+def test_candidates_follow_the_instruction_sets():
+    intel, amd, arm = (xo.parse_cpuinfo(t) for t in (SAPPHIRE_RAPIDS, ZEN3, NEOVERSE))
+    assert names(intel) == ["default", "ynn_dot", "no_xnnpack", "vector_512", "onednn_dot"]
+    assert names(amd) == ["default", "ynn_dot", "no_xnnpack", "onednn_dot"]  # no AVX-512: no 512-bit vectors
+    assert names(arm) == ["default", "ynn_dot", "no_xnnpack"]  # oneDNN's x86 paths and AVX-512 are not offered
+    # the signature keeps the units that matter and drops the rest (hypervisor, sse2, ...)
+    assert intel.signature == ("Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz [amx_bf16 amx_int8 amx_tile avx2 "
+                               "avx512_bf16 avx512_fp16 avx512_vnni avx512bw avx512f avx512vl fma]")
+    assert amd.signature == "AMD EPYC 7B13 [avx2 fma]" and arm.signature == "0xd40 [asimd bf16 sve]"
+
+
+def test_a_recorded_choice_applies_only_to_its_cpu_and_jaxlib(tmp_path, capsys):
+    env = {"XDG_CACHE_HOME": str(tmp_path)}
+    intel, amd = xo.parse_cpuinfo(SAPPHIRE_RAPIDS), xo.parse_cpuinfo(ZEN3)
+    path = xo.record("onednn_dot", {"default": 1.0, "onednn_dot": 0.5}, cpu=intel, jaxlib="9.9", environ=env)
+    xo.record("default", {"default": 1.0, "ynn_dot": 0.99}, cpu=amd, jaxlib="9.9", environ=env)
+    assert path == tmp_path / "ppojax" / "xla_cpu_options.json" and not list(path.parent.glob("*.tmp"))
+
+    on_intel = dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    added = xo.apply(on_intel, cpu=intel, jaxlib="9.9")
+    assert added == next(s.flags for s in xo.CANDIDATES if s.name == "onednn_dot")
+    assert on_intel["XLA_FLAGS"] == f"--xla_force_host_platform_device_count=2 {added}"
+    assert "onednn_dot" in capsys.readouterr().out  # one line says what was added and how to turn it off
+
+    on_amd = dict(env)  # measured: nothing beat the defaults there, so nothing is added
+    assert xo.apply(on_amd, cpu=amd, jaxlib="9.9") is None and "XLA_FLAGS" not in on_amd
+    other_version = dict(env)  # a record is for the jaxlib it was timed on (flags change between XLA versions)
+    assert xo.apply(other_version, cpu=intel, jaxlib="10.0") is None and "XLA_FLAGS" not in other_version
+    arm = dict(env)
+    assert xo.apply(arm, cpu=xo.parse_cpuinfo(NEOVERSE), jaxlib="9.9") is None
+
+
+def test_the_users_own_options_and_the_off_switch_win(tmp_path):
+    env = {"XDG_CACHE_HOME": str(tmp_path)}
+    intel = xo.parse_cpuinfo(SAPPHIRE_RAPIDS)
+    xo.record("vector_512", {"default": 1.0, "vector_512": 0.8}, cpu=intel, jaxlib="9.9", environ=env)
+    users = dict(env, XLA_FLAGS="--xla_cpu_use_xnnpack=true")
+    assert xo.apply(users, cpu=intel, jaxlib="9.9") is None and users["XLA_FLAGS"] == "--xla_cpu_use_xnnpack=true"
+    off = dict(env, PPOJAX_XLA_CPU_OPTIONS="0")
+    assert xo.apply(off, cpu=intel, jaxlib="9.9") is None and "XLA_FLAGS" not in off
+    damaged = tmp_path / "ppojax" / "xla_cpu_options.json"
+    damaged.write_text("{not json")
+    assert xo.apply(dict(env), cpu=intel, jaxlib="9.9") is None  # an unreadable record is no record
+    with pytest.raises(ValueError, match="expected one of"):
+        xo.record("turbo", {}, cpu=intel, jaxlib="9.9", environ=env)
+
+
+def test_record_keeps_a_set_only_beyond_the_margin():
+    def step(seconds):
+        return {"by_dtype": {"float32": {"seconds": seconds}}}
+    slightly = 1.0 * (1 - RECORD_MARGIN / 2)
+    assert choose({"default": step(1.0), "ynn_dot": step(slightly), "onednn_dot": {"error": "x"}})[0] == "default"
+    clearly = 1.0 * (1 - 2 * RECORD_MARGIN)
+    winner, seconds = choose({"default": step(1.0), "ynn_dot": step(slightly), "vector_512": step(clearly)})
+    assert winner == "vector_512" and seconds == {"default": 1.0, "ynn_dot": slightly, "vector_512": clearly}
+
+
+def test_the_ppojax_command_starts_jax_with_the_recorded_options(tmp_path):
+    """End to end on this host: a record for THIS CPU reaches XLA_FLAGS of the `ppojax` program before JAX
+    starts (an option XLA does not know would abort the process, so it must be a real one)."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "PYTHONPATH": str(REPO), "PPOJAX_HUGE_PAGES": "0"}
+    env.pop("XLA_FLAGS", None)
+    xo.record("no_xnnpack", {"default": 1.0, "no_xnnpack": 0.5}, environ=env)
+    code = ("import os, sys; from ppojax import cli; import jax, jax.numpy as jnp; "
+            "cli.run_plan = lambda args: print('XLA_FLAGS=' + os.environ.get('XLA_FLAGS', ''), "
+            "float(jnp.ones((4, 4)) @ jnp.ones((4,)) @ jnp.ones((4,)))); "
+            "sys.argv = ['ppojax', 'plan', 'configs/plan.yaml']; sys.exit(cli.main())")
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "XLA_FLAGS=--xla_cpu_use_xnnpack=false 16.0" in done.stdout, done.stdout  # and XLA ran with it
