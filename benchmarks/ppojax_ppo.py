@@ -182,12 +182,14 @@ def main(argv=None):
     parser.add_argument("--scan", type=int, default=1, help="iterations per train_steps block (1: train_step)")
     parser.add_argument("--no-phases", action="store_true", help="skip the per-phase timing")
     parser.add_argument("--estimator", default="gae", help="advantage_estimator (gae, grpo, rloo, reinforce_pp)")
+    parser.add_argument("--remat", default="none", help="rematerialisation of the layer scan (none, full, dots)")
     args = parser.parse_args(argv)
     from ppojax.program_start import start_program
 
     start_program()  # as the ppojax command does (ppojax/program_start.py)
     config = make_config(args.size, quick=args.quick, num_updates=args.updates, model_dir=args.model_dir)
-    result = run(dict(config, scan=args.scan, phases=not args.no_phases, advantage_estimator=args.estimator))
+    result = run(dict(config, scan=args.scan, phases=not args.no_phases, advantage_estimator=args.estimator,
+                      remat=args.remat))
     text = json.dumps({k: v for k, v in result.items() if k != "updates"}, indent=2)
     print(text)
     if args.json:
