@@ -182,7 +182,8 @@ def main(argv=None):
     parser.add_argument("--scan", type=int, default=1, help="iterations per train_steps block (1: train_step)")
     parser.add_argument("--no-phases", action="store_true", help="skip the per-phase timing")
     parser.add_argument("--estimator", default="gae", help="advantage_estimator (gae, grpo, rloo, reinforce_pp)")
-    parser.add_argument("--remat", default="none", help="rematerialisation of the layer scan (none, full, dots)")
+    parser.add_argument("--remat", default="none", choices=["none", "full", "dots"],
+                        help="rematerialisation of the layer scan (the same gradients; less memory)")
     args = parser.parse_args(argv)
     from ppojax.program_start import start_program
 

@@ -53,6 +53,12 @@ def transparent_huge_pages_usable() -> bool:
     return "[always]" in mode or "[madvise]" in mode
 
 
+def switched_off(name: str, environ=os.environ) -> bool:
+    """Whether the environment variable ``name`` turns a start-up behaviour off: 0, false, off or no (any
+    case). Shared by the switches of the ``ppojax`` command's start-up (``program_start``)."""
+    return environ.get(name, "").strip().lower() in ("0", "false", "off", "no")
+
+
 def huge_pages_requested(environ=os.environ) -> bool:
     """Whether this process was started with glibc's huge-page tunable."""
     return TUNABLE in environ.get("GLIBC_TUNABLES", "").split(":")
@@ -63,7 +69,7 @@ def reexec_with_huge_pages() -> None:
     to ``GLIBC_TUNABLES``. Returns without doing anything when the tunable is already set, when
     ``PPOJAX_HUGE_PAGES=0``, or when huge pages are not usable here. Call it first thing, before any output,
     threads or files are opened: nothing of this process survives the exec."""
-    if os.environ.get(OFF_SWITCH, "1") == "0" or huge_pages_requested() or not transparent_huge_pages_usable():
+    if switched_off(OFF_SWITCH) or huge_pages_requested() or not transparent_huge_pages_usable():
         return
     tunables = ":".join(part for part in (os.environ.get("GLIBC_TUNABLES"), TUNABLE) if part)
     argv = [sys.executable, *sys.orig_argv[1:]]

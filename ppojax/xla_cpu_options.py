@@ -11,7 +11,7 @@ typed in for one host:
       -> at start-up :func:`apply` adds the recorded options for THIS CPU to ``XLA_FLAGS``.
 
 A CPU with no record runs XLA's defaults. A user's own ``XLA_FLAGS`` holding any ``--xla_cpu_`` option wins:
-nothing is added. ``PPOJAX_XLA_CPU_OPTIONS=0`` turns the choice off. XLA reads ``XLA_FLAGS`` once, when JAX
+nothing is added. ``PPOJAX_XLA_CPU_OPTIONS=0`` (or false/off/no) turns the choice off. XLA reads ``XLA_FLAGS`` once, when JAX
 starts its CPU backend, so the entry points (the ``ppojax`` command, the benchmarks) call :func:`apply` before
 any computation; in a notebook call it before the first JAX operation.
 """
@@ -24,6 +24,8 @@ import platform
 import time
 from pathlib import Path
 from typing import Mapping, Optional
+
+from .host_memory import switched_off
 
 OFF_SWITCH = "PPOJAX_XLA_CPU_OPTIONS"
 RECORD_FILE = "xla_cpu_options.json"
@@ -155,7 +157,7 @@ def apply(environ=os.environ, cpu: Optional[Cpu] = None, jaxlib: Optional[str] =
           announce: bool = True) -> Optional[str]:
     """Add the recorded XLA:CPU options for this CPU to ``environ["XLA_FLAGS"]``. Returns the flags added, or
     None (no record, the record says ``default``, the user set ``--xla_cpu_`` options, or switched off)."""
-    if environ.get(OFF_SWITCH, "1") == "0" or "--xla_cpu_" in environ.get("XLA_FLAGS", ""):
+    if switched_off(OFF_SWITCH, environ) or "--xla_cpu_" in environ.get("XLA_FLAGS", ""):
         return None
     entry = recorded_choice(cpu, jaxlib, environ)
     if entry is None or not entry["flags"]:

@@ -75,8 +75,10 @@ def test_the_users_own_options_and_the_off_switch_win(tmp_path):
     xo.record("vector_512", {"default": 1.0, "vector_512": 0.8}, cpu=intel, jaxlib="9.9", environ=env)
     users = dict(env, XLA_FLAGS="--xla_cpu_use_xnnpack=true")
     assert xo.apply(users, cpu=intel, jaxlib="9.9") is None and users["XLA_FLAGS"] == "--xla_cpu_use_xnnpack=true"
-    off = dict(env, PPOJAX_XLA_CPU_OPTIONS="0")
-    assert xo.apply(off, cpu=intel, jaxlib="9.9") is None and "XLA_FLAGS" not in off
+    for word in ("0", "false", "OFF"):
+        off = dict(env, PPOJAX_XLA_CPU_OPTIONS=word)
+        assert xo.apply(off, cpu=intel, jaxlib="9.9") is None and "XLA_FLAGS" not in off, word
+    assert xo.apply(dict(env, PPOJAX_XLA_CPU_OPTIONS="1"), cpu=intel, jaxlib="9.9") is not None
     damaged = tmp_path / "ppojax" / "xla_cpu_options.json"
     damaged.write_text("{not json")
     assert xo.apply(dict(env), cpu=intel, jaxlib="9.9") is None  # an unreadable record is no record
