@@ -19,8 +19,10 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# Two workers, one test file each at a time (module fixtures are built once): XLA's compiles are single-threaded,
+# so the second core would otherwise idle through most of the suite.
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 demo: $(STAMP)
 	$(VENV)/bin/ppojax train configs/demo.yaml
