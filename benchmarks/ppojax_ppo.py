@@ -12,7 +12,8 @@ the update) for the per-phase figures (generation / update tokens per second and
 skips them. ``--scan K`` runs the updates as ``train_steps`` blocks of K iterations in one ``lax.scan``.
 ``--estimator grpo`` (or rloo, reinforce_pp) runs the same work with a critic-free advantage estimator: no
 value model (its forward, loss, parameters and optimizer state are gone), 4 samples per prompt for the group
-estimators; ``state_mb`` reports the trainable state's size either way.
+estimators; ``state_mb`` reports the trainable state's size either way. The behaviour log-probs come from the
+sampler, as TRL's (``--behaviour-logprobs forward``: ppojax's default, one more policy forward per rollout).
 """
 from __future__ import annotations
 
@@ -70,6 +71,7 @@ def build(config: dict):
                            num_mini_batches=config["num_mini_batches"], temperature=config["temperature"],
                            learning_rate=config["learning_rate"], seed=config["seed"], reward_function="vader",
                            mesh_data=1, advantage_estimator=estimator.name,
+                           behaviour_logprobs=config.get("behaviour_logprobs", "forward"),
                            num_generations=4 if estimator.needs_groups else 1)
     # logits chunking as PPOTrainer sizes it (logits_chunk_size=None)
     settings = StepSettings.from_config(ppo_config, pad_token_id=pad, num_updates=config["num_updates"],
@@ -184,13 +186,16 @@ def main(argv=None):
     parser.add_argument("--estimator", default="gae", help="advantage_estimator (gae, grpo, rloo, reinforce_pp)")
     parser.add_argument("--remat", default="none", choices=["none", "full", "dots"],
                         help="rematerialisation of the layer scan (the same gradients; less memory)")
+    parser.add_argument("--behaviour-logprobs", default="sampler", choices=["sampler", "forward"],
+                        help="'sampler': the decode loop's log-probs, as TRL's PPOTrainer (the benchmark's work); "
+                             "'forward': one more policy forward in the rollout (ppojax's default)")
     args = parser.parse_args(argv)
     from ppojax.program_start import start_program
 
     start_program()  # as the ppojax command does (ppojax/program_start.py)
     config = make_config(args.size, quick=args.quick, num_updates=args.updates, model_dir=args.model_dir)
     result = run(dict(config, scan=args.scan, phases=not args.no_phases, advantage_estimator=args.estimator,
-                      remat=args.remat))
+                      remat=args.remat, behaviour_logprobs=args.behaviour_logprobs))
     text = json.dumps({k: v for k, v in result.items() if k != "updates"}, indent=2)
     print(text)
     if args.json:

@@ -256,6 +256,7 @@ def run_size(size: str, args, tmp: Path, peak: float | None) -> dict:
     model_dir = args.smollm2_dir if size == "smollm2" else None
     config = make_config(size, quick=args.quick, num_updates=args.updates, model_dir=model_dir)
     config["remat"] = args.ppojax_remat  # ppojax's side only (TRL's PPOTrainer runs without checkpointing)
+    config["behaviour_logprobs"] = args.ppojax_behaviour_logprobs  # TRL's PPOTrainer takes the sampler's
     config_path = tmp / f"{size}.json"
     config_path.write_text(json.dumps(config))
     timeout = 150 if args.quick else (600 if size == "tiny" else 2400)
@@ -351,6 +352,9 @@ def main(argv=None) -> int:
     p.add_argument("--peak-gflops", type=float, default=None,
                    help="use this float32 peak (GFLOP/s) for MFU instead of the one measured in this run "
                         "(e.g. a quiet-machine figure when the machine is shared)")
+    p.add_argument("--ppojax-behaviour-logprobs", default="sampler", choices=["sampler", "forward"],
+                   help="where ppojax's behaviour log-probs come from ('sampler': the decode loop's logits, as TRL "
+                        "takes them; 'forward': one more policy forward, ppojax's default)")
     p.add_argument("--ppojax-remat", default="none", choices=["none", "full", "dots"],
                    help="ppojax's rematerialisation of the layer scan (the same gradients; less memory)")
     p.add_argument("--_worker", help=argparse.SUPPRESS)

@@ -118,24 +118,29 @@ class ActorCritic:
 
     # ---- the rollout ----
     def rollout_forwards(self, params, frozen, query_responses, prompt_length, *, logits_chunk_size=None,
-                         forward_batch_size=None, with_full_kl=False):
+                         forward_batch_size=None, with_full_kl=False, behaviour_logprobs=None):
         """Behaviour and reference log-probs, values and (optionally) the full-vocabulary KL, unmasked.
 
         frozen: the state's frozen models (the reference, and the base weights under LoRA).
         query_responses: i32[B, P+R]. Rows go through the models ``forward_batch_size`` at a time
         (TRL's ``local_rollout_forward_batch_size``; None = all at once).
+        behaviour_logprobs: f32[B, R] already known (the sampler's): returned as the log-probs, and the policy
+        forward runs only when the value head or the full KL needs its hidden states.
         Returns (logprobs, ref_logprobs, values, full_kl or None), each f32[B, R].
         """
         P, pad, temperature = prompt_length, self.pad_token_id, self.temperature
+        needs_policy_forward = behaviour_logprobs is None or self.has_value_head or with_full_kl
 
         def policy_and_ref(qr):
             policy, ref = self.policy(params, frozen), self.reference(frozen, params)
-            hidden = forward.response_hidden(policy, qr, P, pad)
             ref_hidden = forward.response_hidden(ref, qr, P, pad)
-            logprobs, _ = forward.logprobs_from_hidden(policy, hidden, qr[:, P:], temperature,
-                                                       chunk_size=logits_chunk_size)
             ref_logprobs, _ = forward.logprobs_from_hidden(ref, ref_hidden, qr[:, P:], temperature,
                                                            chunk_size=logits_chunk_size)
+            if not needs_policy_forward:
+                return jnp.zeros_like(ref_logprobs), ref_logprobs, None, None
+            hidden = forward.response_hidden(policy, qr, P, pad)
+            logprobs, _ = forward.logprobs_from_hidden(policy, hidden, qr[:, P:], temperature,
+                                                       chunk_size=logits_chunk_size)
             values = policy.value(hidden).astype(jnp.float32) if self.has_value_head else None
             full_kl = None
             if with_full_kl:
@@ -145,6 +150,8 @@ class ActorCritic:
 
         logprobs, ref_logprobs, values, full_kl = forward.map_batch(policy_and_ref, forward_batch_size,
                                                                     query_responses)
+        if behaviour_logprobs is not None:
+            logprobs = behaviour_logprobs.astype(jnp.float32)
         if not self.has_critic:
             values = jnp.zeros_like(logprobs)
         elif not self.has_value_head:

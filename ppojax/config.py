@@ -231,6 +231,12 @@ class PPOConfig:
                                                               rule=at_least(1))
     """Rows per forward pass in the rollout's reference/value/reward forwards (None: the whole batch); must
     divide the batch."""
+    behaviour_logprobs: str = setting("forward", static=True, on_resume=MAY_CHANGE,
+                                      rule=one_of("forward", "sampler"))
+    """Where the rollout's behaviour log-probs (the PPO ratio's denominator) come from: 'forward' (a policy
+    forward over the sampled sequences, the same computation as the loss's, so the first epoch's ratio is 1)
+    or 'sampler' (each token's log-prob taken from the decode loop's logits, as TRL does: no policy forward
+    in the rollout when the value model is separate or there is none; the two agree to float rounding)."""
     logits_chunk_size: Optional[int] = setting(None, static=True, on_resume=MAY_CHANGE, rule=at_least(1))
     """Response positions per float32 logits chunk in log-prob computations (bounds [rows, chunk, vocab]
     memory). None: all positions at once when a micro-batch's logits fit in 256 MB per device, else the

@@ -60,6 +60,14 @@ def process_logits(logits, *, temperature=1.0, top_k=0, top_p=1.0):
     return logits
 
 
+def token_logprobs(logits, tokens, temperature):
+    """logits f[B, V], tokens i32[B] -> f32[B]: each row's token's log-prob under ``logits / (temperature +
+    1e-7)``, unfiltered, computed as the forward computes it (``ppojax.forward.logprobs_from_hidden``)."""
+    scaled = logits.astype(jnp.float32) * (1.0 / (temperature + TEMPERATURE_EPS))
+    chosen = jnp.take_along_axis(scaled, tokens[:, None].astype(jnp.int32), axis=-1, mode="clip")[:, 0]
+    return chosen - jax.nn.logsumexp(scaled, axis=-1)
+
+
 def sample_logits(logits, key, *, temperature=1.0, top_k=0, top_p=1.0, greedy=False):
     """Draw one token per row. logits: f[B, V], key: a PRNG key -> i32[B]."""
     if greedy:
@@ -100,7 +108,8 @@ def _init_cache(model, batch_size, max_length, dtype):
 # generate
 # --------------------------------------------------------------------------------------------------
 def generate(graphdef, params, prompt_ids, key, *, response_length, pad_token_id, temperature=1.0,
-             top_k=0, top_p=1.0, greedy=False, stop_token_id=None, cache_dtype=None, init_cache_fn=None):
+             top_k=0, top_p=1.0, greedy=False, stop_token_id=None, cache_dtype=None, init_cache_fn=None,
+             return_logprobs=False):
     """Sample ``response_length`` tokens after each left-padded prompt. Pure; call it under jit.
 
     graphdef, params: ``nnx.split(causal_lm)``; the model is merged inside, so ``params`` may be traced.
@@ -109,8 +118,10 @@ def generate(graphdef, params, prompt_ids, key, *, response_length, pad_token_id
     temperature: float or f32 scalar (may be traced).
     Static options: response_length R, pad_token_id, top_k (0 = off), top_p (1.0 = off), greedy,
     stop_token_id (None = never stop), cache_dtype (default: the model's compute dtype),
-    init_cache_fn (``(model, batch, length, dtype) -> cache``; default ``ppojax.models.init_cache``).
-    Returns responses: i32[B, R]; after a stop token every position holds ``pad_token_id``.
+    init_cache_fn (``(model, batch, length, dtype) -> cache``; default ``ppojax.models.init_cache``),
+    return_logprobs (also return each sampled token's log-prob, :func:`token_logprobs` of the step's logits).
+    Returns responses: i32[B, R]; after a stop token every position holds ``pad_token_id``. With
+    ``return_logprobs``: (responses, logprobs f32[B, R]); logprobs after a row's stop token are meaningless.
     """
     batch, prompt_length = prompt_ids.shape
     if response_length < 1:
@@ -132,14 +143,18 @@ def generate(graphdef, params, prompt_ids, key, *, response_length, pad_token_id
     if stop_token_id is not None:
         done = token == stop_token_id
     responses = jnp.full((batch, response_length), pad, jnp.int32).at[:, 0].set(token)
+    # zeros: no log-probs carried (a [B, 0] array costs nothing in the loop)
+    logprobs = jnp.zeros((batch, response_length if return_logprobs else 0), jnp.float32)
+    if return_logprobs:
+        logprobs = logprobs.at[:, 0].set(token_logprobs(logits, token, temperature))
     next_position = jnp.sum(attention_mask, axis=-1, dtype=jnp.int32)  # real tokens seen so far
 
     def cond(carry):
-        step, _, _, _, done, _ = carry
+        step, _, _, _, _, done, _ = carry
         return (step < response_length) & ~jnp.all(done)
 
     def body(carry):
-        step, cache, responses, token, done, next_position = carry
+        step, cache, responses, logprobs, token, done, next_position = carry
         # Feed the token sampled at step-1, get the distribution of step `step`.
         live = token != pad
         model = nnx.merge(graphdef, params)
@@ -151,15 +166,18 @@ def generate(graphdef, params, prompt_ids, key, *, response_length, pad_token_id
         if stop_token_id is not None:
             done = done | (new == stop_token_id)
         responses = jax.lax.dynamic_update_slice(responses, new[:, None], (jnp.int32(0), step))
-        return step + 1, cache, responses, new, done, next_position + live.astype(jnp.int32)
+        if return_logprobs:
+            logprobs = jax.lax.dynamic_update_slice(logprobs, token_logprobs(logits, new, temperature)[:, None],
+                                                    (jnp.int32(0), step))
+        return step + 1, cache, responses, logprobs, new, done, next_position + live.astype(jnp.int32)
 
-    carry = (jnp.int32(1), cache, responses, token, done, next_position)
-    responses = jax.lax.while_loop(cond, body, carry)[2]
-    return responses
+    carry = (jnp.int32(1), cache, responses, logprobs, token, done, next_position)
+    _, _, responses, logprobs, _, _, _ = jax.lax.while_loop(cond, body, carry)
+    return (responses, logprobs) if return_logprobs else responses
 
 
 GENERATE_STATIC = ("graphdef", "response_length", "pad_token_id", "top_k", "top_p", "greedy", "stop_token_id",
-                   "cache_dtype", "init_cache_fn")
+                   "cache_dtype", "init_cache_fn", "return_logprobs")
 
 #: ``generate`` compiled: one program per (graphdef, prompt shape, static options); params, prompts, key and
 #: ``temperature`` are traced (sampling at another temperature does not recompile).

@@ -30,11 +30,12 @@ from .types import Experience
 # Step 1: sampling
 # --------------------------------------------------------------------------------------------------
 def sample_with(policy_graphdef, policy_params, queries, key, settings, *, temperature=None, greedy=False,
-                mesh=None):
+                mesh=None, return_logprobs=False):
     """queries i32[B, P] -> query_responses i32[B, P+R] (untruncated responses; pad after the stop token).
 
     temperature: traced scalar (default: settings.temperature). On a mesh, the weights are read under
     ``GENERATE_RULES`` (gathered over fsdp once for the whole decode loop) and the KV cache is sharded by rows.
+    return_logprobs: also return the sampler's log-prob of each response token, f32[B, R].
     """
     init_cache_fn = None
     policy_params = _in_compute_dtype(policy_graphdef, policy_params)
@@ -46,7 +47,11 @@ def sample_with(policy_graphdef, policy_params, queries, key, settings, *, tempe
                          pad_token_id=settings.pad_token_id,
                          temperature=settings.temperature if temperature is None else temperature,
                          top_k=settings.top_k, top_p=settings.top_p, greedy=greedy,
-                         stop_token_id=settings.stop_token_id, init_cache_fn=init_cache_fn)
+                         stop_token_id=settings.stop_token_id, init_cache_fn=init_cache_fn,
+                         return_logprobs=return_logprobs)
+    if return_logprobs:
+        responses, logprobs = responses
+        return jnp.concatenate([queries.astype(jnp.int32), responses], axis=1), logprobs
     return jnp.concatenate([queries.astype(jnp.int32), responses], axis=1)
 
 
@@ -69,10 +74,18 @@ def sample(program, state, prompts, key):
     times, its samples on consecutive rows (the groups of ``ppojax.ppo.advantages``). On a mesh the rows stay
     split over the batch axes in order, so a group never straddles two data-parallel shards when each
     shard's prompt count is whole (``PPOConfig.derived`` checks it)."""
+    return sample_episodes(program, state, prompts, key)[0]
+
+
+def sample_episodes(program, state, prompts, key):
+    """:func:`sample`, and the behaviour log-probs when ``behaviour_logprobs: sampler`` takes them from the
+    decode loop: -> (query_responses i32[B, P+R], sampler log-probs f32[B, R] or None)."""
     if program.settings.num_generations > 1:
         prompts = jnp.repeat(prompts, program.settings.num_generations, axis=0)
     graphdef, weights = program.actor_critic.sampling_policy(state.params, state.frozen)
-    return sample_with(graphdef, weights, prompts, key, program.settings, mesh=program.mesh)
+    if program.settings.behaviour_logprobs != "sampler":
+        return sample_with(graphdef, weights, prompts, key, program.settings, mesh=program.mesh), None
+    return sample_with(graphdef, weights, prompts, key, program.settings, mesh=program.mesh, return_logprobs=True)
 
 
 @functools.partial(jax.jit, static_argnames=("policy_graphdef", "settings", "greedy", "mesh"))
@@ -85,10 +98,12 @@ def sample_jit(policy_graphdef, policy_params, queries, key, temperature, *, set
 # --------------------------------------------------------------------------------------------------
 # Steps 2-6: the forwards
 # --------------------------------------------------------------------------------------------------
-def experience_forwards(program, state, query_responses, prompt_length) -> Experience:
+def experience_forwards(program, state, query_responses, prompt_length, sampler_logprobs=None) -> Experience:
     """Truncate, masks, behaviour/reference log-probs, values (and the full KL when the estimator needs it).
 
-    query_responses: i32[B, P+R]. The returned Experience's ``scores`` are zeros: :func:`with_scores` sets them.
+    query_responses: i32[B, P+R]. sampler_logprobs: f32[B, R] from :func:`sample_episodes`, used as the
+    behaviour log-probs (None: the policy forward computes them). The returned Experience's ``scores`` are
+    zeros: :func:`with_scores` sets them.
     """
     settings, P = program.settings, prompt_length
     pad = settings.pad_token_id
@@ -99,7 +114,7 @@ def experience_forwards(program, state, query_responses, prompt_length) -> Exper
         state.params, state.frozen, query_responses, P,
         logits_chunk_size=settings.rollout_logits_chunk,
         forward_batch_size=settings.local_rollout_forward_batch_size,
-        with_full_kl=program.kl_estimator.needs_full_distribution)
+        with_full_kl=program.kl_estimator.needs_full_distribution, behaviour_logprobs=sampler_logprobs)
     num_eos = (jnp.sum(raw_responses == settings.eos_token_id).astype(jnp.int32)
                if settings.eos_token_id is not None else jnp.zeros((), jnp.int32))
     return Experience(
@@ -129,11 +144,11 @@ def with_scores(experience: Experience, scores, settings) -> Experience:
     return experience.replace(scores=scores)
 
 
-def experience(program, state, query_responses, prompt_length, reward=None):
+def experience(program, state, query_responses, prompt_length, reward=None, sampler_logprobs=None):
     """Steps 2-8: the forwards, then the reward source's scores (default: the program's).
 
     Returns (Experience, reward failures i32[]) (see ``ppojax.rewards.FunctionScores``).
     """
-    exp = experience_forwards(program, state, query_responses, prompt_length)
+    exp = experience_forwards(program, state, query_responses, prompt_length, sampler_logprobs)
     scores, failures = (reward or program.reward).scores(state.frozen, exp.queries, exp.responses)
     return with_scores(exp, scores, program.settings), failures

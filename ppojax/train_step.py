@@ -58,8 +58,9 @@ class PPOProgram:
 def ppo_iteration(program: PPOProgram, state, prompts, key):
     """One PPO iteration on left-padded ``prompts`` i32[B, P]. Pure: trace it under jit/scan/vmap."""
     sample_key, update_key = jax.random.split(key)
-    query_responses = rollout.sample(program, state, prompts, sample_key)
-    experience, failures = rollout.experience(program, state, query_responses, prompts.shape[1])
+    query_responses, sampler_logprobs = rollout.sample_episodes(program, state, prompts, sample_key)
+    experience, failures = rollout.experience(program, state, query_responses, prompts.shape[1],
+                                              sampler_logprobs=sampler_logprobs)
     return learn_unless_reward_failed(program, state, experience, update_key, failures)
 
 
@@ -147,8 +148,8 @@ def make_train_steps(program: PPOProgram, state_shardings=None):
 def rollout_part(program: PPOProgram, state, prompts, key):
     """The rollout half of :func:`ppo_iteration` (same key use): -> (Experience, reward failures i32[])."""
     sample_key, _ = jax.random.split(key)
-    query_responses = rollout.sample(program, state, prompts, sample_key)
-    return rollout.experience(program, state, query_responses, prompts.shape[1])
+    query_responses, sampler_logprobs = rollout.sample_episodes(program, state, prompts, sample_key)
+    return rollout.experience(program, state, query_responses, prompts.shape[1], sampler_logprobs=sampler_logprobs)
 
 
 def make_rollout(program: PPOProgram):
@@ -203,10 +204,12 @@ def _make_split_train_step(program: PPOProgram, state_shardings):
 
     def rollout_part_(state, prompts, key):
         sample_key, update_key = jax.random.split(key)
-        query_responses = rollout.sample(program, state, prompts, sample_key)
+        query_responses, sampler_logprobs = rollout.sample_episodes(program, state, prompts, sample_key)
         if on_host:
-            return rollout.experience_forwards(program, state, query_responses, prompts.shape[1]), update_key
-        return rollout.experience(program, state, query_responses, prompts.shape[1])[0], update_key
+            return rollout.experience_forwards(program, state, query_responses, prompts.shape[1],
+                                               sampler_logprobs), update_key
+        return rollout.experience(program, state, query_responses, prompts.shape[1],
+                                  sampler_logprobs=sampler_logprobs)[0], update_key
 
     def learn_part(state, experience, scores, update_key):
         if on_host:

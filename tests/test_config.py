@@ -121,7 +121,7 @@ def test_derived_sets_are_what_the_fields_declare():
     assert C.MAY_CHANGE_FIELDS == OLD_TUNABLE | {
         "remat", "attention_implementation", "scale_rewards", "normalize_advantages", "critic_warmup",
         "kl_loss_coef", "kl_loss_type", "cliprange_low", "cliprange_high", "dual_clip_c", "loss_agg_mode",
-        "lora_dropout"}
+        "lora_dropout", "behaviour_logprobs"}
     from ppojax import checkpoint as ckpt
     assert (ckpt.STRICT_FIELDS, ckpt.HARMLESS_FIELDS, ckpt.TUNABLE_FIELDS) == (
         C.MUST_MATCH_FIELDS, C.IGNORED_ON_RESUME_FIELDS, C.MAY_CHANGE_FIELDS)

@@ -10,7 +10,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from ppojax import rollout  # noqa: E402
+from ppojax import forward, rollout  # noqa: E402
 from ppojax.actor_critic import ActorCritic  # noqa: E402
 from ppojax.config import PPOConfig  # noqa: E402
 from ppojax.models import load_pretrained  # noqa: E402
@@ -39,10 +39,12 @@ def models(tmp_path_factory):
     return out
 
 
-def settings_for(stop=None, penalty=None, chunk=4, forward_batch_size=None, kl_estimator="k1", response_length=R):
+def settings_for(stop=None, penalty=None, chunk=4, forward_batch_size=None, kl_estimator="k1", response_length=R,
+                 behaviour_logprobs="forward"):
     config = PPOConfig(response_length=response_length, temperature=T, stop_token_id=stop,
                        missing_eos_penalty=penalty, logits_chunk_size=chunk, batch_size=len(PROMPTS),
-                       local_rollout_forward_batch_size=forward_batch_size, kl_estimator=kl_estimator)
+                       local_rollout_forward_batch_size=forward_batch_size, kl_estimator=kl_estimator,
+                       behaviour_logprobs=behaviour_logprobs)
     return StepSettings.from_config(config, pad_token_id=PAD, stop_token_id=stop)
 
 
@@ -146,6 +148,36 @@ def test_experience_with_stop_token(models, rollouts):
     # same key: identical samples up to and including the stop token, pad after (one key per step)
     free_raw, raw = np.asarray(free.query_responses)[:, P:], np.asarray(exp.query_responses)[:, P:]
     np.testing.assert_array_equal(np.where(np.asarray(exp.padding_mask), PAD, free_raw), raw)
+
+
+@pytest.mark.parametrize("forward_batch_size", [None, 1])
+def test_sampler_logprobs_equal_the_forwards_and_skip_the_policy_forward(models, rollouts, forward_batch_size):
+    """behaviour_logprobs: sampler (TRL's way): the decode loop's log-probs pass the same SPEC check against
+    torch as the forward's, the samples are the same, and the compiled rollout runs one model forward fewer."""
+    key, _, (settings, exp) = rollouts
+    sampler = settings.replace(behaviour_logprobs="sampler", local_rollout_forward_batch_size=forward_batch_size)
+    program, state = program_and_state(models, sampler)
+    run = make_rollout(program)
+    got, failures = run(state, PROMPTS, key)
+    assert int(failures) == 0
+    np.testing.assert_array_equal(got.query_responses, exp.query_responses)
+    check_against_spec(got, models, sampler)
+    np.testing.assert_allclose(got.logprobs, exp.logprobs, atol=1e-5)
+
+    if forward_batch_size is not None:
+        return  # (lax.map's body is counted once below: compare whole-batch programs only)
+
+    def flops(jitted, *args):  # XLA's count (a loop body counted once), the same way for every program
+        return jitted.lower(*args).compile().cost_analysis()["flops"]
+
+    forward_program, _ = program_and_state(models, sampler.replace(behaviour_logprobs="forward"))
+    saved = (flops(make_rollout(forward_program).jitted, state, jnp.asarray(PROMPTS), key)
+             - flops(run.jitted, state, jnp.asarray(PROMPTS), key))
+    policy_graphdef = models["policy"][1]
+    one_forward = flops(jax.jit(lambda params, qr: forward.response_logprobs(
+        nnx.merge(policy_graphdef, params), qr, P, PAD, T, chunk_size=settings.rollout_logits_chunk)[0]),
+        state.params["policy"], exp.query_responses)
+    assert one_forward > 0 and saved == pytest.approx(one_forward, rel=0.1), (saved, one_forward)
 
 
 def torch_full_kl(policy_hf, ref_hf, query_responses):
