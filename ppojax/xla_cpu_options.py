@@ -51,6 +51,8 @@ CANDIDATES = (
     OptionSet("ynn_dot", "--xla_cpu_experimental_ynn_fusion_type=dot", (),
               "dots fused into YNNPACK in their own dtype (a bf16 dot stays bf16)"),
     OptionSet("no_xnnpack", "--xla_cpu_use_xnnpack=false", (), "XLA's own (Eigen) dots"),
+    OptionSet("concurrent", "--xla_cpu_enable_concurrency_optimized_scheduler=true", (),
+              "an op order that lets the runtime run independent ops (the policy's and the value model's) at once"),
     OptionSet("vector_512", "--xla_cpu_prefer_vector_width=512", ("avx512f",),
               "512-bit vectors in LLVM's code for the fusions around the dots"),
     OptionSet("onednn_dot", "--xla_cpu_use_onednn=true --xla_cpu_experimental_onednn_fusion_type=dot "

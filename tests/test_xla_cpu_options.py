@@ -39,9 +39,9 @@ def names(cpu):
 
 def test_candidates_follow_the_instruction_sets():
     intel, amd, arm = (xo.parse_cpuinfo(t) for t in (SAPPHIRE_RAPIDS, ZEN3, NEOVERSE))
-    assert names(intel) == ["default", "ynn_dot", "no_xnnpack", "vector_512", "onednn_dot"]
-    assert names(amd) == ["default", "ynn_dot", "no_xnnpack", "onednn_dot"]  # no AVX-512: no 512-bit vectors
-    assert names(arm) == ["default", "ynn_dot", "no_xnnpack"]  # oneDNN's x86 paths and AVX-512 are not offered
+    assert names(intel) == ["default", "ynn_dot", "no_xnnpack", "concurrent", "vector_512", "onednn_dot"]
+    assert names(amd) == ["default", "ynn_dot", "no_xnnpack", "concurrent", "onednn_dot"]  # no AVX-512: no 512-bit
+    assert names(arm) == ["default", "ynn_dot", "no_xnnpack", "concurrent"]  # oneDNN's x86 paths and AVX-512 are not offered
     # the signature keeps the units that matter and drops the rest (hypervisor, sse2, ...)
     assert intel.signature == ("Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz [amx_bf16 amx_int8 amx_tile avx2 "
                                "avx512_bf16 avx512_fp16 avx512_vnni avx512bw avx512f avx512vl fma]")
