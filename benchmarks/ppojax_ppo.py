@@ -151,25 +151,31 @@ def run(config: dict) -> dict:
 def measure_phases(program, state, prompts, key, repeats: int = 2) -> dict:
     """Mean seconds of the phases run as separate programs (after one untimed call of each, which compiles):
     ``generation_s`` (the sampler), ``rollout_s`` (sampling + forwards + reward: ``make_rollout``) and
-    ``update_s`` (``learn`` on that experience)."""
+    ``update_s`` (``learn`` on that experience). The update donates its state and the next calls use the new
+    one, as the training loop's program does: a non-donated update would write a fresh copy of the whole
+    state (weights and Adam moments) every call, work the training loop never does."""
     from ppojax import rollout
     from ppojax.train_step import make_rollout
     from ppojax.update import learn
 
     sample = jax.jit(lambda s, q, k: rollout.sample(program, s, q, k))
     run_rollout = make_rollout(program)
-    update = jax.jit(lambda s, e, k: learn(program, s, e, k))  # not donated: the state is reused
+    update = jax.jit(lambda s, e, k: learn(program, s, e, k)[0], donate_argnums=0)
+    state = jax.tree.map(jnp.copy, state)  # the caller's state stays valid
     experience, _ = jax.block_until_ready(run_rollout(state, prompts, key))
     jax.block_until_ready(sample(state, prompts, key))
-    jax.block_until_ready(update(state, experience, key))
+    state = jax.block_until_ready(update(state, experience, key))
     times = {"generation_s": [], "rollout_s": [], "update_s": []}
     for i in range(repeats):
         k = jax.random.fold_in(key, 1000 + i)
-        for name, fn in (("generation_s", lambda: sample(state, prompts, k)),
-                         ("rollout_s", lambda: run_rollout(state, prompts, k)),
-                         ("update_s", lambda: update(state, experience, k))):
+        for name in ("generation_s", "rollout_s", "update_s"):
             t0 = time.perf_counter()
-            jax.block_until_ready(fn())
+            if name == "generation_s":
+                jax.block_until_ready(sample(state, prompts, k))
+            elif name == "rollout_s":
+                jax.block_until_ready(run_rollout(state, prompts, k))
+            else:
+                state = jax.block_until_ready(update(state, experience, k))
             times[name].append(time.perf_counter() - t0)
     return {name: sum(v) / len(v) for name, v in times.items()}
 
