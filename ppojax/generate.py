@@ -143,7 +143,7 @@ def generate(graphdef, params, prompt_ids, key, *, response_length, pad_token_id
     if stop_token_id is not None:
         done = token == stop_token_id
     responses = jnp.full((batch, response_length), pad, jnp.int32).at[:, 0].set(token)
-    # zeros: no log-probs carried (a [B, 0] array costs nothing in the loop)
+    # the sampled tokens' log-probs f32[B, R]; f32[B, 0] (free to carry) when not asked for
     logprobs = jnp.zeros((batch, response_length if return_logprobs else 0), jnp.float32)
     if return_logprobs:
         logprobs = logprobs.at[:, 0].set(token_logprobs(logits, token, temperature))
