@@ -124,8 +124,8 @@ class ActorCritic:
         frozen: the state's frozen models (the reference, and the base weights under LoRA).
         query_responses: i32[B, P+R]. Rows go through the models ``forward_batch_size`` at a time
         (TRL's ``local_rollout_forward_batch_size``; None = all at once).
-        behaviour_logprobs: f32[B, R] already known (the sampler's): returned as the log-probs, and the policy
-        forward runs only when the value head or the full KL needs its hidden states.
+        behaviour_logprobs: f32[B, R] already known (the sampler's): returned as the log-probs; the policy
+        forward then runs only when the value head or the full KL needs its hidden states.
         Returns (logprobs, ref_logprobs, values, full_kl or None), each f32[B, R].
         """
         P, pad, temperature = prompt_length, self.pad_token_id, self.temperature
@@ -137,10 +137,12 @@ class ActorCritic:
             ref_logprobs, _ = forward.logprobs_from_hidden(ref, ref_hidden, qr[:, P:], temperature,
                                                            chunk_size=logits_chunk_size)
             if not needs_policy_forward:
-                return jnp.zeros_like(ref_logprobs), ref_logprobs, None, None
+                return None, ref_logprobs, None, None
             hidden = forward.response_hidden(policy, qr, P, pad)
-            logprobs, _ = forward.logprobs_from_hidden(policy, hidden, qr[:, P:], temperature,
-                                                       chunk_size=logits_chunk_size)
+            logprobs = None
+            if behaviour_logprobs is None:
+                logprobs, _ = forward.logprobs_from_hidden(policy, hidden, qr[:, P:], temperature,
+                                                           chunk_size=logits_chunk_size)
             values = policy.value(hidden).astype(jnp.float32) if self.has_value_head else None
             full_kl = None
             if with_full_kl:
@@ -153,7 +155,7 @@ class ActorCritic:
         if behaviour_logprobs is not None:
             logprobs = behaviour_logprobs.astype(jnp.float32)
         if not self.has_critic:
-            values = jnp.zeros_like(logprobs)
+            values = jnp.zeros_like(ref_logprobs)
         elif not self.has_value_head:
             value_model = lambda: nnx.merge(self.value_graphdef, params["value"])  # noqa: E731
             values = forward.map_batch(lambda qr: forward.response_values(value_model(), qr, P, pad),

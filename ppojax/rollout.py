@@ -83,9 +83,10 @@ def sample_episodes(program, state, prompts, key):
     if program.settings.num_generations > 1:
         prompts = jnp.repeat(prompts, program.settings.num_generations, axis=0)
     graphdef, weights = program.actor_critic.sampling_policy(state.params, state.frozen)
-    if program.settings.behaviour_logprobs != "sampler":
-        return sample_with(graphdef, weights, prompts, key, program.settings, mesh=program.mesh), None
-    return sample_with(graphdef, weights, prompts, key, program.settings, mesh=program.mesh, return_logprobs=True)
+    keep_logprobs = program.settings.behaviour_logprobs == "sampler"
+    out = sample_with(graphdef, weights, prompts, key, program.settings, mesh=program.mesh,
+                      return_logprobs=keep_logprobs)
+    return out if keep_logprobs else (out, None)
 
 
 @functools.partial(jax.jit, static_argnames=("policy_graphdef", "settings", "greedy", "mesh"))

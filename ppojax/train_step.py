@@ -57,10 +57,8 @@ class PPOProgram:
 # --------------------------------------------------------------------------------------------------
 def ppo_iteration(program: PPOProgram, state, prompts, key):
     """One PPO iteration on left-padded ``prompts`` i32[B, P]. Pure: trace it under jit/scan/vmap."""
-    sample_key, update_key = jax.random.split(key)
-    query_responses, sampler_logprobs = rollout.sample_episodes(program, state, prompts, sample_key)
-    experience, failures = rollout.experience(program, state, query_responses, prompts.shape[1],
-                                              sampler_logprobs=sampler_logprobs)
+    _, update_key = jax.random.split(key)
+    experience, failures = rollout_part(program, state, prompts, key)
     return learn_unless_reward_failed(program, state, experience, update_key, failures)
 
 

@@ -11,9 +11,9 @@ typed in for one host:
       -> at start-up :func:`apply` adds the recorded options for THIS CPU to ``XLA_FLAGS``.
 
 A CPU with no record runs XLA's defaults. A user's own ``XLA_FLAGS`` holding any ``--xla_cpu_`` option wins:
-nothing is added. ``PPOJAX_XLA_CPU_OPTIONS=0`` (or false/off/no) turns the choice off. XLA reads ``XLA_FLAGS`` once, when JAX
-starts its CPU backend, so the entry points (the ``ppojax`` command, the benchmarks) call :func:`apply` before
-any computation; in a notebook call it before the first JAX operation.
+nothing is added. ``PPOJAX_XLA_CPU_OPTIONS=0`` (or false/off/no) turns the choice off. XLA reads ``XLA_FLAGS``
+once, when JAX starts its CPU backend, so the entry points (the ``ppojax`` command, the benchmarks) call
+:func:`apply` before any computation; in a notebook call it before the first JAX operation.
 """
 from __future__ import annotations
 

@@ -75,10 +75,11 @@ BAD_CONFIGS = [
     ("empty-strings", "dataset_text_field: ''\noutput_dir: ' '\n",
      ["dataset_text_field='': expected a non-empty string", "output_dir=' '"]),
     ("choices", "precision: float16\nvalue_head: both\nlr_scheduler_type: cosine\non_nonfinite_reward: ignore\n"
-     "stop_token: EOS\n",
+     "stop_token: EOS\nbehaviour_logprobs: sampled\n",
      ["precision='float16': expected one of 'float32', 'bfloat16', 'mixed'", "value_head='both'",
       "lr_scheduler_type='cosine': expected 'linear' or 'constant'",
-      "on_nonfinite_reward='ignore': expected 'error' or 'skip'", "stop_token='EOS': expected null or 'eos'"]),
+      "on_nonfinite_reward='ignore': expected 'error' or 'skip'", "stop_token='EOS': expected null or 'eos'",
+      "behaviour_logprobs='sampled': expected 'forward' or 'sampler'"]),
     ("kl-estimator", "kl_estimator: k9\n", ["kl_estimator='k9': expected one of 'k1', 'k2', 'k3'"]),
     ("reward-function-spec", "reward_function: my_rewards\n",
      ["reward_function='my_rewards': expected null or 'vader' or 'module:function'", "PYTHONPATH"]),
