@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import sys
 import typing
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -61,9 +62,8 @@ class Rule:
     ok: the predicate (called on a value of the field's type, never on None).
     expected: what a good value is, e.g. '{a} >= 0' ({a} becomes 'an integer' or 'a number').
     fix: how to fix a bad value ('' for the generic "set NAME to EXPECTED").
-    registry: for a name looked up in a registry of ppojax.ppo, the registered names (a function: importing
-        ppo imports JAX, so these checks run after the cheap ones have passed, and a config error elsewhere
-        is reported without importing JAX).
+    registry: for a name looked up in a registry of ppojax.ppo, the registered names (a function: a
+        notebook may register more before the config is built; see ``registered``).
     """
 
     ok: Callable[[Any], bool]
@@ -94,24 +94,34 @@ def one_of(*choices, fix: str = "") -> Rule:
 NON_EMPTY = Rule(lambda v: v.strip() != "", "a non-empty string")
 
 
-def registered(what: str, names: Callable[[], tuple]) -> Rule:
-    """A name that must be registered in ppojax.ppo (looked up lazily: importing ppo imports JAX)."""
+def registered(what: str, module: str, names_function: str, builtin: tuple) -> Rule:
+    """A name that must be registered in ``ppojax.ppo.<module>`` (listed by its ``names_function()``).
+
+    Importing that module imports JAX, which takes seconds, and a config is checked before that. Until the
+    module is imported nothing but its built-in names can be registered there, so the check reads ``builtin``
+    then (tests/test_config.py checks ``builtin`` equals what the module registers by itself); once it is
+    imported (a notebook that registered its own estimator), the registry itself.
+    """
+    def names() -> tuple:
+        loaded = sys.modules.get(f"ppojax.ppo.{module}")
+        return tuple(getattr(loaded, names_function)()) if loaded is not None else builtin
     return Rule(lambda v: v in names(), f"one of the registered {what}", registry=names)
 
 
-def _kl_estimators() -> tuple:
-    from .ppo.kl import kl_estimator_names
-    return kl_estimator_names()
+BUILTIN_KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl", "abs", "mse", "full")
+BUILTIN_ADVANTAGE_ESTIMATORS = {  # name: (uses_critic, needs_groups)
+    "gae": (True, False), "grpo": (False, True), "rloo": (False, True), "reinforce_pp": (False, False)}
+SCORE_POSITIONS = ("trl", "legacy")
+"""What ppojax.ppo defines, kept here so that a config is checked without importing JAX."""
 
 
-def _advantage_estimators() -> tuple:
-    from .ppo.advantages import advantage_estimator_names
-    return advantage_estimator_names()
-
-
-def _score_positions() -> tuple:
-    from .ppo.shaping import SCORE_POSITIONS
-    return tuple(SCORE_POSITIONS)
+def _advantage_estimator_traits(name: str) -> tuple[bool, bool]:
+    """(uses_critic, needs_groups) of a registered advantage estimator; JAX-free as ``registered`` is."""
+    loaded = sys.modules.get("ppojax.ppo.advantages")
+    if loaded is None:
+        return BUILTIN_ADVANTAGE_ESTIMATORS[name]
+    estimator = loaded.advantage_estimator(name)
+    return estimator.uses_critic, estimator.needs_groups
 
 
 def _is_reward_function_spec(v: str) -> bool:
@@ -278,10 +288,11 @@ class PPOConfig:
     kl_coef: float = setting(0.05, static=False, on_resume=MAY_CHANGE, rule=at_least(0))
     """Weight of the per-token KL penalty to the reference model (the adaptive controller's initial value)."""
     kl_estimator: str = setting("k1", static=True, on_resume=MAY_CHANGE,
-                                rule=registered("KL estimators", _kl_estimators))
+                                rule=registered("KL estimators", "kl", "kl_estimator_names", BUILTIN_KL_ESTIMATORS))
     """Per-token KL estimator: 'k1', 'k3', or legacy 'abs', 'mse', 'full'."""
     advantage_estimator: str = setting("gae", static=True, on_resume=MUST_MATCH,
-                                       rule=registered("advantage estimators", _advantage_estimators))
+                                       rule=registered("advantage estimators", "advantages",
+                                                       "advantage_estimator_names", tuple(BUILTIN_ADVANTAGE_ESTIMATORS)))
     """How advantages are computed from the rewards: 'gae' (generalised advantage estimation with the value
     model: PPO); the critic-free ones, which build no value model: 'grpo' (group-relative: (R - group mean) /
     group std), 'rloo' (leave-one-out group baseline), 'reinforce_pp' (REINFORCE++: the token-level KL-shaped
@@ -302,7 +313,7 @@ class PPOConfig:
     """Weight of a KL-to-the-reference term IN THE LOSS (GRPO-style; TRL's GRPO beta, verl's kl_loss_coef);
     0: off. kl_coef is the KL in the REWARD (PPO-style): set it to 0 to keep the KL in the loss only."""
     kl_loss_type: str = setting("low_var_kl", static=True, on_resume=MAY_CHANGE,
-                                rule=registered("KL estimators", _kl_estimators))
+                                rule=registered("KL estimators", "kl", "kl_estimator_names", BUILTIN_KL_ESTIMATORS))
     """The per-token KL estimator of the loss term: 'low_var_kl' (k3 clamped to [-10, 10], verl), 'k3'
     (TRL's GRPO), 'k2', 'k1', ... ('full' is for the reward only)."""
     cliprange_low: Optional[float] = setting(None, static=True, on_resume=MAY_CHANGE, rule=above(0))
@@ -326,7 +337,7 @@ class PPOConfig:
     horizon: int = setting(10000, static=True, on_resume=MAY_CHANGE, rule=at_least(1))
     """The adaptive controller's horizon: how fast kl_coef moves (legacy TRL's `horizon`)."""
     score_position: str = setting("trl", static=True, on_resume=MAY_CHANGE,
-                                  rule=registered("score positions", _score_positions))
+                                  rule=one_of(*SCORE_POSITIONS))
     """'trl': the score goes on the slot after the last token; 'legacy': on the last token."""
     missing_eos_penalty: Optional[float] = setting(None, static=True, on_resume=MAY_CHANGE, rule=at_least(0))
     """Subtracted from the score of a response without the stop token (None: off; needs a stop token)."""
@@ -486,7 +497,7 @@ class PPOConfig:
                 problems.append(str(err))
         if not problems:  # the checks below need every value well typed
             problems += _problems_together(self)
-        if not problems:  # registry lookups import JAX: only once everything else is right
+        if not problems:  # a registered name's message lists the registry: only once the rest is right
             problems += [str(err) for err in _registry_problems(self)]
         if not problems:
             problems += _estimator_problems(self)
@@ -735,9 +746,8 @@ def _problems_together(c: PPOConfig) -> list[str]:
 
 def _estimator_problems(c: PPOConfig) -> list[str]:
     """The advantage estimator's options against each other (the estimator is a registered one)."""
-    from .ppo.advantages import advantage_estimator
-    estimator = advantage_estimator(c.advantage_estimator)
-    from_group, critic_free = estimator.needs_groups, not estimator.uses_critic
+    uses_critic, from_group = _advantage_estimator_traits(c.advantage_estimator)
+    critic_free = not uses_critic
     out = []
     if from_group and c.num_generations < 2:
         out.append(f"advantage_estimator={c.advantage_estimator!r} compares the samples of each prompt, so it needs "

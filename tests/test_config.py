@@ -1,7 +1,15 @@
 """PPOConfig: defaults, legacy aliases, derived sizes, YAML round trip, overrides, errors."""
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 
 from ppojax.config import ConfigError, PPOConfig, field_help, parse_overrides
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_defaults_are_trls():
@@ -316,3 +324,42 @@ def test_config_only_cross_field_checks():
     with pytest.raises(ConfigError, match="No reward source"):
         PPOConfig().check_reward_source()
     assert PPOConfig(reward_function="vader").check_reward_source().reward_function == "vader"
+
+
+def test_registered_names_are_checked_without_jax_and_follow_the_registries(tmp_path):
+    """In a fresh process (no test's registrations): a config is checked without importing JAX, its built-in
+    names equal what ppojax.ppo registers by itself, and a name a notebook registers is then accepted."""
+    script = tmp_path / "check.py"
+    script.write_text(textwrap.dedent('''
+        import sys
+        from ppojax.config import (BUILTIN_ADVANTAGE_ESTIMATORS, BUILTIN_KL_ESTIMATORS, SCORE_POSITIONS,
+                                   ConfigError, PPOConfig)
+        PPOConfig(kl_estimator="k3", advantage_estimator="rloo", num_generations=2, score_position="legacy")
+        for bad in (dict(kl_estimator="my_kl"), dict(advantage_estimator="grpo"), dict(kl_loss_type="k9")):
+            try:
+                PPOConfig(**bad)
+                raise SystemExit(f"accepted {bad}")
+            except ConfigError:
+                pass
+        assert "jax" not in sys.modules, "checking a config imported JAX"
+
+        import ppojax.ppo as ppo
+        from ppojax.ppo import advantages, kl
+        assert kl.kl_estimator_names() == BUILTIN_KL_ESTIMATORS, kl.kl_estimator_names()
+        traits = {n: (e.uses_critic, e.needs_groups) for n, e in advantages._REGISTRY.items()}
+        assert traits == BUILTIN_ADVANTAGE_ESTIMATORS, traits
+        assert tuple(ppo.SCORE_POSITIONS) == SCORE_POSITIONS
+
+        kl.register_kl_estimator("my_kl")(lambda logprobs, ref_logprobs: logprobs - ref_logprobs)
+        advantages.register_advantage_estimator("my_groups", uses_critic=False, needs_groups=True)(None)
+        assert PPOConfig(kl_estimator="my_kl").kl_estimator == "my_kl"
+        try:
+            PPOConfig(advantage_estimator="my_groups", num_generations=1)
+            raise SystemExit("a group estimator was accepted with num_generations=1")
+        except ConfigError as err:
+            assert "needs num_generations >= 2" in str(err), err
+        print("OK")
+    '''))
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "OK", done.stdout + done.stderr
