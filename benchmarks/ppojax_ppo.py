@@ -27,6 +27,9 @@ import numpy as np
 from flax import nnx
 
 from benchmarks.common import make_config, peak_rss_mb, summarize
+from ppojax.config import PPOConfig
+
+DEFAULT_REMAT = PPOConfig().remat  # ppojax's default, so the benchmark runs what a user's run does
 
 
 def _models(config):
@@ -35,7 +38,7 @@ def _models(config):
     from ppojax.models import CausalLM, ModelConfig, ScoreModel, load_pretrained, precision_dtypes
 
     dtype, param_dtype = precision_dtypes(config.get("precision", "float32"))
-    options = dict(dtype=dtype, param_dtype=param_dtype, remat=config.get("remat", "none"))
+    options = dict(dtype=dtype, param_dtype=param_dtype, remat=config.get("remat", DEFAULT_REMAT))
     if config.get("model_dir"):
         policy, cfg = load_pretrained(config["model_dir"], **options)
         reward, _ = load_pretrained(config["model_dir"], kind="score", seed=1, **options)
@@ -190,8 +193,9 @@ def main(argv=None):
     parser.add_argument("--scan", type=int, default=1, help="iterations per train_steps block (1: train_step)")
     parser.add_argument("--no-phases", action="store_true", help="skip the per-phase timing")
     parser.add_argument("--estimator", default="gae", help="advantage_estimator (gae, grpo, rloo, reinforce_pp)")
-    parser.add_argument("--remat", default="none", choices=["none", "full", "dots"],
-                        help="rematerialisation of the layer scan (the same gradients; less memory)")
+    parser.add_argument("--remat", default=DEFAULT_REMAT, choices=["none", "full", "dots"],
+                        help="rematerialisation of the layer scan (the same gradients; default: ppojax's, "
+                             f"{DEFAULT_REMAT!r})")
     parser.add_argument("--behaviour-logprobs", default="sampler", choices=["sampler", "forward"],
                         help="'sampler': the decode loop's log-probs, as TRL's PPOTrainer (the benchmark's work); "
                              "'forward': one more policy forward in the rollout (ppojax's default)")

@@ -34,6 +34,9 @@ from pathlib import Path
 
 from benchmarks.common import make_config, machine_info, peak_rss_mb
 from benchmarks.flops import mfu, ppo_update_flops
+from ppojax.config import PPOConfig
+
+DEFAULT_REMAT = PPOConfig().remat  # ppojax's default, so the benchmark runs what a user's run does
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEMA = 1
@@ -355,8 +358,9 @@ def main(argv=None) -> int:
     p.add_argument("--ppojax-behaviour-logprobs", default="sampler", choices=["sampler", "forward"],
                    help="where ppojax's behaviour log-probs come from ('sampler': the decode loop's logits, as TRL "
                         "takes them; 'forward': one more policy forward, ppojax's default)")
-    p.add_argument("--ppojax-remat", default="none", choices=["none", "full", "dots"],
-                   help="ppojax's rematerialisation of the layer scan (the same gradients; less memory)")
+    p.add_argument("--ppojax-remat", default=DEFAULT_REMAT, choices=["none", "full", "dots"],
+                   help="ppojax's rematerialisation of the layer scan (the same gradients; default: ppojax's, "
+                        f"{DEFAULT_REMAT!r}; TRL's PPOTrainer keeps every activation)")
     p.add_argument("--_worker", help=argparse.SUPPRESS)
     p.add_argument("--_config", help=argparse.SUPPRESS)
     p.add_argument("--_out", help=argparse.SUPPRESS)
