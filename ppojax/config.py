@@ -115,6 +115,11 @@ SCORE_POSITIONS = ("trl", "legacy")
 """What ppojax.ppo defines, kept here so that a config is checked without importing JAX."""
 
 
+KL_ESTIMATOR_NAME = registered("KL estimators", "kl", "kl_estimator_names", BUILTIN_KL_ESTIMATORS)
+ADVANTAGE_ESTIMATOR_NAME = registered("advantage estimators", "advantages", "advantage_estimator_names",
+                                      tuple(BUILTIN_ADVANTAGE_ESTIMATORS))
+
+
 def _advantage_estimator_traits(name: str) -> tuple[bool, bool]:
     """(uses_critic, needs_groups) of a registered advantage estimator; JAX-free as ``registered`` is."""
     loaded = sys.modules.get("ppojax.ppo.advantages")
@@ -289,11 +294,10 @@ class PPOConfig:
     kl_coef: float = setting(0.05, static=False, on_resume=MAY_CHANGE, rule=at_least(0))
     """Weight of the per-token KL penalty to the reference model (the adaptive controller's initial value)."""
     kl_estimator: str = setting("k1", static=True, on_resume=MAY_CHANGE,
-                                rule=registered("KL estimators", "kl", "kl_estimator_names", BUILTIN_KL_ESTIMATORS))
+                                rule=KL_ESTIMATOR_NAME)
     """Per-token KL estimator: 'k1', 'k3', or legacy 'abs', 'mse', 'full'."""
     advantage_estimator: str = setting("gae", static=True, on_resume=MUST_MATCH,
-                                       rule=registered("advantage estimators", "advantages",
-                                                       "advantage_estimator_names", tuple(BUILTIN_ADVANTAGE_ESTIMATORS)))
+                                       rule=ADVANTAGE_ESTIMATOR_NAME)
     """How advantages are computed from the rewards: 'gae' (generalised advantage estimation with the value
     model: PPO); the critic-free ones, which build no value model: 'grpo' (group-relative: (R - group mean) /
     group std), 'rloo' (leave-one-out group baseline), 'reinforce_pp' (REINFORCE++: the token-level KL-shaped
@@ -314,7 +318,7 @@ class PPOConfig:
     """Weight of a KL-to-the-reference term IN THE LOSS (GRPO-style; TRL's GRPO beta, verl's kl_loss_coef);
     0: off. kl_coef is the KL in the REWARD (PPO-style): set it to 0 to keep the KL in the loss only."""
     kl_loss_type: str = setting("low_var_kl", static=True, on_resume=MAY_CHANGE,
-                                rule=registered("KL estimators", "kl", "kl_estimator_names", BUILTIN_KL_ESTIMATORS))
+                                rule=KL_ESTIMATOR_NAME)
     """The per-token KL estimator of the loss term: 'low_var_kl' (k3 clamped to [-10, 10], verl), 'k3'
     (TRL's GRPO), 'k2', 'k1', ... ('full' is for the reward only)."""
     cliprange_low: Optional[float] = setting(None, static=True, on_resume=MAY_CHANGE, rule=above(0))
