@@ -158,6 +158,9 @@ class PPOConfig:
     """Policy: a local Hugging Face checkpoint directory, or 'smollm2' for the bundled SmolLM2-135M-Instruct."""
     reward_model_path: Optional[str] = setting(None, static=False, on_resume=MUST_MATCH, rule=NON_EMPTY)
     """A sequence-classification checkpoint scoring (prompt, completion); None when reward_function is set."""
+    reward_model_label: Optional[int] = setting(None, static=False, on_resume=MUST_MATCH, rule=at_least(0))
+    """Which output of a multi-label classifier reward model is the score (e.g. 1 = POSITIVE of a sentiment
+    classifier: its logit); None: the reward model must have one output (num_labels=1, TRL's reward models)."""
     reward_function: Optional[str] = setting(None, static=True, on_resume=MUST_MATCH, rule=Rule(
         _is_reward_function_spec, "'vader' or 'module:function'",
         "Fix: name a function f(prompts, completions) -> floats as 'my_rewards:length_reward' (its module on "

@@ -15,6 +15,7 @@ next epoch reshuffles everything). Prompts longer than `max_prompt_length` are d
 from __future__ import annotations
 
 import csv
+import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,15 +68,47 @@ def _table_column(columns: Sequence[str], column: str, where: str) -> None:
         )
 
 
+def _read_text(path: Path) -> str:
+    """The whole file as UTF-8 text; a byte that is not UTF-8 is reported with the file and its line."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data[:err.start].count(b"\n") + 1
+        raise ValueError(f"{path}: line {line} is not UTF-8 text (byte 0x{data[err.start]:02x} at offset "
+                         f"{err.start}); save the file as UTF-8") from None
+
+
+def _parse_json(text: str, where: str):
+    """`json.loads` whose error names the file (or `file line N`) and the place in it."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{where}: not valid JSON at line {err.lineno}, column {err.colno}: {err.msg}") from None
+
+
+def _parse_jsonl(text: str, where: str) -> list:
+    """One JSON value per non-blank line; an error names the line of the file."""
+    records = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{where}: line {number} is not valid JSON (column {err.colno}: {err.msg}); "
+                                 "a .jsonl file holds one JSON object per line") from None
+    return records
+
+
 def _load_file(path: Path, column: str) -> list:
     suffix = "".join(path.suffixes[-2:]) if path.suffix in (".gz", ".bz2") else path.suffix
     where = str(path)
-    if suffix in (".jsonl", ".ndjson") or (suffix == ".json" and _looks_like_jsonl(path)):
-        with open(path, encoding="utf-8") as f:
-            records = [json.loads(line) for line in f if line.strip()]
-        return _records_column(records, column, where)
+    if suffix in (".jsonl", ".ndjson", ".json", ".csv", ".tsv"):
+        text = _read_text(path)
+    if suffix in (".jsonl", ".ndjson") or (suffix == ".json" and _looks_like_jsonl(text)):
+        return _records_column(_parse_jsonl(text, where), column, where)
     if suffix == ".json":
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = _parse_json(text, where)
         if isinstance(data, dict):
             if column in data and isinstance(data[column], list):  # column-oriented {"prompt": [...]}
                 return list(data[column])
@@ -87,10 +120,9 @@ def _load_file(path: Path, column: str) -> list:
             raise ValueError(f"{where}: expected a JSON list of records, got {type(data).__name__}")
         return _records_column(data, column, where)
     if suffix in (".csv", ".tsv"):
-        with open(path, encoding="utf-8", newline="") as f:
-            reader = csv.DictReader(f, delimiter="\t" if suffix == ".tsv" else ",")
-            _table_column(reader.fieldnames or [], column, where)
-            return [row[column] for row in reader]
+        reader = csv.DictReader(io.StringIO(text, newline=""), delimiter="\t" if suffix == ".tsv" else ",")
+        _table_column(reader.fieldnames or [], column, where)
+        return [row[column] for row in reader]
     if suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -100,10 +132,9 @@ def _load_file(path: Path, column: str) -> list:
     raise ValueError(f"{where}: unsupported file type {suffix!r}; use .json, .jsonl, .csv, .tsv or .parquet")
 
 
-def _looks_like_jsonl(path: Path) -> bool:
-    with open(path, encoding="utf-8") as f:
-        first = f.readline().strip()
-        second = f.readline().strip()
+def _looks_like_jsonl(text: str) -> bool:
+    lines = [line.strip() for line in text.splitlines()[:2]] + ["", ""]
+    first, second = lines[0], lines[1]
     return first.startswith("{") and first.endswith("}") and second.startswith("{")
 
 

@@ -98,8 +98,9 @@ class PPOTrainer(LegacyAPI):
 
     @property
     def reward_fn(self):
-        """The Python reward function (None with a reward model); assignable."""
-        return getattr(self.run.reward, "fn", None)
+        """The Python reward function f(prompts, completions) (None with a reward model); assignable."""
+        from .rewards import FunctionScores
+        return self.run.reward.fn if isinstance(self.run.reward, FunctionScores) else None
 
     @reward_fn.setter
     def reward_fn(self, fn):
@@ -243,51 +244,68 @@ class PPOTrainer(LegacyAPI):
 
         The sampling key comes from (seed, step), not the training stream, so samples never change training.
         """
+        prompts, completions, _ = self._sample(queries, temperature, step)
+        return prompts, completions
+
+    def _sample(self, queries, temperature: float = SAMPLE_TEMPERATURE, step: int = 0):
+        """(prompts, completions, responses i32[B, R] truncated, on the host) for queries i32[B, P]."""
         settings = self.run.settings
         key = jax.random.fold_in(jax.random.key(self.args.seed + 1), step)
         query_responses = rollout.sample_jit(self.policy_graphdef, self.policy_params,
                                              jnp.asarray(queries, jnp.int32), key, jnp.float32(temperature),
                                              settings=settings, mesh=self.run.mesh)
         P = queries.shape[1]
-        responses = ppo.truncate_response(query_responses[:, P:], settings.stop_token_id, settings.pad_token_id)
+        responses = sharding.to_host(
+            ppo.truncate_response(query_responses[:, P:], settings.stop_token_id, settings.pad_token_id))
         from .rewards import decode_rollout_text
-        return decode_rollout_text(self.tokenizer, np.asarray(queries), sharding.to_host(responses),
-                                   settings.pad_token_id)
+        prompts, completions = decode_rollout_text(self.tokenizer, np.asarray(queries), responses,
+                                                   settings.pad_token_id)
+        return prompts, completions, responses
 
     def log_samples(self, step: int, num: int = 4):
         if self.run.train_queries is None or self.logger is None:
             return
         # a whole batch, of which the first `num` are shown: the sampler compiled for evaluation is reused
-        queries = (self.eval_queries if self.eval_queries is not None else self.train_queries)
-        prompts, completions = self.sample_completions(_whole_batch(queries[:num], self.run.settings.batch_size),
-                                                       step=step)
-        prompts, completions = prompts[:num], completions[:num]
-        self.logger.log_samples(step, prompts, completions, self.score_texts(prompts, completions))
+        queries = _whole_batch((self.eval_queries if self.eval_queries is not None else self.train_queries)[:num],
+                               self.run.settings.batch_size)
+        prompts, completions, responses = self._sample(queries, step=step)
+        scores = self.score_samples(queries, responses, prompts, completions)
+        self.logger.log_samples(step, prompts[:num], completions[:num], None if scores is None else scores[:num])
 
     def evaluate(self, step: int = 0) -> Optional[dict[str, Any]]:
-        """Mean reward of near-greedy completions of the held-out prompts (None without held-out prompts or a
-        reward function). Returns {"mean_score", "prompts", "completions", "scores"}."""
-        if self.eval_queries is None or self.reward_fn is None:
+        """Mean reward of near-greedy completions of the held-out prompts, scored by the run's reward (function
+        or model); None without held-out prompts or a reward. Returns {"mean_score", "prompts", "completions",
+        "scores"}."""
+        if self.eval_queries is None or self.run.reward is None:
             return None
         batch = self.run.settings.batch_size
-        prompts, completions = [], []
+        prompts, completions, scores = [], [], []
         for start in range(0, len(self.eval_queries), batch):
-            p, c = self.sample_completions(_whole_batch(self.eval_queries[start:start + batch], batch), step=step)
+            queries = _whole_batch(self.eval_queries[start:start + batch], batch)
+            p, c, responses = self._sample(queries, step=step)
             keep = min(batch, len(self.eval_queries) - start)
             prompts += p[:keep]
             completions += c[:keep]
-        scores = self.score_texts(prompts, completions)
+            scores += self.score_samples(queries, responses, p, c)[:keep]
         return {"mean_score": float(np.mean(scores)), "prompts": prompts, "completions": completions,
                 "scores": scores}
 
-    def score_texts(self, prompts: list[str], completions: list[str]) -> Optional[list[float]]:
-        """Scores of given texts with the reward function (None for a reward model: tokenised scoring is the
-        rollout's job)."""
-        if self.reward_fn is None:
+    def score_samples(self, queries, responses, prompts: list[str], completions: list[str]) -> Optional[list]:
+        """The run's reward of sampled completions: the reward function on the texts, or the reward model (or a
+        traced reward) on the tokens, as the rollout scores them. queries i32[B, P], responses i32[B, R]
+        (truncated). None when the run has no reward source (the legacy step() API)."""
+        reward = self.run.reward
+        if reward is None:
             return None
-        from .rewards import call_reward_function
-        return [float(s) for s in call_reward_function(
-            self.reward_fn, prompts, completions, allow_nonfinite=self.args.on_nonfinite_reward == "skip")]
+        if self.reward_fn is not None:
+            from .rewards import call_reward_function
+            return [float(s) for s in call_reward_function(
+                self.reward_fn, prompts, completions, allow_nonfinite=self.args.on_nonfinite_reward == "skip")]
+        if not hasattr(self, "_score_tokens"):  # one compiled program for every evaluation and sample table
+            self._score_tokens = jax.jit(lambda frozen, q, r: reward.scores(frozen, q, r)[0])
+        scores = self._score_tokens(self.run.state.frozen, jnp.asarray(queries, jnp.int32),
+                                    jnp.asarray(responses, jnp.int32))
+        return [float(s) for s in sharding.to_host(scores)]
 
     # ------------------------------------------------------------------------------------------------
     def save_model(self, output_dir) -> Path:

@@ -123,7 +123,8 @@ def test_derived_sets_are_what_the_fields_declare():
     assert set(C.STATIC_FIELDS) == {f.name for f in dataclasses.fields(PPOConfig) if f.metadata["static"]}
     # the same classification as the hand-written lists they replace
     assert C.MUST_MATCH_FIELDS == OLD_STRICT | {"num_eval_prompts", "advantage_estimator",  # + new fields
-                                                "num_generations", "lora_r", "lora_alpha", "lora_target_modules"}
+                                                "num_generations", "lora_r", "lora_alpha", "lora_target_modules",
+                                                "reward_model_label"}
     # fields added since those lists, each classified deliberately
     assert C.IGNORED_ON_RESUME_FIELDS == OLD_HARMLESS | {"overwrite_output_dir", "resume_with_changes"}
     assert C.MAY_CHANGE_FIELDS == OLD_TUNABLE | {

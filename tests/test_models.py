@@ -76,12 +76,12 @@ def randomize(model, seed=0):
     return model.eval()
 
 
-def make_hf(name, tmp_path, kind="causal_lm", **extra):
+def make_hf(name, tmp_path, kind="causal_lm", num_labels=1, **extra):
     cfg = hf_config(name, **extra)
     cls = {"causal_lm": transformers.AutoModelForCausalLM,
            "score": transformers.AutoModelForSequenceClassification}[kind]
     if kind == "score":
-        cfg.num_labels = 1
+        cfg.num_labels = num_labels
     torch.manual_seed(0)
     model = randomize(cls.from_config(cfg))
     path = tmp_path / f"{name}_{kind}_hf"
@@ -176,6 +176,24 @@ def test_score_model_parity(name, extra, tmp_path):
     with torch.no_grad():
         again = reloaded(input_ids=ids_t, attention_mask=mask_t, position_ids=pos).logits[:, 0].numpy()
     np.testing.assert_allclose(again, ref_pooled, atol=1e-5)
+
+
+def test_a_classifier_scores_with_the_chosen_label(tmp_path):
+    """A 3-label classifier as a score model: `score_label=i` gives transformers' logit i at the last token; no
+    label is refused with the fix named (the config field reward_model_label reaches it)."""
+    hf_model, path = make_hf("llama", tmp_path, kind="score", num_labels=3)
+    ids, mask = left_padded_batch([10, 6, 1], 10, seed=4)
+    ref = torch_forward(hf_model, ids, mask).logits.numpy()  # [B, 3], pooled at the last non-pad token
+    assert ref.shape == (3, 3)
+    for label in (1, 2):
+        model, cfg = load_pretrained(path, kind="score", score_label=label)
+        assert model.score["kernel"][...].shape == (cfg.hidden_size, 1) and "id2label" not in cfg.extra.to_dict()
+        scores = jax.jit(lambda m, i, a: m(i, a))(model, jnp.asarray(ids), jnp.asarray(mask))
+        np.testing.assert_allclose(last_token_scores(scores, jnp.asarray(mask)), ref[:, label], atol=1e-4)
+    with pytest.raises(ValueError, match="classifier with 3 labels.*score_label"):
+        load_pretrained(path, kind="score")
+    with pytest.raises(ValueError, match="score_label=3 is not an output"):
+        load_pretrained(path, kind="score", score_label=3)
 
 
 _forward_value = jax.jit(apply_causal_lm_with_value, static_argnums=0)

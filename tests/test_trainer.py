@@ -57,14 +57,17 @@ def test_legacy_generate_and_step_with_adaptive_kl(tmp_path):
     responses = trainer.generate(queries)
     assert len(responses) == 16 and all(len(r) <= 8 for r in responses)
     assert all(1 not in r[:-1].tolist() for r in responses)  # nothing after the stop token
-    scores = np.linspace(-1, 1, 16)
+    scores = np.linspace(0, 3, 16)  # mean 1.5
     coef_before = trainer.kl_coef
     stats = trainer.step(queries, responses, scores)
     kl = stats["objective/kl"]
     expected = ppo.adaptive_kl_update(coef_before, kl, 16, 6.0, 10000)
     assert trainer.kl_coef == pytest.approx(float(expected), rel=1e-6)
     assert trainer.kl_coef != coef_before
-    assert abs(stats["objective/scores"]) < 1e-5  # normalised by the running moments
+    # logged raw (TRL's objective/scores) AND as the update used them: normalised by the running moments
+    # (the first batch's mean and unbiased std: (s - 1.5) / std lies within the clip of 2, mean 0)
+    assert stats["objective/scores"] == pytest.approx(1.5, abs=1e-6)
+    assert abs(stats["objective/scores_processed"]) < 1e-5
     assert int(trainer.state.optimizer_steps) == 4
     with pytest.raises(ConfigError, match="same length"):
         trainer.step(queries, responses[:3], scores)
@@ -148,3 +151,81 @@ def test_precision_and_remat_policies_reach_every_model(tmp_path):
         assert model.dtype == jnp.bfloat16 and backbone.remat == "dots"
     history = trainer.train(progress=False)
     assert np.isfinite(history[-1]["loss/policy_avg"]) and int(trainer.state.optimizer_steps) == 4
+
+
+def test_evaluation_and_sample_tables_are_scored_by_a_reward_model(tmp_path):
+    """With a reward ScoreModel (no Python function), the held-out evaluation and the sample table carry its
+    scores: the head at each prompt + completion's last non-pad token, recomputed here with a plain loop."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from ppojax.models import ScoreModel
+    from tests.tiny_setup import tiny_config
+
+    reward = ScoreModel(tiny_config(), rngs=nnx.Rngs(7))
+    config = PPOConfig.from_dict(dict(output_dir=str(tmp_path / "run"), report_to="none", batch_size=8,
+                                      response_length=6, max_prompt_length=6, total_episodes=8, num_eval_prompts=12,
+                                      num_sample_generations=0, stop_token="eos", seed=0))
+    trainer = PPOTrainer(config, processing_class=tiny_tokenizer(), model=tiny_policy(), reward_model=reward,
+                         train_dataset=PROMPTS)
+    result = trainer.evaluate(step=0)
+    assert result is not None and len(result["scores"]) == len(result["completions"]) == 12
+
+    expected = []
+    for start in (0, 8):  # the evaluation's two sampler batches (the second padded to 8 rows)
+        queries = np.asarray(trainer.eval_queries[start:start + 8])
+        queries = np.concatenate([queries, np.repeat(queries[-1:], 8 - len(queries), 0)])
+        _, _, responses = trainer._sample(queries, step=0)
+        tokens = np.concatenate([queries, responses], axis=1)
+        mask = tokens != 0
+        per_position = np.asarray(reward(jnp.asarray(tokens), jnp.asarray(mask),
+                                         jnp.asarray(np.cumsum(mask, 1) - mask)))
+        expected += [float(per_position[i, np.flatnonzero(mask[i]).max()]) for i in range(len(tokens))][:12 - start]
+    np.testing.assert_allclose(result["scores"], expected, atol=1e-5)
+    assert np.isclose(result["mean_score"], np.mean(expected))
+    assert len(set(np.round(expected, 6))) > 1  # the scores differ between completions: a real check
+
+    class Recorder:
+        def log_samples(self, step, prompts, completions, scores):
+            self.logged = (step, prompts, completions, scores)
+
+    trainer.logger = Recorder()
+    trainer.log_samples(step=0, num=3)
+    step, prompts, completions, scores = trainer.logger.logged
+    assert (prompts, completions) == (result["prompts"][:3], result["completions"][:3])
+    np.testing.assert_allclose(scores, expected[:3], atol=1e-5)
+
+
+def test_logging_steps_logs_every_n_updates_and_the_last(tmp_path):
+    """logging_steps=2 over 5 updates: metrics.jsonl holds updates 2, 4 and the last one, 5 (train() still
+    returns every update's metrics)."""
+    import json
+
+    trainer = make_trainer(tmp_path, logging_steps=2, total_episodes=16 * 5)
+    history = trainer.train(progress=False)
+    assert len(history) == 5
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [2, 4, 5]
+    for row in rows:
+        assert row["objective/kl"] == pytest.approx(history[row["step"] - 1]["objective/kl"], rel=1e-6)
+
+
+def test_a_mixed_precision_update_moves_the_parameters_as_float32s_does(tmp_path):
+    """One legacy step() (4 epochs of Adam on the same queries, responses and scores) under `mixed` (float32
+    weights and moments, bfloat16 matmuls) and under `float32`: the parameters stay float32 and their change is
+    float32's up to bfloat16 rounding (same direction and size), yet not identical (the matmuls did change)."""
+    changes = {}
+    for precision in ("float32", "mixed"):
+        trainer = make_trainer(tmp_path / precision, precision=precision, stop_token="eos")
+        queries = [trainer.tokenizer(p)["input_ids"] for p in PROMPTS[:16]]
+        responses = [np.random.default_rng(i).integers(2, 16, size=8) for i in range(16)]
+        before = [np.asarray(x, np.float64) for x in jax.tree.leaves(trainer.state.params)]
+        trainer.step(queries, responses, np.linspace(-1, 1, 16))
+        after = jax.tree.leaves(trainer.state.params)
+        assert all(x.dtype == np.float32 for x in after), precision
+        changes[precision] = np.concatenate([np.ravel(np.asarray(a, np.float64) - b) for a, b in zip(after, before)])
+    f32, mixed = changes["float32"], changes["mixed"]
+    cosine = f32 @ mixed / (np.linalg.norm(f32) * np.linalg.norm(mixed))
+    assert cosine > 0.95, cosine
+    assert 0.9 < np.linalg.norm(mixed) / np.linalg.norm(f32) < 1.1
+    assert not np.array_equal(f32, mixed)

@@ -200,6 +200,14 @@ def _reward_dirs(root: Path):
     return causal, two
 
 
+def _bad_prompt_files(root: Path) -> None:
+    """Prompt files with a malformed line 2 (JSONL), a Latin-1 byte on line 3, a JSON syntax error found on line 4."""
+    (root / "broken.jsonl").write_text('{"prompt": "one"}\n{"prompt": "two",}\n{"prompt": "three"}\n')
+    (root / "latin1.jsonl").write_bytes('{"prompt": "one"}\n{"prompt": "two"}\n{"prompt": "caf\u00e9"}\n'
+                                        .encode("latin-1"))
+    (root / "broken.json").write_text('[\n  {"prompt": "one"},\n  {"prompt": "two"\n]\n')
+
+
 BUILD_ERRORS = {
     "stop token outside the vocabulary": (["stop_token_id=500"],
                                           r"stop_token_id=500 is outside the policy's vocabulary \(vocab_size=16\)"),
@@ -208,7 +216,17 @@ BUILD_ERRORS = {
     "a causal LM as the reward model": (["reward_model_path={causal}", "reward_function=null"],
                                         r"is a LlamaForCausalLM checkpoint, not a reward model"),
     "a 2-label classifier as the reward model": (["reward_model_path={two}", "reward_function=null"],
-                                                 r"classifier with 2 labels"),
+                                                 r"classifier with 2 labels \(0 = NEGATIVE, 1 = POSITIVE\).*"
+                                                 r"set reward_model_label to its index"),
+    "a label the classifier does not have": (["reward_model_path={two}", "reward_function=null",
+                                              "reward_model_label=2"],
+                                             r"reward_model_label=2 is not an output of .* which has 2 label"),
+    "a malformed JSONL prompt file": (["dataset={data}/broken.jsonl"],
+                                      r"broken.jsonl: line 2 is not valid JSON"),
+    "a prompt file that is not UTF-8": (["dataset={data}/latin1.jsonl"],
+                                        r"latin1.jsonl: line 3 is not UTF-8 text \(byte 0xe9"),
+    "a JSON prompt file with a syntax error": (["dataset={data}/broken.json"],
+                                               r"broken.json: not valid JSON at line 4, column 1"),
     "mesh larger than the devices": (["mesh_data=4"], r"4 devices but 1 are in use"),
     "forward batch size that does not divide": (["local_rollout_forward_batch_size=5"],
                                                 r"does not divide batch_size=16"),
@@ -220,11 +238,14 @@ BUILD_ERRORS = {
 def test_bad_inputs_found_in_config_json_are_refused_before_loading(unloadable_dirs, tmp_path, cli_env, case):
     extra, pattern = BUILD_ERRORS[case]
     causal, two = _reward_dirs(tmp_path)
-    extra = [e.format(causal=causal, two=two) for e in extra]
+    _bad_prompt_files(tmp_path)
+    extra = [e.format(causal=causal, two=two, data=tmp_path) for e in extra]
     out = tmp_path / "run"
     compile_cache = tmp_path / "jax_cache"  # every compile writes an entry here (minimum compile time 0)
     compile_cache.mkdir()
-    proc = subprocess.run([sys.executable, "-m", "ppojax.cli", *args_for(unloadable_dirs, out, *extra)],
+    overridden = {e.split("=", 1)[0] for e in extra}
+    args = [a for a in args_for(unloadable_dirs, out) if a.split("=", 1)[0] not in overridden] + extra
+    proc = subprocess.run([sys.executable, "-m", "ppojax.cli", *args],
                           cwd=REPO, env={**cli_env, "JAX_COMPILATION_CACHE_DIR": str(compile_cache)},
                           capture_output=True, text=True, timeout=60)
     text = proc.stdout + proc.stderr

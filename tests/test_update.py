@@ -82,7 +82,7 @@ def reference_update(ac, settings, params, exp, key, kl_coef, update_index):
     opt = optax.adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0)
     opt_state = opt.init(params)
     mini = B // settings.num_mini_batches
-    first_stats, steps = None, 0
+    all_stats, steps = [], 0
     for epoch_key in jax.random.split(key, settings.num_ppo_epochs):
         order = np.asarray(jax.random.permutation(epoch_key, B))
         for m in range(settings.num_mini_batches):
@@ -95,11 +95,11 @@ def reference_update(ac, settings, params, exp, key, kl_coef, update_index):
                                     vf_coef=0.1)
 
             (_, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-            first_stats = first_stats or stats
+            all_stats.append(stats)
             updates, opt_state = opt.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
             steps += 1
-    return params, steps, first_stats
+    return params, steps, all_stats
 
 
 @pytest.mark.parametrize("num_mini_batches,grad_accum,value_head", [(1, 1, False), (2, 2, False), (4, 2, True)])
@@ -108,7 +108,8 @@ def test_update_matches_python_loop(num_mini_batches, grad_accum, value_head):
     settings = settings_for(num_ppo_epochs=2, num_mini_batches=num_mini_batches,
                             gradient_accumulation_steps=grad_accum, learning_rate=1e-2, num_updates=4)
     key, kl_coef = jax.random.key(3), jnp.float32(0.05)
-    expected, expected_steps, first = reference_update(ac, settings, params, exp, key, 0.05, 0)
+    expected, expected_steps, all_stats = reference_update(ac, settings, params, exp, key, 0.05, 0)
+    first = all_stats[0]
     optimizer = make_optimizer()
     update = make_update(ac, settings, optimizer)
     state = init_train_state(jax.tree.map(jnp.copy, params), optimizer)
@@ -125,6 +126,28 @@ def test_update_matches_python_loop(num_mini_batches, grad_accum, value_head):
         np.testing.assert_allclose(metrics["first_micro_batch/ratio"], first["ratio"], atol=1e-6)
     assert float(metrics["lr"]) == pytest.approx(1e-2)
     assert int(state.update_count) == 1
+
+
+def test_loss_metrics_are_the_loss_optimised_whatever_the_accumulation():
+    """loss/policy_avg and loss/value_avg are the mean over optimizer steps of the mini-batch loss as optimised
+    (the plain loop's), the same with 1 or 2 micro-batches per step (not 1/G of it)."""
+    ac, params, exp = build()
+    key, kl_coef = jax.random.key(5), jnp.float32(0.05)
+    by_accumulation = {}
+    for grad_accum in (1, 2):
+        settings = settings_for(num_ppo_epochs=2, num_mini_batches=2, gradient_accumulation_steps=grad_accum,
+                                learning_rate=1e-2)
+        optimizer = make_optimizer()
+        update = make_update(ac, settings, optimizer)
+        _, metrics = update(init_train_state(jax.tree.map(jnp.copy, params), optimizer), exp, key, kl_coef)
+        by_accumulation[grad_accum] = metrics
+    _, _, all_stats = reference_update(ac, settings, params, exp, key, 0.05, 0)
+    for name, short in (("loss/policy_avg", "pg_loss"), ("loss/value_avg", "vf_loss")):
+        expected = np.mean([float(stats[short]) for stats in all_stats])
+        assert abs(expected) > 1e-4, name  # a loss that is not ~0, so a factor of 1/2 would show
+        for grad_accum, metrics in by_accumulation.items():
+            np.testing.assert_allclose(float(metrics[name]), expected, rtol=1e-4, atol=1e-6,
+                                       err_msg=f"{name}, gradient_accumulation_steps={grad_accum}")
 
 
 def test_accumulated_gradients_equal_big_batch_gradient():

@@ -25,6 +25,7 @@ from flax import nnx
 from .config import ModelConfig
 from .errors import ModelLoadError
 from .families import family_for, hf_to_params, params_to_hf, tensor_name
+from .families.keys import score_labels
 from .transformer import CausalLM, CausalLMWithValueHead, ScoreModel, init_value_head
 
 log = logging.getLogger(__name__)
@@ -229,14 +230,16 @@ def _stored_head_differs(ckpt: SafetensorsCheckpoint, cfg: ModelConfig, kind: st
 
 def load_pretrained(path: str | os.PathLike, *, kind: str = "causal_lm", dtype=jnp.float32, param_dtype=None,
                     scan_layers: bool = True, remat: str = "none", attention_implementation: str = "auto",
-                    seed: int = 0):
+                    seed: int = 0, score_label: int | None = None):
     """Load a Hugging Face checkpoint directory into a ppojax model.
 
     kind: "causal_lm" -> `CausalLM`; "score" -> `ScoreModel` (reward/value models, `XForSequenceClassification`);
     "value_head" -> `CausalLMWithValueHead`. A head missing from the checkpoint (`v_head.summary.*`, or
     `score.weight` when a score model starts from a causal-LM checkpoint) is initialised randomly from `seed`,
     with a warning. dtype: compute dtype; param_dtype: storage dtype (default: dtype). remat,
-    attention_implementation, scan_layers: as the model classes' (`transformer.Backbone`).
+    attention_implementation, scan_layers: as the model classes' (`transformer.Backbone`). score_label: for a
+    classifier with several labels loaded as a "score" model, the label whose logit is the score (None: the
+    checkpoint must have one label).
     Returns `(model, cfg)`.
     """
     if kind not in _MODEL_CLASSES:
@@ -253,6 +256,11 @@ def load_pretrained(path: str | os.PathLike, *, kind: str = "causal_lm", dtype=j
                     "as transformers does", path, family_for(cfg.model_type).lm_head)
         cfg = cfg.replace(tie_word_embeddings=False)
     loaded = _read_params(ckpt, cfg, kind)
+    if kind == "score" and "score" in loaded:
+        loaded["score"] = _one_score_label(loaded["score"], score_label, path)
+        if score_labels(cfg) != 1:  # the model now has the one output it scores with
+            cfg = cfg.replace(extra={k: v for k, v in cfg.extra.to_dict().items()
+                                     if k not in ("num_labels", "id2label", "label2id")})
     extra = {}
     if kind == "score" and "bias" in loaded.get("score", {}):
         extra["bias"] = True
@@ -272,6 +280,19 @@ def load_pretrained(path: str | os.PathLike, *, kind: str = "causal_lm", dtype=j
             key, (cfg.hidden_size, 1), param_dtype))}
     state = fill_state(state, loaded, param_dtype)
     return nnx.merge(graphdef, state), cfg
+
+
+def _one_score_label(head: dict, label: int | None, path) -> dict:
+    """The score head `{kernel [D, labels], bias [labels]?}` cut to the one output `label` (kernel [D, 1])."""
+    labels = head["kernel"].shape[-1]
+    if label is None:
+        if labels != 1:
+            raise ValueError(f"{path} is a classifier with {labels} labels; a score model has one output. Pass "
+                             f"score_label (config: reward_model_label) to score with one label's logit.")
+        return head
+    if not 0 <= label < labels:
+        raise ValueError(f"score_label={label} is not an output of {path}, which has {labels} label(s)")
+    return {name: np.asarray(value)[..., label:label + 1] for name, value in head.items()}
 
 
 def fill_state(state: nnx.State, arrays: dict, param_dtype) -> nnx.State:

@@ -25,7 +25,7 @@ from ..compile_cache import enable_compilation_cache
 from ..config import ConfigError, PPOConfig
 from ..models.lora import LoraSpec, resolve_target_modules, with_lora
 from ..ppo.advantages import advantage_estimator
-from ..data import PromptBatches, check_tokenizer, load_prompt_dataset, prepare_prompts
+from ..data import BUILTIN_MOVIE_REVIEWS, PromptBatches, check_tokenizer, load_prompt_dataset, prepare_prompts
 from ..rewards import FunctionScores, ModelScores
 from ..settings import StepSettings
 from ..train_step import PPOProgram
@@ -151,10 +151,12 @@ def _hf_config(path) -> dict:
         return {}
 
 
-def preflight(config: PPOConfig, *, policy_given: bool = False, reward_given: bool = False) -> None:
-    """Everything about ``config`` that the models' ``config.json`` files and the device count can refute,
-    before any weights are loaded (``ppojax train`` calls it before claiming output_dir). ``*_given``: the
-    caller passed that model as an object (its path in the config is not used)."""
+def preflight(config: PPOConfig, *, policy_given: bool = False, reward_given: bool = False,
+              dataset_given: bool = False) -> None:
+    """Everything about ``config`` that the models' ``config.json`` files, the prompt file and the device count
+    can refute, before any weights are loaded (``ppojax train`` calls it before claiming output_dir).
+    ``*_given``: the caller passed that model (or the prompts) as an object (its path in the config is not
+    used)."""
     import jax
 
     try:
@@ -197,12 +199,22 @@ def preflight(config: PPOConfig, *, policy_given: bool = False, reward_given: bo
                 "sequence-classification checkpoint (XForSequenceClassification with num_labels=1, e.g. from "
                 "TRL's RewardTrainer), or a reward_function.")
         labels = hf.get("num_labels") or len(hf.get("id2label") or {}) or 1
-        if labels != 1:
+        label = config.reward_model_label
+        if labels != 1 and label is None:
+            names = ", ".join(f"{i} = {name}" for i, name in sorted((hf.get("id2label") or {}).items()))
             raise ConfigError(
-                f"reward_model_path={config.reward_model_path!r} is a classifier with {labels} labels "
-                f"({hf.get('id2label')}); a reward model has ONE output (num_labels=1), the score.")
+                f"reward_model_path={config.reward_model_path!r} is a classifier with {labels} labels"
+                f"{f' ({names})' if names else ''}; a reward model has ONE output (num_labels=1), the score. To "
+                f"score with one label's logit, set reward_model_label to its index (e.g. "
+                f"reward_model_label: {labels - 1}).")
+        if label is not None and label >= labels:
+            raise ConfigError(f"reward_model_label={label} is not an output of reward_model_path="
+                              f"{config.reward_model_path!r}, which has {labels} label(s); use 0 to {labels - 1}.")
     if config.value_model_path is not None:
         _model_config("value model", config.value_model_path)
+    if config.dataset and not dataset_given and _dataset_source(config) != BUILTIN_MOVIE_REVIEWS:
+        # a prompt file is read in a moment; a malformed one must not cost a model load first
+        as_config_error(load_prompt_dataset, _dataset_source(config), column=config.dataset_text_field)
 
 
 def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=None, reward_model=None,
@@ -211,7 +223,8 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
     ``PPOTrainer`` arguments; see ``ppojax.trainer.PPOTrainer``)."""
     config = config.validate()
     sharding.initialize_distributed()  # a no-op on one process; must precede other device work
-    preflight(config, policy_given=model is not None, reward_given=reward_model is not None)
+    preflight(config, policy_given=model is not None, reward_given=reward_model is not None,
+              dataset_given=train_dataset is not None)
     cache_dir = enable_compilation_cache(config.compilation_cache_dir)
     mesh = as_config_error(sharding.mesh_from_config, config)
     model_options = model_kwargs(config)
@@ -249,7 +262,8 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
     if reward_model is None and config.reward_function is not None:
         reward_model = resolve_reward_function(config.reward_function)
     if reward_model is None and config.reward_model_path is not None:
-        reward_module, _ = load_model("reward model", config.reward_model_path, kind="score", **model_options)
+        reward_module, _ = load_model("reward model", config.reward_model_path, kind="score",
+                                      score_label=config.reward_model_label, **model_options)
     elif callable(reward_model) and not isinstance(reward_model, nnx.Module):
         pass
     elif reward_model is not None:
@@ -353,7 +367,7 @@ def make_program(config: PPOConfig, mesh, graphdefs, reward, *, pad_token_id: in
 
 
 def _dataset_source(config):
-    return "builtin:movie_reviews" if config.dataset == "movie_reviews" else config.dataset
+    return BUILTIN_MOVIE_REVIEWS if config.dataset == "movie_reviews" else config.dataset
 
 
 def _split_eval(ids, num_eval):

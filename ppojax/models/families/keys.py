@@ -127,12 +127,19 @@ def _around_split(ops: tuple) -> tuple[tuple, Split | None, tuple]:
 # ----------------------------------------------------------------------------------------- the whole table
 
 
+def score_labels(cfg: ModelConfig) -> int:
+    """Outputs of a sequence classifier's score head: its config.json's `num_labels` or `id2label` (else 1)."""
+    extra = cfg.extra.to_dict() if cfg.extra else {}
+    return int(extra.get("num_labels") or len(extra.get("id2label") or {}) or 1)
+
+
 def _head_keys(cfg: ModelConfig, kind: str, family: Family) -> list[Key]:
     """The task heads, shared by all families (transformers names them alike)."""
     D = cfg.hidden_size
     if kind == "score":
-        return [Key("score.weight", (1, D), ("score", "kernel"), (T(),), optional=True),
-                Key("score.bias", (1,), ("score", "bias"), optional=True)]
+        labels = score_labels(cfg)
+        return [Key("score.weight", (labels, D), ("score", "kernel"), (T(),), optional=True),
+                Key("score.bias", (labels,), ("score", "bias"), optional=True)]
     keys = [] if cfg.tie_word_embeddings else [Key(family.lm_head, (cfg.vocab_size, D), ("lm_head", "kernel"), (T(),))]
     if kind == "value_head":
         keys += [Key("v_head.summary.weight", (1, D), ("v_head", "kernel"), (T(),), optional=True),
