@@ -1,6 +1,8 @@
 """The rollout half of the PPO program (``ppojax.train_step.make_rollout``) against SPEC's rollout steps, with
 independent references: torch transformers forwards (TRL's forward / get_reward) for log-probs, values and
 scores, numpy for truncation and masks; the Python reward-function path; no recompilation across rollouts."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -148,6 +150,20 @@ def test_experience_with_stop_token(models, rollouts):
     # same key: identical samples up to and including the stop token, pad after (one key per step)
     free_raw, raw = np.asarray(free.query_responses)[:, P:], np.asarray(exp.query_responses)[:, P:]
     np.testing.assert_array_equal(np.where(np.asarray(exp.padding_mask), PAD, free_raw), raw)
+
+
+def test_num_eos_tokens_counts_the_sampled_eos_tokens(models, rollouts):
+    """val/num_eos_tokens (TRL's): eos tokens in the sampled responses; here eos is a token some rows emit, once
+    or more, when nothing stops the sampling."""
+    key, (free_settings, free), _ = rollouts
+    raw = np.asarray(free.query_responses)[:, P:]
+    values, counts = np.unique(raw, return_counts=True)
+    eos = int(values[np.argmax(counts)])  # the most sampled token: several occurrences
+    assert counts.max() > 1
+    settings = dataclasses.replace(free_settings, eos_token_id=eos)
+    exp = make_experience(models, settings, key)
+    np.testing.assert_array_equal(np.asarray(exp.query_responses), np.asarray(free.query_responses))
+    assert int(exp.num_eos_tokens) == int(np.sum(raw == eos)) == counts.max()
 
 
 @pytest.mark.parametrize("forward_batch_size", [None, 1])

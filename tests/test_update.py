@@ -142,6 +142,12 @@ def test_loss_metrics_are_the_loss_optimised_whatever_the_accumulation():
         _, metrics = update(init_train_state(jax.tree.map(jnp.copy, params), optimizer), exp, key, kl_coef)
         by_accumulation[grad_accum] = metrics
     _, _, all_stats = reference_update(ac, settings, params, exp, key, 0.05, 0)
+    # TRL's val/ratio and val/ratio_var: mean and unbiased variance of the optimizer steps' mean ratios (here one
+    # micro-batch per step)
+    ratios = [float(stats["ratio"]) for stats in all_stats]
+    np.testing.assert_allclose(float(by_accumulation[1]["val/ratio"]), np.mean(ratios), rtol=1e-6)
+    np.testing.assert_allclose(float(by_accumulation[1]["val/ratio_var"]), np.var(ratios, ddof=1), rtol=1e-3)
+    assert np.var(ratios, ddof=1) > 0
     for name, short in (("loss/policy_avg", "pg_loss"), ("loss/value_avg", "vf_loss")):
         expected = np.mean([float(stats[short]) for stats in all_stats])
         assert abs(expected) > 1e-4, name  # a loss that is not ~0, so a factor of 1/2 would show
