@@ -255,9 +255,12 @@ def main(argv=None) -> int:
         if not hasattr(args, "overrides") or any(e.startswith("-") or "=" not in e for e in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides += extra
+    output_dir = None
     try:
         if args.command == "train":
-            run_training(PPOConfig.from_yaml(args.config, args.overrides))
+            config = PPOConfig.from_yaml(args.config, args.overrides)
+            output_dir = Path(config.output_dir)
+            run_training(config)
         elif args.command == "plan":
             run_plan(args)
         else:
@@ -273,7 +276,7 @@ def main(argv=None) -> int:
             print(f"ppojax: {err}", file=sys.stderr)
             return err.exit_code
         if isinstance(err, OSError) and err.errno in DISK_FULL:
-            print(f"ppojax: error: {_disk_full_message(err, args)}", file=sys.stderr)
+            print(f"ppojax: error: {_disk_full_message(err, output_dir)}", file=sys.stderr)
             return 1
         if not isinstance(err, (CheckpointError, RewardFunctionError, FloatingPointError)):
             raise
@@ -285,11 +288,20 @@ def main(argv=None) -> int:
 DISK_FULL = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
 
 
-def _disk_full_message(err: OSError, args) -> str:
-    where = err.filename or "the output directory"
-    return (f"{err.strerror} while writing {where}: the disk (or the file-size limit) is full. Nothing written "
-            "before it is lost; free space and continue with resume=auto (the last complete checkpoint is "
-            "intact).")
+def _disk_full_message(err: OSError, output_dir: Path | None) -> str:
+    """One line for a write that failed for want of space: the file (or the run's directory) and what to do,
+    which depends on whether the run has a complete checkpoint to continue from."""
+    where = err.filename or (f"into {output_dir}" if output_dir is not None else "the output directory")
+    what = f"{err.strerror} while writing {where}: the disk (or the file-size limit) is full."
+    if output_dir is None:
+        return f"{what} Free space and run again."
+    from .checkpoint import latest_checkpoint
+    checkpoint = latest_checkpoint(output_dir / "checkpoints", log=lambda line: None)
+    if checkpoint is None:
+        return (f"{what} No checkpoint was written yet; free space and start again (overwrite_output_dir=true "
+                f"moves the unfinished run in {output_dir} aside).")
+    return (f"{what} The last complete checkpoint, {checkpoint}, is intact; free space and continue with "
+            "resume=auto.")
 
 
 if __name__ == "__main__":

@@ -200,6 +200,32 @@ def _reward_dirs(root: Path):
     return causal, two
 
 
+def test_a_full_disk_during_training_is_one_message_and_leaves_nothing_half_written(tiny_dirs, tmp_path, cli_env):
+    """`ppojax train` under a 4 KB file-size limit (`ulimit -f`: EFBIG, as a full disk gives ENOSPC): whichever
+    write fails first (TensorBoard, metrics or the first checkpoint), ONE error line names the run's directory
+    and what to do, exit 1, no traceback; no .tmp debris; every metrics line that was written is whole."""
+    import resource
+
+    out = tmp_path / "run"
+    env = {k: v for k, v in cli_env.items() if not k.startswith("JAX_PERSISTENT_CACHE")
+           and k != "JAX_COMPILATION_CACHE_DIR"}
+    limit = 4096
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    proc = subprocess.run([sys.executable, "-m", "ppojax.cli", *args_for(tiny_dirs, out, "compilation_cache_dir=none")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300, preexec_fn=small_files)
+    text = proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("ppojax: error:")]
+    assert proc.returncode == 1 and "Traceback" not in text, text[-3000:]
+    assert len(errors) == 1 and "too large while writing" in errors[0] and str(out) in errors[0], text[-3000:]
+    assert "No checkpoint was written yet" in errors[0] or "no earlier checkpoint exists" in errors[0], errors[0]
+    assert not [p for p in out.rglob("*") if ".tmp" in p.name]
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        json.loads(line)
+
+
 def _bad_prompt_files(root: Path) -> None:
     """Prompt files with a malformed line 2 (JSONL), a Latin-1 byte on line 3, a JSON syntax error found on line 4."""
     (root / "broken.jsonl").write_text('{"prompt": "one"}\n{"prompt": "two",}\n{"prompt": "three"}\n')
