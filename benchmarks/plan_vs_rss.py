@@ -13,6 +13,8 @@ the same config (``ppojax plan ... --programs rollout,update --json``).
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import json
 import os
 import subprocess
@@ -26,11 +28,16 @@ OVERRIDES = ["precision=float32", "remat=none", "max_prompt_length=32", "respons
              "stop_token=eos"]
 
 
-def _rss_mb() -> float:
+def _status_mb(field: str) -> float:
+    """A ``/proc/self/status`` memory field (VmRSS, VmHWM: the peak since the last ``clear_refs``) in MB."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
+
+
+def _rss_mb() -> float:
+    return _status_mb("VmRSS")
 
 
 def phase(name: str, model_dir: str, overrides: list) -> dict:
@@ -45,34 +52,46 @@ def phase(name: str, model_dir: str, overrides: list) -> dict:
     from ppojax.config import PPOConfig
     from ppojax.models import CausalLM, ScoreModel, load_pretrained, load_tokenizer
     from ppojax.plan import PRESETS, model_config_for
-    from ppojax.train.build import build_run
+    from ppojax.train.build import build_run, model_kwargs
     from ppojax.train_step import make_rollout, make_update, rollout_part
 
     config = PPOConfig.from_yaml(REPO / "configs/plan.yaml", overrides)
     runtime_mb = _rss_mb()
+    options = model_kwargs(config)  # the config's precision and remat, as the plan compiles them
     if model_dir == "random":  # a random init of SmolLM2's config (same shapes)
         cfg, _, _ = model_config_for("smollm2-135m")
-        policy = CausalLM(cfg, rngs=nnx.Rngs(0))
+        policy = CausalLM(cfg, rngs=nnx.Rngs(0), **options)
         tokenizer_dir = DEFAULT_DIR if DEFAULT_DIR.is_dir() else None
     else:
-        policy, cfg = load_pretrained(model_dir)
+        policy, cfg = load_pretrained(model_dir, **options)
         tokenizer_dir = model_dir
     tokenizer = _tokenizer(tokenizer_dir, cfg)
-    reward = ScoreModel(policy.cfg, rngs=nnx.Rngs(1))
+    reward = ScoreModel(policy.cfg, rngs=nnx.Rngs(1), **options)
     run = build_run(config, processing_class=tokenizer, model=policy, reward_model=reward)
     del policy, reward
+    jax.block_until_ready(run.state)  # the state's initialisation runs asynchronously
     prompts = jnp.full((run.settings.batch_size, config.max_prompt_length), 5, jnp.int32)
     key = jax.random.key(0)
     built_mb = _rss_mb()
     if name == "rollout":
-        experience, _ = make_rollout(run.program)(run.state, prompts, key)
-        jax.block_until_ready(experience)
+        program = make_rollout(run.program).jitted
+        args = (run.state, prompts, key)
     else:
         shapes, _ = jax.eval_shape(lambda s, p, k: rollout_part(run.program, s, p, k), run.state, prompts, key)
         experience = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-        state, metrics = make_update(run.program, run.state_shardings)(run.state, experience, key)
-        jax.block_until_ready((state, metrics))
+        program = make_update(run.program, run.state_shardings)
+        args = (run.state, experience, key)
+    compiled = program.lower(*args).compile()
+    # The program's own peak: compiled beforehand (the compiler's memory is not the program's), freed memory
+    # handed back to the kernel, then the kernel's high-water mark reset (clear_refs 5) just before the call.
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    before_mb = _rss_mb()
+    Path("/proc/self/clear_refs").write_text("5")
+    jax.block_until_ready(compiled(*args))
+    program_peak_mb = _status_mb("VmHWM")
     return {"phase": name, "runtime_rss_mb": runtime_mb, "built_rss_mb": built_mb, "peak_rss_mb": peak_rss_mb(),
+            "before_program_rss_mb": before_mb, "program_peak_rss_mb": program_peak_mb,
             "model": model_dir, "presets_checked": "smollm2-135m" in PRESETS}
 
 
@@ -131,15 +150,19 @@ def main() -> None:
         m = measured[p["name"]]
         rows.append({"program": p["name"], "plan_peak_mb": p["peak_bytes"] / 1e6,
                      "plan_resident_mb": p["resident_bytes"] / 1e6, "plan_temp_mb": p["temp_bytes"] / 1e6,
+                     "plan_arguments_mb": p["argument_bytes"] / 1e6, "plan_outputs_mb": p["output_bytes"] / 1e6,
+                     "plan_alias_mb": p["alias_bytes"] / 1e6,
                      "measured_peak_rss_mb": m["peak_rss_mb"], "runtime_rss_mb": m["runtime_rss_mb"],
-                     "built_rss_mb": m["built_rss_mb"],
+                     "built_rss_mb": m["built_rss_mb"], "before_program_rss_mb": m.get("before_program_rss_mb"),
+                     "program_peak_rss_mb": m.get("program_peak_rss_mb"),
                      "exit_code": m.get("exit_code", 0)})
     result = {"machine": machine_info(), "overrides": overrides, "model": args.smollm2_dir, "rows": rows}
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     for r in rows:
         print(f"{r['program']:<8} plan peak {r['plan_peak_mb']:8.0f} MB (resident {r['plan_resident_mb']:.0f}, "
               f"temporaries {r['plan_temp_mb']:.0f}) | measured peak RSS {r['measured_peak_rss_mb']} MB (runtime "
-              f"{r['runtime_rss_mb']} MB, after building {r['built_rss_mb']} MB)")
+              f"{r['runtime_rss_mb']} MB, after building {r['built_rss_mb']} MB); the program alone: "
+              f"{r['before_program_rss_mb']} -> {r['program_peak_rss_mb']} MB")
 
 
 if __name__ == "__main__":
