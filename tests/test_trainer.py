@@ -21,7 +21,10 @@ def make_trainer(tmp_path, **overrides):
     if "init_kl_coef" in overrides:  # the legacy name for kl_coef
         values.pop("kl_coef")
     config = PPOConfig.from_dict(values)
-    return PPOTrainer(config, processing_class=tiny_tokenizer(), model=tiny_policy(value_head=config.value_head == "policy"),
+    from ppojax.train.build import model_kwargs
+    options = {k: v for k, v in model_kwargs(config).items() if k in ("dtype", "param_dtype")}  # the precision
+    return PPOTrainer(config, processing_class=tiny_tokenizer(),
+                      model=tiny_policy(value_head=config.value_head == "policy", **options),
                       reward_model=good_fraction, train_dataset=PROMPTS)
 
 
@@ -229,3 +232,19 @@ def test_a_mixed_precision_update_moves_the_parameters_as_float32s_does(tmp_path
     assert cosine > 0.95, cosine
     assert 0.9 < np.linalg.norm(mixed) / np.linalg.norm(f32) < 1.1
     assert not np.array_equal(f32, mixed)
+
+
+def test_a_given_model_follows_the_configs_compute_choices(tmp_path):
+    """A model passed to PPOTrainer runs with the config's remat and attention implementation (as a loaded one
+    does); a precision it was not built with is refused before anything runs, naming the fix."""
+    from flax import nnx
+
+    trainer = make_trainer(tmp_path, remat="full", attention_implementation="xla", total_episodes=16)
+    model = nnx.merge(trainer.run.program.actor_critic.policy_graphdef, trainer.state.params["policy"])
+    assert (model.backbone.remat, model.backbone.attention_implementation) == ("full", "xla")
+    config = PPOConfig.from_dict(dict(output_dir=str(tmp_path / "mixed"), report_to="none", batch_size=16,
+                                      response_length=8, max_prompt_length=6, precision="mixed"))
+    with pytest.raises(ConfigError, match=r"policy passed to PPOTrainer computes in float32 with float32 weights, "
+                                          r"but precision='mixed' means bfloat16 compute over float32 weights"):
+        PPOTrainer(config, processing_class=tiny_tokenizer(), model=tiny_policy(), reward_model=good_fraction,
+                   train_dataset=PROMPTS)

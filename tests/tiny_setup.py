@@ -24,9 +24,10 @@ def tiny_config(vocab_size=len(WORDS) + 2):
         rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=1, pad_token_id=0))
 
 
-def tiny_policy(seed=0, value_head=False):
+def tiny_policy(seed=0, value_head=False, **options):
+    """options: the model classes' (dtype, param_dtype, remat, ...)."""
     cls = CausalLMWithValueHead if value_head else CausalLM
-    return cls(tiny_config(), rngs=nnx.Rngs(seed))
+    return cls(tiny_config(), rngs=nnx.Rngs(seed), **options)
 
 
 PROMPTS = [" ".join(WORDS[(i * 3 + j) % len(WORDS)] for j in range(2 + i % 3)) for i in range(64)]

@@ -238,6 +238,9 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
         model_path = resolve_model_path(config.model_name_or_path)
         kind = "value_head" if config.value_head == "policy" and uses_critic else "causal_lm"
         model, _ = load_model("policy", model_path, kind=kind, seed=config.seed, **model_options)
+    for given, role in ((model, "policy"), (ref_model, "reference model"), (reward_model, "reward model"),
+                        (value_model, "value model")):
+        follow_config(given, config, role)
     if processing_class is None:
         if model_path is None:
             raise ConfigError("processing_class (the tokenizer) is required when `model` is given.")
@@ -384,6 +387,34 @@ def model_kwargs(config) -> dict:
     compute, params = precision_dtypes(config.precision)
     return dict(dtype=compute, param_dtype=params, remat=config.remat,
                 attention_implementation=config.attention_implementation)
+
+
+def follow_config(module, config: PPOConfig, role: str) -> None:
+    """A model the caller built (PPOTrainer's ``model``, ``ref_model``, ``reward_model``, ``value_model``) runs
+    with the config's compute choices, as a model ppojax loads does: ``remat`` and
+    ``attention_implementation`` are set on its backbones (static choices: the weights are the same). Its
+    precision cannot be changed without recasting the weights, so one that differs from ``precision`` is
+    refused, naming how to build the model. Modules that are not ppojax's transformers are left alone."""
+    from ..models import precision_dtypes
+    from ..models.transformer import Backbone
+
+    if not isinstance(module, nnx.Module):
+        return
+    compute, weights = (jnp.dtype(d) for d in precision_dtypes(config.precision))
+    for _, sub in nnx.iter_modules(module):
+        if not isinstance(sub, Backbone):
+            continue
+        sub.remat = config.remat
+        sub.attention_implementation = config.attention_implementation
+        computes = {jnp.dtype(m.dtype) for _, m in nnx.iter_modules(module) if hasattr(m, "dtype")}
+        stored = {x.dtype for x in jax.tree.leaves(nnx.state(module, nnx.Param))}
+        if computes != {compute} or stored != {weights}:
+            raise ConfigError(
+                f"the {role} passed to PPOTrainer computes in {'/'.join(sorted(d.name for d in computes))} with "
+                f"{'/'.join(sorted(d.name for d in stored))} weights, but precision={config.precision!r} means "
+                f"{compute.name} compute over {weights.name} weights. Build it with the config's options, "
+                "ppojax.models.load_pretrained(path, **ppojax.train.build.model_kwargs(config)), or set "
+                "precision to match the model.")
 
 
 def _default_value_model(config, policy, reward_module, model_options):
