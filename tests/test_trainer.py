@@ -248,3 +248,34 @@ def test_a_given_model_follows_the_configs_compute_choices(tmp_path):
                                           r"but precision='mixed' means bfloat16 compute over float32 weights"):
         PPOTrainer(config, processing_class=tiny_tokenizer(), model=tiny_policy(), reward_model=good_fraction,
                    train_dataset=PROMPTS)
+
+
+def test_a_two_label_classifier_rewards_with_the_chosen_label(tmp_path):
+    """reward_model_path = a 2-label transformers classifier with reward_model_label=1: the run's scores (here
+    the held-out evaluation's) are transformers' logit 1 at the last non-pad token of prompt + completion."""
+    import torch
+    import transformers
+
+    from tests.tiny_setup import tiny_config
+
+    hf_config = transformers.AutoConfig.for_model(**tiny_config().to_hf())
+    hf_config.num_labels = 2
+    torch.manual_seed(0)
+    classifier = transformers.AutoModelForSequenceClassification.from_config(hf_config).eval()
+    classifier.save_pretrained(tmp_path / "classifier")
+    config = PPOConfig.from_dict(dict(output_dir=str(tmp_path / "run"), report_to="none", batch_size=8,
+                                      response_length=6, max_prompt_length=6, total_episodes=8, num_eval_prompts=8,
+                                      num_sample_generations=0, stop_token="eos", seed=0,
+                                      reward_model_path=str(tmp_path / "classifier"), reward_model_label=1))
+    trainer = PPOTrainer(config, processing_class=tiny_tokenizer(), model=tiny_policy(), train_dataset=PROMPTS)
+    result = trainer.evaluate(step=0)
+    queries = np.asarray(trainer.eval_queries)
+    _, _, responses = trainer._sample(queries, step=0)
+    tokens = np.concatenate([queries, responses], axis=1)
+    mask = tokens != 0
+    with torch.no_grad():
+        ids, attention = torch.tensor(tokens, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
+        logits = classifier(input_ids=ids, attention_mask=attention,
+                            position_ids=attention.cumsum(-1) - attention).logits.numpy()
+    np.testing.assert_allclose(result["scores"], logits[:, 1], atol=1e-4)
+    assert not np.allclose(logits[:, 0], logits[:, 1], atol=1e-3)  # the label matters

@@ -25,7 +25,6 @@ from flax import nnx
 from .config import ModelConfig
 from .errors import ModelLoadError
 from .families import family_for, hf_to_params, params_to_hf, tensor_name
-from .families.keys import score_labels
 from .transformer import CausalLM, CausalLMWithValueHead, ScoreModel, init_value_head
 
 log = logging.getLogger(__name__)
@@ -256,11 +255,10 @@ def load_pretrained(path: str | os.PathLike, *, kind: str = "causal_lm", dtype=j
                     "as transformers does", path, family_for(cfg.model_type).lm_head)
         cfg = cfg.replace(tie_word_embeddings=False)
     loaded = _read_params(ckpt, cfg, kind)
-    if kind == "score" and "score" in loaded:
-        loaded["score"] = _one_score_label(loaded["score"], score_label, path)
-        if score_labels(cfg) != 1:  # the model now has the one output it scores with
-            cfg = cfg.replace(extra={k: v for k, v in cfg.extra.to_dict().items()
-                                     if k not in ("num_labels", "id2label", "label2id")})
+    if kind == "score":
+        if "score" in loaded:
+            loaded["score"] = _one_score_label(loaded["score"], score_label, path)
+        cfg = one_label_config(cfg, score_label)  # the model has the one output it scores with
     extra = {}
     if kind == "score" and "bias" in loaded.get("score", {}):
         extra["bias"] = True
@@ -280,6 +278,16 @@ def load_pretrained(path: str | os.PathLike, *, kind: str = "causal_lm", dtype=j
             key, (cfg.hidden_size, 1), param_dtype))}
     state = fill_state(state, loaded, param_dtype)
     return nnx.merge(graphdef, state), cfg
+
+
+def one_label_config(cfg: ModelConfig, label: int | None = None) -> ModelConfig:
+    """`cfg` of a score model with ONE output: label `label` of the original classifier (its name kept), or
+    LABEL_0. The key tables read the head's shape from it (`families.keys.score_labels`)."""
+    extra = cfg.extra.to_dict() if cfg.extra else {}
+    names = extra.get("id2label") or {}
+    name = names.get(str(label), f"LABEL_{label}") if label is not None else "LABEL_0"
+    extra = {k: v for k, v in extra.items() if k != "num_labels"}
+    return cfg.replace(extra={**extra, "id2label": {"0": name}, "label2id": {name: 0}})
 
 
 def _one_score_label(head: dict, label: int | None, path) -> dict:
@@ -346,6 +354,8 @@ def save_pretrained(model, cfg: ModelConfig, out_dir: str | os.PathLike, tokeniz
     (default: the parameters' dtype).
     """
     kind = _kind_of(model)
+    if kind == "score":  # a ppojax ScoreModel has one output (num_labels = 1)
+        cfg = one_label_config(cfg)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state = nnx.state(model, nnx.Param) if params is None else params
@@ -359,9 +369,6 @@ def save_pretrained(model, cfg: ModelConfig, out_dir: str | os.PathLike, tokeniz
     config["architectures"] = [family_for(cfg.model_type).architectures[cfg.model_type][hf_kind]]
     config["dtype"] = {np.dtype(np.float32): "float32", np.dtype(ml_dtypes.bfloat16): "bfloat16",
                        np.dtype(np.float16): "float16"}.get(some.dtype, "float32")
-    if kind == "score":
-        config["id2label"] = {"0": "LABEL_0"}
-        config["label2id"] = {"LABEL_0": 0}
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     _write_weights(out, tensors, max_shard_bytes)
     if tokenizer is not None:

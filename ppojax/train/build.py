@@ -23,6 +23,7 @@ from .. import sharding
 from ..actor_critic import ActorCritic
 from ..compile_cache import enable_compilation_cache
 from ..config import ConfigError, PPOConfig
+from ..models.families.keys import hf_num_labels
 from ..models.lora import LoraSpec, resolve_target_modules, with_lora
 from ..ppo.advantages import advantage_estimator
 from ..data import BUILTIN_MOVIE_REVIEWS, PromptBatches, check_tokenizer, load_prompt_dataset, prepare_prompts
@@ -198,7 +199,7 @@ def preflight(config: PPOConfig, *, policy_given: bool = False, reward_given: bo
                 "reward model: it has no trained score head, so its scores would come from a random one. Use a "
                 "sequence-classification checkpoint (XForSequenceClassification with num_labels=1, e.g. from "
                 "TRL's RewardTrainer), or a reward_function.")
-        labels = hf.get("num_labels") or len(hf.get("id2label") or {}) or 1
+        labels = hf_num_labels(hf)
         label = config.reward_model_label
         if labels != 1 and label is None:
             names = ", ".join(f"{i} = {name}" for i, name in sorted((hf.get("id2label") or {}).items()))

@@ -127,10 +127,15 @@ def _around_split(ops: tuple) -> tuple[tuple, Split | None, tuple]:
 # ----------------------------------------------------------------------------------------- the whole table
 
 
+def hf_num_labels(config: dict) -> int:
+    """Outputs of a sequence classifier with this config.json, as transformers reads it: `num_labels`, else the
+    size of `id2label`, else transformers' default, 2 (transformers 5 leaves the default labels out of the file)."""
+    return int(config.get("num_labels") or len(config.get("id2label") or {}) or 2)
+
+
 def score_labels(cfg: ModelConfig) -> int:
-    """Outputs of a sequence classifier's score head: its config.json's `num_labels` or `id2label` (else 1)."""
-    extra = cfg.extra.to_dict() if cfg.extra else {}
-    return int(extra.get("num_labels") or len(extra.get("id2label") or {}) or 1)
+    """Outputs of the score head of a checkpoint with this config (:func:`hf_num_labels` of its extra fields)."""
+    return hf_num_labels(cfg.extra.to_dict() if cfg.extra else {})
 
 
 def _head_keys(cfg: ModelConfig, kind: str, family: Family) -> list[Key]:
