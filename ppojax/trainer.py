@@ -269,8 +269,8 @@ class PPOTrainer(LegacyAPI):
         queries = _whole_batch((self.eval_queries if self.eval_queries is not None else self.train_queries)[:num],
                                self.run.settings.batch_size)
         prompts, completions, responses = self._sample(queries, step=step)
-        scores = self.score_samples(queries, responses, prompts, completions)
-        self.logger.log_samples(step, prompts[:num], completions[:num], None if scores is None else scores[:num])
+        scores = self.score_samples(queries, responses, prompts, completions, rows=num)
+        self.logger.log_samples(step, prompts[:num], completions[:num], scores)
 
     def evaluate(self, step: int = 0) -> Optional[dict[str, Any]]:
         """Mean reward of near-greedy completions of the held-out prompts, scored by the run's reward (function
@@ -286,26 +286,30 @@ class PPOTrainer(LegacyAPI):
             keep = min(batch, len(self.eval_queries) - start)
             prompts += p[:keep]
             completions += c[:keep]
-            scores += self.score_samples(queries, responses, p, c)[:keep]
+            scores += self.score_samples(queries, responses, p, c, rows=keep)
         return {"mean_score": float(np.mean(scores)), "prompts": prompts, "completions": completions,
                 "scores": scores}
 
-    def score_samples(self, queries, responses, prompts: list[str], completions: list[str]) -> Optional[list]:
-        """The run's reward of sampled completions: the reward function on the texts, or the reward model (or a
-        traced reward) on the tokens, as the rollout scores them. queries i32[B, P], responses i32[B, R]
-        (truncated). None when the run has no reward source (the legacy step() API)."""
+    def score_samples(self, queries, responses, prompts: list[str], completions: list[str],
+                      rows: Optional[int] = None) -> Optional[list]:
+        """The run's reward of the first ``rows`` (default: all) sampled completions: the reward function on
+        their texts, or the reward model (or a traced reward) on the tokens, as the rollout scores them (the whole
+        batch: one compiled shape). queries i32[B, P], responses i32[B, R] (truncated). None when the run has no
+        reward source (the legacy step() API)."""
         reward = self.run.reward
+        rows = len(prompts) if rows is None else rows
         if reward is None:
             return None
-        if self.reward_fn is not None:
+        if self.reward_fn is not None:  # only the rows that count: a user's function never sees batch padding
             from .rewards import call_reward_function
             return [float(s) for s in call_reward_function(
-                self.reward_fn, prompts, completions, allow_nonfinite=self.args.on_nonfinite_reward == "skip")]
+                self.reward_fn, prompts[:rows], completions[:rows],
+                allow_nonfinite=self.args.on_nonfinite_reward == "skip")]
         if not hasattr(self, "_score_tokens"):  # one compiled program for every evaluation and sample table
             self._score_tokens = jax.jit(lambda frozen, q, r: reward.scores(frozen, q, r)[0])
         scores = self._score_tokens(self.run.state.frozen, jnp.asarray(queries, jnp.int32),
                                     jnp.asarray(responses, jnp.int32))
-        return [float(s) for s in sharding.to_host(scores)]
+        return [float(s) for s in sharding.to_host(scores)[:rows]]
 
     # ------------------------------------------------------------------------------------------------
     def save_model(self, output_dir) -> Path:

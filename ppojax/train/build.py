@@ -156,8 +156,8 @@ def preflight(config: PPOConfig, *, policy_given: bool = False, reward_given: bo
               dataset_given: bool = False) -> None:
     """Everything about ``config`` that the models' ``config.json`` files, the prompt file and the device count
     can refute, before any weights are loaded (``ppojax train`` calls it before claiming output_dir).
-    ``*_given``: the caller passed that model (or the prompts) as an object (its path in the config is not
-    used)."""
+    ``*_given``: the caller passed that model as an object (its path in the config is not used);
+    ``dataset_given``: the caller has the prompts, or reads them itself next (``build_run`` does)."""
     import jax
 
     try:
@@ -202,7 +202,8 @@ def preflight(config: PPOConfig, *, policy_given: bool = False, reward_given: bo
         labels = hf_num_labels(hf)
         label = config.reward_model_label
         if labels != 1 and label is None:
-            names = ", ".join(f"{i} = {name}" for i, name in sorted((hf.get("id2label") or {}).items()))
+            names = ", ".join(f"{i} = {name}" for i, name in
+                              sorted((hf.get("id2label") or {}).items(), key=lambda item: int(item[0])))
             raise ConfigError(
                 f"reward_model_path={config.reward_model_path!r} is a classifier with {labels} labels"
                 f"{f' ({names})' if names else ''}; a reward model has ONE output (num_labels=1), the score. To "
@@ -224,8 +225,13 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
     ``PPOTrainer`` arguments; see ``ppojax.trainer.PPOTrainer``)."""
     config = config.validate()
     sharding.initialize_distributed()  # a no-op on one process; must precede other device work
-    preflight(config, policy_given=model is not None, reward_given=reward_model is not None,
-              dataset_given=train_dataset is not None)
+    # the prompt texts are read here, once, before any model (the preflight leaves them to this)
+    preflight(config, policy_given=model is not None, reward_given=reward_model is not None, dataset_given=True)
+    texts = None
+    if train_dataset is not None or config.dataset:
+        texts = as_config_error(load_prompt_dataset,
+                                train_dataset if train_dataset is not None else _dataset_source(config),
+                                column=config.dataset_text_field)
     cache_dir = enable_compilation_cache(config.compilation_cache_dir)
     mesh = as_config_error(sharding.mesh_from_config, config)
     model_options = model_kwargs(config)
@@ -299,10 +305,7 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
 
     # ---- data ----
     train_queries = eval_queries = batches = None
-    if train_dataset is not None or config.dataset:
-        texts = as_config_error(load_prompt_dataset,
-                                train_dataset if train_dataset is not None else _dataset_source(config),
-                                column=config.dataset_text_field)
+    if texts is not None:
         prompts = as_config_error(prepare_prompts, texts, processing_class, config.max_prompt_length,
                                   chat_template=config.chat_template, stop_token_id=stop_token_id,
                                   pad_token_id=pad_token_id)
@@ -401,12 +404,12 @@ def follow_config(module, config: PPOConfig, role: str) -> None:
 
     if not isinstance(module, nnx.Module):
         return
-    compute, weights = (jnp.dtype(d) for d in precision_dtypes(config.precision))
-    for _, sub in nnx.iter_modules(module):
-        if not isinstance(sub, Backbone):
-            continue
-        sub.remat = config.remat
-        sub.attention_implementation = config.attention_implementation
+    backbones = [sub for _, sub in nnx.iter_modules(module) if isinstance(sub, Backbone)]
+    for backbone in backbones:
+        backbone.remat = config.remat
+        backbone.attention_implementation = config.attention_implementation
+    if backbones:
+        compute, weights = (jnp.dtype(d) for d in precision_dtypes(config.precision))
         computes = {jnp.dtype(m.dtype) for _, m in nnx.iter_modules(module) if hasattr(m, "dtype")}
         stored = {x.dtype for x in jax.tree.leaves(nnx.state(module, nnx.Param))}
         if computes != {compute} or stored != {weights}:
