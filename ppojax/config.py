@@ -700,6 +700,10 @@ def _problems_together(c: PPOConfig) -> list[str]:
     if c.reward_model_path is not None and c.reward_function is not None:
         out.append(f"Both reward_model_path={c.reward_model_path!r} and reward_function={c.reward_function!r} "
                    "are set; keep one of them.")
+    if c.reward_model_label is not None and c.reward_model_path is None:
+        out.append(f"reward_model_label={c.reward_model_label} is set but there is no reward_model_path (the label "
+                   "picks one output of a classifier reward model); set reward_model_path or remove "
+                   "reward_model_label.")
     if c.value_head == "policy" and c.value_model_path is not None:
         out.append(f"value_model_path={c.value_model_path!r} is set but value_head='policy' puts the value head "
                    "on the policy (the value model would be ignored); remove value_model_path or set "

@@ -95,6 +95,8 @@ BAD_CONFIGS = [
     ("skip-needs-room", "on_nonfinite_reward: skip\nmax_nonfinite_steps: 3\n", ["more than 4"]),
     ("adaptive-kl-zero", "adaptive_kl: true\nkl_coef: 0\n", ["would stay 0"]),
     ("score-norm-alone", "use_score_norm: true\n", ["use_score_scaling"]),
+    ("label-without-reward-model", "reward_model_label: 1\n",
+     ["reward_model_label=1 is set but there is no reward_model_path"]),
     ("eos-penalty-no-stop", "missing_eos_penalty: 1.0\n", ["needs a stop token", "stop_token: eos"]),
     ("two-stop-tokens", "stop_token: eos\nstop_token_id: 2\n", ["both set"]),
     ("policy-head-and-value-model", "value_head: policy\nvalue_model_path: v\n", ["value_head: separate"]),
