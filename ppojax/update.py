@@ -135,8 +135,23 @@ def _split_leading(batch, parts):
     return jax.tree.map(lambda x: x.reshape(parts, x.shape[0] // parts, *x.shape[1:]), batch)
 
 
-def _all_finite(tree):
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+def all_finite(tree) -> jax.Array:
+    """bool[]: True when no floating leaf of ``tree`` holds an inf or a NaN.
+
+    Each leaf ``x`` is multiplied by a zero vector as a matrix-vector product (``x [N, last] @ 0 [last]``):
+    ``x * 0`` is NaN exactly where ``x`` is inf or NaN and 0 elsewhere, so the sum of the products is finite
+    iff the leaf is, and no overflow of large finite values can trip it. Why not ``jnp.isfinite(x).all()``:
+    XLA:CPU writes that as a parameter-sized bool array reduced in a tree of windows, a pass several times slower
+    than the dot, which reads each gradient once at memory speed (``benchmarks/RESULTS.md``, issue 15).
+    """
+    checks = []
+    for x in jax.tree.leaves(tree):
+        if not jnp.issubdtype(x.dtype, jnp.inexact) or x.size == 0:
+            continue
+        rows = x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1)
+        zeros = jnp.zeros((rows.shape[-1],), x.dtype)
+        checks.append(jnp.sum(jnp.dot(rows, zeros, preferred_element_type=jnp.float32)))
+    return jnp.isfinite(sum(checks)) if checks else jnp.bool_(True)
 
 
 def _select(condition, new, old):
@@ -193,7 +208,7 @@ def learn(program, state, experience, key):
             zeros = jax.tree.map(jnp.zeros_like, state.params)
             grads, stats = jax.lax.scan(micro_step, zeros,
                                         _split_leading(mini, settings.gradient_accumulation_steps))
-        finite = _all_finite(grads) & jnp.all(jnp.isfinite(stats["loss"]))
+        finite = all_finite(grads) & jnp.all(jnp.isfinite(stats["loss"]))
         skip = stopped
         if settings.ratio_threshold is not None:  # legacy: drop a mini-batch whose ratio blew up
             skip = skip | (jnp.mean(stats["ratio"]) > settings.ratio_threshold)

@@ -210,3 +210,26 @@ def test_legacy_ratio_threshold_and_early_stopping_skip_steps():
     settings = settings.replace(target_kl=-1.0)
     state, metrics = make_update(ac, settings, optimizer)(fresh(), exp, jax.random.key(0), jnp.float32(0.05))
     assert int(state.optimizer_steps) == 1  # the first step runs, then the KL check stops the rest
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_all_finite_finds_every_inf_and_nan_and_nothing_else(dtype):
+    """The gradient guard's check against numpy's, leaf by leaf: one inf, -inf or NaN anywhere in any leaf
+    (a scalar, 1-D, 2-D and a stacked 4-D leaf) makes it False; the largest finite values (whose sum overflows)
+    and integer leaves do not."""
+    from ppojax.update import all_finite
+
+    rng = np.random.default_rng(0)
+    shapes = [(), (7,), (5, 3), (3, 4, 2, 6)]
+    tree = {"a": [jnp.asarray(rng.standard_normal(s), dtype) for s in shapes], "step": jnp.int32(3)}
+    check = jax.jit(all_finite)
+    assert bool(check(tree))
+    big = jax.tree.map(lambda x: jnp.full_like(x, jnp.finfo(dtype).max) if x.dtype == dtype else x, tree)
+    assert bool(check(big)) and np.isinf(np.sum([np.sum(np.asarray(x, np.float32)) for x in big["a"]]))
+    for leaf, shape in enumerate(shapes):
+        for bad in (np.inf, -np.inf, np.nan):
+            index = tuple(int(rng.integers(n)) for n in shape)
+            broken = jax.tree.map(lambda x: x, tree)
+            broken["a"][leaf] = broken["a"][leaf].at[index].set(bad)
+            expected = all(np.isfinite(np.asarray(x, np.float32)).all() for x in broken["a"])
+            assert not expected and bool(check(broken)) is expected, (shape, index, bad)
