@@ -22,6 +22,11 @@ of the update (rewards/GAE + epochs of optimizer steps), all measured after bloc
 optionally ``cpu_s`` per update (``time.process_time()`` deltas), a figure that shared-machine load
 disturbs much less than wall time.
 ``run.py`` adds the peak RSS of the worker process; the side may add any extra keys.
+
+Interleaved runs (``run.py --interleave``): ``config["turn_dir"]`` names a directory through which the
+orchestrator hands out turns, so that the two sides' updates alternate on the same machine minutes and share
+its slow and fast spells. A side calls ``Turns(config, side).wait(u)`` before update ``u`` (and starts its
+clock after it returns) and ``.done(u)`` after it; without ``turn_dir`` both do nothing.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ import resource
 import statistics
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 # ---------------------------------------------------------------------------------------------------------
 # The work
@@ -247,3 +254,32 @@ def _cpu_signature() -> str:
     except ImportError:
         return ""
     return this_cpu().signature
+
+
+class Turns:
+    """A side's half of the turn-taking of ``run.py --interleave`` (files in ``config["turn_dir"]``): a side
+    creates ``{side}.ready`` when it is set up and waits for its first turn; the orchestrator creates ``{side}.go.{u}`` when update ``u`` of ``side`` may start; the side creates
+    ``{side}.done.{u}`` when it has finished. No-ops when the config has no ``turn_dir``."""
+
+    POLL_S = 0.005  # a sleeping poll: no measurable CPU while the other side runs
+
+    def __init__(self, config: dict, side: str):
+        self.dir = Path(config["turn_dir"]) if config.get("turn_dir") else None
+        self.side = side
+
+    @property
+    def active(self) -> bool:
+        return self.dir is not None
+
+    def wait(self, update: int) -> None:
+        if self.dir is None:
+            return
+        if update == 0:  # set up (models built): the orchestrator starts the turns once both sides are
+            (self.dir / f"{self.side}.ready").touch()
+        go = self.dir / f"{self.side}.go.{update}"
+        while not go.exists():
+            time.sleep(self.POLL_S)
+
+    def done(self, update: int) -> None:
+        if self.dir is not None:
+            (self.dir / f"{self.side}.done.{update}").touch()

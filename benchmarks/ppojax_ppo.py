@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from benchmarks.common import make_config, peak_rss_mb, summarize
+from benchmarks.common import Turns, make_config, peak_rss_mb, summarize
 from ppojax.config import PPOConfig
 
 DEFAULT_REMAT = PPOConfig().remat  # ppojax's default, so the benchmark runs what a user's run does
@@ -110,14 +110,21 @@ def run(config: dict) -> dict:
     # ``stop_after_updates``: time only the first updates of a run configured for ``num_updates`` (the
     # learning-rate schedule, hence the compiled program, depends on num_updates).
     n = config.get("stop_after_updates") or config["num_updates"]
+    turns = Turns(config, "ppojax")  # run.py --interleave: the updates alternate with TRL's
+    if turns.active and scan != 1:
+        raise ValueError("interleaved runs time single train_step calls (scan=1)")
     if scan == 1:
         step = make_train_step(program, shardings)
         for u in range(n):
+            if turns.active:
+                turns.wait(u)
+                previous_end = time.perf_counter()  # the clock starts with the turn
             cpu0 = time.process_time()
             state, metrics = step(state, prompts[u * B:(u + 1) * B], jax.random.fold_in(seed_key, u))
             jax.block_until_ready((state, metrics))
             end = time.perf_counter()
             records.append({"total_s": end - previous_end, "cpu_s": time.process_time() - cpu0})
+            turns.done(u)
             previous_end = end
         compilations = step.jitted._cache_size()
     else:  # blocks of `scan` iterations, one program each; a block's time is shared by its iterations
@@ -136,6 +143,7 @@ def run(config: dict) -> dict:
             previous_end = end
         compilations = steps.jitted._cache_size()
     train_peak_rss = peak_rss_mb()  # the training loop's own; the phase programs below hold extra copies
+    turns.wait(n)  # interleaved: the phase timings run once the other side has finished
     phases = measure_phases(program, state, prompts[:B], seed_key) if config.get("phases", True) else {}
     for record in records:
         record.update(phases or {"generation_s": float("nan"), "rollout_s": float("nan"), "update_s": float("nan")})

@@ -2,13 +2,17 @@
 back to back, then the ratios ppojax / TRL and the model FLOP utilisation (MFU) of each.
 
     python -m benchmarks.run [--quick] [--json out.json] [--only trl|ppojax] [--sizes tiny,smollm2]
-                             [--threads 1,2] [--smollm2-dir DIR] [--updates N]
+                             [--threads 1,2] [--smollm2-dir DIR] [--updates N] [--interleave]
 
 - peak: ``benchmarks.peak`` in a fresh process per backend (jax here; torch in the TRL interpreter);
 - TRL: ``benchmarks.trl_ppo`` in the ``.venv-bench`` interpreter (``bash benchmarks/install.sh``), once per
   torch thread count; the fastest (steady episodes/s) is reported, with the thread count;
 - ppojax: ``benchmarks.ppojax_ppo.run(config) -> dict`` in a fresh process of this interpreter, if that
   module exists (the contract is in ``benchmarks/common.py``); otherwise reported as not available.
+
+``--interleave``: TRL (the largest ``--threads`` count) and ppojax run as two live processes whose updates
+alternate (``run_interleaved``), so both sides meet the machine's same fast and slow spells; the default runs
+them back to back.
 
 Every side runs in its own process so that thread settings and peak RSS are its own. ``--quick``: the tiny
 size only, few updates, TRL with 2 threads only, small matmuls (under two minutes).
@@ -196,22 +200,125 @@ def run_ppojax(config_path: Path, tmp: Path, timeout: float) -> dict:
     # JAX's persistent compilation cache (on in ppojax runs), empty for the measured run: its first update
     # includes every compilation, the figure compared with TRL. A second, 2-update run on the filled cache
     # gives the first update of a re-run or a resume (``warm_cache``).
-    cache = {"JAX_COMPILATION_CACHE_DIR": str(tmp / f"xla_cache_{config_path.stem}")}
+    cache = _compile_cache_env(config_path, tmp)
 
     def worker(config: Path, name: str) -> dict:
         out = tmp / f"{name}.json"
-        return _subprocess_json([sys.executable, "-m", "benchmarks.run", "--_worker", "ppojax",
-                                 "--_config", str(config), "--_out", str(out)], out, timeout,
-                                tmp / f"{name}.log", cache)
+        return _subprocess_json(_ppojax_worker_cmd(config, out), out, timeout, tmp / f"{name}.log", cache)
 
     result = worker(config_path, f"ppojax_{config_path.stem}")
     if result.get("available"):
-        warm_config = tmp / f"{config_path.stem}_warm.json"
-        warm_config.write_text(json.dumps(dict(json.loads(config_path.read_text()), stop_after_updates=2)))
-        warm = worker(warm_config, f"ppojax_{config_path.stem}_warm")
-        result["warm_cache"] = {k: warm.get(k) for k in ("time_to_first_update_s", "setup_s", "error")
-                                if k in warm}
+        _add_warm_cache_run(result, config_path, tmp, timeout)
     return result
+
+
+def _ppojax_worker_cmd(config: Path, out: Path) -> list[str]:
+    return [sys.executable, "-m", "benchmarks.run", "--_worker", "ppojax", "--_config", str(config), "--_out", str(out)]
+
+
+def _compile_cache_env(config_path: Path, tmp: Path) -> dict:
+    return {"JAX_COMPILATION_CACHE_DIR": str(tmp / f"xla_cache_{config_path.stem}")}
+
+
+def _add_warm_cache_run(result: dict, config_path: Path, tmp: Path, timeout: float) -> None:
+    """A second ppojax run of 2 updates on the compilation cache the measured run filled: the first update of a
+    re-run or a resume (``result["warm_cache"]``)."""
+    warm_config = tmp / f"{config_path.stem}_warm.json"
+    warm_config.write_text(json.dumps(dict(json.loads(config_path.read_text()), stop_after_updates=2)))
+    out = tmp / f"ppojax_{config_path.stem}_warm.json"
+    warm = _subprocess_json(_ppojax_worker_cmd(warm_config, out), out, timeout,
+                            tmp / f"ppojax_{config_path.stem}_warm.log", _compile_cache_env(config_path, tmp))
+    result["warm_cache"] = {k: warm.get(k) for k in ("time_to_first_update_s", "setup_s", "error") if k in warm}
+
+
+def _await_file(path: Path, proc: subprocess.Popen, deadline: float) -> str | None:
+    """Wait until ``path`` exists. Returns None, or why not (the process ended first, or the deadline)."""
+    while not path.exists():
+        if proc.poll() is not None:
+            return f"exited with code {proc.returncode} before {path.name}"
+        if time.perf_counter() > deadline:
+            return f"timed out waiting for {path.name}"
+        time.sleep(0.01)
+    return None
+
+
+def grant_turns(turn_dir: Path, procs: dict, num_updates: int, deadline: float) -> dict:
+    """The orchestrator's half of ``common.Turns``: once every side is ready, update u of each side in turn (the
+    order of ``procs`` in even rounds, reversed in odd ones), each started only after the previous one is done.
+    Returns {side: None, or why it failed (it exited, or the deadline passed)}; stops at the first failure."""
+    errors = {side: _await_file(turn_dir / f"{side}.ready", proc, deadline) for side, proc in procs.items()}
+    sides = list(procs)
+    for u in range(num_updates if not any(errors.values()) else 0):
+        for side in (sides if u % 2 == 0 else sides[::-1]):
+            (turn_dir / f"{side}.go.{u}").touch()
+            errors[side] = _await_file(turn_dir / f"{side}.done.{u}", procs[side], deadline)
+            if errors[side]:
+                return errors
+    return errors
+
+
+def run_interleaved(config_path: Path, tmp: Path, threads: int, timeout: float) -> tuple[dict, dict]:
+    """(TRL's result, ppojax's result) from two live processes whose updates ALTERNATE: TRL's update u, then
+    ppojax's update u (ppojax first in odd rounds), each alone on the machine and timed from the start of its
+    turn (``common.Turns``). A shared or virtual machine drifts between fast and slow spells over minutes;
+    back-to-back runs put the two sides in different spells, interleaved ones in the same. TRL runs with
+    ``threads`` torch threads; the sides' set-ups overlap (``setup_s`` is not compared); ppojax's phase
+    timings and its warm-cache run follow, alone."""
+    py = trl_python()
+    if not py.exists():
+        return ({"available": False, "reason": f"{py} not found: install TRL's environment with "
+                                                "`bash benchmarks/install.sh`"}, run_ppojax(config_path, tmp, timeout))
+    stem = config_path.stem
+    config = json.loads(config_path.read_text())
+    turn_dir = tmp / f"turns_{stem}"
+    turn_dir.mkdir()
+    shared_config = tmp / f"{stem}_interleaved.json"
+    shared_config.write_text(json.dumps(dict(config, turn_dir=str(turn_dir))))
+    outs = {side: tmp / f"{side}_{stem}_interleaved.json" for side in ("trl", "ppojax")}
+    cmds = {"trl": [str(py), "-m", "benchmarks.trl_ppo", "--config", str(shared_config), "--threads", str(threads),
+                    "--json", str(outs["trl"])],
+            "ppojax": _ppojax_worker_cmd(shared_config, outs["ppojax"])}
+    envs = {"trl": None, "ppojax": _compile_cache_env(config_path, tmp)}
+    n = config["num_updates"]
+    deadline = time.perf_counter() + 2 * timeout
+    t0, busy0, child0 = time.perf_counter(), _busy_cpu_s(), _children_cpu_s()
+    procs, logs, errors = {}, {}, {}
+    try:
+        for side, cmd in cmds.items():
+            logs[side] = open(tmp / f"{side}_{stem}_interleaved.log", "w")
+            procs[side] = subprocess.Popen(cmd, cwd=REPO, env=_env(envs[side]), stdout=logs[side],
+                                           stderr=subprocess.STDOUT)
+        errors = grant_turns(turn_dir, procs, n, deadline)
+        (turn_dir / f"ppojax.go.{n}").touch()  # ppojax's phase timings, once TRL is done
+        for side, proc in procs.items():
+            try:
+                proc.wait(timeout=max(1.0, deadline - time.perf_counter()))
+            except subprocess.TimeoutExpired:
+                errors[side] = errors.get(side) or f"timed out after {2 * timeout:.0f} s"
+    finally:
+        for side, proc in procs.items():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            logs[side].close()
+    wall = time.perf_counter() - t0
+    busy1, child1 = _busy_cpu_s(), _children_cpu_s()
+    other = None if busy0 is None or busy1 is None else max(0.0, (busy1 - busy0) - (child1 - child0)) / wall
+    results = {}
+    for side in cmds:
+        log = tmp / f"{side}_{stem}_interleaved.log"
+        if errors.get(side) or procs[side].returncode != 0 or not outs[side].exists():
+            reason = errors.get(side) or f"exit code {procs[side].returncode}"
+            results[side] = {"available": False, "error": f"{reason}: {' '.join(cmds[side])}", "log_tail": _tail(log)}
+            continue
+        result = json.loads(outs[side].read_text())
+        result.update(available=result.get("available", True), interleaved=True, process_wall_s=wall,
+                      other_load_cores=other)
+        results[side] = result
+    results["trl"].setdefault("threads", threads)
+    if results["ppojax"].get("available"):
+        _add_warm_cache_run(results["ppojax"], config_path, tmp, timeout)
+    return results["trl"], results["ppojax"]
 
 
 def _worker(config_path: str, out_path: str) -> int:
@@ -268,10 +375,14 @@ def run_size(size: str, args, tmp: Path, peak: float | None) -> dict:
                              config["response_length"], config["num_ppo_epochs"])
     entry = {"config": shown, "flops": flops}
     skip = {"available": False, "reason": "skipped (--only)"}
-    print(f"[{size}] TRL ...", file=sys.stderr, flush=True)
-    entry["trl"] = run_trl(config_path, tmp, args.threads, timeout) if args.only in (None, "trl") else skip
-    print(f"[{size}] ppojax ...", file=sys.stderr, flush=True)
-    entry["ppojax"] = run_ppojax(config_path, tmp, timeout) if args.only in (None, "ppojax") else skip
+    if args.interleave and args.only is None:
+        print(f"[{size}] TRL and ppojax, updates interleaved ...", file=sys.stderr, flush=True)
+        entry["trl"], entry["ppojax"] = run_interleaved(config_path, tmp, max(args.threads), timeout)
+    else:
+        print(f"[{size}] TRL ...", file=sys.stderr, flush=True)
+        entry["trl"] = run_trl(config_path, tmp, args.threads, timeout) if args.only in (None, "trl") else skip
+        print(f"[{size}] ppojax ...", file=sys.stderr, flush=True)
+        entry["ppojax"] = run_ppojax(config_path, tmp, timeout) if args.only in (None, "ppojax") else skip
     entry["mfu"] = {side: mfu(flops, entry[side], peak) for side in ("trl", "ppojax")
                     if entry[side].get("available") and peak and "rollout_s" in entry[side]}
     if entry["trl"].get("available") and entry["ppojax"].get("available"):
@@ -361,6 +472,9 @@ def main(argv=None) -> int:
     p.add_argument("--ppojax-remat", default=DEFAULT_REMAT, choices=["none", "full", "dots"],
                    help="ppojax's rematerialisation of the layer scan (the same gradients; default: ppojax's, "
                         f"{DEFAULT_REMAT!r}; TRL's PPOTrainer keeps every activation)")
+    p.add_argument("--interleave", action="store_true",
+                   help="run TRL (the largest --threads count) and ppojax as two live processes whose updates "
+                        "alternate, so both meet the machine's same fast and slow spells")
     p.add_argument("--_worker", help=argparse.SUPPRESS)
     p.add_argument("--_config", help=argparse.SUPPRESS)
     p.add_argument("--_out", help=argparse.SUPPRESS)

@@ -42,7 +42,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("ACCELERATE_MIXED_PRECISION", "bf16" if "--bf16" in sys.argv else "no")
 
-from benchmarks.common import make_config, peak_rss_mb, summarize  # noqa: E402
+from benchmarks.common import Turns, make_config, peak_rss_mb, summarize  # noqa: E402
 
 
 def _tokenizer(vocab_size: int, pad_id: int, bos_id: int, eos_id: int):
@@ -172,6 +172,10 @@ def run(config: dict, threads: int, device: str = "cpu", bf16: bool = False) -> 
                 "rollout_s": marks["update_start"] - start,
                 "update_s": now - marks["update_start"],
             })
+            turns.done(len(records) - 1)
+            if turns.active and len(records) < n:  # the next update starts its clock when its turn comes
+                turns.wait(len(records))
+                now, cpu_now = time.perf_counter(), time.process_time()
             marks.update(gen=[], update_start=None, prev_end=now, prev_cpu=cpu_now)
 
         def on_log(self, args, state, control, logs=None, **kw):
@@ -181,7 +185,9 @@ def run(config: dict, threads: int, device: str = "cpu", bf16: bool = False) -> 
     ppo_mod.batch_generation, ppo_mod.forward = timed_batch_generation, timed_forward
     trainer.add_callback(StepTimer())
     setup_s = time.perf_counter() - t_setup
+    turns = Turns(config, "trl")
     try:
+        turns.wait(0)
         marks["prev_end"], marks["prev_cpu"] = time.perf_counter(), time.process_time()
         trainer.train()
     finally:

@@ -114,3 +114,48 @@ def test_flops_match_torch_flop_counter():
     d = Dims.from_config(cfg)
     ours = backbone_forward(d, S) + lm_head(d, S) + _attention(d, 1) * (S * S - S * (S + 1) // 2)
     assert counter.get_total_flops() == B * ours
+
+
+_FAKE_SIDE = """
+import json, sys, time
+from benchmarks.common import Turns
+turns, spans = Turns({"turn_dir": sys.argv[1]}, sys.argv[2]), []
+for u in range(int(sys.argv[4])):
+    turns.wait(u)
+    start = time.time()
+    time.sleep(0.05)
+    spans.append([sys.argv[2], u, start, time.time()])
+    turns.done(u)
+json.dump(spans, open(sys.argv[3], "w"))
+"""
+
+
+def test_interleaved_sides_take_turns_one_update_at_a_time(tmp_path):
+    """run.py --interleave's turn-taking with two stand-in sides (processes that only sleep): every update runs
+    alone (no two spans overlap) and the rounds alternate who goes first; a side that dies is reported by
+    name instead of hanging the orchestrator."""
+    import time
+
+    from benchmarks.run import REPO, _env, grant_turns
+
+    def start(side, turn_dir, updates):
+        return subprocess.Popen([sys.executable, "-c", _FAKE_SIDE, str(turn_dir), side,
+                                 str(turn_dir / f"{side}.json"), str(updates)], cwd=REPO, env=_env())
+
+    procs = {"trl": start("trl", tmp_path, 3), "ppojax": start("ppojax", tmp_path, 3)}
+    errors = grant_turns(tmp_path, procs, 3, time.perf_counter() + 60)
+    for proc in procs.values():
+        assert proc.wait(timeout=60) == 0
+    assert errors == {"trl": None, "ppojax": None}
+    spans = sorted(json.loads((tmp_path / "trl.json").read_text()) + json.loads((tmp_path / "ppojax.json").read_text()),
+                   key=lambda span: span[2])
+    assert [(side, u) for side, u, _, _ in spans] == [("trl", 0), ("ppojax", 0), ("ppojax", 1), ("trl", 1),
+                                                      ("trl", 2), ("ppojax", 2)]
+    assert all(later[2] >= earlier[3] for earlier, later in zip(spans, spans[1:]))
+
+    failing = tmp_path / "failing"
+    failing.mkdir()
+    procs = {"trl": start("trl", failing, 3), "ppojax": start("ppojax", failing, 1)}  # ppojax stops after 1
+    errors = grant_turns(failing, procs, 3, time.perf_counter() + 60)
+    procs["trl"].kill()
+    assert errors["trl"] is None and "exited with code 0 before ppojax.done.1" in errors["ppojax"]
