@@ -258,8 +258,9 @@ def _cpu_signature() -> str:
 
 class Turns:
     """A side's half of the turn-taking of ``run.py --interleave`` (files in ``config["turn_dir"]``): a side
-    creates ``{side}.ready`` when it is set up and waits for its first turn; the orchestrator creates ``{side}.go.{u}`` when update ``u`` of ``side`` may start; the side creates
-    ``{side}.done.{u}`` when it has finished. No-ops when the config has no ``turn_dir``."""
+    creates ``{side}.ready`` when it is set up and waits for its first turn; the orchestrator creates
+    ``{side}.go.{u}`` when update ``u`` of ``side`` may start; the side creates ``{side}.done.{u}`` when it has
+    finished. No-ops when the config has no ``turn_dir``."""
 
     POLL_S = 0.005  # a sleeping poll: no measurable CPU while the other side runs
 
@@ -274,7 +275,7 @@ class Turns:
     def wait(self, update: int) -> None:
         if self.dir is None:
             return
-        if update == 0:  # set up (models built): the orchestrator starts the turns once both sides are
+        if update == 0:  # set up (models built): the turns start once every side is
             (self.dir / f"{self.side}.ready").touch()
         go = self.dir / f"{self.side}.go.{update}"
         while not go.exists():

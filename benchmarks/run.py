@@ -107,6 +107,15 @@ def wait_until_quiet() -> dict | None:
             "quiet": load is not None and load < WAIT_QUIET["below_cores"]}
 
 
+def _other_load_cores(busy0: float | None, child0: float, wall: float) -> float | None:
+    """Cores that processes other than this one's children kept busy since ``busy0`` / ``child0`` (machine busy
+    seconds and children's CPU seconds then), over ``wall`` seconds: the noise indicator of a shared machine."""
+    busy1, child1 = _busy_cpu_s(), _children_cpu_s()
+    if busy0 is None or busy1 is None:
+        return None
+    return max(0.0, (busy1 - busy0) - (child1 - child0)) / wall
+
+
 def _subprocess_json(cmd: list[str], out: Path, timeout: float, log: Path, env: dict | None = None) -> dict:
     """Run ``cmd`` (which writes JSON to ``out``); on failure a dict with ``error``.
 
@@ -124,10 +133,7 @@ def _subprocess_json(cmd: list[str], out: Path, timeout: float, log: Path, env: 
         return {"available": False, "error": f"timed out after {timeout:.0f} s: {' '.join(cmd)}",
                 "log_tail": _tail(log)}
     wall = time.perf_counter() - t0
-    busy1, child1 = _busy_cpu_s(), _children_cpu_s()
-    other = None
-    if busy0 is not None and busy1 is not None:
-        other = max(0.0, (busy1 - busy0) - (child1 - child0)) / wall
+    other = _other_load_cores(busy0, child0, wall)
     if proc.returncode != 0 or not out.exists():
         return {"available": False, "error": f"exit code {proc.returncode}: {' '.join(cmd)}",
                 "log_tail": _tail(log)}
@@ -302,8 +308,7 @@ def run_interleaved(config_path: Path, tmp: Path, threads: int, timeout: float) 
                 proc.wait()
             logs[side].close()
     wall = time.perf_counter() - t0
-    busy1, child1 = _busy_cpu_s(), _children_cpu_s()
-    other = None if busy0 is None or busy1 is None else max(0.0, (busy1 - busy0) - (child1 - child0)) / wall
+    other = _other_load_cores(busy0, child0, wall)
     results = {}
     for side in cmds:
         log = tmp / f"{side}_{stem}_interleaved.log"
