@@ -159,3 +159,33 @@ def test_interleaved_sides_take_turns_one_update_at_a_time(tmp_path):
     errors = grant_turns(failing, procs, 3, time.perf_counter() + 60)
     procs["trl"].kill()
     assert errors["trl"] is None and "exited with code 0 before ppojax.done.1" in errors["ppojax"]
+
+
+def test_layer_storage_variants_compute_the_same_gradient():
+    """benchmarks.layer_storage times four ways of storing the layers' weights; they must be four ways of
+    computing one thing: every variant's gradient equals the scan's (ppojax's way), which itself matches a
+    central finite difference of the loss."""
+    import numpy as np
+
+    from benchmarks import layer_storage
+
+    stacked = layer_storage.init_stacked(3, hidden=8, intermediate=16, q_width=8, kv_width=4, std=0.3, seed=3)
+    x = np.random.default_rng(4).standard_normal((5, 8)).astype(np.float32)
+    grads = layer_storage.gradients(stacked, x)
+    assert set(grads) == {"scan_stacked", "unrolled_separate", "unrolled_static_slices", "unstacked_per_call"}
+    reference = grads["scan_stacked"]
+    for name, g in grads.items():
+        for k in stacked:
+            assert g[k].shape == stacked[k].shape, (name, k)
+            np.testing.assert_allclose(g[k], reference[k], rtol=1e-5, atol=1e-6, err_msg=f"{name}.{k}")
+    # the reference itself: one weight of the last layer's down projection against a central difference
+    loss, _ = layer_storage.variants()["scan_stacked"]
+    bumped = {k: v.astype(np.float64) for k, v in stacked.items()}
+    eps = 1e-3
+    values = []
+    for sign in (1, -1):
+        w = {k: v.copy() for k, v in bumped.items()}
+        w["down"][2, 1, 3] += sign * eps
+        values.append(float(loss({k: v.astype(np.float32) for k, v in w.items()}, x)))
+    np.testing.assert_allclose((values[0] - values[1]) / (2 * eps), reference["down"][2, 1, 3], rtol=2e-2,
+                               atol=1e-4)
