@@ -151,6 +151,13 @@ def measure(layers: int, rows: int, reps: int) -> dict:
     return result
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: must be at least 1")
+    return value
+
+
 def main(argv=None) -> int:
     from ppojax.program_start import start_program
 
@@ -158,9 +165,9 @@ def main(argv=None) -> int:
     from benchmarks.common import machine_info
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--layers", type=int, default=30)
-    p.add_argument("--rows", type=int, default=384, help="tokens per call (the benchmark's 8 x 48)")
+    p.add_argument("--reps", type=_positive, default=10)
+    p.add_argument("--layers", type=_positive, default=30)
+    p.add_argument("--rows", type=_positive, default=384, help="tokens per call (the benchmark's 8 x 48)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     result = dict(machine=machine_info(), **measure(a.layers, a.rows, a.reps))
