@@ -140,6 +140,32 @@ def test_ppo_loss_token_weighting_adds_up_to_big_batch():
     np.testing.assert_allclose(halves, big, rtol=1e-6)
 
 
+def test_entropy_is_a_statistic_without_an_entropy_bonus():
+    """entropy_coef=0: the entropy reaches the stats but not the gradient (TRL computes it under no_grad), so
+    a non-finite entropy gradient (here d sqrt(x)/dx at 0) cannot turn the loss gradient into 0 * inf = nan.
+    entropy_coef>0: its gradient flows, -coef * d mean(entropy)."""
+    rng = np.random.default_rng(3)
+    shape = (2, 3)
+    new_logprobs, old_logprobs, advantages = (jnp.asarray(rng.normal(size=shape) * 0.1, jnp.float32)
+                                              for _ in range(3))
+    no_padding = jnp.zeros(shape, bool)
+    batch = UpdateBatch(None, old_logprobs, jnp.zeros(shape), advantages, jnp.zeros(shape), no_padding, no_padding)
+    x = jnp.zeros(shape).at[0, 0].set(0.0).at[1, 2].set(4.0)
+
+    def loss(x, coef):
+        entropy = jnp.sqrt(x)  # gradient inf at x = 0
+        loss, stats = ppo.ppo_loss(new_logprobs, jnp.zeros(shape), entropy, batch, cliprange=0.2,
+                                   cliprange_value=0.2, vf_coef=0.1, entropy_coef=coef, with_value=False)
+        return loss, stats["entropy"]
+
+    grad, entropy_stat = jax.grad(loss, has_aux=True)(x, 0.0)
+    np.testing.assert_array_equal(grad, np.zeros(shape))
+    np.testing.assert_allclose(entropy_stat, 2.0 / 6, rtol=1e-6)  # the statistic is still the mean entropy
+    x_positive = x + 1.0
+    grad_bonus, _ = jax.grad(loss, has_aux=True)(x_positive, 0.5)
+    np.testing.assert_allclose(grad_bonus, -0.5 * 0.5 / jnp.sqrt(x_positive) / 6, rtol=1e-6)
+
+
 def test_adaptive_kl_controller_formula():
     coef = ppo.adaptive_kl_update(0.2, 9.0, 256, 6.0, 10000)  # error clipped to +0.2
     np.testing.assert_allclose(coef, 0.2 * (1 + 0.2 * 256 / 10000), rtol=1e-6)

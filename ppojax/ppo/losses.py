@@ -112,6 +112,10 @@ def ppo_loss(new_logprobs, vpred, entropy, batch, *, cliprange, cliprange_value,
                                              cliprange, policy_tokens, cliprange_high=cliprange_high,
                                              dual_clip_c=dual_clip_c, loss_agg_mode=loss_agg_mode, rows=rows)
     denominator = jnp.sum(live) if policy_tokens is None else policy_tokens
+    if isinstance(entropy_coef, (int, float)) and entropy_coef == 0:
+        # Without an entropy bonus the entropy is a statistic (TRL computes it under no_grad): no backward
+        # through the vocabulary-sized softmax, and a non-finite entropy cannot reach the gradients as 0 * nan.
+        entropy = jax.lax.stop_gradient(entropy)
     mean_entropy = jnp.sum(jnp.where(live, entropy, 0.0)) / denominator
     loss = pg_loss - entropy_coef * mean_entropy
     stats = diagnostics(new_logprobs, batch.logprobs, ratio, entropy, pg_clipped, padding_mask)
