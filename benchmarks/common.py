@@ -31,6 +31,7 @@ clock after it returns) and ``.done(u)`` after it; without ``turn_dir`` both do 
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import random
@@ -284,3 +285,11 @@ class Turns:
     def done(self, update: int) -> None:
         if self.dir is not None:
             (self.dir / f"{self.side}.done.{update}").touch()
+
+
+def positive_int(text: str) -> int:
+    """argparse type for counts: an int of at least 1 (below 1: argparse's own usage error, no traceback)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: must be at least 1")
+    return value

@@ -151,23 +151,16 @@ def measure(layers: int, rows: int, reps: int) -> dict:
     return result
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value}: must be at least 1")
-    return value
-
-
 def main(argv=None) -> int:
     from ppojax.program_start import start_program
 
     start_program()  # huge pages and this CPU's XLA options, as the ppojax command runs
-    from benchmarks.common import machine_info
+    from benchmarks.common import machine_info, positive_int
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--reps", type=_positive, default=10)
-    p.add_argument("--layers", type=_positive, default=30)
-    p.add_argument("--rows", type=_positive, default=384, help="tokens per call (the benchmark's 8 x 48)")
+    p.add_argument("--reps", type=positive_int, default=10)
+    p.add_argument("--layers", type=positive_int, default=30)
+    p.add_argument("--rows", type=positive_int, default=384, help="tokens per call (the benchmark's 8 x 48)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     result = dict(machine=machine_info(), **measure(a.layers, a.rows, a.reps))

@@ -1,5 +1,5 @@
-"""`ppojax.models.attention.attention` (jax.nn.dot_product_attention) against the hand-written formula it replaced,
-recomputed here in float64 numpy: GQA, left padding, sliding windows, KV-cache decode, rows with no valid key.
+"""`ppojax.models.attention.attention` (XLA: grouped query rows; cuDNN: jax.nn.dot_product_attention) against the
+plain formula, recomputed here in float64 numpy: GQA, left padding, sliding windows, KV-cache decode, rows with no valid key.
 On an NVIDIA GPU, also cuDNN's fused kernel against the same reference (skipped elsewhere)."""
 
 import jax

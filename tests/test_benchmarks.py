@@ -189,3 +189,27 @@ def test_layer_storage_variants_compute_the_same_gradient():
         values.append(float(loss({k: v.astype(np.float32) for k, v in w.items()}, x)))
     np.testing.assert_allclose((values[0] - values[1]) / (2 * eps), reference["down"][2, 1, 3], rtol=2e-2,
                                atol=1e-4)
+
+
+def test_attention_forms_compute_the_same_gradient():
+    """benchmarks.attention_forms times jax.nn's XLA attention against ppojax's grouped rows inside a backbone's
+    forward + backward: the two must be one computation (same loss, same gradient, on a tiny GQA model with
+    left-padded rows), and ppojax's model must be left with its own attention afterwards."""
+    import jax
+    import numpy as np
+
+    import ppojax.models.transformer as transformer
+    from benchmarks import attention_forms
+    from benchmarks.common import SIZES
+    from ppojax.models import ModelConfig
+    from ppojax.models.attention import attention
+
+    cfg = ModelConfig.from_hf(dict(SIZES["tiny"]["model"], model_type="llama"))
+    assert cfg.num_heads > cfg.num_kv_heads  # grouped-query attention: the forms differ
+    fns = attention_forms.backbone_gradients(cfg, rows=3, length=12, seed=2)
+    assert set(fns) == set(attention_forms.VARIANTS)
+    (loss_nn, grad_nn), (loss_rows, grad_rows) = fns["jax_nn"](), fns["grouped_rows"]()
+    np.testing.assert_allclose(float(loss_rows), float(loss_nn), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(grad_rows), jax.tree.leaves(grad_nn)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4 * float(np.abs(b).max()))
+    assert transformer.attention is attention

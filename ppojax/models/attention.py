@@ -1,4 +1,4 @@
-"""Masked grouped-query attention through `jax.nn.dot_product_attention` (cuDNN's fused kernel or XLA).
+"""Masked grouped-query attention: cuDNN's fused kernel (through `jax.nn.dot_product_attention`) or XLA.
 
 One entry point, `attention(q, k, v, mask, ...)`, for the full forward (S queries over S keys) and for the KV-cache
 calls (S queries over T cache slots; decode is S = 1). The boolean `mask` is the single source of truth for who
@@ -15,8 +15,12 @@ passed whole; the cuDNN path turns it into an additive bias `[B, 1, S, T]`
 (`jax._src.cudnn.fused_attention_stablehlo.combine_bias_and_mask`), read per block in the forward and written as
 a bias gradient in the backward, and `is_causal` still lets it skip the blocks above the diagonal.
 
-GQA: `k, v` keep their K heads; `jax.nn.dot_product_attention` groups the H query heads itself (XLA: a reshape to
-`[B, S, K, H/K, hd]`; cuDNN: natively), so no repeat of the keys is ever materialised.
+GQA: `k, v` keep their K heads, so no repeat of the keys is ever materialised. cuDNN groups the H query heads
+natively. The XLA path (`_grouped_xla`) makes a key head's G = H/K query heads extra query rows: one batched
+product of `[G*S, hd] x [hd, T]` per (row, key head). `jax.nn.dot_product_attention`'s XLA path vmaps over the
+group instead (G products of `[S, hd] x [hd, T]`), which XLA:CPU runs no faster and usually a little slower
+(`python -m benchmarks.attention_forms`; figures in `benchmarks/RESULTS.md`). Both keep jax's float32 softmax
+and its masking constant, so a fully masked row averages every key, as there.
 
 Implementations: "xla" (any backend, any dtype), "cudnn" (NVIDIA GPU, bfloat16/float16, head_dim a multiple of 8
 and <= 128, or <= 256 from Hopper on), "auto" (cuDNN where those hold and there is more than one query, else XLA:
@@ -101,7 +105,26 @@ def attention(q: Array, k: Array, v: Array, mask: Array, *, scale: float, implem
     """
     s, hd = q.shape[1], q.shape[3]
     t = k.shape[1]
-    impl = resolve_implementation(implementation, q.dtype, hd, s, t)
+    if resolve_implementation(implementation, q.dtype, hd, s, t) == "xla":
+        return _grouped_xla(q, k, v, mask, float(scale))  # the hints are implied by the mask
     return jax.nn.dot_product_attention(
         q, k, v, mask=mask[:, None, :, :], scale=float(scale), is_causal=is_causal,
-        local_window_size=None if window is None else (window - 1, 0), implementation=impl)
+        local_window_size=None if window is None else (window - 1, 0), implementation="cudnn")
+
+
+def _grouped_xla(q: Array, k: Array, v: Array, mask: Array, scale: float) -> Array:
+    """XLA attention with each key head's query heads as extra query rows (shapes as `attention`).
+
+    Logits in float32 (bfloat16/float16 inputs accumulate in float32, as `jax.nn.dot_product_attention`'s
+    XLA path), masked with -0.7 * float32 max (its constant), float32 softmax, probabilities cast to v's dtype.
+    """
+    b, s, h, hd = q.shape
+    t, kv = k.shape[1], k.shape[2]
+    g = h // kv
+    rows = jnp.transpose(q.reshape(b, s, kv, g, hd), (0, 2, 3, 1, 4)).reshape(b, kv, g * s, hd)
+    logits = jnp.einsum("bkqd,btkd->bkqt", rows, k, preferred_element_type=jnp.float32) * jnp.float32(scale)
+    row_mask = jnp.broadcast_to(mask[:, None, None], (b, kv, g, s, t)).reshape(b, kv, g * s, t)
+    logits = jnp.where(row_mask, logits, -0.7 * jnp.finfo(jnp.float32).max)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkqt,btkd->bkqd", probs, v)  # [B, K, G*S, hd]
+    return jnp.transpose(out.reshape(b, kv, g, s, hd), (0, 3, 1, 2, 4)).reshape(b, s, h, hd).astype(q.dtype)
