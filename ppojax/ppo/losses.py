@@ -97,7 +97,8 @@ def ppo_loss(new_logprobs, vpred, entropy, batch, *, cliprange, cliprange_value,
     """loss = pg_loss + vf_coef * vf_loss + kl_loss_coef * kl_loss - entropy_coef * mean entropy, and the
     diagnostics.
 
-    new_logprobs, vpred, entropy: f32[B, R] from the current parameters (unmasked; masked here).
+    new_logprobs, vpred, entropy: f32[B, R] from the current parameters (unmasked; masked here). With a static
+    ``entropy_coef`` of 0 the entropy is only a statistic: no gradient flows through it.
     batch: the rollout's side (``ppojax.types.UpdateBatch`` or anything with these f32[B, R] / bool[B, R]
     fields): ``logprobs`` (behaviour), ``values`` (rollout values), ``advantages``, ``returns``,
     ``padding_mask``, ``padding_mask_p1``, and ``ref_logprobs`` when ``kl_loss_coef`` > 0.
