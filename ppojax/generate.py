@@ -68,12 +68,29 @@ def token_logprobs(logits, tokens, temperature):
     return chosen - jax.nn.logsumexp(scaled, axis=-1)
 
 
+def first_argmax(x):
+    """x: f[..., V] -> i32[...]: the index of the first largest value along the last axis, as ``jnp.argmax``
+    gives it (ties go to the lowest index; a NaN counts as the largest).
+
+    Two plain reductions (the maximum, then the lowest index holding it) instead of ``jnp.argmax``'s one
+    (value, index) reduction, which XLA:CPU runs as a slow scalar loop: over a vocabulary that loop cost
+    more than the rest of a categorical draw (``benchmarks/RESULTS.md``, issue 15)."""
+    nan = jnp.isnan(x)
+    top = jnp.max(x, axis=-1, keepdims=True)  # XLA:CPU's max may skip a NaN: NaN rows are told apart
+    hit = jnp.where(jnp.any(nan, axis=-1, keepdims=True), nan, x == top)
+    index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return jnp.min(jnp.where(hit, index, x.shape[-1]), axis=-1)
+
+
 def sample_logits(logits, key, *, temperature=1.0, top_k=0, top_p=1.0, greedy=False):
-    """Draw one token per row. logits: f[B, V], key: a PRNG key -> i32[B]."""
+    """Draw one token per row. logits: f[B, V], key: a PRNG key -> i32[B].
+
+    The draw is ``jax.random.categorical``'s (Gumbel-max with the same noise, so the same token for the same
+    key), its argmax taken by :func:`first_argmax`."""
     if greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return first_argmax(logits)
     weights = process_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
-    return jax.random.categorical(key, weights, axis=-1).astype(jnp.int32)
+    return first_argmax(jax.random.gumbel(key, weights.shape, weights.dtype) + weights)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from ppojax.forward import sequence_inputs  # noqa: E402
-from ppojax.generate import generate_jit, process_logits, sample_logits  # noqa: E402
+from ppojax.generate import first_argmax, generate_jit, process_logits, sample_logits  # noqa: E402
 from ppojax.models import load_pretrained  # noqa: E402
 
 torch.set_num_threads(1)
@@ -174,6 +174,33 @@ def test_truncated_sampling_frequencies(top_k, top_p):
         if top_k:
             assert allowed.sum() <= top_k
         assert _tv(draws[:, b], probs[b]) < 2 * _expected_tv(probs[b], n)
+
+
+def test_first_argmax_is_jnp_argmax():
+    """Ties go to the lowest index, a NaN counts as the largest, an all -inf row gives 0: jnp.argmax's answers."""
+    rng = np.random.default_rng(3)
+    x = rng.integers(-3, 4, size=(64, 257)).astype(np.float32)  # many ties
+    x[5, 100] = np.nan
+    x[6, [7, 200]] = np.nan
+    x[7] = -np.inf
+    x[8, :] = -np.inf
+    x[8, [30, 31]] = 1.0
+    x[9, 256] = np.inf
+    for rows in (x, x[:, :1], x.reshape(8, 8, 257)):
+        np.testing.assert_array_equal(np.asarray(jax.jit(first_argmax)(jnp.asarray(rows))),
+                                      np.asarray(jnp.argmax(jnp.asarray(rows), axis=-1)))
+
+
+@pytest.mark.parametrize("top_k", [0, 7])
+def test_sample_logits_draws_what_jax_random_categorical_draws(top_k):
+    """Same key, same token as ``jax.random.categorical`` on the same sampler weights (-inf cut included)."""
+    logits = jax.random.normal(jax.random.key(4), (8, VOCAB)) * 3.0
+    keys = jax.random.split(jax.random.key(5), 300)
+    ours = jax.jit(jax.vmap(lambda k: sample_logits(logits, k, temperature=0.7, top_k=top_k)))(keys)
+    weights = process_logits(logits, temperature=0.7, top_k=top_k)
+    theirs = jax.jit(jax.vmap(lambda k: jax.random.categorical(k, weights, axis=-1)))(keys)
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+    assert ours.dtype == jnp.int32
 
 
 def test_top_p_keeps_smallest_set_reaching_p():
