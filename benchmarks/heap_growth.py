@@ -1,6 +1,6 @@
-"""Peak memory and page faults of the SmolLM2 benchmark's ``train_step`` under three glibc malloc set-ups.
+"""Peak memory and page faults of the SmolLM2 benchmark's ``train_step`` under four malloc set-ups.
 
-    python -m benchmarks.heap_growth [--steps 5] [--modes kept_heap,plain,huge_pages] [--json F]
+    python -m benchmarks.heap_growth [--steps 5] [--modes kept_heap,plain,huge_pages,mimalloc] [--json F]
 
 Each mode runs in a fresh process: build the benchmark's PPO state (``benchmarks.ppojax_ppo.build``), compile
 the ``train_step``, run ``--steps`` steps, and record after each the step's seconds and the process's peak RSS
@@ -9,7 +9,10 @@ the ``train_step``, run ``--steps`` steps, and record after each the step's seco
 - ``kept_heap``: what ppojax did before ``ppojax/host_memory.py`` used huge pages: ``mallopt`` one arena, no
   ``mmap``, never trim (freed memory stays in the heap for reuse);
 - ``plain``: glibc's defaults (large blocks mapped and unmapped every step, 4 KiB page faults);
-- ``huge_pages``: ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` (what the ppojax command and benchmarks use now).
+- ``huge_pages``: ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` (what the ppojax command and benchmarks used
+  before mimalloc, and still do where the ``cmeel-mimalloc`` wheel is missing);
+- ``mimalloc``: the huge-page tunable and mimalloc preloaded with its purge delay, what
+  ``ppojax.host_memory.start_environment`` gives the ppojax command and the benchmarks now.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import subprocess
 import sys
 import time
 
-MODES = ("kept_heap", "plain", "huge_pages")
+MODES = ("kept_heap", "plain", "huge_pages", "mimalloc")
 MODEL_DIR = ".cache/ppojax/smollm2-135m-instruct"
 
 
@@ -54,14 +57,22 @@ def child(mode: str, steps: int) -> dict:
                         "peak_rss_mb": peak_rss_mb()})
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return {"mode": mode, "records": records, "minor_faults": usage.ru_minflt, "system_cpu_s": usage.ru_stime,
-            "user_cpu_s": usage.ru_utime, "glibc_tunables": os.environ.get("GLIBC_TUNABLES")}
+            "user_cpu_s": usage.ru_utime, "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
+            "ld_preload": os.environ.get("LD_PRELOAD")}
 
 
 def run(mode: str, steps: int) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
-    env["PPOJAX_HUGE_PAGES"] = "0"  # the ppojax code under test must not re-exec the child
-    if mode == "huge_pages":
+    from ppojax import host_memory
+
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "LD_PRELOAD", "MIMALLOC_PURGE_DELAY")}
+    if mode == "mimalloc":
+        if host_memory.mimalloc_library() is None:
+            return {"mode": mode, "error": "the cmeel-mimalloc wheel is not installed (Linux only)"}
+        env.update(host_memory.start_environment(env))
+    elif mode == "huge_pages":
         env["GLIBC_TUNABLES"] = "glibc.malloc.hugetlb=1"
+    # the ppojax code under test must not re-exec the child into another mode
+    env[host_memory.OFF_SWITCH] = env[host_memory.MIMALLOC_OFF_SWITCH] = "0"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.heap_growth", "--child", mode, "--steps", str(steps)],
                           capture_output=True, text=True, env=env)
     if proc.returncode != 0:

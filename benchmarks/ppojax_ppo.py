@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import jax
@@ -155,6 +156,7 @@ def run(config: dict) -> dict:
     out["update_compilations"] = compilations
     out["scan"] = scan
     out["advantage_estimator"] = program.settings.advantage_estimator
+    out["allocator"] = "mimalloc" if "libmimalloc" in os.environ.get("LD_PRELOAD", "") else "glibc"
     out["state_mb"] = sum(x.nbytes for x in jax.tree.leaves((state.params, state.opt_state))) / 1e6
     return out
 

@@ -1,4 +1,4 @@
-"""Transparent huge pages for glibc's malloc: XLA:CPU's per-step buffers fault in 2 MiB at a time.
+"""The process's memory allocator: XLA:CPU's per-step buffers reused (mimalloc) or faulted in 2 MiB at a time.
 
 XLA:CPU allocates a step's temporaries as ONE block (every activation, gradient and logits chunk of the
 program: gigabytes at SmolLM2) with ``malloc`` and frees it when the step ends. glibc serves a block that
@@ -13,19 +13,32 @@ From a notebook, start Python with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` in 
 ``PPOJAX_HUGE_PAGES=0`` turns it off. It does nothing off glibc Linux or where the kernel's transparent huge
 pages are ``never``.
 
-Why not keep freed memory in the heap instead (``mallopt``: no ``mmap``, never trim; ppojax did that before):
-after a step frees its block, a later small request splits the free block, the next step's block no longer
-fits anywhere and the heap grows by a whole block. A SmolLM2 run grew by 3.6 GB every few updates
+Why not keep freed memory in glibc's heap instead (``mallopt``: no ``mmap``, never trim; ppojax did that
+before): after a step frees its block, a later small request splits the free block, the next step's block no
+longer fits anywhere and the heap grows by a whole block. A SmolLM2 run grew by 3.6 GB every few updates
 (``benchmarks/RESULTS.md``).
+
+mimalloc (the ``cmeel-mimalloc`` wheel, a Linux dependency) does keep it: a freed block stays mapped for
+``MIMALLOC_PURGE_DELAY`` milliseconds and the next step's block of the same size takes its place, so a step
+no longer spends its system time faulting in and zeroing gigabytes. The same re-execution preloads it
+(``LD_PRELOAD``) when the wheel is installed, the platform is Linux and ``LD_PRELOAD`` is not already set (a
+preload of the user's own, another allocator or a sanitizer, is left alone). ``PPOJAX_MIMALLOC=0`` turns it off.
+The purge delay is 1 s unless the environment sets one: long enough to carry a block from one step to the
+next, short enough that memory freed while the models load is returned before training needs it (a 10 s delay
+raised the SmolLM2 benchmark's peak RSS by half a gigabyte).
 """
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import platform
 import sys
 
 TUNABLE = "glibc.malloc.hugetlb=1"
 OFF_SWITCH = "PPOJAX_HUGE_PAGES"
+MIMALLOC_OFF_SWITCH = "PPOJAX_MIMALLOC"
+MIMALLOC_DISTRIBUTION = "cmeel-mimalloc"
+MIMALLOC_PURGE_DELAY_MS = "1000"
 _THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
@@ -64,18 +77,50 @@ def huge_pages_requested(environ=os.environ) -> bool:
     return TUNABLE in environ.get("GLIBC_TUNABLES", "").split(":")
 
 
+def mimalloc_library() -> str | None:
+    """The path of the installed ``cmeel-mimalloc`` wheel's ``libmimalloc.so`` on Linux, else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        files = importlib.metadata.distribution(MIMALLOC_DISTRIBUTION).files or ()
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for file in files:
+        if file.name == "libmimalloc.so":
+            path = file.locate()
+            if os.path.isfile(path):
+                return str(path)
+    return None
+
+
+def start_environment(environ=os.environ) -> dict:
+    """The variables the re-executed process gets on top of ``environ`` (empty: nothing to re-execute for):
+    ``GLIBC_TUNABLES`` with the huge-page tunable added, ``LD_PRELOAD`` with mimalloc and its purge delay.
+    Each is left out when its off switch is set, when it cannot work here, or when ``environ`` already has it
+    (so the re-executed process asks for nothing more)."""
+    extra = {}
+    if not switched_off(OFF_SWITCH, environ) and not huge_pages_requested(environ) \
+            and transparent_huge_pages_usable():
+        extra["GLIBC_TUNABLES"] = ":".join(part for part in (environ.get("GLIBC_TUNABLES"), TUNABLE) if part)
+    library = None if switched_off(MIMALLOC_OFF_SWITCH, environ) or environ.get("LD_PRELOAD") else mimalloc_library()
+    if library:
+        extra["LD_PRELOAD"] = library
+        extra["MIMALLOC_PURGE_DELAY"] = environ.get("MIMALLOC_PURGE_DELAY", MIMALLOC_PURGE_DELAY_MS)
+    return extra
+
+
 def reexec_with_huge_pages() -> None:
-    """Re-execute this Python process (same interpreter, same arguments) with ``glibc.malloc.hugetlb=1`` added
-    to ``GLIBC_TUNABLES``. Returns without doing anything when the tunable is already set, when
-    ``PPOJAX_HUGE_PAGES=0``, or when huge pages are not usable here. Call it first thing, before any output,
+    """Re-execute this Python process (same interpreter, same arguments) with :func:`start_environment`'s
+    variables: glibc's huge-page tunable and mimalloc preloaded. Returns without doing anything when there is
+    nothing to add (already done, switched off, not possible here). Call it first thing, before any output,
     threads or files are opened: nothing of this process survives the exec."""
-    if switched_off(OFF_SWITCH) or huge_pages_requested() or not transparent_huge_pages_usable():
+    extra = start_environment()
+    if not extra:
         return
-    tunables = ":".join(part for part in (os.environ.get("GLIBC_TUNABLES"), TUNABLE) if part)
     argv = [sys.executable, *sys.orig_argv[1:]]
     sys.stdout.flush()
     sys.stderr.flush()
     try:
-        os.execve(sys.executable, argv, {**os.environ, "GLIBC_TUNABLES": tunables})
-    except OSError:  # e.g. the interpreter cannot be executed again: run on without huge pages
+        os.execve(sys.executable, argv, {**os.environ, **extra})
+    except OSError:  # e.g. the interpreter cannot be executed again: run on as it is
         return

@@ -1,7 +1,7 @@
 """What a ppojax program (the ``ppojax`` command, the benchmarks) does first, before JAX starts its backend.
 
-1. Re-execute once with glibc's huge-page tunable (``host_memory``): XLA:CPU's per-step buffers fault in
-   2 MiB at a time.
+1. Re-execute once with mimalloc preloaded and glibc's huge-page tunable (``host_memory``): XLA:CPU's
+   per-step buffers are reused from one step to the next instead of faulted in afresh.
 2. Add the XLA:CPU options recorded as fastest for this CPU, if any (``xla_cpu_options``): XLA reads
    ``XLA_FLAGS`` once, when the backend starts.
 

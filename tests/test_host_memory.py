@@ -1,5 +1,6 @@
-"""reexec_with_huge_pages: the process runs again with glibc's huge-page tunable, and a large buffer as XLA:CPU
-allocates one (malloc, written, freed, every step) then faults in 2 MiB pages instead of 4 KiB ones."""
+"""reexec_with_huge_pages: the process runs again with glibc's huge-page tunable and mimalloc preloaded; a large
+buffer as XLA:CPU allocates one (malloc, written, freed, every step) then faults in 2 MiB pages instead of 4 KiB
+ones under glibc, and is not faulted in again at all under mimalloc."""
 import json
 import os
 import subprocess
@@ -36,9 +37,18 @@ usable = pytest.mark.skipif(not host_memory.transparent_huge_pages_usable(),
                             reason="needs glibc >= 2.35 and transparent huge pages 'always' or 'madvise'")
 
 
-def _child(**env):
-    environ = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", host_memory.OFF_SWITCH)}
-    proc = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, cwd=REPO, timeout=120,
+# The same rounds through the process's own malloc (mimalloc when it is preloaded), and what is mapped.
+_ALLOCATOR_CHILD = _CHILD.replace('ctypes.CDLL("libc.so.6")', "ctypes.CDLL(None)").replace(
+    '"faults": faults}', '"faults": faults, "preload": os.environ.get("LD_PRELOAD"), '
+    '"purge_delay": os.environ.get("MIMALLOC_PURGE_DELAY"), "mapped": "libmimalloc" in open("/proc/self/maps").read()}')
+
+_START_VARIABLES = ("GLIBC_TUNABLES", "LD_PRELOAD", "MIMALLOC_PURGE_DELAY", host_memory.OFF_SWITCH,
+                    host_memory.MIMALLOC_OFF_SWITCH)
+
+
+def _child(script=_CHILD, **env):
+    environ = {k: v for k, v in os.environ.items() if k not in _START_VARIABLES}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=120,
                           env={**environ, **env})
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -85,3 +95,38 @@ def test_glibc_version_gate(monkeypatch):
                            (("musl", "1.2"), False), (("", ""), False)):
         monkeypatch.setattr(host_memory.platform, "libc_ver", lambda libc=libc: libc)
         assert host_memory._glibc_has_hugetlb_tunable() is expected, libc
+
+
+mimalloc = pytest.mark.skipif(host_memory.mimalloc_library() is None,
+                              reason="needs the cmeel-mimalloc wheel (a Linux dependency of ppojax)")
+
+
+@mimalloc
+def test_mimalloc_keeps_a_freed_block_for_the_next_one():
+    on = _child(_ALLOCATOR_CHILD)
+    assert on["mapped"] and on["preload"] == host_memory.mimalloc_library(), on
+    assert on["purge_delay"] == host_memory.MIMALLOC_PURGE_DELAY_MS
+    # the first round faults the block in; the next ones get the same memory back, already mapped
+    assert on["faults"][0] > 16 and max(on["faults"][1:]) < 8, on
+    off = _child(_ALLOCATOR_CHILD, PPOJAX_MIMALLOC="0")
+    assert not off["mapped"] and off["preload"] is None
+    assert min(off["faults"]) > 16, off  # glibc maps every round afresh (2 MiB or 4 KiB pages)
+    own = _child(_ALLOCATOR_CHILD, MIMALLOC_PURGE_DELAY="250")
+    assert own["purge_delay"] == "250"  # the user's setting wins
+
+
+def test_start_environment_asks_once_and_leaves_the_users_preload_alone(monkeypatch):
+    monkeypatch.setattr(host_memory, "mimalloc_library", lambda: "/x/libmimalloc.so")
+    monkeypatch.setattr(host_memory, "transparent_huge_pages_usable", lambda: True)
+    first = host_memory.start_environment({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
+    assert first == {"GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:{host_memory.TUNABLE}",
+                     "LD_PRELOAD": "/x/libmimalloc.so", "MIMALLOC_PURGE_DELAY": host_memory.MIMALLOC_PURGE_DELAY_MS}
+    assert host_memory.start_environment(first) == {}  # the re-executed process asks for nothing more
+    assert host_memory.start_environment({"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"}) == \
+        {"GLIBC_TUNABLES": host_memory.TUNABLE}
+    assert host_memory.start_environment({"PPOJAX_MIMALLOC": "off", "PPOJAX_HUGE_PAGES": "0"}) == {}
+    monkeypatch.setattr(host_memory, "mimalloc_library", lambda: None)  # not installed, or not Linux
+    assert host_memory.start_environment({}) == {"GLIBC_TUNABLES": host_memory.TUNABLE}
+    monkeypatch.undo()
+    monkeypatch.setattr(host_memory.sys, "platform", "darwin")
+    assert host_memory.mimalloc_library() is None
