@@ -64,7 +64,7 @@ def child(mode: str, steps: int) -> dict:
 def run(mode: str, steps: int) -> dict:
     from ppojax import host_memory
 
-    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "LD_PRELOAD", "MIMALLOC_PURGE_DELAY")}
+    env = {k: v for k, v in os.environ.items() if k not in host_memory.START_VARIABLES}
     if mode == "mimalloc":
         if host_memory.mimalloc_library() is None:
             return {"mode": mode, "error": "the cmeel-mimalloc wheel is not installed (Linux only)"}

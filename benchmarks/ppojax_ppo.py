@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 import jax
@@ -95,6 +94,7 @@ def build(config: dict):
 
 
 def run(config: dict) -> dict:
+    from ppojax import host_memory
     from ppojax.train_step import make_train_step, make_train_steps
 
     t_setup = time.perf_counter()
@@ -156,7 +156,7 @@ def run(config: dict) -> dict:
     out["update_compilations"] = compilations
     out["scan"] = scan
     out["advantage_estimator"] = program.settings.advantage_estimator
-    out["allocator"] = "mimalloc" if "libmimalloc" in os.environ.get("LD_PRELOAD", "") else "glibc"
+    out["allocator"] = "mimalloc" if host_memory.mimalloc_preloaded() else "glibc"
     out["state_mb"] = sum(x.nbytes for x in jax.tree.leaves((state.params, state.opt_state))) / 1e6
     return out
 

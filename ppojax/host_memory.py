@@ -39,6 +39,7 @@ OFF_SWITCH = "PPOJAX_HUGE_PAGES"
 MIMALLOC_OFF_SWITCH = "PPOJAX_MIMALLOC"
 MIMALLOC_DISTRIBUTION = "cmeel-mimalloc"
 MIMALLOC_PURGE_DELAY_MS = "1000"
+START_VARIABLES = ("GLIBC_TUNABLES", "LD_PRELOAD", "MIMALLOC_PURGE_DELAY")  # what start_environment may set
 _THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
@@ -91,6 +92,11 @@ def mimalloc_library() -> str | None:
             if os.path.isfile(path):
                 return str(path)
     return None
+
+
+def mimalloc_preloaded(environ=os.environ) -> bool:
+    """Whether this process runs with mimalloc preloaded (as :func:`start_environment` arranges)."""
+    return "libmimalloc" in environ.get("LD_PRELOAD", "")
 
 
 def start_environment(environ=os.environ) -> dict:

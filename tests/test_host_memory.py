@@ -42,8 +42,7 @@ _ALLOCATOR_CHILD = _CHILD.replace('ctypes.CDLL("libc.so.6")', "ctypes.CDLL(None)
     '"faults": faults}', '"faults": faults, "preload": os.environ.get("LD_PRELOAD"), '
     '"purge_delay": os.environ.get("MIMALLOC_PURGE_DELAY"), "mapped": "libmimalloc" in open("/proc/self/maps").read()}')
 
-_START_VARIABLES = ("GLIBC_TUNABLES", "LD_PRELOAD", "MIMALLOC_PURGE_DELAY", host_memory.OFF_SWITCH,
-                    host_memory.MIMALLOC_OFF_SWITCH)
+_START_VARIABLES = (*host_memory.START_VARIABLES, host_memory.OFF_SWITCH, host_memory.MIMALLOC_OFF_SWITCH)
 
 
 def _child(script=_CHILD, **env):
@@ -105,11 +104,12 @@ mimalloc = pytest.mark.skipif(host_memory.mimalloc_library() is None,
 def test_mimalloc_keeps_a_freed_block_for_the_next_one():
     on = _child(_ALLOCATOR_CHILD)
     assert on["mapped"] and on["preload"] == host_memory.mimalloc_library(), on
+    assert host_memory.mimalloc_preloaded({"LD_PRELOAD": on["preload"]})
     assert on["purge_delay"] == host_memory.MIMALLOC_PURGE_DELAY_MS
     # the first round faults the block in; the next ones get the same memory back, already mapped
     assert on["faults"][0] > 16 and max(on["faults"][1:]) < 8, on
     off = _child(_ALLOCATOR_CHILD, PPOJAX_MIMALLOC="0")
-    assert not off["mapped"] and off["preload"] is None
+    assert not off["mapped"] and off["preload"] is None and not host_memory.mimalloc_preloaded({})
     assert min(off["faults"]) > 16, off  # glibc maps every round afresh (2 MiB or 4 KiB pages)
     own = _child(_ALLOCATOR_CHILD, MIMALLOC_PURGE_DELAY="250")
     assert own["purge_delay"] == "250"  # the user's setting wins
