@@ -111,8 +111,23 @@ def start_environment(environ=os.environ) -> dict:
     library = None if switched_off(MIMALLOC_OFF_SWITCH, environ) or environ.get("LD_PRELOAD") else mimalloc_library()
     if library:
         extra["LD_PRELOAD"] = library
-        extra["MIMALLOC_PURGE_DELAY"] = environ.get("MIMALLOC_PURGE_DELAY", MIMALLOC_PURGE_DELAY_MS)
+        extra["MIMALLOC_PURGE_DELAY"] = _purge_delay(environ)
     return extra
+
+
+def _purge_delay(environ) -> str:
+    """The user's ``MIMALLOC_PURGE_DELAY`` if it is a whole number, else ppojax's default when unset. mimalloc
+    itself ignores a malformed value without a word, so a typo stops the start-up here instead."""
+    value = environ.get("MIMALLOC_PURGE_DELAY")
+    if value is None:
+        return MIMALLOC_PURGE_DELAY_MS
+    try:
+        int(value)
+    except ValueError:
+        raise SystemExit(f"MIMALLOC_PURGE_DELAY={value!r} is not a whole number of milliseconds: set it to one "
+                         f"(ppojax's default {MIMALLOC_PURGE_DELAY_MS}; -1 never returns freed memory, 0 at once), "
+                         f"unset it, or run without mimalloc ({MIMALLOC_OFF_SWITCH}=0).") from None
+    return value
 
 
 def reexec_with_huge_pages() -> None:

@@ -125,6 +125,11 @@ def test_start_environment_asks_once_and_leaves_the_users_preload_alone(monkeypa
     assert host_memory.start_environment({"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"}) == \
         {"GLIBC_TUNABLES": host_memory.TUNABLE}
     assert host_memory.start_environment({"PPOJAX_MIMALLOC": "off", "PPOJAX_HUGE_PAGES": "0"}) == {}
+    assert host_memory.start_environment({"MIMALLOC_PURGE_DELAY": "-1"})["MIMALLOC_PURGE_DELAY"] == "-1"
+    with pytest.raises(SystemExit, match=r"MIMALLOC_PURGE_DELAY='1s' is not a whole number.*PPOJAX_MIMALLOC=0"):
+        host_memory.start_environment({"MIMALLOC_PURGE_DELAY": "1s"})  # mimalloc alone would ignore it silently
+    assert host_memory.start_environment({"MIMALLOC_PURGE_DELAY": "1s", "PPOJAX_MIMALLOC": "0",
+                                          "PPOJAX_HUGE_PAGES": "0"}) == {}  # not preloading: not ours to judge
     monkeypatch.setattr(host_memory, "mimalloc_library", lambda: None)  # not installed, or not Linux
     assert host_memory.start_environment({}) == {"GLIBC_TUNABLES": host_memory.TUNABLE}
     monkeypatch.undo()
