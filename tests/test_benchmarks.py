@@ -213,3 +213,48 @@ def test_attention_forms_compute_the_same_gradient():
     for a, b in zip(jax.tree.leaves(grad_rows), jax.tree.leaves(grad_nn)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4 * float(np.abs(b).max()))
     assert transformer.attention is attention
+
+
+@pytest.mark.parametrize("layout", ["fwd", "dx", "dw"])
+def test_bf16_dot_forms_compute_the_product(layout, tmp_path_factory):
+    """benchmarks.bf16_dots times each form of a linear layer's three contractions; each must compute that
+    contraction: against a float64 product of the operands it multiplies (bfloat16-rounded where the form
+    rounds), exact up to float32 accumulation, except ``bf16_out``, which also rounds its output. The oneDNN
+    custom call is built and checked (every transpose flag) where its wheel and a C++ compiler are here."""
+    import numpy as np
+
+    from benchmarks import bf16_dots
+
+    tolerance = {"f32": 1e-5, "bf16_out": 1e-2, "bf16_f32acc": 1e-5, "onednn_ffi": 1e-5}
+    forms = ["f32", "bf16_out", "bf16_f32acc"]
+    library, why = _bf16_ffi_library(tmp_path_factory)
+    if library is not None:
+        forms.append("onednn_ffi")
+    for form in forms:
+        a, b = bf16_dots.operands(form, layout, tokens=12, d_in=24, d_out=40, seed=5)
+        got = np.asarray(bf16_dots.contraction(form, layout)(a, b), np.float64)
+        want = bf16_dots.reference(form, layout, a, b)
+        assert got.shape == want.shape == ((24, 40) if layout == "dw" else (12, 24 if layout == "dx" else 40))
+        error = np.abs(got - want).max() / np.abs(want).max()
+        assert error < tolerance[form], (form, layout, error)
+        if form == "onednn_ffi":  # it really multiplies bfloat16-rounded operands: not the float32 product
+            exact = (np.asarray(a.T if layout == "dw" else a, np.float64)
+                     @ np.asarray(b.T if layout == "dx" else b, np.float64))
+            assert np.abs(got - exact).max() / np.abs(exact).max() > 1e-4
+    if library is None:
+        pytest.skip(f"onednn_ffi not checked: {why}")
+
+
+_BF16_FFI = {}
+
+
+def _bf16_ffi_library(tmp_path_factory):
+    """Build and register the oneDNN custom call once per test process: (library, "") or (None, why not)."""
+    from benchmarks import bf16_dots
+
+    if "built" not in _BF16_FFI:
+        library, why = bf16_dots.build_ffi(tmp_path_factory.mktemp("ffi"))
+        if library is not None:
+            bf16_dots.register_ffi(library)
+        _BF16_FFI["built"] = (library, why)
+    return _BF16_FFI["built"]

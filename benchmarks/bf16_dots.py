@@ -1,0 +1,192 @@
+"""Which bfloat16 matmuls reach the CPU's bf16 units from jax: XLA's own dot forms, and oneDNN through jax.ffi.
+
+    python -m benchmarks.bf16_dots [--reps 20] [--tokens 384] [--json F]
+
+Times, at SmolLM2-135M's shapes (an MLP projection 576 -> 1536 and the LM head 576 -> 49152, ``tokens`` rows),
+the three contractions a linear layer's training step runs: the forward ``x @ W`` (``fwd``), the input
+gradient ``g @ W.T`` (``dx``, the weight's contracting axis is its minor one) and the weight gradient
+``x.T @ g`` (``dw``, the tokens are contracted), each in these forms:
+
+- ``f32``: float32 operands and output (ppojax's ``float32`` policy);
+- ``bf16_out``: bfloat16 operands and output (the ``mixed`` and ``bfloat16`` policies' matmuls today);
+- ``bf16_f32acc``: bfloat16 operands, float32 output (``preferred_element_type=float32``);
+- ``onednn_ffi``: oneDNN's ``dnnl_gemm_bf16bf16f32`` called as an XLA custom call (``benchmarks/ffi``), when
+  the ``onednn-cpu-gomp`` wheel and a C++ compiler are there (``pip install onednn-cpu-gomp==2023.2.0``);
+  the operands arrive as float32 and are rounded to bfloat16 inside the program, as a mixed-precision
+  layer's would be.
+
+Each figure is GFLOP/s of the best of ``reps`` calls, with the largest error relative to the largest output
+against a float64 product of the same (rounded) operands. The figures per host are in
+``benchmarks/RESULTS.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+HIDDEN, INTERMEDIATE, VOCAB = 576, 1536, 49152  # SmolLM2-135M
+FORMS = ("f32", "bf16_out", "bf16_f32acc", "onednn_ffi")
+LAYOUTS = ("fwd", "dx", "dw")
+FFI_SOURCE = Path(__file__).parent / "ffi" / "bf16_gemm.cc"
+FFI_TARGET = "ppojax_bench_bf16_gemm"
+
+
+def onednn_library() -> Path | None:
+    """The ``libdnnl.so.3*`` of the installed ``onednn-cpu-gomp`` wheel, or None."""
+    from importlib import metadata
+
+    try:
+        files = metadata.distribution("onednn-cpu-gomp").files or []
+    except metadata.PackageNotFoundError:
+        return None
+    for f in files:
+        if f.name.startswith("libdnnl.so.3"):
+            return Path(f.locate()).resolve()
+    return None
+
+
+def build_ffi(cache_dir: Path) -> tuple[Path | None, str]:
+    """Compile ``benchmarks/ffi/bf16_gemm.cc`` against oneDNN (once per source and library): (path, "") or
+    (None, why not)."""
+    import jax
+
+    lib = onednn_library()
+    if lib is None:
+        return None, "onednn-cpu-gomp is not installed (pip install onednn-cpu-gomp==2023.2.0)"
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        return None, "no C++ compiler (g++) on PATH"
+    key = hashlib.sha256(FFI_SOURCE.read_bytes() + str(lib).encode()).hexdigest()[:16]
+    out = cache_dir / f"libbf16_gemm-{key}.so"
+    if not out.exists():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        partial = out.with_suffix(".so.partial")  # never leave a half-written library under the final name
+        cmd = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", f"-I{jax.ffi.include_dir()}", str(FFI_SOURCE),
+               "-o", str(partial), str(lib), f"-Wl,-rpath,{lib.parent}"]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            return None, f"compiling {FFI_SOURCE.name} failed: {done.stderr.strip()[-400:]}"
+        partial.replace(out)
+    return out, ""
+
+
+def register_ffi(library: Path) -> None:
+    import ctypes
+
+    import jax
+
+    handler = ctypes.cdll.LoadLibrary(str(library)).Bf16Gemm
+    jax.ffi.register_ffi_target(FFI_TARGET, jax.ffi.pycapsule(handler), platform="cpu")
+
+
+def ffi_matmul(a, b, transpose_a: bool, transpose_b: bool):
+    """f32[M, N] = op(a) @ op(b) by oneDNN, a and b rounded to bfloat16 first."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    m = a.shape[1] if transpose_a else a.shape[0]
+    n = b.shape[0] if transpose_b else b.shape[1]
+    call = jax.ffi.ffi_call(FFI_TARGET, jax.ShapeDtypeStruct((m, n), jnp.float32))
+    return call(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), transpose_a=np.int64(transpose_a),
+                transpose_b=np.int64(transpose_b))
+
+
+def contraction(form: str, layout: str):
+    """The jitted function of one (form, layout): (a, b) -> product, a and b as ``operands`` makes them."""
+    import jax
+    import jax.numpy as jnp
+
+    t_a, t_b = layout == "dw", layout == "dx"
+    if form == "onednn_ffi":
+        return jax.jit(lambda a, b: ffi_matmul(a, b, t_a, t_b))
+    out = {"f32": None, "bf16_out": None, "bf16_f32acc": jnp.float32}[form]
+    return jax.jit(lambda a, b: jnp.dot(a.T if t_a else a, b.T if t_b else b, preferred_element_type=out))
+
+
+def operands(form: str, layout: str, tokens: int, d_in: int, d_out: int, seed: int = 0):
+    """(a, b) of one contraction: fwd x[T, D] @ W[D, F]; dx g[T, F] @ W[D, F].T; dw x[T, D].T @ g[T, F]."""
+    import jax
+    import jax.numpy as jnp
+
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    shapes = {"fwd": ((tokens, d_in), (d_in, d_out)), "dx": ((tokens, d_out), (d_in, d_out)),
+              "dw": ((tokens, d_in), (tokens, d_out))}[layout]
+    a, b = jax.random.normal(k1, shapes[0]), jax.random.normal(k2, shapes[1])
+    if form in ("bf16_out", "bf16_f32acc"):
+        a, b = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+    return a, b
+
+
+def reference(form: str, layout: str, a, b):
+    """float64 product of the operands the form actually multiplies (bfloat16-rounded for every bf16 form)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    if form == "onednn_ffi":
+        a, b = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return (a.T if layout == "dw" else a) @ (b.T if layout == "dx" else b)
+
+
+def measure(tokens: int = 384, reps: int = 20, forms=FORMS, cache_dir: Path | None = None) -> dict:
+    """{"results": {matrix: {layout: {form: {"gflops", "max_rel_error"}}}}, "onednn_ffi": availability}."""
+    import jax
+    import numpy as np
+
+    ffi = {"available": False, "why": "not asked for"}
+    if "onednn_ffi" in forms:
+        library, why = build_ffi(cache_dir or Path(".cache/ppojax/ffi"))
+        ffi = {"available": library is not None, "why": why}
+        if library is not None:
+            register_ffi(library)
+    results = {}
+    for matrix, d_out in (("mlp_up", INTERMEDIATE), ("lm_head", VOCAB)):
+        flops = 2 * tokens * HIDDEN * d_out
+        for layout in LAYOUTS:
+            row = results.setdefault(matrix, {}).setdefault(layout, {})
+            for form in forms:
+                if form == "onednn_ffi" and not ffi["available"]:
+                    continue
+                a, b = operands(form, layout, tokens, HIDDEN, d_out)
+                fn = contraction(form, layout)
+                got = np.asarray(jax.block_until_ready(fn(a, b)), np.float64)
+                want = reference(form, layout, a, b)
+                best = float("inf")
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(fn(a, b))
+                    best = min(best, time.perf_counter() - t0)
+                row[form] = {"gflops": flops / best / 1e9,
+                             "max_rel_error": float(np.abs(got - want).max() / np.abs(want).max())}
+    return {"tokens": tokens, "reps": reps, "onednn_ffi": ffi, "results": results}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--tokens", type=int, default=384, help="rows of the activations (8 sequences x 48)")
+    parser.add_argument("--json", default=None, help="write the report here")
+    args = parser.parse_args(argv)
+    from benchmarks.common import machine_info
+
+    report = {"machine": machine_info(), **measure(args.tokens, args.reps)}
+    if not report["onednn_ffi"]["available"]:
+        print(f"onednn_ffi: not available ({report['onednn_ffi']['why']})")
+    print(f"{'matrix':8} {'layout':6} " + " ".join(f"{f:>12}" for f in FORMS) + "   (GFLOP/s)")
+    for matrix, layouts in report["results"].items():
+        for layout, row in layouts.items():
+            cells = [f"{row[f]['gflops']:12.0f}" if f in row else f"{'-':>12}" for f in FORMS]
+            print(f"{matrix:8} {layout:6} " + " ".join(cells))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
