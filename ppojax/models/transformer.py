@@ -183,8 +183,34 @@ def _dense_in(x: Array, kernel: Array, bias: Array | None, dtype) -> Array:
     lead = x.shape[:-1]
     out_shape = kernel.shape[1:]
     k2 = kernel.astype(dtype).reshape(kernel.shape[0], -1)
-    y = jnp.dot(x.reshape(-1, x.shape[-1]), k2).reshape(*lead, *out_shape)
+    y = _matmul(x.reshape(-1, x.shape[-1]), k2, dtype).reshape(*lead, *out_shape)
     return y if bias is None else y + bias.astype(dtype)
+
+
+def _dense_out(o: Array, kernel: Array, dtype) -> Array:
+    """The attention output projection: o [B, S, H, hd] x kernel [H, hd, D] -> [B, S, D] in `dtype`."""
+    if not _float32_accumulated_16_bit(dtype):
+        return jnp.einsum("bshk,hkd->bsd", o, kernel.astype(dtype))
+    w2 = kernel.astype(dtype).reshape(-1, kernel.shape[-1])
+    return _matmul(o.reshape(-1, w2.shape[0]), w2, dtype).reshape(*o.shape[:2], w2.shape[1])
+
+
+def _float32_accumulated_16_bit(dtype) -> bool:
+    """Whether `_matmul` asks XLA for a float32 product of 16-bit operands (see there)."""
+    return jnp.dtype(dtype) != jnp.float32 and jax.devices()[0].platform == "cpu"
+
+
+def _matmul(x: Array, w: Array, dtype) -> Array:
+    """x [N, D] @ w [D, F] -> [N, F] in the compute dtype `dtype` (the operands already in it).
+
+    On the CPU a 16-bit product asks for a float32 result and rounds it to `dtype`: XLA:CPU runs a bf16 x bf16 ->
+    f32 dot in YNNPACK's bf16 kernels (the CPU's bf16 units) but a bf16 -> bf16 dot as a float32 dot after
+    converting its operands (`benchmarks.bf16_dots`). Same values: XLA accumulates in float32 either way. GPU and
+    TPU keep the plain dot, whose backward autodiff runs in 16 bits (with this form it would run in float32).
+    """
+    if not _float32_accumulated_16_bit(dtype):
+        return jnp.dot(x, w)
+    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(dtype)
 
 
 def _with_lora(y: Array, x: Array, d: dict, n_in: int, dtype, scale: float | None) -> Array:
@@ -242,7 +268,7 @@ def _block(cfg: ModelConfig, dtype, inv_freq, p: dict, x: Array, positions: Arra
         # a constant, so the per-layer factor is folded into q
         q = q * (1.0 / (layer_idx + 1).astype(jnp.float32)).astype(q.dtype)
     o = attention(q, k, v, mask, scale=cfg.head_dim ** -0.5, **attn_kwargs)
-    attn_out = jnp.einsum("bshk,hkd->bsd", o, a["o"]["kernel"].astype(dtype))
+    attn_out = _dense_out(o, a["o"]["kernel"], dtype)
     if "bias" in a["o"]:
         attn_out = attn_out + a["o"]["bias"].astype(dtype)
     attn_out = _with_lora(attn_out, o, a["o"], 2, dtype, lora_scale)
