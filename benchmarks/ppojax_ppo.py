@@ -156,6 +156,7 @@ def run(config: dict) -> dict:
     out["update_compilations"] = compilations
     out["scan"] = scan
     out["advantage_estimator"] = program.settings.advantage_estimator
+    out["precision"] = config.get("precision", "float32")
     out["allocator"] = "mimalloc" if host_memory.mimalloc_preloaded() else "glibc"
     out["state_mb"] = sum(x.nbytes for x in jax.tree.leaves((state.params, state.opt_state))) / 1e6
     return out

@@ -388,8 +388,18 @@ def run_size(size: str, args, tmp: Path, peak: float | None) -> dict:
         entry["trl"] = run_trl(config_path, tmp, args.threads, timeout) if args.only in (None, "trl") else skip
         print(f"[{size}] ppojax ...", file=sys.stderr, flush=True)
         entry["ppojax"] = run_ppojax(config_path, tmp, timeout) if args.only in (None, "ppojax") else skip
-    entry["mfu"] = {side: mfu(flops, entry[side], peak) for side in ("trl", "ppojax")
+        if args.ppojax_mixed and args.only in (None, "ppojax"):
+            # a separate row, never in place of the same-precision one: bf16 matmuls against TRL's float32
+            print(f"[{size}] ppojax, precision mixed ...", file=sys.stderr, flush=True)
+            mixed_path = tmp / f"{size}_mixed.json"
+            mixed_path.write_text(json.dumps(dict(config, precision="mixed")))
+            entry["ppojax_mixed"] = run_ppojax(mixed_path, tmp, timeout)
+    entry["mfu"] = {side: mfu(flops, entry[side], peak) for side in ("trl", "ppojax")  # float32 peak
                     if entry[side].get("available") and peak and "rollout_s" in entry[side]}
+    if entry["trl"].get("available") and entry.get("ppojax_mixed", {}).get("available"):
+        entry["ratio_ppojax_mixed_over_trl"] = {
+            k: entry["ppojax_mixed"][k] / entry["trl"][k] for k in RATIO_KEYS
+            if entry["ppojax_mixed"].get(k) is not None and entry["trl"].get(k)}
     if entry["trl"].get("available") and entry["ppojax"].get("available"):
         entry["ratio_ppojax_over_trl"] = {
             k: entry["ppojax"][k] / entry["trl"][k] for k in RATIO_KEYS
@@ -446,7 +456,13 @@ def table(report: dict) -> str:
             if m:
                 lines.append(f"MFU {side:7} rollout {m['rollout_mfu']:.1%}  update {m['update_mfu']:.1%}  "
                              f"overall {m['overall_mfu']:.1%}  ({m['overall_flops_per_s'] / 1e9:.0f} GFLOP/s)")
-        for side, r in (("TRL", trl), ("ppojax", pj)):
+        mixed = e.get("ppojax_mixed")
+        if mixed:
+            mixed_ratio = e.get("ratio_ppojax_mixed_over_trl") or {}
+            lines.append(f"ppojax, precision mixed (bfloat16 matmuls) against TRL float32, not the same precision:")
+            for label, k, unit in rows:
+                lines.append(f"{label:22}{'':>16}{_fmt(mixed.get(k), unit):>14}{_fmt(mixed_ratio.get(k)):>12}")
+        for side, r in (("TRL", trl), ("ppojax", pj)) + ((("ppojax mixed", mixed),) if mixed else ()):
             if r.get("other_load_cores") is not None:
                 lines.append(f"{side}: other processes kept {r['other_load_cores']:.2f} cores busy meanwhile")
             if not r.get("available"):
@@ -477,6 +493,9 @@ def main(argv=None) -> int:
     p.add_argument("--ppojax-remat", default=DEFAULT_REMAT, choices=["none", "full", "dots"],
                    help="ppojax's rematerialisation of the layer scan (the same gradients; default: ppojax's, "
                         f"{DEFAULT_REMAT!r}; TRL's PPOTrainer keeps every activation)")
+    p.add_argument("--ppojax-mixed", action="store_true",
+                   help="also run ppojax with precision 'mixed' (bfloat16 matmuls), reported as a separate row "
+                        "against TRL's float32 (back-to-back runs only)")
     p.add_argument("--interleave", action="store_true",
                    help="run TRL (the largest --threads count) and ppojax as two live processes whose updates "
                         "alternate, so both meet the machine's same fast and slow spells")
