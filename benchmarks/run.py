@@ -459,7 +459,7 @@ def table(report: dict) -> str:
         mixed = e.get("ppojax_mixed")
         if mixed:
             mixed_ratio = e.get("ratio_ppojax_mixed_over_trl") or {}
-            lines.append(f"ppojax, precision mixed (bfloat16 matmuls) against TRL float32, not the same precision:")
+            lines.append("ppojax, precision mixed (bfloat16 matmuls) against TRL float32, not the same precision:")
             for label, k, unit in rows:
                 lines.append(f"{label:22}{'':>16}{_fmt(mixed.get(k), unit):>14}{_fmt(mixed_ratio.get(k)):>12}")
         for side, r in (("TRL", trl), ("ppojax", pj)) + ((("ppojax mixed", mixed),) if mixed else ()):
