@@ -16,8 +16,12 @@ gradient ``g @ W.T`` (``dx``, the weight's contracting axis is its minor one) an
   layer's would be.
 
 Each figure is GFLOP/s of the best of ``reps`` calls, with the largest error relative to the largest output
-against a float64 product of the same (rounded) operands. The figures per host are in
-``benchmarks/RESULTS.md``.
+against a float64 product of the same (rounded) operands.
+
+``--step xla|onednn_backward`` times the PPO benchmark's SmolLM2 ``train_step`` (random init, ``precision:
+mixed``) instead: ``xla`` as ppojax runs it; ``onednn_backward`` with each projection's two backward products
+through the custom call (a custom VJP, its outputs saved for the backward like the dots they replace). The
+figures per host are in ``benchmarks/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -168,13 +172,84 @@ def measure(tokens: int = 384, reps: int = 20, forms=FORMS, cache_dir: Path | No
     return {"tokens": tokens, "reps": reps, "onednn_ffi": ffi, "results": results}
 
 
+def onednn_backward_matmul():
+    """(x [N, D], w [D, F]) -> bf16 [N, F]: XLA's forward dot, the two backward products through oneDNN."""
+    import jax
+    import jax.numpy as jnp
+
+    @jax.custom_vjp
+    def matmul(x, w):
+        return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+    def backward(residuals, g):
+        x, w = residuals
+        return (ffi_matmul(g, w, False, True).astype(x.dtype), ffi_matmul(x, g, True, False).astype(w.dtype))
+
+    matmul.defvjp(lambda x, w: (matmul(x, w), (x, w)), backward)
+    return matmul
+
+
+def time_step(variant: str, steps: int = 4) -> dict:
+    """Steady seconds per SmolLM2 ``train_step`` under ``precision: mixed`` (``variant``: xla|onednn_backward)
+    and the process's peak RSS. Patches ppojax's projection matmul and the ``dots`` remat policy for
+    ``onednn_backward``: run it in a process of its own."""
+    import jax
+    import numpy as np
+    from jax.ad_checkpoint import checkpoint_name
+
+    from benchmarks.common import make_config, peak_rss_mb
+    from benchmarks.ppojax_ppo import build
+    from ppojax.models import transformer
+    from ppojax.train_step import make_train_step
+
+    if variant == "onednn_backward":
+        library, why = build_ffi(Path(".cache/ppojax/ffi"))
+        if library is None:
+            raise SystemExit(f"onednn_backward: {why}")
+        register_ffi(library)
+        matmul = onednn_backward_matmul()
+        plain = transformer._matmul
+        transformer._matmul = lambda x, w, dtype: (checkpoint_name(matmul(x, w), "projection")
+                                                   if transformer._float32_accumulated_16_bit(dtype)
+                                                   else plain(x, w, dtype))
+        policies = jax.checkpoint_policies  # `dots` saves dot outputs; the custom VJP's are named instead
+        policies.dots_with_no_batch_dims_saveable = policies.save_from_both_policies(
+            policies.dots_with_no_batch_dims_saveable, policies.save_only_these_names("projection"))
+    elif variant != "xla":
+        raise SystemExit(f"--step {variant!r}: expected xla or onednn_backward")
+    config = dict(make_config("smollm2", num_updates=2), precision="mixed", behaviour_logprobs="sampler")
+    program, state, shardings = build(config)
+    step = make_train_step(program, shardings)
+    prompts = np.asarray(config["prompts"], np.int32)[:config["batch_size"]]
+    seconds = []
+    for i in range(steps + 1):  # the first compiles
+        t0 = time.perf_counter()
+        state, metrics = jax.block_until_ready(step(state, prompts, jax.random.key(i)))
+        seconds.append(time.perf_counter() - t0)
+    return {"variant": variant, "step_s": seconds[1:], "steady_step_s": sum(seconds[1:]) / steps,
+            "peak_rss_mb": peak_rss_mb()}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--tokens", type=int, default=384, help="rows of the activations (8 sequences x 48)")
     parser.add_argument("--json", default=None, help="write the report here")
+    parser.add_argument("--step", default=None, metavar="VARIANT",
+                        help="time SmolLM2 mixed train steps instead: xla or onednn_backward")
+    parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args(argv)
     from benchmarks.common import machine_info
+    from ppojax.program_start import start_program
+
+    start_program()  # as the ppojax command does (mimalloc, the recorded XLA options)
+    if args.step:
+        report = {"machine": machine_info(), **time_step(args.step, args.steps)}
+        print(f"{args.step}: {report['steady_step_s']:.2f} s per step "
+              f"({', '.join(f'{t:.2f}' for t in report['step_s'])}), peak RSS {report['peak_rss_mb']:,.0f} MB")
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+        return
 
     report = {"machine": machine_info(), **measure(args.tokens, args.reps)}
     if not report["onednn_ffi"]["available"]:

@@ -258,3 +258,35 @@ def _bf16_ffi_library(tmp_path_factory):
             bf16_dots.register_ffi(library)
         _BF16_FFI["built"] = (library, why)
     return _BF16_FFI["built"]
+
+
+def test_bf16_dots_onednn_backward_has_the_gradient_of_the_projection(tmp_path_factory):
+    """benchmarks.bf16_dots --step onednn_backward swaps ppojax's 16-bit projection for a custom VJP whose backward
+    runs through the oneDNN custom call: it must have the same value and the same gradients (dx in bf16, dw
+    rounded to the weights' bf16) as autodiff of ppojax's own matmul."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from benchmarks import bf16_dots
+    from ppojax.models import transformer
+
+    library, why = _bf16_ffi_library(tmp_path_factory)
+    if library is None:
+        pytest.skip(why)
+    keys = jax.random.split(jax.random.key(7), 3)
+    x = jax.random.normal(keys[0], (12, 24)).astype(jnp.bfloat16)
+    w = jax.random.normal(keys[1], (24, 40)).astype(jnp.bfloat16)
+    c = jax.random.normal(keys[2], (12, 40))
+
+    def loss(matmul):
+        return lambda x, w: jnp.sum(matmul(x, w).astype(jnp.float32) * c)
+
+    ours = jax.jit(jax.value_and_grad(loss(bf16_dots.onednn_backward_matmul()), argnums=(0, 1)))(x, w)
+    ppojax = jax.jit(jax.value_and_grad(loss(lambda x, w: transformer._matmul(x, w, jnp.bfloat16)),
+                                        argnums=(0, 1)))(x, w)
+    np.testing.assert_array_equal(np.asarray(ours[0]), np.asarray(ppojax[0]))
+    for got, want in zip(ours[1], ppojax[1]):
+        assert got.dtype == want.dtype == jnp.bfloat16
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=2 ** -7 * np.abs(want).max())
