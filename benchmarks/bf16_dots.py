@@ -39,6 +39,7 @@ FORMS = ("f32", "bf16_out", "bf16_f32acc", "onednn_ffi")
 LAYOUTS = ("fwd", "dx", "dw")
 FFI_SOURCE = Path(__file__).parent / "ffi" / "bf16_gemm.cc"
 FFI_TARGET = "ppojax_bench_bf16_gemm"
+FFI_CACHE = Path(__file__).resolve().parents[1] / ".cache" / "ppojax" / "ffi"  # ignored by git
 
 
 def onednn_library() -> Path | None:
@@ -146,7 +147,7 @@ def measure(tokens: int = 384, reps: int = 20, forms=FORMS, cache_dir: Path | No
 
     ffi = {"available": False, "why": "not asked for"}
     if "onednn_ffi" in forms:
-        library, why = build_ffi(cache_dir or Path(".cache/ppojax/ffi"))
+        library, why = build_ffi(cache_dir or FFI_CACHE)
         ffi = {"available": library is not None, "why": why}
         if library is not None:
             register_ffi(library)
@@ -203,7 +204,7 @@ def time_step(variant: str, steps: int = 4) -> dict:
     from ppojax.train_step import make_train_step
 
     if variant == "onednn_backward":
-        library, why = build_ffi(Path(".cache/ppojax/ffi"))
+        library, why = build_ffi(FFI_CACHE)
         if library is None:
             raise SystemExit(f"onednn_backward: {why}")
         register_ffi(library)
