@@ -9,11 +9,28 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def float32_compute(graphdef, params):
+    """The same model (`nnx.split` parts) computing in float32: every module's compute `dtype` set to float32 on a
+    merged copy; the parameters keep their values and dtype. The export check decodes with it: transformers
+    runs the saved weights in float32, and a 16-bit policy's own greedy decode may part from float32's at a
+    near tie, which would say nothing about the export."""
+    from flax import nnx
+
+    model = nnx.merge(graphdef, params)
+    for _, module in nnx.iter_modules(model):
+        if getattr(module, "dtype", None) is not None and jnp.dtype(module.dtype) != jnp.float32:
+            module.dtype = jnp.float32
+        if getattr(module, "attention_implementation", None) == "cudnn":  # cuDNN's kernel takes 16-bit only
+            module.attention_implementation = "auto"
+    return nnx.split(model)
+
+
 def greedy_continuations_agree(policy_dir, policy_graphdef, policy_params, queries, max_new_tokens: int, *,
                                pad_token_id: int, stop_token_id: int | None) -> dict:
     """Greedy-decode ``queries`` (np i32[B, P], left padded) with ppojax's policy (``policy_graphdef`` +
     ``policy_params``, one plain causal LM) and with transformers loading ``policy_dir``. Returns
-    {"agree": bool, "ppojax": [[ids]], "transformers": [[ids]]} (ids up to and including the stop token)."""
+    {"agree": bool, "ppojax": [[ids]], "transformers": [[ids]]} (ids up to and including the stop token).
+    ppojax's side computes in float32 whatever the policy's precision (`float32_compute`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -21,6 +38,7 @@ def greedy_continuations_agree(policy_dir, policy_graphdef, policy_params, queri
     from .ppo.masks import truncate_response
 
     pad, stop = pad_token_id, stop_token_id  # short names for the lines below
+    policy_graphdef, policy_params = float32_compute(policy_graphdef, policy_params)
     ours = generate(policy_graphdef, policy_params, jnp.asarray(queries),
                     jax.random.key(0),
                     response_length=max_new_tokens, pad_token_id=pad, greedy=True, stop_token_id=stop)

@@ -259,3 +259,25 @@ def test_mixed_gradient_float32_and_close():
     cosine = f32 @ mixed / (np.linalg.norm(f32) * np.linalg.norm(mixed))
     assert cosine > 0.99, cosine
     assert not np.array_equal(f32, mixed)
+
+
+@pytest.mark.parametrize("precision", ["mixed", "bfloat16"])
+def test_export_check_of_a_16_bit_policy_compares_the_weights(precision, tmp_path):
+    """The export check asks whether transformers, loading the saved policy in float32, writes ppojax's greedy
+    continuations. A 16-bit policy's own greedy decode may part from float32's at a near tie, which says nothing
+    about the export: ppojax's side of the check decodes in float32 (the saved weights, float32 compute), and the
+    policy's model is left as it was."""
+    pytest.importorskip("torch")
+    from ppojax.export_check import greedy_continuations_agree
+    from ppojax.models import save_pretrained
+
+    compute, param = precision_dtypes(precision)
+    cfg, model = tiny_llama(dtype=compute, param_dtype=param)
+    save_pretrained(model, cfg, tmp_path / "policy")
+    graphdef, params = nnx.split(model)
+    queries = np.random.default_rng(3).integers(3, LLAMA["vocab_size"], (8, 6)).astype(np.int32)
+    queries[:, 0] = 1
+    result = greedy_continuations_agree(tmp_path / "policy", graphdef, params, queries, max_new_tokens=12,
+                                        pad_token_id=0, stop_token_id=None)
+    assert result["agree"], result
+    assert nnx.merge(graphdef, params).dtype == compute
