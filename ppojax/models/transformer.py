@@ -205,8 +205,9 @@ def _matmul(x: Array, w: Array, dtype) -> Array:
 
     On the CPU a 16-bit product asks for a float32 result and rounds it to `dtype`: XLA:CPU runs a bf16 x bf16 ->
     f32 dot in YNNPACK's bf16 kernels (the CPU's bf16 units) but a bf16 -> bf16 dot as a float32 dot after
-    converting its operands (`benchmarks.bf16_dots`). Same values: XLA accumulates in float32 either way. GPU and
-    TPU keep the plain dot, whose backward autodiff runs in 16 bits (with this form it would run in float32).
+    converting its operands (`benchmarks.bf16_dots`). Both accumulate in float32; only the summation order
+    differs. GPU and TPU keep the plain dot, whose backward autodiff runs in 16 bits (with this form it would
+    run in float32).
     """
     if not _float32_accumulated_16_bit(dtype):
         return jnp.dot(x, w)
