@@ -132,25 +132,31 @@ def test_precision_dtypes():
     assert set(PRECISIONS) == {"float32", "bfloat16", "mixed"}
 
 
-def dot_operand_dtypes(jaxpr) -> list[tuple]:
-    """(operand dtypes, operand shapes) of every dot_general in a (closed) jaxpr, sub-jaxprs (scan, jit, checkpoint,
-    custom VJPs) included. An operand converted to float32 from a 16-bit value just before the product counts as
-    that 16-bit dtype: its values are 16-bit ones (on the CPU the 16-bit matmuls take a float32 result, whose
-    cotangent in the backward is such a conversion, see `transformer._matmul`)."""
+def all_jaxprs(jaxpr):
+    """A (closed) jaxpr and every sub-jaxpr in it (scan, jit, checkpoint, custom VJP bodies), depth first."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    widened_from = {eqn.outvars[0]: eqn.invars[0].aval.dtype for eqn in jaxpr.eqns
-                    if eqn.primitive.name == "convert_element_type" and hasattr(eqn.invars[0], "aval")
-                    and jnp.dtype(eqn.invars[0].aval.dtype).itemsize == 2
-                    and eqn.outvars[0].aval.dtype == jnp.float32}
-    found = []
+    yield jaxpr
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            found.append((tuple(widened_from.get(v, v.aval.dtype) if hasattr(v, "aval") else v.aval.dtype
-                                for v in eqn.invars), tuple(v.aval.shape for v in eqn.invars)))
         for value in eqn.params.values():
             for sub in value if isinstance(value, (tuple, list)) else (value,):
                 if isinstance(sub, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr)):
-                    found.extend(dot_operand_dtypes(sub))
+                    yield from all_jaxprs(sub)
+
+
+def dot_operand_dtypes(jaxpr) -> list[tuple]:
+    """(operand dtypes, operand shapes) of every dot_general in a (closed) jaxpr, sub-jaxprs included. An operand
+    converted to float32 from a 16-bit value just before the product counts as that 16-bit dtype: its values are
+    16-bit ones (on the CPU the 16-bit matmuls take a float32 result, whose cotangent in the backward is such a
+    conversion, see `transformer._matmul`)."""
+    found = []
+    for body in all_jaxprs(jaxpr):
+        widened_from = {eqn.outvars[0]: eqn.invars[0].aval.dtype for eqn in body.eqns
+                        if eqn.primitive.name == "convert_element_type"
+                        and jnp.dtype(eqn.invars[0].aval.dtype).itemsize == 2
+                        and eqn.outvars[0].aval.dtype == jnp.float32}
+        found.extend((tuple(widened_from.get(v, v.aval.dtype) for v in eqn.invars),
+                      tuple(v.aval.shape for v in eqn.invars))
+                     for eqn in body.eqns if eqn.primitive.name == "dot_general")
     return found
 
 
@@ -194,7 +200,8 @@ def test_cpu_16_bit_projections_ask_for_float32_products():
         _, model = tiny_llama(dtype=compute, param_dtype=param, remat="none")
         graphdef, params = nnx.split(model)
         jaxpr = jax.make_jaxpr(lambda p: apply_causal_lm(graphdef, p, ids, mask)[0])(params)
-        weight_dots = [eqn for eqn in _dot_eqns(jaxpr) if any(LLAMA["hidden_size"] in v.aval.shape
+        weight_dots = [eqn for body in all_jaxprs(jaxpr) for eqn in body.eqns
+                       if eqn.primitive.name == "dot_general" and any(LLAMA["hidden_size"] in v.aval.shape
                                                              for v in eqn.invars)]
         assert len(weight_dots) >= 8, precision  # q k v o up gate down (the scanned body) + logits
         assert {tuple(v.aval.dtype for v in eqn.invars) for eqn in weight_dots} == {(jnp.dtype(compute),) * 2}
@@ -204,20 +211,6 @@ def test_cpu_16_bit_projections_ask_for_float32_products():
     got = jax.jit(lambda x, w: transformer._matmul(x, w, jnp.bfloat16))(x, w)
     assert got.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(jax.jit(jnp.dot)(x, w), np.float32))
-
-
-def _dot_eqns(jaxpr) -> list:
-    """Every dot_general equation of a (closed) jaxpr, sub-jaxprs included."""
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            found.append(eqn)
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(sub, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr)):
-                    found.extend(_dot_eqns(sub))
-    return found
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
