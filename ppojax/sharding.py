@@ -364,7 +364,7 @@ def kv_cache_shardings(cache, mesh: Mesh, rules: Mapping[str, Any] = GENERATE_RU
     over tensor (replicated where they do not divide), layers / length / head_dim unsplit."""
     fields = {name: NamedSharding(mesh, logical_to_spec(np.shape(getattr(cache, name)), axes, mesh, rules))
               for name, axes in KV_CACHE_AXES.items()}
-    return type(cache)(**fields)
+    return cache.replace(**fields)  # the static fields (``bits_of``) as the cache's
 
 
 def make_init_cache_fn(mesh: Mesh, rules: Mapping[str, Any] = GENERATE_RULES):

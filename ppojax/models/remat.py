@@ -7,7 +7,9 @@ during the backward from the layer's input:
   "dots": keep the outputs of the matmuls without batch dimensions: the q/k/v/o projections and the MLP's
     up/gate/down (all 2-D dots on the flattened tokens, see `transformer._dense_in`); recompute the rest
     (norms, activations, RoPE, and attention itself, whose score matmuls are batched over batch and heads and
-    quadratic in the sequence length). `jax.checkpoint_policies.dots_with_no_batch_dims_saveable`.
+    quadratic in the sequence length). `jax.checkpoint_policies.dots_with_no_batch_dims_saveable`, except that
+    on the CPU a 16-bit projection's output is saved as its uint16 bits (`slot_storage.saved_as_bits`) instead
+    of its float32 product: the stacked per-layer copies stay in place and half the size.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
+
+from .slot_storage import SAVED_BITS, stores_bits
 
 REMAT_POLICIES = ("none", "full", "dots")
 
@@ -36,5 +41,19 @@ def remat_layer(body: Callable, remat: str, *, prevent_cse: bool = True) -> Call
     check_remat(remat)
     if remat == "none":
         return body
-    policy = None if remat == "full" else jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    policy = None if remat == "full" else _saves_dots
     return jax.checkpoint(body, policy=policy, prevent_cse=prevent_cse)
+
+
+def _dot_saved_whole(prim, *avals, **params) -> bool:
+    """A dot without batch dimensions, unless its 16-bit operands ask for a float32 product on the CPU (the
+    projections of `transformer._matmul`, whose rounded output is saved as bits instead)."""
+    if not jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *avals, **params):
+        return False
+    float32_of_16_bit = (params.get("preferred_element_type") == jnp.float32
+                         and all(stores_bits(a.dtype) for a in avals[:2]))
+    return not float32_of_16_bit
+
+
+_saves_dots = jax.checkpoint_policies.save_from_both_policies(
+    _dot_saved_whole, jax.checkpoint_policies.save_only_these_names(SAVED_BITS))

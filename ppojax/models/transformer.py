@@ -22,7 +22,8 @@ Model options (static, part of the graphdef): `dtype` / `param_dtype` (compute /
 "cudnn"), `scan_layers`.
 
 KV cache (`KVCache`, `init_cache`): keys/values `[L, B, T, K, hd]`, `key_mask bool[B, T]`, `index i32[]` (next write
-slot). A call with a cache writes its S tokens at slots `[index, index + S)`, marks them valid where
+slot; on the CPU a 16-bit cache holds the uint16 bits of its keys and values, `slot_storage.py`). A call with a
+cache writes its S tokens at slots `[index, index + S)`, marks them valid where
 `attention_mask`, lets query slot `index + s` attend to valid slots `<= index + s`, and returns `index + S`.
 Prefill = the whole left-padded prompt on an empty cache; decode = S = 1 calls. Static shapes, jit-friendly.
 """
@@ -41,6 +42,7 @@ from flax import nnx
 from .attention import attention, check_attention_implementation
 from .config import ModelConfig
 from .remat import check_remat, remat_layer
+from .slot_storage import BITS, from_bits, saved_as_bits, stores_bits, to_bits
 
 Array = jax.Array
 
@@ -146,7 +148,8 @@ def last_token_scores(scores: Array, attention_mask: Array) -> Array:
 class KVCache:
     """Stacked per-layer key/value cache.
 
-    keys, values: [L, B, T, K, hd] (compute dtype); key_mask: bool[B, T] (True = slot holds a real token);
+    keys, values: [L, B, T, K, hd] (compute dtype; on the CPU a 16-bit dtype's uint16 bits, named by `bits_of`);
+    key_mask: bool[B, T] (True = slot holds a real token);
     index: i32[] (next slot to write; the same for every row, rows are left-padded).
     """
 
@@ -154,20 +157,31 @@ class KVCache:
     values: Array
     key_mask: Array
     index: Array
+    #: the 16-bit float whose uint16 bits `keys` / `values` hold (`slot_storage`: on the CPU), else None
+    bits_of: str | None = flax.struct.field(pytree_node=False, default=None)
 
     @property
     def max_length(self) -> int:
         return self.keys.shape[2]
 
+    @property
+    def dtype(self):
+        """The dtype of the keys and values the cache holds (whatever their storage)."""
+        return jnp.dtype(self.bits_of) if self.bits_of else self.keys.dtype
+
 
 def init_cache(cfg: ModelConfig, batch_size: int, max_length: int, dtype=jnp.float32) -> KVCache:
-    """An empty cache for `max_length` slots (prompt + generated tokens)."""
+    """An empty cache for `max_length` slots (prompt + generated tokens) of `dtype` keys and values (on the
+    CPU a 16-bit cache stores their uint16 bits: `slot_storage`)."""
     shape = (cfg.num_layers, batch_size, max_length, cfg.num_kv_heads, cfg.head_dim)
+    bits = stores_bits(dtype)
+    storage = BITS if bits else dtype
     return KVCache(
-        keys=jnp.zeros(shape, dtype),
-        values=jnp.zeros(shape, dtype),
+        keys=jnp.zeros(shape, storage),
+        values=jnp.zeros(shape, storage),
         key_mask=jnp.zeros((batch_size, max_length), bool),
         index=jnp.zeros((), jnp.int32),
+        bits_of=jnp.dtype(dtype).name if bits else None,
     )
 
 
@@ -206,12 +220,13 @@ def _matmul(x: Array, w: Array, dtype) -> Array:
     On the CPU a 16-bit product asks for a float32 result and rounds it to `dtype`: XLA:CPU runs a bf16 x bf16 ->
     f32 dot in YNNPACK's bf16 kernels (the CPU's bf16 units) but a bf16 -> bf16 dot as a float32 dot after
     converting its operands (`benchmarks.bf16_dots`). Both accumulate in float32; only the summation order
-    differs. GPU and TPU keep the plain dot, whose backward autodiff runs in 16 bits (with this form it would
-    run in float32).
+    differs. The rounded product is what `remat: dots` saves, as its uint16 bits (`slot_storage.saved_as_bits`).
+    GPU and TPU keep the plain dot, whose backward autodiff runs in 16 bits (with this form it would run in
+    float32).
     """
     if not _float32_accumulated_16_bit(dtype):
         return jnp.dot(x, w)
-    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(dtype)
+    return saved_as_bits(jnp.dot(x, w, preferred_element_type=jnp.float32).astype(dtype))
 
 
 def _with_lora(y: Array, x: Array, d: dict, n_in: int, dtype, scale: float | None) -> Array:
@@ -225,8 +240,8 @@ def _with_lora(y: Array, x: Array, d: dict, n_in: int, dtype, scale: float | Non
     a, b = d["lora_a"], d["lora_b"]
     r = a.shape[-1]
     lead = x.shape[:x.ndim - n_in]
-    xa = jnp.dot(x.reshape(math.prod(lead), -1), a.astype(dtype).reshape(-1, r))
-    delta = jnp.dot((xa * scale).astype(dtype), b.astype(dtype).reshape(r, -1))
+    xa = _matmul(x.reshape(math.prod(lead), -1).astype(dtype), a.astype(dtype).reshape(-1, r), dtype)
+    delta = _matmul((xa * scale).astype(dtype), b.astype(dtype).reshape(r, -1), dtype)
     return y + delta.reshape(*lead, *b.shape[1:]).astype(y.dtype)
 
 
@@ -236,13 +251,15 @@ def _project(x: Array, d: dict, dtype, lora_scale: float | None) -> Array:
 
 
 def _block(cfg: ModelConfig, dtype, inv_freq, p: dict, x: Array, positions: Array, mask: Array,
-           layer_idx, kv: tuple | None, cache_index, attn_kwargs: dict, lora_scale: float | None = None):
+           layer_idx, kv: tuple | None, cache_index, attn_kwargs: dict, lora_scale: float | None = None,
+           cache_bits_of: str | None = None):
     """One transformer layer on `x: [B, S, D]` with this layer's weights `p` (no `layers` axis).
 
     `mask: bool[B, S, T]`. With `kv = (keys, values)` (the whole stacked cache `[L, B, T, K, hd]`), the new keys and
     values are written at `[layer_idx, :, cache_index:cache_index+S]` and attention reads that layer's slots.
     `attn_kwargs`: the static implementation and the mask hints of `attention.attention`. `lora_scale`: alpha / r
-    of the LoRA adapters some projections carry (`lora.py`; None without adapters).
+    of the LoRA adapters some projections carry (`lora.py`; None without adapters). `cache_bits_of`: the
+    cache's `bits_of` (its keys and values are that 16-bit dtype's uint16 bits), else None.
     Returns `(x, kv)`.
     """
     a = p["attn"]
@@ -259,10 +276,17 @@ def _block(cfg: ModelConfig, dtype, inv_freq, p: dict, x: Array, positions: Arra
     if kv is not None:
         all_k, all_v = kv
         start = (layer_idx, 0, cache_index, 0, 0)
-        all_k = jax.lax.dynamic_update_slice(all_k, k[None].astype(all_k.dtype), start)
-        all_v = jax.lax.dynamic_update_slice(all_v, v[None].astype(all_v.dtype), start)
-        k = jax.lax.dynamic_index_in_dim(all_k, layer_idx, 0, keepdims=False).astype(dtype)
-        v = jax.lax.dynamic_index_in_dim(all_v, layer_idx, 0, keepdims=False).astype(dtype)
+
+        def write(stack, new):
+            new = new[None].astype(cache_bits_of or stack.dtype)
+            return jax.lax.dynamic_update_slice(stack, to_bits(new) if cache_bits_of else new, start)
+
+        def read(stack):
+            layer = jax.lax.dynamic_index_in_dim(stack, layer_idx, 0, keepdims=False)
+            return (from_bits(layer, cache_bits_of) if cache_bits_of else layer).astype(dtype)
+
+        all_k, all_v = write(all_k, k), write(all_v, v)
+        k, v = read(all_k), read(all_v)
         kv = (all_k, all_v)
     if cfg.attn_scale_by_inverse_layer_idx:
         # GPT-2's scores / (layer_idx + 1): layer_idx is traced under the layer scan and cuDNN takes the scale as
@@ -467,27 +491,34 @@ class Backbone(nnx.Module):
         inv_freq = rope_inv_freq(cfg) if cfg.position_embedding == "rope" else None
         layers = nnx.to_pure_dict(nnx.state(self.layers))
 
+        # Each layer's input is saved for the backward, stacked over the layers: on the CPU a 16-bit residual
+        # stream travels between layers as float32 holding the same values (slot_storage: a 16-bit stack would
+        # be rewritten whole per layer). The layers still see, and round to, the compute dtype.
+        layer_dtype = x.dtype
+        stream_dtype = jnp.float32 if stores_bits(layer_dtype) else layer_dtype
+
         def body(carry, xs):
             x, kv = carry
             p, layer_idx, is_sliding = xs
             m = jnp.where(is_sliding, window_mask, mask) if sliding.any() else mask
-            x, kv = _block(cfg, self.dtype, inv_freq, p, x, position_ids, m, layer_idx, kv, index, attn_kwargs,
-                           self.lora_scale)
-            return (x, kv), None
+            x, kv = _block(cfg, self.dtype, inv_freq, p, x.astype(layer_dtype), position_ids, m, layer_idx, kv,
+                           index, attn_kwargs, self.lora_scale, None if cache is None else cache.bits_of)
+            return (x.astype(stream_dtype), kv), None
 
         # under scan, XLA cannot merge the recomputation into the forward anyway (jax.checkpoint's docs)
         body = remat_layer(body, self.remat, prevent_cse=not self.scan_layers)
         kv = None if cache is None else (cache.keys, cache.values)
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        x = x.astype(stream_dtype)
         if self.scan_layers:
             (x, kv), _ = jax.lax.scan(body, (x, kv), (layers, layer_ids, jnp.asarray(sliding)))
         else:
             for i in range(cfg.num_layers):
                 p_i = jax.tree.map(lambda a: a[i], layers)
                 (x, kv), _ = body((x, kv), (p_i, layer_ids[i], jnp.asarray(sliding[i])))
-        x = _norm(cfg, x, nnx.to_pure_dict(nnx.state(self.final_norm)))
+        x = _norm(cfg, x.astype(layer_dtype), nnx.to_pure_dict(nnx.state(self.final_norm)))
         if cache is not None:
-            cache = KVCache(keys=kv[0], values=kv[1], key_mask=key_mask, index=cache.index + s)
+            cache = cache.replace(keys=kv[0], values=kv[1], key_mask=key_mask, index=cache.index + s)
         return x, cache
 
 

@@ -1,0 +1,68 @@
+"""16-bit floats that are written into a larger array slot by slot travel as their uint16 bits on the CPU.
+
+XLA:CPU has no bfloat16 / float16 dynamic-update-slice or dynamic-slice: its float normalization rewrites each
+one as a float32 conversion of the WHOLE array, the update, and a conversion back. Inside a loop that writes one
+slot per iteration (the KV cache, written per layer and per token; the layer scan's saved activations, stacked
+per layer) that is a pass over the whole array per iteration instead of a write of one slot. On 16-bit integers
+the same ops stay in place. So on the CPU the two places that store 16-bit values slot by slot keep their bits:
+
+- the KV cache (`transformer.KVCache`: `init_cache` stores a 16-bit cache as uint16, `_block` writes and reads
+  through `to_bits` / `from_bits`);
+- the projections' outputs that `remat: dots` saves for the backward (`saved_as_bits`: the saved value is the
+  uint16 view, named `SAVED_BITS`, and `remat.py`'s policy saves it in place of the float32 product).
+
+GPU and TPU have native 16-bit slices: nothing changes there, nor for float32 values anywhere.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+#: The name under which `saved_as_bits` marks a projection's output for `remat: dots` (see remat.py).
+SAVED_BITS = "ppojax_projection_bits"
+
+BITS = jnp.uint16
+
+
+def stores_bits(dtype) -> bool:
+    """Whether values of `dtype` are kept as uint16 bits when stored slot by slot: 16-bit floats on the CPU."""
+    dtype = jnp.dtype(dtype)
+    return (jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 2
+            and jax.devices()[0].platform == "cpu")
+
+
+def to_bits(x: jax.Array) -> jax.Array:
+    """A 16-bit float array -> its uint16 bits (same shape)."""
+    return jax.lax.bitcast_convert_type(x, BITS)
+
+
+def from_bits(bits: jax.Array, dtype) -> jax.Array:
+    """uint16 bits -> the 16-bit float `dtype` they hold (same shape)."""
+    return jax.lax.bitcast_convert_type(bits, jnp.dtype(dtype))
+
+
+def saved_as_bits(y: jax.Array) -> jax.Array:
+    """`y` unchanged, with its uint16 view marked as the value `remat: dots` saves (CPU, 16-bit `y` only).
+
+    The identity for autodiff (a bitcast to an integer would otherwise stop the gradient)."""
+    if not stores_bits(y.dtype):
+        return y
+    return _through_named_bits(y)
+
+
+def _named_bits(y):
+    return from_bits(checkpoint_name(to_bits(y), SAVED_BITS), y.dtype)
+
+
+@jax.custom_jvp
+def _through_named_bits(y):
+    return _named_bits(y)
+
+
+@_through_named_bits.defjvp
+def _through_named_bits_jvp(primals, tangents):
+    # the primal as plain ops (not this custom_jvp again), so that the remat policy sees the name
+    (y,), (dy,) = primals, tangents
+    return _named_bits(y), dy

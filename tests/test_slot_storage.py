@@ -1,0 +1,162 @@
+"""16-bit values stored slot by slot (the KV cache, the layer scan's saved activations) on the CPU
+(`ppojax.models.slot_storage`).
+
+XLA:CPU rewrites a bfloat16 dynamic-update-slice as a float32 conversion of the whole array, the update, and a
+conversion back. The checks: the compiled 16-bit programs (a `remat: dots` gradient, a generation) hold no such
+rewrite, while the same programs without slot storage do (so the check can fail); what is stored is the same
+values (gradients and generated tokens bit for bit equal to the plain 16-bit program's); the cached decode equals
+the full forward."""
+
+import contextlib
+import io
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from ppojax.generate import generate
+from ppojax.models import apply_causal_lm, init_cache, position_ids_from_mask, remat, slot_storage, transformer
+from ppojax.models.precision import precision_dtypes
+
+from .test_model_policies import LLAMA, tiny_llama, token_logprob_loss
+from .test_models import left_padded_batch, max_diff_live
+
+SIXTEEN_BIT = {"bf16", "f16"}
+
+
+@contextlib.contextmanager
+def slot_storage_off(monkeypatch):
+    """The plain 16-bit program: every module that asks `stores_bits` hears False."""
+    with monkeypatch.context() as m:
+        for module in (slot_storage, transformer, remat):
+            m.setattr(module, "stores_bits", lambda dtype: False)
+        yield
+
+
+def whole_array_16_bit_rewrites(hlo: str) -> list[str]:
+    """The dynamic-update-slices of a compiled program (``compiled.as_text()``) whose updated array is a float32
+    conversion of a 16-bit one: XLA's rewrite of a 16-bit slot write."""
+    defs = {}
+    found = []
+    for line in hlo.splitlines():
+        m = re.match(r"\s*(?:ROOT )?(%\S+) = (\w+)\[[^\]]*\]\S* (\S+?)\((.*)", line)
+        if not m:
+            continue
+        name, dtype, op, rest = m.groups()
+        defs[name] = (dtype, op, rest)
+        if op == "dynamic-update-slice":
+            target = rest.split(",")[0].strip()
+            tdtype, top, trest = defs.get(target, (None, None, ""))
+            source = trest.split(")")[0].strip()
+            if top == "convert" and defs.get(source, ("",))[0] in SIXTEEN_BIT:
+                found.append(line.strip()[:160])
+    return found
+
+
+def mixed_model(remat_policy="dots"):
+    compute, param = precision_dtypes("mixed")
+    return tiny_llama(dtype=compute, param_dtype=param, remat=remat_policy)
+
+
+def gradient_program(remat_policy="dots"):
+    graphdef, params = nnx.split(mixed_model(remat_policy)[1])
+    ids, mask = left_padded_batch([12, 9, 4], 12)
+    ids, mask = jnp.asarray(ids) % LLAMA["vocab_size"], jnp.asarray(mask)
+    grad = jax.jit(jax.grad(token_logprob_loss, argnums=1), static_argnums=0)
+    return grad.lower(graphdef, params, ids, mask).compile(), (params, ids, mask)
+
+
+def lora_gradient_program():
+    """The adapters' gradient of a mixed policy with LoRA on q and down (their thin dots are saved too)."""
+    from ppojax.models.lora import LoraSpec, with_lora
+
+    spec = LoraSpec(rank=4, alpha=8.0, target_modules=("q_proj", "down_proj"))
+    _, lora_graphdef, adapters, base = with_lora(mixed_model()[1], spec, jax.random.key(3))
+    ids, mask = left_padded_batch([12, 9, 4], 12)
+    ids, mask = jnp.asarray(ids) % LLAMA["vocab_size"], jnp.asarray(mask)
+
+    def loss(adapters, base, ids, mask):
+        return token_logprob_loss(lora_graphdef, nnx.merge_state(base, adapters), ids, mask)
+
+    return jax.jit(jax.grad(loss)).lower(adapters, base, ids, mask).compile(), (adapters, base, ids, mask)
+
+
+def generation_program():
+    graphdef, params = nnx.split(mixed_model()[1])
+    prompts = jnp.asarray(left_padded_batch([6, 4, 2], 6)[0]) % LLAMA["vocab_size"]
+    run = jax.jit(lambda p, x, k: generate(graphdef, p, x, k, response_length=8, pad_token_id=0))
+    return run.lower(params, prompts, jax.random.key(1)).compile(), (params, prompts, jax.random.key(1))
+
+
+@pytest.mark.parametrize("program", [gradient_program, lora_gradient_program, generation_program],
+                         ids=["gradient", "lora_gradient", "generation"])
+def test_16_bit_programs_write_slots_in_place(program, monkeypatch):
+    compiled, args = program()
+    assert whole_array_16_bit_rewrites(compiled.as_text()) == []
+    with slot_storage_off(monkeypatch):
+        plain, _ = program()
+        assert whole_array_16_bit_rewrites(plain.as_text())  # the check sees the rewrite where it is
+        plain_out = plain(*args)
+    out = compiled(*args)  # the same values, bit for bit
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(plain_out)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("remat_policy", ["dots", "full", "none"])
+def test_16_bit_gradient_reaches_every_weight(remat_policy):
+    """The saved bits are a bitcast for autodiff's identity: every weight still gets its gradient (a bitcast to an
+    integer alone would stop it), the same under every remat policy."""
+    compiled, args = gradient_program(remat_policy)
+    grads = compiled(*args)
+    for path, g in jax.tree_util.tree_leaves_with_path(grads):
+        assert float(np.abs(np.asarray(g)).max()) > 0, jax.tree_util.keystr(path)
+
+
+def test_16_bit_remat_saves_bits_and_a_float32_stream():
+    """`remat: dots` under `mixed` keeps the projections' outputs as uint16 bits and each layer's input as
+    float32 (both written in place); nothing stacked per layer is 16-bit float."""
+    cfg, model = mixed_model()
+    graphdef, params = nnx.split(model)
+    b, s = 2, 16
+    ids, mask = jnp.ones((b, s), jnp.int32), jnp.ones((b, s), bool)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        jax.ad_checkpoint.print_saved_residuals(lambda p: token_logprob_loss(graphdef, p, ids, mask), params)
+    stacked = [m.groups() for m in re.finditer(r"(\w+)\[(\d+),([\d,]*)\] output of scan", out.getvalue())
+               if int(m.group(2)) == cfg.num_layers]
+    L, D, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+    hq, hkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    for shape in [f"{b * s},{hq}", f"{b * s},{hkv}", f"{b * s},{F}", f"{b * s},{D}"]:
+        assert ("u16", str(L), shape) in stacked, (shape, stacked)
+    assert ("f32", str(L), f"{b},{s},{D}") in stacked, stacked
+    assert {dtype for dtype, _, _ in stacked} == {"u16", "f32"}, stacked
+
+
+@pytest.mark.parametrize("precision", ["mixed", "bfloat16"])
+def test_16_bit_cache_holds_bits_and_decodes_as_the_full_forward(precision):
+    compute, param = precision_dtypes(precision)
+    cfg, model = tiny_llama(dtype=compute, param_dtype=param)
+    graphdef, params = nnx.split(model)
+    prompt_len, steps = 8, 4
+    cache = init_cache(cfg, 3, prompt_len + steps, compute)
+    assert cache.keys.dtype == cache.values.dtype == jnp.uint16 and cache.dtype == jnp.bfloat16
+    assert init_cache(cfg, 3, 4, jnp.float32).keys.dtype == jnp.float32  # float32 is stored as itself
+    ids_p, mask_p = left_padded_batch([8, 5, 2], prompt_len, seed=1)
+    ids_p = ids_p % LLAMA["vocab_size"]
+    cont = np.random.default_rng(2).integers(3, LLAMA["vocab_size"], size=(3, steps)).astype(np.int32)
+    full_ids = np.concatenate([ids_p, cont], 1)
+    full_mask = np.concatenate([mask_p, np.ones_like(cont, bool)], 1)
+    full = np.asarray(jax.jit(lambda p: apply_causal_lm(graphdef, p, full_ids, full_mask)[0])(params))
+    pos = np.asarray(position_ids_from_mask(jnp.asarray(full_mask)))
+    step = jax.jit(lambda p, i, m, ps, c: apply_causal_lm(graphdef, p, i, m, ps, c)[::2])
+    logits, cache = step(params, ids_p, mask_p, pos[:, :prompt_len], cache)
+    got = [np.asarray(logits)]
+    for t in range(prompt_len, prompt_len + steps):
+        logits, cache = step(params, full_ids[:, t:t + 1], full_mask[:, t:t + 1], pos[:, t:t + 1], cache)
+        got.append(np.asarray(logits))
+    assert cache.keys.dtype == jnp.uint16 and int(cache.index) == prompt_len + steps
+    # the same bf16 keys and values either way; only the summation order of the shorter attention rows differs
+    assert max_diff_live(np.concatenate(got, 1), full, full_mask) < 0.02 * np.abs(full[full_mask]).max()
