@@ -215,6 +215,33 @@ def test_attention_forms_compute_the_same_gradient():
     assert transformer.attention is attention
 
 
+def test_slot_storage_variants_give_the_same_values():
+    """benchmarks.slot_storage times a 16-bit gradient and generation with ppojax's slot storage on and off: the
+    two must give the same tokens and gradients within bf16 rounding (tiny model, `mixed`), and the model's
+    modules must be left
+    asking the real `stores_bits` afterwards."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from benchmarks import slot_storage as bench
+    from benchmarks.common import SIZES
+    from ppojax.models import ModelConfig, remat, slot_storage, transformer
+
+    cfg = ModelConfig.from_hf(dict(SIZES["tiny"]["model"], model_type="llama"))
+    fns = bench.programs(cfg, "mixed", rows=3, prompt=6, response=5, seed=2)
+    assert set(fns) == {(w, v) for w in bench.WORKLOADS for v in bench.VARIANTS}
+    for workload in bench.WORKLOADS:
+        plain, stored = fns[workload, "plain"](), fns[workload, "slot_storage"]()
+        assert bench.difference(plain, stored) <= (0.0 if workload == "generation" else 2e-2), workload
+    assert max(float(np.abs(g).max()) for g in jax.tree.leaves(fns["gradient", "plain"]())) > 0
+    for workload in bench.WORKLOADS:  # each variant is its own program (16-bit slots as bits only in one)
+        bits = {v: "u16[" in fns[workload, v].__defaults__[0].as_text() for v in bench.VARIANTS}
+        assert bits == {"plain": False, "slot_storage": True}, (workload, bits)
+    for module in (slot_storage, transformer, remat):
+        assert module.stores_bits is slot_storage.stores_bits and module.stores_bits(jnp.bfloat16)
+
+
 @pytest.mark.parametrize("layout", ["fwd", "dx", "dw"])
 def test_bf16_dot_forms_compute_the_product(layout, tmp_path_factory):
     """benchmarks.bf16_dots times each form of a linear layer's three contractions; each must compute that

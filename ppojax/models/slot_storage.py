@@ -11,6 +11,10 @@ the same ops stay in place. So on the CPU the two places that store 16-bit value
 - the projections' outputs that `remat: dots` saves for the backward (`saved_as_bits`: the saved value is the
   uint16 view, named `SAVED_BITS`, and `remat.py`'s policy saves it in place of the float32 product).
 
+The layer scan also saves each layer's input, the residual stream carried from layer to layer: an integer carry
+would stop the gradient, so on the CPU a 16-bit stream travels as float32 holding exactly its 16-bit values
+(`float32_holding`; `transformer.Backbone.forward`).
+
 GPU and TPU have native 16-bit slices: nothing changes there, nor for float32 values anywhere.
 """
 
@@ -41,6 +45,13 @@ def to_bits(x: jax.Array) -> jax.Array:
 def from_bits(bits: jax.Array, dtype) -> jax.Array:
     """uint16 bits -> the 16-bit float `dtype` they hold (same shape)."""
     return jax.lax.bitcast_convert_type(bits, jnp.dtype(dtype))
+
+
+def float32_holding(x: jax.Array) -> jax.Array:
+    """A 16-bit float `x` as float32 with exactly its values. The explicit rounding keeps XLA (which may drop a
+    round trip through 16 bits, `xla_allow_excess_precision`) from carrying unrounded float32 values instead."""
+    info = jnp.finfo(x.dtype)
+    return jax.lax.reduce_precision(x.astype(jnp.float32), exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
 
 def saved_as_bits(y: jax.Array) -> jax.Array:

@@ -42,7 +42,7 @@ from flax import nnx
 from .attention import attention, check_attention_implementation
 from .config import ModelConfig
 from .remat import check_remat, remat_layer
-from .slot_storage import BITS, from_bits, saved_as_bits, stores_bits, to_bits
+from .slot_storage import BITS, float32_holding, from_bits, saved_as_bits, stores_bits, to_bits
 
 Array = jax.Array
 
@@ -492,10 +492,10 @@ class Backbone(nnx.Module):
         layers = nnx.to_pure_dict(nnx.state(self.layers))
 
         # Each layer's input is saved for the backward, stacked over the layers: on the CPU a 16-bit residual
-        # stream travels between layers as float32 holding the same values (slot_storage: a 16-bit stack would
-        # be rewritten whole per layer). The layers still see, and round to, the compute dtype.
+        # stream travels between layers as float32 holding exactly its 16-bit values (slot_storage: a 16-bit
+        # stack would be rewritten whole per layer). The layers see the compute dtype, as everywhere else.
         layer_dtype = x.dtype
-        stream_dtype = jnp.float32 if stores_bits(layer_dtype) else layer_dtype
+        to_stream = float32_holding if stores_bits(layer_dtype) else (lambda y: y)
 
         def body(carry, xs):
             x, kv = carry
@@ -503,13 +503,13 @@ class Backbone(nnx.Module):
             m = jnp.where(is_sliding, window_mask, mask) if sliding.any() else mask
             x, kv = _block(cfg, self.dtype, inv_freq, p, x.astype(layer_dtype), position_ids, m, layer_idx, kv,
                            index, attn_kwargs, self.lora_scale, None if cache is None else cache.bits_of)
-            return (x.astype(stream_dtype), kv), None
+            return (to_stream(x), kv), None
 
         # under scan, XLA cannot merge the recomputation into the forward anyway (jax.checkpoint's docs)
         body = remat_layer(body, self.remat, prevent_cse=not self.scan_layers)
         kv = None if cache is None else (cache.keys, cache.values)
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        x = x.astype(stream_dtype)
+        x = to_stream(x)
         if self.scan_layers:
             (x, kv), _ = jax.lax.scan(body, (x, kv), (layers, layer_ids, jnp.asarray(sliding)))
         else:
