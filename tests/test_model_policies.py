@@ -213,6 +213,57 @@ def test_cpu_16_bit_projections_ask_for_float32_products():
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(jax.jit(jnp.dot)(x, w), np.float32))
 
 
+def compiled_dots(hlo: str) -> list[dict]:
+    """Every dot of a compiled program (``compiled.as_text()``): its operand types, contracting dims, whether it
+    has batch dims, and the op_name it came from."""
+    types, found = {}, []
+    for line in hlo.splitlines():
+        m = re.match(r"\s*(?:ROOT )?(%\S+) = (\w+\[[^\]]*\])", line)
+        if m:
+            types[m.group(1)] = m.group(2)
+        if m and " dot(" in line:
+            operands = re.search(r" dot\(([^)]*)\)", line).group(1).split(", ")
+            found.append({"operands": [types.get(o, "?") for o in operands], "batch": "batch_dims" in line,
+                          "contracting": re.findall(r"(lhs|rhs)_contracting_dims=\{(\d+)\}", line),
+                          "op_name": (re.search(r'op_name="([^"]*)"', line) or [None, ""])[1]})
+    return found
+
+
+def test_cpu_16_bit_backward_products_run_in_bf16_kernels():
+    """XLA:CPU's bf16 kernels take a dot only with row-major operands contracted lhs-minor / rhs-major; autodiff's
+    backward products of a projection (g @ w.T, x.T @ g) are not, and XLA ran them as float32 dots. In the compiled
+    `mixed` gradient every product of the layer scan, forward and backward, multiplies bf16 operands in that
+    canonical form (`transformer._matmul_16_bit_cpu`)."""
+    compute, param = precision_dtypes("mixed")
+    graphdef, params = nnx.split(tiny_llama(dtype=compute, param_dtype=param, remat="dots")[1])
+    ids, mask = jnp.ones((3, 12), jnp.int32), jnp.ones((3, 12), bool)
+    grad = jax.jit(jax.grad(lambda p: token_logprob_loss(graphdef, p, ids, mask)))
+    dots = [d for d in compiled_dots(grad.lower(params).compile().as_text())
+            if not d["batch"] and "while/body" in d["op_name"]]  # the layer scan's 2-D products (not attention's)
+    backward = [d for d in dots if "transpose(" in d["op_name"]]
+    assert len(backward) >= 2 * 7 and len(dots) - len(backward) >= 7, dots  # dx and dw of q k v o up gate down
+    for d in dots:
+        assert all(t.startswith("bf16[") for t in d["operands"]), d
+        assert d["contracting"] == [("lhs", "1"), ("rhs", "0")], d
+
+
+def test_cpu_16_bit_matmul_gradient_is_autodiffs():
+    """The custom VJP's products equal autodiff's of the same float32-accumulated bf16 product (rounded to bf16)."""
+    from ppojax.models import transformer
+
+    x = jax.random.normal(jax.random.key(0), (24, 64)).astype(jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(1), (64, 40)).astype(jnp.bfloat16)
+    g = jax.random.normal(jax.random.key(2), (24, 40)).astype(jnp.bfloat16)
+    plain = lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)  # noqa: E731
+    want = jax.jit(lambda x, w, g: jax.vjp(plain, x, w)[1](g))(x, w, g)
+    got = jax.jit(lambda x, w, g: jax.vjp(transformer._matmul_16_bit_cpu, x, w)[1](g))(x, w, g)
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2 ** -7, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(transformer._matmul_16_bit_cpu(x, w), np.float32),
+                                  np.asarray(plain(x, w), np.float32))
+
+
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_bfloat16_and_mixed_logits_close_to_float32(name, tmp_path):
     """Tolerance: bfloat16 keeps 8 significant bits, a relative rounding error of up to 2^-9 (0.2%) each time a

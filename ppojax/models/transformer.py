@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental.layout import Layout, with_layout_constraint
 
 from .attention import attention, check_attention_implementation
 from .config import ModelConfig
@@ -220,13 +221,46 @@ def _matmul(x: Array, w: Array, dtype) -> Array:
     On the CPU a 16-bit product asks for a float32 result and rounds it to `dtype`: XLA:CPU runs a bf16 x bf16 ->
     f32 dot in YNNPACK's bf16 kernels (the CPU's bf16 units) but a bf16 -> bf16 dot as a float32 dot after
     converting its operands (`benchmarks.bf16_dots`). Both accumulate in float32; only the summation order
-    differs. The rounded product is what `remat: dots` saves, as its uint16 bits (`slot_storage.saved_as_bits`).
-    GPU and TPU keep the plain dot, whose backward autodiff runs in 16 bits (with this form it would run in
-    float32).
+    differs. The backward's two products run in the bf16 kernels too (`_matmul_16_bit_cpu`'s custom VJP). The
+    rounded product is what `remat: dots` saves, as its uint16 bits (`slot_storage.saved_as_bits`). GPU and TPU
+    keep the plain dot, whose backward autodiff runs in 16 bits.
     """
     if not _float32_accumulated_16_bit(dtype):
         return jnp.dot(x, w)
-    return saved_as_bits(jnp.dot(x, w, preferred_element_type=jnp.float32).astype(dtype))
+    return saved_as_bits(_matmul_16_bit_cpu(x.astype(dtype), w.astype(dtype)))
+
+
+@jax.custom_vjp
+def _matmul_16_bit_cpu(x: Array, w: Array) -> Array:
+    """x [N, D] @ w [D, F] -> [N, F], 16-bit operands and result, float32 accumulation (see `_matmul`).
+
+    The custom VJP exists for the backward's layouts: XLA:CPU's bf16 kernels take a dot only with row-major
+    operands contracted lhs-minor / rhs-major, and autodiff's two products (`g @ w.T`, `x.T @ g`) contract a
+    minor axis of w and a major axis of x, so XLA would convert them to float32 dots. Here each operand that needs
+    it is transposed physically (a layout constraint), a pass over a weight or an activation, and both products
+    run in the bf16 kernels. The values are autodiff's: float32 products rounded to the operands' dtype."""
+    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _matmul_16_bit_cpu_fwd(x, w):
+    return _matmul_16_bit_cpu(x, w), (x, w)
+
+
+def _matmul_16_bit_cpu_bwd(residuals, g):
+    x, w = residuals
+    g = g.astype(x.dtype)
+    dx = jnp.dot(g, _row_major_transpose(w), preferred_element_type=jnp.float32).astype(x.dtype)
+    dw = jnp.dot(_row_major_transpose(x), g, preferred_element_type=jnp.float32).astype(w.dtype)
+    return dx, dw
+
+
+_matmul_16_bit_cpu.defvjp(_matmul_16_bit_cpu_fwd, _matmul_16_bit_cpu_bwd)
+
+
+def _row_major_transpose(a: Array) -> Array:
+    """a [M, K] -> a.T [K, M] stored row-major (without the constraint XLA folds a transpose into the consumer's
+    operand layout, which is what its bf16 kernels refuse)."""
+    return with_layout_constraint(a.T, Layout(major_to_minor=(0, 1)))
 
 
 def _with_lora(y: Array, x: Array, d: dict, n_in: int, dtype, scale: float | None) -> Array:
