@@ -10,6 +10,9 @@ gradient ``g @ W.T`` (``dx``, the weight's contracting axis is its minor one) an
 - ``f32``: float32 operands and output (ppojax's ``float32`` policy);
 - ``bf16_out``: bfloat16 operands and output (the ``mixed`` and ``bfloat16`` policies' matmuls today);
 - ``bf16_f32acc``: bfloat16 operands, float32 output (``preferred_element_type=float32``);
+- ``bf16_row_major``: as ``bf16_f32acc``, the operand that autodiff's form contracts on the wrong axis (``W`` of
+  ``dx``, ``x`` of ``dw``) transposed into a row-major copy first (a layout constraint), as the 16-bit models'
+  backward does (``transformer._matmul_16_bit_cpu``); the copy is timed with the product;
 - ``onednn_ffi``: oneDNN's ``dnnl_gemm_bf16bf16f32`` called as an XLA custom call (``benchmarks/ffi``), when
   the ``onednn-cpu-gomp`` wheel and a C++ compiler are there (``pip install onednn-cpu-gomp==2023.2.0``);
   the operands arrive as float32 and are rounded to bfloat16 inside the program, as a mixed-precision
@@ -19,9 +22,10 @@ Each figure is GFLOP/s of the best of ``reps`` calls, with the largest error rel
 against a float64 product of the same (rounded) operands.
 
 ``--step xla|onednn_backward`` times the PPO benchmark's SmolLM2 ``train_step`` (random init, ``precision:
-mixed``) instead: ``xla`` as ppojax runs it; ``onednn_backward`` with each projection's two backward products
-through the custom call (a custom VJP, its outputs saved for the backward like the dots they replace). The
-figures per host are in ``benchmarks/RESULTS.md``.
+mixed``) instead: ``xla`` as ppojax runs it (since the ninth session its backward products too run in XLA's
+bf16 kernels, `transformer._matmul_16_bit_cpu`); ``onednn_backward`` with each projection's two backward
+products through the custom call (a custom VJP, its outputs saved for the backward like the dots they replace).
+The figures per host are in ``benchmarks/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import time
 from pathlib import Path
 
 HIDDEN, INTERMEDIATE, VOCAB = 576, 1536, 49152  # SmolLM2-135M
-FORMS = ("f32", "bf16_out", "bf16_f32acc", "onednn_ffi")
+FORMS = ("f32", "bf16_out", "bf16_f32acc", "bf16_row_major", "onednn_ffi")
 LAYOUTS = ("fwd", "dx", "dw")
 FFI_SOURCE = Path(__file__).parent / "ffi" / "bf16_gemm.cc"
 FFI_TARGET = "ppojax_bench_bf16_gemm"
@@ -111,6 +115,10 @@ def contraction(form: str, layout: str):
     t_a, t_b = layout == "dw", layout == "dx"
     if form == "onednn_ffi":
         return jax.jit(lambda a, b: ffi_matmul(a, b, t_a, t_b))
+    if form == "bf16_row_major":
+        from ppojax.models.transformer import _row_major_transpose as t
+
+        return jax.jit(lambda a, b: jnp.dot(t(a) if t_a else a, t(b) if t_b else b, preferred_element_type=jnp.float32))
     out = {"f32": None, "bf16_out": None, "bf16_f32acc": jnp.float32}[form]
     return jax.jit(lambda a, b: jnp.dot(a.T if t_a else a, b.T if t_b else b, preferred_element_type=out))
 
@@ -124,7 +132,7 @@ def operands(form: str, layout: str, tokens: int, d_in: int, d_out: int, seed: i
     shapes = {"fwd": ((tokens, d_in), (d_in, d_out)), "dx": ((tokens, d_out), (d_in, d_out)),
               "dw": ((tokens, d_in), (tokens, d_out))}[layout]
     a, b = jax.random.normal(k1, shapes[0]), jax.random.normal(k2, shapes[1])
-    if form in ("bf16_out", "bf16_f32acc"):
+    if form in ("bf16_out", "bf16_f32acc", "bf16_row_major"):
         a, b = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
     return a, b
 

@@ -218,8 +218,7 @@ def test_attention_forms_compute_the_same_gradient():
 def test_slot_storage_variants_give_the_same_values():
     """benchmarks.slot_storage times a 16-bit gradient and generation with ppojax's slot storage on and off: the
     two must give the same tokens and gradients within bf16 rounding (tiny model, `mixed`), and the model's
-    modules must be left
-    asking the real `stores_bits` afterwards."""
+    modules must be left asking the real `stores_bits` afterwards."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -252,8 +251,8 @@ def test_bf16_dot_forms_compute_the_product(layout, tmp_path_factory):
 
     from benchmarks import bf16_dots
 
-    tolerance = {"f32": 1e-5, "bf16_out": 1e-2, "bf16_f32acc": 1e-5, "onednn_ffi": 1e-5}
-    forms = ["f32", "bf16_out", "bf16_f32acc"]
+    tolerance = {"f32": 1e-5, "bf16_out": 1e-2, "bf16_f32acc": 1e-5, "bf16_row_major": 1e-5, "onednn_ffi": 1e-5}
+    forms = ["f32", "bf16_out", "bf16_f32acc", "bf16_row_major"]
     library, why = _bf16_ffi_library(tmp_path_factory)
     if library is not None:
         forms.append("onednn_ffi")
