@@ -1,10 +1,10 @@
 """16-bit floats that are written into a larger array slot by slot travel as their uint16 bits on the CPU.
 
-XLA:CPU has no bfloat16 / float16 dynamic-update-slice or dynamic-slice: its float normalization rewrites each
-one as a float32 conversion of the WHOLE array, the update, and a conversion back. Inside a loop that writes one
-slot per iteration (the KV cache, written per layer and per token; the layer scan's saved activations, stacked
-per layer) that is a pass over the whole array per iteration instead of a write of one slot. On 16-bit integers
-the same ops stay in place. So on the CPU the two places that store 16-bit values slot by slot keep their bits:
+XLA:CPU has no bfloat16 / float16 dynamic-update-slice: its float normalization rewrites one as a float32
+conversion of the WHOLE array, the update, and a conversion back (and a 16-bit dynamic-slice reads through a
+float32 conversion). Inside a loop that writes one slot per iteration (the KV cache, written per layer and per
+token; the layer scan's saved activations, stacked per layer) that is a pass over the whole array per iteration
+instead of a write of one slot. On 16-bit integers the same ops stay in place. So on the CPU the two places that store 16-bit values slot by slot keep their bits:
 
 - the KV cache (`transformer.KVCache`: `init_cache` stores a 16-bit cache as uint16, `_block` writes and reads
   through `to_bits` / `from_bits`);
