@@ -31,22 +31,19 @@ WORKLOADS = ("gradient", "generation")
 @contextlib.contextmanager
 def storage(variant: str):
     """Trace inside this to build ``variant``: ``plain`` makes every ``stores_bits`` answer False."""
-    from ppojax.models import remat, slot_storage, transformer
+    from ppojax.models import slot_storage  # the models ask it through the module: one switch
 
     if variant == "slot_storage":
         yield
         return
     if variant != "plain":
         raise ValueError(f"variant {variant!r}: expected one of {VARIANTS}")
-    modules = (slot_storage, transformer, remat)
-    saved = [m.stores_bits for m in modules]
-    for m in modules:
-        m.stores_bits = lambda dtype: False
+    real = slot_storage.stores_bits
+    slot_storage.stores_bits = lambda dtype: False
     try:
         yield
     finally:
-        for m, f in zip(modules, saved):
-            m.stores_bits = f
+        slot_storage.stores_bits = real
 
 
 def programs(cfg, precision: str, rows: int = 8, prompt: int = 16, response: int = 32, seed: int = 0) -> dict:

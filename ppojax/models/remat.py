@@ -19,7 +19,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from .slot_storage import SAVED_BITS, stores_bits
+from . import slot_storage
+from .slot_storage import SAVED_BITS
 
 REMAT_POLICIES = ("none", "full", "dots")
 
@@ -51,7 +52,7 @@ def _dot_saved_whole(prim, *avals, **params) -> bool:
     if not jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *avals, **params):
         return False
     float32_of_16_bit = (params.get("preferred_element_type") == jnp.float32
-                         and all(stores_bits(a.dtype) for a in avals[:2]))
+                         and all(slot_storage.stores_bits(a.dtype) for a in avals[:2]))
     return not float32_of_16_bit
 
 

@@ -43,7 +43,8 @@ from jax.experimental.layout import Layout, with_layout_constraint
 from .attention import attention, check_attention_implementation
 from .config import ModelConfig
 from .remat import check_remat, remat_layer
-from .slot_storage import BITS, float32_holding, from_bits, saved_as_bits, stores_bits, to_bits
+from . import slot_storage
+from .slot_storage import BITS, float32_holding, from_bits, saved_as_bits, to_bits
 
 Array = jax.Array
 
@@ -175,7 +176,7 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_length: int, dtype=jnp.flo
     """An empty cache for `max_length` slots (prompt + generated tokens) of `dtype` keys and values (on the
     CPU a 16-bit cache stores their uint16 bits: `slot_storage`)."""
     shape = (cfg.num_layers, batch_size, max_length, cfg.num_kv_heads, cfg.head_dim)
-    bits = stores_bits(dtype)
+    bits = slot_storage.stores_bits(dtype)
     storage = BITS if bits else dtype
     return KVCache(
         keys=jnp.zeros(shape, storage),
@@ -529,7 +530,7 @@ class Backbone(nnx.Module):
         # stream travels between layers as float32 holding exactly its 16-bit values (slot_storage: a 16-bit
         # stack would be rewritten whole per layer). The layers see the compute dtype, as everywhere else.
         layer_dtype = x.dtype
-        to_stream = float32_holding if stores_bits(layer_dtype) else (lambda y: y)
+        to_stream = float32_holding if slot_storage.stores_bits(layer_dtype) else (lambda y: y)
 
         def body(carry, xs):
             x, kv = carry
