@@ -3,16 +3,23 @@ back to back, then the ratios ppojax / TRL and the model FLOP utilisation (MFU) 
 
     python -m benchmarks.run [--quick] [--json out.json] [--only trl|ppojax] [--sizes tiny,smollm2]
                              [--threads 1,2] [--smollm2-dir DIR] [--updates N] [--interleave]
+                             [--ppojax-mixed | --ppojax-precisions float32|mixed|float32,mixed]
+    python -m benchmarks.run --merge REPORT [REPORT ...] [--json out.json]
 
 - peak: ``benchmarks.peak`` in a fresh process per backend (jax here; torch in the TRL interpreter);
-- TRL: ``benchmarks.trl_ppo`` in the ``.venv-bench`` interpreter (``bash benchmarks/install.sh``), once per
-  torch thread count; the fastest (steady episodes/s) is reported, with the thread count;
+- TRL: ``benchmarks.trl_ppo`` in the ``.venv-bench`` interpreter (``bash benchmarks/install.sh``; or
+  ``$PPOJAX_BENCH_PYTHON``, a path or a command name), once per torch thread count; the fastest (steady
+  episodes/s) is reported, with the thread count;
 - ppojax: ``benchmarks.ppojax_ppo.run(config) -> dict`` in a fresh process of this interpreter, if that
   module exists (the contract is in ``benchmarks/common.py``); otherwise reported as not available.
 
 ``--interleave``: TRL (the largest ``--threads`` count) and ppojax run as two live processes whose updates
 alternate (``run_interleaved``), so both sides meet the machine's same fast and slow spells; the default runs
 them back to back.
+
+The report (``--json``) is rewritten after every side, with ``"complete": false`` until the run ends: a run
+cut off keeps what it measured. ``--merge`` makes one report (ratios included) of runs that measured different
+sides on ONE host, e.g. three processes pinned to separate cores at once (``benchmarks/device_check.sh``).
 
 Every side runs in its own process so that thread settings and peak RSS are its own. ``--quick``: the tiny
 size only, few updates, TRL with 2 threads only, small matmuls (under two minutes).
@@ -29,6 +36,7 @@ import importlib.util
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -39,6 +47,7 @@ from pathlib import Path
 from benchmarks.common import make_config, machine_info, peak_rss_mb
 from benchmarks.flops import mfu, ppo_update_flops
 from ppojax.config import PPOConfig
+from ppojax.strict_json import write_text_atomic
 
 DEFAULT_REMAT = PPOConfig().remat  # ppojax's default, so the benchmark runs what a user's run does
 
@@ -55,7 +64,18 @@ def default_smollm2_dir() -> str | None:
 
 
 def trl_python() -> Path:
-    return Path(os.environ.get("PPOJAX_BENCH_PYTHON", REPO / ".venv-bench" / "bin" / "python"))
+    """TRL's interpreter: ``$PPOJAX_BENCH_PYTHON`` (a path, or a command name found on PATH such as ``python3``),
+    else ``.venv-bench``'s."""
+    named = os.environ.get("PPOJAX_BENCH_PYTHON")
+    if not named:
+        return REPO / ".venv-bench" / "bin" / "python"
+    found = shutil.which(named) if os.sep not in named else None
+    return Path(found or named)
+
+
+def _no_trl_reason(py: Path) -> str:
+    return (f"{py} not found: install TRL's environment with `bash benchmarks/install.sh`, or set "
+            "PPOJAX_BENCH_PYTHON to an interpreter that has TRL")
 
 
 def _env(extra: dict | None = None) -> dict:
@@ -179,8 +199,7 @@ def run_peak(tmp: Path, quick: bool) -> dict:
 def run_trl(config_path: Path, tmp: Path, threads: list[int], timeout: float) -> dict:
     py = trl_python()
     if not py.exists():
-        return {"available": False,
-                "reason": f"{py} not found: install TRL's environment with `bash benchmarks/install.sh`"}
+        return {"available": False, "reason": _no_trl_reason(py)}
     by_threads = {}
     for t in threads:
         out = tmp / f"trl_{config_path.stem}_{t}.json"
@@ -272,8 +291,7 @@ def run_interleaved(config_path: Path, tmp: Path, threads: int, timeout: float) 
     timings and its warm-cache run follow, alone."""
     py = trl_python()
     if not py.exists():
-        return ({"available": False, "reason": f"{py} not found: install TRL's environment with "
-                                                "`bash benchmarks/install.sh`"}, run_ppojax(config_path, tmp, timeout))
+        return {"available": False, "reason": _no_trl_reason(py)}, run_ppojax(config_path, tmp, timeout)
     stem = config_path.stem
     config = json.loads(config_path.read_text())
     turn_dir = tmp / f"turns_{stem}"
@@ -367,7 +385,10 @@ def _versions() -> dict:
     return out
 
 
-def run_size(size: str, args, tmp: Path, peak: float | None) -> dict:
+def run_size(size: str, args, tmp: Path, peak: float | None, entry: dict | None = None,
+             save=lambda: None) -> dict:
+    """One size's sides, filled into ``entry`` (returned); ``save()`` after each side, so that a run cut off
+    keeps what it measured."""
     model_dir = args.smollm2_dir if size == "smollm2" else None
     config = make_config(size, quick=args.quick, num_updates=args.updates, model_dir=model_dir)
     config["remat"] = args.ppojax_remat  # ppojax's side only (TRL's PPOTrainer runs without checkpointing)
@@ -378,35 +399,82 @@ def run_size(size: str, args, tmp: Path, peak: float | None) -> dict:
     shown = {k: v for k, v in config.items() if k != "prompts"}
     flops = ppo_update_flops(_model_shape(config), config["batch_size"], config["prompt_length"],
                              config["response_length"], config["num_ppo_epochs"])
-    entry = {"config": shown, "flops": flops}
-    skip = {"available": False, "reason": "skipped (--only)"}
-    if args.interleave and args.only is None:
+    entry = {} if entry is None else entry
+    entry.update(config=shown, flops=flops)
+    skipped = {"available": False, "reason": "skipped (--only)"}
+    float32, mixed = ("float32" in args.ppojax_precisions, "mixed" in args.ppojax_precisions)
+    if args.interleave and args.only is None and float32:
         print(f"[{size}] TRL and ppojax, updates interleaved ...", file=sys.stderr, flush=True)
         entry["trl"], entry["ppojax"] = run_interleaved(config_path, tmp, max(args.threads), timeout)
+        save()
     else:
         print(f"[{size}] TRL ...", file=sys.stderr, flush=True)
-        entry["trl"] = run_trl(config_path, tmp, args.threads, timeout) if args.only in (None, "trl") else skip
+        entry["trl"] = run_trl(config_path, tmp, args.threads, timeout) if args.only in (None, "trl") else skipped
+        save()
         print(f"[{size}] ppojax ...", file=sys.stderr, flush=True)
-        entry["ppojax"] = run_ppojax(config_path, tmp, timeout) if args.only in (None, "ppojax") else skip
-        if args.ppojax_mixed and args.only in (None, "ppojax"):
-            # a separate row, never in place of the same-precision one: bf16 matmuls against TRL's float32
-            print(f"[{size}] ppojax, precision mixed ...", file=sys.stderr, flush=True)
-            mixed_path = tmp / f"{size}_mixed.json"
-            mixed_path.write_text(json.dumps(dict(config, precision="mixed")))
-            entry["ppojax_mixed"] = run_ppojax(mixed_path, tmp, timeout)
-    entry["mfu"] = {side: mfu(flops, entry[side], peak) for side in ("trl", "ppojax")  # float32 peak
-                    if entry[side].get("available") and peak and "rollout_s" in entry[side]}
-    if entry["trl"].get("available") and entry.get("ppojax_mixed", {}).get("available"):
+        if args.only == "trl":
+            entry["ppojax"] = skipped
+        elif not float32:
+            entry["ppojax"] = {"available": False, "reason": "skipped (--ppojax-precisions)"}
+        else:
+            entry["ppojax"] = run_ppojax(config_path, tmp, timeout)
+        save()
+    if mixed and args.only in (None, "ppojax"):
+        # a separate row, never in place of the same-precision one: bf16 matmuls against TRL's float32
+        print(f"[{size}] ppojax, precision mixed ...", file=sys.stderr, flush=True)
+        mixed_path = tmp / f"{size}_mixed.json"
+        mixed_path.write_text(json.dumps(dict(config, precision="mixed")))
+        entry["ppojax_mixed"] = run_ppojax(mixed_path, tmp, timeout)
+        save()
+    add_ratios(entry, peak)
+    return entry
+
+
+def add_ratios(entry: dict, peak: float | None) -> None:
+    """A size's derived figures from its sides: MFU of each float32 side, ppojax / TRL and ppojax-mixed / TRL."""
+    trl, pj, mixed = (entry.get(k) or {} for k in ("trl", "ppojax", "ppojax_mixed"))
+    entry["mfu"] = {side: mfu(entry["flops"], entry[side], peak) for side in ("trl", "ppojax")  # float32 peak
+                    if (entry.get(side) or {}).get("available") and peak and "rollout_s" in entry[side]}
+    if trl.get("available") and mixed.get("available"):
         entry["ratio_ppojax_mixed_over_trl"] = {
-            k: entry["ppojax_mixed"][k] / entry["trl"][k] for k in RATIO_KEYS
-            if entry["ppojax_mixed"].get(k) is not None and entry["trl"].get(k)}
-    if entry["trl"].get("available") and entry["ppojax"].get("available"):
+            k: mixed[k] / trl[k] for k in RATIO_KEYS if mixed.get(k) is not None and trl.get(k)}
+    if trl.get("available") and pj.get("available"):
         entry["ratio_ppojax_over_trl"] = {
-            k: entry["ppojax"][k] / entry["trl"][k] for k in RATIO_KEYS
-            if entry["ppojax"].get(k) is not None and entry["trl"].get(k)}
+            k: pj[k] / trl[k] for k in RATIO_KEYS if pj.get(k) is not None and trl.get(k)}
     else:
         entry["ratio_ppojax_over_trl"] = None
-    return entry
+
+
+def merge_reports(reports: list[dict]) -> dict:
+    """One report from runs of different sides on ONE host (e.g. TRL and ppojax as separate processes pinned
+    to separate cores): per size, each side from the first report where it is available; the ratios and MFU
+    recomputed against the first report's peak. Refuses reports from different CPUs (``cpu_signature``)."""
+    signatures = {r["machine"].get("cpu_signature") for r in reports}
+    if len(signatures) != 1:
+        raise SystemExit(f"--merge: the reports come from different CPUs {sorted(map(str, signatures))}; "
+                         "merge only runs of one host")
+    merged = {k: v for k, v in reports[0].items() if k != "sizes"}
+    merged["merged_from"] = [r.get("started") for r in reports]
+    merged["complete"] = all(r.get("complete", True) for r in reports)
+    peak = (merged.get("peak") or {}).get("peak_flops_per_s")
+    merged["sizes"] = {}
+    for size in dict.fromkeys(s for r in reports for s in r.get("sizes", {})):
+        entries = [r["sizes"][size] for r in reports if size in r.get("sizes", {})]
+        if any(e["config"] != entries[0]["config"] for e in entries):
+            raise SystemExit(f"--merge: the reports ran {size!r} with different settings (e.g. --updates); "
+                             "merge only runs of the same work")
+        entry = {"config": entries[0]["config"], "flops": entries[0]["flops"]}
+        for side in ("trl", "ppojax", "ppojax_mixed"):
+            found = [e[side] for e in entries if (e.get(side) or {}).get("available")]
+            if found:
+                entry[side] = found[0]
+            elif any(side in e for e in entries):
+                entry[side] = next(e[side] for e in entries if side in e)
+        entry.setdefault("trl", {"available": False, "reason": "in none of the merged reports"})
+        entry.setdefault("ppojax", {"available": False, "reason": "in none of the merged reports"})
+        add_ratios(entry, peak)
+        merged["sizes"][size] = entry
+    return merged
 
 
 def _fmt(v, unit=""):
@@ -496,6 +564,12 @@ def main(argv=None) -> int:
     p.add_argument("--ppojax-mixed", action="store_true",
                    help="also run ppojax with precision 'mixed' (bfloat16 matmuls), reported as a separate row "
                         "against TRL's float32 (back-to-back runs only)")
+    p.add_argument("--ppojax-precisions", default=None, choices=["float32", "mixed", "float32,mixed"],
+                   help="ppojax's precision policies to run (default float32; --ppojax-mixed = float32,mixed); "
+                        "'mixed' alone runs only that row, e.g. as its own process beside another to --merge")
+    p.add_argument("--merge", nargs="+", default=None, metavar="REPORT",
+                   help="no run: merge these reports of ONE host (sides run as separate processes) into one, "
+                        "with the ratios, and print its table (--json writes it)")
     p.add_argument("--interleave", action="store_true",
                    help="run TRL (the largest --threads count) and ppojax as two live processes whose updates "
                         "alternate, so both meet the machine's same fast and slow spells")
@@ -505,6 +579,15 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args._worker:
         return _worker(args._config, args._out)
+    if args.merge:
+        report = merge_reports([json.loads(Path(f).read_text()) for f in args.merge])
+        print(table(report))
+        if args.json:
+            write_text_atomic(args.json, json.dumps(report, indent=1))
+            print(f"wrote {args.json}")
+        return 0
+    args.ppojax_precisions = (args.ppojax_precisions or ("float32,mixed" if args.ppojax_mixed else "float32")
+                              ).split(",")
     if args.smollm2_dir is None:
         args.smollm2_dir = default_smollm2_dir()
     elif args.smollm2_dir == "random":
@@ -513,9 +596,16 @@ def main(argv=None) -> int:
     args.threads = [int(t) for t in (args.threads or ("2" if args.quick else "1,2")).split(",")]
     sizes = (args.sizes or ("tiny" if args.quick else "tiny,smollm2")).split(",")
 
+    if args.json:  # before any measurement: a report that cannot be written is refused now, not after an hour
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     report = {"schema": SCHEMA, "quick": args.quick, "machine": machine_info(), "versions": _versions(),
-              "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+              "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "complete": False, "sizes": {}}
+
+    def save() -> None:  # after every side: a run cut off (a time limit, a kill) keeps what it measured
+        if args.json:
+            write_text_atomic(args.json, json.dumps(report, indent=1))
+
     with tempfile.TemporaryDirectory(prefix="ppojax-bench-") as d:
         tmp = Path(d)
         print("[peak] ...", file=sys.stderr, flush=True)
@@ -525,14 +615,17 @@ def main(argv=None) -> int:
             report["peak"]["measured_peak_flops_per_s"] = peak
             peak = report["peak"]["peak_flops_per_s"] = args.peak_gflops * 1e9
             report["peak"]["source"] = "--peak-gflops"
-        report["sizes"] = {s: run_size(s, args, tmp, peak) for s in sizes}
+        save()
+        for size in sizes:
+            run_size(size, args, tmp, peak, report["sizes"].setdefault(size, {}), save)
     report["machine"]["loadavg_1m_end"] = os.getloadavg()[0]
     report["wall_s"] = time.perf_counter() - t0
+    report["complete"] = True
     print(table(report))
     print(f"\n(wall {report['wall_s']:.0f} s; load average {report['machine']['loadavg_1m']:.2f} → "
           f"{report['machine']['loadavg_1m_end']:.2f})")
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
+        save()
         print(f"wrote {args.json}")
     return 0
 

@@ -315,3 +315,93 @@ def test_bf16_dots_onednn_backward_has_the_gradient_of_the_projection(tmp_path_f
         assert got.dtype == want.dtype == jnp.bfloat16
         got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
         np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=2 ** -7 * np.abs(want).max())
+
+
+# --- the harness's plumbing (no measurement): where TRL's interpreter comes from, reports kept when a run is
+# cut off, one precision row alone, and reports of separate processes merged -------------------------------
+
+def _fake_side(eps: float) -> dict:
+    return {"available": True, "episodes_per_s": eps, "update_tokens_per_s": 10 * eps, "peak_rss_mb": 100.0}
+
+
+def test_trl_python_takes_a_command_name_from_path(monkeypatch, tmp_path):
+    import shutil
+
+    from benchmarks import run as bench_run
+
+    fake = tmp_path / "python-with-trl"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    monkeypatch.setenv("PPOJAX_BENCH_PYTHON", "python-with-trl")
+    assert trl_python() == fake == Path(shutil.which("python-with-trl"))
+    monkeypatch.setenv("PPOJAX_BENCH_PYTHON", str(fake))  # a path is taken as it is
+    assert trl_python() == fake
+    monkeypatch.setenv("PPOJAX_BENCH_PYTHON", "no-such-python")
+    result = bench_run.run_trl(tmp_path / "tiny.json", tmp_path, [2], 10)
+    assert not result["available"] and "PPOJAX_BENCH_PYTHON" in result["reason"]
+    assert "no-such-python not found" in result["reason"]
+
+
+def _fake_harness(monkeypatch, calls: list, fail_on: str | None = None):
+    from benchmarks import run as bench_run
+
+    monkeypatch.setattr(bench_run, "run_peak", lambda tmp, quick: {"peak_flops_per_s": 1e11})
+
+    def fake_trl(config_path, tmp, threads, timeout):
+        calls.append(("trl", config_path.stem))
+        return dict(_fake_side(1.0), threads=threads[0])
+
+    def fake_ppojax(config_path, tmp, timeout):
+        precision = json.loads(config_path.read_text()).get("precision", "float32")
+        calls.append(("ppojax", config_path.stem, precision))
+        if fail_on == config_path.stem:
+            raise KeyboardInterrupt  # the run is killed in the middle of this side
+        return _fake_side(3.0 if precision == "float32" else 4.0)
+
+    monkeypatch.setattr(bench_run, "run_trl", fake_trl)
+    monkeypatch.setattr(bench_run, "run_ppojax", fake_ppojax)
+    return bench_run
+
+
+def test_a_run_cut_off_keeps_every_side_it_finished(monkeypatch, tmp_path):
+    calls = []
+    bench_run = _fake_harness(monkeypatch, calls, fail_on="smollm2")
+    out = tmp_path / "new_folder" / "report.json"  # its folder is made before any measurement
+    with pytest.raises(KeyboardInterrupt):
+        bench_run.main(["--sizes", "tiny,smollm2", "--threads", "2", "--smollm2-dir", "random", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert report["complete"] is False
+    assert report["sizes"]["tiny"]["ratio_ppojax_over_trl"]["episodes_per_s"] == 3.0
+    assert report["sizes"]["smollm2"]["trl"]["episodes_per_s"] == 1.0  # the side finished before the kill
+    assert "ppojax" not in report["sizes"]["smollm2"]
+    assert not list(out.parent.glob(".*.tmp"))  # written atomically: no half-written file left
+
+
+def test_mixed_alone_and_merged_with_a_trl_only_report(monkeypatch, tmp_path):
+    calls = []
+    bench_run = _fake_harness(monkeypatch, calls)
+    common = ["--sizes", "tiny", "--threads", "2"]
+    bench_run.main(common + ["--only", "trl", "--json", str(tmp_path / "trl.json")])
+    bench_run.main(common + ["--only", "ppojax", "--ppojax-precisions", "mixed", "--json", str(tmp_path / "mixed.json")])
+    bench_run.main(common + ["--only", "ppojax", "--json", str(tmp_path / "f32.json")])
+    assert calls == [("trl", "tiny"), ("ppojax", "tiny_mixed", "mixed"), ("ppojax", "tiny", "float32")]
+    mixed_only = json.loads((tmp_path / "mixed.json").read_text())["sizes"]["tiny"]
+    assert mixed_only["ppojax"]["reason"] == "skipped (--ppojax-precisions)" and mixed_only["ppojax_mixed"]["available"]
+
+    bench_run.main(["--merge"] + [str(tmp_path / f) for f in ("trl.json", "mixed.json", "f32.json")]
+                   + ["--json", str(tmp_path / "merged.json")])
+    merged = json.loads((tmp_path / "merged.json").read_text())["sizes"]["tiny"]
+    assert merged["ratio_ppojax_over_trl"]["episodes_per_s"] == 3.0
+    assert merged["ratio_ppojax_mixed_over_trl"]["episodes_per_s"] == 4.0
+
+    other_cpu = json.loads((tmp_path / "f32.json").read_text())
+    other_cpu["machine"]["cpu_signature"] = "Another CPU [avx2]"
+    (tmp_path / "other.json").write_text(json.dumps(other_cpu))
+    with pytest.raises(SystemExit, match="different CPUs"):
+        bench_run.main(["--merge", str(tmp_path / "trl.json"), str(tmp_path / "other.json")])
+    other_work = json.loads((tmp_path / "f32.json").read_text())
+    other_work["sizes"]["tiny"]["config"]["num_updates"] = 99
+    (tmp_path / "other_work.json").write_text(json.dumps(other_work))
+    with pytest.raises(SystemExit, match="different settings"):
+        bench_run.main(["--merge", str(tmp_path / "trl.json"), str(tmp_path / "other_work.json")])

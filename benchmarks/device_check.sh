@@ -1,0 +1,120 @@
+#!/bin/bash
+# One call of this workplace's GPU machine (the `device` tool): what needs that machine, in one go.
+#
+#   bash benchmarks/device_check.sh [cpu] [gpu-tests] [gpu-bench]      (default: all three)
+#
+#   cpu        that machine's own CPU (an Intel Xeon with AVX-512, AVX512-BF16 and AMX on 2026-11-26: issue 15's
+#              host type): `benchmarks.run` as three processes at once, each pinned to its own two cores, no
+#              GPU: TRL float32 (2 threads), ppojax float32, ppojax mixed; merged into one report
+#              (`--merge`); then the bf16 dot forms (`benchmarks.bf16_dots`) and torch's bf16 matmul rate;
+#   gpu-tests  the model / generation / attention (cuDNN's tests run only there) / LoRA / train_step tests on
+#              the GPU, one line per test as it ends (`-v`), on the remaining cores;
+#   gpu-bench  `benchmarks.gpu` (tiny, SmolLM2, a random 1B Llama under mixed and bfloat16) and TRL on the
+#              same GPU (`trl_ppo --device cuda --bf16`).
+# On 2026-11-26 one call of the first version took 543 s: the GPU bench ~210 s, TRL on the GPU ~45 s, the GPU
+# tests over 150 s; a ppojax CPU side (tiny and SmolLM2, float32 then mixed, one process) over 530 s. Hence
+# one process per CPU row, and each part's own limit below.
+#
+# The machine has no network and its own jax (0.11): the CPU side runs the jax/jaxlib this project pins,
+# carried. Prepare here once (wheels under .whl/, ignored by .git/info/exclude; under 64 MiB in all):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux2014_x86_64 \
+#       -d .whl/any trl==1.12.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 gguf==0.19.0 \
+#       tensorboardX==2.6.5 cmeel-mimalloc==3.4.3 cmeel==0.62.0
+#   ... -d .whl/cpu jax==0.10.2 flax==0.12.8 optax==0.2.8 chex==0.1.92 orbax-checkpoint==0.12.8
+#   jaxlib 0.10.2's cp312 wheel (85 MB) unzipped and re-packed as .whl/cpu/jaxlib.tar.xz (tar | xz -9: 53 MB)
+# and call: run(command="bash benchmarks/device_check.sh cpu gpu-tests", carry=[".whl"], timeout_s=580).
+set -u
+OUT=${OUT:-/tmp/device_out}
+mkdir -p "$OUT"
+REPO=$(pwd)
+T0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+
+{
+  date -u; uname -r
+  grep -m1 "model name" /proc/cpuinfo; grep -m1 "^flags" /proc/cpuinfo
+  lscpu | grep -E "^(CPU\(s\)|Thread|Core|Socket|NUMA node\(s\)|Model name|L3)"
+  nvidia-smi -L; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+  python3 -m pip list 2>/dev/null | grep -iE "^(jax|jaxlib|jax-cuda13-plugin|flax|optax|orbax-checkpoint|chex|torch|transformers|accelerate|numpy|ml.dtypes|peft) "
+} > "$OUT/host.txt" 2>&1
+cat "$OUT/host.txt"
+
+PIP="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade"
+$PIP --target /tmp/site_any .whl/any/*.whl || exit 1
+$PIP --target /tmp/site_flax .whl/cpu/{flax,optax,chex,orbax}*.whl || exit 1
+$PIP --target /tmp/site_jax10 .whl/cpu/jax-*.whl || exit 1
+tar xJf .whl/cpu/jaxlib.tar.xz -C /tmp/site_jax10 || exit 1
+# A regular (empty) jax_plugins package ahead of the machine's: jax 0.10 then finds none of its 0.11 CUDA plugins
+mkdir -p /tmp/site_jax10/jax_plugins && touch /tmp/site_jax10/jax_plugins/__init__.py
+stamp "packages ready"
+
+PARTS=${*:-cpu gpu-tests gpu-bench}
+want() { [[ " $PARTS " == *" $1 "* ]]; }
+
+# Two CPUs on distinct physical cores for each CPU row; the GPU side gets every CPU of the other cores.
+lscpu -p=CPU,CORE | grep -v '^#' > /tmp/topo
+mapfile -t FIRST < <(awk -F, '!seen[$2]++ {print $1}' /tmp/topo)
+CPU_TRL="${FIRST[0]},${FIRST[1]}"; CPU_F32="${FIRST[2]},${FIRST[3]}"; CPU_MIXED="${FIRST[4]},${FIRST[5]}"
+USED_CORES=$(awk -F, -v a="$CPU_TRL,$CPU_F32,$CPU_MIXED" 'BEGIN{n=split(a,x,","); for(i=1;i<=n;i++) c[x[i]]=1}
+  c[$1]{print $2}' /tmp/topo | sort -u | tr '\n' ' ')
+CPU_GPU=$(awk -F, -v used=" $USED_CORES" 'index(used, " " $2 " ")==0 {print $1}' /tmp/topo | paste -sd,)
+stamp "parts: $PARTS; CPUs: TRL $CPU_TRL, ppojax $CPU_F32, ppojax mixed $CPU_MIXED, GPU side $CPU_GPU"
+
+CPU_ENV="env JAX_PLATFORMS=cpu CUDA_VISIBLE_DEVICES= PPOJAX_BENCH_PYTHON=python3 PYTHONUNBUFFERED=1
+  PYTHONPATH=/tmp/site_jax10:/tmp/site_flax:/tmp/site_any:$REPO"
+BENCH="python3 -m benchmarks.run --threads 2 --smollm2-dir random"
+PIDS=()
+if want cpu; then
+  # the three rows at once, each on its own two cores; every report is written after each side it finishes
+  $CPU_ENV JAX_COMPILATION_CACHE_DIR=/tmp/jc_trl taskset -c "$CPU_TRL" $BENCH --only trl \
+    --json /tmp/cpu_trl.json > /tmp/cpu_trl.log 2>&1 &
+  PIDS+=($!)
+  $CPU_ENV JAX_COMPILATION_CACHE_DIR=/tmp/jc_f32 taskset -c "$CPU_F32" $BENCH --only ppojax \
+    --json /tmp/cpu_f32.json > /tmp/cpu_f32.log 2>&1 &
+  PIDS+=($!)
+  $CPU_ENV JAX_COMPILATION_CACHE_DIR=/tmp/jc_mixed taskset -c "$CPU_MIXED" $BENCH --only ppojax \
+    --ppojax-precisions mixed --json /tmp/cpu_mixed.json > /tmp/cpu_mixed.log 2>&1 &
+  PIDS+=($!)
+fi
+
+# GPU side: the project's flax/optax pins if they import with this machine's jax, else the machine's own.
+GPU_PATH=/tmp/site_flax:/tmp/site_any:$REPO
+if ! PYTHONPATH=$GPU_PATH python3 -c "import flax.nnx, optax, orbax.checkpoint, ppojax.train_step" 2> /tmp/smoke.err; then
+  tail -1 /tmp/smoke.err; GPU_PATH=/tmp/site_any:$REPO; stamp "GPU side: the machine's flax/optax"
+fi
+GPU_ENV="env PYTHONPATH=$GPU_PATH PYTHONUNBUFFERED=1 PPOJAX_XLA_CPU_OPTIONS=0"
+if want gpu-tests; then
+  stamp "tests on the GPU"
+  # float32 products at full precision (no TF32), as the references they are compared with
+  $GPU_ENV JAX_DEFAULT_MATMUL_PRECISION=highest XLA_PYTHON_CLIENT_PREALLOCATE=false taskset -c "$CPU_GPU" \
+    timeout 300 python3 -m pytest -v -p no:cacheprovider -p no:benchmark -n 4 -rfEs tests/test_attention.py \
+    tests/test_generate.py tests/test_models.py tests/test_forward.py tests/test_lora.py tests/test_train_step.py \
+    > "$OUT/pytest_gpu.txt" 2>&1
+  grep -E "FAILED|ERROR|SKIPPED|passed|failed" "$OUT/pytest_gpu.txt" | tail -15
+fi
+if want gpu-bench; then
+  stamp "benchmarks.gpu"
+  $GPU_ENV taskset -c "$CPU_GPU" timeout 240 python3 -m benchmarks.gpu --only tiny,smollm2,llama1b \
+    --json "$OUT/gpu.json" 2>&1 | grep -v "^WARNING\|^I0000\|^W0000" | cut -c1-300
+  stamp "TRL on the GPU"
+  $GPU_ENV taskset -c "$CPU_GPU" timeout 100 python3 -m benchmarks.trl_ppo --size smollm2 --device cuda --bf16 \
+    --json "$OUT/trl_gpu.json" 2>&1 | tail -1
+fi
+stamp "GPU side done"
+
+if want cpu; then
+  # what is left of a 550 s budget (the call's limit is 580 s): the reports keep every side finished by then
+  while kill -0 "${PIDS[@]}" 2>/dev/null; do
+    [ $(( $(date +%s) - T0 )) -gt 550 ] && { stamp "CPU rows cut off"; kill "${PIDS[@]}" 2>/dev/null; break; }
+    sleep 5
+  done
+  stamp "CPU rows done"
+  $CPU_ENV python3 -m benchmarks.run --merge /tmp/cpu_trl.json /tmp/cpu_f32.json /tmp/cpu_mixed.json \
+    --json "$OUT/cpu_merged.json"
+  tail -3 /tmp/cpu_trl.log /tmp/cpu_f32.log /tmp/cpu_mixed.log > "$OUT/cpu_logs.txt"
+  if [ $(( $(date +%s) - T0 )) -lt 500 ]; then
+    $CPU_ENV taskset -c "$CPU_TRL" timeout 60 python3 -m benchmarks.bf16_dots --reps 10 >> "$OUT/cpu_logs.txt" 2>&1
+  fi
+fi
+stamp "all done"
