@@ -1,7 +1,7 @@
 #!/bin/bash
 # One call of this workplace's GPU machine (the `device` tool): what needs that machine, in one go.
 #
-#   bash benchmarks/device_check.sh [cpu] [gpu-tests] [gpu-bench]      (default: all three)
+#   bash benchmarks/device_check.sh [cpu] [gpu-tests] [gpu-bench]      (default: cpu gpu-tests)
 #
 #   cpu        that machine's own CPU (an Intel Xeon with AVX-512, AVX512-BF16 and AMX on 2026-11-26: issue 15's
 #              host type): `benchmarks.run` as three processes at once, each pinned to its own two cores, no
@@ -13,7 +13,7 @@
 #              same GPU (`trl_ppo --device cuda --bf16`).
 # On 2026-11-26 one call of the first version took 543 s: the GPU bench ~210 s, TRL on the GPU ~45 s, the GPU
 # tests over 150 s; a ppojax CPU side (tiny and SmolLM2, float32 then mixed, one process) over 530 s. Hence
-# one process per CPU row, and each part's own limit below.
+# one process per CPU row, each part's own limit below, and gpu-bench (measured then) left out by default.
 #
 # The machine has no network and its own jax (0.11): the CPU side runs the jax/jaxlib this project pins,
 # carried. Prepare here once (wheels under .whl/, ignored by .git/info/exclude; under 64 MiB in all):
@@ -40,30 +40,36 @@ stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 } > "$OUT/host.txt" 2>&1
 cat "$OUT/host.txt"
 
-PIP="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade"
-$PIP --target /tmp/site_any .whl/any/*.whl || exit 1
-$PIP --target /tmp/site_flax .whl/cpu/{flax,optax,chex,orbax}*.whl || exit 1
-$PIP --target /tmp/site_jax10 .whl/cpu/jax-*.whl || exit 1
-tar xJf .whl/cpu/jaxlib.tar.xz -C /tmp/site_jax10 || exit 1
-# A regular (empty) jax_plugins package ahead of the machine's: jax 0.10 then finds none of its 0.11 CUDA plugins
-mkdir -p /tmp/site_jax10/jax_plugins && touch /tmp/site_jax10/jax_plugins/__init__.py
-stamp "packages ready"
+# REHEARSE=1: a dry run on any machine (no carried wheels: the python3 on PATH must have jax and torch; extra
+# benchmark arguments in BENCH_EXTRA, e.g. --quick), to check this script before spending device time.
+if [ -z "${REHEARSE:-}" ]; then
+  PIP="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade"
+  $PIP --target /tmp/site_any .whl/any/*.whl || exit 1
+  $PIP --target /tmp/site_flax .whl/cpu/{flax,optax,chex,orbax}*.whl || exit 1
+  $PIP --target /tmp/site_jax10 .whl/cpu/jax-*.whl || exit 1
+  tar xJf .whl/cpu/jaxlib.tar.xz -C /tmp/site_jax10 || exit 1
+  # A regular (empty) jax_plugins package ahead of the machine's: jax 0.10 then finds none of its 0.11 CUDA plugins
+  mkdir -p /tmp/site_jax10/jax_plugins && touch /tmp/site_jax10/jax_plugins/__init__.py
+  stamp "packages ready"
+fi
 
-PARTS=${*:-cpu gpu-tests gpu-bench}
+PARTS=${*:-cpu gpu-tests}  # all three take longer than one call: gpu-bench (~6 min) on its own
 want() { [[ " $PARTS " == *" $1 "* ]]; }
 
 # Two CPUs on distinct physical cores for each CPU row; the GPU side gets every CPU of the other cores.
 lscpu -p=CPU,CORE | grep -v '^#' > /tmp/topo
 mapfile -t FIRST < <(awk -F, '!seen[$2]++ {print $1}' /tmp/topo)
-CPU_TRL="${FIRST[0]},${FIRST[1]}"; CPU_F32="${FIRST[2]},${FIRST[3]}"; CPU_MIXED="${FIRST[4]},${FIRST[5]}"
+pick() { echo "${FIRST[$(( $1 % ${#FIRST[@]} ))]}"; }  # wraps round on a machine of fewer cores (a rehearsal)
+CPU_TRL="$(pick 0),$(pick 1)"; CPU_F32="$(pick 2),$(pick 3)"; CPU_MIXED="$(pick 4),$(pick 5)"
 USED_CORES=$(awk -F, -v a="$CPU_TRL,$CPU_F32,$CPU_MIXED" 'BEGIN{n=split(a,x,","); for(i=1;i<=n;i++) c[x[i]]=1}
   c[$1]{print $2}' /tmp/topo | sort -u | tr '\n' ' ')
 CPU_GPU=$(awk -F, -v used=" $USED_CORES" 'index(used, " " $2 " ")==0 {print $1}' /tmp/topo | paste -sd,)
+CPU_GPU=${CPU_GPU:-$(cut -d, -f1 /tmp/topo | paste -sd,)}
 stamp "parts: $PARTS; CPUs: TRL $CPU_TRL, ppojax $CPU_F32, ppojax mixed $CPU_MIXED, GPU side $CPU_GPU"
 
-CPU_ENV="env JAX_PLATFORMS=cpu CUDA_VISIBLE_DEVICES= PPOJAX_BENCH_PYTHON=python3 PYTHONUNBUFFERED=1
-  PYTHONPATH=/tmp/site_jax10:/tmp/site_flax:/tmp/site_any:$REPO"
-BENCH="python3 -m benchmarks.run --threads 2 --smollm2-dir random"
+CPU_ENV="env JAX_PLATFORMS=cpu CUDA_VISIBLE_DEVICES= PPOJAX_BENCH_PYTHON=${PPOJAX_BENCH_PYTHON:-python3}
+  PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site_jax10:/tmp/site_flax:/tmp/site_any:$REPO"
+BENCH="python3 -m benchmarks.run --threads 2 --smollm2-dir random ${BENCH_EXTRA:-}"
 PIDS=()
 if want cpu; then
   # the three rows at once, each on its own two cores; every report is written after each side it finishes
@@ -112,7 +118,7 @@ if want cpu; then
   stamp "CPU rows done"
   $CPU_ENV python3 -m benchmarks.run --merge /tmp/cpu_trl.json /tmp/cpu_f32.json /tmp/cpu_mixed.json \
     --json "$OUT/cpu_merged.json"
-  tail -3 /tmp/cpu_trl.log /tmp/cpu_f32.log /tmp/cpu_mixed.log > "$OUT/cpu_logs.txt"
+  tail -n 3 /tmp/cpu_trl.log /tmp/cpu_f32.log /tmp/cpu_mixed.log > "$OUT/cpu_logs.txt"
   if [ $(( $(date +%s) - T0 )) -lt 500 ]; then
     $CPU_ENV taskset -c "$CPU_TRL" timeout 60 python3 -m benchmarks.bf16_dots --reps 10 >> "$OUT/cpu_logs.txt" 2>&1
   fi

@@ -465,11 +465,11 @@ def merge_reports(reports: list[dict]) -> dict:
                              "merge only runs of the same work")
         entry = {"config": entries[0]["config"], "flops": entries[0]["flops"]}
         for side in ("trl", "ppojax", "ppojax_mixed"):
-            found = [e[side] for e in entries if (e.get(side) or {}).get("available")]
-            if found:
-                entry[side] = found[0]
-            elif any(side in e for e in entries):
-                entry[side] = next(e[side] for e in entries if side in e)
+            # a measured side, else the report of a side that was tried (its error), else a skip
+            tried = sorted((e[side] for e in entries if side in e), key=lambda r: (
+                not r.get("available"), str(r.get("reason", "")).startswith("skipped")))
+            if tried:
+                entry[side] = tried[0]
         entry.setdefault("trl", {"available": False, "reason": "in none of the merged reports"})
         entry.setdefault("ppojax", {"available": False, "reason": "in none of the merged reports"})
         add_ratios(entry, peak)

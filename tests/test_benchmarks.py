@@ -405,3 +405,19 @@ def test_mixed_alone_and_merged_with_a_trl_only_report(monkeypatch, tmp_path):
     (tmp_path / "other_work.json").write_text(json.dumps(other_work))
     with pytest.raises(SystemExit, match="different settings"):
         bench_run.main(["--merge", str(tmp_path / "trl.json"), str(tmp_path / "other_work.json")])
+
+
+def test_merge_shows_why_a_side_failed_rather_than_another_reports_skip():
+    from benchmarks.run import merge_reports
+
+    def report(side_entries):
+        return {"machine": {"cpu_signature": "CPU [avx2]"}, "peak": {"peak_flops_per_s": None},
+                "sizes": {"tiny": dict({"config": {"batch_size": 16}, "flops": {}}, **side_entries)}}
+
+    skipped = {"available": False, "reason": "skipped (--only)"}
+    trl_only = report({"trl": dict(_fake_side(1.0), threads=2), "ppojax": skipped})
+    failed = report({"trl": skipped, "ppojax": {"available": False, "error": "exit code 1: out of memory"}})
+    merged = merge_reports([trl_only, failed])["sizes"]["tiny"]
+    assert merged["trl"]["episodes_per_s"] == 1.0
+    assert merged["ppojax"]["error"] == "exit code 1: out of memory"
+    assert merged["ratio_ppojax_over_trl"] is None
