@@ -6,11 +6,13 @@ Two workloads of a randomly initialised SmolLM2-135M under a 16-bit precision po
 
 - ``gradient``: the gradient of the real tokens' mean log-probability (``remat: dots``), 8 left-padded rows of
   48 tokens (the PPO benchmark's update rows);
-- ``generation``: 32 sampled tokens after 8 prompts of 16 (the PPO benchmark's rollout).
+- ``generation``: 32 sampled tokens after 8 prompts of 16 (the PPO benchmark's rollout), the weights cast once
+  to the compute dtype before the decode loop as the rollout does (since the tenth session; before, the loop
+  converted the float32 master weights per token).
 
 Each in two variants, compiled in the same process and called alternately so that both meet the same minutes
 of the host: ``plain`` (the 16-bit program without slot storage: XLA:CPU rewrites each 16-bit slot write as a
-float32 conversion of the whole stack) and ``slot_storage`` (as ppojax runs it). Both generate the same tokens;
+float32 conversion of the whole stack, and reads the sampler's 16-bit weight stacks through float32 copies) and ``slot_storage`` (as ppojax runs it). Both generate the same tokens;
 their gradients agree within bf16 rounding (the plain program may use an unrounded float32 product where slot
 storage saves the rounded one). Both are reported on every run and checked in ``tests/test_benchmarks.py``.
 Figures per host: ``RESULTS.md``.
@@ -56,6 +58,7 @@ def programs(cfg, precision: str, rows: int = 8, prompt: int = 16, response: int
     from ppojax.generate import generate
     from ppojax.models import CausalLM, apply_causal_lm
     from ppojax.models.precision import precision_dtypes
+    from ppojax.rollout import _in_compute_dtype
 
     dtype, param_dtype = precision_dtypes(precision)
     new = lambda: CausalLM(cfg, rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=param_dtype, remat="dots")  # noqa: E731
@@ -74,9 +77,9 @@ def programs(cfg, precision: str, rows: int = 8, prompt: int = 16, response: int
             live = real[:, 1:]
             return -jnp.sum(jnp.where(live, logp, 0.0)) / jnp.sum(live)
 
-        def sample(p):
-            return generate(graphdef, p, prompts, jax.random.key(seed), response_length=response, pad_token_id=0,
-                            temperature=0.7)
+        def sample(p):  # as the rollout samples: the weights cast once to the compute dtype, then the loop
+            return generate(graphdef, _in_compute_dtype(graphdef, p), prompts, jax.random.key(seed),
+                            response_length=response, pad_token_id=0, temperature=0.7)
 
         return (("gradient", jax.grad(loss)), ("generation", sample))
 

@@ -5,7 +5,7 @@ XLA:CPU rewrites a bfloat16 dynamic-update-slice as a float32 conversion of the 
 conversion back. The checks: the compiled 16-bit programs (a `remat: dots` gradient, a generation) hold no such
 rewrite, while the same programs without slot storage do (so the check can fail); what is stored is the same
 values (gradients and generated tokens bit for bit equal to the plain 16-bit program's); the cached decode equals
-the full forward."""
+the full forward; the sampler reads its 16-bit weights as bits (no float32 copy of a stacked weight)."""
 
 import contextlib
 import io
@@ -163,3 +163,43 @@ def test_16_bit_cache_holds_bits_and_decodes_as_the_full_forward(precision):
     assert cache.keys.dtype == jnp.uint16 and int(cache.index) == prompt_len + steps
     # the same bf16 keys and values either way; only the summation order of the shorter attention rows differs
     assert max_diff_live(np.concatenate(got, 1), full, full_mask) < 0.02 * np.abs(full[full_mask]).max()
+
+
+def float32_stacked_weights(hlo: str, shapes: set) -> list[str]:
+    """The instructions of a compiled program that make a float32 array of a stacked weight's shape."""
+    found = []
+    for line in hlo.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%\S+ = f32\[([\d,]*)\]", line)
+        if m and tuple(int(d) for d in m.group(1).split(",") if d) in shapes and "parameter(" not in line:
+            found.append(line.strip()[:160])
+    return found
+
+
+@pytest.mark.parametrize("precision", ["mixed", "bfloat16"])
+def test_the_sampler_reads_its_16_bit_weights_as_bits(precision, monkeypatch):
+    """The rollout casts the policy's weights once to the compute dtype (`rollout._in_compute_dtype`) and the
+    decode loop reads every layer's slice once per token: XLA:CPU would read a 16-bit stack through a float32
+    copy of the whole stack (twice the bytes per token). The compiled sampler holds no such copy; the program
+    without slot storage does; both sample the same tokens."""
+    from ppojax.rollout import _in_compute_dtype
+
+    compute, param = precision_dtypes(precision)
+    cfg, model = tiny_llama(dtype=compute, param_dtype=param)
+    graphdef, params = nnx.split(model)
+    weights = jax.jit(lambda p: _in_compute_dtype(graphdef, p))(params)
+    # the stacked projection weights [L, ...] (the norms' [L, D] would share a shape with activations)
+    stacked = {tuple(a.shape) for a in jax.tree.leaves(nnx.state(model.backbone.layers)) if a.ndim >= 3}
+    assert all(a.dtype == jnp.bfloat16 for a in jax.tree.leaves(weights) if a.ndim > 1)
+    prompts = jnp.asarray(left_padded_batch([6, 4, 2], 6)[0]) % LLAMA["vocab_size"]
+
+    def program():
+        run = jax.jit(lambda w, x, k: generate(graphdef, w, x, k, response_length=8, pad_token_id=0))
+        return run.lower(weights, prompts, jax.random.key(1)).compile()
+
+    compiled = program()
+    assert float32_stacked_weights(compiled.as_text(), stacked) == []
+    with slot_storage_off(monkeypatch):
+        plain = program()
+        assert float32_stacked_weights(plain.as_text(), stacked)  # the check sees the copies where they are
+        plain_tokens = plain(weights, prompts, jax.random.key(1))[0]
+    np.testing.assert_array_equal(compiled(weights, prompts, jax.random.key(1))[0], plain_tokens)

@@ -47,6 +47,25 @@ def from_bits(bits: jax.Array, dtype) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.dtype(dtype))
 
 
+def sliced_as_bits(stack):
+    """A pytree of per-layer stacked weights -> (the same with each 16-bit float leaf as its uint16 bits where
+    `stores_bits`, `restore`: one layer's slice of it -> that slice with its 16-bit floats back).
+
+    For loops that only READ a 16-bit stack slice by slice (the sampler's layer scan, once per token): XLA:CPU
+    would read it through a float32 copy of the whole stack, twice the bytes. Not differentiable (a bitcast to
+    an integer has no gradient): for the forwards of generation only."""
+    leaves, treedef = jax.tree.flatten(stack)
+    dtypes = [a.dtype if stores_bits(a.dtype) else None for a in leaves]
+    if not any(d is not None for d in dtypes):
+        return stack, lambda layer: layer
+
+    def restore(layer):
+        return treedef.unflatten([a if d is None else from_bits(a, d)
+                                  for a, d in zip(jax.tree.leaves(layer), dtypes, strict=True)])
+
+    return treedef.unflatten([a if d is None else to_bits(a) for a, d in zip(leaves, dtypes)]), restore
+
+
 def float32_holding(x: jax.Array) -> jax.Array:
     """A 16-bit float `x` as float32 with exactly its values. The explicit rounding keeps XLA (which may drop a
     round trip through 16 bits, `xla_allow_excess_precision`) from carrying unrounded float32 values instead."""

@@ -525,6 +525,11 @@ class Backbone(nnx.Module):
 
         inv_freq = rope_inv_freq(cfg) if cfg.position_embedding == "rope" else None
         layers = nnx.to_pure_dict(nnx.state(self.layers))
+        restore = lambda layer: layer  # noqa: E731
+        if cache is not None:
+            # generation reads every layer's weights once per token; a 16-bit stack (the sampler's weights, cast
+            # once to the compute dtype) is sliced as its bits on the CPU (slot_storage.sliced_as_bits)
+            layers, restore = slot_storage.sliced_as_bits(layers)
 
         # Each layer's input is saved for the backward, stacked over the layers: on the CPU a 16-bit residual
         # stream travels between layers as float32 holding exactly its 16-bit values (slot_storage: a 16-bit
@@ -535,6 +540,7 @@ class Backbone(nnx.Module):
         def body(carry, xs):
             x, kv = carry
             p, layer_idx, is_sliding = xs
+            p = restore(p)
             m = jnp.where(is_sliding, window_mask, mask) if sliding.any() else mask
             x, kv = _block(cfg, self.dtype, inv_freq, p, x.astype(layer_dtype), position_ids, m, layer_idx, kv,
                            index, attn_kwargs, self.lora_scale, None if cache is None else cache.bits_of)
@@ -558,6 +564,7 @@ class Backbone(nnx.Module):
 
 
 # ------------------------------------------------------------------------------------------------------ models
+
 
 
 class CausalLM(nnx.Module):
