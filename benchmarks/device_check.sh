@@ -1,12 +1,15 @@
 #!/bin/bash
 # One call of this workplace's GPU machine (the `device` tool): what needs that machine, in one go.
 #
-#   bash benchmarks/device_check.sh [cpu] [gpu-tests] [gpu-bench]      (default: cpu gpu-tests)
+#   bash benchmarks/device_check.sh [cpu] [cpu-options] [gpu-tests] [gpu-bench]
+#                                   (default: cpu cpu-options gpu-tests)
 #
 #   cpu        that machine's own CPU (an Intel Xeon with AVX-512, AVX512-BF16 and AMX on 2026-11-26: issue 15's
 #              host type): `benchmarks.run` as three processes at once, each pinned to its own two cores, no
 #              GPU: TRL float32 (2 threads), ppojax float32, ppojax mixed; merged into one report
 #              (`--merge`); then the bf16 dot forms (`benchmarks.bf16_dots`) and torch's bf16 matmul rate;
+#   cpu-options  the XLA:CPU option sets for that CPU (`benchmarks.xla_options --workload step`, on two more
+#              cores beside the rows): which one a user's `--record` would choose there (4.5 min on 2 Zen 4 cores);
 #   gpu-tests  the model / generation / attention (cuDNN's tests run only there) / LoRA / train_step tests on
 #              the GPU, one line per test as it ends (`-v`), on the remaining cores;
 #   gpu-bench  `benchmarks.gpu` (tiny, SmolLM2, a random 1B Llama under mixed and bfloat16) and TRL on the
@@ -53,7 +56,7 @@ if [ -z "${REHEARSE:-}" ]; then
   stamp "packages ready"
 fi
 
-PARTS=${*:-cpu gpu-tests}  # all three take longer than one call: gpu-bench (~6 min) on its own
+PARTS=${*:-cpu cpu-options gpu-tests}  # with gpu-bench (~6 min) it takes longer than one call
 want() { [[ " $PARTS " == *" $1 "* ]]; }
 
 # Two CPUs on distinct physical cores for each CPU row; the GPU side gets every CPU of the other cores.
@@ -61,11 +64,12 @@ lscpu -p=CPU,CORE | grep -v '^#' > /tmp/topo
 mapfile -t FIRST < <(awk -F, '!seen[$2]++ {print $1}' /tmp/topo)
 pick() { echo "${FIRST[$(( $1 % ${#FIRST[@]} ))]}"; }  # wraps round on a machine of fewer cores (a rehearsal)
 CPU_TRL="$(pick 0),$(pick 1)"; CPU_F32="$(pick 2),$(pick 3)"; CPU_MIXED="$(pick 4),$(pick 5)"
-USED_CORES=$(awk -F, -v a="$CPU_TRL,$CPU_F32,$CPU_MIXED" 'BEGIN{n=split(a,x,","); for(i=1;i<=n;i++) c[x[i]]=1}
+CPU_OPT="$(pick 6),$(pick 7)"
+USED_CORES=$(awk -F, -v a="$CPU_TRL,$CPU_F32,$CPU_MIXED,$CPU_OPT" 'BEGIN{n=split(a,x,","); for(i=1;i<=n;i++) c[x[i]]=1}
   c[$1]{print $2}' /tmp/topo | sort -u | tr '\n' ' ')
 CPU_GPU=$(awk -F, -v used=" $USED_CORES" 'index(used, " " $2 " ")==0 {print $1}' /tmp/topo | paste -sd,)
 CPU_GPU=${CPU_GPU:-$(cut -d, -f1 /tmp/topo | paste -sd,)}
-stamp "parts: $PARTS; CPUs: TRL $CPU_TRL, ppojax $CPU_F32, ppojax mixed $CPU_MIXED, GPU side $CPU_GPU"
+stamp "parts: $PARTS; CPUs: TRL $CPU_TRL, ppojax $CPU_F32, ppojax mixed $CPU_MIXED, options $CPU_OPT, GPU $CPU_GPU"
 
 CPU_ENV="env JAX_PLATFORMS=cpu CUDA_VISIBLE_DEVICES= PPOJAX_BENCH_PYTHON=${PPOJAX_BENCH_PYTHON:-python3}
   PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site_jax10:/tmp/site_flax:/tmp/site_any:$REPO"
@@ -81,6 +85,11 @@ if want cpu; then
   PIDS+=($!)
   $CPU_ENV JAX_COMPILATION_CACHE_DIR=/tmp/jc_mixed taskset -c "$CPU_MIXED" $BENCH --only ppojax \
     --ppojax-precisions mixed --json /tmp/cpu_mixed.json > /tmp/cpu_mixed.log 2>&1 &
+  PIDS+=($!)
+fi
+if want cpu-options; then
+  $CPU_ENV taskset -c "$CPU_OPT" timeout 420 python3 -m benchmarks.xla_options --workload step \
+    --json "$OUT/xla_options.json" > /tmp/cpu_options.log 2>&1 &
   PIDS+=($!)
 fi
 
@@ -109,13 +118,16 @@ if want gpu-bench; then
 fi
 stamp "GPU side done"
 
-if want cpu; then
+if [ ${#PIDS[@]} -gt 0 ]; then
   # what is left of a 550 s budget (the call's limit is 580 s): the reports keep every side finished by then
   while kill -0 "${PIDS[@]}" 2>/dev/null; do
     [ $(( $(date +%s) - T0 )) -gt 550 ] && { stamp "CPU rows cut off"; kill "${PIDS[@]}" 2>/dev/null; break; }
     sleep 5
   done
   stamp "CPU rows done"
+  tail -n 8 /tmp/cpu_options.log 2>/dev/null
+fi
+if want cpu; then
   $CPU_ENV python3 -m benchmarks.run --merge /tmp/cpu_trl.json /tmp/cpu_f32.json /tmp/cpu_mixed.json \
     --json "$OUT/cpu_merged.json"
   tail -n 3 /tmp/cpu_trl.log /tmp/cpu_f32.log /tmp/cpu_mixed.log > "$OUT/cpu_logs.txt"
