@@ -203,3 +203,23 @@ def test_the_sampler_reads_its_16_bit_weights_as_bits(precision, monkeypatch):
         assert float32_stacked_weights(plain.as_text(), stacked)  # the check sees the copies where they are
         plain_tokens = plain(weights, prompts, jax.random.key(1))[0]
     np.testing.assert_array_equal(compiled(weights, prompts, jax.random.key(1))[0], plain_tokens)
+
+
+def test_a_cached_forward_refuses_to_differentiate_16_bit_weights():
+    """The bits carry no gradient: differentiating the weights through a cached (generation) forward is an error
+    that says so, never a silent zero; a forward without a cache differentiates as always."""
+    compute, param = precision_dtypes("bfloat16")
+    cfg, model = tiny_llama(dtype=compute, param_dtype=param)
+    graphdef, params = nnx.split(model)
+    ids, mask = jnp.ones((2, 4), jnp.int32), jnp.ones((2, 4), bool)
+    pos = position_ids_from_mask(mask)
+    cache = init_cache(cfg, 2, 4, compute)
+
+    def cached(p):
+        return jnp.sum(apply_causal_lm(graphdef, p, ids, mask, pos, cache)[0].astype(jnp.float32))
+
+    assert np.isfinite(float(jax.jit(cached)(params)))  # the forward itself runs
+    with pytest.raises(TypeError, match="forward with a KV cache.*differentiate a forward without a cache"):
+        jax.grad(cached)(params)
+    grads = jax.grad(lambda p: jnp.sum(apply_causal_lm(graphdef, p, ids, mask)[0].astype(jnp.float32)))(params)
+    assert all(np.isfinite(np.asarray(g, np.float32)).all() for g in jax.tree.leaves(grads))

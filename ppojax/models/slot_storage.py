@@ -52,8 +52,8 @@ def sliced_as_bits(stack):
     `stores_bits`, `restore`: one layer's slice of it -> that slice with its 16-bit floats back).
 
     For loops that only READ a 16-bit stack slice by slice (the sampler's layer scan, once per token): XLA:CPU
-    would read it through a float32 copy of the whole stack, twice the bytes. Not differentiable (a bitcast to
-    an integer has no gradient): for the forwards of generation only."""
+    would read it through a float32 copy of the whole stack, twice the bytes. A bitcast to an integer has no
+    gradient: differentiating through it raises (`_read_only_bits`) rather than giving a zero gradient."""
     leaves, treedef = jax.tree.flatten(stack)
     dtypes = [a.dtype if stores_bits(a.dtype) else None for a in leaves]
     if not any(d is not None for d in dtypes):
@@ -63,7 +63,19 @@ def sliced_as_bits(stack):
         return treedef.unflatten([a if d is None else from_bits(a, d)
                                   for a, d in zip(jax.tree.leaves(layer), dtypes, strict=True)])
 
-    return treedef.unflatten([a if d is None else to_bits(a) for a, d in zip(leaves, dtypes)]), restore
+    return treedef.unflatten([a if d is None else _read_only_bits(a) for a, d in zip(leaves, dtypes)]), restore
+
+
+@jax.custom_jvp
+def _read_only_bits(x):
+    return to_bits(x)
+
+
+@_read_only_bits.defjvp
+def _read_only_bits_jvp(primals, tangents):
+    raise TypeError("the model's 16-bit weights were differentiated through a forward with a KV cache, which on "
+                    "the CPU reads them as their uint16 bits (no gradient): that forward is for generation; "
+                    "differentiate a forward without a cache")
 
 
 def float32_holding(x: jax.Array) -> jax.Array:

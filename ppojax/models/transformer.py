@@ -492,7 +492,10 @@ class Backbone(nnx.Module):
 
     def forward(self, input_ids: Array, attention_mask: Array, position_ids: Array | None = None,
                 cache: KVCache | None = None) -> tuple[Array, KVCache | None]:
-        """As `__call__`, with an optional KV cache -> (hidden [B, S, D], updated cache or None)."""
+        """As `__call__`, with an optional KV cache -> (hidden [B, S, D], updated cache or None).
+
+        With a cache (generation) on the CPU, 16-bit weights and cache entries are read as their bits
+        (`slot_storage`): differentiate a forward without one."""
         cfg = self.cfg
         attention_mask = attention_mask.astype(bool)
         if position_ids is None:
@@ -564,7 +567,6 @@ class Backbone(nnx.Module):
 
 
 # ------------------------------------------------------------------------------------------------------ models
-
 
 
 class CausalLM(nnx.Module):
