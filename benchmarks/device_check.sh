@@ -19,14 +19,8 @@
 # one process per CPU row, each part's own limit below, and gpu-bench (measured then) left out by default.
 #
 # The machine has no network and its own jax (0.11): the CPU side runs the jax/jaxlib this project pins,
-# carried. Prepare here once (wheels under .whl/, ignored by .git/info/exclude; under 64 MiB in all):
-#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#       --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux2014_x86_64 \
-#       -d .whl/any trl==1.12.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 gguf==0.19.0 \
-#       tensorboardX==2.6.5 cmeel-mimalloc==3.4.3 cmeel==0.62.0
-#   ... -d .whl/cpu jax==0.10.2 flax==0.12.8 optax==0.2.8 chex==0.1.92 orbax-checkpoint==0.12.8
-#   jaxlib 0.10.2's cp312 wheel (85 MB) unzipped and re-packed as .whl/cpu/jaxlib.tar.xz (tar | xz -9: 53 MB)
-# and call: run(command="bash benchmarks/device_check.sh cpu gpu-tests", carry=[".whl"], timeout_s=580).
+# carried: `bash benchmarks/device_wheels.sh` here first (wheels under .whl/, ignored; ~3 minutes)
+# and call: run(command="bash benchmarks/device_check.sh", carry=[".whl"], timeout_s=580).
 set -u
 OUT=${OUT:-/tmp/device_out}
 mkdir -p "$OUT"
