@@ -27,6 +27,13 @@ mkdir -p "$OUT"
 REPO=$(pwd)
 T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+PARTS=${*:-cpu cpu-options gpu-tests}  # with gpu-bench (~6 min) it takes longer than one call
+want() { [[ " $PARTS " == *" $1 "* ]]; }
+for part in $PARTS; do
+  case $part in cpu|cpu-options|gpu-tests|gpu-bench) ;;
+    *) echo "device_check.sh: unknown part '$part'; the parts are cpu, cpu-options, gpu-tests, gpu-bench"; exit 2;;
+  esac
+done
 
 {
   date -u; uname -r
@@ -50,8 +57,6 @@ if [ -z "${REHEARSE:-}" ]; then
   stamp "packages ready"
 fi
 
-PARTS=${*:-cpu cpu-options gpu-tests}  # with gpu-bench (~6 min) it takes longer than one call
-want() { [[ " $PARTS " == *" $1 "* ]]; }
 
 # Two CPUs on distinct physical cores for each CPU row; the GPU side gets every CPU of the other cores.
 lscpu -p=CPU,CORE | grep -v '^#' > /tmp/topo

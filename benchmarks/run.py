@@ -445,6 +445,18 @@ def add_ratios(entry: dict, peak: float | None) -> None:
         entry["ratio_ppojax_over_trl"] = None
 
 
+def _read_report(path: str) -> dict:
+    """A report of ``--json`` for ``--merge``; a clear exit naming the file when it is not one."""
+    try:
+        report = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"--merge: cannot read the report {path}: {err}") from None
+    if not (isinstance(report, dict) and isinstance(report.get("machine"), dict) and "sizes" in report):
+        raise SystemExit(f"--merge: {path} is not a benchmarks.run report (no 'machine' and 'sizes'); pass the "
+                         "files that --json wrote")
+    return report
+
+
 def merge_reports(reports: list[dict]) -> dict:
     """One report from runs of different sides on ONE host (e.g. TRL and ppojax as separate processes pinned
     to separate cores): per size, each side from the first report where it is available; the ratios and MFU
@@ -580,7 +592,7 @@ def main(argv=None) -> int:
     if args._worker:
         return _worker(args._config, args._out)
     if args.merge:
-        report = merge_reports([json.loads(Path(f).read_text()) for f in args.merge])
+        report = merge_reports([_read_report(f) for f in args.merge])
         print(table(report))
         if args.json:
             write_text_atomic(args.json, json.dumps(report, indent=1))

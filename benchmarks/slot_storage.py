@@ -12,7 +12,8 @@ Two workloads of a randomly initialised SmolLM2-135M under a 16-bit precision po
 
 Each in two variants, compiled in the same process and called alternately so that both meet the same minutes
 of the host: ``plain`` (the 16-bit program without slot storage: XLA:CPU rewrites each 16-bit slot write as a
-float32 conversion of the whole stack, and reads the sampler's 16-bit weight stacks through float32 copies) and ``slot_storage`` (as ppojax runs it). Both generate the same tokens;
+float32 conversion of the whole stack, and reads the sampler's 16-bit weight stacks through float32 copies)
+and ``slot_storage`` (as ppojax runs it). Both generate the same tokens;
 their gradients agree within bf16 rounding (the plain program may use an unrounded float32 product where slot
 storage saves the rounded one). Both are reported on every run and checked in ``tests/test_benchmarks.py``.
 Figures per host: ``RESULTS.md``.

@@ -400,6 +400,11 @@ def test_mixed_alone_and_merged_with_a_trl_only_report(monkeypatch, tmp_path):
     (tmp_path / "other.json").write_text(json.dumps(other_cpu))
     with pytest.raises(SystemExit, match="different CPUs"):
         bench_run.main(["--merge", str(tmp_path / "trl.json"), str(tmp_path / "other.json")])
+    with pytest.raises(SystemExit, match="cannot read the report .*missing.json"):
+        bench_run.main(["--merge", str(tmp_path / "trl.json"), str(tmp_path / "missing.json")])
+    (tmp_path / "not_a_report.json").write_text('{"episodes_per_s": 1}')
+    with pytest.raises(SystemExit, match="not_a_report.json is not a benchmarks.run report"):
+        bench_run.main(["--merge", str(tmp_path / "trl.json"), str(tmp_path / "not_a_report.json")])
     other_work = json.loads((tmp_path / "f32.json").read_text())
     other_work["sizes"]["tiny"]["config"]["num_updates"] = 99
     (tmp_path / "other_work.json").write_text(json.dumps(other_work))

@@ -1,15 +1,19 @@
-"""16-bit floats that are written into a larger array slot by slot travel as their uint16 bits on the CPU.
+"""16-bit floats that are written into, or read from, a larger array slot by slot travel as their uint16 bits on
+the CPU.
 
 XLA:CPU has no bfloat16 / float16 dynamic-update-slice: its float normalization rewrites one as a float32
-conversion of the WHOLE array, the update, and a conversion back (and a 16-bit dynamic-slice reads through a
-float32 conversion). Inside a loop that writes one slot per iteration (the KV cache, written per layer and per
-token; the layer scan's saved activations, stacked per layer) that is a pass over the whole array per iteration
-instead of a write of one slot. On 16-bit integers the same ops stay in place. So on the CPU the two places that store 16-bit values slot by slot keep their bits:
+conversion of the WHOLE array, the update, and a conversion back; and a 16-bit dynamic-slice reads through a
+float32 copy of the whole array. Inside a loop that touches one slot per iteration (the KV cache, written per
+layer and per token; the layer scan's saved activations, stacked per layer; the sampler's weights, read per
+layer and per token) that is a pass over the whole array per iteration instead of one slot. On 16-bit integers
+the same ops stay in place. So on the CPU the places that store or read 16-bit values slot by slot keep bits:
 
 - the KV cache (`transformer.KVCache`: `init_cache` stores a 16-bit cache as uint16, `_block` writes and reads
   through `to_bits` / `from_bits`);
 - the projections' outputs that `remat: dots` saves for the backward (`saved_as_bits`: the saved value is the
-  uint16 view, named `SAVED_BITS`, and `remat.py`'s policy saves it in place of the float32 product).
+  uint16 view, named `SAVED_BITS`, and `remat.py`'s policy saves it in place of the float32 product);
+- the 16-bit weight stacks a forward with a KV cache (generation) slices per layer (`sliced_as_bits`; no
+  gradient flows there, and differentiating through it raises).
 
 The layer scan also saves each layer's input, the residual stream carried from layer to layer: an integer carry
 would stop the gradient, so on the CPU a 16-bit stream travels as float32 holding exactly its 16-bit values
