@@ -1,8 +1,8 @@
 #!/bin/bash
 # One call of this workplace's GPU machine (the `device` tool): what needs that machine, in one go.
 #
-#   bash benchmarks/device_check.sh [cpu] [cpu-options] [gpu-tests] [gpu-bench]
-#                                   (default: cpu cpu-options gpu-tests)
+#   bash benchmarks/device_check.sh [cpu] [cpu-options] [cpu-profile] [gpu-tests] [gpu-bench]
+#                                   (default: cpu cpu-options cpu-profile gpu-tests)
 #
 #   cpu        that machine's own CPU (an Intel Xeon with AVX-512, AVX512-BF16 and AMX on 2026-11-26: issue 15's
 #              host type): `benchmarks.run` as three processes at once, each pinned to its own two cores, no
@@ -10,6 +10,8 @@
 #              (`--merge`); then the bf16 dot forms (`benchmarks.bf16_dots`) and torch's bf16 matmul rate;
 #   cpu-options  the XLA:CPU option sets for that CPU (`benchmarks.xla_options --workload step`, on two more
 #              cores beside the rows): which one a user's `--record` would choose there (4.5 min on 2 Zen 4 cores);
+#   cpu-profile  where a SmolLM2 `train_step` spends its time on that CPU (`benchmarks.step_profile`, float32 then
+#              mixed, on two more cores; ~1.5 min per precision on 2 Zen 4 cores);
 #   gpu-tests  the model / generation / attention (cuDNN's tests run only there) / LoRA / train_step tests on
 #              the GPU, one line per test as it ends (`-v`), on the remaining cores;
 #   gpu-bench  `benchmarks.gpu` (tiny, SmolLM2, a random 1B Llama under mixed and bfloat16) and TRL on the
@@ -27,11 +29,12 @@ mkdir -p "$OUT"
 REPO=$(pwd)
 T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
-PARTS=${*:-cpu cpu-options gpu-tests}  # with gpu-bench (~6 min) it takes longer than one call
+PARTS=${*:-cpu cpu-options cpu-profile gpu-tests}  # with gpu-bench (~6 min) it takes longer than one call
 want() { [[ " $PARTS " == *" $1 "* ]]; }
 for part in $PARTS; do
-  case $part in cpu|cpu-options|gpu-tests|gpu-bench) ;;
-    *) echo "device_check.sh: unknown part '$part'; the parts are cpu, cpu-options, gpu-tests, gpu-bench"; exit 2;;
+  case $part in cpu|cpu-options|cpu-profile|gpu-tests|gpu-bench) ;;
+    *) echo "device_check.sh: unknown part '$part'; the parts are cpu, cpu-options, cpu-profile, gpu-tests, gpu-bench"
+       exit 2;;
   esac
 done
 
@@ -63,12 +66,12 @@ lscpu -p=CPU,CORE | grep -v '^#' > /tmp/topo
 mapfile -t FIRST < <(awk -F, '!seen[$2]++ {print $1}' /tmp/topo)
 pick() { echo "${FIRST[$(( $1 % ${#FIRST[@]} ))]}"; }  # wraps round on a machine of fewer cores (a rehearsal)
 CPU_TRL="$(pick 0),$(pick 1)"; CPU_F32="$(pick 2),$(pick 3)"; CPU_MIXED="$(pick 4),$(pick 5)"
-CPU_OPT="$(pick 6),$(pick 7)"
-USED_CORES=$(awk -F, -v a="$CPU_TRL,$CPU_F32,$CPU_MIXED,$CPU_OPT" 'BEGIN{n=split(a,x,","); for(i=1;i<=n;i++) c[x[i]]=1}
+CPU_OPT="$(pick 6),$(pick 7)"; CPU_PROF="$(pick 8),$(pick 9)"
+USED_CORES=$(awk -F, -v a="$CPU_TRL,$CPU_F32,$CPU_MIXED,$CPU_OPT,$CPU_PROF" 'BEGIN{n=split(a,x,","); for(i=1;i<=n;i++) c[x[i]]=1}
   c[$1]{print $2}' /tmp/topo | sort -u | tr '\n' ' ')
 CPU_GPU=$(awk -F, -v used=" $USED_CORES" 'index(used, " " $2 " ")==0 {print $1}' /tmp/topo | paste -sd,)
 CPU_GPU=${CPU_GPU:-$(cut -d, -f1 /tmp/topo | paste -sd,)}
-stamp "parts: $PARTS; CPUs: TRL $CPU_TRL, ppojax $CPU_F32, ppojax mixed $CPU_MIXED, options $CPU_OPT, GPU $CPU_GPU"
+stamp "parts: $PARTS; CPUs: TRL $CPU_TRL, ppojax $CPU_F32, ppojax mixed $CPU_MIXED, options $CPU_OPT, profile $CPU_PROF, GPU $CPU_GPU"
 
 CPU_ENV="env JAX_PLATFORMS=cpu CUDA_VISIBLE_DEVICES= PPOJAX_BENCH_PYTHON=${PPOJAX_BENCH_PYTHON:-python3}
   PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site_jax10:/tmp/site_flax:/tmp/site_any:$REPO"
@@ -89,6 +92,15 @@ fi
 if want cpu-options; then
   $CPU_ENV taskset -c "$CPU_OPT" timeout 420 python3 -m benchmarks.xla_options --workload step \
     --json "$OUT/xla_options.json" > /tmp/cpu_options.log 2>&1 &
+  PIDS+=($!)
+fi
+if want cpu-profile; then
+  # SmolLM2 (random weights, as the rows) unless PROFILE_SIZE says otherwise (a rehearsal: tiny)
+  ( for precision in float32 mixed; do
+      $CPU_ENV JAX_COMPILATION_CACHE_DIR=/tmp/jc_prof taskset -c "$CPU_PROF" timeout 300 python3 -m \
+        benchmarks.step_profile --size "${PROFILE_SIZE:-smollm2}" --precision $precision \
+        --json "$OUT/step_profile_$precision.json"
+    done ) > /tmp/cpu_profile.log 2>&1 &
   PIDS+=($!)
 fi
 
@@ -124,7 +136,8 @@ if [ ${#PIDS[@]} -gt 0 ]; then
     sleep 5
   done
   stamp "CPU rows done"
-  tail -n 8 /tmp/cpu_options.log 2>/dev/null
+  want cpu-options && tail -n 8 /tmp/cpu_options.log
+  want cpu-profile && grep -v "^WARNING" /tmp/cpu_profile.log | tail -n 22
 fi
 if want cpu; then
   $CPU_ENV python3 -m benchmarks.run --merge /tmp/cpu_trl.json /tmp/cpu_f32.json /tmp/cpu_mixed.json \

@@ -426,3 +426,44 @@ def test_merge_shows_why_a_side_failed_rather_than_another_reports_skip():
     assert merged["trl"]["episodes_per_s"] == 1.0
     assert merged["ppojax"]["error"] == "exit code 1: out of memory"
     assert merged["ratio_ppojax_over_trl"] is None
+
+
+def test_step_profile_puts_the_conditionals_ops_on_the_optimizer_and_the_rest_by_name():
+    """A synthetic trace: two worker threads; the conditional's branch runs on both, one thread's part ending after
+    the `cond` event; a same-named op outside the branch stays with its name's kind; wrappers are not ops."""
+    from benchmarks.step_profile import OPTIMIZER, summarize_trace
+
+    def op(name, ts, dur, tid=1, hlo=True):  # times in ms (the trace's are in µs)
+        return {"ph": "X", "name": name, "ts": ts * 1e3, "dur": dur * 1e3, "pid": 1, "tid": tid,
+                "args": {"hlo_op": name} if hlo else {}}
+
+    events = [
+        op("ynn_fusion.3", 0, 100), op("dynamic-slice_bitcast_fusion.1", 100, 10),
+        op("multiply_add_fusion.7", 110, 5),  # the forward's residual add: element-wise, not Adam
+        op("cond.160", 200, 50), op("ThunkExecutor::Execute", 201, 49, hlo=False),
+        op("ThunkExecutor::Execute", 202, 80, tid=2, hlo=False),  # the other thread's part, ends after the cond
+        op("multiply_add_fusion.45", 205, 20), op("multiply_subtract_fusion.7", 230, 15),
+        op("multiply_add_fusion.22", 210, 60, tid=2),
+        op("end: multiply_add_fusion.22", 270, 1, tid=2), op("ThreadpoolListener::Record", 215, 3, tid=2),
+        op("bitcast_dynamic-update-slice_fusion", 300, 7), op("transpose_copy_fusion", 310, 3),
+        op("convert_bitcast_fusion.2", 320, 2), op("dot.4", 330, 4, tid=2),
+    ]
+    out = summarize_trace(events)
+    kinds = {k: v["seconds"] * 1e3 for k, v in out["kinds"].items()}
+    assert kinds == pytest.approx({"matmuls": 104, "layer-scan weight slices": 10, "other element-wise": 5,
+                                   OPTIMIZER: 95, "stacked writes": 7, "transposes and copies": 3,
+                                   "dtype conversions": 2})
+    assert out["op_seconds"] * 1e3 == pytest.approx(226)
+    assert out["cond_event_s"] == [pytest.approx(0.05)]
+
+
+def test_step_profile_reads_a_real_trace_of_the_tiny_step():
+    """jax.profiler's own trace format: the tiny benchmark's traced step has its 4 optimizer steps (4 epochs of one
+    mini-batch), matmuls, and shares that add up."""
+    from benchmarks.step_profile import OPTIMIZER, profile
+
+    out = profile("tiny", "float32", warm=1)
+    assert len(out["cond_event_s"]) == 4
+    assert out["kinds"]["matmuls"]["seconds"] > 0 and out["kinds"][OPTIMIZER]["ops"] > 0
+    assert sum(k["share"] for k in out["kinds"].values()) == pytest.approx(1.0, abs=1e-3)
+    assert len(out["step_s"]) == 2 and out["traced_step_s"] == out["step_s"][-1]

@@ -1,0 +1,161 @@
+"""Where one ``train_step`` of the PPO benchmark's work spends its time on the CPU: a ``jax.profiler`` trace of one
+step, its XLA:CPU ops summed by kind.
+
+    python -m benchmarks.step_profile [--size smollm2] [--precision float32|mixed] [--warm 2] [--json F]
+
+The work is ``benchmarks.ppojax_ppo``'s (``benchmarks/common.py``: policy, reference, reward and value models,
+sampler log-probs, 4 epochs of one mini-batch). ``--warm`` steps run first (the first compiles), then one step is
+traced. Each XLA op the trace records (its event carries ``hlo_op``) is put in one kind (``KINDS``, first match of
+its name) and its time summed; the wrappers (thunk executor, thread-pool bookkeeping) are left out. Two rules
+make the sums readable:
+
+- **the optimizer step is what runs inside the conditional**: the update skips a non-finite step with ``lax.cond``,
+  and the branch runs on every worker thread, each thread's part under an executor event that starts inside the
+  ``cond`` event (and may end after it); every op inside such an executor event is the optimizer (Adam of every
+  trained model), whatever its name. Kinds by name alone mix them up: Adam's ``multiply_add`` fusions share their
+  name with the forward's residual adds (the profiles of 2026-11-25 counted 7.9-9.8 % "Adam" that way).
+- Op times are summed over XLA's worker threads, which run independent ops at the same time: the shares are
+  shares of the summed op time, not of the wall time (on SmolLM2 the sum is close to the step's wall time).
+  Weight-gradient dots on Eigen return before their work ends (an asynchronous thunk): they look short and the
+  ops beside them long (RESULTS.md, sixth session).
+
+Figures per host: ``benchmarks/RESULTS.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import re
+import tempfile
+import time
+from pathlib import Path
+
+#: (kind, name pattern) in the order they are tried; the first match names an op's kind.
+KINDS = (
+    ("matmuls", r"ynn_fusion|xnn_fusion|onednn|^dot|^custom-call"),
+    ("layer-scan weight slices", r"dynamic-slice"),  # copies of one layer's weights out of the stacked arrays
+    ("stacked writes", r"dynamic-update-slice"),  # per-layer residuals / gradients / KV cache written into stacks
+    ("transposes and copies", r"transpose|copy"),
+    ("dtype conversions", r"convert"),
+    ("zero-filled buffers", r"^wrapped_broadcast|^broadcast$"),
+    ("reductions", r"reduce"),
+    ("other element-wise", r""),
+)
+OPTIMIZER = "optimizer step (every op inside the conditional)"
+#: events that are not ops: the executor's and the thread pool's own bookkeeping, ends of async ops, control flow
+NOT_OPS = re.compile(r"^(ThunkExecutor|ThreadpoolListener|SlinkyThreadPool|end: |while$|cond$|conditional$|call$)")
+
+
+def _base(name: str) -> str:
+    return re.sub(r"[.\d]+$", "", name)
+
+
+def kind_of(name: str) -> str:
+    base = _base(name)
+    return next(kind for kind, pattern in KINDS if re.search(pattern, base))
+
+
+def summarize_trace(events: list[dict]) -> dict:
+    """Chrome-trace events (``traceEvents``) of one traced step -> the op time by kind.
+
+    Returns {"op_seconds": total, "kinds": {kind: {"seconds", "share", "ops"}}, "top_ops": [[name, seconds,
+    count], ...], "cond_event_s": [...]} (shares of the summed op time)."""
+    complete = [e for e in events if e.get("ph") == "X"]
+    conds = [e for e in complete if _base(e["name"]) in ("cond", "conditional")]
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in conds)
+    # The branch runs on every worker thread, each part under its own executor event that starts inside the
+    # conditional's span and may end after it: an op belongs to the branch when it lies in such an executor
+    # event of its own thread.
+    branch = collections.defaultdict(list)  # thread -> [(start, end)]
+    for e in complete:
+        if e["name"].startswith("ThunkExecutor::Execute") and any(s <= e["ts"] <= t for s, t in spans):
+            branch[e["pid"], e["tid"]].append((e["ts"], e["ts"] + e["dur"]))
+    ops = [e for e in complete if "hlo_op" in e.get("args", {}) and not NOT_OPS.match(_base(e["name"]))]
+
+    def inside_conditional(e: dict) -> bool:
+        return any(start <= e["ts"] <= end for start, end in branch[e["pid"], e["tid"]])
+
+    seconds = collections.defaultdict(float)
+    count = collections.Counter()
+    by_name = collections.defaultdict(float)
+    by_name_count = collections.Counter()
+    for e in ops:
+        kind = OPTIMIZER if inside_conditional(e) else kind_of(e["name"])
+        seconds[kind] += e["dur"] / 1e6
+        count[kind] += 1
+        by_name[_base(e["name"])] += e["dur"] / 1e6
+        by_name_count[_base(e["name"])] += 1
+    total = sum(seconds.values())
+    kinds = {k: {"seconds": round(s, 4), "share": round(s / total, 4) if total else 0.0, "ops": count[k]}
+             for k, s in sorted(seconds.items(), key=lambda kv: -kv[1])}
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
+    return {"op_seconds": round(total, 4), "kinds": kinds,
+            "top_ops": [[name, round(s, 4), by_name_count[name]] for name, s in top],
+            "cond_event_s": [round((end - start) / 1e6, 4) for start, end in spans]}
+
+
+def read_trace(directory: str) -> list[dict]:
+    """The events of the one ``*.trace.json.gz`` that ``jax.profiler`` wrote under ``directory``."""
+    files = glob.glob(f"{directory}/**/*.trace.json.gz", recursive=True)
+    if len(files) != 1:
+        raise RuntimeError(f"expected one trace under {directory}, found {len(files)}")
+    with gzip.open(files[0]) as f:
+        return json.load(f)["traceEvents"]
+
+
+def profile(size: str, precision: str, warm: int) -> dict:
+    import jax
+    import numpy as np
+
+    from benchmarks import ppojax_ppo
+    from benchmarks.common import make_config
+    from ppojax.train_step import make_train_step
+
+    config = dict(make_config(size, num_updates=warm + 1), precision=precision, behaviour_logprobs="sampler")
+    program, state, shardings = ppojax_ppo.build(config)
+    batch = config["batch_size"]
+    prompts = np.asarray(config["prompts"], np.int32)
+    step = make_train_step(program, shardings)
+    key = jax.random.key(config["seed"])
+    step_s = []
+    for u in range(warm + 1):
+        if u == warm:
+            trace_dir = tempfile.mkdtemp(prefix="ppojax_step_profile_")
+            jax.profiler.start_trace(trace_dir)
+        start = time.perf_counter()
+        state, metrics = step(state, prompts[u * batch:(u + 1) * batch], jax.random.fold_in(key, u))
+        jax.block_until_ready((state, metrics))
+        step_s.append(time.perf_counter() - start)
+    jax.profiler.stop_trace()
+    out = summarize_trace(read_trace(trace_dir))
+    return dict(out, size=size, precision=precision, jax=jax.__version__, step_s=[round(s, 3) for s in step_s],
+                traced_step_s=round(step_s[-1], 3))
+
+
+def main(argv=None) -> int:
+    from benchmarks.common import SIZES, positive_int
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="smollm2")
+    parser.add_argument("--precision", choices=("float32", "mixed"), default="float32")
+    parser.add_argument("--warm", type=positive_int, default=2, help="steps before the traced one (the first compiles)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    from ppojax.program_start import start_program
+    start_program()  # as the ppojax command and the benchmark do (allocator, XLA:CPU options)
+    from benchmarks.common import machine_info
+    result = dict(profile(args.size, args.precision, args.warm), machine=machine_info())
+    print(f"{args.size} {args.precision}: steps {result['step_s']} s (the last traced); op time "
+          f"{result['op_seconds']:.2f} s")
+    for kind, figures in result["kinds"].items():
+        print(f"  {figures['share']:6.1%} {figures['seconds']:8.3f} s {figures['ops']:7d} ops  {kind}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
