@@ -114,7 +114,7 @@ def profile(size: str, precision: str, warm: int) -> dict:
     from benchmarks.common import make_config
     from ppojax.train_step import make_train_step
 
-    config = dict(make_config(size, num_updates=warm + 1), precision=precision, behaviour_logprobs="sampler")
+    config = dict(make_config(size, num_updates=max(2, warm + 1)), precision=precision, behaviour_logprobs="sampler")
     program, state, shardings = ppojax_ppo.build(config)
     batch = config["batch_size"]
     prompts = np.asarray(config["prompts"], np.int32)
