@@ -150,13 +150,27 @@ print(json.dumps(out))
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+#: XLA errors whose cause is known (RESULTS.md), explained where a set fails with them
+KNOWN_FAILURES = {
+    "partition compile failed": "XLA's oneDNN fusion takes an element-wise op into a dot's input, which oneDNN "
+                                "cannot compile; `(p * s) @ v` alone aborts (jaxlib 0.10.2; RESULTS.md, 2026-11-26)",
+}
+
+
+def explain(error: str) -> str:
+    """``error`` with the known cause appended when there is one."""
+    cause = next((why for text, why in KNOWN_FAILURES.items() if text in error), None)
+    return f"{error} ({cause})" if cause else error
+
+
 def run_set(name: str, tokens: int, reps: int, workload: str = "dots") -> dict:
     env = dict(os.environ)
     env["XLA_FLAGS"] = " ".join(f for f in (env.get("XLA_FLAGS", ""), OPTION_SETS[name]) if f)
     proc = subprocess.run([sys.executable, "-m", "benchmarks.xla_options", "--child", "--tokens", str(tokens),
                            "--reps", str(reps), "--workload", workload], env=env, capture_output=True, text=True)
     if proc.returncode != 0:
-        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
+        last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
+        return {"error": explain(last)}
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

@@ -110,3 +110,20 @@ def test_the_ppojax_command_starts_jax_with_the_recorded_options(tmp_path):
                           timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "XLA_FLAGS=--xla_cpu_use_xnnpack=false 16.0" in done.stdout, done.stdout  # and XLA ran with it
+
+
+@pytest.mark.skipif(os.uname().machine not in ("x86_64", "AMD64"), reason="XLA's oneDNN paths are x86-only")
+def test_the_onednn_option_sets_failure_is_reproduced_and_explained():
+    """Why `onednn_dot` fails on the step (RESULTS.md, 2026-11-26): XLA's oneDNN fusion takes the element-wise
+    producer of a dot's input, and oneDNN's partition compile aborts. If a jaxlib fixes it, this test fails:
+    time to measure the option set again (`python -m benchmarks.xla_options --workload step`)."""
+    from benchmarks.xla_options import OPTION_SETS, explain
+
+    code = ("import jax, jax.numpy as jnp\n"
+            "x = jnp.ones((16, 8))\n"
+            "print(jax.jit(lambda p, s, v: (p * s) @ v)(x, x, x.T).sum())\n")
+    env = dict(os.environ, XLA_FLAGS=OPTION_SETS["onednn_dot"], JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "partition compile failed" in proc.stderr
+    assert "oneDNN cannot compile" in explain(proc.stderr.strip().splitlines()[-1])
+    assert explain("out of memory") == "out of memory"
