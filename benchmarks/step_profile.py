@@ -114,23 +114,29 @@ def profile(size: str, precision: str, warm: int) -> dict:
     from benchmarks.common import make_config
     from ppojax.train_step import make_train_step
 
-    config = dict(make_config(size, num_updates=max(2, warm + 1)), precision=precision, behaviour_logprobs="sampler")
+    config = dict(make_config(size, num_updates=max(2, warm + 1)), precision=precision,
+                  behaviour_logprobs="sampler")  # the benchmark's work: the sampler's log-probs, as TRL
     program, state, shardings = ppojax_ppo.build(config)
     batch = config["batch_size"]
     prompts = np.asarray(config["prompts"], np.int32)
     step = make_train_step(program, shardings)
     key = jax.random.key(config["seed"])
-    step_s = []
-    for u in range(warm + 1):
-        if u == warm:
-            trace_dir = tempfile.mkdtemp(prefix="ppojax_step_profile_")
-            jax.profiler.start_trace(trace_dir)
+
+    def timed_step(u: int) -> float:
+        nonlocal state
         start = time.perf_counter()
         state, metrics = step(state, prompts[u * batch:(u + 1) * batch], jax.random.fold_in(key, u))
         jax.block_until_ready((state, metrics))
-        step_s.append(time.perf_counter() - start)
-    jax.profiler.stop_trace()
-    out = summarize_trace(read_trace(trace_dir))
+        return time.perf_counter() - start
+
+    step_s = [timed_step(u) for u in range(warm)]
+    with tempfile.TemporaryDirectory(prefix="ppojax_step_profile_") as trace_dir:
+        jax.profiler.start_trace(trace_dir)
+        try:
+            step_s.append(timed_step(warm))
+        finally:
+            jax.profiler.stop_trace()
+        out = summarize_trace(read_trace(trace_dir))
     return dict(out, size=size, precision=precision, jax=jax.__version__, step_s=[round(s, 3) for s in step_s],
                 traced_step_s=round(step_s[-1], 3))
 
