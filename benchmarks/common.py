@@ -287,6 +287,14 @@ class Turns:
             (self.dir / f"{self.side}.done.{update}").touch()
 
 
+def write_report(path, report: dict) -> None:
+    """A benchmark's JSON report at ``path`` (its folder made): strict JSON, written atomically, so a run cut off
+    never leaves half a report (``ppojax.strict_json.write_json``)."""
+    from ppojax.strict_json import write_json
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, report)
+
+
 def positive_int(text: str) -> int:
     """argparse type for counts: an int of at least 1 (below 1: argparse's own usage error, no traceback)."""
     value = int(text)

@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import time
-from pathlib import Path
 
 VARIANTS = ("plain", "slot_storage")
 WORKLOADS = ("gradient", "generation")
@@ -151,7 +149,7 @@ def main(argv=None) -> int:
     from ppojax.program_start import start_program
 
     start_program()
-    from benchmarks.common import machine_info
+    from benchmarks.common import machine_info, write_report
 
     result = dict(measure(args.reps, args.precision), machine=machine_info())
     for workload, variants in result["by_workload"].items():
@@ -159,8 +157,7 @@ def main(argv=None) -> int:
             print(f"{workload:10s} {name:12s} best {figures['best_ms']:8.1f} ms  median {figures['median_ms']:8.1f} ms")
         print(f"{workload:10s} {DIFFERENCE[workload]}: {result['difference'][workload]:.2g}")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        write_report(args.json, result)
     return 0
 
 

@@ -31,7 +31,6 @@ import json
 import re
 import tempfile
 import time
-from pathlib import Path
 
 #: (kind, name pattern) in the order they are tried; the first match names an op's kind.
 KINDS = (
@@ -151,15 +150,14 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     from ppojax.program_start import start_program
     start_program()  # as the ppojax command and the benchmark do (allocator, XLA:CPU options)
-    from benchmarks.common import machine_info
+    from benchmarks.common import machine_info, write_report
     result = dict(profile(args.size, args.precision, args.warm), machine=machine_info())
     print(f"{args.size} {args.precision}: steps {result['step_s']} s (the last traced); op time "
           f"{result['op_seconds']:.2f} s")
     for kind, figures in result["kinds"].items():
         print(f"  {figures['share']:6.1%} {figures['seconds']:8.3f} s {figures['ops']:7d} ops  {kind}")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        write_report(args.json, result)
     return 0
 
 
