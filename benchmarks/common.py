@@ -146,6 +146,7 @@ def make_config(size: str, *, quick: bool = False, num_updates: int | None = Non
 METRIC_KEYS = (
     "episodes_per_s",
     "time_to_first_update_s",
+    "setup_and_first_update_s",
     "generation_tokens_per_s",
     "update_tokens_per_s",
     "rollout_s",
@@ -161,7 +162,8 @@ def summarize(config: dict, updates: list[dict], setup_s: float) -> dict:
     ``updates[i]`` has ``total_s`` (end of update i-1, or the start of training for i = 0, to the end of
     update i: back to back, so their sum is the training wall time), ``generation_s``, ``rollout_s``
     (generation included) and ``update_s``. Update 0 (compilation / warm-up) is excluded from every steady
-    figure and reported as ``time_to_first_update_s``.
+    figure and reported as ``time_to_first_update_s``; ``setup_and_first_update_s`` adds the model building
+    before it (``setup_s``), the launch-to-first-update time where a side compiles while its models load.
 
     - ``episodes_per_s``: ``batch_size * (n-1) / sum(total_s[1:])``.
     - ``generation_tokens_per_s``: generated tokens (``batch_size * response_length``) / generation time.
@@ -189,6 +191,7 @@ def summarize(config: dict, updates: list[dict], setup_s: float) -> dict:
         **extra,
         "episodes_per_s": B * len(steady) / total,
         "time_to_first_update_s": updates[0]["total_s"],
+        "setup_and_first_update_s": setup_s + updates[0]["total_s"],
         "generation_tokens_per_s": B * R / gen,
         "update_tokens_per_s": E * B * (P + R) / upd,
         "rollout_s": statistics.mean(u["rollout_s"] for u in steady),

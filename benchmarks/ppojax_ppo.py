@@ -9,7 +9,9 @@ advantages and the epochs of optimizer steps in one compiled program), timed aft
 that is the headline (episodes/s, time to the first update). The phases inside one program cannot be timed
 apart, so after the timed updates the same work runs as separate programs (the sampler alone, the rollout,
 the update) for the per-phase figures (generation / update tokens per second and MFU); ``--no-phases``
-skips them. ``--scan K`` runs the updates as ``train_steps`` blocks of K iterations in one ``lax.scan``.
+skips them. ``train_step`` compiles on a background thread while the models load (``ppojax train``'s way;
+``--no-compile-ahead``: at the first update), so ``setup_s`` holds part of the compile: compare
+``setup_and_first_update_s`` across sides. ``--scan K`` runs the updates as ``train_steps`` blocks of K iterations in one ``lax.scan``.
 ``--estimator grpo`` (or rloo, reinforce_pp) runs the same work with a critic-free advantage estimator: no
 value model (its forward, loss, parameters and optimizer state are gone), 4 samples per prompt for the group
 estimators; ``state_mb`` reports the trainable state's size either way. The behaviour log-probs come from the
@@ -32,16 +34,18 @@ from ppojax.config import PPOConfig
 DEFAULT_REMAT = PPOConfig().remat  # ppojax's default, so the benchmark runs what a user's run does
 
 
-def _models(config):
+def _models(config, abstract: bool = False):
     """(policy, reward ScoreModel, ModelConfig) for the benchmark's shapes, in ``config['precision']``
-    (default float32)."""
-    from ppojax.models import CausalLM, ModelConfig, ScoreModel, load_pretrained, precision_dtypes
+    (default float32). abstract: the same models' structure with ``jax.ShapeDtypeStruct`` weights (no weight
+    read or drawn), what the step is compiled for while the weights load."""
+    from ppojax.models import CausalLM, ModelConfig, ScoreModel, abstract_pretrained, load_pretrained, precision_dtypes
 
     dtype, param_dtype = precision_dtypes(config.get("precision", "float32"))
     options = dict(dtype=dtype, param_dtype=param_dtype, remat=config.get("remat", DEFAULT_REMAT))
     if config.get("model_dir"):
-        policy, cfg = load_pretrained(config["model_dir"], **options)
-        reward, _ = load_pretrained(config["model_dir"], kind="score", seed=1, **options)
+        load = abstract_pretrained if abstract else load_pretrained
+        policy, cfg = load(config["model_dir"], **options)
+        reward, _ = load(config["model_dir"], kind="score", seed=1, **options)
     else:
         cfg = ModelConfig.from_hf(dict(config["model"], model_type="llama"))
 
@@ -49,24 +53,39 @@ def _models(config):
             graphdef = nnx.graphdef(nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(seed), **options)))
             return nnx.merge(graphdef, jax.jit(lambda: nnx.state(cls(cfg, rngs=nnx.Rngs(seed), **options)))())
 
-        policy, reward = random(CausalLM, 0), random(ScoreModel, 1)
+        new = (lambda cls, seed: nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(seed), **options))) if abstract \
+            else random
+        policy, reward = new(CausalLM, 0), new(ScoreModel, 1)
     return policy, reward, cfg
 
 
+def _copy(tree):
+    """Fresh buffers of ``tree``'s arrays (no program compiled: a compile would wait for the one running ahead)."""
+    return jax.tree.map(lambda x: jax.device_put(x, may_alias=False), tree)
+
+
 def build(config: dict):
-    """(PPOProgram, TrainState) for the benchmark: reward model in the program, value model = its copy."""
+    """(PPOProgram, TrainState, shardings) for the benchmark: reward model in the program, value model = its
+    copy."""
+    return build_compiling_ahead(config, compile_ahead=False)[:3]
+
+
+def build_compiling_ahead(config: dict, compile_ahead: bool = True):
+    """:func:`build`, and (CompileAhead or None): with compile_ahead, the program is made from the models'
+    structure first and its ``train_step`` compiles on a background thread while the weights load (as
+    ``ppojax train`` does)."""
     from ppojax import sharding
     from ppojax.actor_critic import ActorCritic
     from ppojax.config import PPOConfig
     from ppojax.ppo import advantage_estimator
     from ppojax.rewards import ModelScores
     from ppojax.settings import StepSettings
+    from ppojax.train.compile_ahead import start_train_step
     from ppojax.train_step import PPOProgram
     from ppojax.update import make_optimizer
 
-    policy, reward, cfg = _models(config)
-    policy_graphdef, policy_params = nnx.split(policy)
-    reward_graphdef, reward_params = nnx.split(reward)
+    abstract_policy, abstract_reward, cfg = _models(config, abstract=True)
+    policy_graphdef, reward_graphdef = nnx.graphdef(abstract_policy), nnx.graphdef(abstract_reward)
     pad = config["pad_token_id"]
     estimator = advantage_estimator(config.get("advantage_estimator", "gae"))
     ppo_config = PPOConfig(batch_size=config["batch_size"], response_length=config["response_length"],
@@ -84,13 +103,26 @@ def build(config: dict):
     optimizer = make_optimizer()
     mesh = sharding.make_mesh(devices=jax.devices()[:1])
     program = PPOProgram(actor_critic, ModelScores(reward_graphdef, pad), settings, optimizer, mesh)
-    # TRL: the reference is a copy of the policy, the value model starts as the reward model
-    params = {"policy": policy_params}
-    if estimator.uses_critic:
-        params["value"] = jax.tree.map(jnp.copy, reward_params)
-    frozen = {"ref": jax.tree.map(jnp.copy, policy_params), "reward": reward_params}
+
+    def trees(policy_state, reward_state, copy):
+        """TRL's models: the reference is a copy of the policy, the value model starts as the reward model."""
+        params = {"policy": policy_state}
+        if estimator.uses_critic:
+            params["value"] = copy(reward_state)
+        return params, {"ref": copy(policy_state), "reward": reward_state}
+
+    ahead = None
+    if compile_ahead:
+        params, frozen = trees(nnx.state(abstract_policy), nnx.state(abstract_reward), lambda tree: tree)
+        ahead = start_train_step(program, params, frozen, kl_coef=0.05,
+                                 prompts_shape=(config["batch_size"] // settings.num_generations,
+                                                config["prompt_length"]))
+    policy, reward, _ = _models(config)
+    if (nnx.graphdef(policy), nnx.graphdef(reward)) != (policy_graphdef, reward_graphdef):
+        raise AssertionError("the loaded models' structure differs from abstract_pretrained's")
+    params, frozen = trees(nnx.state(policy), nnx.state(reward), _copy)
     state, shardings = sharding.init_sharded_train_state(params, optimizer, mesh, frozen=frozen, kl_coef=0.05)
-    return program, state, shardings
+    return program, state, shardings, ahead
 
 
 def run(config: dict) -> dict:
@@ -98,13 +130,13 @@ def run(config: dict) -> dict:
     from ppojax.train_step import make_train_step, make_train_steps
 
     t_setup = time.perf_counter()
-    program, state, shardings = build(config)
+    scan = config.get("scan") or 1
+    program, state, shardings, ahead = build_compiling_ahead(config, scan == 1 and config.get("compile_ahead", True))
     prompts = np.asarray(config["prompts"], np.int32)
     B = config["batch_size"] // program.settings.num_generations  # prompts per update
     seed_key = jax.random.key(config["seed"])
     jax.block_until_ready(state)
     setup_s = time.perf_counter() - t_setup
-    scan = config.get("scan") or 1
 
     records = []
     previous_end = time.perf_counter()
@@ -115,7 +147,7 @@ def run(config: dict) -> dict:
     if turns.active and scan != 1:
         raise ValueError("interleaved runs time single train_step calls (scan=1)")
     if scan == 1:
-        step = make_train_step(program, shardings)
+        step = ahead.train_step if ahead is not None else make_train_step(program, shardings)
         for u in range(n):
             if turns.active:
                 turns.wait(u)
@@ -155,6 +187,10 @@ def run(config: dict) -> dict:
     out["device"] = str(jax.devices()[0].platform)
     out["update_compilations"] = compilations
     out["scan"] = scan
+    out["compile_ahead"] = ahead is not None
+    if ahead is not None:  # the background thread's trace, lowering and compile of train_step
+        out["compile_ahead_s"] = ahead.seconds
+        out["compile_ahead_error"] = None if ahead.error is None else repr(ahead.error)
     out["advantage_estimator"] = program.settings.advantage_estimator
     out["precision"] = config.get("precision", "float32")
     out["allocator"] = "mimalloc" if host_memory.mimalloc_preloaded() else "glibc"
@@ -207,6 +243,8 @@ def main(argv=None):
     parser.add_argument("--remat", default=DEFAULT_REMAT, choices=["none", "full", "dots"],
                         help="rematerialisation of the layer scan (the same gradients; default: ppojax's, "
                              f"{DEFAULT_REMAT!r})")
+    parser.add_argument("--no-compile-ahead", action="store_true",
+                        help="compile train_step at the first update instead of while the models load")
     parser.add_argument("--behaviour-logprobs", default="sampler", choices=["sampler", "forward"],
                         help="'sampler': the decode loop's log-probs, as TRL's PPOTrainer (the benchmark's work); "
                              "'forward': one more policy forward in the rollout (ppojax's default)")
@@ -216,7 +254,8 @@ def main(argv=None):
     start_program()  # as the ppojax command does (ppojax/program_start.py)
     config = make_config(args.size, quick=args.quick, num_updates=args.updates, model_dir=args.model_dir)
     result = run(dict(config, scan=args.scan, phases=not args.no_phases, advantage_estimator=args.estimator,
-                      remat=args.remat, behaviour_logprobs=args.behaviour_logprobs))
+                      remat=args.remat, behaviour_logprobs=args.behaviour_logprobs,
+                      compile_ahead=not args.no_compile_ahead))
     text = json.dumps({k: v for k, v in result.items() if k != "updates"}, indent=2)
     print(text)
     if args.json:

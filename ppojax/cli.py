@@ -106,7 +106,10 @@ def _train_and_report(config: PPOConfig, claim) -> dict:
                     write_json(before_path, before)
                 print(f"ppojax: held-out mean score before training: {before['mean_score']:.4f}")
                 logger.log_samples(0, before["prompts"][:4], before["completions"][:4], before["scores"][:4])
-        with stage("training (the first update compiles the training step)"):
+        compiled_ahead = trainer.run.train_step is not None and trainer.train_step is trainer.run.train_step
+        with stage("training (the first update " + ("waits for the training step's compile, started while the "
+                                                    "models loaded)" if compiled_ahead else
+                                                    "compiles the training step)")):
             t0 = time.time()
             history = trainer.train()
             train_seconds = time.time() - t0

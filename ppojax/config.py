@@ -418,6 +418,12 @@ class PPOConfig:
     """JAX's persistent compilation cache: a later run (a resume, a re-run with the same shapes) loads the
     compiled programs instead of compiling them again (benchmarks/RESULTS.md). 'auto' (or None):
     $JAX_COMPILATION_CACHE_DIR if set, else ~/.cache/ppojax/xla; a path; or 'none' (off)."""
+    compile_ahead: bool = setting(False, static=False, on_resume=IGNORED)
+    """Compile the training step on a background thread while the weights load: the models' shapes come
+    from the checkpoints' configs first, and the first update waits for that compile instead of starting
+    it. Pays where loading waits on storage (large checkpoints) or cores are idle; on a host whose cores the
+    load and XLA's compile both keep busy it gains little and raises the peak memory of the build by the
+    compile's (benchmarks/RESULTS.md)."""
 
     # ---- mesh ----
     mesh_data: int = setting(-1, static=True, on_resume=MAY_CHANGE, rule=Rule(

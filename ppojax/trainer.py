@@ -46,8 +46,11 @@ class PPOTrainer(LegacyAPI):
     def __init__(self, args: PPOConfig, processing_class=None, model=None, ref_model=None, reward_model=None,
                  train_dataset=None, value_model=None, *, logger=None, claim=None, split_train_step: bool = False):
         self.args = args
-        self.run = build_run(args, processing_class, model, ref_model, reward_model, train_dataset, value_model)
-        self.train_step = make_train_step(self.run.program, self.run.state_shardings, split=split_train_step)
+        # compile_ahead: the one-program step compiles on a background thread while the weights load
+        self.run = build_run(args, processing_class, model, ref_model, reward_model, train_dataset, value_model,
+                             compile_ahead=args.compile_ahead and not split_train_step)
+        self.train_step = self.run.train_step or make_train_step(self.run.program, self.run.state_shardings,
+                                                                 split=split_train_step)
         self.logger = logger
         self.claim = claim  # the run's hold on output_dir (ppojax.run_dir); train() takes one if None
 

@@ -126,7 +126,8 @@ def test_derived_sets_are_what_the_fields_declare():
                                                 "num_generations", "lora_r", "lora_alpha", "lora_target_modules",
                                                 "reward_model_label"}
     # fields added since those lists, each classified deliberately
-    assert C.IGNORED_ON_RESUME_FIELDS == OLD_HARMLESS | {"overwrite_output_dir", "resume_with_changes"}
+    assert C.IGNORED_ON_RESUME_FIELDS == OLD_HARMLESS | {"overwrite_output_dir", "resume_with_changes",
+                                                         "compile_ahead"}
     assert C.MAY_CHANGE_FIELDS == OLD_TUNABLE | {
         "remat", "attention_implementation", "scale_rewards", "normalize_advantages", "critic_warmup",
         "kl_loss_coef", "kl_loss_type", "cliprange_low", "cliprange_high", "dual_clip_c", "loss_agg_mode",

@@ -13,7 +13,7 @@ from .attention import ATTENTION_IMPLEMENTATIONS
 from .config import ModelConfig
 from .errors import ModelLoadError, UnsupportedModelError
 from .families import Family, family_for, register_family, supported_model_types
-from .hf_io import load_config, load_pretrained, load_tokenizer, read_params, save_pretrained
+from .hf_io import abstract_pretrained, load_config, load_pretrained, load_tokenizer, read_params, save_pretrained
 from .transformer import (
     Backbone,
     CausalLM,
@@ -36,7 +36,7 @@ from .remat import REMAT_POLICIES
 __all__ = [
     "ModelConfig", "ModelLoadError", "UnsupportedModelError",
     "Family", "family_for", "register_family", "supported_model_types",
-    "load_config", "load_pretrained", "load_tokenizer", "read_params", "save_pretrained",
+    "abstract_pretrained", "load_config", "load_pretrained", "load_tokenizer", "read_params", "save_pretrained",
     "Backbone", "CausalLM", "CausalLMWithValueHead", "KVCache", "ScoreModel",
     "apply_causal_lm", "apply_causal_lm_with_value", "apply_score_model", "count_params", "init_cache", "last_token_index",
     "last_token_scores", "logical_axes", "position_ids_from_mask",

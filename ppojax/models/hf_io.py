@@ -9,6 +9,7 @@ bfloat16; `ml_dtypes` gives it), so no torch is needed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -239,33 +240,17 @@ def load_pretrained(path: str | os.PathLike, *, kind: str = "causal_lm", dtype=j
     attention_implementation, scan_layers: as the model classes' (`transformer.Backbone`). score_label: for a
     classifier with several labels loaded as a "score" model, the label whose logit is the score (None: the
     checkpoint must have one label).
-    Returns `(model, cfg)`.
+    Returns `(model, cfg)`. :func:`abstract_pretrained` with the same arguments gives the same model's
+    structure without reading a weight.
     """
-    if kind not in _MODEL_CLASSES:
-        raise ValueError(f"kind {kind!r} is not one of {tuple(_MODEL_CLASSES)}")
     param_dtype = dtype if param_dtype is None else param_dtype
-    cfg = load_config(path)
-    if not Path(path, SAFE_WEIGHTS).exists() and not Path(path, SAFE_INDEX).exists() \
-            and not list(Path(path).glob("*.safetensors")):
-        raise FileNotFoundError(f"no weights in {path}: expected {Path(path, SAFE_WEIGHTS)} or "
-                                f"{Path(path, SAFE_INDEX)}")
-    ckpt = SafetensorsCheckpoint(path)
-    if cfg.tie_word_embeddings and kind in ("causal_lm", "value_head") and _stored_head_differs(ckpt, cfg, kind):
-        log.warning("%s: tie_word_embeddings is true but the checkpoint stores a different %s: using it untied, "
-                    "as transformers does", path, family_for(cfg.model_type).lm_head)
-        cfg = cfg.replace(tie_word_embeddings=False)
-    loaded = _read_params(ckpt, cfg, kind)
-    if kind == "score":
-        if "score" in loaded:
-            loaded["score"] = _one_score_label(loaded["score"], score_label, path)
-        cfg = one_label_config(cfg, score_label)  # the model has the one output it scores with
-    extra = {}
-    if kind == "score" and "bias" in loaded.get("score", {}):
-        extra["bias"] = True
-    model_cls = _MODEL_CLASSES[kind]
-    abstract = nnx.eval_shape(lambda: model_cls(cfg, rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=param_dtype,
-                                                scan_layers=scan_layers, remat=remat,
-                                                attention_implementation=attention_implementation, **extra))
+    structure = _open_pretrained(path, kind, score_label, warn=True)
+    loaded = _read_params(structure.checkpoint, structure.read_cfg, kind)
+    if kind == "score" and "score" in loaded:
+        loaded["score"] = _one_score_label(loaded["score"], score_label, path)
+    cfg = structure.cfg
+    abstract = structure.abstract_model(seed=seed, dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers,
+                                        remat=remat, attention_implementation=attention_implementation)
     graphdef, state = nnx.split(abstract)
     key = jax.random.key(seed)
     if kind == "value_head" and "v_head" not in loaded:
@@ -278,6 +263,59 @@ def load_pretrained(path: str | os.PathLike, *, kind: str = "causal_lm", dtype=j
             key, (cfg.hidden_size, 1), param_dtype))}
     state = fill_state(state, loaded, param_dtype)
     return nnx.merge(graphdef, state), cfg
+
+
+def abstract_pretrained(path: str | os.PathLike, *, kind: str = "causal_lm", dtype=jnp.float32, param_dtype=None,
+                        scan_layers: bool = True, remat: str = "none", attention_implementation: str = "auto",
+                        seed: int = 0, score_label: int | None = None):
+    """The model :func:`load_pretrained` returns for the same arguments, abstract: the same graphdef with
+    `jax.ShapeDtypeStruct` weights (`nnx.eval_shape`), from the checkpoint's config.json and tensor names
+    alone (no weight is read; a tied config whose checkpoint stores its own LM head reads those two tensors,
+    as `load_pretrained` does). What programs are traced and compiled from while the weights load.
+    Returns `(model, cfg)`."""
+    param_dtype = dtype if param_dtype is None else param_dtype
+    structure = _open_pretrained(path, kind, score_label, warn=False)
+    return structure.abstract_model(seed=seed, dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers,
+                                    remat=remat, attention_implementation=attention_implementation), structure.cfg
+
+
+@dataclasses.dataclass
+class _PretrainedStructure:
+    """What a model's structure takes from a checkpoint. read_cfg: the config its tensors are read with (the
+    whole classifier head); cfg: the model's (one score label); score_bias: the score head has a bias."""
+
+    checkpoint: SafetensorsCheckpoint
+    kind: str
+    read_cfg: ModelConfig
+    cfg: ModelConfig
+    score_bias: bool
+
+    def abstract_model(self, *, seed: int, **options):
+        extra = {"bias": True} if self.score_bias else {}
+        model_cls = _MODEL_CLASSES[self.kind]
+        return nnx.eval_shape(lambda: model_cls(self.cfg, rngs=nnx.Rngs(seed), **options, **extra))
+
+
+def _open_pretrained(path, kind: str, score_label: int | None, *, warn: bool) -> _PretrainedStructure:
+    """The checkpoint's headers and config -> the model's structure (config.json, tensor names; no weights)."""
+    if kind not in _MODEL_CLASSES:
+        raise ValueError(f"kind {kind!r} is not one of {tuple(_MODEL_CLASSES)}")
+    cfg = load_config(path)
+    if not Path(path, SAFE_WEIGHTS).exists() and not Path(path, SAFE_INDEX).exists() \
+            and not list(Path(path).glob("*.safetensors")):
+        raise FileNotFoundError(f"no weights in {path}: expected {Path(path, SAFE_WEIGHTS)} or "
+                                f"{Path(path, SAFE_INDEX)}")
+    ckpt = SafetensorsCheckpoint(path)
+    if cfg.tie_word_embeddings and kind in ("causal_lm", "value_head") and _stored_head_differs(ckpt, cfg, kind):
+        if warn:
+            log.warning("%s: tie_word_embeddings is true but the checkpoint stores a different %s: using it "
+                        "untied, as transformers does", path, family_for(cfg.model_type).lm_head)
+        cfg = cfg.replace(tie_word_embeddings=False)
+    model_cfg, bias = cfg, False
+    if kind == "score":
+        model_cfg = one_label_config(cfg, score_label)  # the model has the one output it scores with
+        bias = tensor_name(cfg, kind, ("score", "bias"), ckpt.names) in ckpt
+    return _PretrainedStructure(ckpt, kind, cfg, model_cfg, bias)
 
 
 def one_label_config(cfg: ModelConfig, label: int | None = None) -> ModelConfig:

@@ -24,6 +24,7 @@ q, k and v, which ppojax's separate q/k/v kernels cannot express.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Sequence
 
@@ -148,19 +149,31 @@ def add_lora(model, spec: LoraSpec, key: jax.Array):
         raise ValueError("the model already has LoRA adapters")
     available = available_targets(model.cfg)
     targets = [t for name in spec.target_modules for t in available[name]]
-    for target, k in zip(targets, jax.random.split(key, len(targets))):
+    kernels = [_projection(backbone, target.path)["kernel"] for target in targets]
+    shapes = tuple((kernel.shape, target.n_in, jnp.dtype(kernel.dtype)) for kernel, target in zip(kernels, targets))
+    adapters = _initial_adapters(key, shapes, spec.rank)
+    for target, kernel, (a, b) in zip(targets, kernels, adapters):
         proj = _projection(backbone, target.path)
-        kernel = proj["kernel"]
         axes = tuple(kernel.get_metadata().get("out_sharding") or (None,) * kernel.ndim)
-        shape, n_in, r = kernel.shape, target.n_in, spec.rank
-        in_shape, out_shape = shape[1:1 + n_in], shape[1 + n_in:]
-        bound = 1.0 / math.sqrt(math.prod(in_shape))
-        a = jax.random.uniform(k, (shape[0], *in_shape, r), kernel.dtype, -bound, bound)
-        b = jnp.zeros((shape[0], r, *out_shape), kernel.dtype)
+        n_in = target.n_in
         proj["lora_a"] = nnx.LoRAParam(a, out_sharding=axes[:1 + n_in] + (None,), eager_sharding=False)
         proj["lora_b"] = nnx.LoRAParam(b, out_sharding=axes[:1] + (None,) + axes[1 + n_in:], eager_sharding=False)
     backbone.lora_scale = spec.scale
     return model
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _initial_adapters(key, shapes: tuple, rank: int) -> list:
+    """[(lora_a, lora_b)] for kernels of `shapes` ((shape, n_in, dtype) each): A ~ U(-1/sqrt(in), 1/sqrt(in))
+    with one key of `split(key, len(shapes))` each, B = 0. One program for every adapter (a draw per shape
+    would compile a program per shape)."""
+    out = []
+    for (shape, n_in, dtype), k in zip(shapes, jax.random.split(key, len(shapes))):
+        in_shape, out_shape = shape[1:1 + n_in], shape[1 + n_in:]
+        bound = 1.0 / math.sqrt(math.prod(in_shape))
+        out.append((jax.random.uniform(k, (shape[0], *in_shape, rank), dtype, -bound, bound),
+                    jnp.zeros((shape[0], rank, *out_shape), dtype)))
+    return out
 
 
 # Heads a model gets new, so they train with the adapters (PEFT's modules_to_save): the legacy value head.

@@ -9,6 +9,7 @@ loaded.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +58,7 @@ class Run:
     compilation_cache_dir: Any = None
     lora: Optional[LoraSpec] = None  # the policy's LoRA adapters (None: full fine-tuning)
     model_path: Optional[str] = None  # the policy's checkpoint directory (None: the caller passed the model)
+    train_step: Optional[Callable] = None  # the step compiled ahead (build_run's compile_ahead), else None
 
     @property
     def settings(self) -> StepSettings:
@@ -123,7 +125,10 @@ def as_config_error(fn, *args, **kwargs):
 
 
 def _copy(tree):
-    return jax.tree.map(jnp.copy, tree)
+    """Fresh buffers holding ``tree``'s values, in the same shardings (a copy per leaf, no program compiled)."""
+    concrete = lambda x: isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)  # noqa: E731
+    return jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False) if concrete(x) else jnp.copy(x),
+                        tree)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -220,9 +225,15 @@ def preflight(config: PPOConfig, *, policy_given: bool = False, reward_given: bo
 
 
 def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=None, reward_model=None,
-              train_dataset=None, value_model=None) -> Run:
+              train_dataset=None, value_model=None, *, compile_ahead: bool = False) -> Run:
     """Everything a run needs, from a validated config and (optionally) user-made objects (TRL's
-    ``PPOTrainer`` arguments; see ``ppojax.trainer.PPOTrainer``)."""
+    ``PPOTrainer`` arguments; see ``ppojax.trainer.PPOTrainer``).
+
+    Order: checks, prompts, tokenizer and prompt ids (no weights yet), then the models, then the state.
+    compile_ahead: when the run has prompts and a reward source, the models are first formed abstractly
+    (``abstract_pretrained``: shapes from the checkpoints' configs) and ``train_step`` is compiled for them
+    on a background thread while the weights load (``ppojax.train.compile_ahead``); ``Run.train_step`` is
+    that step, whose first call finds the program compiled."""
     config = config.validate()
     sharding.initialize_distributed()  # a no-op on one process; must precede other device work
     # the prompt texts are read here, once, before any model (the preflight leaves them to this)
@@ -234,74 +245,39 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
                                 column=config.dataset_text_field)
     cache_dir = enable_compilation_cache(config.compilation_cache_dir)
     mesh = as_config_error(sharding.mesh_from_config, config)
-    model_options = model_kwargs(config)
     uses_critic = advantage_estimator(config.advantage_estimator).uses_critic
     data_parallel = sharding.data_parallel_size(mesh)
     config.derived(data_parallel)  # batch sizes must split over the data-parallel devices (before loading)
-
-    # ---- policy and tokenizer ----
-    model_path = None
-    if model is None:
-        model_path = resolve_model_path(config.model_name_or_path)
-        kind = "value_head" if config.value_head == "policy" and uses_critic else "causal_lm"
-        model, _ = load_model("policy", model_path, kind=kind, seed=config.seed, **model_options)
     for given, role in ((model, "policy"), (ref_model, "reference model"), (reward_model, "reward model"),
                         (value_model, "value model")):
         follow_config(given, config, role)
+
+    # ---- tokenizer and token ids (the policy's config.json gives its vocabulary: no weights yet) ----
+    model_path = None if model is not None else resolve_model_path(config.model_name_or_path)
+    policy_cfg = model.cfg if model is not None else _model_config("policy", model_path)
     if processing_class is None:
         if model_path is None:
             raise ConfigError("processing_class (the tokenizer) is required when `model` is given.")
         from ..models import load_tokenizer
         processing_class = as_config_error(load_tokenizer, model_path)
-    pad_token_id = as_config_error(check_tokenizer, processing_class, model.cfg.vocab_size)
+    pad_token_id = as_config_error(check_tokenizer, processing_class, policy_cfg.vocab_size)
     stop_token_id = config.stop_token_id
     if stop_token_id is None and config.stop_token_is_eos:
         stop_token_id = processing_class.eos_token_id
     if stop_token_id is not None and stop_token_id == pad_token_id:
         raise ConfigError(f"stop token id {stop_token_id} equals the pad token id; SPEC keys masks on "
                           "`token != pad`. Give the tokenizer a distinct pad token.")
-    if uses_critic and config.value_head == "policy" and not hasattr(model, "value"):
+    if uses_critic and config.value_head == "policy" and model is not None and not hasattr(model, "value"):
         raise ConfigError("value_head='policy' needs a CausalLMWithValueHead policy (load it with "
                           "kind='value_head'), or set value_head='separate'.")
     if config.missing_eos_penalty is not None and stop_token_id is None:
         raise ConfigError("missing_eos_penalty is set but there is no stop token: every response would be "
                           "penalised. Set stop_token: eos (or stop_token_id).")
-
-    # ---- reward source ----
-    reward_module = None
-    if reward_model is None and config.reward_function is not None:
-        reward_model = resolve_reward_function(config.reward_function)
-    if reward_model is None and config.reward_model_path is not None:
-        reward_module, _ = load_model("reward model", config.reward_model_path, kind="score",
-                                      score_label=config.reward_model_label, **model_options)
-    elif callable(reward_model) and not isinstance(reward_model, nnx.Module):
-        pass
-    elif reward_model is not None:
-        reward_module, reward_model = reward_model, None
-
-    # ---- value function (from the policy before any adapters), policy, reference ----
-    params = {}
-    value_graphdef = None
-    if uses_critic and config.value_head == "separate":
-        value_module = value_model or _default_value_model(config, model, reward_module, model_options)
-        value_graphdef, params["value"] = nnx.split(value_module)
-        if reward_module is not None and value_model is None:
-            params["value"] = _copy(params["value"])  # the value model trains; the reward model must not
-    lora_spec = lora_spec_from_config(config, model.cfg)
-    frozen, base_graphdef = {}, None
-    if lora_spec is not None:  # only the adapters train; the base weights are frozen and serve the reference too
-        base_graphdef, policy_graphdef, params["policy"], frozen["base"] = with_lora(
-            model, lora_spec, jax.random.key(config.seed + 3))
-    else:
-        policy_graphdef, params["policy"] = nnx.split(model)
-    if ref_model is not None:
-        ref_graphdef, ref_params = nnx.split(ref_model)
-    elif lora_spec is not None:  # the base weights with the adapters off (ActorCritic.reference): no copy
-        ref_graphdef, ref_params = None, None
-    else:  # a frozen copy of the initial policy (never donated to the optimizer, never updated)
-        ref_graphdef, ref_params = policy_graphdef, _copy(params["policy"])
-    reward_graphdef, reward_params = nnx.split(reward_module) if reward_module is not None else (None, None)
-    frozen.update(ref=ref_params, reward=reward_params)
+    reward_function = None
+    if callable(reward_model) and not isinstance(reward_model, nnx.Module):
+        reward_function, reward_model = reward_model, None
+    elif reward_model is None and config.reward_function is not None:
+        reward_function = resolve_reward_function(config.reward_function)
 
     # ---- data ----
     train_queries = eval_queries = batches = None
@@ -324,26 +300,152 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
         batches = PromptBatches(train_queries, sizes.prompts_per_batch, seed=config.seed,
                                 process_index=jax.process_index(), process_count=jax.process_count())
 
-    # ---- the program and its state ----
-    if reward_module is not None:
-        reward = ModelScores(reward_graphdef, pad_token_id, config.local_rollout_forward_batch_size)
-    elif reward_model is None:
-        reward = None  # only the legacy step() API, with the caller's scores, can run
-    else:
-        reward = FunctionScores(reward_model, processing_class, pad_token_id,
-                                allow_nonfinite=config.on_nonfinite_reward == "skip", mesh=mesh)
-    program = make_program(config, mesh, (policy_graphdef, value_graphdef, ref_graphdef), reward,
-                           pad_token_id=pad_token_id, stop_token_id=stop_token_id,
-                           eos_token_id=processing_class.eos_token_id, num_updates=num_updates,
-                           vocab_size=model.cfg.vocab_size, base_graphdef=base_graphdef,
-                           lora_scale=None if lora_spec is None else lora_spec.scale)
-    optimizer = program.optimizer
-    state, state_shardings = sharding.init_sharded_train_state(params, optimizer, mesh, frozen=frozen,
-                                                               kl_coef=config.kl_coef)
-    return Run(config=config, tokenizer=processing_class, model_config=model.cfg, mesh=mesh, program=program,
-               state=state, state_shardings=state_shardings, num_updates=num_updates,
+    # ---- the models: abstract first (compiling ahead), then their weights ----
+    function_scores = None
+    if reward_function is not None:
+        function_scores = FunctionScores(reward_function, processing_class, pad_token_id,
+                                         allow_nonfinite=config.on_nonfinite_reward == "skip", mesh=mesh)
+    has_reward = function_scores is not None or reward_model is not None or config.reward_model_path is not None
+
+    def program_for(models: "_Models") -> PPOProgram:
+        reward = function_scores
+        if models.reward_graphdef is not None:
+            reward = ModelScores(models.reward_graphdef, pad_token_id, config.local_rollout_forward_batch_size)
+        return make_program(config, mesh, (models.policy_graphdef, models.value_graphdef, models.ref_graphdef),
+                            reward, pad_token_id=pad_token_id, stop_token_id=stop_token_id,
+                            eos_token_id=processing_class.eos_token_id, num_updates=num_updates,
+                            vocab_size=policy_cfg.vocab_size, base_graphdef=models.base_graphdef,
+                            lora_scale=None if models.lora_spec is None else models.lora_spec.scale)
+
+    sources = dict(config=config, model_path=model_path, model=model, ref_model=ref_model, reward_model=reward_model,
+                   value_model=value_model, uses_critic=uses_critic, has_reward_function=reward_function is not None)
+    ahead = abstract = None
+    if compile_ahead and batches is not None and has_reward:
+        abstract = _abstract_models(**sources)
+    if abstract is not None:
+        from .compile_ahead import start_train_step
+        ahead = start_train_step(program_for(abstract), abstract.params, abstract.frozen, kl_coef=config.kl_coef,
+                                 prompts_shape=(batches.batch_size // batches.process_count,
+                                                batches.input_ids.shape[1]))
+    models = _models(load_model, **sources)
+    if ahead is not None and abstract.static == models.static:
+        program, train_step = ahead.program, ahead.train_step
+    else:  # no compile ahead, or its structure guess differs from the loaded models' (the step compiles later)
+        program, train_step = program_for(models), None
+    state, state_shardings = sharding.init_sharded_train_state(models.params, program.optimizer, mesh,
+                                                               frozen=models.frozen, kl_coef=config.kl_coef)
+    return Run(config=config, tokenizer=processing_class, model_config=models.policy_cfg, mesh=mesh,
+               program=program, state=state, state_shardings=state_shardings, num_updates=num_updates,
                train_queries=train_queries, eval_queries=eval_queries, batches=batches,
-               compilation_cache_dir=cache_dir, lora=lora_spec, model_path=model_path)
+               compilation_cache_dir=cache_dir, lora=models.lora_spec, model_path=model_path, train_step=train_step)
+
+
+@dataclass
+class _Models:
+    """The model part of a run: graphdefs (static) and the trainable / frozen trees (arrays, or, from
+    :func:`_abstract_models`, their ``jax.ShapeDtypeStruct`` shapes).
+
+    params: {"policy", "value"?}; frozen: {"ref", "reward", "base"?} (None where absent)."""
+
+    policy_graphdef: Any
+    value_graphdef: Any
+    ref_graphdef: Any
+    reward_graphdef: Any
+    base_graphdef: Any
+    lora_spec: Optional[LoraSpec]
+    policy_cfg: Any
+    params: dict
+    frozen: dict
+
+    @property
+    def static(self) -> tuple:
+        """Everything the compiled program depends on besides the trees' shapes."""
+        return (self.policy_graphdef, self.value_graphdef, self.ref_graphdef, self.reward_graphdef,
+                self.base_graphdef, self.lora_spec)
+
+
+def _models(load, **sources) -> _Models:
+    """The run's models: :func:`_model_inputs` loaded by ``load`` (:func:`load_model`), then :func:`_assemble`d."""
+    return _assemble(sources["config"], uses_critic=sources["uses_critic"], **_model_inputs(load, **sources))
+
+
+def _model_inputs(load, *, config, model_path, model, ref_model, reward_model, value_model, uses_critic,
+                  has_reward_function) -> dict:
+    """{policy, ref_model, reward_module, value_module}: the caller's modules, and those the config names by
+    path loaded by ``load`` (:func:`load_model`, or :func:`abstract_model`); None where there is none."""
+    model_options = model_kwargs(config)
+    if model is None:
+        kind = "value_head" if config.value_head == "policy" and uses_critic else "causal_lm"
+        model, _ = load("policy", model_path, kind=kind, seed=config.seed, **model_options)
+    if reward_model is None and not has_reward_function and config.reward_model_path is not None:
+        reward_model, _ = load("reward model", config.reward_model_path, kind="score",
+                               score_label=config.reward_model_label, **model_options)
+    if uses_critic and config.value_head == "separate" and value_model is None \
+            and config.value_model_path is not None:
+        value_model, _ = load("value model", config.value_model_path, kind="score", **model_options)
+    return dict(policy=model, ref_model=ref_model, reward_module=reward_model, value_module=value_model)
+
+
+def _assemble(config, *, policy, ref_model, reward_module, value_module, uses_critic) -> _Models:
+    """The run's trainable and frozen trees from its modules: the value model (given, else the reward model's
+    copy as TRL, else the policy's backbone + a new head), LoRA adapters on the policy, the reference (given,
+    the LoRA base, or a frozen copy of the initial policy). Pure in the modules' arrays, so it also runs
+    under ``jax.eval_shape`` on abstract ones (:func:`_abstract_models`)."""
+    params, frozen = {}, {}
+    value_graphdef = None
+    if uses_critic and config.value_head == "separate":
+        value = value_module or reward_module or _new_value_model(config, policy, model_kwargs(config))
+        value_graphdef, params["value"] = nnx.split(value)
+        if value_module is None and reward_module is not None:
+            params["value"] = _copy(params["value"])  # the value model trains; the reward model must not
+    lora_spec = lora_spec_from_config(config, policy.cfg)
+    base_graphdef = None
+    if lora_spec is not None:  # only the adapters train; the base weights are frozen and serve the reference too
+        base_graphdef, policy_graphdef, params["policy"], frozen["base"] = with_lora(
+            policy, lora_spec, jax.random.key(config.seed + 3))
+    else:
+        policy_graphdef, params["policy"] = nnx.split(policy)
+    if ref_model is not None:
+        ref_graphdef, ref_params = nnx.split(ref_model)
+    elif lora_spec is not None:  # the base weights with the adapters off (ActorCritic.reference): no copy
+        ref_graphdef, ref_params = None, None
+    else:  # a frozen copy of the initial policy (never donated to the optimizer, never updated)
+        ref_graphdef, ref_params = policy_graphdef, _copy(params["policy"])
+    reward_graphdef, reward_params = nnx.split(reward_module) if reward_module is not None else (None, None)
+    frozen.update(ref=ref_params, reward=reward_params)
+    return _Models(policy_graphdef, value_graphdef, ref_graphdef, reward_graphdef, base_graphdef, lora_spec,
+                   policy.cfg, params, frozen)
+
+
+def abstract_model(role: str, path, **kwargs):
+    """:func:`load_model`'s model, abstract (``abstract_pretrained``: config.json and tensor names only)."""
+    from ..models import abstract_pretrained
+    try:
+        return abstract_pretrained(path, **kwargs)
+    except (OSError, ValueError, KeyError) as err:
+        raise ConfigError(f"could not read the {role}'s structure from {str(path)!r}: {err}") from err
+
+
+def _abstract_models(**sources) -> Optional[_Models]:
+    """:func:`_models` with no weight read or drawn: the checkpoints by their structure
+    (:func:`abstract_model`), then :func:`_assemble` traced by ``jax.eval_shape`` (its copies and new heads
+    are shapes only). Its ``static`` equals the real models' when the checkpoints load as their structure
+    says. None when a checkpoint's structure cannot be read (loading it reports why, with the fix)."""
+    try:
+        inputs = _model_inputs(abstract_model, **sources)
+    except ConfigError:
+        return None
+    present = {name: module for name, module in inputs.items() if module is not None}
+    graphdefs = {name: nnx.graphdef(module) for name, module in present.items()}
+    assembled = {}
+
+    def assemble(states):
+        modules = {name: nnx.merge(graphdefs[name], states[name]) if name in states else None for name in inputs}
+        assembled["models"] = _assemble(sources["config"], uses_critic=sources["uses_critic"], **modules)
+        return assembled["models"].params, assembled["models"].frozen
+
+    params, frozen = jax.eval_shape(assemble, {name: nnx.state(module) for name, module in present.items()})
+    return dataclasses.replace(assembled["models"], params=params, frozen=frozen)
 
 
 def lora_spec_from_config(config, model_config) -> Optional[LoraSpec]:
@@ -421,13 +523,9 @@ def follow_config(module, config: PPOConfig, role: str) -> None:
                 "precision to match the model.")
 
 
-def _default_value_model(config, policy, reward_module, model_options):
-    """TRL initialises the value model from the reward model; with a reward function there is none, so the
-    value model is the policy's backbone with a fresh score head."""
-    if config.value_model_path is not None:
-        return load_model("value model", config.value_model_path, kind="score", **model_options)[0]
-    if reward_module is not None:
-        return reward_module
+def _new_value_model(config, policy, model_options):
+    """The value model when there is neither a given one nor a reward model (TRL initialises the value model
+    from the reward model; with a reward function there is none): the policy's backbone with a fresh score head."""
     from ..models import ScoreModel
     # Built abstractly: the backbone is the policy's (copied), only the new head is drawn (as transformers
     # initialises a missing score head: normal(0, initializer_range)). An eager init of the whole model would
