@@ -9,9 +9,9 @@ advantages and the epochs of optimizer steps in one compiled program), timed aft
 that is the headline (episodes/s, time to the first update). The phases inside one program cannot be timed
 apart, so after the timed updates the same work runs as separate programs (the sampler alone, the rollout,
 the update) for the per-phase figures (generation / update tokens per second and MFU); ``--no-phases``
-skips them. ``train_step`` compiles on a background thread while the models load (``ppojax train``'s way;
-``--no-compile-ahead``: at the first update), so ``setup_s`` holds part of the compile: compare
-``setup_and_first_update_s`` across sides. ``--scan K`` runs the updates as ``train_steps`` blocks of K iterations in one ``lax.scan``.
+skips them. ``--compile-ahead`` compiles ``train_step`` on a background thread while the models load (the
+config's ``compile_ahead``), so ``setup_s`` then holds part of the compile: compare ``setup_and_first_update_s``
+across sides. ``--scan K`` runs the updates as ``train_steps`` blocks of K iterations in one ``lax.scan``.
 ``--estimator grpo`` (or rloo, reinforce_pp) runs the same work with a critic-free advantage estimator: no
 value model (its forward, loss, parameters and optimizer state are gone), 4 samples per prompt for the group
 estimators; ``state_mb`` reports the trainable state's size either way. The behaviour log-probs come from the
@@ -32,6 +32,7 @@ from benchmarks.common import Turns, make_config, peak_rss_mb, summarize
 from ppojax.config import PPOConfig
 
 DEFAULT_REMAT = PPOConfig().remat  # ppojax's default, so the benchmark runs what a user's run does
+DEFAULT_COMPILE_AHEAD = PPOConfig().compile_ahead
 
 
 def _models(config, abstract: bool = False):
@@ -131,7 +132,8 @@ def run(config: dict) -> dict:
 
     t_setup = time.perf_counter()
     scan = config.get("scan") or 1
-    program, state, shardings, ahead = build_compiling_ahead(config, scan == 1 and config.get("compile_ahead", True))
+    program, state, shardings, ahead = build_compiling_ahead(
+        config, scan == 1 and config.get("compile_ahead", DEFAULT_COMPILE_AHEAD))
     prompts = np.asarray(config["prompts"], np.int32)
     B = config["batch_size"] // program.settings.num_generations  # prompts per update
     seed_key = jax.random.key(config["seed"])
@@ -243,8 +245,9 @@ def main(argv=None):
     parser.add_argument("--remat", default=DEFAULT_REMAT, choices=["none", "full", "dots"],
                         help="rematerialisation of the layer scan (the same gradients; default: ppojax's, "
                              f"{DEFAULT_REMAT!r})")
-    parser.add_argument("--no-compile-ahead", action="store_true",
-                        help="compile train_step at the first update instead of while the models load")
+    parser.add_argument("--compile-ahead", action=argparse.BooleanOptionalAction, default=DEFAULT_COMPILE_AHEAD,
+                        help="compile train_step on a background thread while the models load (the config's "
+                             f"compile_ahead; default {DEFAULT_COMPILE_AHEAD}), else at the first update")
     parser.add_argument("--behaviour-logprobs", default="sampler", choices=["sampler", "forward"],
                         help="'sampler': the decode loop's log-probs, as TRL's PPOTrainer (the benchmark's work); "
                              "'forward': one more policy forward in the rollout (ppojax's default)")
@@ -255,7 +258,7 @@ def main(argv=None):
     config = make_config(args.size, quick=args.quick, num_updates=args.updates, model_dir=args.model_dir)
     result = run(dict(config, scan=args.scan, phases=not args.no_phases, advantage_estimator=args.estimator,
                       remat=args.remat, behaviour_logprobs=args.behaviour_logprobs,
-                      compile_ahead=not args.no_compile_ahead))
+                      compile_ahead=args.compile_ahead))
     text = json.dumps({k: v for k, v in result.items() if k != "updates"}, indent=2)
     print(text)
     if args.json:

@@ -78,7 +78,8 @@ def _train_and_report(config: PPOConfig, claim) -> dict:
 
     start = time.time()
     out = Path(config.output_dir)
-    with stage(f"building models, data and the reward for {config.model_name_or_path!r}"):
+    with stage(f"building models, data and the reward for {config.model_name_or_path!r}"
+               + (" (the training step compiles alongside: compile_ahead)" if config.compile_ahead else "")):
         trainer = PPOTrainer(config, claim=claim)
     print(f"ppojax: {len(trainer.train_queries)} training prompts, "
           f"{0 if trainer.eval_queries is None else len(trainer.eval_queries)} held out; "
