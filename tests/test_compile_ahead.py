@@ -127,14 +127,21 @@ def test_the_step_compiled_ahead_compiles_nothing_at_its_first_call_and_equals_t
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_a_wrong_structure_guess_falls_back_to_compiling_at_the_first_call(checkpoints, tmp_path, monkeypatch):
-    real = build_module._abstract_models
+def test_a_wrong_structure_guess_falls_back_to_the_loaded_models_program(checkpoints, tmp_path, monkeypatch):
+    from ppojax.train import compile_ahead
+    started = []
 
     def wrong_guess(**sources):  # a structure other than the loaded models' (here: another remat in the graphdefs)
         return real(**{**sources, "config": dataclasses.replace(sources["config"], remat="full")})
 
+    def start_without_compiling(program, params, frozen, **kwargs):  # the guess's program, not compiled here
+        started.append(program)
+        return compile_ahead.CompileAhead(program, train_step=lambda *args: pytest.fail("the guess's step ran"))
+
+    real = build_module._abstract_models
     monkeypatch.setattr(build_module, "_abstract_models", wrong_guess)
+    monkeypatch.setattr(compile_ahead, "start_train_step", start_without_compiling)
     run = build_run(_config(checkpoints, tmp_path), train_dataset=PROMPTS, compile_ahead=True)
-    assert run.train_step is None
-    state, metrics, compiles = _first_update(run, make_train_step(run.program, run.state_shardings))
-    assert compiles and np.isfinite(metrics["objective/scores"])
+    assert started and run.train_step is None and run.program is not started[0]
+    # the run's program is the loaded models' (remat 'dots'), not the guess's ('full')
+    assert run.program.actor_critic.policy_graphdef != started[0].actor_critic.policy_graphdef

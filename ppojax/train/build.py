@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -33,6 +34,8 @@ from ..settings import StepSettings
 from ..train_step import PPOProgram
 from ..types import TrainState
 from ..update import optimizer_from_config
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -321,12 +324,16 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
                    value_model=value_model, uses_critic=uses_critic, has_reward_function=reward_function is not None)
     ahead = abstract = None
     if compile_ahead and batches is not None and has_reward:
-        abstract = _abstract_models(**sources)
-    if abstract is not None:
         from .compile_ahead import start_train_step
-        ahead = start_train_step(program_for(abstract), abstract.params, abstract.frozen, kl_coef=config.kl_coef,
-                                 prompts_shape=(batches.batch_size // batches.process_count,
-                                                batches.input_ids.shape[1]))
+        try:
+            abstract = _abstract_models(**sources)
+            if abstract is not None:
+                ahead = start_train_step(program_for(abstract), abstract.params, abstract.frozen,
+                                         kl_coef=config.kl_coef, prompts_shape=(
+                                             batches.batch_size // batches.process_count, batches.input_ids.shape[1]))
+        except Exception as err:  # noqa: BLE001 - a head start only: the real build below reports real problems
+            log.info("train_step not compiled ahead: %s: %s", type(err).__name__, err)
+            ahead = None
     models = _models(load_model, **sources)
     if ahead is not None and abstract.static == models.static:
         program, train_step = ahead.program, ahead.train_step
@@ -394,7 +401,9 @@ def _assemble(config, *, policy, ref_model, reward_module, value_module, uses_cr
     params, frozen = {}, {}
     value_graphdef = None
     if uses_critic and config.value_head == "separate":
-        value = value_module or reward_module or _new_value_model(config, policy, model_kwargs(config))
+        value = value_module if value_module is not None else reward_module
+        if value is None:
+            value = _new_value_model(config, policy, model_kwargs(config))
         value_graphdef, params["value"] = nnx.split(value)
         if value_module is None and reward_module is not None:
             params["value"] = _copy(params["value"])  # the value model trains; the reward model must not
