@@ -60,11 +60,6 @@ def _models(config, abstract: bool = False):
     return policy, reward, cfg
 
 
-def _copy(tree):
-    """Fresh buffers of ``tree``'s arrays (no program compiled: a compile would wait for the one running ahead)."""
-    return jax.tree.map(lambda x: jax.device_put(x, may_alias=False), tree)
-
-
 def build(config: dict):
     """(PPOProgram, TrainState, shardings) for the benchmark: reward model in the program, value model = its
     copy."""
@@ -121,7 +116,7 @@ def build_compiling_ahead(config: dict, compile_ahead: bool = True):
     policy, reward, _ = _models(config)
     if (nnx.graphdef(policy), nnx.graphdef(reward)) != (policy_graphdef, reward_graphdef):
         raise AssertionError("the loaded models' structure differs from abstract_pretrained's")
-    params, frozen = trees(nnx.state(policy), nnx.state(reward), _copy)
+    params, frozen = trees(nnx.state(policy), nnx.state(reward), sharding.copy_arrays)
     state, shardings = sharding.init_sharded_train_state(params, optimizer, mesh, frozen=frozen, kl_coef=0.05)
     return program, state, shardings, ahead
 

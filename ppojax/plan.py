@@ -138,40 +138,30 @@ def abstract_run(config: PPOConfig, model_cfg, mesh) -> AbstractRun:
     allocated."""
     from . import sharding
     from .models import CausalLM, CausalLMWithValueHead, ScoreModel
-    from .models.lora import TRAINABLE, add_lora
+    from .ppo.advantages import advantage_estimator
     from .rewards import ModelScores
-    from .train.build import lora_spec_from_config, make_program, model_kwargs
+    from .train.build import assemble_abstractly, make_program, model_kwargs
     from .types import init_train_state
 
     options = model_kwargs(config)
     rngs = lambda: nnx.Rngs(0)  # noqa: E731 - eval_shape: no random numbers are drawn
-    policy_class = CausalLMWithValueHead if config.value_head == "policy" else CausalLM
-    new_policy = lambda: policy_class(model_cfg, rngs=rngs(), **options)  # noqa: E731
-    policy_def, policy = nnx.split(nnx.eval_shape(new_policy))
-    score_def, score = nnx.split(nnx.eval_shape(lambda: ScoreModel(model_cfg, rngs=rngs(), **options)))
-    value_def = None
-    params, frozen = {}, {}
-    if config.value_head == "separate":
-        value_def, params["value"] = score_def, score
-    lora_spec = lora_spec_from_config(config, model_cfg)
-    base_def = None
-    if lora_spec is None:
-        params["policy"] = policy
-        frozen.update(ref=policy, reward=score)
-    else:  # as train.build: adapters (+ a value head) train; the base is frozen and is also the reference
-        base_def = policy_def
-        adapted = nnx.eval_shape(lambda: add_lora(new_policy(), lora_spec, jax.random.key(0)))
-        policy_def, params["policy"], frozen["base"] = nnx.split(adapted, TRAINABLE, ...)
-        frozen.update(ref=None, reward=score)
+    uses_critic = advantage_estimator(config.advantage_estimator).uses_critic
+    policy_class = CausalLMWithValueHead if config.value_head == "policy" and uses_critic else CausalLM
+    policy = nnx.eval_shape(lambda: policy_class(model_cfg, rngs=rngs(), **options))
+    score = nnx.eval_shape(lambda: ScoreModel(model_cfg, rngs=rngs(), **options))
+    # the run's assembly (value model = the reward model's copy, LoRA, reference), as build_run makes it
+    models = assemble_abstractly(config, dict(policy=policy, ref_model=None, reward_module=score, value_module=None),
+                                 uses_critic=uses_critic)
     pad = model_cfg.pad_token_id if model_cfg.pad_token_id is not None else 0
     eos = model_cfg.eos_token_ids[0] if model_cfg.eos_token_ids else None
     stop = config.stop_token_id if config.stop_token_id is not None else (eos if config.stop_token_is_eos else None)
-    reward = ModelScores(score_def, pad, config.local_rollout_forward_batch_size)
-    program = make_program(config, mesh, (policy_def, value_def, None), reward, pad_token_id=pad,
-                           stop_token_id=stop, eos_token_id=eos, num_updates=1, vocab_size=model_cfg.vocab_size,
-                           base_graphdef=base_def, lora_scale=None if lora_spec is None else lora_spec.scale)
+    reward = ModelScores(models.reward_graphdef, pad, config.local_rollout_forward_batch_size)
+    program = make_program(config, mesh, (models.policy_graphdef, models.value_graphdef, models.ref_graphdef),
+                           reward, pad_token_id=pad, stop_token_id=stop, eos_token_id=eos, num_updates=1,
+                           vocab_size=model_cfg.vocab_size, base_graphdef=models.base_graphdef,
+                           lora_scale=None if models.lora_spec is None else models.lora_spec.scale)
     state = jax.eval_shape(lambda p, f: init_train_state(p, program.optimizer, frozen=f, kl_coef=config.kl_coef),
-                           params, frozen)
+                           models.params, models.frozen)
     state_shardings = sharding.train_state_shardings(state, mesh)
     batch = program.settings.batch_size
     prompts = jax.ShapeDtypeStruct((batch, config.max_prompt_length), jnp.int32,

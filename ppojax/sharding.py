@@ -261,6 +261,15 @@ def shard_params(params, mesh: Mesh, rules: Mapping[str, Any] = TRAIN_RULES, *, 
     return jax.tree.map(_put, params, shardings)
 
 
+def copy_arrays(tree):
+    """Fresh buffers holding ``tree``'s values in the same shardings: a ``device_put`` copy per array, so no
+    program is compiled per leaf shape (``jnp.copy`` would); traced values (under ``jax.eval_shape``) go
+    through ``jnp.copy``."""
+    concrete = lambda x: isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)  # noqa: E731
+    return jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False) if concrete(x) else jnp.copy(x),
+                        tree)
+
+
 # --------------------------------------------------------------------------------------------------
 # Train state
 # --------------------------------------------------------------------------------------------------

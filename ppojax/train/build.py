@@ -127,13 +127,6 @@ def as_config_error(fn, *args, **kwargs):
         raise ConfigError(str(err)) from err
 
 
-def _copy(tree):
-    """Fresh buffers holding ``tree``'s values, in the same shardings (a copy per leaf, no program compiled)."""
-    concrete = lambda x: isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)  # noqa: E731
-    return jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False) if concrete(x) else jnp.copy(x),
-                        tree)
-
-
 # --------------------------------------------------------------------------------------------------
 # The build
 # --------------------------------------------------------------------------------------------------
@@ -406,7 +399,8 @@ def _assemble(config, *, policy, ref_model, reward_module, value_module, uses_cr
             value = _new_value_model(config, policy, model_kwargs(config))
         value_graphdef, params["value"] = nnx.split(value)
         if value_module is None and reward_module is not None:
-            params["value"] = _copy(params["value"])  # the value model trains; the reward model must not
+            # the value model trains; the reward model must not
+            params["value"] = sharding.copy_arrays(params["value"])
     lora_spec = lora_spec_from_config(config, policy.cfg)
     base_graphdef = None
     if lora_spec is not None:  # only the adapters train; the base weights are frozen and serve the reference too
@@ -419,7 +413,7 @@ def _assemble(config, *, policy, ref_model, reward_module, value_module, uses_cr
     elif lora_spec is not None:  # the base weights with the adapters off (ActorCritic.reference): no copy
         ref_graphdef, ref_params = None, None
     else:  # a frozen copy of the initial policy (never donated to the optimizer, never updated)
-        ref_graphdef, ref_params = policy_graphdef, _copy(params["policy"])
+        ref_graphdef, ref_params = policy_graphdef, sharding.copy_arrays(params["policy"])
     reward_graphdef, reward_params = nnx.split(reward_module) if reward_module is not None else (None, None)
     frozen.update(ref=ref_params, reward=reward_params)
     return _Models(policy_graphdef, value_graphdef, ref_graphdef, reward_graphdef, base_graphdef, lora_spec,
@@ -437,20 +431,28 @@ def abstract_model(role: str, path, **kwargs):
 
 def _abstract_models(**sources) -> Optional[_Models]:
     """:func:`_models` with no weight read or drawn: the checkpoints by their structure
-    (:func:`abstract_model`), then :func:`_assemble` traced by ``jax.eval_shape`` (its copies and new heads
-    are shapes only). Its ``static`` equals the real models' when the checkpoints load as their structure
-    says. None when a checkpoint's structure cannot be read (loading it reports why, with the fix)."""
+    (:func:`abstract_model`), then :func:`assemble_abstractly`. Its ``static`` equals the real models' when
+    the checkpoints load as their structure says. None when a checkpoint's structure cannot be read (loading
+    it reports why, with the fix)."""
     try:
         inputs = _model_inputs(abstract_model, **sources)
     except ConfigError:
         return None
+    return assemble_abstractly(sources["config"], inputs, uses_critic=sources["uses_critic"])
+
+
+def assemble_abstractly(config, inputs: dict, *, uses_critic: bool) -> _Models:
+    """:func:`_assemble` of ``inputs`` ({policy, ref_model, reward_module, value_module}: modules with arrays or
+    ``jax.ShapeDtypeStruct`` weights, or None) traced by ``jax.eval_shape``: the run's graphdefs and the shapes
+    of its trees, nothing allocated (its copies and new heads are shapes only). ``build_run``'s compile ahead
+    and ``ppojax.plan`` use it, so both see the models a run builds."""
     present = {name: module for name, module in inputs.items() if module is not None}
     graphdefs = {name: nnx.graphdef(module) for name, module in present.items()}
     assembled = {}
 
     def assemble(states):
         modules = {name: nnx.merge(graphdefs[name], states[name]) if name in states else None for name in inputs}
-        assembled["models"] = _assemble(sources["config"], uses_critic=sources["uses_critic"], **modules)
+        assembled["models"] = _assemble(config, uses_critic=uses_critic, **modules)
         return assembled["models"].params, assembled["models"].frozen
 
     params, frozen = jax.eval_shape(assemble, {name: nnx.state(module) for name, module in present.items()})
@@ -543,5 +545,6 @@ def _new_value_model(config, policy, model_options):
     graphdef, state = nnx.split(abstract)
     head = state["score"]["kernel"]
     kernel = policy.cfg.initializer_range * jax.random.normal(jax.random.key(config.seed + 1), head.shape, head.dtype)
-    state = nnx.State({"backbone": _copy(nnx.state(policy.backbone)), "score": {"kernel": kernel}})
+    backbone = sharding.copy_arrays(nnx.state(policy.backbone))
+    state = nnx.State({"backbone": backbone, "score": {"kernel": kernel}})
     return nnx.merge(graphdef, state)
