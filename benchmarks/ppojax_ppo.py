@@ -117,7 +117,8 @@ def build_compiling_ahead(config: dict, compile_ahead: bool = True):
     if (nnx.graphdef(policy), nnx.graphdef(reward)) != (policy_graphdef, reward_graphdef):
         raise AssertionError("the loaded models' structure differs from abstract_pretrained's")
     params, frozen = trees(nnx.state(policy), nnx.state(reward), sharding.copy_arrays)
-    state, shardings = sharding.init_sharded_train_state(params, optimizer, mesh, frozen=frozen, kl_coef=0.05)
+    state, shardings = sharding.init_sharded_train_state(params, optimizer, mesh, frozen=frozen, kl_coef=0.05,
+                                                         donate=True)  # the models are this function's
     return program, state, shardings, ahead
 
 

@@ -303,9 +303,13 @@ def train_state_shardings(state, mesh: Mesh, rules: Mapping[str, Any] = TRAIN_RU
 
 
 def init_sharded_train_state(params, optimizer, mesh: Mesh, rules: Mapping[str, Any] = TRAIN_RULES, *,
-                             frozen=None, kl_coef=0.05, logical_axes=None):
+                             frozen=None, kl_coef=0.05, logical_axes=None, donate: bool = False):
     """``ppojax.types.init_train_state`` with params, frozen models and optimizer state created directly in
     their shardings (the optimizer state is never materialised whole on one device).
+
+    donate: the caller hands ``params`` and ``frozen`` over: the state holds their very buffers (once sharded),
+    so building it never holds the weights twice; the caller's arrays are deleted. Without it the state holds
+    copies (the state is donated at every step, so it may not share the caller's buffers).
     -> (state, state_shardings)."""
     from ppojax.types import init_train_state  # noqa: PLC0415 (types imports nothing from here)
 
@@ -314,8 +318,36 @@ def init_sharded_train_state(params, optimizer, mesh: Mesh, rules: Mapping[str, 
                                       logical_axes=logical_axes)
     params = shard_params(params, mesh, rules, logical_axes=logical_axes)
     frozen = None if frozen is None else shard_params(frozen, mesh, rules)
-    state = jax.jit(init, out_shardings=shardings)(params, frozen)
+    if donate:
+        params, frozen = _each_buffer_once((params, frozen))
+    state = jax.jit(init, out_shardings=shardings, donate_argnums=(0, 1) if donate else ())(params, frozen)
     return state, shardings
+
+
+def _each_buffer_once(tree):
+    """``tree`` with a copy in place of every array whose buffer an earlier leaf already holds (one module in
+    two roles, a tied weight): a buffer can be donated only once."""
+    seen = set()
+
+    def once(x):
+        if not isinstance(x, jax.Array):
+            return x
+        buffers = _buffer_key(x)
+        if buffers in seen:
+            return jax.device_put(x, x.sharding, may_alias=False)
+        seen.add(buffers)
+        return x
+
+    return jax.tree.map(once, tree)
+
+
+def _buffer_key(x: jax.Array) -> tuple:
+    """What identifies ``x``'s memory: its shards' buffer addresses (two Array objects may share a buffer),
+    or the object itself where a backend gives no address."""
+    try:
+        return tuple(shard.data.unsafe_buffer_pointer() for shard in x.addressable_shards)
+    except (RuntimeError, NotImplementedError):
+        return ("array", id(x))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -122,6 +122,34 @@ def test_initialize_distributed_is_a_noop_for_a_single_process(monkeypatch):
     assert sh.is_main_process()
 
 
+def test_a_donated_init_holds_the_given_buffers_and_copies_a_shared_one():
+    """init_sharded_train_state(donate=True): the state's params and frozen models ARE the given buffers (no
+    second copy while building), the given arrays are deleted, and a buffer given twice (one module in two
+    roles) becomes two (a buffer is donated once); without donate the state holds copies."""
+    from ppojax.update import make_optimizer
+
+    mesh = sh.make_mesh(devices=jax.devices()[:1])
+    pointer = lambda x: x.unsafe_buffer_pointer()  # noqa: E731
+
+    def trees():
+        w = jnp.arange(12.0).reshape(3, 4)
+        return {"policy": {"w": w}, "value": {"w": w + 1}}, {"ref": {"w": w}, "reward": None}
+
+    params, frozen = trees()
+    given = pointer(params["policy"]["w"]), pointer(params["value"]["w"])
+    state, _ = sh.init_sharded_train_state(params, make_optimizer(), mesh, frozen=frozen, donate=True)
+    held = [pointer(state.params["policy"]["w"]), pointer(state.params["value"]["w"]),
+            pointer(state.frozen["ref"]["w"])]
+    assert held[:2] == list(given) and held[2] not in given
+    assert params["policy"]["w"].is_deleted() and params["value"]["w"].is_deleted()
+    np.testing.assert_array_equal(state.frozen["ref"]["w"], np.arange(12.0).reshape(3, 4))
+    np.testing.assert_array_equal(state.params["policy"]["w"], state.frozen["ref"]["w"])
+
+    params, frozen = trees()
+    state, _ = sh.init_sharded_train_state(params, make_optimizer(), mesh, frozen=frozen)
+    assert not params["policy"]["w"].is_deleted()
+    assert pointer(state.params["policy"]["w"]) != pointer(params["policy"]["w"])
+
 if not CHILD:
     def test_multi_device_suite():
         """Runs the tests of this file that need 8 devices in a subprocess that has them."""

@@ -279,3 +279,30 @@ def test_a_two_label_classifier_rewards_with_the_chosen_label(tmp_path):
                             position_ids=attention.cumsum(-1) - attention).logits.numpy()
     np.testing.assert_allclose(result["scores"], logits[:, 1], atol=1e-4)
     assert not np.allclose(logits[:, 0], logits[:, 1], atol=1e-3)  # the label matters
+
+
+def test_the_callers_modules_stay_intact_while_the_run_trains_its_own_arrays(tmp_path):
+    """The train state takes over the arrays it is built from (so the build never holds the weights twice), but
+    never the caller's: the modules given to PPOTrainer (one module in two roles included) keep their arrays
+    and values through donated updates, while the run's own policy and value model move."""
+    from flax import nnx
+
+    from ppojax.models import ScoreModel
+    from tests.tiny_setup import tiny_config
+
+    policy, reward = tiny_policy(), ScoreModel(tiny_config(), rngs=nnx.Rngs(7))
+    given = {"policy": policy, "reward": reward}
+    before = {name: [np.array(x) for x in jax.tree.leaves(nnx.state(m))] for name, m in given.items()}
+    config = PPOConfig.from_dict(dict(output_dir=str(tmp_path / "run"), report_to="none", batch_size=8,
+                                      response_length=6, max_prompt_length=6, total_episodes=16, learning_rate=1e-2,
+                                      num_sample_generations=0, seed=0))
+    trainer = PPOTrainer(config, processing_class=tiny_tokenizer(), model=policy, ref_model=policy,
+                         reward_model=reward, value_model=reward, train_dataset=PROMPTS)
+    trainer.train(progress=False)
+    for name, module in given.items():
+        for leaf, old in zip(jax.tree.leaves(nnx.state(module)), before[name], strict=True):
+            assert not leaf.is_deleted(), name
+            np.testing.assert_array_equal(np.asarray(leaf), old, err_msg=name)
+    for name, role in (("policy", "policy"), ("reward", "value")):
+        trained = jax.tree.leaves(trainer.state.params[role])
+        assert max(float(np.abs(np.asarray(a) - b).max()) for a, b in zip(trained, before[name])) > 1e-4, role

@@ -333,7 +333,8 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
     else:  # no compile ahead, or its structure guess differs from the loaded models' (the step compiles later)
         program, train_step = program_for(models), None
     state, state_shardings = sharding.init_sharded_train_state(models.params, program.optimizer, mesh,
-                                                               frozen=models.frozen, kl_coef=config.kl_coef)
+                                                               frozen=models.frozen, kl_coef=config.kl_coef,
+                                                               donate=True)
     return Run(config=config, tokenizer=processing_class, model_config=models.policy_cfg, mesh=mesh,
                program=program, state=state, state_shardings=state_shardings, num_updates=num_updates,
                train_queries=train_queries, eval_queries=eval_queries, batches=batches,
@@ -365,8 +366,21 @@ class _Models:
 
 
 def _models(load, **sources) -> _Models:
-    """The run's models: :func:`_model_inputs` loaded by ``load`` (:func:`load_model`), then :func:`_assemble`d."""
-    return _assemble(sources["config"], uses_critic=sources["uses_critic"], **_model_inputs(load, **sources))
+    """The run's models: :func:`_model_inputs` loaded by ``load`` (:func:`load_model`), then :func:`_assemble`d.
+    The caller's own modules enter as copies, so every array of the result is the run's: the train state takes
+    them over (``init_sharded_train_state(donate=True)``) and the caller's modules stay as they were."""
+    inputs = _model_inputs(load, **sources)
+    given = {"policy": sources["model"], "ref_model": sources["ref_model"], "reward_module": sources["reward_model"],
+             "value_module": sources["value_model"]}
+    inputs = {name: _copy_module(module) if module is not None and module is given[name] else module
+              for name, module in inputs.items()}
+    return _assemble(sources["config"], uses_critic=sources["uses_critic"], **inputs)
+
+
+def _copy_module(module):
+    """The same module on fresh buffers (``device_put`` copies)."""
+    graphdef, state = nnx.split(module)
+    return nnx.merge(graphdef, sharding.copy_arrays(state))
 
 
 def _model_inputs(load, *, config, model_path, model, ref_model, reward_model, value_model, uses_critic,
