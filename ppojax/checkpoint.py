@@ -757,6 +757,13 @@ def _abstract_leaf(leaf):
     return jax.ShapeDtypeStruct(shape, dtype, sharding=getattr(leaf, "sharding", None))
 
 
+def _delete_arrays(tree) -> None:
+    """Free the memory of every jax array in ``tree`` now (not when its last reference goes)."""
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+            leaf.delete()
+
+
 def _stored_shape_dtype(leaf: jax.ShapeDtypeStruct):
     """What orbax stores for a target leaf: typed PRNG keys are stored as their uint32 key data."""
     if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
@@ -805,7 +812,8 @@ def read_checkpoint_config(path) -> dict:
     return config
 
 
-def restore_checkpoint(path, abstract_train_state, *, log: Log = _warn) -> tuple[Any, dict, dict]:
+def restore_checkpoint(path, abstract_train_state, *, log: Log = _warn,
+                       release_target: bool = False) -> tuple[Any, dict, dict]:
     """Restore ``(train_state, host_state, config_dict)`` from checkpoint ``path``.
 
     path: a ``step_<N>`` directory (it must verify), or a checkpoints directory / run output_dir (its newest
@@ -814,6 +822,9 @@ def restore_checkpoint(path, abstract_train_state, *, log: Log = _warn) -> tuple
     ``jax.ShapeDtypeStruct``s (e.g. from ``jax.eval_shape``), whose ``sharding`` decides where each restored
     array lives (so a sharded run gets sharded arrays; a leaf without sharding gets the one it was saved
     with). Call on every process.
+    release_target: delete the target's arrays once the checkpoint is found to match it, before any is read,
+    so a restore never holds the state twice (a run sized to its memory resumes in that memory); if reading
+    then fails, the CheckpointError says that the target is gone.
     Raises CheckpointError: a damaged checkpoint (one line naming the file and what is wrong), an error of
     orbax / tensorstore while reading (chained, so the cause stays inspectable), or every tensor path whose
     presence, shape or dtype differs from the target.
@@ -830,11 +841,15 @@ def restore_checkpoint(path, abstract_train_state, *, log: Log = _warn) -> tuple
             stored_tree = getattr(metadata, "tree", metadata)
             if stored_tree is not None:
                 _check_structure(path, _flat_target(target), _flat_metadata(stored_tree))
+            if release_target:
+                _delete_arrays(abstract_train_state)
             train_state = checkpointer.restore(state_dir, args=ocp.args.StandardRestore(target))
         except CheckpointError:
             raise
         except Exception as err:
             message = f"cannot read the model state in {path} ({STATE_DIR}/): {_one_line(err)}"
+            if release_target:
+                message += " (the run's own state was released to make room for it: build the run again)"
             _release_abandoned_work(err)
             raise CheckpointError(message) from err
     host_payload = _read_json(path, HOST_STATE_FILE)

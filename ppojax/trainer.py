@@ -233,7 +233,8 @@ class PPOTrainer(LegacyAPI):
         if changed:
             print(f"ppojax: resuming {path} with changed settings: {', '.join(changed)}")
         frozen = self.run.state.frozen
-        state, host, _ = restore_checkpoint(path, self.run.state.without_frozen())
+        # the fresh trainable state is only the restore's target: released first, never held twice
+        state, host, _ = restore_checkpoint(path, self.run.state.without_frozen(), release_target=True)
         self.run.state = state.replace(frozen=frozen)
         if self.run.batches is not None and host.get("data") is not None:
             self.run.batches.load_state_dict(host["data"])

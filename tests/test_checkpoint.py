@@ -175,6 +175,23 @@ def test_structure_mismatch_names_the_tensor(tmp_path):
         ckpt.restore_checkpoint(path, state.replace(params={**state.params, "head": jnp.zeros(3)}))
 
 
+
+def test_a_released_target_is_freed_before_the_read_and_kept_when_the_checkpoint_differs(tmp_path):
+    """release_target=True (a resume): the target's arrays are deleted before the checkpoint's are read, so the
+    state is never held twice, and the restored state is the saved one; a checkpoint that does not match the
+    target is refused with the target still intact."""
+    state = trained_state()
+    path = ckpt.save_checkpoint(tmp_path, 1, state, {"update": 1}, config_dict())
+    different = state.replace(params={**state.params, "head": jnp.zeros((5,), jnp.bfloat16)})
+    with pytest.raises(ckpt.CheckpointError, match="params.head"):
+        ckpt.restore_checkpoint(path, different, release_target=True)
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(different))
+    target = jax.tree.map(jnp.zeros_like, state)
+    restored, host, _ = ckpt.restore_checkpoint(path, target, release_target=True)
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(target))
+    assert_bit_equal(restored, state)
+    assert host == {"update": 1}
+
 def test_check_compatible_lists_every_difference():
     saved = config_dict(output_dir="a", save_steps=5)
     now = config_dict(model_name_or_path="other", response_length=16, precision="bfloat16", batch_size=32,
