@@ -26,6 +26,7 @@ from flax import nnx
 from .config import ModelConfig
 from .errors import ModelLoadError
 from .families import family_for, hf_to_params, params_to_hf, tensor_name
+from .families.keys import stack_on_host
 from .transformer import CausalLM, CausalLMWithValueHead, ScoreModel, init_value_head
 
 log = logging.getLogger(__name__)
@@ -202,14 +203,15 @@ def read_params(path: str | os.PathLike, cfg: ModelConfig, kind: str = "causal_l
     return _read_params(SafetensorsCheckpoint(path), cfg, kind)
 
 
-def _read_params(ckpt: SafetensorsCheckpoint, cfg: ModelConfig, kind: str) -> dict:
+def _read_params(ckpt: SafetensorsCheckpoint, cfg: ModelConfig, kind: str, stack=None) -> dict:
     family = family_for(cfg.model_type)
     if cfg.tie_word_embeddings and kind in ("causal_lm", "value_head") and _stored_head_differs(ckpt, cfg, kind):
         raise ModelLoadError(
             f"{ckpt.directory}: the config ties the LM head to the embedding (tie_word_embeddings=true) but the "
             f"checkpoint stores a different {family.lm_head}, which transformers then uses untied; load it with "
             f"load_pretrained (which does the same) or pass cfg.replace(tie_word_embeddings=False)")
-    params = hf_to_params(cfg, kind, ckpt.get, names=ckpt.names, has=ckpt.__contains__)
+    params = hf_to_params(cfg, kind, ckpt.get, names=ckpt.names, has=ckpt.__contains__,
+                          **({} if stack is None else {"stack": stack}))
     unused = [n for n in ckpt.names if n not in ckpt.used and not n.endswith(family.ignored_tensors)
               and not (cfg.tie_word_embeddings and n == family.lm_head)]
     if unused:
@@ -245,7 +247,7 @@ def load_pretrained(path: str | os.PathLike, *, kind: str = "causal_lm", dtype=j
     """
     param_dtype = dtype if param_dtype is None else param_dtype
     structure = _open_pretrained(path, kind, score_label, warn=True)
-    loaded = _read_params(structure.checkpoint, structure.read_cfg, kind)
+    loaded = _read_params(structure.checkpoint, structure.read_cfg, kind, stack=stack_on_device)
     if kind == "score" and "score" in loaded:
         loaded["score"] = _one_score_label(loaded["score"], score_label, path)
     cfg = structure.cfg
@@ -263,6 +265,12 @@ def load_pretrained(path: str | os.PathLike, *, kind: str = "causal_lm", dtype=j
             key, (cfg.hidden_size, 1), param_dtype))}
     state = fill_state(state, loaded, param_dtype)
     return nnx.merge(graphdef, state), cfg
+
+
+def stack_on_device(ops: tuple, layers: list[np.ndarray]) -> jax.Array:
+    """A per-layer key's tensors through its ops, stacked on the host and moved to the default device at once:
+    the model's host copy never exists whole beside its device arrays, only one key's at a time."""
+    return jax.device_put(stack_on_host(ops, layers)).block_until_ready()
 
 
 def abstract_pretrained(path: str | os.PathLike, *, kind: str = "causal_lm", dtype=jnp.float32, param_dtype=None,

@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
 KINDS = ("causal_lm", "score", "value_head", "backbone")
 Getter = Callable[[str, tuple], np.ndarray]
+# (a per-layer key's ops, its tensors of every layer) -> the stacked ppojax array
+LayerStacker = Callable[[tuple, list], "np.ndarray"]
 
 
 # --------------------------------------------------------------------------------------------- reversible ops
@@ -102,6 +104,11 @@ class Key:
 
     def name(self, prefix: str, i: int | None = None) -> str:
         return self.hf.format(prefix=prefix, i=i)
+
+
+def stack_on_host(ops: tuple, layers: list[np.ndarray]) -> np.ndarray:
+    """The per-layer tensors through `ops`, stacked along a new leading `layers` axis (numpy)."""
+    return np.stack([_apply(ops, x) for x in layers])
 
 
 def _apply(ops: Iterable, x: np.ndarray) -> np.ndarray:
@@ -187,11 +194,12 @@ def tensor_name(cfg: ModelConfig, kind: str, path: tuple[str, ...], names: Itera
 
 
 def hf_to_params(cfg: ModelConfig, kind: str, get: Getter, names: Iterable[str] = (),
-                 has: Callable[[str], bool] = lambda name: True) -> dict:
+                 has: Callable[[str], bool] = lambda name: True, stack: LayerStacker = stack_on_host) -> dict:
     """Nested dict of arrays in the layout of `nnx.to_pure_dict(nnx.state(model))` for a model of `kind`.
 
     `get(name, shape)` returns checkpoint tensor `name`, checked against `shape` (naming the tensor in any error);
-    `names`: all tensor names of the checkpoint (to detect the backbone prefix); `has(name)`: whether it exists.
+    `names`: all tensor names of the checkpoint (to detect the backbone prefix); `has(name)`: whether it exists;
+    `stack(ops, layers)`: a per-layer key's tensors through its ops, stacked (default: numpy's).
     A missing optional head (`score`, `v_head`) is left out of the result; the caller initialises it.
     """
     prefix = backbone_prefix(cfg, kind, names)
@@ -200,7 +208,7 @@ def hf_to_params(cfg: ModelConfig, kind: str, get: Getter, names: Iterable[str] 
         if key.optional and not has(key.name(prefix)):
             continue
         if key.per_layer:
-            value = np.stack([_apply(key.ops, get(key.name(prefix, i), key.shape)) for i in range(cfg.num_layers)])
+            value = stack(key.ops, [get(key.name(prefix, i), key.shape) for i in range(cfg.num_layers)])
         else:
             value = _apply(key.ops, get(key.name(prefix), key.shape))
         node = params
