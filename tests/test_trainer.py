@@ -294,7 +294,7 @@ def test_the_callers_modules_stay_intact_while_the_run_trains_its_own_arrays(tmp
     given = {"policy": policy, "reward": reward}
     before = {name: [np.array(x) for x in jax.tree.leaves(nnx.state(m))] for name, m in given.items()}
     config = PPOConfig.from_dict(dict(output_dir=str(tmp_path / "run"), report_to="none", batch_size=8,
-                                      response_length=6, max_prompt_length=6, total_episodes=16, learning_rate=1e-2,
+                                      response_length=6, max_prompt_length=6, total_episodes=8, learning_rate=1e-2,
                                       num_sample_generations=0, seed=0))
     trainer = PPOTrainer(config, processing_class=tiny_tokenizer(), model=policy, ref_model=policy,
                          reward_model=reward, value_model=reward, train_dataset=PROMPTS)
