@@ -326,7 +326,7 @@ def init_sharded_train_state(params, optimizer, mesh: Mesh, rules: Mapping[str, 
 
 def _each_buffer_once(tree):
     """``tree`` with a copy in place of every array whose buffer an earlier leaf already holds (one module in
-    two roles, a tied weight): a buffer can be donated only once."""
+    two roles): a buffer can be donated only once."""
     seen = set()
 
     def once(x):

@@ -203,15 +203,14 @@ def read_params(path: str | os.PathLike, cfg: ModelConfig, kind: str = "causal_l
     return _read_params(SafetensorsCheckpoint(path), cfg, kind)
 
 
-def _read_params(ckpt: SafetensorsCheckpoint, cfg: ModelConfig, kind: str, stack=None) -> dict:
+def _read_params(ckpt: SafetensorsCheckpoint, cfg: ModelConfig, kind: str, stack=stack_on_host) -> dict:
     family = family_for(cfg.model_type)
     if cfg.tie_word_embeddings and kind in ("causal_lm", "value_head") and _stored_head_differs(ckpt, cfg, kind):
         raise ModelLoadError(
             f"{ckpt.directory}: the config ties the LM head to the embedding (tie_word_embeddings=true) but the "
             f"checkpoint stores a different {family.lm_head}, which transformers then uses untied; load it with "
             f"load_pretrained (which does the same) or pass cfg.replace(tie_word_embeddings=False)")
-    params = hf_to_params(cfg, kind, ckpt.get, names=ckpt.names, has=ckpt.__contains__,
-                          **({} if stack is None else {"stack": stack}))
+    params = hf_to_params(cfg, kind, ckpt.get, names=ckpt.names, has=ckpt.__contains__, stack=stack)
     unused = [n for n in ckpt.names if n not in ckpt.used and not n.endswith(family.ignored_tensors)
               and not (cfg.tie_word_embeddings and n == family.lm_head)]
     if unused:
