@@ -369,12 +369,10 @@ def _models(load, **sources) -> _Models:
     """The run's models: :func:`_model_inputs` loaded by ``load`` (:func:`load_model`), then :func:`_assemble`d.
     The caller's own modules enter as copies, so every array of the result is the run's: the train state takes
     them over (``init_sharded_train_state(donate=True)``) and the caller's modules stay as they were."""
-    inputs = _model_inputs(load, **sources)
-    given = {"policy": sources["model"], "ref_model": sources["ref_model"], "reward_module": sources["reward_model"],
-             "value_module": sources["value_model"]}
-    inputs = {name: _copy_module(module) if module is not None and module is given[name] else module
-              for name, module in inputs.items()}
-    return _assemble(sources["config"], uses_critic=sources["uses_critic"], **inputs)
+    given = {name: _copy_module(sources[name]) for name in ("model", "ref_model", "reward_model", "value_model")
+             if sources[name] is not None}
+    return _assemble(sources["config"], uses_critic=sources["uses_critic"],
+                     **_model_inputs(load, **{**sources, **given}))
 
 
 def _copy_module(module):
