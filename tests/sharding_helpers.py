@@ -6,6 +6,7 @@ Import-time side effects: none (the multi-device tests set XLA_FLAGS before JAX 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -27,7 +28,8 @@ if __name__ == "__main__":  # a subprocess: make `ppojax` importable; a worker s
 
 from ppojax import sharding as sh  # noqa: E402
 from ppojax.actor_critic import ActorCritic  # noqa: E402
-from ppojax.models import CausalLM, ModelConfig, ScoreModel  # noqa: E402
+from ppojax.models import CausalLM, ModelConfig, ScoreModel, load_pretrained, save_pretrained  # noqa: E402
+from ppojax.models import hf_io  # noqa: E402
 from ppojax.config import PPOConfig  # noqa: E402
 from ppojax.rewards import ModelScores  # noqa: E402
 from ppojax.settings import StepSettings  # noqa: E402
@@ -126,7 +128,13 @@ def worker(out_path):
     Each process builds only ITS rows of the experience and makes global arrays from them."""
     assert jax.process_count() == 2 and jax.device_count() == 4, (jax.process_count(), jax.device_count())
     mesh = sh.make_mesh(data=1, fsdp=2, tensor=2)
-    ac, params, _, _ = build_models()
+    ac, params, _, (policy_def, _) = build_models()
+    # the policy enters from a checkpoint, read straight into its shards on both processes' devices
+    directory = os.path.join(os.path.dirname(out_path), f"policy-process{jax.process_index()}")
+    save_pretrained(nnx.merge(policy_def, params["policy"]), CFG, directory)
+    with shard_reads() as reads:
+        params["policy"] = nnx.state(load_pretrained(directory, mesh=mesh)[0])
+    assert_read_shard_by_shard(params["policy"], reads)
     rows = sh.process_local_rows(B, mesh)
     local = jax.tree.map(lambda x: x[rows], synthetic_experience())
     experience = sh.host_local_batch_to_global(local, mesh)
@@ -138,6 +146,38 @@ def worker(out_path):
     if sh.is_main_process():
         np.savez(out_path, rows=rows, metrics=metrics_array(history), **flat_params(params_host))
     jax.distributed.shutdown()
+
+
+@contextlib.contextmanager
+def shard_reads():
+    """[(whole shape, read shape)] of every part ``load_pretrained`` reads from a checkpoint within the block."""
+    reads, read = [], hf_io.read_shard
+
+    def spy(source, index, dtype):
+        part = read(source, index, dtype)
+        reads.append((tuple(source.shape), part.shape))
+        return part
+
+    hf_io.read_shard = spy
+    try:
+        yield reads
+    finally:
+        hf_io.read_shard = read
+
+
+def assert_read_shard_by_shard(params, reads):
+    """Each array of ``params`` was read as its addressable devices' shards, once per distinct shard: never
+    whole (unless replicated), and never a shard of another process's devices."""
+    leaves = jax.tree.leaves(params)
+    distinct = sum(len({tuple((s.start, s.stop) for s in index) for index in
+                        leaf.sharding.addressable_devices_indices_map(leaf.shape).values()}) for leaf in leaves)
+    assert len(reads) == distinct, (len(reads), distinct)
+    shards = {}  # whole shape -> the shard shapes of the arrays of that shape (norms and biases share one)
+    for leaf in leaves:
+        shards.setdefault(leaf.shape, set()).add(leaf.sharding.shard_shape(leaf.shape))
+    for whole, expected in shards.items():
+        assert {part for shape, part in reads if shape == whole} == expected, (whole, expected)
+    assert any(part != whole for whole, part in reads), "no array was split: the test shows nothing"
 
 
 def single_process_reference(out_path):

@@ -330,3 +330,59 @@ if CHILD:
         for name, value in history[0].items():
             np.testing.assert_allclose(value, one[0][name], atol=1e-5, rtol=1e-5, err_msg=name)
         assert_trees_close(state.params, one_state.params, what="params")
+
+    # ---- checkpoints load straight into their shards ----
+    GPT2_FUSED = dict(model_type="gpt2", vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=32)
+
+    @pytest.mark.parametrize("hf_config", [None, GPT2_FUSED], ids=["llama", "gpt2-fused-qkv"])
+    def test_a_checkpoint_loads_straight_into_its_shards(tmp_path, hf_config):
+        """``load_pretrained(mesh=)`` puts every weight in its rule's sharding reading one shard per device (no
+        array is ever formed whole, on the host or on a device, unless replicated), with the checkpoint's
+        values: GPT-2's fused q|k|v split per layer, transposed kernels, stacked layers, an untied head."""
+        from flax import nnx
+        from ppojax.models import CausalLM, ModelConfig, load_pretrained, read_params, save_pretrained
+        cfg = H.CFG if hf_config is None else ModelConfig.from_hf(hf_config)
+        save_pretrained(CausalLM(cfg, rngs=nnx.Rngs(3)), cfg, tmp_path / "ckpt")
+        mesh = sh.make_mesh(1, 4, 2)
+        with H.shard_reads() as reads:
+            model, _ = load_pretrained(tmp_path / "ckpt", mesh=mesh)
+        state = nnx.to_pure_dict(nnx.state(model))
+        H.assert_read_shard_by_shard(state, reads)
+        expected = sh.param_shardings(nnx.state(model), mesh)
+        for (path, leaf), target in zip(jax.tree_util.tree_leaves_with_path(state), jax.tree.leaves(expected)):
+            assert leaf.sharding.is_equivalent_to(target, leaf.ndim), (jax.tree_util.keystr(path), leaf.sharding)
+        q = state["backbone"]["layers"]["attn"]["q"]["kernel"]
+        assert q.addressable_shards[0].data.shape == (cfg.num_layers, cfg.hidden_size // 4, 2, cfg.head_dim)
+        stored = read_params(tmp_path / "ckpt", cfg)
+        for (path, leaf), value in zip(jax.tree_util.tree_leaves_with_path(state), jax.tree.leaves(stored)):
+            np.testing.assert_array_equal(np.asarray(leaf), value, err_msg=jax.tree_util.keystr(path))
+
+    def test_a_run_reads_its_checkpoints_into_the_meshs_shards(tmp_path):
+        """``build_run`` on a (1, 4, 2) mesh: the policy and the reward model are read shard by shard into the
+        train state's shardings; the state holds the checkpoints' values (the reference and the value model
+        as copies of them)."""
+        from ppojax.config import PPOConfig
+        from ppojax.models import ScoreModel, load_config, read_params, save_pretrained
+        from ppojax.train.build import build_run
+        from flax import nnx
+        from tests.tiny_setup import tiny_config, write_tiny_run_inputs
+        root = write_tiny_run_inputs(tmp_path)
+        save_pretrained(ScoreModel(tiny_config(), rngs=nnx.Rngs(5)), tiny_config(), root / "reward")
+        config = PPOConfig.from_dict(dict(
+            model_name_or_path=str(root / "model"), reward_model_path=str(root / "reward"),
+            dataset=str(root / "prompts.jsonl"), output_dir=str(tmp_path / "out"), max_prompt_length=6,
+            response_length=4, batch_size=8, total_episodes=16, compilation_cache_dir="none",
+            mesh_data=1, mesh_fsdp=4, mesh_tensor=2))
+        with H.shard_reads() as reads:
+            run = build_run(config)
+        state = run.state
+        H.assert_read_shard_by_shard({"policy": state.params["policy"], "reward": state.frozen["reward"]}, reads)
+        for tree, shardings in ((state.params, run.state_shardings.params), (state.frozen, run.state_shardings.frozen)):
+            for leaf, target in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)):
+                assert leaf.sharding.is_equivalent_to(target, leaf.ndim)
+        policy = read_params(root / "model", tiny_config())
+        reward = read_params(root / "reward", load_config(root / "reward"), kind="score")
+        for tree, stored in ((state.params["policy"], policy), (state.frozen["ref"], policy),
+                             (state.frozen["reward"], reward), (state.params["value"], reward)):
+            for leaf, value in zip(jax.tree.leaves(tree), jax.tree.leaves(stored)):
+                np.testing.assert_array_equal(np.asarray(leaf), value)

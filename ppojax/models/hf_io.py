@@ -26,7 +26,7 @@ from flax import nnx
 from .config import ModelConfig
 from .errors import ModelLoadError
 from .families import family_for, hf_to_params, params_to_hf, tensor_name
-from .families.keys import stack_on_host
+from .families.keys import LayerStack, stack_on_host
 from .transformer import CausalLM, CausalLMWithValueHead, ScoreModel, init_value_head
 
 log = logging.getLogger(__name__)
@@ -231,7 +231,7 @@ def _stored_head_differs(ckpt: SafetensorsCheckpoint, cfg: ModelConfig, kind: st
 
 def load_pretrained(path: str | os.PathLike, *, kind: str = "causal_lm", dtype=jnp.float32, param_dtype=None,
                     scan_layers: bool = True, remat: str = "none", attention_implementation: str = "auto",
-                    seed: int = 0, score_label: int | None = None):
+                    seed: int = 0, score_label: int | None = None, mesh=None, rules=None):
     """Load a Hugging Face checkpoint directory into a ppojax model.
 
     kind: "causal_lm" -> `CausalLM`; "score" -> `ScoreModel` (reward/value models, `XForSequenceClassification`);
@@ -240,13 +240,16 @@ def load_pretrained(path: str | os.PathLike, *, kind: str = "causal_lm", dtype=j
     with a warning. dtype: compute dtype; param_dtype: storage dtype (default: dtype). remat,
     attention_implementation, scan_layers: as the model classes' (`transformer.Backbone`). score_label: for a
     classifier with several labels loaded as a "score" model, the label whose logit is the score (None: the
-    checkpoint must have one label).
+    checkpoint must have one label). mesh, rules: place every weight straight into its sharding on `mesh` by
+    `rules` (a `ppojax.sharding` rule table, default `TRAIN_RULES`), reading the checkpoint shard by shard:
+    no process or device holds a sharded weight whole, and each process reads only its own devices' shards.
+    Without a mesh the weights go to the default device.
     Returns `(model, cfg)`. :func:`abstract_pretrained` with the same arguments gives the same model's
     structure without reading a weight.
     """
     param_dtype = dtype if param_dtype is None else param_dtype
     structure = _open_pretrained(path, kind, score_label, warn=True)
-    loaded = _read_params(structure.checkpoint, structure.read_cfg, kind, stack=stack_on_device)
+    loaded = _read_params(structure.checkpoint, structure.read_cfg, kind, stack=LayerStack)
     if kind == "score" and "score" in loaded:
         loaded["score"] = _one_score_label(loaded["score"], score_label, path)
     cfg = structure.cfg
@@ -262,14 +265,43 @@ def load_pretrained(path: str | os.PathLike, *, kind: str = "causal_lm", dtype=j
                     "AutoModelForSequenceClassification does", path, seed)
         loaded["score"] = {"kernel": np.asarray(cfg.initializer_range * jax.random.normal(
             key, (cfg.hidden_size, 1), param_dtype))}
-    state = fill_state(state, loaded, param_dtype)
+    state = fill_state(state, loaded, param_dtype, _shardings(state, mesh, rules))
     return nnx.merge(graphdef, state), cfg
 
 
-def stack_on_device(ops: tuple, layers: list[np.ndarray]) -> jax.Array:
-    """A per-layer key's tensors through its ops, stacked on the host and moved to the default device at once:
-    the model's host copy never exists whole beside its device arrays, only one key's at a time."""
-    return jax.device_put(stack_on_host(ops, layers)).block_until_ready()
+def _shardings(state: nnx.State, mesh, rules) -> dict:
+    """The sharding of every weight of `state` (abstract), as a nested dict like `nnx.to_pure_dict(state)`: by
+    `rules` on `mesh`, or the default device's."""
+    if mesh is None:
+        default = jax.sharding.SingleDeviceSharding(next(iter(jax.device_put(np.zeros(())).devices())))
+        return jax.tree.map(lambda _: default, nnx.to_pure_dict(state))
+    from .. import sharding  # noqa: PLC0415 (the loader needs the rules only when given a mesh)
+    return nnx.to_pure_dict(sharding.param_shardings(state, mesh, sharding.TRAIN_RULES if rules is None else rules))
+
+
+def place(source, target: jax.sharding.Sharding, dtype) -> jax.Array:
+    """`source` (a host array, a checkpoint's memory-mapped view, or a `LayerStack`) as a `dtype` array in
+    `target`, formed shard by shard (`read_shard`): each distinct part this process's devices hold is read and
+    converted once, so neither this process nor any device holds the whole array unless its sharding does."""
+    dtype = np.dtype(dtype)
+    parts: dict[tuple, np.ndarray] = {}  # a part that several devices hold (replicated over an axis) is read once
+
+    def part(index: tuple) -> np.ndarray:
+        key = tuple((s.start, s.stop, s.step) for s in index)
+        if key not in parts:
+            parts[key] = read_shard(source, index, dtype)
+        return parts[key]
+
+    array = jax.make_array_from_callback(tuple(source.shape), target, part)
+    return array.block_until_ready()  # one weight's host parts at a time
+
+
+def read_shard(source, index: tuple, dtype) -> np.ndarray:
+    """The part `index` of `source` as a fresh `dtype` array (never a view of the checkpoint's memory map,
+    which the device array could otherwise alias on the CPU)."""
+    if isinstance(source, LayerStack):
+        return source.read(index).astype(dtype, copy=False)  # read() forms a new array
+    return np.array(source[index], dtype=dtype)
 
 
 def abstract_pretrained(path: str | os.PathLike, *, kind: str = "causal_lm", dtype=jnp.float32, param_dtype=None,
@@ -348,8 +380,9 @@ def _one_score_label(head: dict, label: int | None, path) -> dict:
     return {name: np.asarray(value)[..., label:label + 1] for name, value in head.items()}
 
 
-def fill_state(state: nnx.State, arrays: dict, param_dtype) -> nnx.State:
-    """Replace the (abstract) values of `state` by `arrays` (same nested layout), checking every shape."""
+def fill_state(state: nnx.State, arrays: dict, param_dtype, shardings: dict) -> nnx.State:
+    """Replace the (abstract) values of `state` by `arrays` (same nested layout: host arrays or `LayerStack`s),
+    checking every shape, each placed in its sharding of `shardings` (same layout) as `param_dtype`."""
     expected = nnx.to_pure_dict(state)
     flat_expected = dict(_flatten(expected))
     flat_given = dict(_flatten(arrays))
@@ -361,7 +394,8 @@ def fill_state(state: nnx.State, arrays: dict, param_dtype) -> nnx.State:
         if tuple(a.shape) != tuple(flat_expected[name].shape):
             raise ValueError(f"parameter {name!r} has shape {tuple(a.shape)}, the model expects "
                              f"{tuple(flat_expected[name].shape)}")
-    values = jax.tree.map(lambda a: jnp.asarray(a, dtype=param_dtype), arrays)
+    values = jax.tree.map(lambda a, target: place(a, target, param_dtype), arrays, shardings,
+                          is_leaf=lambda x: isinstance(x, LayerStack))
     nnx.replace_by_pure_dict(state, values)
     return state
 

@@ -10,6 +10,7 @@ loaded.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import logging
 from dataclasses import dataclass
@@ -327,7 +328,8 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
         except Exception as err:  # noqa: BLE001 - a head start only: the real build below reports real problems
             log.info("train_step not compiled ahead: %s: %s", type(err).__name__, err)
             ahead = None
-    models = _models(load_model, **sources)
+    # every weight goes straight into its place on the mesh (read shard by shard: never whole on one device)
+    models = _models(functools.partial(load_model, mesh=mesh), **sources)
     if ahead is not None and abstract.static == models.static:
         program, train_step = ahead.program, ahead.train_step
     else:  # no compile ahead, or its structure guess differs from the loaded models' (the step compiles later)

@@ -46,6 +46,9 @@ class T:
     def apply(self, x: np.ndarray) -> np.ndarray:
         return np.transpose(x, self.perm)
 
+    def shape(self, shape: tuple) -> tuple:
+        return tuple(shape[p] for p in (self.perm or range(len(shape) - 1, -1, -1)))
+
     def invert(self, y: np.ndarray) -> np.ndarray:
         return np.transpose(y, None if self.perm is None else tuple(np.argsort(self.perm)))
 
@@ -60,6 +63,10 @@ class Unflatten:
     def apply(self, x: np.ndarray) -> np.ndarray:
         a = self.axis % x.ndim
         return x.reshape(x.shape[:a] + tuple(self.sizes) + x.shape[a + 1:])
+
+    def shape(self, shape: tuple) -> tuple:
+        a = self.axis % len(shape)
+        return tuple(shape[:a]) + tuple(self.sizes) + tuple(shape[a + 1:])
 
     def invert(self, y: np.ndarray) -> np.ndarray:
         a = self.axis % (y.ndim - len(self.sizes) + 1)
@@ -78,6 +85,10 @@ class Split:
     def apply(self, x: np.ndarray) -> np.ndarray:
         start = sum(self.sizes[:self.index])
         return np.take(x, np.arange(start, start + self.sizes[self.index]), axis=self.axis)
+
+    def shape(self, shape: tuple) -> tuple:
+        a = self.axis % len(shape)
+        return tuple(shape[:a]) + (self.sizes[self.index],) + tuple(shape[a + 1:])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,13 +119,43 @@ class Key:
 
 def stack_on_host(ops: tuple, layers: list[np.ndarray]) -> np.ndarray:
     """The per-layer tensors through `ops`, stacked along a new leading `layers` axis (numpy)."""
-    return np.stack([_apply(ops, x) for x in layers])
+    return np.stack([apply_ops(ops, x) for x in layers])
 
 
-def _apply(ops: Iterable, x: np.ndarray) -> np.ndarray:
+class LayerStack:
+    """A per-layer key's tensors through its ops, stacked along a leading `layers` axis only when read:
+    `read(index)` forms just that part of the stacked array (a layer's tensor through the ops at a time), so a
+    sharded load never forms the whole stack (`hf_io.place`). A `LayerStacker`, as `stack_on_host` is.
+
+    shape: `(L, *shape after the ops)`; dtype: the checkpoint tensors'."""
+
+    def __init__(self, ops: tuple, layers: list[np.ndarray]):
+        self.ops, self.layers = tuple(ops), list(layers)
+        self.shape = (len(self.layers),) + ops_shape(self.ops, self.layers[0].shape)
+        self.dtype = self.layers[0].dtype
+
+    def read(self, index: tuple = ()) -> np.ndarray:
+        """The part `index` (a tuple of slices or ints per axis, as `np.ndarray[index]`) of the stacked array."""
+        index = tuple(index) + (slice(None),) * (len(self.shape) - len(index))
+        rows = range(len(self.layers))[index[0]]
+        if isinstance(rows, int):
+            return np.asarray(apply_ops(self.ops, self.layers[rows])[index[1:]])
+        return np.stack([apply_ops(self.ops, self.layers[i])[index[1:]] for i in rows])
+
+
+def apply_ops(ops: Iterable, x: np.ndarray) -> np.ndarray:
+    """A checkpoint tensor through a key's ops (views where numpy can: transposes and reshapes)."""
     for op in ops:
         x = op.apply(x)
     return x
+
+
+def ops_shape(ops: Iterable, shape: tuple) -> tuple:
+    """The shape a tensor of `shape` has after `ops` (nothing read)."""
+    shape = tuple(shape)
+    for op in ops:
+        shape = op.shape(shape)
+    return shape
 
 
 def _invert(ops: Iterable, y: np.ndarray) -> np.ndarray:
@@ -210,7 +251,7 @@ def hf_to_params(cfg: ModelConfig, kind: str, get: Getter, names: Iterable[str] 
         if key.per_layer:
             value = stack(key.ops, [get(key.name(prefix, i), key.shape) for i in range(cfg.num_layers)])
         else:
-            value = _apply(key.ops, get(key.name(prefix), key.shape))
+            value = apply_ops(key.ops, get(key.name(prefix), key.shape))
         node = params
         for part in key.path[:-1]:
             node = node.setdefault(part, {})
