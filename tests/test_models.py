@@ -332,3 +332,46 @@ def test_config_reads_transformers4_fields():
                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}})
     assert l3.rope_scaling_dict["rope_type"] == "llama3" and l3.eos_token_ids == (128001, 128009)
     assert l3.to_hf()["rope_parameters"]["factor"] == 8.0
+
+
+def _file_mappings(path):
+    """[(start, end)] of this process's memory maps of `path` (/proc/self/maps)."""
+    spans = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            if len(fields) >= 6 and fields[5] == str(path):
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                spans.append((start, end))
+    return spans
+
+
+def _align_tensors(file, to=64):
+    """Rewrite a safetensors file with its header padded (with spaces, as the format allows) so that every
+    tensor's data starts at a multiple of `to` bytes in the file."""
+    import struct
+    raw = file.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header, data = raw[8:8 + n].rstrip(b" "), raw[8 + n:]
+    header += b" " * (-(8 + len(header)) % to)
+    file.write_bytes(struct.pack("<Q", len(header)) + header + data)
+
+
+def test_loaded_weights_are_the_models_own_memory_not_the_checkpoint_files(tmp_path):
+    """The checkpoint is read through a memory map; no loaded weight may stay a view of it, or the weights
+    would change with the file and keep it mapped. On the CPU jax adopts a 64-byte-aligned host array as a
+    device buffer without copying, so a float32 tensor of a float32 model, unconverted and aligned in the file,
+    is the case where a view could pass through."""
+    cfg = ModelConfig(model_type="llama", vocab_size=4096, hidden_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=32, intermediate_size=256)
+    save_pretrained(CausalLM(cfg, rngs=nnx.Rngs(0)), cfg, tmp_path / "ckpt")
+    weights = (tmp_path / "ckpt" / "model.safetensors").resolve()
+    _align_tensors(weights)
+    model, _ = load_pretrained(tmp_path / "ckpt")
+    mapped = _file_mappings(weights)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model)):
+        pointer = leaf.unsafe_buffer_pointer()
+        assert not any(start <= pointer < end for start, end in mapped), jax.tree_util.keystr(path)
+    import gc
+    gc.collect()
+    assert _file_mappings(weights) == [], "the checkpoint file stays mapped after the load"

@@ -269,21 +269,25 @@ def load_pretrained(path: str | os.PathLike, *, kind: str = "causal_lm", dtype=j
     return nnx.merge(graphdef, state), cfg
 
 
-def _shardings(state: nnx.State, mesh, rules) -> dict:
-    """The sharding of every weight of `state` (abstract), as a nested dict like `nnx.to_pure_dict(state)`: by
-    `rules` on `mesh`, or the default device's."""
+def _shardings(state: nnx.State, mesh, rules) -> dict | None:
+    """The sharding of every weight of `state` (abstract) by `rules` on `mesh`, as a nested dict like
+    `nnx.to_pure_dict(state)`; None without a mesh (the default device)."""
     if mesh is None:
-        default = jax.sharding.SingleDeviceSharding(next(iter(jax.device_put(np.zeros(())).devices())))
-        return jax.tree.map(lambda _: default, nnx.to_pure_dict(state))
+        return None
     from .. import sharding  # noqa: PLC0415 (the loader needs the rules only when given a mesh)
     return nnx.to_pure_dict(sharding.param_shardings(state, mesh, sharding.TRAIN_RULES if rules is None else rules))
 
 
-def place(source, target: jax.sharding.Sharding, dtype) -> jax.Array:
+def place(source, target: jax.sharding.Sharding | None, dtype) -> jax.Array:
     """`source` (a host array, a checkpoint's memory-mapped view, or a `LayerStack`) as a `dtype` array in
     `target`, formed shard by shard (`read_shard`): each distinct part this process's devices hold is read and
-    converted once, so neither this process nor any device holds the whole array unless its sharding does."""
+    converted once, so neither this process nor any device holds the whole array unless its sharding does.
+    target None: the default device (uncommitted, as `jax.device_put`; on the CPU the device array is then the
+    host array read, not a copy of it)."""
     dtype = np.dtype(dtype)
+    if target is None:
+        whole = tuple(slice(None) for _ in source.shape)
+        return jax.device_put(read_shard(source, whole, dtype)).block_until_ready()
     parts: dict[tuple, np.ndarray] = {}  # a part that several devices hold (replicated over an axis) is read once
 
     def part(index: tuple) -> np.ndarray:
@@ -380,9 +384,10 @@ def _one_score_label(head: dict, label: int | None, path) -> dict:
     return {name: np.asarray(value)[..., label:label + 1] for name, value in head.items()}
 
 
-def fill_state(state: nnx.State, arrays: dict, param_dtype, shardings: dict) -> nnx.State:
+def fill_state(state: nnx.State, arrays: dict, param_dtype, shardings: dict | None = None) -> nnx.State:
     """Replace the (abstract) values of `state` by `arrays` (same nested layout: host arrays or `LayerStack`s),
-    checking every shape, each placed in its sharding of `shardings` (same layout) as `param_dtype`."""
+    checking every shape, each placed in its sharding of `shardings` (same layout; None: the default device)
+    as `param_dtype`."""
     expected = nnx.to_pure_dict(state)
     flat_expected = dict(_flatten(expected))
     flat_given = dict(_flatten(arrays))
@@ -394,8 +399,10 @@ def fill_state(state: nnx.State, arrays: dict, param_dtype, shardings: dict) -> 
         if tuple(a.shape) != tuple(flat_expected[name].shape):
             raise ValueError(f"parameter {name!r} has shape {tuple(a.shape)}, the model expects "
                              f"{tuple(flat_expected[name].shape)}")
-    values = jax.tree.map(lambda a, target: place(a, target, param_dtype), arrays, shardings,
-                          is_leaf=lambda x: isinstance(x, LayerStack))
+    if shardings is None:
+        values = jax.tree.map(lambda a: place(a, None, param_dtype), arrays)
+    else:
+        values = jax.tree.map(lambda a, target: place(a, target, param_dtype), arrays, shardings)
     nnx.replace_by_pure_dict(state, values)
     return state
 
