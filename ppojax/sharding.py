@@ -546,6 +546,21 @@ def to_host(tree):
     return jax.tree.map(one, tree)
 
 
+def to_main_host(tree):
+    """``tree`` as numpy copies on the main process, gathered one array at a time (all processes must call);
+    the other processes take part in each gather and drop its result (they return None). So no process but the
+    main one ever holds more than one of the arrays whole, and no device holds any: what a model export needs
+    (the main process writes the file)."""
+    main = is_main_process()
+    leaves, treedef = jax.tree.flatten(tree)
+    kept = []
+    for leaf in leaves:
+        value = to_host(leaf)
+        kept.append(value if main else None)
+        del value
+    return jax.tree.unflatten(treedef, kept) if main else None
+
+
 def addressable_bytes(tree, device=None) -> int:
     """Bytes of ``tree``'s shards held by ``device`` (default: the first local device); for memory
     accounting (e.g. FSDP: ~1/fsdp of the parameters per device)."""

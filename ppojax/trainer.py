@@ -322,12 +322,14 @@ class PPOTrainer(LegacyAPI):
         Under LoRA: the merged model (adapters folded into the base weights) there, and the PEFT adapter
         directory beside it (``<output_dir>_adapter``, :meth:`save_adapter`)."""
         from .models import save_pretrained
-        host_params = sharding.to_host(self.policy_params)  # a collective: every process takes part
+        # collectives (every process takes part); the weights come to the main host one at a time and stay on
+        # the host: the whole model never lands on one device (a 70B model would not fit one)
+        host_params = sharding.to_main_host(self.policy_params)
         if self.run.lora is not None:
             self.save_adapter(Path(output_dir).with_name(Path(output_dir).name + "_adapter"))
         if not sharding.is_main_process():
             return Path(output_dir)
-        policy = nnx.merge(self.policy_graphdef, jax.tree.map(jnp.asarray, host_params))
+        policy = nnx.merge(self.policy_graphdef, host_params)
         return save_pretrained(policy, self.run.model_config, output_dir, tokenizer=self.tokenizer)
 
     def save_adapter(self, output_dir) -> Path:

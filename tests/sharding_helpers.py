@@ -143,6 +143,11 @@ def worker(out_path):
     embed = state.params["policy"]["backbone"]["embed"]["embedding"]
     assert not embed.is_fully_addressable and "fsdp" in str(embed.sharding.spec)
     params_host = sh.to_host(state.params)  # every process takes part in the gather
+    on_main = sh.to_main_host(state.params)  # an export's gather: the whole tree on the main process only
+    if sh.is_main_process():
+        jax.tree.map(np.testing.assert_array_equal, on_main, params_host)
+    else:
+        assert on_main is None
     if sh.is_main_process():
         np.savez(out_path, rows=rows, metrics=metrics_array(history), **flat_params(params_host))
     jax.distributed.shutdown()
