@@ -129,14 +129,21 @@ def _train_and_report(config: PPOConfig, claim) -> dict:
         with stage(f"saving the trained policy to {out / 'policy'} (Hugging Face format){what}"):
             trainer.save_model(out / "policy")
         export_check = None
-        if trainer.eval_queries is not None and _torch_available():
-            from .export_check import greedy_continuations_agree
+        import jax
+        from .export_check import export_check_skipped, greedy_continuations_agree
+        policy_size = sum(x.size for x in jax.tree.leaves(jax.eval_shape(lambda: trainer.policy_params)))
+        skipped = export_check_skipped(config.export_check, held_out=trainer.eval_queries is not None,
+                                       torch_available=_torch_available(), num_params=policy_size)
+        if skipped and config.export_check is None and trainer.eval_queries is not None:
+            print(f"ppojax: the export is not checked against transformers: {skipped}")
+        if not skipped:
             with stage("checking the export: transformers must write ppojax's greedy continuations"):
                 export_check = greedy_continuations_agree(
                     out / "policy", trainer.policy_graphdef, trainer.policy_params, trainer.eval_queries[:4],
                     config.response_length, pad_token_id=trainer.run.settings.pad_token_id,
                     stop_token_id=trainer.run.settings.stop_token_id)
-            print(f"ppojax: transformers reproduces ppojax's greedy continuations: {export_check['agree']}")
+            if sharding.is_main_process():
+                print(f"ppojax: transformers reproduces ppojax's greedy continuations: {export_check['agree']}")
         plot = logger.plot(out / "training_curves.png", held_out_before=before and before["mean_score"],
                            held_out_after=after and after["mean_score"])
         from .run_logging import read_jsonl

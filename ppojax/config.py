@@ -425,6 +425,13 @@ class PPOConfig:
     load and XLA's compile both keep busy it gains little and raises the peak memory of the build by the
     compile's (benchmarks/RESULTS.md)."""
 
+    export_check: Optional[bool] = setting(None, static=False, on_resume=IGNORED)
+    """After `ppojax train` saves the policy, transformers (torch) loads the export and greedy-decodes a few
+    held-out prompts, which must give ppojax's own greedy continuations (summary.json: export_greedy_match).
+    None (auto): when torch is installed, the run holds out prompts and the policy has at most 3e9 parameters
+    (the check holds the whole export in float32 in the main process's memory and decodes on its CPU); true:
+    always (needs torch and num_eval_prompts > 0); false: never."""
+
     # ---- mesh ----
     mesh_data: int = setting(-1, static=True, on_resume=MAY_CHANGE, rule=Rule(
         lambda v: v == -1 or v >= 1, "-1 or an integer >= 1"))
@@ -723,6 +730,9 @@ def _problems_together(c: PPOConfig) -> list[str]:
     if list(axes.values()).count(-1) > 1:
         out.append(f"mesh sizes {axes}: at most one -1 (the axis taking the devices left over) among mesh_data/"
                    "mesh_fsdp/mesh_tensor; give the others explicit sizes >= 1.")
+    if c.export_check and c.num_eval_prompts == 0:
+        out.append("export_check=True decodes held-out prompts with the exported policy, but num_eval_prompts=0 "
+                   "holds none out; hold some out (e.g. num_eval_prompts: 16) or set export_check: null (auto).")
     steps_per_update = c.num_ppo_epochs * c.num_mini_batches
     if c.on_nonfinite_reward == "skip" and c.max_nonfinite_steps <= steps_per_update:
         out.append(

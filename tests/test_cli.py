@@ -69,3 +69,44 @@ def test_help_lists_every_field_with_its_default():
     for name in field_names():
         assert f"  {name} (default " in text, name
     assert "kl_coef (default 0.05)" in text
+
+
+def test_a_policy_too_large_for_the_automatic_export_check_is_exported_unchecked(tiny_dirs, tmp_path, capsys,
+                                                                                monkeypatch):
+    """export_check: null (auto) leaves a policy above its size limit unchecked (transformers would hold it whole
+    in one host's memory) and says why and how to check it anyway; here the tiny policy counts as large."""
+    import ppojax.export_check
+    monkeypatch.setattr(ppojax.export_check, "AUTO_MAX_PARAMS", 1000)
+    out = tmp_path / "run"
+    code = main(["train", str(REPO / "configs/tiny.yaml"), f"model_name_or_path={tiny_dirs / 'model'}",
+                 f"dataset={tiny_dirs / 'prompts.jsonl'}", f"output_dir={out}", "total_episodes=16"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "the export is not checked against transformers: the policy has" in printed
+    assert "set export_check: true to check it anyway" in printed and "checking the export" not in printed
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["export_greedy_match"] is None and (out / "policy" / "model.safetensors").is_file()
+
+
+def test_the_export_check_runs_where_it_can_and_was_asked_to():
+    from ppojax.export_check import AUTO_MAX_PARAMS, export_check_skipped
+    small, large = 135_000_000, AUTO_MAX_PARAMS + 1
+    ready = dict(held_out=True, torch_available=True)
+    assert export_check_skipped(None, num_params=small, **ready) is None
+    assert "set export_check: true" in export_check_skipped(None, num_params=large, **ready)
+    assert export_check_skipped(True, num_params=large, **ready) is None  # asked for: any size
+    assert export_check_skipped(False, num_params=small, **ready) == "export_check is false"
+    assert "num_eval_prompts" in export_check_skipped(None, num_params=small, held_out=False, torch_available=True)
+    assert "torch" in export_check_skipped(None, num_params=small, held_out=True, torch_available=False)
+
+
+def test_export_check_true_without_torch_is_refused_before_loading(tmp_path, monkeypatch, capsys):
+    import importlib.util
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else find_spec(name, *a))
+    code = main(["train", str(REPO / "configs/tiny.yaml"), "export_check=true", "num_eval_prompts=4",
+                 f"output_dir={tmp_path / 'run'}", "model_name_or_path=/nonexistent/never-loaded"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "export_check=True needs torch" in err and "pip install torch==2.13.0" in err
+    assert not (tmp_path / "run").exists()

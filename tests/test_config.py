@@ -45,6 +45,8 @@ def test_derived_sizes_follow_trl():
     (dict(batch_size=10, mini_batch_size=3), "mini_batch_size=3"),
     (dict(reward_model_path="a", reward_function="vader"), "keep one of them"),
     (dict(mesh_data=-1, mesh_fsdp=-1), "at most one -1"),
+    (dict(export_check=True), r"export_check=True decodes held-out prompts.*num_eval_prompts: 16"),
+    (dict(export_check="yes"), "export_check='yes': expected null or true or false"),
 ])
 def test_bad_values_name_the_value_and_fix(values, message):
     with pytest.raises(ConfigError, match=message):
@@ -127,7 +129,7 @@ def test_derived_sets_are_what_the_fields_declare():
                                                 "reward_model_label"}
     # fields added since those lists, each classified deliberately
     assert C.IGNORED_ON_RESUME_FIELDS == OLD_HARMLESS | {"overwrite_output_dir", "resume_with_changes",
-                                                         "compile_ahead"}
+                                                         "compile_ahead", "export_check"}
     assert C.MAY_CHANGE_FIELDS == OLD_TUNABLE | {
         "remat", "attention_implementation", "scale_rewards", "normalize_advantages", "critic_warmup",
         "kl_loss_coef", "kl_loss_type", "cliprange_low", "cliprange_high", "dual_clip_c", "loss_agg_mode",

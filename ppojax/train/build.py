@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import importlib.util
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,6 +169,9 @@ def preflight(config: PPOConfig, *, policy_given: bool = False, reward_given: bo
     except ValueError as err:
         raise ConfigError(f"{err} (this process sees {jax.device_count()} {jax.default_backend()} device(s); "
                           "with several processes, every process's devices count).") from err
+    if config.export_check and importlib.util.find_spec("torch") is None:
+        raise ConfigError("export_check=True needs torch (transformers loads the exported policy with it); install "
+                          "it (pip install torch==2.13.0 takes the CPU wheel) or set export_check: null (auto).")
     data_parallel = mesh_shape[0] * mesh_shape[1]
     sizes = config.derived(data_parallel)
     rows = config.local_rollout_forward_batch_size
