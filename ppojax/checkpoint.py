@@ -76,6 +76,7 @@ import jax
 import numpy as np
 
 from . import file_manifest
+from .durable import fsync_path, fsync_tree
 
 __all__ = [
     "CheckpointError",
@@ -397,24 +398,6 @@ def decode_host_state(data: dict) -> dict:
 # durable file-system primitives
 
 
-def _fsync_path(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some file systems refuse fsync on directories
-        pass
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: Path) -> None:
-    for dirpath, _, filenames in os.walk(root):
-        for name in filenames:
-            _fsync_path(Path(dirpath) / name)
-        _fsync_path(Path(dirpath))
 
 
 def _write_bytes(path: Path, data: bytes) -> None:
@@ -442,7 +425,7 @@ def _remove(path: Path) -> None:
         if doomed.exists():
             shutil.rmtree(doomed, ignore_errors=True)
         os.replace(path, doomed)
-        _fsync_path(path.parent)
+        fsync_path(path.parent)
     if doomed.is_dir():
         shutil.rmtree(doomed, ignore_errors=True)
     else:
@@ -476,8 +459,8 @@ def _move_aside(path: Path) -> Path:
         copy += 1
         destination = damaged / f"{path.name}.{copy}"
     os.replace(path, destination)
-    _fsync_path(path.parent)
-    _fsync_path(damaged)
+    fsync_path(path.parent)
+    fsync_path(damaged)
     return destination
 
 
@@ -655,10 +638,10 @@ def save_checkpoint(directory, step: int, train_state, host_state: dict, config_
             _write_json(tmp / CONFIG_FILE, config_payload)
             manifest = _json_bytes(file_manifest.build_manifest(tmp, skip=(COMPLETE, MANIFEST_FILE)))
             _write_bytes(tmp / MANIFEST_FILE, manifest)
-            _fsync_tree(tmp)
+            fsync_tree(tmp)
             _write_json(tmp / COMPLETE, {"step": step, "time": time.time(), "format_version": FORMAT_VERSION,
                                          "manifest_crc32": file_manifest.crc32_hex(manifest)})
-            _fsync_path(tmp)
+            fsync_path(tmp)
             _pause_for_tests("marked", step)
     except BaseException as err:
         if _is_primary() and tmp.exists():
@@ -676,7 +659,7 @@ def save_checkpoint(directory, step: int, train_state, host_state: dict, config_
         if final.exists():  # the same step saved again (e.g. after a resume): replace it
             _remove(final)
         os.replace(tmp, final)
-        _fsync_path(directory)
+        fsync_path(directory)
         _pause_for_tests("committed", step)
         if save_total_limit is not None:
             older = [p for p in list_checkpoints(directory)

@@ -190,12 +190,22 @@ def export_checkpoint(checkpoint: str, out_dir: str, adapter: bool = False) -> P
     output_dir: its newest intact checkpoint) as a Hugging Face directory (a LoRA run: the merged model, and
     its PEFT adapter in ``<out_dir>_adapter``); ``adapter``: only the PEFT adapter directory, in out_dir."""
     from .checkpoint import read_checkpoint_config, resolve_checkpoint
+    from .export_dir import ExportDirError, check_export_target
     from .trainer import PPOTrainer
 
+    def check_target(directory) -> None:  # before anything is loaded: exports never write among other files
+        try:
+            check_export_target(directory)
+        except ExportDirError as err:
+            raise ConfigError(str(err)) from None
+
+    check_target(out_dir)
     path = resolve_checkpoint(checkpoint)
     if path is None:
         raise ConfigError(f"{checkpoint!r} holds no checkpoint (step_N) yet.")
     config = PPOConfig.from_dict({**read_checkpoint_config(path), "resume": None})
+    if config.lora_r and not adapter:  # the merged model, and its adapter beside it
+        check_target(Path(out_dir).with_name(Path(out_dir).name + "_adapter"))
     trainer = PPOTrainer(config)
     if adapter and config.lora_r == 0:
         raise ConfigError(f"--adapter: the run of {str(path)!r} trained every weight (lora_r=0), so it has no "
@@ -289,7 +299,8 @@ def main(argv=None) -> int:
         if isinstance(err, OSError) and err.errno in DISK_FULL:
             print(f"ppojax: error: {_disk_full_message(err, output_dir)}", file=sys.stderr)
             return 1
-        if not isinstance(err, (CheckpointError, RewardFunctionError, FloatingPointError)):
+        from .export_dir import ExportDirError
+        if not isinstance(err, (CheckpointError, RewardFunctionError, FloatingPointError, ExportDirError)):
             raise
         print(f"ppojax: error: {err}", file=sys.stderr)
         return 1

@@ -23,6 +23,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from ..export_dir import check_export_target, write_export_dir
 from .config import ModelConfig
 from .errors import ModelLoadError
 from .families import family_for, hf_to_params, params_to_hf, tensor_name
@@ -442,8 +443,7 @@ def save_pretrained(model, cfg: ModelConfig, out_dir: str | os.PathLike, tokeniz
     kind = _kind_of(model)
     if kind == "score":  # a ppojax ScoreModel has one output (num_labels = 1)
         cfg = one_label_config(cfg)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    check_export_target(out_dir)  # before any weight is gathered: a directory of other files is refused
     state = nnx.state(model, nnx.Param) if params is None else params
     if isinstance(state, nnx.State):
         state = nnx.to_pure_dict(state)
@@ -455,17 +455,18 @@ def save_pretrained(model, cfg: ModelConfig, out_dir: str | os.PathLike, tokeniz
     config["architectures"] = [family_for(cfg.model_type).architectures[cfg.model_type][hf_kind]]
     config["dtype"] = {np.dtype(np.float32): "float32", np.dtype(ml_dtypes.bfloat16): "bfloat16",
                        np.dtype(np.float16): "float16"}.get(some.dtype, "float32")
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    _write_weights(out, tensors, max_shard_bytes)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(out))
-    return out
+
+    def build(out: Path):
+        (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        _write_weights(out, tensors, max_shard_bytes)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(out))
+
+    return write_export_dir(out_dir, build, kind="model")
 
 
 def _write_weights(out: Path, tensors: dict[str, np.ndarray], max_shard_bytes: int):
-    for old in list(out.glob("model*.safetensors")) + [out / SAFE_INDEX]:
-        if old.exists():
-            old.unlink()
+    """The weights into the fresh directory `out`: one file, or shards and their index."""
     total = sum(a.nbytes for a in tensors.values())
     if total <= max_shard_bytes:
         write_safetensors(out / SAFE_WEIGHTS, tensors)

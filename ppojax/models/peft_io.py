@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 from flax import nnx
 
+from ..export_dir import check_export_target, write_export_dir
 from .config import ModelConfig
 from .families.keys import backbone_prefix
 from .hf_io import write_safetensors
@@ -68,13 +69,16 @@ def adapter_config(cfg: ModelConfig, spec: LoraSpec, base_model_name_or_path: st
 
 def save_peft_adapter(adapters, cfg: ModelConfig, spec: LoraSpec, out_dir: str | os.PathLike, *,
                       base_model_name_or_path: str | None = None, tokenizer=None) -> Path:
-    """Write the PEFT adapter directory (float32 tensors; the tokenizer too when given). Returns the directory."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    write_safetensors(out / "adapter_model.safetensors", adapter_tensors(adapters, cfg, spec),
-                      metadata={"format": "pt"})
-    (out / "adapter_config.json").write_text(
-        json.dumps(adapter_config(cfg, spec, base_model_name_or_path), indent=2) + "\n")
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)
-    return out
+    """Write the PEFT adapter directory (float32 tensors; the tokenizer too when given), whole or not at all, and
+    not into a directory of other files (`ppojax.export_dir`). Returns the directory."""
+    check_export_target(out_dir)
+    tensors = adapter_tensors(adapters, cfg, spec)
+
+    def build(out: Path):
+        write_safetensors(out / "adapter_model.safetensors", tensors, metadata={"format": "pt"})
+        (out / "adapter_config.json").write_text(
+            json.dumps(adapter_config(cfg, spec, base_model_name_or_path), indent=2) + "\n")
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out)
+
+    return write_export_dir(out_dir, build, kind="peft_adapter")
