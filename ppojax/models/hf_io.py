@@ -433,7 +433,9 @@ def _kind_of(model) -> str:
 def save_pretrained(model, cfg: ModelConfig, out_dir: str | os.PathLike, tokenizer=None, *, params=None,
                     dtype=None, max_shard_bytes: int = 4 << 30) -> Path:
     """Write a transformers checkpoint directory: config.json, model.safetensors (sharded with an index when
-    larger than `max_shard_bytes`), and the tokenizer's files when given.
+    larger than `max_shard_bytes`), and the tokenizer's files when given. The directory is written whole or not
+    at all, and only where it is new, empty or an earlier export (`ppojax.export_dir`: `ExportDirError`
+    otherwise, before anything is written).
 
     model: a `CausalLM` (-> `XForCausalLM`), `ScoreModel` (-> `XForSequenceClassification`, num_labels = 1) or
     `CausalLMWithValueHead` (-> `XForCausalLM` weights + TRL's `v_head.summary.*`). `params`: optional
