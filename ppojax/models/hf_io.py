@@ -143,21 +143,19 @@ def write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray], m
     """Write `tensors` to one .safetensors file (format 'pt' metadata, as transformers expects)."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {})}}
     offset = 0
-    arrays = []
     for name in sorted(tensors):
-        a = np.ascontiguousarray(tensors[name])
+        a = tensors[name]
         if a.dtype not in _NAMES:
             raise ValueError(f"tensor {name!r}: cannot store dtype {a.dtype} in safetensors")
         header[name] = {"dtype": _NAMES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
         offset += a.nbytes
-        arrays.append(a)
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
-        for a in arrays:
-            f.write(a.tobytes())
+        for name in sorted(tensors):  # one tensor's contiguous copy at a time (the views of an export transpose)
+            np.ascontiguousarray(tensors[name]).tofile(f)
 
 
 # ----------------------------------------------------------------------------------------------------- config
