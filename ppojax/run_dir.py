@@ -46,7 +46,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Union
 
 from .config import ConfigError
-from .strict_json import dumps, fsync_dir, write_json
+from .durable import fsync_path
+from .strict_json import dumps, write_json
 
 __all__ = ["RunDirError", "RunClaim", "DirectoryLock", "claim_output_dir", "read_identity", "IDENTITY_FILE",
            "LOCK_FILE", "CONTROL_FIELDS"]
@@ -171,7 +172,7 @@ class DirectoryLock:
                     continue  # replaced while we looked: decide again
                 # stale: its holder is gone (no flock on it). We hold its flock, so no one else takes it over.
                 os.unlink(path)
-                fsync_dir(directory)
+                fsync_path(directory)
                 say(f"ppojax: took over the lock of a run that is no longer running ({_describe_holder(holder)}): "
                     f"{path}")
             finally:
@@ -194,7 +195,7 @@ class DirectoryLock:
         try:
             if _same_inode(self.path, self._fd):
                 os.unlink(self.path)
-                fsync_dir(self.path.parent)
+                fsync_path(self.path.parent)
         finally:
             os.close(self._fd)
             self._fd = None
@@ -242,7 +243,7 @@ def _create_exclusive(path: Path, info: dict) -> Optional[int]:
             _try_flock(fd)
             os.write(fd, data)
             os.fsync(fd)
-        fsync_dir(path.parent)
+        fsync_path(path.parent)
         return fd
     except BaseException:
         if fd is not None:
@@ -418,7 +419,7 @@ def _move_aside(out: Path) -> Path:
         target = out.with_name(f"{out.name}.replaced-{stamp}-{n}")
         n += 1
     os.rename(out, target)
-    fsync_dir(out.parent)
+    fsync_path(out.parent)
     return target
 
 

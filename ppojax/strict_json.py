@@ -14,7 +14,9 @@ import os
 from pathlib import Path, PurePath
 from typing import Any, Callable, Optional
 
-__all__ = ["to_strict", "dumps", "write_json", "write_text_atomic", "fsync_dir"]
+from .durable import fsync_path
+
+__all__ = ["to_strict", "dumps", "write_json", "write_text_atomic"]
 
 
 def to_strict(value: Any, default: Optional[Callable[[Any], Any]] = None, _where: str = "$") -> Any:
@@ -47,20 +49,6 @@ def dumps(value: Any, *, default: Optional[Callable[[Any], Any]] = None, **kwarg
     return json.dumps(to_strict(value, default), allow_nan=False, **kwargs)
 
 
-def fsync_dir(path) -> None:
-    """Make a rename or an unlink inside ``path`` durable (a no-op where the file system refuses)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def write_text_atomic(path, text: str) -> Path:
     """Replace ``path`` with ``text`` atomically (temporary file in the same directory, fsync, rename)."""
     path = Path(path)
@@ -74,7 +62,7 @@ def write_text_atomic(path, text: str) -> Path:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    fsync_path(path.parent)
     return path
 
 
