@@ -1,5 +1,6 @@
-"""Flushing files and directories to disk before a rename publishes them (checkpoints, exports, run files): a rename that
-reaches the disk before the data would publish a directory of empty or partial files after a power loss."""
+"""Flushing files and directories to disk before a rename publishes them (checkpoints, exports, run files): a
+rename that reaches the disk before the data would publish a directory of empty or partial files after a power
+loss."""
 from __future__ import annotations
 
 import os
