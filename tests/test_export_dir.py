@@ -94,3 +94,43 @@ def test_ppojax_export_refuses_a_directory_of_other_files_before_loading_anythin
     err = capsys.readouterr().err
     assert "my-project already holds files that ppojax did not export (train.py)" in err
     assert (target / "train.py").read_text() == "print('hi')\n" and len(list(target.iterdir())) == 1
+
+
+def test_a_runs_own_output_dir_takes_the_export_beside_the_runs_files_as_in_trl(tmp_path):
+    """TRL's idiom `trainer.save_model(args.output_dir)`: the model's files go beside the run's (no name is
+    shared), transformers' loader finds them there, the run's files stay as they were, and a second export
+    replaces exactly the first one's files."""
+    from tests.test_trainer import make_trainer
+    trainer = make_trainer(tmp_path, total_episodes=16)
+    trainer.train(progress=False)
+    run_dir = tmp_path / "run"
+    run_files = _files(run_dir)
+    assert "run.json" in run_files and "metrics.jsonl" in run_files
+    trainer.save_model(run_dir)
+    exported = set(_files(run_dir)) - set(run_files)
+    assert {"config.json", "model.safetensors", "tokenizer.json", MARKER} <= exported
+    assert {name: data for name, data in _files(run_dir).items() if name in run_files} == run_files
+    assert json.loads((run_dir / MARKER).read_text())["files"] == sorted(exported - {MARKER})
+    reloaded, _ = load_pretrained(run_dir)
+    for a, b in zip(jax_leaves(nnx.to_pure_dict(nnx.state(reloaded))), jax_leaves(trainer.policy_params)):
+        np.testing.assert_array_equal(a, b)
+
+    # the second export: sharded and without a tokenizer, so none of the first one's weights or tokenizer linger
+    save_pretrained(reloaded, tiny_config(), run_dir, max_shard_bytes=20_000)
+    now = set(_files(run_dir)) - set(run_files)
+    assert "model.safetensors.index.json" in now
+    assert "model.safetensors" not in now and "tokenizer.json" not in now
+    assert {name: data for name, data in _files(run_dir).items() if name in run_files} == run_files
+    assert not [p for p in run_dir.iterdir() if p.name.startswith(".export.tmp-")]
+
+
+def test_a_run_directory_file_an_export_would_replace_is_refused(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "run.json").write_text('{"status": "finished"}\n')
+    (run_dir / "config.json").write_text('{"mine": true}\n')  # not an export's: never overwritten
+    before = _files(run_dir)
+    with pytest.raises(ExportDirError, match=r"is a ppojax run's directory and already holds config.json, which "
+                                             r"no earlier export wrote; export into a new directory instead"):
+        save_pretrained(_policy(0), tiny_config(), run_dir)
+    assert _files(run_dir) == before and sorted(p.name for p in run_dir.iterdir()) == ["config.json", "run.json"]
