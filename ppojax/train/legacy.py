@@ -48,8 +48,8 @@ class LegacyAPI:
             self.policy_graphdef, self.policy_params, jnp.asarray(padded),
             key, jnp.float32(settings.temperature if temperature is None else temperature), settings=settings,
             greedy=greedy, mesh=self.run.mesh)
-        responses = np.asarray(ppo.truncate_response(query_responses[:, padded.shape[1]:], settings.stop_token_id,
-                                                     settings.pad_token_id))
+        responses = sharding.to_host(ppo.truncate_response(  # a collective on a multi-process mesh
+            query_responses[:, padded.shape[1]:], settings.stop_token_id, settings.pad_token_id))
         completions = []
         for row in responses:
             pads = np.flatnonzero(row == settings.pad_token_id)
