@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 from .durable import fsync_path, fsync_tree
+from .strict_json import write_text_atomic
 
 #: The file that marks a directory as an export ppojax wrote (and may therefore replace).
 MARKER = "ppojax_export.json"
@@ -84,10 +85,9 @@ def _is_run_dir(directory: Path) -> bool:
 
 
 def _write_marker(directory: Path, kind: str, files: list[str]) -> None:
-    """The marker of an export of `files` in `directory` (written beside, then renamed over any earlier one)."""
-    tmp = directory / f".{MARKER}.tmp"
-    tmp.write_text(json.dumps({"kind": kind, "written_unix": round(time.time(), 3), "files": files}) + "\n")
-    os.replace(tmp, directory / MARKER)
+    """The marker of an export of `files` in `directory` (replacing any earlier one atomically)."""
+    write_text_atomic(directory / MARKER,
+                      json.dumps({"kind": kind, "written_unix": round(time.time(), 3), "files": files}) + "\n")
 
 
 def _write_into_run_dir(target: Path, build: Callable[[Path], None], kind: str) -> Path:

@@ -555,9 +555,8 @@ def to_main_host(tree):
     leaves, treedef = jax.tree.flatten(tree)
     kept = []
     for leaf in leaves:
-        value = to_host(leaf)
+        value = to_host(leaf)  # a collective: every process takes part
         kept.append(value if main else None)
-        del value
     return jax.tree.unflatten(treedef, kept) if main else None
 
 

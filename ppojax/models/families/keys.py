@@ -135,11 +135,10 @@ class LayerStack:
         self.dtype = self.layers[0].dtype
 
     def read(self, index: tuple = ()) -> np.ndarray:
-        """The part `index` (a tuple of slices or ints per axis, as `np.ndarray[index]`) of the stacked array."""
+        """The part `index` (a tuple of slices, one per leading axis, as `np.ndarray[index]`) of the stacked
+        array."""
         index = tuple(index) + (slice(None),) * (len(self.shape) - len(index))
         rows = range(len(self.layers))[index[0]]
-        if isinstance(rows, int):
-            return np.asarray(apply_ops(self.ops, self.layers[rows])[index[1:]])
         return np.stack([apply_ops(self.ops, self.layers[i])[index[1:]] for i in rows])
 
 
