@@ -200,7 +200,10 @@ def test_lora_run_learns_trains_only_adapters_and_exports(tmp_path):
 
     # exports: policy/ (merged) in transformers, policy_adapter/ (PEFT) on the base checkpoint in peft
     ours = _policy_logits(ac.policy(state.params, state.frozen), ids, mask)
-    with jax.transfer_guard("disallow_explicit"):  # the merged weights reach the file without a trip to a device
+    # the merged weights reach the file without a trip to a device (the gather to the host is allowed: on a
+    # GPU it is a transfer)
+    with (jax.transfer_guard_host_to_device("disallow_explicit"),
+          jax.transfer_guard_device_to_device("disallow_explicit")):
         trainer.save_model(tmp_path / "policy")
     save_pretrained(base_model, base_model.cfg, tmp_path / "base")
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "policy", dtype=torch.float32).eval()

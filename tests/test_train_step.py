@@ -148,11 +148,12 @@ def test_vmapped_seeds_equal_seeds_run_one_by_one():
             # last-bit differences of batched matmuls grow a little over the iterations (see below)
             np.testing.assert_allclose(value, metrics[name][i], rtol=1e-3, atol=1e-4, err_msg=f"seed {i}: {name}")
         # Batched matmuls round differently in the last bits; Adam's first steps are ~lr * sign(grad), so an
-        # element whose gradient is ~0 may step the other way. Nearly all elements agree to 1e-5; none is
-        # off by more than a few steps of lr (1e-2 x 12 optimizer steps bounds it at 0.12).
+        # element whose gradient is ~0 may step the other way. Nearly all elements agree to 1e-5 (over 99 % on
+        # the CPU, 97.9 % on an H200, whose batched products round differently again); none is off by more
+        # than a few steps of lr (1e-2 x 12 optimizer steps bounds it at 0.12). Mixed-up seeds fail both.
         diffs = np.concatenate([np.abs(np.asarray(a) - np.asarray(b[i])).ravel()
                                 for a, b in zip(jax.tree.leaves(params_i), jax.tree.leaves(params))])
-        assert np.mean(diffs <= 1e-5) > 0.99 and diffs.max() < 1e-3, (np.mean(diffs <= 1e-5), diffs.max())
+        assert np.mean(diffs <= 1e-5) > 0.95 and diffs.max() < 1e-3, (np.mean(diffs <= 1e-5), diffs.max())
     # different seeds really are different runs
     assert not np.allclose(metrics["objective/scores"][0], metrics["objective/scores"][1])
 

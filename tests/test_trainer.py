@@ -83,7 +83,10 @@ def test_save_model_round_trips_in_transformers(tmp_path):
     from transformers import AutoModelForCausalLM
     trainer = make_trainer(tmp_path, total_episodes=16)
     trainer.train(progress=False)
-    with jax.transfer_guard("disallow_explicit"):  # the weights go to the file from the host, never back to a device
+    # the weights go to the file from the host, never back to a device (the gather to the host is allowed:
+    # on a GPU it is a transfer)
+    with (jax.transfer_guard_host_to_device("disallow_explicit"),
+          jax.transfer_guard_device_to_device("disallow_explicit")):
         trainer.save_model(tmp_path / "policy")
     torch_model = AutoModelForCausalLM.from_pretrained(tmp_path / "policy").eval()
     ids = np.array([[5, 4, 6, 2, 3]])
