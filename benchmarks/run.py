@@ -349,14 +349,14 @@ def _worker(config_path: str, out_path: str) -> int:
     """Child process: ``benchmarks.ppojax_ppo.run(config)``, plus this process's peak RSS."""
     from ppojax.program_start import start_program
 
-    start_program()  # as the ppojax command does (ppojax/program_start.py)
+    with open(config_path) as f:
+        config = json.load(f)
+    start_program(config.get("precision", "float32"))  # as the ppojax command does (ppojax/program_start.py)
     import benchmarks.ppojax_ppo as side
 
     if not callable(getattr(side, "run", None)):
         result = {"available": False, "reason": "benchmarks.ppojax_ppo has no run(config) -> dict"}
     else:
-        with open(config_path) as f:
-            config = json.load(f)
         result = dict(side.run(config))
         result.setdefault("side", "ppojax")
         result.setdefault("peak_rss_mb", peak_rss_mb())

@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     from ppojax.program_start import start_program
-    start_program()  # as the ppojax command and the benchmark do (allocator, XLA:CPU options)
+    start_program(args.precision)  # as the ppojax command and the benchmark do (allocator, XLA:CPU options)
     from benchmarks.common import machine_info, write_report
     result = dict(profile(args.size, args.precision, args.warm), machine=machine_info())
     print(f"{args.size} {args.precision}: steps {result['step_s']} s (the last traced); op time "

@@ -186,7 +186,8 @@ def main(argv=None) -> int:
                    help="also time the dots with torch under this interpreter (e.g. .venv-bench/bin/python)")
     p.add_argument("--json", default=None)
     p.add_argument("--record", action="store_true",
-                   help="record the fastest set for this CPU (ppojax applies it at start-up; needs --workload step)")
+                   help="record the fastest set for this CPU, one for float32 matmuls and one for bf16 ones (ppojax "
+                   "applies the run's at start-up; needs --workload step)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
@@ -220,19 +221,21 @@ def main(argv=None) -> int:
             print(f"torch {r['torch']}: float32 {r['by_dtype']['float32']['gflops']:7.1f} GFLOP/s   "
                   f"bfloat16 {r['by_dtype']['bfloat16']['gflops']:7.1f} GFLOP/s", flush=True)
     if a.record:
-        winner, seconds = choose(results["sets"])
-        path = xla_cpu_options.record(winner, seconds)
-        print(f"recorded {winner} for {xla_cpu_options.this_cpu().signature} in {path}")
+        for precision, matmuls in (("float32", "float32"), ("mixed", "bf16")):
+            winner, seconds = choose(results["sets"], precision)
+            path = xla_cpu_options.record(winner, seconds, matmuls=matmuls)
+            print(f"recorded {winner} for {xla_cpu_options.this_cpu().signature}, {matmuls} matmuls, in {path}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)
     return 0
 
 
-def choose(step_results: dict) -> tuple[str, dict]:
-    """-> (the set to record, float32 step seconds per set that ran): the fastest set if it beats "default" by
-    more than RECORD_MARGIN, else "default"."""
-    seconds = {name: r["by_dtype"]["float32"]["seconds"] for name, r in step_results.items() if "error" not in r}
+def choose(step_results: dict, precision: str = "float32") -> tuple[str, dict]:
+    """-> (the set to record, the step's seconds at ``precision`` per set that ran): the fastest set if it beats
+    "default" by more than RECORD_MARGIN, else "default". Each precision has its own winner (on an AMX host the
+    bf16 step's winner slowed the float32 step)."""
+    seconds = {name: r["by_dtype"][precision]["seconds"] for name, r in step_results.items() if "error" not in r}
     if "default" not in seconds:
         raise SystemExit("--record needs the default set to have run (it is the baseline)")
     best = min(seconds, key=seconds.get)

@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 from .config import ConfigError, PPOConfig, field_help
-from .program_start import start_program
+from . import xla_cpu_options
+from .host_memory import reexec_with_huge_pages
 
 
 def _help_epilog() -> str:
@@ -242,7 +243,7 @@ def run_plan(args) -> None:
 
 def main(argv=None) -> int:
     if argv is None:  # run as the `ppojax` program (not main([...]) from Python): huge pages for XLA's buffers
-        start_program()  # and the XLA:CPU options recorded for this CPU (ppojax/program_start.py)
+        reexec_with_huge_pages()  # (ppojax/program_start.py; the XLA:CPU options follow once the config is read)
     # Past `ulimit -f`, a write fails with EFBIG (reported below) instead of the kernel killing the process.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     parser = argparse.ArgumentParser(prog="ppojax", description="PPO for language models in JAX.")
@@ -278,8 +279,10 @@ def main(argv=None) -> int:
         args.overrides += extra
     output_dir = None
     try:
+        config = PPOConfig.from_yaml(args.config, args.overrides) if args.command == "train" else None
+        if argv is None:  # before JAX starts its backend: the options recorded for this CPU and these matmuls
+            xla_cpu_options.apply(precision=config.precision if config is not None else "float32")
         if args.command == "train":
-            config = PPOConfig.from_yaml(args.config, args.overrides)
             output_dir = Path(config.output_dir)
             run_training(config)
         elif args.command == "plan":

@@ -2,8 +2,9 @@
 
 1. Re-execute once with mimalloc preloaded and glibc's huge-page tunable (``host_memory``): XLA:CPU's
    per-step buffers are reused from one step to the next instead of faulted in afresh.
-2. Add the XLA:CPU options recorded as fastest for this CPU, if any (``xla_cpu_options``): XLA reads
-   ``XLA_FLAGS`` once, when the backend starts.
+2. Add the XLA:CPU options recorded as fastest for this CPU and the run's kind of matmul, if any
+   (``xla_cpu_options``): XLA reads ``XLA_FLAGS`` once, when the backend starts. The ``ppojax`` command does this
+   step once it has read the config (its precision), still before JAX starts.
 
 From Python (a notebook, ``cli.main([...])``) neither happens by itself: call :func:`start_program` before the
 first JAX operation, or start Python with the environment it would set.
@@ -14,6 +15,7 @@ from . import xla_cpu_options
 from .host_memory import reexec_with_huge_pages
 
 
-def start_program() -> None:
+def start_program(precision: str = "float32") -> None:
+    """Both steps; ``precision``: the run's (``float32``, ``mixed`` or ``bfloat16``), which picks the record."""
     reexec_with_huge_pages()
-    xla_cpu_options.apply()
+    xla_cpu_options.apply(precision=precision)

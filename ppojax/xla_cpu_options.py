@@ -7,8 +7,10 @@ typed in for one host:
     the CPU's features (/proc/cpuinfo: model name, instruction-set flags)
       -> the option sets worth timing on it (``CANDIDATES``: each names the instruction sets it needs)
       -> ``python -m benchmarks.xla_options --workload step --record`` times them there and records the winner
-         (``default`` when nothing beats XLA's defaults) under the CPU's signature and the jaxlib version
-      -> at start-up :func:`apply` adds the recorded options for THIS CPU to ``XLA_FLAGS``.
+         (``default`` when nothing beats XLA's defaults) under the CPU's signature and the jaxlib version, one
+         per kind of matmul (``MATMULS``: float32, or the bf16 matmuls of the ``mixed`` and ``bfloat16``
+         precisions; on an AMX host the two had different winners)
+      -> at start-up :func:`apply` adds the options recorded for THIS CPU and the run's precision to ``XLA_FLAGS``.
 
 A CPU with no record runs XLA's defaults. A user's own ``XLA_FLAGS`` holding any ``--xla_cpu_`` option wins:
 nothing is added. ``PPOJAX_XLA_CPU_OPTIONS=0`` (or false/off/no) turns the choice off. XLA reads ``XLA_FLAGS``
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 from .host_memory import switched_off
+from .strict_json import write_text_atomic
 
 OFF_SWITCH = "PPOJAX_XLA_CPU_OPTIONS"
 RECORD_FILE = "xla_cpu_options.json"
@@ -34,6 +37,16 @@ RECORD_FILE = "xla_cpu_options.json"
 #: record survives flags that do not matter (a microcode or virtualisation flag) but never a different unit.
 RELEVANT_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
                   "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "bf16")
+
+
+#: The kinds of matmul a record keeps a winner for: float32, and the bf16 matmuls that ``mixed`` and ``bfloat16``
+#: both run (XLA reaches different kernels for them, and an option can speed one and slow the other).
+MATMULS = ("float32", "bf16")
+
+
+def matmuls_of(precision: str) -> str:
+    """A config's ``precision`` -> the kind of matmul it runs (a key of a record)."""
+    return "float32" if precision == "float32" else "bf16"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,30 +138,43 @@ def _read(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def record(option_set: str, measurements: dict, *, cpu: Optional[Cpu] = None, jaxlib: Optional[str] = None,
-           environ: Mapping[str, str] = os.environ) -> Path:
-    """Record ``option_set`` (a CANDIDATES name) as the measured choice for ``cpu`` (default: this one);
-    ``measurements``: what decided it (seconds per set), kept beside it. Written atomically."""
+def record(option_set: str, measurements: dict, *, matmuls: str = "float32", cpu: Optional[Cpu] = None,
+           jaxlib: Optional[str] = None, environ: Mapping[str, str] = os.environ) -> Path:
+    """Record ``option_set`` (a CANDIDATES name) as the measured choice for ``cpu`` (default: this one) and
+    ``matmuls`` (one of MATMULS); ``measurements``: what decided it (seconds per set), kept beside it. The other
+    kind's record for the CPU is kept. Written atomically."""
     chosen = next((s for s in CANDIDATES if s.name == option_set), None)
     if chosen is None:
         raise ValueError(f"option set {option_set!r}: expected one of {', '.join(s.name for s in CANDIDATES)}")
+    if matmuls not in MATMULS:
+        raise ValueError(f"matmuls {matmuls!r}: expected one of {', '.join(MATMULS)}")
     cpu, jaxlib = cpu or this_cpu(), jaxlib or _jaxlib_version()
     path = record_path(environ)
     records = _read(path)
-    records[_key(cpu, jaxlib)] = {"option_set": chosen.name, "flags": chosen.flags, "measurements": measurements,
-                                  "recorded": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    by_matmuls = _by_matmuls(records.get(_key(cpu, jaxlib)))
+    by_matmuls[matmuls] = {"option_set": chosen.name, "flags": chosen.flags, "measurements": measurements,
+                           "recorded": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    records[_key(cpu, jaxlib)] = by_matmuls
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(records, indent=1, sort_keys=True))
-    os.replace(tmp, path)
-    return path
+    return write_text_atomic(path, json.dumps(records, indent=1, sort_keys=True))
+
+
+def _by_matmuls(entry) -> dict:
+    """A CPU's record -> {kind of matmul: choice}. A record from before the split (one choice, timed at float32)
+    counts as the float32 one."""
+    if not isinstance(entry, dict):
+        return {}
+    if "option_set" in entry:
+        return {"float32": entry}
+    return {k: v for k, v in entry.items() if k in MATMULS and isinstance(v, dict)}
 
 
 def recorded_choice(cpu: Optional[Cpu] = None, jaxlib: Optional[str] = None,
-                    environ: Mapping[str, str] = os.environ) -> Optional[dict]:
-    """The record for ``cpu`` and ``jaxlib`` (default: this CPU, the installed jaxlib), or None."""
+                    environ: Mapping[str, str] = os.environ, precision: str = "float32") -> Optional[dict]:
+    """The record for ``cpu``, ``jaxlib`` (default: this CPU, the installed jaxlib) and the matmuls of
+    ``precision``, or None."""
     cpu, jaxlib = cpu or this_cpu(), jaxlib or _jaxlib_version()
-    entry = _read(record_path(environ)).get(_key(cpu, jaxlib))
+    entry = _by_matmuls(_read(record_path(environ)).get(_key(cpu, jaxlib))).get(matmuls_of(precision))
     known = {s.name: s for s in CANDIDATES}
     if not isinstance(entry, dict) or entry.get("option_set") not in known:
         return None
@@ -156,17 +182,19 @@ def recorded_choice(cpu: Optional[Cpu] = None, jaxlib: Optional[str] = None,
 
 
 def apply(environ=os.environ, cpu: Optional[Cpu] = None, jaxlib: Optional[str] = None,
-          announce: bool = True) -> Optional[str]:
-    """Add the recorded XLA:CPU options for this CPU to ``environ["XLA_FLAGS"]``. Returns the flags added, or
-    None (no record, the record says ``default``, the user set ``--xla_cpu_`` options, or switched off)."""
+          announce: bool = True, precision: str = "float32") -> Optional[str]:
+    """Add the XLA:CPU options recorded for this CPU and the matmuls of ``precision`` (a config's) to
+    ``environ["XLA_FLAGS"]``. Returns the flags added, or None (no record, the record says ``default``, the user
+    set ``--xla_cpu_`` options, or switched off)."""
     if switched_off(OFF_SWITCH, environ) or "--xla_cpu_" in environ.get("XLA_FLAGS", ""):
         return None
-    entry = recorded_choice(cpu, jaxlib, environ)
+    entry = recorded_choice(cpu, jaxlib, environ, precision)
     if entry is None or not entry["flags"]:
         return None
     environ["XLA_FLAGS"] = " ".join(f for f in (environ.get("XLA_FLAGS", ""), entry["flags"]) if f)
     if announce:
-        print(f"ppojax: XLA:CPU options measured fastest on this CPU ({entry['option_set']}, recorded "
+        print(f"ppojax: XLA:CPU options measured fastest on this CPU for {matmuls_of(precision)} matmuls "
+              f"({entry['option_set']}, recorded "
               f"{entry.get('recorded', '?')} in {record_path(environ)}): {entry['flags']}; "
               f"{OFF_SWITCH}=0 turns them off", flush=True)
     return entry["flags"]

@@ -1,5 +1,6 @@
 """The run-time choice of XLA:CPU options follows the CPU's features (ppojax/xla_cpu_options.py), with mocked
 /proc/cpuinfo texts for three kinds of host; and the benchmark's --record rule."""
+import json
 import os
 import subprocess
 import sys
@@ -86,6 +87,52 @@ def test_the_users_own_options_and_the_off_switch_win(tmp_path):
         xo.record("turbo", {}, cpu=intel, jaxlib="9.9", environ=env)
 
 
+def test_each_kind_of_matmul_has_its_own_record(tmp_path, capsys):
+    """On the AMX host the bf16 step's winner (the concurrency scheduler) slowed the float32 step: a run gets the
+    record of its precision's matmuls, and recording one kind keeps the other."""
+    env = {"XDG_CACHE_HOME": str(tmp_path)}
+    intel = xo.parse_cpuinfo(SAPPHIRE_RAPIDS)
+    xo.record("concurrent", {"default": 0.72, "concurrent": 0.61}, matmuls="bf16", cpu=intel, jaxlib="9.9",
+              environ=env)
+    xo.record("default", {"default": 0.83, "concurrent": 0.91}, matmuls="float32", cpu=intel, jaxlib="9.9",
+              environ=env)
+    concurrent = next(s.flags for s in xo.CANDIDATES if s.name == "concurrent")
+    for precision in ("mixed", "bfloat16"):  # both run bf16 matmuls
+        on_intel = dict(env)
+        assert xo.apply(on_intel, cpu=intel, jaxlib="9.9", precision=precision) == concurrent
+        assert on_intel["XLA_FLAGS"] == concurrent and "bf16 matmuls" in capsys.readouterr().out
+    float32_run = dict(env)
+    assert xo.apply(float32_run, cpu=intel, jaxlib="9.9", precision="float32") is None
+    assert "XLA_FLAGS" not in float32_run
+    with pytest.raises(ValueError, match="expected one of float32, bf16"):
+        xo.record("default", {}, matmuls="mixed", cpu=intel, jaxlib="9.9", environ=env)
+
+
+def test_a_record_from_before_the_split_counts_as_float32s(tmp_path):
+    """The record file of earlier versions held one choice per CPU, timed at float32."""
+    env = {"XDG_CACHE_HOME": str(tmp_path)}
+    intel = xo.parse_cpuinfo(SAPPHIRE_RAPIDS)
+    path = xo.record_path(env)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({f"{intel.signature} jaxlib 9.9": {
+        "option_set": "vector_512", "flags": "--xla_cpu_prefer_vector_width=512", "measurements": {}}}))
+    assert xo.apply(dict(env), cpu=intel, jaxlib="9.9", precision="float32") == "--xla_cpu_prefer_vector_width=512"
+    assert xo.apply(dict(env), cpu=intel, jaxlib="9.9", precision="mixed") is None
+    xo.record("concurrent", {}, matmuls="bf16", cpu=intel, jaxlib="9.9", environ=env)  # adds, keeps the old one
+    assert xo.apply(dict(env), cpu=intel, jaxlib="9.9", precision="float32") == "--xla_cpu_prefer_vector_width=512"
+    assert xo.recorded_choice(intel, "9.9", env, precision="mixed")["option_set"] == "concurrent"
+
+
+def test_record_chooses_per_precision_from_the_amx_hosts_measurement():
+    """benchmarks.xla_options --workload step on the Intel AMX host (RESULTS.md, fifteenth session): at float32
+    nothing beats XLA's defaults by the margin; at mixed the concurrency scheduler does."""
+    measured = json.loads((REPO / "benchmarks/device_2026-11-26b/xla_options.json").read_text())["sets"]
+    assert choose(measured, "float32")[0] == "default"
+    winner, seconds = choose(measured, "mixed")
+    assert winner == "concurrent" and seconds["concurrent"] < seconds["default"] * (1 - RECORD_MARGIN)
+    assert "onednn_dot" not in seconds  # the set that failed is no candidate
+
+
 def test_record_keeps_a_set_only_beyond_the_margin():
     def step(seconds):
         return {"by_dtype": {"float32": {"seconds": seconds}}}
@@ -110,6 +157,23 @@ def test_the_ppojax_command_starts_jax_with_the_recorded_options(tmp_path):
                           timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "XLA_FLAGS=--xla_cpu_use_xnnpack=false 16.0" in done.stdout, done.stdout  # and XLA ran with it
+
+
+def test_the_ppojax_command_picks_the_record_of_its_configs_precision(tmp_path):
+    """`ppojax train` reads the config before JAX starts: a `mixed` run gets the bf16 matmuls' record."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "PYTHONPATH": str(REPO), "PPOJAX_HUGE_PAGES": "0"}
+    env.pop("XLA_FLAGS", None)
+    xo.record("no_xnnpack", {"default": 1.0, "no_xnnpack": 0.5}, matmuls="bf16", environ=env)
+    xo.record("default", {"default": 1.0}, matmuls="float32", environ=env)
+    code = ("import os, sys; from ppojax import cli; import jax, jax.numpy as jnp; "
+            "cli.run_training = lambda config: print(config.precision, 'XLA_FLAGS=' + os.environ.get('XLA_FLAGS', ''),"
+            " float(jnp.ones((4, 4)) @ jnp.ones((4,)) @ jnp.ones((4,)))); "
+            "sys.argv = ['ppojax', 'train', 'configs/tiny.yaml', 'precision=' + sys.argv[1]]; sys.exit(cli.main())")
+    for precision, flags in (("mixed", "--xla_cpu_use_xnnpack=false"), ("float32", "")):
+        done = subprocess.run([sys.executable, "-c", code, precision], env=env, cwd=REPO, capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert f"{precision} XLA_FLAGS={flags} 16.0" in done.stdout, done.stdout
 
 
 @pytest.mark.skipif(os.uname().machine not in ("x86_64", "AMD64"), reason="XLA's oneDNN paths are x86-only")
