@@ -16,6 +16,9 @@
 #              the GPU, one line per test as it ends (`-v`), on the remaining cores;
 #   gpu-bench  `benchmarks.gpu` (tiny, SmolLM2, a random 1B Llama under mixed and bfloat16) and TRL on the
 #              same GPU (`trl_ppo --device cuda --bf16`).
+#   cpu-quiet  alone (no other part): `benchmarks.run` as ONE process on two cores with nothing else running: TRL,
+#              then ppojax float32, tiny and SmolLM2 (issue 15's "quiet machine" figures; ~7 min). The `cpu` part's
+#              three rows at once kept 3-13 other cores busy (2026-11-26, fifteenth session).
 # On 2026-11-26 one call of the first version took 543 s: the GPU bench ~210 s, TRL on the GPU ~45 s, the GPU
 # tests over 150 s; a ppojax CPU side (tiny and SmolLM2, float32 then mixed, one process) over 530 s. Hence
 # one process per CPU row, each part's own limit below, and gpu-bench (measured then) left out by default.
@@ -32,11 +35,15 @@ stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 PARTS=${*:-cpu cpu-options cpu-profile gpu-tests}  # with gpu-bench (~6 min) it takes longer than one call
 want() { [[ " $PARTS " == *" $1 "* ]]; }
 for part in $PARTS; do
-  case $part in cpu|cpu-options|cpu-profile|gpu-tests|gpu-bench) ;;
-    *) echo "device_check.sh: unknown part '$part'; the parts are cpu, cpu-options, cpu-profile, gpu-tests, gpu-bench"
+  case $part in cpu|cpu-options|cpu-profile|gpu-tests|gpu-bench|cpu-quiet) ;;
+    *) echo "device_check.sh: unknown part '$part'; the parts are cpu, cpu-options, cpu-profile, gpu-tests," \
+            "gpu-bench, cpu-quiet"
        exit 2;;
   esac
 done
+if want cpu-quiet && [ "$PARTS" != "cpu-quiet" ]; then
+  echo "device_check.sh: cpu-quiet runs alone (its figures are of a quiet machine); got: $PARTS"; exit 2
+fi
 
 {
   date -u; uname -r
@@ -76,6 +83,13 @@ stamp "parts: $PARTS; CPUs: TRL $CPU_TRL, ppojax $CPU_F32, ppojax mixed $CPU_MIX
 CPU_ENV="env JAX_PLATFORMS=cpu CUDA_VISIBLE_DEVICES= PPOJAX_BENCH_PYTHON=${PPOJAX_BENCH_PYTHON:-python3}
   PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site_jax10:/tmp/site_flax:/tmp/site_any:$REPO"
 BENCH="python3 -m benchmarks.run --threads 2 --smollm2-dir random ${BENCH_EXTRA:-}"
+if want cpu-quiet; then
+  stamp "cpu-quiet: one benchmarks.run process on CPUs $CPU_TRL, nothing else running"
+  $CPU_ENV JAX_COMPILATION_CACHE_DIR=/tmp/jc_quiet taskset -c "$CPU_TRL" timeout 560 $BENCH \
+    --json "$OUT/cpu_quiet.json" > "$OUT/cpu_quiet.log" 2>&1
+  grep -v "^WARNING\|plugin" "$OUT/cpu_quiet.log" | tail -n 40
+  stamp "all done"; exit 0
+fi
 PIDS=()
 if want cpu; then
   # the three rows at once, each on its own two cores; every report is written after each side it finishes
