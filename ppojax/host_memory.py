@@ -25,10 +25,13 @@ no longer spends its system time faulting in and zeroing gigabytes. The same re-
 preload of the user's own, another allocator or a sanitizer, is left alone). ``PPOJAX_MIMALLOC=0`` turns it off.
 The purge delay is 1 s unless the environment sets one: long enough to carry a block from one step to the
 next, short enough that memory freed while the models load is returned before training needs it (a 10 s delay
-raised the SmolLM2 benchmark's peak RSS by half a gigabyte).
+raised the SmolLM2 benchmark's peak RSS by half a gigabyte). Once training runs, that second is too short:
+memory a step frees was still returned to the kernel and faulted in (zeroed) again by the next step, so after
+the first update :func:`keep_freed_memory_between_steps` lengthens the delay to two steps' time.
 """
 from __future__ import annotations
 
+import ctypes
 import importlib.metadata
 import os
 import platform
@@ -39,6 +42,10 @@ OFF_SWITCH = "PPOJAX_HUGE_PAGES"
 MIMALLOC_OFF_SWITCH = "PPOJAX_MIMALLOC"
 MIMALLOC_DISTRIBUTION = "cmeel-mimalloc"
 MIMALLOC_PURGE_DELAY_MS = "1000"
+#: mimalloc.h's ``mi_option_purge_delay`` (the same index in mimalloc 2.x and 3.x); checked against the
+#: start-up value before it is changed, so another numbering changes nothing.
+MI_OPTION_PURGE_DELAY = 15
+MIN_STEPS_PURGE_DELAY_MS = 10_000
 START_VARIABLES = ("GLIBC_TUNABLES", "LD_PRELOAD", "MIMALLOC_PURGE_DELAY")  # what start_environment may set
 _THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
@@ -145,3 +152,26 @@ def reexec_with_huge_pages() -> None:
         os.execve(sys.executable, argv, {**os.environ, **extra})
     except OSError:  # e.g. the interpreter cannot be executed again: run on as it is
         return
+
+
+def keep_freed_memory_between_steps(step_seconds: float, environ=os.environ) -> int | None:
+    """Lengthen mimalloc's purge delay to two steps' time (``2 * step_seconds``, at least 10 s), from the 1 s it
+    starts with (short while the models load, so their freed buffers go back before training needs memory).
+    Called once the first update has run: what a step frees is then taken again by the next step instead of being
+    returned to the kernel and faulted in afresh. Changes nothing unless mimalloc is preloaded with ppojax's
+    start-up delay (a user's own ``MIMALLOC_PURGE_DELAY`` is left) and still has it (a second call is a no-op).
+    Returns the new delay in milliseconds, or None."""
+    if not mimalloc_preloaded(environ) or environ.get("MIMALLOC_PURGE_DELAY") != MIMALLOC_PURGE_DELAY_MS:
+        return None
+    try:
+        process = ctypes.CDLL(None)  # the preloaded mimalloc's symbols
+        option_get, option_set = process.mi_option_get, process.mi_option_set
+    except (OSError, AttributeError):
+        return None
+    option_get.restype, option_get.argtypes = ctypes.c_long, [ctypes.c_int]
+    option_set.restype, option_set.argtypes = None, [ctypes.c_int, ctypes.c_long]
+    if option_get(MI_OPTION_PURGE_DELAY) != int(MIMALLOC_PURGE_DELAY_MS):
+        return None
+    delay = max(MIN_STEPS_PURGE_DELAY_MS, int(2000 * step_seconds))
+    option_set(MI_OPTION_PURGE_DELAY, delay)
+    return delay

@@ -135,3 +135,39 @@ def test_start_environment_asks_once_and_leaves_the_users_preload_alone(monkeypa
     monkeypatch.undo()
     monkeypatch.setattr(host_memory.sys, "platform", "darwin")
     assert host_memory.mimalloc_library() is None
+
+
+_PURGE_CHILD = r"""
+import ctypes, json, os, sys
+from ppojax import host_memory
+host_memory.reexec_with_huge_pages()
+process = ctypes.CDLL(None)
+def read():  # the running allocator's own value (None: no mimalloc in this process)
+    if not os.environ.get("LD_PRELOAD"):
+        return None
+    process.mi_option_get.restype = ctypes.c_long
+    return process.mi_option_get(host_memory.MI_OPTION_PURGE_DELAY)
+before = read()
+first = host_memory.keep_freed_memory_between_steps(float(sys.argv[1]))
+second = host_memory.keep_freed_memory_between_steps(float(sys.argv[1]))
+print(json.dumps({"before": before, "first": first, "second": second, "after": read()}))
+"""
+
+
+@mimalloc
+def test_after_the_first_update_freed_memory_is_kept_for_two_steps():
+    """The start-up purge delay (1 s) becomes two steps' time in the running allocator (read back through
+    mimalloc's own mi_option_get), once; at least 10 s; a user's own delay and a run without mimalloc are left."""
+    def child(step_seconds, **env):
+        proc = subprocess.run([sys.executable, "-c", _PURGE_CHILD, str(step_seconds)], capture_output=True, text=True,
+                              cwd=REPO, timeout=120, env={**{k: v for k, v in os.environ.items()
+                                                             if k not in _START_VARIABLES}, **env})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    start = int(host_memory.MIMALLOC_PURGE_DELAY_MS)
+    assert child(20.0) == {"before": start, "first": 40_000, "second": None, "after": 40_000}
+    assert child(0.5) == {"before": start, "first": host_memory.MIN_STEPS_PURGE_DELAY_MS, "second": None,
+                          "after": host_memory.MIN_STEPS_PURGE_DELAY_MS}
+    assert child(20.0, MIMALLOC_PURGE_DELAY="250") == {"before": 250, "first": None, "second": None, "after": 250}
+    assert child(20.0, PPOJAX_MIMALLOC="0") == {"before": None, "first": None, "second": None, "after": None}

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 
 import jax
 
-from .. import sharding
+from .. import host_memory, sharding
 
 
 @dataclass
@@ -67,6 +67,8 @@ def run_updates(run, train_step, total: int, hooks: list[Hook], *, should_stop: 
         metrics["eps"] = run.settings.batch_size / seconds
         metrics["time/step_s"] = seconds
         history.append(metrics)
+        if update_index == start:  # memory a step frees is now kept for the next one (host_memory)
+            host_memory.keep_freed_memory_between_steps(seconds)
         end = StepEnd(step=update_index + 1, total=total, run=run, metrics=metrics, seconds=seconds)
         for hook in hooks:
             if hook.due(end.step, total):
