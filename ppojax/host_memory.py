@@ -42,7 +42,7 @@ OFF_SWITCH = "PPOJAX_HUGE_PAGES"
 MIMALLOC_OFF_SWITCH = "PPOJAX_MIMALLOC"
 MIMALLOC_DISTRIBUTION = "cmeel-mimalloc"
 MIMALLOC_PURGE_DELAY_MS = "1000"
-#: mimalloc.h's ``mi_option_purge_delay`` (the same index in mimalloc 2.x and 3.x); checked against the
+#: mimalloc.h's ``mi_option_purge_delay`` (the pinned cmeel-mimalloc 3.4's header); checked against the
 #: start-up value before it is changed, so another numbering changes nothing.
 MI_OPTION_PURGE_DELAY = 15
 MIN_STEPS_PURGE_DELAY_MS = 10_000
