@@ -178,6 +178,7 @@ def run(config: dict) -> dict:
             previous_end = end
         compilations = steps.jitted._cache_size()
     train_peak_rss = peak_rss_mb()  # the training loop's own; the phase programs below hold extra copies
+    host_memory.return_freed_memory()  # as ppojax's training loop does when its updates end
     turns.wait(n)  # interleaved: the phase timings run once the other side has finished
     phases = measure_phases(program, state, prompts[:B], seed_key) if config.get("phases", True) else {}
     for record in records:

@@ -56,6 +56,13 @@ def run_updates(run, train_step, total: int, hooks: list[Hook], *, should_stop: 
 
     ``should_stop()`` is asked after every update (after its hooks): True ends the loop early (a signal).
     """
+    try:
+        return _updates(run, train_step, total, hooks, should_stop)
+    finally:  # what the steps kept (host_memory) goes back before evaluation, export, or a failure's report
+        host_memory.return_freed_memory()
+
+
+def _updates(run, train_step, total: int, hooks: list[Hook], should_stop) -> list[dict]:
     history = []
     start = int(run.state.update_count)
     for update_index in range(start, total):
