@@ -156,48 +156,42 @@ def reexec_with_huge_pages() -> None:
         return
 
 
-def keep_freed_memory_between_steps(step_seconds: float, environ=os.environ) -> int | None:
-    """Lengthen mimalloc's purge delay to two steps' time (``2 * step_seconds``, at least 10 s), from the 1 s it
-    starts with (short while the models load, so their freed buffers go back before training needs memory).
-    Called once the first update has run: what a step frees is then taken again by the next step instead of being
-    returned to the kernel and faulted in afresh. Changes nothing unless mimalloc is preloaded with ppojax's
-    start-up delay (a user's own ``MIMALLOC_PURGE_DELAY`` is left) and still has it (a second call is a no-op).
-    Returns the new delay in milliseconds, or None."""
+def _ppojax_mimalloc(environ):
+    """The process's mimalloc (its option and collect functions typed), when ppojax preloaded it with its own
+    start-up purge delay; else None (no mimalloc, or the user's own ``MIMALLOC_PURGE_DELAY``: left alone)."""
     if not mimalloc_preloaded(environ) or environ.get("MIMALLOC_PURGE_DELAY") != MIMALLOC_PURGE_DELAY_MS:
         return None
     try:
         process = ctypes.CDLL(None)  # the preloaded mimalloc's symbols
-        option_get, option_set = process.mi_option_get, process.mi_option_set
+        process.mi_option_get.restype, process.mi_option_get.argtypes = ctypes.c_long, [ctypes.c_int]
+        process.mi_option_set.restype, process.mi_option_set.argtypes = None, [ctypes.c_int, ctypes.c_long]
+        process.mi_collect.restype, process.mi_collect.argtypes = None, [ctypes.c_bool]
     except (OSError, AttributeError):
         return None
-    option_get.restype, option_get.argtypes = ctypes.c_long, [ctypes.c_int]
-    option_set.restype, option_set.argtypes = None, [ctypes.c_int, ctypes.c_long]
-    if option_get(MI_OPTION_PURGE_DELAY) != int(MIMALLOC_PURGE_DELAY_MS):
+    return process
+
+
+def keep_freed_memory_between_steps(step_seconds: float, environ=os.environ) -> int | None:
+    """Lengthen mimalloc's purge delay to two steps' time (``2 * step_seconds``, at least 10 s), from the 1 s it
+    starts with (short while the models load, so their freed buffers go back before training needs memory).
+    Called once the first update has run: what a step frees is then taken again by the next step instead of being
+    returned to the kernel and faulted in afresh. Changes nothing unless mimalloc runs with ppojax's start-up delay
+    (:func:`_ppojax_mimalloc`) and still has it (a second call is a no-op). Returns the new delay in ms, or None."""
+    process = _ppojax_mimalloc(environ)
+    if process is None or process.mi_option_get(MI_OPTION_PURGE_DELAY) != int(MIMALLOC_PURGE_DELAY_MS):
         return None
     delay = max(MIN_STEPS_PURGE_DELAY_MS, int(2000 * step_seconds))
-    option_set(MI_OPTION_PURGE_DELAY, delay)
-    global _kept_delay
-    _kept_delay = delay
+    process.mi_option_set(MI_OPTION_PURGE_DELAY, delay)
     return delay
 
 
-_kept_delay = None  # the delay keep_freed_memory_between_steps set, until return_freed_memory undoes it
-
-
-def return_freed_memory() -> bool:
+def return_freed_memory(environ=os.environ) -> bool:
     """When the updates end: back to the start-up purge delay, and what the steps freed goes back to the kernel
-    now (``mi_collect``), so what follows (evaluation, the export and its check) does not sit beside it.
-    Undoes only :func:`keep_freed_memory_between_steps`'s own change; False when there is none."""
-    global _kept_delay
-    if _kept_delay is None:
+    now (``mi_collect``), so what follows (evaluation, the export and its check) does not sit beside it. False
+    when there is nothing to undo (not lengthened, or not ppojax's mimalloc)."""
+    process = _ppojax_mimalloc(environ)
+    if process is None or process.mi_option_get(MI_OPTION_PURGE_DELAY) == int(MIMALLOC_PURGE_DELAY_MS):
         return False
-    process = ctypes.CDLL(None)
-    process.mi_option_get.restype, process.mi_option_get.argtypes = ctypes.c_long, [ctypes.c_int]
-    kept, _kept_delay = _kept_delay, None
-    if process.mi_option_get(MI_OPTION_PURGE_DELAY) != kept:  # changed since by someone else: theirs
-        return False
-    process.mi_option_set.restype, process.mi_option_set.argtypes = None, [ctypes.c_int, ctypes.c_long]
     process.mi_option_set(MI_OPTION_PURGE_DELAY, int(MIMALLOC_PURGE_DELAY_MS))
-    process.mi_collect.restype, process.mi_collect.argtypes = None, [ctypes.c_bool]
     process.mi_collect(True)
     return True
