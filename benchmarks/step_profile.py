@@ -10,10 +10,12 @@ its name) and its time summed; the wrappers (thunk executor, thread-pool bookkee
 make the sums readable:
 
 - **the optimizer step is what runs inside the conditional**: the update skips a non-finite step with ``lax.cond``,
-  and the branch runs on every worker thread, each thread's part under an executor event that starts inside the
-  ``cond`` event (and may end after it); every op inside such an executor event is the optimizer (Adam of every
-  trained model), whatever its name. Kinds by name alone mix them up: Adam's ``multiply_add`` fusions share their
-  name with the forward's residual adds (the profiles of 2026-11-25 counted 7.9-9.8 % "Adam" that way).
+  and every op whose instruction lies in a branch of a conditional (``conditional_branch_ops`` of the compiled
+  HLO: the branch computations and what they call) is the optimizer (Adam of every trained model), whatever its
+  name. Kinds by name alone mix them up: Adam's ``multiply_add`` fusions share their name with the forward's
+  residual adds. (Until the sixteenth session the branch was found by time, as the ops inside executor events
+  that start inside the ``cond`` event; that missed the ops a worker thread ran after the ``cond`` event ended,
+  0.75 of Adam's 1.64 thread-seconds on SmolLM2, which went to "other element-wise".)
 - Op times are summed over XLA's worker threads, which run independent ops at the same time: the shares are
   shares of the summed op time, not of the wall time (on SmolLM2 the sum is close to the step's wall time).
   Weight-gradient dots on Eigen return before their work ends (an asynchronous thunk): they look short and the
@@ -57,32 +59,63 @@ def kind_of(name: str) -> str:
     return next(kind for kind, pattern in KINDS if re.search(pattern, base))
 
 
-def summarize_trace(events: list[dict]) -> dict:
-    """Chrome-trace events (``traceEvents``) of one traced step -> the op time by kind.
+#: HLO text: a computation's header (column 0), an instruction (indented; ROOT marks the result), and the
+#: attributes that name the computations an instruction runs.
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) ")
+_INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%?([\w.\-]+) = ")
+_CALLED = re.compile(r"(?:calls|body|condition|to_apply|true_computation|false_computation)=%?([\w.\-]+)"
+                     r"|branch_computations=\{([^}]*)\}")
+
+
+def conditional_branch_ops(hlo_text: str) -> set[str]:
+    """The names of the instructions that run inside a conditional's branches: those of every branch computation of
+    every ``conditional`` in the (compiled) HLO module ``hlo_text``, and of the computations those call."""
+    computations: dict[str, list[str]] = {}  # computation -> its instruction lines
+    current = None
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            match = _COMPUTATION.match(line)
+            current = match.group(1) if match else None
+            computations[current] = []
+        elif current is not None and _INSTRUCTION.match(line):
+            computations[current].append(line)
+
+    def called(line: str) -> list[str]:
+        names = []
+        for single, several in _CALLED.findall(line):
+            names += [single] if single else [n.strip().lstrip("%") for n in several.split(",")]
+        return names
+
+    pending = [name for lines in computations.values() for line in lines if " conditional(" in line
+               for name in called(line)]
+    seen, ops = set(), set()
+    while pending:
+        name = pending.pop()
+        if name in seen or name not in computations:
+            continue
+        seen.add(name)
+        for line in computations[name]:
+            ops.add(_INSTRUCTION.match(line).group(1))
+            pending += called(line)
+    return ops
+
+
+def summarize_trace(events: list[dict], branch_ops: set[str]) -> dict:
+    """Chrome-trace events (``traceEvents``) of one traced step -> the op time by kind. branch_ops: the names of the
+    instructions inside conditional branches (:func:`conditional_branch_ops` of the traced program's HLO), whose
+    ops are the optimizer's.
 
     Returns {"op_seconds": total, "kinds": {kind: {"seconds", "share", "ops"}}, "top_ops": [[name, seconds,
     count], ...], "cond_event_s": [...]} (shares of the summed op time)."""
     complete = [e for e in events if e.get("ph") == "X"]
     conds = [e for e in complete if _base(e["name"]) in ("cond", "conditional")]
-    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in conds)
-    # The branch runs on every worker thread, each part under its own executor event that starts inside the
-    # conditional's span and may end after it: an op belongs to the branch when it lies in such an executor
-    # event of its own thread.
-    branch = collections.defaultdict(list)  # thread -> [(start, end)]
-    for e in complete:
-        if e["name"].startswith("ThunkExecutor::Execute") and any(s <= e["ts"] <= t for s, t in spans):
-            branch[e["pid"], e["tid"]].append((e["ts"], e["ts"] + e["dur"]))
     ops = [e for e in complete if "hlo_op" in e.get("args", {}) and not NOT_OPS.match(_base(e["name"]))]
-
-    def inside_conditional(e: dict) -> bool:
-        return any(start <= e["ts"] <= end for start, end in branch[e["pid"], e["tid"]])
-
     seconds = collections.defaultdict(float)
     count = collections.Counter()
     by_name = collections.defaultdict(float)
     by_name_count = collections.Counter()
     for e in ops:
-        kind = OPTIMIZER if inside_conditional(e) else kind_of(e["name"])
+        kind = OPTIMIZER if e["args"]["hlo_op"] in branch_ops else kind_of(e["name"])
         seconds[kind] += e["dur"] / 1e6
         count[kind] += 1
         by_name[_base(e["name"])] += e["dur"] / 1e6
@@ -93,7 +126,7 @@ def summarize_trace(events: list[dict]) -> dict:
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
     return {"op_seconds": round(total, 4), "kinds": kinds,
             "top_ops": [[name, round(s, 4), by_name_count[name]] for name, s in top],
-            "cond_event_s": [round((end - start) / 1e6, 4) for start, end in spans]}
+            "cond_event_s": [round(e["dur"] / 1e6, 4) for e in sorted(conds, key=lambda e: e["ts"])]}
 
 
 def read_trace(directory: str) -> list[dict]:
@@ -111,7 +144,7 @@ def profile(size: str, precision: str, warm: int) -> dict:
 
     from benchmarks import ppojax_ppo
     from benchmarks.common import make_config
-    from ppojax.train_step import make_train_step
+    from ppojax.train_step import _place, make_train_step
 
     config = dict(make_config(size, num_updates=max(2, warm + 1)), precision=precision,
                   behaviour_logprobs="sampler")  # the benchmark's work: the sampler's log-probs, as TRL
@@ -135,7 +168,11 @@ def profile(size: str, precision: str, warm: int) -> dict:
             step_s.append(timed_step(warm))
         finally:
             jax.profiler.stop_trace()
-        out = summarize_trace(read_trace(trace_dir))
+        events = read_trace(trace_dir)
+    # the traced program's instruction names (the trace's ``hlo_op``): jit's compiled executable, found again for
+    # the arguments' shapes (not compiled a second time)
+    hlo = step.jitted.lower(state, *_place(program, prompts[:batch], key)).compile().as_text()
+    out = summarize_trace(events, conditional_branch_ops(hlo))
     return dict(out, size=size, precision=precision, jax=jax.__version__, step_s=[round(s, 3) for s in step_s],
                 traced_step_s=round(step_s[-1], 3))
 
