@@ -154,8 +154,6 @@ def run(config: dict) -> dict:
             state, metrics = step(state, prompts[u * B:(u + 1) * B], jax.random.fold_in(seed_key, u))
             jax.block_until_ready((state, metrics))
             end = time.perf_counter()
-            if u == 0:  # as ppojax's training loop does after its first update
-                host_memory.keep_freed_memory_between_steps(end - previous_end)
             records.append({"total_s": end - previous_end, "cpu_s": time.process_time() - cpu0})
             turns.done(u)
             previous_end = end
@@ -169,8 +167,6 @@ def run(config: dict) -> dict:
             state, metrics = steps(state, block, keys)
             jax.block_until_ready((state, metrics))
             end = time.perf_counter()
-            if first == 0:  # as ppojax's training loop does after its first update
-                host_memory.keep_freed_memory_between_steps(end - previous_end)
             # the first block (it compiles) is ONE record, the warm-up that summarize() leaves out
             parts = 1 if first == 0 else scan
             records += [{"total_s": (end - previous_end) / parts, "cpu_s": (time.process_time() - cpu0) / parts}
@@ -178,7 +174,6 @@ def run(config: dict) -> dict:
             previous_end = end
         compilations = steps.jitted._cache_size()
     train_peak_rss = peak_rss_mb()  # the training loop's own; the phase programs below hold extra copies
-    host_memory.return_freed_memory()  # as ppojax's training loop does when its updates end
     turns.wait(n)  # interleaved: the phase timings run once the other side has finished
     phases = measure_phases(program, state, prompts[:B], seed_key) if config.get("phases", True) else {}
     for record in records:

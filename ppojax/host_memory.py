@@ -25,15 +25,13 @@ no longer spends its system time faulting in and zeroing gigabytes. The same re-
 preload of the user's own, another allocator or a sanitizer, is left alone). ``PPOJAX_MIMALLOC=0`` turns it off.
 The purge delay is 1 s unless the environment sets one: long enough to carry a block from one step to the
 next, short enough that memory freed while the models load is returned before training needs it (a 10 s delay
-raised the SmolLM2 benchmark's peak RSS by half a gigabyte). Once training runs, that second is too short:
-memory a step frees was still returned to the kernel and faulted in (zeroed) again by the next step, so after
-the first update :func:`keep_freed_memory_between_steps` lengthens the delay to two steps' time, and when the
-updates end :func:`return_freed_memory` sets it back (held on, the steps' memory raised the demo's peak RSS by
-0.8 GB during the evaluation and export check that follow).
+raised the SmolLM2 benchmark's peak RSS by half a gigabyte). Nor is it lengthened once training runs (tried:
+two steps' time after the first update): a step does not always take the block the previous one freed, and a
+held block then sits beside the new one, 1.5 GB more peak RSS at SmolLM2 for a speed gain inside the run-to-run
+spread (``benchmarks/RESULTS.md``, sixteenth session).
 """
 from __future__ import annotations
 
-import ctypes
 import importlib.metadata
 import os
 import platform
@@ -44,10 +42,6 @@ OFF_SWITCH = "PPOJAX_HUGE_PAGES"
 MIMALLOC_OFF_SWITCH = "PPOJAX_MIMALLOC"
 MIMALLOC_DISTRIBUTION = "cmeel-mimalloc"
 MIMALLOC_PURGE_DELAY_MS = "1000"
-#: mimalloc.h's ``mi_option_purge_delay`` (the pinned cmeel-mimalloc 3.4's header); checked against the
-#: start-up value before it is changed, so another numbering changes nothing.
-MI_OPTION_PURGE_DELAY = 15
-MIN_STEPS_PURGE_DELAY_MS = 10_000
 START_VARIABLES = ("GLIBC_TUNABLES", "LD_PRELOAD", "MIMALLOC_PURGE_DELAY")  # what start_environment may set
 _THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
@@ -154,44 +148,3 @@ def reexec_with_huge_pages() -> None:
         os.execve(sys.executable, argv, {**os.environ, **extra})
     except OSError:  # e.g. the interpreter cannot be executed again: run on as it is
         return
-
-
-def _ppojax_mimalloc(environ):
-    """The process's mimalloc (its option and collect functions typed), when ppojax preloaded it with its own
-    start-up purge delay; else None (no mimalloc, or the user's own ``MIMALLOC_PURGE_DELAY``: left alone)."""
-    if not mimalloc_preloaded(environ) or environ.get("MIMALLOC_PURGE_DELAY") != MIMALLOC_PURGE_DELAY_MS:
-        return None
-    try:
-        process = ctypes.CDLL(None)  # the preloaded mimalloc's symbols
-        process.mi_option_get.restype, process.mi_option_get.argtypes = ctypes.c_long, [ctypes.c_int]
-        process.mi_option_set.restype, process.mi_option_set.argtypes = None, [ctypes.c_int, ctypes.c_long]
-        process.mi_collect.restype, process.mi_collect.argtypes = None, [ctypes.c_bool]
-    except (OSError, AttributeError):
-        return None
-    return process
-
-
-def keep_freed_memory_between_steps(step_seconds: float, environ=os.environ) -> int | None:
-    """Lengthen mimalloc's purge delay to two steps' time (``2 * step_seconds``, at least 10 s), from the 1 s it
-    starts with (short while the models load, so their freed buffers go back before training needs memory).
-    Called once the first update has run: what a step frees is then taken again by the next step instead of being
-    returned to the kernel and faulted in afresh. Changes nothing unless mimalloc runs with ppojax's start-up delay
-    (:func:`_ppojax_mimalloc`) and still has it (a second call is a no-op). Returns the new delay in ms, or None."""
-    process = _ppojax_mimalloc(environ)
-    if process is None or process.mi_option_get(MI_OPTION_PURGE_DELAY) != int(MIMALLOC_PURGE_DELAY_MS):
-        return None
-    delay = max(MIN_STEPS_PURGE_DELAY_MS, int(2000 * step_seconds))
-    process.mi_option_set(MI_OPTION_PURGE_DELAY, delay)
-    return delay
-
-
-def return_freed_memory(environ=os.environ) -> bool:
-    """When the updates end: back to the start-up purge delay, and what the steps freed goes back to the kernel
-    now (``mi_collect``), so what follows (evaluation, the export and its check) does not sit beside it. False
-    when there is nothing to undo (not lengthened, or not ppojax's mimalloc)."""
-    process = _ppojax_mimalloc(environ)
-    if process is None or process.mi_option_get(MI_OPTION_PURGE_DELAY) == int(MIMALLOC_PURGE_DELAY_MS):
-        return False
-    process.mi_option_set(MI_OPTION_PURGE_DELAY, int(MIMALLOC_PURGE_DELAY_MS))
-    process.mi_collect(True)
-    return True

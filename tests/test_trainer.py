@@ -28,14 +28,9 @@ def make_trainer(tmp_path, **overrides):
                       reward_model=good_fraction, train_dataset=PROMPTS)
 
 
-def test_learning_raises_the_score_without_recompiling(tmp_path, monkeypatch):
-    from ppojax import host_memory
-    calls = []  # the allocator keeps freed memory between steps from the first update on (host_memory)
-    monkeypatch.setattr(host_memory, "keep_freed_memory_between_steps", lambda s: calls.append(("keep", s)))
-    monkeypatch.setattr(host_memory, "return_freed_memory", lambda: calls.append(("return",)))
+def test_learning_raises_the_score_without_recompiling(tmp_path):
     trainer = make_trainer(tmp_path)
     history = trainer.train(progress=False)
-    assert calls == [("keep", history[0]["time/step_s"]), ("return",)]  # once each: after the first, at the end
     scores = [m["objective/scores"] for m in history]
     first, last = np.mean(scores[:3]), np.mean(scores[-3:])
     assert last > first + 0.3, (first, last)

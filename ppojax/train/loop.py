@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 
 import jax
 
-from .. import host_memory, sharding
+from .. import sharding
 
 
 @dataclass
@@ -58,26 +58,21 @@ def run_updates(run, train_step, total: int, hooks: list[Hook], *, should_stop: 
     """
     history = []
     start = int(run.state.update_count)
-    try:
-        for update_index in range(start, total):
-            t0 = time.perf_counter()
-            prompts = next(run.batches).input_ids
-            run.state, metrics = train_step(run.state, prompts, step_key(run.config.seed, update_index))
-            metrics = {name: float(value) for name, value in sharding.to_host(metrics).items()}
-            seconds = time.perf_counter() - t0
-            metrics["eps"] = run.settings.batch_size / seconds
-            metrics["time/step_s"] = seconds
-            history.append(metrics)
-            if update_index == start:  # memory a step frees is now kept for the next one (host_memory)
-                host_memory.keep_freed_memory_between_steps(seconds)
-            end = StepEnd(step=update_index + 1, total=total, run=run, metrics=metrics, seconds=seconds)
-            for hook in hooks:
-                if hook.due(end.step, total):
-                    hook.fn(end)
-            if should_stop():
-                break
-    finally:  # what the steps kept (host_memory) goes back before evaluation, export, or a failure's report
-        host_memory.return_freed_memory()
+    for update_index in range(start, total):
+        t0 = time.perf_counter()
+        prompts = next(run.batches).input_ids
+        run.state, metrics = train_step(run.state, prompts, step_key(run.config.seed, update_index))
+        metrics = {name: float(value) for name, value in sharding.to_host(metrics).items()}
+        seconds = time.perf_counter() - t0
+        metrics["eps"] = run.settings.batch_size / seconds
+        metrics["time/step_s"] = seconds
+        history.append(metrics)
+        end = StepEnd(step=update_index + 1, total=total, run=run, metrics=metrics, seconds=seconds)
+        for hook in hooks:
+            if hook.due(end.step, total):
+                hook.fn(end)
+        if should_stop():
+            break
     return history
 
 
