@@ -219,7 +219,9 @@ def run_trl(config_path: Path, tmp: Path, threads: list[int], timeout: float) ->
     return best
 
 
-def run_ppojax(config_path: Path, tmp: Path, timeout: float) -> dict:
+def run_ppojax(config_path: Path, tmp: Path, timeout: float, measured=lambda result: None) -> dict:
+    """The measured ppojax run (``measured(result)`` is called with it at once, so that a run cut off during the
+    warm-cache run below still keeps it), then the warm-cache run added to the same result."""
     if importlib.util.find_spec("benchmarks.ppojax_ppo") is None:
         return {"available": False, "reason": "benchmarks/ppojax_ppo.py does not exist yet"}
     # JAX's persistent compilation cache (on in ppojax runs), empty for the measured run: its first update
@@ -232,6 +234,7 @@ def run_ppojax(config_path: Path, tmp: Path, timeout: float) -> dict:
         return _subprocess_json(_ppojax_worker_cmd(config, out), out, timeout, tmp / f"{name}.log", cache)
 
     result = worker(config_path, f"ppojax_{config_path.stem}")
+    measured(result)
     if result.get("available"):
         _add_warm_cache_run(result, config_path, tmp, timeout)
     return result
@@ -388,8 +391,8 @@ def _versions() -> dict:
 
 def run_size(size: str, args, tmp: Path, peak: float | None, entry: dict | None = None,
              save=lambda: None) -> dict:
-    """One size's sides, filled into ``entry`` (returned); ``save()`` after each side, so that a run cut off
-    keeps what it measured."""
+    """One size's sides, filled into ``entry`` (returned); ``save()`` after each side (and after a ppojax side's
+    measured run, before its warm-cache run), so that a run cut off keeps what it measured."""
     model_dir = args.smollm2_dir if size == "smollm2" else None
     config = make_config(size, quick=args.quick, num_updates=args.updates, model_dir=model_dir)
     config["remat"] = args.ppojax_remat  # ppojax's side only (TRL's PPOTrainer runs without checkpointing)
@@ -402,6 +405,14 @@ def run_size(size: str, args, tmp: Path, peak: float | None, entry: dict | None 
                              config["response_length"], config["num_ppo_epochs"])
     entry = {} if entry is None else entry
     entry.update(config=shown, flops=flops)
+
+    def measured(key: str):
+        def keep(result: dict) -> None:
+            entry[key] = result
+            add_ratios(entry, peak)
+            save()
+        return keep
+
     skipped = {"available": False, "reason": "skipped (--only)"}
     float32, mixed = ("float32" in args.ppojax_precisions, "mixed" in args.ppojax_precisions)
     if args.interleave and args.only is None and float32:
@@ -418,14 +429,14 @@ def run_size(size: str, args, tmp: Path, peak: float | None, entry: dict | None 
         elif not float32:
             entry["ppojax"] = {"available": False, "reason": "skipped (--ppojax-precisions)"}
         else:
-            entry["ppojax"] = run_ppojax(config_path, tmp, timeout)
+            entry["ppojax"] = run_ppojax(config_path, tmp, timeout, measured("ppojax"))
         save()
     if mixed and args.only in (None, "ppojax"):
         # a separate row, never in place of the same-precision one: bf16 matmuls against TRL's float32
         print(f"[{size}] ppojax, precision mixed ...", file=sys.stderr, flush=True)
         mixed_path = tmp / f"{size}_mixed.json"
         mixed_path.write_text(json.dumps(dict(config, precision="mixed")))
-        entry["ppojax_mixed"] = run_ppojax(mixed_path, tmp, timeout)
+        entry["ppojax_mixed"] = run_ppojax(mixed_path, tmp, timeout, measured("ppojax_mixed"))
         save()
     add_ratios(entry, peak)
     return entry

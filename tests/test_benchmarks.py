@@ -343,7 +343,7 @@ def test_trl_python_takes_a_command_name_from_path(monkeypatch, tmp_path):
     assert "no-such-python not found" in result["reason"]
 
 
-def _fake_harness(monkeypatch, calls: list, fail_on: str | None = None):
+def _fake_harness(monkeypatch, calls: list, fail_on: str | None = None, fail_after_measured: bool = False):
     from benchmarks import run as bench_run
 
     monkeypatch.setattr(bench_run, "run_peak", lambda tmp, quick: {"peak_flops_per_s": 1e11})
@@ -352,12 +352,16 @@ def _fake_harness(monkeypatch, calls: list, fail_on: str | None = None):
         calls.append(("trl", config_path.stem))
         return dict(_fake_side(1.0), threads=threads[0])
 
-    def fake_ppojax(config_path, tmp, timeout):
+    def fake_ppojax(config_path, tmp, timeout, measured=lambda result: None):
         precision = json.loads(config_path.read_text()).get("precision", "float32")
         calls.append(("ppojax", config_path.stem, precision))
+        result = _fake_side(3.0 if precision == "float32" else 4.0)
         if fail_on == config_path.stem:
+            if fail_after_measured:
+                measured(result)  # as run_ppojax does before its warm-cache run, which the kill then cuts
             raise KeyboardInterrupt  # the run is killed in the middle of this side
-        return _fake_side(3.0 if precision == "float32" else 4.0)
+        measured(result)
+        return result
 
     monkeypatch.setattr(bench_run, "run_trl", fake_trl)
     monkeypatch.setattr(bench_run, "run_ppojax", fake_ppojax)
@@ -376,6 +380,37 @@ def test_a_run_cut_off_keeps_every_side_it_finished(monkeypatch, tmp_path):
     assert report["sizes"]["smollm2"]["trl"]["episodes_per_s"] == 1.0  # the side finished before the kill
     assert "ppojax" not in report["sizes"]["smollm2"]
     assert not list(out.parent.glob(".*.tmp"))  # written atomically: no half-written file left
+
+
+def test_a_run_cut_off_in_the_warm_cache_run_keeps_the_measured_ppojax_run(monkeypatch, tmp_path):
+    calls = []
+    bench_run = _fake_harness(monkeypatch, calls, fail_on="smollm2", fail_after_measured=True)
+    out = tmp_path / "report.json"
+    with pytest.raises(KeyboardInterrupt):
+        bench_run.main(["--sizes", "smollm2", "--threads", "2", "--smollm2-dir", "random", "--json", str(out)])
+    smollm2 = json.loads(out.read_text())["sizes"]["smollm2"]
+    assert smollm2["ppojax"]["episodes_per_s"] == 3.0
+    assert smollm2["ratio_ppojax_over_trl"]["episodes_per_s"] == 3.0
+
+
+def test_run_ppojax_hands_over_the_measured_run_before_the_warm_cache_run(monkeypatch, tmp_path):
+    """The real run_ppojax, its two worker processes replaced: the measured run reaches ``measured`` before the
+    warm-cache run starts (a kill there loses only the warm figure)."""
+    from benchmarks import run as bench_run
+
+    events = []
+
+    def fake_worker(cmd, out, timeout, log, env=None):
+        warm = out.name.endswith("_warm.json")
+        events.append("warm run" if warm else "measured run")
+        return {"available": True, "time_to_first_update_s": 2.0 if warm else 9.0}
+
+    monkeypatch.setattr(bench_run, "_subprocess_json", fake_worker)
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps({"num_updates": 3}))
+    result = bench_run.run_ppojax(config, tmp_path, 10, lambda r: events.append(("measured", dict(r))))
+    assert events == ["measured run", ("measured", {"available": True, "time_to_first_update_s": 9.0}), "warm run"]
+    assert result["warm_cache"]["time_to_first_update_s"] == 2.0
 
 
 def test_mixed_alone_and_merged_with_a_trl_only_report(monkeypatch, tmp_path):
