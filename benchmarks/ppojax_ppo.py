@@ -42,7 +42,8 @@ def _models(config, abstract: bool = False):
     from ppojax.models import CausalLM, ModelConfig, ScoreModel, abstract_pretrained, load_pretrained, precision_dtypes
 
     dtype, param_dtype = precision_dtypes(config.get("precision", "float32"))
-    options = dict(dtype=dtype, param_dtype=param_dtype, remat=config.get("remat", DEFAULT_REMAT))
+    options = dict(dtype=dtype, param_dtype=param_dtype, remat=config.get("remat", DEFAULT_REMAT),
+                   matmul_implementation=config.get("matmul_implementation", "auto"))
     if config.get("model_dir"):
         load = abstract_pretrained if abstract else load_pretrained
         policy, cfg = load(config["model_dir"], **options)
@@ -192,8 +193,20 @@ def run(config: dict) -> dict:
     out["advantage_estimator"] = program.settings.advantage_estimator
     out["precision"] = config.get("precision", "float32")
     out["allocator"] = "mimalloc" if host_memory.mimalloc_preloaded() else "glibc"
+    out["matmul_implementation"] = _matmul_used(config)
     out["state_mb"] = sum(x.nbytes for x in jax.tree.leaves((state.params, state.opt_state))) / 1e6
     return out
+
+
+def _matmul_used(config: dict) -> str:
+    """What the layers' projections ran on: "onednn" where ``stacked_matmul`` applied, else "xla" (+ why not)."""
+    from ppojax.models import stacked_matmul
+
+    asked = config.get("matmul_implementation", "auto")
+    if asked == "xla" or config.get("precision", "float32") != "float32" or jax.device_count() != 1:
+        return "xla"
+    why = stacked_matmul.unavailable_reason()
+    return "onednn" if not why else f"xla ({why})"
 
 
 def measure_phases(program, state, prompts, key, repeats: int = 2) -> dict:
@@ -244,6 +257,8 @@ def main(argv=None):
     parser.add_argument("--compile-ahead", action=argparse.BooleanOptionalAction, default=DEFAULT_COMPILE_AHEAD,
                         help="compile train_step on a background thread while the models load (the config's "
                              f"compile_ahead; default {DEFAULT_COMPILE_AHEAD}), else at the first update")
+    parser.add_argument("--matmul", default="auto", choices=["auto", "xla", "onednn"],
+                        help="matmul_implementation of the models (default: ppojax's, 'auto')")
     parser.add_argument("--behaviour-logprobs", default="sampler", choices=["sampler", "forward"],
                         help="'sampler': the decode loop's log-probs, as TRL's PPOTrainer (the benchmark's work); "
                              "'forward': one more policy forward in the rollout (ppojax's default)")
@@ -254,7 +269,7 @@ def main(argv=None):
     config = make_config(args.size, quick=args.quick, num_updates=args.updates, model_dir=args.model_dir)
     result = run(dict(config, scan=args.scan, phases=not args.no_phases, advantage_estimator=args.estimator,
                       remat=args.remat, behaviour_logprobs=args.behaviour_logprobs,
-                      compile_ahead=args.compile_ahead))
+                      compile_ahead=args.compile_ahead, matmul_implementation=args.matmul))
     text = json.dumps({k: v for k, v in result.items() if k != "updates"}, indent=2)
     print(text)
     if args.json:

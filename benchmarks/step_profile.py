@@ -36,7 +36,7 @@ import time
 
 #: (kind, name pattern) in the order they are tried; the first match names an op's kind.
 KINDS = (
-    ("matmuls", r"ynn_fusion|xnn_fusion|onednn|^dot|^custom-call"),
+    ("matmuls", r"ynn_fusion|xnn_fusion|onednn|^dot|^custom-call|^ffi_call"),  # ffi_call: stacked_matmul's
     ("layer-scan weight slices", r"dynamic-slice"),  # copies of one layer's weights out of the stacked arrays
     ("stacked writes", r"dynamic-update-slice"),  # per-layer residuals / gradients / KV cache written into stacks
     ("transposes and copies", r"transpose|copy"),

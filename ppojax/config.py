@@ -183,6 +183,12 @@ class PPOConfig:
     attention_implementation: str = setting("auto", static=True, on_resume=MAY_CHANGE,
                                             rule=one_of("auto", "xla", "cudnn"))
     """'auto' (cuDNN's fused kernel on an NVIDIA GPU when it applies, XLA elsewhere), 'xla', or 'cudnn'."""
+    matmul_implementation: str = setting("auto", static=True, on_resume=MAY_CHANGE,
+                                         rule=one_of("auto", "xla", "onednn"))
+    """The layers' projections of a float32 model on a single CPU device: 'auto' (oneDNN's GEMM reading each
+    layer's kernel where it lies in the stacked weights, where the onednn-cpu-gomp wheel and a C++ compiler let
+    ppojax build its handlers; else XLA's dots, which copy each layer's kernels out first), 'xla', or 'onednn'
+    (an error where it cannot be had). Other precisions, meshes and accelerators always use XLA's dots."""
 
     # ---- LoRA (PEFT's LoraConfig(r, lora_alpha, lora_dropout, target_modules); TRL's --use_peft --lora_r ...) ----
     lora_r: int = setting(0, static=True, on_resume=MUST_MATCH, rule=at_least(0))

@@ -9,7 +9,8 @@ during the backward from the layer's input:
     (norms, activations, RoPE, and attention itself, whose score matmuls are batched over batch and heads and
     quadratic in the sequence length). `jax.checkpoint_policies.dots_with_no_batch_dims_saveable`, except that
     on the CPU a 16-bit projection's output is saved as its uint16 bits (`slot_storage.saved_as_bits`) instead
-    of its float32 product: the stacked per-layer copies stay in place and half the size.
+    of its float32 product: the stacked per-layer copies stay in place and half the size; a projection that
+    `stacked_matmul` computes (a custom call, not a dot) is saved by its name.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 
 from . import slot_storage
 from .slot_storage import SAVED_BITS
+from .stacked_matmul import SAVED_NAME as STACKED_PROJECTION
 
 REMAT_POLICIES = ("none", "full", "dots")
 
@@ -57,4 +59,4 @@ def _dot_saved_whole(prim, *avals, **params) -> bool:
 
 
 _saves_dots = jax.checkpoint_policies.save_from_both_policies(
-    _dot_saved_whole, jax.checkpoint_policies.save_only_these_names(SAVED_BITS))
+    _dot_saved_whole, jax.checkpoint_policies.save_only_these_names(SAVED_BITS, STACKED_PROJECTION))

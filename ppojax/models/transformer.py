@@ -19,7 +19,8 @@ gets a finite, meaningless output (never NaN); callers ignore pad positions.
 
 Model options (static, part of the graphdef): `dtype` / `param_dtype` (compute / storage; named pairs in
 `precision.py`), `remat` ("none" | "full" | "dots", `remat.py`), `attention_implementation` ("auto" | "xla" |
-"cudnn"), `scan_layers`.
+"cudnn"), `matmul_implementation` ("auto" | "xla" | "onednn": float32 projections on one CPU device read their
+layer's kernel in the stack through oneDNN instead of XLA's copy-then-dot, `stacked_matmul.py`), `scan_layers`.
 
 KV cache (`KVCache`, `init_cache`): keys/values `[L, B, T, K, hd]`, `key_mask bool[B, T]`, `index i32[]` (next write
 slot; on the CPU a 16-bit cache holds the uint16 bits of its keys and values, `slot_storage.py`). A call with a
@@ -43,7 +44,7 @@ from jax.experimental.layout import Layout, with_layout_constraint
 from .attention import attention, check_attention_implementation
 from .config import ModelConfig
 from .remat import check_remat, remat_layer
-from . import slot_storage
+from . import slot_storage, stacked_matmul
 from .slot_storage import BITS, float32_holding, from_bits, saved_as_bits, to_bits
 
 Array = jax.Array
@@ -282,7 +283,48 @@ def _with_lora(y: Array, x: Array, d: dict, n_in: int, dtype, scale: float | Non
 
 def _project(x: Array, d: dict, dtype, lora_scale: float | None) -> Array:
     """A one-input-axis projection `x [B, S, D] -> [B, S, *out]`: kernel, optional bias, optional LoRA."""
+    if "stacked" in d:
+        y = _stacked_dense(x.reshape(-1, x.shape[-1]), d, x.shape[:-1])
+        return _with_lora(y, x, d, 1, dtype, lora_scale)
     return _with_lora(_dense_in(x, d["kernel"], d.get("bias"), dtype), x, d, 1, dtype, lora_scale)
+
+
+def _stacked_dense(x2: Array, d: dict, lead: tuple) -> Array:
+    """x2 [N, in] times this layer's kernel read in the stack (`d["stacked"]`: (stack [L, in, prod(out)], layer,
+    out shape)) -> [*lead, *out], plus the bias (float32, see `_split_stacked_kernels`)."""
+    stack, layer, out_shape = d["stacked"]
+    y = stacked_matmul.matmul(x2, stack, layer).reshape(*lead, *out_shape)
+    return y if "bias" not in d else y + d["bias"]
+
+
+# (group, projection) -> how many leading kernel axes (after `layers`) are its input: q [L, D, H, hd] has one,
+# o [L, H, hd, D] two
+_STACKED_PROJECTIONS = {("attn", "q"): 1, ("attn", "k"): 1, ("attn", "v"): 1, ("attn", "o"): 2,
+                        ("mlp", "up"): 1, ("mlp", "gate"): 1, ("mlp", "down"): 1}
+
+
+def _split_stacked_kernels(layers: dict) -> tuple[dict, dict]:
+    """The layer scan's weights without the projection kernels, and those kernels as 3-D stacks
+    `[L, in, prod(out)]` (a reshape, no copy) with their output shapes, for `stacked_matmul` to read in place."""
+    layers = jax.tree.map(lambda a: a, layers)  # a fresh nesting of dicts, the leaves shared
+    stacks = {}
+    for (group, name), n_in in _STACKED_PROJECTIONS.items():
+        d = layers.get(group, {}).get(name)
+        if d is None:
+            continue
+        kernel = d.pop("kernel")
+        n_layers, shape = kernel.shape[0], kernel.shape[1:]
+        stacks[(group, name)] = (kernel.reshape(n_layers, math.prod(shape[:n_in]), math.prod(shape[n_in:])),
+                                 shape[n_in:])
+    return layers, stacks
+
+
+def _with_stacked_kernels(p: dict, stacks: dict, layer_idx) -> dict:
+    """One layer's weights `p` with each split-off kernel named by its stack and this layer's index."""
+    p = jax.tree.map(lambda a: a, p)
+    for (group, name), (stack, out_shape) in stacks.items():
+        p[group][name]["stacked"] = (stack, layer_idx, out_shape)
+    return p
 
 
 def _block(cfg: ModelConfig, dtype, inv_freq, p: dict, x: Array, positions: Array, mask: Array,
@@ -328,7 +370,11 @@ def _block(cfg: ModelConfig, dtype, inv_freq, p: dict, x: Array, positions: Arra
         # a constant, so the per-layer factor is folded into q
         q = q * (1.0 / (layer_idx + 1).astype(jnp.float32)).astype(q.dtype)
     o = attention(q, k, v, mask, scale=cfg.head_dim ** -0.5, **attn_kwargs)
-    attn_out = _dense_out(o, a["o"]["kernel"], dtype)
+    if "stacked" in a["o"]:
+        attn_out = _stacked_dense(o.reshape(o.shape[0] * o.shape[1], -1), {"stacked": a["o"]["stacked"]},
+                                  o.shape[:2])
+    else:
+        attn_out = _dense_out(o, a["o"]["kernel"], dtype)
     if "bias" in a["o"]:
         attn_out = attn_out + a["o"]["bias"].astype(dtype)
     attn_out = _with_lora(attn_out, o, a["o"], 2, dtype, lora_scale)
@@ -437,14 +483,17 @@ class Backbone(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
-                 scan_layers: bool = True, remat: str = "none", attention_implementation: str = "auto"):
+                 scan_layers: bool = True, remat: str = "none", attention_implementation: str = "auto",
+                 matmul_implementation: str = "auto"):
         check_remat(remat)
         check_attention_implementation(attention_implementation, dtype, cfg.head_dim)
+        stacked_matmul.check_implementation(matmul_implementation)
         self.cfg = cfg
         self.dtype = dtype
         self.scan_layers = scan_layers
         self.remat = remat
         self.attention_implementation = attention_implementation
+        self.matmul_implementation = matmul_implementation
         self.lora_scale = None  # alpha / r once `lora.add_lora` attaches adapters (static: part of the graphdef)
         init = _Init(rngs, cfg.initializer_range, param_dtype)
         L, D, H, K, hd, F = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
@@ -528,6 +577,14 @@ class Backbone(nnx.Module):
 
         inv_freq = rope_inv_freq(cfg) if cfg.position_embedding == "rope" else None
         layers = nnx.to_pure_dict(nnx.state(self.layers))
+        stacks = {}
+        kernels = [layers[g][n]["kernel"] for g, n in _STACKED_PROJECTIONS if n in layers.get(g, {})]
+        if cache is None and self.scan_layers and stacked_matmul.applies(self.matmul_implementation, self.dtype,
+                                                                        kernels):
+            # float32 on one CPU device: each layer's projections read their kernels in the stack (stacked_matmul)
+            # instead of the scan copying them out per layer. Not in generation: at a few rows per call oneDNN's
+            # GEMM is slower than XLA's, copy included
+            layers, stacks = _split_stacked_kernels(layers)
         restore = lambda layer: layer  # noqa: E731
         if cache is not None:
             # generation reads every layer's weights once per token; a 16-bit stack (the sampler's weights, cast
@@ -544,6 +601,8 @@ class Backbone(nnx.Module):
             x, kv = carry
             p, layer_idx, is_sliding = xs
             p = restore(p)
+            if stacks:
+                p = _with_stacked_kernels(p, stacks, layer_idx)
             m = jnp.where(is_sliding, window_mask, mask) if sliding.any() else mask
             x, kv = _block(cfg, self.dtype, inv_freq, p, x.astype(layer_dtype), position_ids, m, layer_idx, kv,
                            index, attn_kwargs, self.lora_scale, None if cache is None else cache.bits_of)
@@ -579,11 +638,13 @@ class CausalLM(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
-                 scan_layers: bool = True, remat: str = "none", attention_implementation: str = "auto"):
+                 scan_layers: bool = True, remat: str = "none", attention_implementation: str = "auto",
+                 matmul_implementation: str = "auto"):
         self.cfg = cfg
         self.dtype = dtype
         self.backbone = Backbone(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers,
-                                 remat=remat, attention_implementation=attention_implementation)
+                                 remat=remat, attention_implementation=attention_implementation,
+                                 matmul_implementation=matmul_implementation)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -620,9 +681,11 @@ class CausalLMWithValueHead(CausalLM):
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
-                 scan_layers: bool = True, remat: str = "none", attention_implementation: str = "auto"):
+                 scan_layers: bool = True, remat: str = "none", attention_implementation: str = "auto",
+                 matmul_implementation: str = "auto"):
         super().__init__(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers,
-                         remat=remat, attention_implementation=attention_implementation)
+                         remat=remat, attention_implementation=attention_implementation,
+                                 matmul_implementation=matmul_implementation)
         init = init_value_head(cfg, rngs.params(), param_dtype)
         self.v_head = nnx.Dict(kernel=_param(init["kernel"], ("embed", None)), bias=_param(init["bias"], (None,)))
 
@@ -642,11 +705,12 @@ class ScoreModel(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
                  bias: bool = False, scan_layers: bool = True, remat: str = "none",
-                 attention_implementation: str = "auto"):
+                 attention_implementation: str = "auto", matmul_implementation: str = "auto"):
         self.cfg = cfg
         self.dtype = dtype
         self.backbone = Backbone(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers,
-                                 remat=remat, attention_implementation=attention_implementation)
+                                 remat=remat, attention_implementation=attention_implementation,
+                                 matmul_implementation=matmul_implementation)
         init = _Init(rngs, cfg.initializer_range, param_dtype)
         self.score = nnx.Dict(kernel=init.normal((cfg.hidden_size, 1), ("embed", None)))
         if bias:

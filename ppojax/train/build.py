@@ -517,17 +517,18 @@ def _split_eval(ids, num_eval):
 
 def model_kwargs(config) -> dict:
     """The model constructor arguments the config sets: precision (compute and parameter dtypes),
-    rematerialisation, attention implementation."""
+    rematerialisation, attention and matmul implementations."""
     from ..models import precision_dtypes
     compute, params = precision_dtypes(config.precision)
     return dict(dtype=compute, param_dtype=params, remat=config.remat,
-                attention_implementation=config.attention_implementation)
+                attention_implementation=config.attention_implementation,
+                matmul_implementation=config.matmul_implementation)
 
 
 def follow_config(module, config: PPOConfig, role: str) -> None:
     """A model the caller built (PPOTrainer's ``model``, ``ref_model``, ``reward_model``, ``value_model``) runs
-    with the config's compute choices, as a model ppojax loads does: ``remat`` and
-    ``attention_implementation`` are set on its backbones (static choices: the weights are the same). Its
+    with the config's compute choices, as a model ppojax loads does: ``remat``, ``attention_implementation`` and
+    ``matmul_implementation`` are set on its backbones (static choices: the weights are the same). Its
     precision cannot be changed without recasting the weights, so one that differs from ``precision`` is
     refused, naming how to build the model. Modules that are not ppojax's transformers are left alone."""
     from ..models import precision_dtypes
@@ -539,6 +540,7 @@ def follow_config(module, config: PPOConfig, role: str) -> None:
     for backbone in backbones:
         backbone.remat = config.remat
         backbone.attention_implementation = config.attention_implementation
+        backbone.matmul_implementation = config.matmul_implementation
     if backbones:
         compute, weights = (jnp.dtype(d) for d in precision_dtypes(config.precision))
         computes = {jnp.dtype(m.dtype) for _, m in nnx.iter_modules(module) if hasattr(m, "dtype")}

@@ -1,0 +1,169 @@
+"""Projections that read ONE layer's weights where they lie in a stacked kernel: oneDNN's GEMM through jax.ffi (CPU).
+
+Under the layer scan XLA:CPU hands a dot whole buffers, so every layer call first copies its weights out of the
+stacked `[L, ...]` kernels (a `dynamic-slice`: forward, backward and every decode step) and XLA has no dot that
+reads a slice in place on the CPU (`benchmarks/RESULTS.md`, issue 15). `matmul(x, stack, layer)` computes
+`x @ stack[layer]` with oneDNN's float32 GEMM (`dnnl_sgemm`, from the `onednn-cpu-gomp` wheel) called as an XLA
+FFI custom call on a pointer into the stack: no copy. Its VJP: the input gradient by the same kernel, reading the
+layer transposed in place; the weight gradient `x.T @ g` by oneDNN into a layer-sized buffer, written into the
+stacked gradient at `layer` (a dynamic-update-slice into zeros, which XLA folds into the scan's in-place
+accumulation of the stack's cotangent). Values: float32 GEMMs as XLA's, summed in another order (~1e-6 relative).
+
+The handlers (`stacked_gemm.cc`) are compiled on first use with the system's C++ compiler against
+`jax.ffi.include_dir()` and the wheel's `libdnnl.so.3`, once per source, library and jaxlib, into
+`$XDG_CACHE_HOME/ppojax/ffi` (written under a temporary name, then renamed: never half-written).
+:func:`unavailable_reason` says why not where they cannot be had (not Linux x86-64, no wheel, no compiler, a
+failed build); the models then keep XLA's dots (the models' `matmul_implementation`: "auto", "xla" or "onednn").
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+SOURCE = Path(__file__).with_name("stacked_gemm.cc")
+IMPLEMENTATIONS = ("auto", "xla", "onednn")
+WHEEL = "onednn-cpu-gomp"
+TARGETS = {"matmul": "ppojax_stacked_matmul", "weight_grad": "ppojax_weight_grad"}
+#: the name remat's "dots" policy saves a projection's output by (a custom call is not a dot to jax.checkpoint)
+SAVED_NAME = "stacked_projection"
+
+Array = jax.Array
+
+
+def _onednn_library() -> Path | None:
+    """The ``libdnnl.so.3*`` of the installed ``onednn-cpu-gomp`` wheel, or None."""
+    from importlib import metadata
+
+    try:
+        files = metadata.distribution(WHEEL).files or []
+    except metadata.PackageNotFoundError:
+        return None
+    for f in files:
+        if f.name.startswith("libdnnl.so.3"):
+            return Path(f.locate()).resolve()
+    return None
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "ppojax" / "ffi"
+
+
+@functools.cache
+def _built() -> tuple[Path | None, str]:
+    """(the compiled handler library, "") or (None, why not). Built once per process at most."""
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return None, f"oneDNN's wheel is for Linux x86-64 (this is {platform.system()} {platform.machine()})"
+    library = _onednn_library()
+    if library is None:
+        return None, f"the {WHEEL} wheel is not installed (pip install {WHEEL}==2023.2.0)"
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        return None, "no C++ compiler (g++) on PATH to build the oneDNN handlers"
+    key = hashlib.sha256(SOURCE.read_bytes() + str(library).encode() + jax.lib.__version__.encode()).hexdigest()[:16]
+    out = _cache_dir() / f"libstacked_gemm-{key}.so"
+    if not out.exists():
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            return None, f"cannot create {out.parent} for the oneDNN handlers ({err})"
+        partial = out.with_name(f"{out.name}.{os.getpid()}.partial")
+        cmd = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", f"-I{jax.ffi.include_dir()}", str(SOURCE),
+               "-o", str(partial), str(library), f"-Wl,-rpath,{library.parent}"]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            partial.unlink(missing_ok=True)
+            return None, f"building {SOURCE.name} failed: {done.stderr.strip()[-400:]}"
+        partial.replace(out)
+    return out, ""
+
+
+@functools.cache
+def _registered() -> str:
+    """Register the handlers with XLA once; "" when done, else why they are unavailable."""
+    import ctypes
+
+    library, why = _built()
+    if library is None:
+        return why
+    handlers = ctypes.cdll.LoadLibrary(str(library))
+    jax.ffi.register_ffi_target(TARGETS["matmul"], jax.ffi.pycapsule(handlers.StackedMatmul), platform="cpu")
+    jax.ffi.register_ffi_target(TARGETS["weight_grad"], jax.ffi.pycapsule(handlers.WeightGradOut), platform="cpu")
+    return ""
+
+
+def unavailable_reason() -> str:
+    """"" when the oneDNN handlers are registered (building them if needed), else why they cannot be."""
+    return _registered()
+
+
+def check_implementation(implementation: str) -> None:
+    """Raise a clear `ValueError` unless `implementation` is one of `IMPLEMENTATIONS`."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"matmul_implementation={implementation!r} is not one of {IMPLEMENTATIONS}: 'auto' "
+                         f"multiplies float32 layer kernels in place with oneDNN on a single CPU device where it can "
+                         f"be had, 'xla' keeps XLA's dots, 'onednn' insists on oneDNN")
+
+
+def applies(implementation: str, dtype, kernels) -> bool:
+    """Whether a model traced now multiplies its stacked layer kernels (`kernels`) here (static, at trace time).
+
+    Only float32 on a single CPU device: XLA cannot partition a custom call (on a mesh it would gather the whole
+    stack per call), other platforms have their own kernels, and XLA's bf16 kernels serve the 16-bit policies.
+    "auto" keeps XLA's dots where the handlers cannot be had; "onednn" raises, naming why."""
+    check_implementation(implementation)
+    if implementation == "xla":
+        return False
+    single_cpu = jax.default_backend() == "cpu" and jax.device_count() == 1
+    float32 = jnp.dtype(dtype) == jnp.float32 and all(jnp.dtype(k.dtype) == jnp.float32 for k in kernels)
+    why = "" if single_cpu and float32 else "it runs float32 models on a single CPU device only"
+    why = why or unavailable_reason()
+    if why and implementation == "onednn":
+        raise ValueError(f"matmul_implementation='onednn' cannot be used here: {why}; use 'auto' or 'xla'")
+    return not why
+
+
+def _gemm(a: Array, stack: Array, layer: Array, transpose: bool) -> Array:
+    n = stack.shape[1] if transpose else stack.shape[2]
+    # vmap (e.g. seeds vmapped over, examples/vmap_seeds.py) runs the call once per batch element
+    call = jax.ffi.ffi_call(TARGETS["matmul"], jax.ShapeDtypeStruct((a.shape[0], n), jnp.float32),
+                            vmap_method="sequential")
+    return call(a, stack, layer, transpose_w=np.int64(transpose))
+
+
+def matmul(x: Array, stack: Array, layer: Array) -> Array:
+    """x f32[N, K] @ stack[layer] -> f32[N, M] for stack f32[L, K, M] and layer i32[] (in range; checked by the
+    handler). Call :func:`unavailable_reason` first (it registers the handlers). The product carries the name
+    remat's "dots" policy saves (outside the custom VJP, where jax.checkpoint sees it)."""
+    return checkpoint_name(_matmul(x, stack, layer), SAVED_NAME)
+
+
+@jax.custom_vjp
+def _matmul(x: Array, stack: Array, layer: Array) -> Array:
+    return _gemm(x, stack, layer, False)
+
+
+def _matmul_fwd(x, stack, layer):
+    return _matmul(x, stack, layer), (x, stack, layer)
+
+
+def _matmul_bwd(residuals, g):
+    x, stack, layer = residuals
+    dx = _gemm(g, stack, layer, True)
+    call = jax.ffi.ffi_call(TARGETS["weight_grad"], jax.ShapeDtypeStruct(stack.shape[1:], jnp.float32),
+                            vmap_method="sequential")
+    dstack = jax.lax.dynamic_update_index_in_dim(jnp.zeros_like(stack), call(x, g), layer, 0)
+    return dx, dstack, None
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)

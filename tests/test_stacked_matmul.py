@@ -1,0 +1,143 @@
+"""Projections that read one layer's kernel in the stack (oneDNN through jax.ffi, `ppojax.models.stacked_matmul`).
+
+Against XLA's own dots: the product and its two gradients, the layer scan's gradient accumulated into the stacked
+kernel, a whole model's hidden states and gradients under each remat policy; and when the path is (not) taken:
+the compiled programs' custom calls and weight slices, the fallback and the error when the handlers cannot be had.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from ppojax.models import CausalLM, ModelConfig, stacked_matmul
+from ppojax.models.remat import REMAT_POLICIES
+
+from .test_model_policies import LLAMA, token_logprob_loss
+from .test_models import left_padded_batch
+
+pytestmark = pytest.mark.skipif(bool(stacked_matmul.unavailable_reason()),
+                                reason=f"oneDNN handlers unavailable: {stacked_matmul.unavailable_reason()}")
+
+CALL = "ppojax_stacked_matmul"
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def test_product_and_gradients_equal_xlas_dot_at_every_layer():
+    kx, kw, kg = jax.random.split(jax.random.key(0), 3)
+    x, stack, g = jax.random.normal(kx, (24, 40)), jax.random.normal(kw, (5, 40, 56)), jax.random.normal(kg, (24, 56))
+    for layer in range(5):
+        i = jnp.int32(layer)
+        got, vjp = jax.vjp(lambda x, s: stacked_matmul.matmul(x, s, i), x, stack)
+        want, vjp_want = jax.vjp(lambda x, s: x @ s[layer], x, stack)
+        assert rel_err(got, want) < 1e-5
+        (dx, dstack), (dx_want, dstack_want) = vjp(g), vjp_want(g)
+        assert rel_err(dx, dx_want) < 1e-5
+        assert rel_err(dstack, dstack_want) < 1e-5
+        assert not np.any(np.delete(np.asarray(dstack), layer, axis=0))  # only this layer's slot
+
+
+def test_layer_scan_accumulates_each_layers_gradient_in_its_slot():
+    """Under `lax.scan` the stack is a constant of the loop: each iteration's gradient lands in its own slot."""
+    kx, kw = jax.random.split(jax.random.key(1))
+    x, stack = jax.random.normal(kx, (16, 32)), 0.2 * jax.random.normal(kw, (6, 32, 32))
+
+    def loss(stack, x, product):
+        layers = jnp.arange(stack.shape[0], dtype=jnp.int32)
+        y, _ = jax.lax.scan(lambda h, i: (jnp.tanh(product(h, stack, i)), None), x, layers)
+        return jnp.sum(y ** 2)
+
+    ffi = jax.jit(jax.grad(loss), static_argnums=2)(stack, x, stacked_matmul.matmul)
+    xla = jax.jit(jax.grad(loss), static_argnums=2)(stack, x, lambda h, s, i: h @ s[i])
+    assert rel_err(ffi, xla) < 1e-5
+
+
+def _model(matmul_implementation, **kwargs):
+    cfg = ModelConfig.from_hf(LLAMA)
+    return nnx.split(CausalLM(cfg, rngs=nnx.Rngs(0), matmul_implementation=matmul_implementation, **kwargs))
+
+
+def _batch():
+    ids, mask = left_padded_batch([12, 9, 4], 12)
+    return jnp.asarray(ids) % LLAMA["vocab_size"], jnp.asarray(mask)
+
+
+@pytest.mark.parametrize("remat", REMAT_POLICIES)
+def test_model_gradient_equals_xlas_and_dots_recomputes_no_projection(remat):
+    ids, mask = _batch()
+    grad = jax.jit(jax.value_and_grad(token_logprob_loss, argnums=1), static_argnums=0)
+    results, calls = {}, {}
+    for impl in ("xla", "onednn"):
+        graphdef, params = _model(impl, remat=remat)
+        results[impl] = grad(graphdef, params, ids, mask)
+        calls[impl] = grad.lower(graphdef, params, ids, mask).compile().as_text().count(CALL)
+    (loss_x, g_x), (loss_o, g_o) = results["xla"], results["onednn"]
+    assert abs(float(loss_x) - float(loss_o)) < 1e-5
+    for a, b in zip(jax.tree.leaves(g_x), jax.tree.leaves(g_o)):
+        assert rel_err(b, a) < 1e-4
+    assert calls["xla"] == 0
+    # 7 projections per layer body: 7 forward products, 7 input gradients (weight gradients are another target);
+    # "dots" saves the products (recomputing them would add calls); "full" recomputes 6 (the down projection's
+    # output only feeds the residual sum, whose gradient does not need it)
+    assert calls["onednn"] == {"none": 14, "dots": 14, "full": 20}[remat]
+
+
+def test_layer_weights_are_no_longer_sliced_out_of_the_stack():
+    ids, mask = _batch()
+    forward = jax.jit(lambda g, p: nnx.merge(g, p)(ids, mask)[0], static_argnums=0)
+    slices = {}
+    for impl in ("xla", "onednn"):
+        graphdef, params = _model(impl)
+        hlo = forward.lower(graphdef, params).compile().as_text()
+        # the stacked kernels are [3, 64, ...] / [3, 160, 64]: a per-layer slice of one is [1, 64, ...] or [64, ...]
+        slices[impl] = sum(1 for line in hlo.splitlines() if "dynamic-slice(" in line and "f32[1,64," in line)
+    assert slices["xla"] > 0 and slices["onednn"] == 0
+
+
+def test_generation_and_16_bit_models_keep_xlas_dots():
+    from ppojax.models import init_cache
+
+    graphdef, params = _model("onednn")
+    model = nnx.merge(graphdef, params)
+    cache = init_cache(model.cfg, 2, 8)
+    ids = jnp.ones((2, 1), jnp.int32)
+    decode = jax.jit(lambda p, c: nnx.merge(graphdef, p)(ids, jnp.ones((2, 1), bool), jnp.zeros((2, 1), jnp.int32), c)[0])
+    assert CALL not in decode.lower(params, cache).compile().as_text()
+    graphdef16, params16 = _model("auto", dtype=jnp.bfloat16, param_dtype=jnp.float32)
+    ids, mask = _batch()
+    hlo = jax.jit(lambda p: nnx.merge(graphdef16, p)(ids, mask)[0]).lower(params16).compile().as_text()
+    assert CALL not in hlo
+    with pytest.raises(ValueError, match="float32 models on a single CPU device only"):
+        jax.jit(lambda p: nnx.merge(_model("onednn", dtype=jnp.bfloat16)[0], p)(ids, mask)[0]).lower(params16)
+
+
+def test_auto_falls_back_and_onednn_names_why_when_the_handlers_cannot_be_had(monkeypatch):
+    monkeypatch.setattr(stacked_matmul, "unavailable_reason", lambda: "no C++ compiler (g++) on PATH")
+    kernels = [jnp.zeros((2, 4, 4))]
+    assert not stacked_matmul.applies("auto", jnp.float32, kernels)
+    with pytest.raises(ValueError, match="no C\\+\\+ compiler.*use 'auto' or 'xla'"):
+        stacked_matmul.applies("onednn", jnp.float32, kernels)
+    with pytest.raises(ValueError, match="matmul_implementation='cublas' is not one of"):
+        CausalLM(ModelConfig.from_hf(LLAMA), rngs=nnx.Rngs(0), matmul_implementation="cublas")
+
+
+def test_a_failed_build_is_reported_not_raised(monkeypatch, tmp_path):
+    """A build that fails (here: a compiler that exits 1) leaves no library behind and says why."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "g++").write_text("#!/bin/sh\necho 'cc1plus: fatal error' >&2\nexit 1\n")
+    (fake / "g++").chmod(0o755)
+    monkeypatch.setenv("PATH", str(fake))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    stacked_matmul._built.cache_clear()
+    try:
+        library, why = stacked_matmul._built()
+    finally:
+        stacked_matmul._built.cache_clear()
+    assert library is None and "building stacked_gemm.cc failed" in why and "fatal error" in why
+    assert not list((tmp_path / "cache").rglob("*.so*"))
