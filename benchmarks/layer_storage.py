@@ -12,7 +12,10 @@ the stacked gradient (``dynamic-update-slice``). This benchmark runs the same la
   copies at all);
 - ``unrolled_static_slices``: a Python loop over static slices of the stacked weights (``scan_layers=False``);
 - ``unstacked_per_call``: stacked storage, split into per-layer buffers once per call (one bulk copy, a custom
-  VJP stacks the gradients back), then the Python loop.
+  VJP stacks the gradients back), then the Python loop;
+- ``scan_stacked_onednn``: ``lax.scan`` over stacked weights whose products read each layer's kernel in place
+  (``ppojax.models.stacked_matmul``: oneDNN's GEMM through jax.ffi, what ppojax's float32 models do on one CPU
+  device since the seventeenth session), when its handlers can be had.
 
 The layer is the dense part of a Llama block (q, k, v, o projections with SmolLM2's GQA widths, the gated MLP,
 two residual adds), no attention or norms, so the difference is the weight traffic, not the math. Every
@@ -43,14 +46,16 @@ def init_stacked(layers: int, hidden=HIDDEN, intermediate=INTERMEDIATE, q_width=
 
 def _layer(x, w):
     """x f32[rows, hidden] -> f32[rows, hidden]: the projections of a block; q, k, v meet in a cheap product
-    standing in for attention so that none of them is dead code."""
+    standing in for attention so that none of them is dead code. w: {name: weight [in, out] or a function
+    computing ``input @ weight``}."""
     import jax
     import jax.numpy as jnp
 
-    q, k, v = x @ w["q"], x @ w["k"], x @ w["v"]
+    mm = {name: (m if callable(m) else (lambda a, m=m: a @ m)) for name, m in w.items()}  # a weight or a product
+    q, k, v = mm["q"](x), mm["k"](x), mm["v"](x)
     mixed = q * jnp.tile(k * v, q.shape[-1] // k.shape[-1])
-    h = x + mixed @ w["o"]
-    return h + (jax.nn.silu(h @ w["gate"]) * (h @ w["up"])) @ w["down"]
+    h = x + mm["o"](mixed)
+    return h + mm["down"](jax.nn.silu(mm["gate"](h)) * mm["up"](h))
 
 
 def _loss(x):
@@ -90,9 +95,21 @@ def variants() -> dict:
             x = _layer(x, {name: column[i] for name, column in columns.items()})
         return _loss(x)
 
-    return {"scan_stacked": (scan_stacked, "stacked"), "unrolled_separate": (unrolled_separate, "separate"),
-            "unrolled_static_slices": (unrolled_static_slices, "stacked"),
-            "unstacked_per_call": (unstacked_per_call, "stacked")}
+    out = {"scan_stacked": (scan_stacked, "stacked"), "unrolled_separate": (unrolled_separate, "separate"),
+           "unrolled_static_slices": (unrolled_static_slices, "stacked"),
+           "unstacked_per_call": (unstacked_per_call, "stacked")}
+    from ppojax.models import stacked_matmul
+
+    if not stacked_matmul.unavailable_reason():
+        def scan_stacked_onednn(stacked, x):
+            def layer(h, i):
+                w = {name: (lambda a, s=s: stacked_matmul.matmul(a, s, i)) for name, s in stacked.items()}
+                return _layer(h, w), None
+            y, _ = jax.lax.scan(layer, x, jnp.arange(next(iter(stacked.values())).shape[0], dtype=jnp.int32))
+            return _loss(y)
+
+        out["scan_stacked_onednn"] = (scan_stacked_onednn, "stacked")
+    return out
 
 
 def gradients(stacked: dict, x) -> dict:

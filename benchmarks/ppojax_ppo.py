@@ -193,20 +193,29 @@ def run(config: dict) -> dict:
     out["advantage_estimator"] = program.settings.advantage_estimator
     out["precision"] = config.get("precision", "float32")
     out["allocator"] = "mimalloc" if host_memory.mimalloc_preloaded() else "glibc"
-    out["matmul_implementation"] = _matmul_used(config)
+    out["matmul_implementation"] = _matmul_used(config, state.params)
     out["state_mb"] = sum(x.nbytes for x in jax.tree.leaves((state.params, state.opt_state))) / 1e6
     return out
 
 
-def _matmul_used(config: dict) -> str:
-    """What the layers' projections ran on: "onednn" where ``stacked_matmul`` applied, else "xla" (+ why not)."""
+def _matmul_used(config: dict, params) -> str:
+    """What the policy's layer projections ran on in the update: "onednn" where ``stacked_matmul`` applied, else
+    "xla" (with the reason when the handlers were missing)."""
     from ppojax.models import stacked_matmul
 
-    asked = config.get("matmul_implementation", "auto")
-    if asked == "xla" or config.get("precision", "float32") != "float32" or jax.device_count() != 1:
-        return "xla"
+    def is_projection(path) -> bool:
+        keys = [str(getattr(k, "key", k)) for k in path]
+        return "layers" in keys and "kernel" in keys and bool({"q", "k", "v", "o", "up", "gate", "down"} & set(keys))
+
+    kernels = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(params["policy"]) if is_projection(path)]
+    rows = config["batch_size"] * (config["prompt_length"] + config["response_length"])
+    compute = jnp.float32 if config.get("precision", "float32") == "float32" else jnp.bfloat16
+    try:
+        used = stacked_matmul.applies(config.get("matmul_implementation", "auto"), compute, kernels, rows)
+    except ValueError as err:
+        return f"xla ({err})"
     why = stacked_matmul.unavailable_reason()
-    return "onednn" if not why else f"xla ({why})"
+    return "onednn" if used else ("xla" if not why else f"xla ({why})")
 
 
 def measure_phases(program, state, prompts, key, repeats: int = 2) -> dict:

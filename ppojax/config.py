@@ -186,9 +186,11 @@ class PPOConfig:
     matmul_implementation: str = setting("auto", static=True, on_resume=MAY_CHANGE,
                                          rule=one_of("auto", "xla", "onednn"))
     """The layers' projections of a float32 model on a single CPU device: 'auto' (oneDNN's GEMM reading each
-    layer's kernel where it lies in the stacked weights, where the onednn-cpu-gomp wheel and a C++ compiler let
-    ppojax build its handlers; else XLA's dots, which copy each layer's kernels out first), 'xla', or 'onednn'
-    (an error where it cannot be had). Other precisions, meshes and accelerators always use XLA's dots."""
+    layer's kernel where it lies in the stacked weights, for models whose layers hold at least 1 M kernel
+    elements and calls of at least 64 token rows, where the onednn-cpu-gomp wheel and a C++ compiler let ppojax
+    build its handlers; else XLA's dots, which copy each layer's kernels out first), 'xla', or 'onednn' (whatever
+    the size; an error where it cannot be had). Generation, other precisions, meshes and accelerators always use
+    XLA's dots."""
 
     # ---- LoRA (PEFT's LoraConfig(r, lora_alpha, lora_dropout, target_modules); TRL's --use_peft --lora_r ...) ----
     lora_r: int = setting(0, static=True, on_resume=MUST_MATCH, rule=at_least(0))

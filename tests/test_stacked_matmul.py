@@ -116,12 +116,24 @@ def test_generation_and_16_bit_models_keep_xlas_dots():
         jax.jit(lambda p: nnx.merge(_model("onednn", dtype=jnp.bfloat16)[0], p)(ids, mask)[0]).lower(params16)
 
 
+def test_auto_takes_onednn_only_where_it_pays():
+    """"auto": layers of at least AUTO_MIN_LAYER_ELEMENTS kernel elements, calls of at least AUTO_MIN_ROWS rows;
+    "onednn" whatever the size."""
+    big = [jax.ShapeDtypeStruct((3, 1024, 768), jnp.float32), jax.ShapeDtypeStruct((3, 768, 1024), jnp.float32)]
+    small = [jax.ShapeDtypeStruct((3, 64, 256), jnp.float32)]
+    assert stacked_matmul.applies("auto", jnp.float32, big, rows=stacked_matmul.AUTO_MIN_ROWS)
+    assert not stacked_matmul.applies("auto", jnp.float32, big, rows=stacked_matmul.AUTO_MIN_ROWS - 1)
+    assert not stacked_matmul.applies("auto", jnp.float32, small, rows=384)
+    assert stacked_matmul.applies("onednn", jnp.float32, small, rows=8)
+    assert not stacked_matmul.applies("auto", jnp.bfloat16, big, rows=384)
+
+
 def test_auto_falls_back_and_onednn_names_why_when_the_handlers_cannot_be_had(monkeypatch):
     monkeypatch.setattr(stacked_matmul, "unavailable_reason", lambda: "no C++ compiler (g++) on PATH")
-    kernels = [jnp.zeros((2, 4, 4))]
-    assert not stacked_matmul.applies("auto", jnp.float32, kernels)
+    kernels = [jax.ShapeDtypeStruct((2, 1024, 1024), jnp.float32)]
+    assert not stacked_matmul.applies("auto", jnp.float32, kernels, rows=128)
     with pytest.raises(ValueError, match="no C\\+\\+ compiler.*use 'auto' or 'xla'"):
-        stacked_matmul.applies("onednn", jnp.float32, kernels)
+        stacked_matmul.applies("onednn", jnp.float32, kernels, rows=128)
     with pytest.raises(ValueError, match="matmul_implementation='cublas' is not one of"):
         CausalLM(ModelConfig.from_hf(LLAMA), rngs=nnx.Rngs(0), matmul_implementation="cublas")
 

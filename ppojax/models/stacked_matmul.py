@@ -32,6 +32,11 @@ from jax.ad_checkpoint import checkpoint_name
 
 SOURCE = Path(__file__).with_name("stacked_gemm.cc")
 IMPLEMENTATIONS = ("auto", "xla", "onednn")
+#: "auto" takes oneDNN from these sizes on: a layer's projection kernels of at least this many elements (below, the
+#: copy it saves is small and a custom call's fixed cost larger: the tiny benchmark model's 61 K elements per layer
+#: ran 17 % slower steps) and calls of at least this many token rows (at 8 rows, a decode step, XLA's dot is faster)
+AUTO_MIN_LAYER_ELEMENTS = 1 << 20
+AUTO_MIN_ROWS = 64
 WHEEL = "onednn-cpu-gomp"
 TARGETS = {"matmul": "ppojax_stacked_matmul", "weight_grad": "ppojax_weight_grad"}
 #: the name remat's "dots" policy saves a projection's output by (a custom call is not a dot to jax.checkpoint)
@@ -115,14 +120,19 @@ def check_implementation(implementation: str) -> None:
                          f"be had, 'xla' keeps XLA's dots, 'onednn' insists on oneDNN")
 
 
-def applies(implementation: str, dtype, kernels) -> bool:
-    """Whether a model traced now multiplies its stacked layer kernels (`kernels`) here (static, at trace time).
+def applies(implementation: str, dtype, kernels, rows: int) -> bool:
+    """Whether a model traced now multiplies its stacked layer kernels (`kernels`, [L, ...] each) here, for calls of
+    `rows` token rows (static, at trace time).
 
     Only float32 on a single CPU device: XLA cannot partition a custom call (on a mesh it would gather the whole
     stack per call), other platforms have their own kernels, and XLA's bf16 kernels serve the 16-bit policies.
-    "auto" keeps XLA's dots where the handlers cannot be had; "onednn" raises, naming why."""
+    "auto" also wants the sizes where it pays (`AUTO_MIN_LAYER_ELEMENTS`, `AUTO_MIN_ROWS`) and keeps XLA's dots
+    where the handlers cannot be had; "onednn" raises where it cannot run, naming why."""
     check_implementation(implementation)
     if implementation == "xla":
+        return False
+    layer_elements = sum(k.size // k.shape[0] for k in kernels)
+    if implementation == "auto" and (layer_elements < AUTO_MIN_LAYER_ELEMENTS or rows < AUTO_MIN_ROWS):
         return False
     single_cpu = jax.default_backend() == "cpu" and jax.device_count() == 1
     float32 = jnp.dtype(dtype) == jnp.float32 and all(jnp.dtype(k.dtype) == jnp.float32 for k in kernels)

@@ -580,7 +580,7 @@ class Backbone(nnx.Module):
         stacks = {}
         kernels = [layers[g][n]["kernel"] for g, n in _STACKED_PROJECTIONS if n in layers.get(g, {})]
         if cache is None and self.scan_layers and stacked_matmul.applies(self.matmul_implementation, self.dtype,
-                                                                        kernels):
+                                                                        kernels, rows=b * s):
             # float32 on one CPU device: each layer's projections read their kernels in the stack (stacked_matmul)
             # instead of the scan copying them out per layer. Not in generation: at a few rows per call oneDNN's
             # GEMM is slower than XLA's, copy included
