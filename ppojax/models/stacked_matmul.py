@@ -23,6 +23,7 @@ import os
 import platform
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 import jax
@@ -64,6 +65,9 @@ def _cache_dir() -> Path:
     return Path(base).expanduser() / "ppojax" / "ffi"
 
 
+_lock = threading.Lock()  # a compile_ahead thread and the main thread may both ask first
+
+
 @functools.cache
 def _built() -> tuple[Path | None, str]:
     """(the compiled handler library, "") or (None, why not). Built once per process at most."""
@@ -85,7 +89,10 @@ def _built() -> tuple[Path | None, str]:
         partial = out.with_name(f"{out.name}.{os.getpid()}.partial")
         cmd = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", f"-I{jax.ffi.include_dir()}", str(SOURCE),
                "-o", str(partial), str(library), f"-Wl,-rpath,{library.parent}"]
-        done = subprocess.run(cmd, capture_output=True, text=True)
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True)
+        except OSError as err:
+            return None, f"building {SOURCE.name} failed: {err}"
         if done.returncode != 0:
             partial.unlink(missing_ok=True)
             return None, f"building {SOURCE.name} failed: {done.stderr.strip()[-400:]}"
@@ -101,7 +108,10 @@ def _registered() -> str:
     library, why = _built()
     if library is None:
         return why
-    handlers = ctypes.cdll.LoadLibrary(str(library))
+    try:
+        handlers = ctypes.cdll.LoadLibrary(str(library))
+    except OSError as err:  # e.g. the wheel's libdnnl removed since the build
+        return f"loading {library} failed ({err})"
     jax.ffi.register_ffi_target(TARGETS["matmul"], jax.ffi.pycapsule(handlers.StackedMatmul), platform="cpu")
     jax.ffi.register_ffi_target(TARGETS["weight_grad"], jax.ffi.pycapsule(handlers.WeightGradOut), platform="cpu")
     return ""
@@ -109,7 +119,8 @@ def _registered() -> str:
 
 def unavailable_reason() -> str:
     """"" when the oneDNN handlers are registered (building them if needed), else why they cannot be."""
-    return _registered()
+    with _lock:
+        return _registered()
 
 
 def check_implementation(implementation: str) -> None:
