@@ -47,17 +47,10 @@ FFI_CACHE = Path(__file__).resolve().parents[1] / ".cache" / "ppojax" / "ffi"  #
 
 
 def onednn_library() -> Path | None:
-    """The ``libdnnl.so.3*`` of the installed ``onednn-cpu-gomp`` wheel, or None."""
-    from importlib import metadata
+    """The ``libdnnl.so.3*`` of the installed ``onednn-cpu-gomp`` wheel, or None (ppojax's own lookup)."""
+    from ppojax.models.stacked_matmul import onednn_library as lookup
 
-    try:
-        files = metadata.distribution("onednn-cpu-gomp").files or []
-    except metadata.PackageNotFoundError:
-        return None
-    for f in files:
-        if f.name.startswith("libdnnl.so.3"):
-            return Path(f.locate()).resolve()
-    return None
+    return lookup()
 
 
 def build_ffi(cache_dir: Path) -> tuple[Path | None, str]:

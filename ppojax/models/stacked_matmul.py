@@ -46,7 +46,7 @@ SAVED_NAME = "stacked_projection"
 Array = jax.Array
 
 
-def _onednn_library() -> Path | None:
+def onednn_library() -> Path | None:
     """The ``libdnnl.so.3*`` of the installed ``onednn-cpu-gomp`` wheel, or None."""
     from importlib import metadata
 
@@ -73,7 +73,7 @@ def _built() -> tuple[Path | None, str]:
     """(the compiled handler library, "") or (None, why not). Built once per process at most."""
     if platform.system() != "Linux" or platform.machine() != "x86_64":
         return None, f"oneDNN's wheel is for Linux x86-64 (this is {platform.system()} {platform.machine()})"
-    library = _onednn_library()
+    library = onednn_library()
     if library is None:
         return None, f"the {WHEEL} wheel is not installed (pip install {WHEEL}==2023.2.0)"
     compiler = shutil.which("g++") or shutil.which("c++")

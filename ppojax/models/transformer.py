@@ -291,7 +291,7 @@ def _project(x: Array, d: dict, dtype, lora_scale: float | None) -> Array:
 
 def _stacked_dense(x2: Array, d: dict, lead: tuple) -> Array:
     """x2 [N, in] times this layer's kernel read in the stack (`d["stacked"]`: (stack [L, in, prod(out)], layer,
-    out shape)) -> [*lead, *out], plus the bias (float32, see `_split_stacked_kernels`)."""
+    out shape)) -> [*lead, *out], plus this layer's bias when `d` has one (float32 models only reach here)."""
     stack, layer, out_shape = d["stacked"]
     y = stacked_matmul.matmul(x2, stack, layer).reshape(*lead, *out_shape)
     return y if "bias" not in d else y + d["bias"]
