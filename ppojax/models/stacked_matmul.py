@@ -7,7 +7,7 @@ reads a slice in place on the CPU (`benchmarks/RESULTS.md`, issue 15). `matmul(x
 FFI custom call on a pointer into the stack: no copy. Its VJP: the input gradient by the same kernel, reading the
 layer transposed in place; the weight gradient `x.T @ g` by oneDNN into a layer-sized buffer, written into the
 stacked gradient at `layer` (a dynamic-update-slice into zeros, which XLA folds into the scan's in-place
-accumulation of the stack's cotangent). Values: float32 GEMMs as XLA's, summed in another order (~1e-6 relative).
+accumulation of the stack's cotangent). Values: float32 GEMMs as XLA's, summed in another order.
 
 The handlers (`stacked_gemm.cc`) are compiled on first use with the system's C++ compiler against
 `jax.ffi.include_dir()` and the wheel's `libdnnl.so.3`, once per source, library and jaxlib, into
@@ -34,8 +34,9 @@ from jax.ad_checkpoint import checkpoint_name
 SOURCE = Path(__file__).with_name("stacked_gemm.cc")
 IMPLEMENTATIONS = ("auto", "xla", "onednn")
 #: "auto" takes oneDNN from these sizes on: a layer's projection kernels of at least this many elements (below, the
-#: copy it saves is small and a custom call's fixed cost larger: the tiny benchmark model's 61 K elements per layer
-#: ran 17 % slower steps) and calls of at least this many token rows (at 8 rows, a decode step, XLA's dot is faster)
+#: copy it saves is small and a custom call's fixed cost larger: the tiny benchmark model ran slower through it) and
+#: calls of at least this many token rows (at a decode step's few rows XLA's dot is faster, copy included); the
+#: measurements are in benchmarks/RESULTS.md (seventeenth session)
 AUTO_MIN_LAYER_ELEMENTS = 1 << 20
 AUTO_MIN_ROWS = 64
 WHEEL = "onednn-cpu-gomp"
