@@ -734,6 +734,10 @@ def _problems_together(c: PPOConfig) -> list[str]:
     if c.lora_r == 0 and lora_set:
         out.append(f"{', '.join(lora_set)} set but lora_r=0 (LoRA off: every weight trains). Set lora_r > 0 "
                    "(e.g. 16) to train LoRA adapters, or remove the lora_* settings.")
+    if c.matmul_implementation == "onednn" and c.precision != "float32":
+        out.append(f"matmul_implementation='onednn' multiplies float32 models only, but precision="
+                   f"{c.precision!r}; set matmul_implementation: auto (XLA's bf16 kernels serve it) or precision: "
+                   "float32.")
     axes = {"mesh_data": c.mesh_data, "mesh_fsdp": c.mesh_fsdp, "mesh_tensor": c.mesh_tensor}
     if list(axes.values()).count(-1) > 1:
         out.append(f"mesh sizes {axes}: at most one -1 (the axis taking the devices left over) among mesh_data/"

@@ -153,3 +153,24 @@ def test_a_failed_build_is_reported_not_raised(monkeypatch, tmp_path):
         stacked_matmul._built.cache_clear()
     assert library is None and "building stacked_gemm.cc failed" in why and "fatal error" in why
     assert not list((tmp_path / "cache").rglob("*.so*"))
+
+
+def test_a_run_asking_for_onednn_where_it_cannot_run_stops_before_loading(monkeypatch):
+    """The config refuses 'onednn' with a 16-bit precision; the build refuses it, before any weight is read,
+    where the handlers cannot be had (and takes it where they can)."""
+    from ppojax import sharding
+    from ppojax.config import ConfigError, PPOConfig
+    from ppojax.train import build
+
+    with pytest.raises(ConfigError, match="matmul_implementation='onednn' multiplies float32 models only.*"
+                                          "precision='mixed'"):
+        PPOConfig(matmul_implementation="onednn", precision="mixed")
+    with pytest.raises(ConfigError, match="matmul_implementation='cublas'"):
+        PPOConfig(matmul_implementation="cublas")
+    config = PPOConfig(matmul_implementation="onednn")
+    mesh = sharding.mesh_from_config(config)
+    build._check_matmul_implementation(config, mesh)  # one CPU device, handlers built: fine
+    monkeypatch.setattr(stacked_matmul, "unavailable_reason", lambda: "no C++ compiler (g++) on PATH")
+    with pytest.raises(ConfigError, match="cannot be used: no C\\+\\+ compiler.*Set matmul_implementation: auto"):
+        build._check_matmul_implementation(config, mesh)
+    build._check_matmul_implementation(PPOConfig(matmul_implementation="auto"), mesh)

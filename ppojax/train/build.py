@@ -249,6 +249,7 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
     uses_critic = advantage_estimator(config.advantage_estimator).uses_critic
     data_parallel = sharding.data_parallel_size(mesh)
     config.derived(data_parallel)  # batch sizes must split over the data-parallel devices (before loading)
+    _check_matmul_implementation(config, mesh)
     for given, role in ((model, "policy"), (ref_model, "reference model"), (reward_model, "reward model"),
                         (value_model, "value model")):
         follow_config(given, config, role)
@@ -513,6 +514,22 @@ def _split_eval(ids, num_eval):
     if num_eval >= len(ids):
         raise ConfigError(f"num_eval_prompts={num_eval} leaves no training prompts out of {len(ids)}.")
     return (ids[:len(ids) - num_eval], ids[len(ids) - num_eval:]) if num_eval else (ids, None)
+
+
+def _check_matmul_implementation(config, mesh) -> None:
+    """matmul_implementation='onednn' must be able to run here: one CPU device, the handlers built (before any
+    weight is loaded; 'auto' falls back to XLA's dots silently)."""
+    if config.matmul_implementation != "onednn":
+        return
+    from ..models import stacked_matmul
+
+    devices = mesh.devices.size if mesh is not None else jax.device_count()
+    why = "" if jax.default_backend() == "cpu" and devices == 1 else (
+        f"it runs on a single CPU device, and this run has {devices} {jax.default_backend()} device(s)")
+    why = why or stacked_matmul.unavailable_reason()
+    if why:
+        raise ConfigError(f"matmul_implementation='onednn' cannot be used: {why}. Set matmul_implementation: auto "
+                          "(oneDNN where it can run, XLA's dots elsewhere) or xla.")
 
 
 def model_kwargs(config) -> dict:
