@@ -26,8 +26,9 @@
 # tests over 150 s; a ppojax CPU side (tiny and SmolLM2, float32 then mixed, one process) over 530 s. Hence
 # one process per CPU row, each part's own limit below, and gpu-bench (measured then) left out by default.
 #
-# The machine has no network and its own jax (0.11): the CPU side runs the jax/jaxlib this project pins,
-# carried: `bash benchmarks/device_wheels.sh` here first (wheels under .whl/, ignored; ~3 minutes)
+# The machine has no network and its own jax (0.11): the CPU side runs the jax/jaxlib this project pins and
+# oneDNN's library (ppojax's float32 projections: its report's `matmul_implementation` says which ran), carried:
+# `bash benchmarks/device_wheels.sh` here first (under .whl/, ignored; ~4 minutes)
 # and call: run(command="bash benchmarks/device_check.sh", carry=[".whl"], timeout_s=580).
 set -u
 OUT=${OUT:-/tmp/device_out}
@@ -53,6 +54,7 @@ fi
   grep -m1 "model name" /proc/cpuinfo; grep -m1 "^flags" /proc/cpuinfo
   lscpu | grep -E "^(CPU\(s\)|Thread|Core|Socket|NUMA node\(s\)|Model name|L3)"
   nvidia-smi -L; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+  echo "C++ compiler: $(command -v g++ || command -v c++ || echo none)"
   python3 -m pip list 2>/dev/null | grep -iE "^(jax|jaxlib|jax-cuda13-plugin|flax|optax|orbax-checkpoint|chex|torch|transformers|accelerate|numpy|ml.dtypes|peft) "
 } > "$OUT/host.txt" 2>&1
 cat "$OUT/host.txt"
@@ -67,6 +69,11 @@ if [ -z "${REHEARSE:-}" ]; then
   tar xJf .whl/cpu/jaxlib.tar.xz -C /tmp/site_jax10 || exit 1
   # A regular (empty) jax_plugins package ahead of the machine's: jax 0.10 then finds none of its 0.11 CUDA plugins
   mkdir -p /tmp/site_jax10/jax_plugins && touch /tmp/site_jax10/jax_plugins/__init__.py
+  # oneDNN's library where device_wheels.sh prebuilt stacked_matmul's handlers for, and those handlers in the
+  # cache stacked_matmul reads (the machine's g++, if any, would build the same)
+  mkdir -p /tmp/site_onednn && tar xJf .whl/cpu/onednn.tar.xz -C /tmp/site_onednn || exit 1
+  FFI_CACHE=${XDG_CACHE_HOME:-$HOME/.cache}/ppojax/ffi
+  mkdir -p "$FFI_CACHE" && cp .whl/ffi/*.so "$FFI_CACHE"/ || exit 1
   stamp "packages ready"
 fi
 
@@ -84,7 +91,7 @@ CPU_GPU=${CPU_GPU:-$(cut -d, -f1 /tmp/topo | paste -sd,)}
 stamp "parts: $PARTS; CPUs: TRL $CPU_TRL, ppojax $CPU_F32, ppojax mixed $CPU_MIXED, options $CPU_OPT, profile $CPU_PROF, GPU $CPU_GPU"
 
 CPU_ENV="env JAX_PLATFORMS=cpu CUDA_VISIBLE_DEVICES= PPOJAX_BENCH_PYTHON=${PPOJAX_BENCH_PYTHON:-python3}
-  PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site_jax10:/tmp/site_flax:/tmp/site_any:$REPO"
+  PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site_jax10:/tmp/site_flax:/tmp/site_any:/tmp/site_onednn:$REPO"
 BENCH="python3 -m benchmarks.run --threads 2 --smollm2-dir random ${BENCH_EXTRA:-}"
 if want cpu-quiet; then
   stamp "cpu-quiet: one benchmarks.run process on CPUs $CPU_TRL, nothing else running"

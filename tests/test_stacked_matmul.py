@@ -155,6 +155,26 @@ def test_a_failed_build_is_reported_not_raised(monkeypatch, tmp_path):
     assert not list((tmp_path / "cache").rglob("*.so*"))
 
 
+def test_handlers_in_the_cache_serve_without_a_compiler(monkeypatch, tmp_path):
+    """Handlers built before (or prebuilt for a machine: benchmarks/device_wheels.sh, under the name
+    `handler_library_path` gives) are taken from the cache: no compiler needed."""
+    built, _ = stacked_matmul._built()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    cached = stacked_matmul.handler_library_path(stacked_matmul.onednn_library(), jax.lib.__version__)
+    assert cached.parent == tmp_path / "cache" / "ppojax" / "ffi"
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(built.read_bytes())
+    monkeypatch.setenv("PATH", str(tmp_path / "no-compiler-here"))
+    stacked_matmul._built.cache_clear()
+    try:
+        assert stacked_matmul._built() == (cached, "")
+        cached.unlink()
+        stacked_matmul._built.cache_clear()
+        assert stacked_matmul._built() == (None, "no C++ compiler (g++) on PATH to build the oneDNN handlers")
+    finally:
+        stacked_matmul._built.cache_clear()
+
+
 def test_a_run_asking_for_onednn_where_it_cannot_run_stops_before_loading(monkeypatch):
     """The config refuses 'onednn' with a 16-bit precision; the build refuses it, before any weight is read,
     where the handlers cannot be had (and takes it where they can)."""

@@ -69,6 +69,34 @@ def _cache_dir() -> Path:
 _lock = threading.Lock()  # a compile_ahead thread and the main thread may both ask first
 
 
+def handler_library_path(library: Path, jaxlib_version: str, cache_dir: Path | None = None) -> Path:
+    """Where the handlers built against oneDNN's `library` for jaxlib `jaxlib_version` are kept: one file per
+    source, library path and jaxlib (the FFI's ABI follows jaxlib)."""
+    key = hashlib.sha256(SOURCE.read_bytes() + str(library).encode() + jaxlib_version.encode()).hexdigest()[:16]
+    return (cache_dir or _cache_dir()) / f"libstacked_gemm-{key}.so"
+
+
+def compile_handlers(compiler: str, library: Path, include_dir: str, out: Path) -> str:
+    """Build `stacked_gemm.cc` into `out` (written under a temporary name, then renamed: never half-written);
+    "" when done, else why not."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        return f"cannot create {out.parent} for the oneDNN handlers ({err})"
+    partial = out.with_name(f"{out.name}.{os.getpid()}.partial")
+    cmd = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", f"-I{include_dir}", str(SOURCE), "-o", str(partial),
+           str(library), f"-Wl,-rpath,{library.parent}"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True)
+    except OSError as err:
+        return f"building {SOURCE.name} failed: {err}"
+    if done.returncode != 0:
+        partial.unlink(missing_ok=True)
+        return f"building {SOURCE.name} failed: {done.stderr.strip()[-400:]}"
+    partial.replace(out)
+    return ""
+
+
 @functools.cache
 def _built() -> tuple[Path | None, str]:
     """(the compiled handler library, "") or (None, why not). Built once per process at most."""
@@ -77,28 +105,14 @@ def _built() -> tuple[Path | None, str]:
     library = onednn_library()
     if library is None:
         return None, f"the {WHEEL} wheel is not installed (pip install {WHEEL}==2023.2.0)"
+    out = handler_library_path(library, jax.lib.__version__)
+    if out.exists():  # built before (or carried: benchmarks/device_wheels.sh)
+        return out, ""
     compiler = shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         return None, "no C++ compiler (g++) on PATH to build the oneDNN handlers"
-    key = hashlib.sha256(SOURCE.read_bytes() + str(library).encode() + jax.lib.__version__.encode()).hexdigest()[:16]
-    out = _cache_dir() / f"libstacked_gemm-{key}.so"
-    if not out.exists():
-        try:
-            out.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            return None, f"cannot create {out.parent} for the oneDNN handlers ({err})"
-        partial = out.with_name(f"{out.name}.{os.getpid()}.partial")
-        cmd = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", f"-I{jax.ffi.include_dir()}", str(SOURCE),
-               "-o", str(partial), str(library), f"-Wl,-rpath,{library.parent}"]
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True)
-        except OSError as err:
-            return None, f"building {SOURCE.name} failed: {err}"
-        if done.returncode != 0:
-            partial.unlink(missing_ok=True)
-            return None, f"building {SOURCE.name} failed: {done.stderr.strip()[-400:]}"
-        partial.replace(out)
-    return out, ""
+    why = compile_handlers(compiler, library, jax.ffi.include_dir(), out)
+    return (None, why) if why else (out, "")
 
 
 @functools.cache
