@@ -11,7 +11,9 @@ accumulation of the stack's cotangent). Values: float32 GEMMs as XLA's, summed i
 
 The handlers (`stacked_gemm.cc`) are compiled on first use with the system's C++ compiler against
 `jax.ffi.include_dir()` and the wheel's `libdnnl.so.3`, once per source, library and jaxlib, into
-`$XDG_CACHE_HOME/ppojax/ffi` (written under a temporary name, then renamed: never half-written).
+`$XDG_CACHE_HOME/ppojax/ffi` (written under a temporary name, then renamed: never half-written); a library
+already there (built before, or prebuilt for a machine without a compiler: `benchmarks/device_wheels.sh`) is
+taken as it is.
 :func:`unavailable_reason` says why not where they cannot be had (not Linux x86-64, no wheel, no compiler, a
 failed build); the models then keep XLA's dots (the models' `matmul_implementation`: "auto", "xla" or "onednn").
 """
