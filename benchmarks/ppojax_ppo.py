@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import jax
@@ -151,11 +152,12 @@ def run(config: dict) -> dict:
             if turns.active:
                 turns.wait(u)
                 previous_end = time.perf_counter()  # the clock starts with the turn
-            cpu0 = time.process_time()
+            cpu0, faults0 = time.process_time(), _page_faults()
             state, metrics = step(state, prompts[u * B:(u + 1) * B], jax.random.fold_in(seed_key, u))
             jax.block_until_ready((state, metrics))
             end = time.perf_counter()
-            records.append({"total_s": end - previous_end, "cpu_s": time.process_time() - cpu0})
+            records.append({"total_s": end - previous_end, "cpu_s": time.process_time() - cpu0,
+                            "page_faults": _page_faults() - faults0, "rss_mb": _rss_mb()})
             turns.done(u)
             previous_end = end
         compilations = step.jitted._cache_size()
@@ -196,6 +198,22 @@ def run(config: dict) -> dict:
     out["matmul_implementation"] = _matmul_used(config, state.params)
     out["state_mb"] = sum(x.nbytes for x in jax.tree.leaves((state.params, state.opt_state))) / 1e6
     return out
+
+
+def _page_faults() -> int:
+    """This process's page faults so far (minor: first touches of memory the allocator took from the OS)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _rss_mb() -> float:
+    """This process's resident memory now (Linux), MB; NaN elsewhere."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
+    except OSError:
+        return float("nan")
 
 
 def _matmul_used(config: dict, params) -> str:
