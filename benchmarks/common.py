@@ -203,6 +203,16 @@ def summarize(config: dict, updates: list[dict], setup_s: float) -> dict:
     }
 
 
+def status_mb(field: str) -> float:
+    """A ``/proc/self/status`` memory field of this process in MiB (Linux): VmRSS (resident now), VmHWM (the peak
+    since the last ``clear_refs``), RssAnon (anonymous memory: the arrays, without mapped file pages)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise KeyError(field)
+
+
 def peak_rss_mb() -> float:
     """Peak resident set size of this process (Linux ru_maxrss is in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0

@@ -21,23 +21,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks.common import status_mb
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DIR = REPO / ".cache/ppojax/smollm2-135m-instruct"
 OVERRIDES = ["precision=float32", "remat=none", "max_prompt_length=32", "response_length=32", "batch_size=8",
              "gradient_accumulation_steps=1", "num_mini_batches=1", "num_ppo_epochs=1", "logits_chunk_size=null",
              "stop_token=eos"]
-
-
-def _status_mb(field: str) -> float:
-    """A ``/proc/self/status`` memory field (VmRSS, VmHWM: the peak since the last ``clear_refs``) in MB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-
-
-def _rss_mb() -> float:
-    return _status_mb("VmRSS")
 
 
 def phase(name: str, model_dir: str, overrides: list) -> dict:
@@ -56,7 +46,7 @@ def phase(name: str, model_dir: str, overrides: list) -> dict:
     from ppojax.train_step import make_rollout, make_update, rollout_part
 
     config = PPOConfig.from_yaml(REPO / "configs/plan.yaml", overrides)
-    runtime_mb = _rss_mb()
+    runtime_mb = status_mb("VmRSS")
     options = model_kwargs(config)  # the config's precision and remat, as the plan compiles them
     if model_dir == "random":  # a random init of SmolLM2's config (same shapes)
         cfg, _, _ = model_config_for("smollm2-135m")
@@ -72,7 +62,7 @@ def phase(name: str, model_dir: str, overrides: list) -> dict:
     jax.block_until_ready(run.state)  # the state's initialisation runs asynchronously
     prompts = jnp.full((run.settings.batch_size, config.max_prompt_length), 5, jnp.int32)
     key = jax.random.key(0)
-    built_mb = _rss_mb()
+    built_mb = status_mb("VmRSS")
     if name == "rollout":
         program = make_rollout(run.program).jitted
         args = (run.state, prompts, key)
@@ -86,10 +76,10 @@ def phase(name: str, model_dir: str, overrides: list) -> dict:
     # handed back to the kernel, then the kernel's high-water mark reset (clear_refs 5) just before the call.
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
-    before_mb = _rss_mb()
+    before_mb = status_mb("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")
     jax.block_until_ready(compiled(*args))
-    program_peak_mb = _status_mb("VmHWM")
+    program_peak_mb = status_mb("VmHWM")
     return {"phase": name, "runtime_rss_mb": runtime_mb, "built_rss_mb": built_mb, "peak_rss_mb": peak_rss_mb(),
             "before_program_rss_mb": before_mb, "program_peak_rss_mb": program_peak_mb,
             "model": model_dir, "presets_checked": "smollm2-135m" in PRESETS}

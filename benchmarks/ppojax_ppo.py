@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 import jax
@@ -29,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from benchmarks.common import Turns, make_config, peak_rss_mb, summarize
+from benchmarks.common import Turns, make_config, peak_rss_mb, status_mb, summarize
 from ppojax.config import PPOConfig
 
 DEFAULT_REMAT = PPOConfig().remat  # ppojax's default, so the benchmark runs what a user's run does
@@ -157,7 +156,7 @@ def run(config: dict) -> dict:
             jax.block_until_ready((state, metrics))
             end = time.perf_counter()
             records.append({"total_s": end - previous_end, "cpu_s": time.process_time() - cpu0,
-                            "page_faults": _page_faults() - faults0, "rss_mb": _rss_mb()})
+                            "page_faults": _page_faults() - faults0, "rss_mb": status_mb("VmRSS")})
             turns.done(u)
             previous_end = end
         compilations = step.jitted._cache_size()
@@ -205,15 +204,6 @@ def _page_faults() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
-def _rss_mb() -> float:
-    """This process's resident memory now (Linux), MB; NaN elsewhere."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
-    except OSError:
-        return float("nan")
 
 
 def _matmul_used(config: dict, params) -> str:

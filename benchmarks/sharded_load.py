@@ -23,15 +23,9 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.common import status_mb
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _status_mb(field: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    raise KeyError(field)
 
 
 def make_checkpoint(directory: str, preset: str) -> None:
@@ -70,7 +64,7 @@ def measure(way: str, directory: str, mesh_shape: tuple, param_dtype: str) -> di
 
     mesh = sharding.make_mesh(*mesh_shape)
     dtype = jnp.dtype(param_dtype)
-    before = _status_mb("VmRSS")
+    before = status_mb("VmRSS")
     anonymous = _PeakSampler("RssAnon")  # the arrays' memory, without the checkpoint's mapped file pages
     start = time.perf_counter()
     if way == "whole":
@@ -84,7 +78,7 @@ def measure(way: str, directory: str, mesh_shape: tuple, param_dtype: str) -> di
     jax.block_until_ready(state)
     seconds = time.perf_counter() - start
     return dict(way=way, seconds=round(seconds, 2), rss_before_mb=round(before),
-                peak_rss_mb=round(_status_mb("VmHWM")), peak_anonymous_rss_mb=round(anonymous.stop()),
+                peak_rss_mb=round(status_mb("VmHWM")), peak_anonymous_rss_mb=round(anonymous.stop()),
                 largest_device_after_load_mb=round(after_load), largest_device_at_end_mb=round(largest(state)),
                 model_mb=round(sum(x.nbytes for x in jax.tree.leaves(state)) / 2**20))
 
@@ -94,18 +88,18 @@ class _PeakSampler:
 
     def __init__(self, field: str):
         import threading
-        self.field, self.peak, self._done = field, _status_mb(field), threading.Event()
+        self.field, self.peak, self._done = field, status_mb(field), threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self):
         while not self._done.wait(0.01):
-            self.peak = max(self.peak, _status_mb(self.field))
+            self.peak = max(self.peak, status_mb(self.field))
 
     def stop(self) -> float:
         self._done.set()
         self._thread.join()
-        return max(self.peak, _status_mb(self.field))
+        return max(self.peak, status_mb(self.field))
 
 
 def _drop_page_cache() -> bool:
