@@ -5,6 +5,8 @@ kernel, a whole model's hidden states and gradients under each remat policy; and
 the compiled programs' custom calls and weight slices, the fallback and the error when the handlers cannot be had.
 """
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -190,6 +192,9 @@ def test_a_run_asking_for_onednn_where_it_cannot_run_stops_before_loading(monkey
     config = PPOConfig(matmul_implementation="onednn")
     mesh = sharding.mesh_from_config(config)
     build._check_matmul_implementation(config, mesh)  # one CPU device, handlers built: fine
+    two_devices = types.SimpleNamespace(devices=np.empty(2, object))
+    with pytest.raises(ConfigError, match="cannot be used: it runs on a single CPU device, and here are 2 cpu"):
+        build._check_matmul_implementation(config, two_devices)
     monkeypatch.setattr(stacked_matmul, "unavailable_reason", lambda: "no C++ compiler (g++) on PATH")
     with pytest.raises(ConfigError, match="cannot be used: no C\\+\\+ compiler.*Set matmul_implementation: auto"):
         build._check_matmul_implementation(config, mesh)

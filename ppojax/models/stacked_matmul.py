@@ -140,6 +140,14 @@ def unavailable_reason() -> str:
         return _registered()
 
 
+def unavailable_on(devices: int) -> str:
+    """"" when the oneDNN products can run on `devices` devices of the default backend (one CPU device, the handlers
+    registered), else why not."""
+    if jax.default_backend() != "cpu" or devices != 1:
+        return f"it runs on a single CPU device, and here are {devices} {jax.default_backend()} device(s)"
+    return unavailable_reason()
+
+
 def check_implementation(implementation: str) -> None:
     """Raise a clear `ValueError` unless `implementation` is one of `IMPLEMENTATIONS`."""
     if implementation not in IMPLEMENTATIONS:
@@ -162,10 +170,9 @@ def applies(implementation: str, dtype, kernels, rows: int) -> bool:
     layer_elements = sum(k.size // k.shape[0] for k in kernels)
     if implementation == "auto" and (layer_elements < AUTO_MIN_LAYER_ELEMENTS or rows < AUTO_MIN_ROWS):
         return False
-    single_cpu = jax.default_backend() == "cpu" and jax.device_count() == 1
     float32 = jnp.dtype(dtype) == jnp.float32 and all(jnp.dtype(k.dtype) == jnp.float32 for k in kernels)
-    why = "" if single_cpu and float32 else "it runs float32 models on a single CPU device only"
-    why = why or unavailable_reason()
+    why = "" if float32 else "it runs float32 models on a single CPU device only"
+    why = why or unavailable_on(jax.device_count())
     if why and implementation == "onednn":
         raise ValueError(f"matmul_implementation='onednn' cannot be used here: {why}; use 'auto' or 'xla'")
     return not why

@@ -523,10 +523,7 @@ def _check_matmul_implementation(config, mesh) -> None:
         return
     from ..models import stacked_matmul
 
-    devices = mesh.devices.size if mesh is not None else jax.device_count()
-    why = "" if jax.default_backend() == "cpu" and devices == 1 else (
-        f"it runs on a single CPU device, and this run has {devices} {jax.default_backend()} device(s)")
-    why = why or stacked_matmul.unavailable_reason()
+    why = stacked_matmul.unavailable_on(mesh.devices.size if mesh is not None else jax.device_count())
     if why:
         raise ConfigError(f"matmul_implementation='onednn' cannot be used: {why}. Set matmul_implementation: auto "
                           "(oneDNN where it can run, XLA's dots elsewhere) or xla.")
