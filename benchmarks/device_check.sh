@@ -16,6 +16,14 @@
 #              the GPU, one line per test as it ends (`-v`), on the remaining cores;
 #   gpu-bench  `benchmarks.gpu` (tiny, SmolLM2, a random 1B Llama under mixed and bfloat16) and TRL on the
 #              same GPU (`trl_ppo --device cuda --bf16`).
+#   cpu-ab     alone: SmolLM2 `benchmarks.ppojax_ppo` under `--matmul xla` and `--matmul onednn` side by side, each
+#              on its own two cores (a paired comparison under the same load), and `benchmarks.step_profile`
+#              float32 (ppojax's default) on two more: whether oneDNN's projections pay on that CPU, and where a
+#              step's time goes there (~2.5 min);
+#   cpu-gemm   alone: `benchmarks.gemm_shapes` (the update's float32 GEMMs at SmolLM2's shapes by XLA, ppojax's
+#              oneDNN handlers and torch, TRL's) and then `benchmarks.step_profile` float32, one after the other on
+#              two cores with nothing else running: whether that CPU's GEMMs or the rest make ppojax's update slower
+#              than TRL's there (~1 + ~1.5 min on 2 Zen 4 cores);
 #   cpu-quiet  alone (no other part): `benchmarks.run` as ONE process on two cores with nothing else running: TRL,
 #              then ppojax float32, SmolLM2 only (issue 15's "quiet machine" figures; tiny's target was met there
 #              already; BENCH_EXTRA="--sizes tiny,smollm2" adds it). From the fifteenth session's busy runs: the
@@ -39,15 +47,17 @@ stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 PARTS=${*:-cpu cpu-options cpu-profile gpu-tests}  # with gpu-bench (~6 min) it takes longer than one call
 want() { [[ " $PARTS " == *" $1 "* ]]; }
 for part in $PARTS; do
-  case $part in cpu|cpu-options|cpu-profile|gpu-tests|gpu-bench|cpu-quiet) ;;
+  case $part in cpu|cpu-options|cpu-profile|gpu-tests|gpu-bench|cpu-quiet|cpu-ab|cpu-gemm) ;;
     *) echo "device_check.sh: unknown part '$part'; the parts are cpu, cpu-options, cpu-profile, gpu-tests," \
-            "gpu-bench, cpu-quiet"
+            "gpu-bench, cpu-quiet, cpu-ab, cpu-gemm"
        exit 2;;
   esac
 done
-if want cpu-quiet && [ "$PARTS" != "cpu-quiet" ]; then
-  echo "device_check.sh: cpu-quiet runs alone (its figures are of a quiet machine); got: $PARTS"; exit 2
-fi
+for alone in cpu-quiet cpu-ab cpu-gemm; do
+  if want $alone && [ "$PARTS" != "$alone" ]; then
+    echo "device_check.sh: $alone runs alone (its figures are of an otherwise quiet machine); got: $PARTS"; exit 2
+  fi
+done
 
 {
   date -u; uname -r
@@ -99,6 +109,38 @@ if want cpu-quiet; then
   $CPU_ENV JAX_COMPILATION_CACHE_DIR=/tmp/jc_quiet taskset -c "$CPU_TRL" timeout 560 $BENCH \
     $QUIET_SIZES --json "$OUT/cpu_quiet.json" > "$OUT/cpu_quiet.log" 2>&1
   grep -v "^WARNING\|plugin" "$OUT/cpu_quiet.log" | tail -n 40
+  stamp "all done"; exit 0
+fi
+if want cpu-ab; then
+  stamp "cpu-ab: --matmul xla on CPUs $CPU_F32, --matmul onednn on $CPU_MIXED, step_profile on $CPU_PROF"
+  AB=(); AB_ARGS="--size ${PROFILE_SIZE:-smollm2} --updates ${AB_UPDATES:-5} --no-phases"
+  for impl in xla onednn; do
+    cpus=$CPU_F32; [ $impl = onednn ] && cpus=$CPU_MIXED
+    $CPU_ENV JAX_COMPILATION_CACHE_DIR=/tmp/jc_ab_$impl taskset -c "$cpus" timeout 240 python3 -m \
+      benchmarks.ppojax_ppo $AB_ARGS --matmul $impl --json "$OUT/ab_$impl.json" > "$OUT/ab_$impl.log" 2>&1 &
+    AB+=($!)
+  done
+  $CPU_ENV JAX_COMPILATION_CACHE_DIR=/tmp/jc_prof taskset -c "$CPU_PROF" timeout 240 python3 -m \
+    benchmarks.step_profile --size "${PROFILE_SIZE:-smollm2}" --precision float32 \
+    --json "$OUT/step_profile_float32.json" > "$OUT/step_profile.log" 2>&1 &
+  AB+=($!)
+  wait "${AB[@]}"
+  for impl in xla onednn; do
+    echo "== $impl"; grep -E '"(episodes_per_s|update_s|step_s|matmul_implementation|time_to_first_update_s)"' \
+      "$OUT/ab_$impl.log"
+  done
+  grep -v "^WARNING" "$OUT/step_profile.log" | tail -n 30
+  stamp "all done"; exit 0
+fi
+if want cpu-gemm; then
+  stamp "cpu-gemm: gemm_shapes, then step_profile float32, on CPUs $CPU_TRL, nothing else running"
+  $CPU_ENV taskset -c "$CPU_TRL" timeout 200 python3 -m benchmarks.gemm_shapes ${GEMM_EXTRA:-} \
+    --json "$OUT/gemm_shapes.json" 2>&1 | grep -v "^WARNING\|plugin" | tee "$OUT/gemm_shapes.log"
+  stamp "gemm_shapes done"
+  $CPU_ENV JAX_COMPILATION_CACHE_DIR=/tmp/jc_prof taskset -c "$CPU_TRL" timeout 240 python3 -m \
+    benchmarks.step_profile --size "${PROFILE_SIZE:-smollm2}" --precision float32 \
+    --json "$OUT/step_profile_float32.json" > "$OUT/step_profile.log" 2>&1
+  grep -v "^WARNING" "$OUT/step_profile.log" | tail -n 14
   stamp "all done"; exit 0
 fi
 PIDS=()

@@ -557,3 +557,36 @@ def test_step_profile_reads_a_real_trace_of_the_tiny_step():
     assert out["kinds"][OPTIMIZER]["ops"] % 4 == 0
     assert sum(k["share"] for k in out["kinds"].values()) == pytest.approx(1.0, abs=1e-3)
     assert len(out["step_s"]) == 2 and out["traced_step_s"] == out["step_s"][-1]
+
+
+def test_gemm_shapes_times_each_product_of_the_right_layer_and_sums_the_update():
+    """benchmarks.gemm_shapes times, per implementation, a pass of one product over stacked layers: each must
+    compute that product for the layer it is given (checked on the last of three, whose operands differ from the
+    others' and from a float64 product's only by float32 rounding), an implementation that cannot run here must
+    be reported with its reason, and ``update_s`` must weigh each product by how often an update runs it."""
+    from benchmarks import gemm_shapes
+    from ppojax.models import stacked_matmul
+
+    shapes = (("layer", 12, 24, 40, 2), ("head", 8, 24, 56, None))
+    report = gemm_shapes.measure(rounds=1, shapes=shapes, layers=3)
+    why = stacked_matmul.unavailable_reason()
+    expected = {"xla", "torch"} | (set() if why else {"onednn"})
+    assert report["unavailable"] == ({} if not why else {"onednn": why})
+    for name, _rows, _d_in, _d_out, _uses in shapes:
+        for product in gemm_shapes.PRODUCTS:
+            cell = report["results"][name][product]
+            assert set(cell) == expected, (name, product, cell)
+            for impl, figures in cell.items():
+                assert figures["error"] < 1e-5 and figures["s"] > 0, (name, product, impl, figures)
+    ops = gemm_shapes.operands(12, 24, 40, 3)  # the layers' products do differ: a wrong layer would fail above
+    assert abs(gemm_shapes.reference("fwd", ops, 2) - gemm_shapes.reference("fwd", ops, 1)).max() > 0.1
+    for impl in expected:
+        by_hand = sum(gemm_shapes.EPOCHS * (1 if uses is None else uses * gemm_shapes.LAYERS * gemm_shapes.MODELS)
+                      * report["results"][name][product][impl]["s"]
+                      for name, _r, _i, _o, uses in shapes for product in gemm_shapes.PRODUCTS)
+        assert report["update_s"][impl] == pytest.approx(by_hand)
+    head_by_xla = {name: "xla" if name == "head" else ("xla" if why else "onednn") for name, *_ in shapes}
+    assert report["update_s"]["ppojax"] == pytest.approx(sum(
+        gemm_shapes.EPOCHS * (1 if uses is None else uses * gemm_shapes.LAYERS * gemm_shapes.MODELS)
+        * report["results"][name][product][head_by_xla[name]]["s"]
+        for name, _r, _i, _o, uses in shapes for product in gemm_shapes.PRODUCTS))
