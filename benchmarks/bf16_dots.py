@@ -34,7 +34,6 @@ import argparse
 import hashlib
 import json
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
@@ -53,29 +52,25 @@ def onednn_library() -> Path | None:
     return lookup()
 
 
-def build_ffi(cache_dir: Path) -> tuple[Path | None, str]:
-    """Compile ``benchmarks/ffi/bf16_gemm.cc`` against oneDNN (once per source and library): (path, "") or
-    (None, why not)."""
+def build_ffi(cache_dir: Path, source: Path = FFI_SOURCE) -> tuple[Path | None, str]:
+    """Compile a handler source of ``benchmarks/ffi`` (``bf16_gemm.cc`` unless told) against oneDNN, once per
+    source and library, into ``cache_dir``: (path, "") or (None, why not)."""
     import jax
+
+    from ppojax.models.stacked_matmul import compile_handlers
 
     lib = onednn_library()
     if lib is None:
         return None, "onednn-cpu-gomp is not installed (pip install onednn-cpu-gomp==2023.2.0)"
+    key = hashlib.sha256(source.read_bytes() + str(lib).encode() + jax.lib.__version__.encode()).hexdigest()[:16]
+    out = cache_dir / f"lib{source.stem}-{key}.so"
+    if out.exists():
+        return out, ""
     compiler = shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         return None, "no C++ compiler (g++) on PATH"
-    key = hashlib.sha256(FFI_SOURCE.read_bytes() + str(lib).encode()).hexdigest()[:16]
-    out = cache_dir / f"libbf16_gemm-{key}.so"
-    if not out.exists():
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        partial = out.with_suffix(".so.partial")  # never leave a half-written library under the final name
-        cmd = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", f"-I{jax.ffi.include_dir()}", str(FFI_SOURCE),
-               "-o", str(partial), str(lib), f"-Wl,-rpath,{lib.parent}"]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            return None, f"compiling {FFI_SOURCE.name} failed: {done.stderr.strip()[-400:]}"
-        partial.replace(out)
-    return out, ""
+    why = compile_handlers(compiler, lib, jax.ffi.include_dir(), out, source=source)
+    return (None, why) if why else (out, "")
 
 
 def register_ffi(library: Path) -> None:

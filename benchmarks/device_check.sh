@@ -136,9 +136,11 @@ if want cpu-gemm; then
   stamp "cpu-gemm: gemm_shapes, then step_profile float32, on CPUs $CPU_TRL, nothing else running"
   $CPU_ENV taskset -c "$CPU_TRL" timeout 200 python3 -m benchmarks.gemm_shapes ${GEMM_EXTRA:-} \
     --json "$OUT/gemm_shapes.json" 2>&1 | grep -v "^WARNING\|plugin" | tee "$OUT/gemm_shapes.log"
-  # which ISA and threads oneDNN's kernels take on that CPU (its verbose mode's info lines; one untimed pass)
-  $CPU_ENV ONEDNN_VERBOSE=1 taskset -c "$CPU_TRL" timeout 60 python3 -m benchmarks.gemm_shapes --rounds 1 \
-    --only onednn 2>&1 | grep "onednn_verbose,info" | tee "$OUT/onednn_info.txt"
+  # which ISA, threads and kernels oneDNN takes on that CPU (its verbose mode: the info lines and the first call
+  # of each API / primitive implementation; one pass more of the two oneDNN columns)
+  $CPU_ENV ONEDNN_VERBOSE=1 taskset -c "$CPU_TRL" timeout 90 python3 -m benchmarks.gemm_shapes --rounds 1 \
+    --only onednn,onednn_matmul 2>&1 | awk -F, '$1 == "onednn_verbose" && ($2 == "info" || !seen[$4 "," $5]++)' \
+    | tee "$OUT/onednn_info.txt"
   stamp "gemm_shapes done"
   $CPU_ENV JAX_COMPILATION_CACHE_DIR=/tmp/jc_prof taskset -c "$CPU_TRL" timeout 240 python3 -m \
     benchmarks.step_profile --size "${PROFILE_SIZE:-smollm2}" --precision float32 \

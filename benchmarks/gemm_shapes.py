@@ -1,12 +1,14 @@
 """Float32 GEMM rates at SmolLM2-135M's own shapes, by each implementation a PPO update on the CPU can run.
 
-    python -m benchmarks.gemm_shapes [--rounds 10] [--only xla,onednn,torch] [--json F]
+    python -m benchmarks.gemm_shapes [--rounds 10] [--only xla,onednn,onednn_matmul,torch] [--json F]
 
 The implementations:
 
 - ``xla``: XLA's dot on whole operands (ppojax's `matmul_implementation: xla`, and its LM head always);
 - ``onednn``: oneDNN's GEMM on one layer of a stacked kernel, in place (`ppojax.models.stacked_matmul`'s handlers:
   ppojax's default projections on a single CPU device), where the wheel and the handlers can be had;
+- ``onednn_matmul``: the same products through oneDNN's matmul primitive (its brgemm kernels where the CPU has
+  them; `benchmarks/ffi/onednn_matmul.cc`) instead of its `dnnl_sgemm`: whether oneDNN's API matters on a CPU;
 - ``torch``: `torch.nn.functional.linear` and the products of its backward (what TRL's step runs: MKL's sgemm in
   torch's x86 wheels), with as many threads as this process may use.
 
@@ -22,6 +24,7 @@ the update's GEMMs alone would take, by implementation, and as ppojax runs them 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -37,7 +40,9 @@ SHAPES = (("q_o", UPDATE_ROWS, HIDDEN, HIDDEN, 2), ("k_v", UPDATE_ROWS, HIDDEN, 
           ("gate_up", UPDATE_ROWS, HIDDEN, INTERMEDIATE, 2), ("down", UPDATE_ROWS, INTERMEDIATE, HIDDEN, 1),
           ("lm_head", RESPONSE_ROWS, HIDDEN, VOCAB, None))
 PRODUCTS = ("fwd", "dx", "dw")
-IMPLEMENTATIONS = ("xla", "onednn", "torch")
+IMPLEMENTATIONS = ("xla", "onednn", "onednn_matmul", "torch")
+PRIMITIVE_SOURCE = Path(__file__).parent / "ffi" / "onednn_matmul.cc"
+PRIMITIVE_TARGET = "ppojax_bench_onednn_matmul"
 
 
 def operands(rows: int, d_in: int, d_out: int, layers: int, seed: int = 0) -> dict:
@@ -120,6 +125,53 @@ def onednn_products(ops: dict) -> dict:
     return out
 
 
+@functools.cache
+def _primitive_target() -> str:
+    """Build and register ``benchmarks/ffi/onednn_matmul.cc`` once: its FFI target name. Raises RuntimeError naming
+    why where it cannot be had."""
+    import ctypes
+
+    import jax
+
+    from benchmarks.bf16_dots import FFI_CACHE, build_ffi
+
+    library, why = build_ffi(FFI_CACHE, source=PRIMITIVE_SOURCE)
+    if library is None:
+        raise RuntimeError(why)
+    handler = ctypes.cdll.LoadLibrary(str(library)).OnednnMatmul
+    jax.ffi.register_ffi_target(PRIMITIVE_TARGET, jax.ffi.pycapsule(handler), platform="cpu")
+    return PRIMITIVE_TARGET
+
+
+def onednn_matmul_products(ops: dict) -> dict:
+    """As `onednn_products`, through oneDNN's matmul primitive (`benchmarks/ffi/onednn_matmul.cc`) instead of its
+    `dnnl_sgemm`: whether oneDNN's API is what its rate on a CPU turns on."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    target = _primitive_target()
+    x, w, g = (jnp.array(ops[k]) for k in ("x", "w", "g"))
+    layers, rows, d_in = ops["x"].shape
+
+    def call(a, stack, i, m, n, ta, tb):
+        return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((m, n), jnp.float32))(
+            a, stack, i, transpose_a=np.int64(ta), transpose_b=np.int64(tb))
+
+    d_out = ops["w"].shape[2]
+    layer_product = {"fwd": lambda x, w, g, i: call(x[i], w, i, rows, d_out, False, False),
+                     "dx": lambda x, w, g, i: call(g[i], w, i, rows, d_in, False, True),
+                     "dw": lambda x, w, g, i: call(x[i], g, i, d_in, d_out, True, False)}
+    out = {}
+    for name in PRODUCTS:
+        def every(x, w, g, name=name):
+            return lax.scan(lambda carry, i: (carry + layer_product[name](x, w, g, i)[0, 0], None),
+                            jnp.float32(0), jnp.arange(layers, dtype=jnp.int32))[0]
+        every, one = jax.jit(every), jax.jit(layer_product[name])
+        out[name] = (lambda every=every: every(x, w, g), lambda i, one=one: one(x, w, g, jnp.int32(i)))
+    return out
+
+
 def torch_products(ops: dict) -> dict:
     """torch's `nn.Linear` forward and the two products of its backward, layer by layer from Python (as TRL's
     step runs them; the weight stored [d_out, d_in]), with as many threads as this process may use."""
@@ -141,7 +193,8 @@ def torch_products(ops: dict) -> dict:
 
 
 def _make(implementation: str, ops: dict) -> dict:
-    return {"xla": xla_products, "onednn": onednn_products, "torch": torch_products}[implementation](ops)
+    return {"xla": xla_products, "onednn": onednn_products, "onednn_matmul": onednn_matmul_products,
+            "torch": torch_products}[implementation](ops)
 
 
 def _numpy(result) -> np.ndarray:

@@ -78,23 +78,23 @@ def handler_library_path(library: Path, jaxlib_version: str, cache_dir: Path | N
     return (cache_dir or _cache_dir()) / f"libstacked_gemm-{key}.so"
 
 
-def compile_handlers(compiler: str, library: Path, include_dir: str, out: Path) -> str:
-    """Build `stacked_gemm.cc` into `out` (written under a temporary name, then renamed: never half-written);
-    "" when done, else why not."""
+def compile_handlers(compiler: str, library: Path, include_dir: str, out: Path, source: Path = SOURCE) -> str:
+    """Build `source` (`stacked_gemm.cc`; the benchmarks build their own oneDNN handlers with it too) into `out`
+    (written under a temporary name, then renamed: never half-written); "" when done, else why not."""
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         return f"cannot create {out.parent} for the oneDNN handlers ({err})"
     partial = out.with_name(f"{out.name}.{os.getpid()}.partial")
-    cmd = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", f"-I{include_dir}", str(SOURCE), "-o", str(partial),
+    cmd = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", f"-I{include_dir}", str(source), "-o", str(partial),
            str(library), f"-Wl,-rpath,{library.parent}"]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True)
     except OSError as err:
-        return f"building {SOURCE.name} failed: {err}"
+        return f"building {source.name} failed: {err}"
     if done.returncode != 0:
         partial.unlink(missing_ok=True)
-        return f"building {SOURCE.name} failed: {done.stderr.strip()[-400:]}"
+        return f"building {source.name} failed: {done.stderr.strip()[-400:]}"
     partial.replace(out)
     return ""
 
