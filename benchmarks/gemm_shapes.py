@@ -96,12 +96,29 @@ def xla_products(ops: dict) -> dict:
     return out
 
 
+def _scanned_over_layer_index(layer_product: dict, arrays: tuple) -> dict:
+    """(every_layer, one_layer) per product for custom calls that take the layer's index: `layer_product[name](x,
+    w, g, i)` run for i in a `lax.scan` over every layer of `arrays` = (x, w, g)."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    layers = jnp.arange(arrays[1].shape[0], dtype=jnp.int32)
+    out = {}
+    for name in PRODUCTS:
+        def every(x, w, g, name=name):
+            return lax.scan(lambda carry, i: (carry + layer_product[name](x, w, g, i)[0, 0], None),
+                            jnp.float32(0), layers)[0]
+        every, one = jax.jit(every), jax.jit(layer_product[name])
+        out[name] = (lambda every=every: every(*arrays), lambda i, one=one: one(*arrays, jnp.int32(i)))
+    return out
+
+
 def onednn_products(ops: dict) -> dict:
     """ppojax's oneDNN handlers in a `lax.scan` over the layer index, the weights read in place in the stack.
     Raises RuntimeError naming why where the handlers cannot be had."""
     import jax
     import jax.numpy as jnp
-    from jax import lax
 
     from ppojax.models import stacked_matmul
 
@@ -114,15 +131,7 @@ def onednn_products(ops: dict) -> dict:
     layer_product = {"fwd": lambda x, w, g, i: stacked_matmul._gemm(x[i], w, i, False),
                      "dx": lambda x, w, g, i: stacked_matmul._gemm(g[i], w, i, True),
                      "dw": lambda x, w, g, i: weight_grad(x[i], g[i])}
-    layers = jnp.arange(ops["w"].shape[0], dtype=jnp.int32)
-    out = {}
-    for name in PRODUCTS:
-        def every(x, w, g, name=name):
-            return lax.scan(lambda carry, i: (carry + layer_product[name](x, w, g, i)[0, 0], None),
-                            jnp.float32(0), layers)[0]
-        every, one = jax.jit(every), jax.jit(layer_product[name])
-        out[name] = (lambda every=every: every(x, w, g), lambda i, one=one: one(x, w, g, jnp.int32(i)))
-    return out
+    return _scanned_over_layer_index(layer_product, (x, w, g))
 
 
 @functools.cache
@@ -148,11 +157,10 @@ def onednn_matmul_products(ops: dict) -> dict:
     `dnnl_sgemm`: whether oneDNN's API is what its rate on a CPU turns on."""
     import jax
     import jax.numpy as jnp
-    from jax import lax
 
     target = _primitive_target()
     x, w, g = (jnp.array(ops[k]) for k in ("x", "w", "g"))
-    layers, rows, d_in = ops["x"].shape
+    _layers, rows, d_in = ops["x"].shape
 
     def call(a, stack, i, m, n, ta, tb):
         return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((m, n), jnp.float32))(
@@ -162,14 +170,7 @@ def onednn_matmul_products(ops: dict) -> dict:
     layer_product = {"fwd": lambda x, w, g, i: call(x[i], w, i, rows, d_out, False, False),
                      "dx": lambda x, w, g, i: call(g[i], w, i, rows, d_in, False, True),
                      "dw": lambda x, w, g, i: call(x[i], g, i, d_in, d_out, True, False)}
-    out = {}
-    for name in PRODUCTS:
-        def every(x, w, g, name=name):
-            return lax.scan(lambda carry, i: (carry + layer_product[name](x, w, g, i)[0, 0], None),
-                            jnp.float32(0), jnp.arange(layers, dtype=jnp.int32))[0]
-        every, one = jax.jit(every), jax.jit(layer_product[name])
-        out[name] = (lambda every=every: every(x, w, g), lambda i, one=one: one(x, w, g, jnp.int32(i)))
-    return out
+    return _scanned_over_layer_index(layer_product, (x, w, g))
 
 
 def torch_products(ops: dict) -> dict:
