@@ -16,10 +16,13 @@ For each distinct projection shape of a layer (q/o 576 -> 576, k/v 576 -> 192, g
 at the update's 384 token rows) and for the LM head (576 -> 49152 at the 256 response rows), the three products of
 a training step: ``fwd`` x @ W, ``dx`` g @ W.T, ``dw`` x.T @ g, for 30 layers in turn (each its own operands, as a
 layer scan's backward has them; the LM head once). Each figure is the median over ``rounds`` of such a pass; the
-implementations take turns within each round, each after one untimed pass (that wakes its threads). ``update_s`` sums one PPO update's products as the
-benchmark's work runs them (4 epochs; policy and value model, 30 layers each; the policy's LM head): the time
-the update's GEMMs alone would take, by implementation, and as ppojax runs them (``ppojax``: the projections by
-``onednn`` where it is available, the LM head by ``xla``). Run it pinned (`taskset`) to the cores compared.
+implementations take turns within each round, each after one untimed pass (that wakes its threads). ``update_s``
+sums one PPO update's products as the benchmark's work runs them (4 epochs; policy and value model, 30 layers
+each; the policy's LM head): the time the update's GEMMs alone would take, by implementation, and as ppojax runs
+them (``ppojax``: the projections by ``onednn`` where it is available, the LM head by ``xla``). The projections'
+forward at a decode step's 8 rows too (``decode_step_s``: one decode step's projections, the policy's 30 layers):
+where in-place oneDNN starts to beat XLA's copy-then-dot on a CPU (`stacked_matmul.AUTO_MIN_ROWS`). Run it pinned
+(`taskset`) to the cores compared.
 """
 from __future__ import annotations
 
@@ -39,6 +42,11 @@ UPDATE_ROWS, RESPONSE_ROWS, EPOCHS, MODELS = 8 * 48, 8 * 32, 4, 2  # the benchma
 SHAPES = (("q_o", UPDATE_ROWS, HIDDEN, HIDDEN, 2), ("k_v", UPDATE_ROWS, HIDDEN, KV, 2),
           ("gate_up", UPDATE_ROWS, HIDDEN, INTERMEDIATE, 2), ("down", UPDATE_ROWS, INTERMEDIATE, HIDDEN, 1),
           ("lm_head", RESPONSE_ROWS, HIDDEN, VOCAB, None))
+#: the same projections at a decode step's rows (one new token of each of the 8 sequences): the forward only, the
+#: policy alone (generation); ppojax leaves these to XLA (`stacked_matmul.AUTO_MIN_ROWS`)
+DECODE_ROWS = 8
+DECODE_SHAPES = tuple((f"{name}@decode", DECODE_ROWS, d_in, d_out, uses)
+                      for name, _rows, d_in, d_out, uses in SHAPES if uses is not None)
 PRODUCTS = ("fwd", "dx", "dw")
 IMPLEMENTATIONS = ("xla", "onednn", "onednn_matmul", "torch")
 PRIMITIVE_SOURCE = Path(__file__).parent / "ffi" / "onednn_matmul.cc"
@@ -214,13 +222,16 @@ def _timed(every_layer) -> float:
     return time.perf_counter() - t0
 
 
-def measure(implementations=IMPLEMENTATIONS, rounds: int = 10, shapes=SHAPES, layers: int = LAYERS) -> dict:
+def measure(implementations=IMPLEMENTATIONS, rounds: int = 10, shapes=SHAPES, layers: int = LAYERS,
+            decode_shapes=DECODE_SHAPES) -> dict:
     """{"results": {shape: {product: {implementation: {"s", "gflops", "error"}}}}, "unavailable": {impl: why},
-    "update_s": {implementation or "ppojax": seconds}}. ``s``: one layer's product (the median over `rounds` of a
-    pass over `layers` layers, over `layers`; the LM head: one); ``error``: the last layer's largest difference
-    from the float64 product, relative to its largest value."""
+    "update_s": {implementation or "ppojax": seconds}, "decode_step_s": {implementation: seconds}}. ``s``: one
+    layer's product (the median over `rounds` of a pass over `layers` layers, over `layers`; the LM head: one);
+    ``error``: the last layer's largest difference from the float64 product, relative to its largest value.
+    `decode_shapes`: the forward only; ``decode_step_s``: one decode step's projections (the policy's layers)."""
     unavailable, results = {}, {}
-    for name, rows, d_in, d_out, uses in shapes:
+    work = [(shape, PRODUCTS) for shape in shapes] + [(shape, ("fwd",)) for shape in decode_shapes]
+    for (name, rows, d_in, d_out, uses), products_here in work:
         depth = 1 if uses is None else layers
         ops = operands(rows, d_in, d_out, depth)
         calls_by_impl = {}
@@ -232,7 +243,7 @@ def measure(implementations=IMPLEMENTATIONS, rounds: int = 10, shapes=SHAPES, la
             except (RuntimeError, ImportError) as err:
                 unavailable[impl] = str(err)
         row = results[name] = {}
-        for product in PRODUCTS:
+        for product in products_here:
             want = reference(product, ops, depth - 1)
             cell = row[product] = {}
             for impl, products in calls_by_impl.items():  # compile and check the value
@@ -247,7 +258,11 @@ def measure(implementations=IMPLEMENTATIONS, rounds: int = 10, shapes=SHAPES, la
             for impl, ts in times.items():
                 s = statistics.median(ts)
                 cell[impl].update(s=s, gflops=flops / s / 1e9)
-    return {"results": results, "unavailable": unavailable, "update_s": update_seconds(results, shapes)}
+    decode = {impl: sum(uses * LAYERS * results[name]["fwd"][impl]["s"] for name, _r, _i, _o, uses in decode_shapes)
+              for impl in implementations
+              if decode_shapes and all("s" in results[name]["fwd"].get(impl, {}) for name, *_ in decode_shapes)}
+    return {"results": results, "unavailable": unavailable, "update_s": update_seconds(results, shapes),
+            "decode_step_s": decode}
 
 
 def update_seconds(results: dict, shapes=SHAPES) -> dict:
@@ -291,12 +306,14 @@ def main(argv=None):
     for impl, why in report["unavailable"].items():
         print(f"{impl}: not available ({why})")
     shown = [i for i in only if i not in report["unavailable"]]
-    print(f"{'shape':8} {'product':7} " + " ".join(f"{i:>8}" for i in shown) + "   (GFLOP/s, median)")
+    print(f"{'shape':18} {'product':7} " + " ".join(f"{i:>13}" for i in shown) + "   (GFLOP/s, median)")
     for name, products in report["results"].items():
         for product, cell in products.items():
-            print(f"{name:8} {product:7} " + " ".join(f"{cell[i]['gflops']:8.0f}" for i in shown))
+            print(f"{name:18} {product:7} " + " ".join(f"{cell[i]['gflops']:13.0f}" for i in shown))
     print("one update's GEMMs (s): " + ", ".join(f"{k} {v:.2f}" for k, v in report["update_s"].items()
                                                  if v is not None))
+    print("one decode step's projections (ms): " + ", ".join(f"{k} {v * 1e3:.2f}"
+                                                             for k, v in report["decode_step_s"].items()))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
 

@@ -564,12 +564,13 @@ def test_gemm_shapes_times_each_product_of_the_right_layer_and_sums_the_update()
     torch), a pass of one product over stacked layers: each must compute that product for the layer it is given
     (checked on the last of three, whose operands differ from the others'; equal to a float64 product up to
     float32 rounding), an implementation that cannot run here must be reported with its reason, and ``update_s``
-    must weigh each product by how often an update runs it."""
+    must weigh each product by how often an update runs it (a decode step's: the forward of the policy's layers)."""
     from benchmarks import gemm_shapes
     from ppojax.models import stacked_matmul
 
     shapes = (("layer", 12, 24, 40, 2), ("head", 8, 24, 56, None))
-    report = gemm_shapes.measure(rounds=1, shapes=shapes, layers=3)
+    decode = (("layer@decode", 2, 24, 40, 2),)
+    report = gemm_shapes.measure(rounds=1, shapes=shapes, layers=3, decode_shapes=decode)
     why = stacked_matmul.unavailable_reason()
     assert set(report["unavailable"]) <= {"onednn", "onednn_matmul"}  # only these need the wheel and a compiler
     assert report["unavailable"].get("onednn", "") == why
@@ -582,6 +583,11 @@ def test_gemm_shapes_times_each_product_of_the_right_layer_and_sums_the_update()
             assert set(cell) == expected, (name, product, cell)
             for impl, figures in cell.items():
                 assert figures["error"] < 1e-5 and figures["s"] > 0, (name, product, impl, figures)
+    decode_cell = report["results"]["layer@decode"]
+    assert list(decode_cell) == ["fwd"] and set(decode_cell["fwd"]) == expected  # a decode step: the forward only
+    assert all(figures["error"] < 1e-5 for figures in decode_cell["fwd"].values())
+    assert report["decode_step_s"] == pytest.approx(
+        {impl: 2 * gemm_shapes.LAYERS * decode_cell["fwd"][impl]["s"] for impl in expected})
     ops = gemm_shapes.operands(12, 24, 40, 3)  # the layers' products do differ: a wrong layer would fail above
     assert abs(gemm_shapes.reference("fwd", ops, 2) - gemm_shapes.reference("fwd", ops, 1)).max() > 0.1
     for impl in expected:
