@@ -20,10 +20,11 @@
 #              on its own two cores (a paired comparison under the same load), and `benchmarks.step_profile`
 #              float32 (ppojax's default) on two more: whether oneDNN's projections pay on that CPU, and where a
 #              step's time goes there (~2.5 min);
-#   cpu-gemm   alone: `benchmarks.gemm_shapes` (the update's float32 GEMMs at SmolLM2's shapes by XLA, ppojax's
-#              oneDNN handlers and torch, TRL's) and then `benchmarks.step_profile` float32, one after the other on
-#              two cores with nothing else running: whether that CPU's GEMMs or the rest make ppojax's update slower
-#              than TRL's there (~1 + ~1.5 min on 2 Zen 4 cores);
+#   cpu-gemm   alone: `benchmarks.gemm_shapes` (the update's float32 GEMMs at SmolLM2's shapes, and the decode
+#              step's, by XLA, ppojax's oneDNN handlers, oneDNN's matmul primitive and torch, TRL's), oneDNN's
+#              verbose report of its ISA and kernels there, then `benchmarks.step_profile` float32, one after the
+#              other on two cores with nothing else running: whether that CPU's GEMMs or the rest make ppojax's
+#              update slower than TRL's there (~2.5 + 0.5 + 1.5 min on 2 Zen 4 cores: timeout_s=420);
 #   cpu-quiet  alone (no other part): `benchmarks.run` as ONE process on two cores with nothing else running: TRL,
 #              then ppojax float32, SmolLM2 only (issue 15's "quiet machine" figures; tiny's target was met there
 #              already; BENCH_EXTRA="--sizes tiny,smollm2" adds it). From the fifteenth session's busy runs: the
