@@ -145,8 +145,11 @@ def test_vmapped_seeds_equal_seeds_run_one_by_one():
         return state.params, metrics
 
     seeds = jnp.arange(3)
-    params, metrics = jax.jit(jax.vmap(run))(seeds)
-    single = jax.jit(run)
+    # compiled with XLA's cheap backend passes (the sharding tests' flags): the test is about values, and the
+    # default passes took 3x longer to compile these two whole-run programs than they take to run
+    fast = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+    params, metrics = jax.jit(jax.vmap(run)).lower(seeds).compile(compiler_options=fast)(seeds)
+    single = jax.jit(run).lower(seeds[0]).compile(compiler_options=fast)
     for i in range(3):
         params_i, metrics_i = single(seeds[i])
         for name, value in metrics_i.items():
@@ -190,9 +193,13 @@ def test_the_vmap_seeds_example_runs_and_every_seed_learns():
     import sys
     from pathlib import Path
 
+    from tests.sharding_helpers import FAST_COMPILE_FLAGS
+
     repo = Path(__file__).resolve().parents[1]
+    env = dict(__import__("os").environ, PYTHONPATH=str(repo))
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}"  # compiling is most of its time
     proc = subprocess.run([sys.executable, str(repo / "examples" / "vmap_seeds.py")], cwd=repo, capture_output=True,
-                          text=True, timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(repo)})
+                          text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = re.findall(r"seed \d: mean score ([\d.]+) \(first 3 iterations\) -> ([\d.]+)", proc.stdout)
     assert len(runs) == 4 and all(float(last) > float(first) + 0.15 for first, last in runs), proc.stdout
