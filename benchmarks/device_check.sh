@@ -112,6 +112,12 @@ if want cpu-quiet; then
   grep -v "^WARNING\|plugin" "$OUT/cpu_quiet.log" | tail -n 40
   stamp "all done"; exit 0
 fi
+# one traced float32 SmolLM2 step (ppojax's default) on CPUs $1: where its time goes on that CPU
+profile_float32() {
+  $CPU_ENV JAX_COMPILATION_CACHE_DIR=/tmp/jc_prof taskset -c "$1" timeout 240 python3 -m benchmarks.step_profile \
+    --size "${PROFILE_SIZE:-smollm2}" --precision float32 --json "$OUT/step_profile_float32.json" \
+    > "$OUT/step_profile.log" 2>&1
+}
 if want cpu-ab; then
   stamp "cpu-ab: --matmul xla on CPUs $CPU_F32, --matmul onednn on $CPU_MIXED, step_profile on $CPU_PROF"
   AB=(); AB_ARGS="--size ${PROFILE_SIZE:-smollm2} --updates ${AB_UPDATES:-5} --no-phases"
@@ -121,9 +127,7 @@ if want cpu-ab; then
       benchmarks.ppojax_ppo $AB_ARGS --matmul $impl --json "$OUT/ab_$impl.json" > "$OUT/ab_$impl.log" 2>&1 &
     AB+=($!)
   done
-  $CPU_ENV JAX_COMPILATION_CACHE_DIR=/tmp/jc_prof taskset -c "$CPU_PROF" timeout 240 python3 -m \
-    benchmarks.step_profile --size "${PROFILE_SIZE:-smollm2}" --precision float32 \
-    --json "$OUT/step_profile_float32.json" > "$OUT/step_profile.log" 2>&1 &
+  profile_float32 "$CPU_PROF" &
   AB+=($!)
   wait "${AB[@]}"
   for impl in xla onednn; do
@@ -143,9 +147,7 @@ if want cpu-gemm; then
     --only onednn,onednn_matmul 2>&1 | awk -F, '$1 == "onednn_verbose" && ($2 == "info" || !seen[$4 "," $5]++)' \
     | tee "$OUT/onednn_info.txt"
   stamp "gemm_shapes done"
-  $CPU_ENV JAX_COMPILATION_CACHE_DIR=/tmp/jc_prof taskset -c "$CPU_TRL" timeout 240 python3 -m \
-    benchmarks.step_profile --size "${PROFILE_SIZE:-smollm2}" --precision float32 \
-    --json "$OUT/step_profile_float32.json" > "$OUT/step_profile.log" 2>&1
+  profile_float32 "$CPU_TRL"
   grep -v "^WARNING" "$OUT/step_profile.log" | tail -n 14
   stamp "all done"; exit 0
 fi
