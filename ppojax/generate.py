@@ -75,11 +75,28 @@ def first_argmax(x):
     Two plain reductions (the maximum, then the lowest index holding it) instead of ``jnp.argmax``'s one
     (value, index) reduction, which XLA:CPU runs as a slow scalar loop: over a vocabulary that loop cost
     more than the rest of a categorical draw (``benchmarks/RESULTS.md``, issue 15)."""
-    nan = jnp.isnan(x)
-    top = jnp.max(x, axis=-1, keepdims=True)  # XLA:CPU's max may skip a NaN: NaN rows are told apart
+    return _first_index_of_top(x, jnp.max(x, axis=-1, keepdims=True))
+
+
+def _first_index_of_top(x, top):
+    """x: f[..., V], top: f[..., 1] (x's maximum along the last axis) -> i32[...]: the first index holding
+    ``top`` (or the first NaN), always inside ``[0, V)``.
+
+    XLA may compute an element-wise ``x`` twice, once into the maximum and once into the comparison here,
+    and the two copies need not round alike (seen on the CPU at ``--xla_backend_optimization_level=0``): a
+    row then holds no ``top``. Such rows take jnp.argmax's single reduction, which cannot disagree with
+    itself; that branch runs only when a row missed."""
+    vocab = x.shape[-1]
+    nan = jnp.isnan(x)  # XLA:CPU's max may skip a NaN: NaN rows are told apart
     hit = jnp.where(jnp.any(nan, axis=-1, keepdims=True), nan, x == top)
-    index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-    return jnp.min(jnp.where(hit, index, x.shape[-1]), axis=-1)
+    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    index = jnp.min(jnp.where(hit, iota, vocab), axis=-1)
+    return jax.lax.cond(jnp.any(index == vocab), _argmax_where_missed, lambda x, index: index, x, index)
+
+
+def _argmax_where_missed(x, index):
+    """x: f[..., V], index: i32[...] -> i32[...]: ``jnp.argmax(x)`` where ``index == V``, else ``index``."""
+    return jnp.where(index == x.shape[-1], jnp.argmax(x, axis=-1).astype(jnp.int32), index)
 
 
 def sample_logits(logits, key, *, temperature=1.0, top_k=0, top_p=1.0, greedy=False):

@@ -15,7 +15,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from ppojax.forward import sequence_inputs  # noqa: E402
-from ppojax.generate import first_argmax, generate_jit, process_logits, sample_logits  # noqa: E402
+from ppojax.generate import _first_index_of_top, first_argmax, generate_jit, process_logits, sample_logits  # noqa: E402,E501
 from ppojax.models import load_pretrained  # noqa: E402
 
 torch.set_num_threads(1)
@@ -190,6 +190,37 @@ def test_first_argmax_is_numpys_argmax():
     for rows in (x, x[:, :1], x.reshape(8, 8, 257)):
         np.testing.assert_array_equal(np.asarray(jax.jit(first_argmax)(jnp.asarray(rows))),
                                       np.argmax(rows, axis=-1))
+
+
+def test_a_maximum_the_row_does_not_hold_still_gives_the_rows_argmax():
+    """When the maximum came from another copy of x that rounded differently (XLA may compute x twice), no
+    element equals it: the row's index is then jnp.argmax's, never the vocabulary size."""
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(6, 5, 33)).astype(np.float32)
+    top = x.max(-1, keepdims=True)
+    top[1, 2] = np.nextafter(top[1, 2], np.inf)  # a copy that rounded up
+    top[4, :] = np.nextafter(top[4, :], -np.inf)  # every row of a block rounded down: x >= top everywhere
+    got = np.asarray(jax.jit(_first_index_of_top)(jnp.asarray(x), jnp.asarray(top)))
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+
+
+def test_draws_stay_in_the_vocabulary_when_xla_computes_the_noisy_logits_twice():
+    """At --xla_backend_optimization_level=0 XLA:CPU computes gumbel + logits once into the maximum and
+    again into the comparison, rounding the copies differently (jax 0.10): without the fallback a sixth of
+    these draws were the vocabulary size. They are jax.random.categorical's draws."""
+    h = jax.random.normal(jax.random.key(1), (2, 32))
+    w = jax.random.normal(jax.random.key(3), (32, VOCAB)) * 0.3
+    keys = jax.random.split(jax.random.key(2), 4000)
+    cheap = {"xla_backend_optimization_level": 0}
+
+    def compiled(draw):
+        program = jax.jit(lambda h, w, keys: jax.vmap(lambda key: draw(h @ w, key))(keys))
+        return np.asarray(program.lower(h, w, keys).compile(compiler_options=cheap)(h, w, keys))
+
+    ours = compiled(lambda logits, key: sample_logits(logits, key, temperature=0.7))
+    theirs = compiled(lambda logits, key: jax.random.categorical(key, logits / (0.7 + 1e-7)))
+    assert ours.max() < VOCAB
+    np.testing.assert_array_equal(ours, theirs)
 
 
 @pytest.mark.parametrize("top_k", [0, 7])
