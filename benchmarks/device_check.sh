@@ -187,8 +187,10 @@ fi
 GPU_ENV="env PYTHONPATH=$GPU_PATH PYTHONUNBUFFERED=1 PPOJAX_XLA_CPU_OPTIONS=0"
 if want gpu-tests; then
   stamp "tests on the GPU"
-  # float32 products at full precision (no TF32), as the references they are compared with
-  $GPU_ENV JAX_DEFAULT_MATMUL_PRECISION=highest XLA_PYTHON_CLIENT_PREALLOCATE=false taskset -c "$CPU_GPU" \
+  # float32 products at full precision (no TF32), as the references they are compared with; compiled as users'
+  # programs are (the suite's cheap CPU compiles off: tests/xla_test_flags.py)
+  $GPU_ENV JAX_DEFAULT_MATMUL_PRECISION=highest XLA_PYTHON_CLIENT_PREALLOCATE=false PPOJAX_TESTS_FULL_OPTIMIZATION=1 \
+    taskset -c "$CPU_GPU" \
     timeout 300 python3 -m pytest -v -p no:cacheprovider -p no:benchmark -n 4 -rfEs tests/test_attention.py \
     tests/test_generate.py tests/test_models.py tests/test_forward.py tests/test_lora.py tests/test_train_step.py \
     > "$OUT/pytest_gpu.txt" 2>&1

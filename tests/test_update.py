@@ -16,6 +16,7 @@ from ppojax.train_step import PPOProgram
 from ppojax.types import init_train_state
 from ppojax.update import learn, make_optimizer, shaped_rewards_and_advantages
 from tests.toy_models import ToyLM, ToyLMWithValueHead, ToyScore
+from tests.xla_test_flags import cheap_compiles
 
 PAD, STOP, V, P, R, B = 0, 1, 16, 4, 6, 8
 
@@ -118,9 +119,9 @@ def test_update_matches_python_loop(num_mini_batches, grad_accum, value_head):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), state.params, expected)
     # the first micro-batch of epoch 0 sees the behaviour policy itself
     assert float(metrics["first_micro_batch/ratio"]) == 1.0
-    if num_mini_batches * grad_accum == 1:  # same batch shape as the rollout forward: bit-identical
+    if num_mini_batches * grad_accum == 1 and not cheap_compiles():  # the rollout's batch shape: bit-identical
         assert float(metrics["first_micro_batch/approxkl"]) == 0.0
-    else:  # a smaller matmul may round differently in the last bit
+    else:  # a smaller matmul (or, without LLVM's optimisation, another program's fusion) may round differently
         assert float(metrics["first_micro_batch/approxkl"]) < 1e-12
     if grad_accum == 1:
         np.testing.assert_allclose(metrics["first_micro_batch/ratio"], first["ratio"], atol=1e-6)

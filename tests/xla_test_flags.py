@@ -1,0 +1,29 @@
+"""The XLA flags the suite compiles with (set by ``tests/conftest.py`` before jax starts; subprocesses inherit them).
+
+The suite is compile-bound: hundreds of small programs, each compiled in about a second and run in milliseconds.
+LLVM's optimisation of XLA:CPU's kernels is most of that compile time and changes no semantics, so the tests compile
+with it off (``--xla_backend_optimization_level=0``): the suite takes about three quarters of its time. A test whose
+two programs agree bit for bit only under XLA's full optimisation asks :func:`cheap_compiles`. Set
+``PPOJAX_TESTS_FULL_OPTIMIZATION=1`` to run the suite as users' programs compile (XLA's defaults).
+"""
+from __future__ import annotations
+
+import os
+
+CHEAP_COMPILES = "--xla_backend_optimization_level=0"
+FULL_OPTIMIZATION_SWITCH = "PPOJAX_TESTS_FULL_OPTIMIZATION"
+
+
+def use_cheap_compiles(environ=os.environ) -> None:
+    """Add :data:`CHEAP_COMPILES` to ``XLA_FLAGS`` unless the switch is on or the flags already choose a level."""
+    flags = environ.get("XLA_FLAGS", "")
+    if environ.get(FULL_OPTIMIZATION_SWITCH, "").lower() in ("1", "true", "yes", "on") or \
+            "--xla_backend_optimization_level" in flags:
+        return
+    environ["XLA_FLAGS"] = f"{flags} {CHEAP_COMPILES}".strip()
+
+
+def cheap_compiles() -> bool:
+    """Whether this process compiles with LLVM's optimisation off: two programs that share a computation need not
+    then give it bit for bit alike (XLA's fusions still differ between them; only their rounding shows it)."""
+    return CHEAP_COMPILES in os.environ.get("XLA_FLAGS", "")
