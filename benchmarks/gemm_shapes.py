@@ -1,6 +1,6 @@
 """Float32 GEMM rates at SmolLM2-135M's own shapes, by each implementation a PPO update on the CPU can run.
 
-    python -m benchmarks.gemm_shapes [--rounds 10] [--only xla,onednn,onednn_matmul,torch] [--json F]
+    python -m benchmarks.gemm_shapes [--rounds 10] [--only xla,onednn,onednn_matmul,mkl,torch] [--json F]
 
 The implementations:
 
@@ -9,6 +9,9 @@ The implementations:
   ppojax's default projections on a single CPU device), where the wheel and the handlers can be had;
 - ``onednn_matmul``: the same products through oneDNN's matmul primitive (its brgemm kernels where the CPU has
   them; `benchmarks/ffi/onednn_matmul.cc`) instead of its `dnnl_sgemm`: whether oneDNN's API matters on a CPU;
+- ``mkl``: the same in-place products through MKL's `sgemm_` as torch's x86 wheels carry it
+  (`benchmarks/ffi/blas_sgemm.cc`, linked against torch's `libtorch_cpu.so`): whether ppojax's handlers on MKL
+  would run at torch's rates (``torch`` adds its own dispatch and, for ``dw``, a transposed output);
 - ``torch``: `torch.nn.functional.linear` and the products of its backward (what TRL's step runs: MKL's sgemm in
   torch's x86 wheels), with as many threads as this process may use.
 
@@ -48,9 +51,11 @@ DECODE_ROWS = 8
 DECODE_SHAPES = tuple((f"{name}@decode", DECODE_ROWS, d_in, d_out, uses)
                       for name, _rows, d_in, d_out, uses in SHAPES if uses is not None)
 PRODUCTS = ("fwd", "dx", "dw")
-IMPLEMENTATIONS = ("xla", "onednn", "onednn_matmul", "torch")
+IMPLEMENTATIONS = ("xla", "onednn", "onednn_matmul", "mkl", "torch")
 PRIMITIVE_SOURCE = Path(__file__).parent / "ffi" / "onednn_matmul.cc"
 PRIMITIVE_TARGET = "ppojax_bench_onednn_matmul"
+BLAS_SOURCE = Path(__file__).parent / "ffi" / "blas_sgemm.cc"
+BLAS_TARGET = "ppojax_bench_blas_sgemm"
 
 
 def operands(rows: int, d_in: int, d_out: int, layers: int, seed: int = 0) -> dict:
@@ -142,31 +147,75 @@ def onednn_products(ops: dict) -> dict:
     return _scanned_over_layer_index(layer_product, (x, w, g))
 
 
-@functools.cache
-def _primitive_target() -> str:
-    """Build and register ``benchmarks/ffi/onednn_matmul.cc`` once: its FFI target name. Raises RuntimeError naming
-    why where it cannot be had."""
+def _register(handlers: Path, symbol: str, target: str) -> str:
     import ctypes
 
     import jax
 
+    handler = getattr(ctypes.cdll.LoadLibrary(str(handlers)), symbol)
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
+    return target
+
+
+@functools.cache
+def _primitive_target() -> str:
+    """Build and register ``benchmarks/ffi/onednn_matmul.cc`` once: its FFI target name. Raises RuntimeError naming
+    why where it cannot be had."""
     from benchmarks.bf16_dots import FFI_CACHE, build_ffi
 
     library, why = build_ffi(FFI_CACHE, source=PRIMITIVE_SOURCE)
     if library is None:
         raise RuntimeError(why)
-    handler = ctypes.cdll.LoadLibrary(str(library)).OnednnMatmul
-    jax.ffi.register_ffi_target(PRIMITIVE_TARGET, jax.ffi.pycapsule(handler), platform="cpu")
-    return PRIMITIVE_TARGET
+    return _register(library, "OnednnMatmul", PRIMITIVE_TARGET)
 
 
-def onednn_matmul_products(ops: dict) -> dict:
-    """As `onednn_products`, through oneDNN's matmul primitive (`benchmarks/ffi/onednn_matmul.cc`) instead of its
-    `dnnl_sgemm`: whether oneDNN's API is what its rate on a CPU turns on."""
+def torch_mkl_library() -> Path:
+    """torch's ``libtorch_cpu.so``: its x86 wheels link MKL in and export MKL's BLAS (``sgemm_``). Raises
+    RuntimeError (no torch, or a torch without MKL's ``sgemm_``: not an x86 wheel)."""
+    import ctypes
+
+    try:
+        import torch
+    except ImportError as err:
+        raise RuntimeError(f"torch is not installed ({err})") from None
+    library = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+    if not library.exists() or not torch.backends.mkl.is_available() or \
+            not hasattr(ctypes.CDLL(str(library)), "sgemm_"):
+        raise RuntimeError(f"torch {torch.__version__} carries no MKL sgemm_ ({library})")
+    return library
+
+
+@functools.cache
+def _blas_target() -> str:
+    """Build ``benchmarks/ffi/blas_sgemm.cc`` against torch's MKL once and register it: its FFI target name. Raises
+    RuntimeError naming why where it cannot be had."""
+    import hashlib
+    import shutil
+
+    import jax
+
+    from benchmarks.bf16_dots import FFI_CACHE
+    from ppojax.models.stacked_matmul import compile_handlers
+
+    library = torch_mkl_library()
+    key = hashlib.sha256(BLAS_SOURCE.read_bytes() + str(library).encode() + jax.lib.__version__.encode())
+    handlers = FFI_CACHE / f"lib{BLAS_SOURCE.stem}-{key.hexdigest()[:16]}.so"
+    if not handlers.exists():
+        compiler = shutil.which("g++") or shutil.which("c++")
+        if compiler is None:
+            raise RuntimeError("no C++ compiler (g++) on PATH")
+        why = compile_handlers(compiler, library, jax.ffi.include_dir(), handlers, source=BLAS_SOURCE)
+        if why:
+            raise RuntimeError(why)
+    return _register(handlers, "BlasSgemm", BLAS_TARGET)
+
+
+def _in_place_products(target: str, ops: dict) -> dict:
+    """(every_layer, one_layer) per product through an FFI handler with `onednn_matmul.cc`'s interface (one layer
+    of a stacked operand read in place; transposes by flag)."""
     import jax
     import jax.numpy as jnp
 
-    target = _primitive_target()
     x, w, g = (jnp.array(ops[k]) for k in ("x", "w", "g"))
     _layers, rows, d_in = ops["x"].shape
 
@@ -179,6 +228,21 @@ def onednn_matmul_products(ops: dict) -> dict:
                      "dx": lambda x, w, g, i: call(g[i], w, i, rows, d_in, False, True),
                      "dw": lambda x, w, g, i: call(x[i], g, i, d_in, d_out, True, False)}
     return _scanned_over_layer_index(layer_product, (x, w, g))
+
+
+def onednn_matmul_products(ops: dict) -> dict:
+    """As `onednn_products`, through oneDNN's matmul primitive (`benchmarks/ffi/onednn_matmul.cc`) instead of its
+    `dnnl_sgemm`: whether oneDNN's API is what its rate on a CPU turns on."""
+    return _in_place_products(_primitive_target(), ops)
+
+
+def mkl_products(ops: dict) -> dict:
+    """As `onednn_products`, through MKL's `sgemm_` (torch's, `benchmarks/ffi/blas_sgemm.cc`), with as many threads
+    as this process may use: whether ppojax's in-place handlers on MKL would run at torch's rates."""
+    import torch
+
+    torch.set_num_threads(len(os.sched_getaffinity(0)))  # MKL's threads too
+    return _in_place_products(_blas_target(), ops)
 
 
 def torch_products(ops: dict) -> dict:
@@ -203,7 +267,7 @@ def torch_products(ops: dict) -> dict:
 
 def _make(implementation: str, ops: dict) -> dict:
     return {"xla": xla_products, "onednn": onednn_products, "onednn_matmul": onednn_matmul_products,
-            "torch": torch_products}[implementation](ops)
+            "mkl": mkl_products, "torch": torch_products}[implementation](ops)
 
 
 def _numpy(result) -> np.ndarray:

@@ -4,6 +4,7 @@ it the TRL checks are skipped with that message, and the report must say TRL is 
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -561,10 +562,12 @@ def test_step_profile_reads_a_real_trace_of_the_tiny_step():
 
 def test_gemm_shapes_times_each_product_of_the_right_layer_and_sums_the_update():
     """benchmarks.gemm_shapes times, per implementation (XLA, ppojax's oneDNN handlers, oneDNN's matmul primitive,
-    torch), a pass of one product over stacked layers: each must compute that product for the layer it is given
+    MKL's sgemm in place, torch), a pass of one product over stacked layers: each must compute that product for the layer it is given
     (checked on the last of three, whose operands differ from the others'; equal to a float64 product up to
     float32 rounding), an implementation that cannot run here must be reported with its reason, and ``update_s``
     must weigh each product by how often an update runs it (a decode step's: the forward of the policy's layers)."""
+    import torch
+
     from benchmarks import gemm_shapes
     from ppojax.models import stacked_matmul
 
@@ -572,10 +575,12 @@ def test_gemm_shapes_times_each_product_of_the_right_layer_and_sums_the_update()
     decode = (("layer@decode", 2, 24, 40, 2),)
     report = gemm_shapes.measure(rounds=1, shapes=shapes, layers=3, decode_shapes=decode)
     why = stacked_matmul.unavailable_reason()
-    assert set(report["unavailable"]) <= {"onednn", "onednn_matmul"}  # only these need the wheel and a compiler
+    assert set(report["unavailable"]) <= {"onednn", "onednn_matmul", "mkl"}  # these need a library and a compiler
     assert report["unavailable"].get("onednn", "") == why
     if not why:  # where ppojax's handlers build, the benchmark's primitive handler builds too
         assert "onednn_matmul" not in report["unavailable"], report["unavailable"]
+    if shutil.which("g++") and torch.backends.mkl.is_available():  # torch's x86 wheels carry MKL
+        assert "mkl" not in report["unavailable"], report["unavailable"]
     expected = set(gemm_shapes.IMPLEMENTATIONS) - set(report["unavailable"])
     for name, _rows, _d_in, _d_out, _uses in shapes:
         for product in gemm_shapes.PRODUCTS:
