@@ -21,10 +21,11 @@
 #              float32 (ppojax's default) on two more: whether oneDNN's projections pay on that CPU, and where a
 #              step's time goes there (~2.5 min);
 #   cpu-gemm   alone: `benchmarks.gemm_shapes` (the update's float32 GEMMs at SmolLM2's shapes, and the decode
-#              step's, by XLA, ppojax's oneDNN handlers, oneDNN's matmul primitive and torch, TRL's), oneDNN's
-#              verbose report of its ISA and kernels there, then `benchmarks.step_profile` float32, one after the
-#              other on two cores with nothing else running: whether that CPU's GEMMs or the rest make ppojax's
-#              update slower than TRL's there (~2.5 + 0.5 + 1.5 min on 2 Zen 4 cores: timeout_s=420);
+#              step's, by XLA, ppojax's oneDNN handlers, oneDNN's matmul primitive, the handlers' products on
+#              torch's MKL and torch, TRL's), oneDNN's and MKL's verbose report of their ISA, kernels and threads
+#              there, then `benchmarks.step_profile` float32, one after the other on two cores with nothing else
+#              running: whether that CPU's GEMMs or the rest make ppojax's update slower than TRL's there, and
+#              whether MKL would close it (~2.5 + 0.7 + 1.5 min on 2 Zen 4 cores: timeout_s=480);
 #   cpu-quiet  alone (no other part): `benchmarks.run` as ONE process on two cores with nothing else running: TRL,
 #              then ppojax float32, SmolLM2 only (issue 15's "quiet machine" figures; tiny's target was met there
 #              already; BENCH_EXTRA="--sizes tiny,smollm2" adds it). From the fifteenth session's busy runs: the
@@ -139,13 +140,16 @@ if want cpu-ab; then
 fi
 if want cpu-gemm; then
   stamp "cpu-gemm: gemm_shapes, then step_profile float32, on CPUs $CPU_TRL, nothing else running"
-  $CPU_ENV taskset -c "$CPU_TRL" timeout 200 python3 -m benchmarks.gemm_shapes ${GEMM_EXTRA:-} \
+  $CPU_ENV taskset -c "$CPU_TRL" timeout 300 python3 -m benchmarks.gemm_shapes ${GEMM_EXTRA:-} \
     --json "$OUT/gemm_shapes.json" 2>&1 | grep -v "^WARNING\|plugin" | tee "$OUT/gemm_shapes.log"
   # which ISA, threads and kernels oneDNN takes on that CPU (its verbose mode: the info lines and the first call
   # of each API / primitive implementation; one pass more of the two oneDNN columns)
   $CPU_ENV ONEDNN_VERBOSE=1 taskset -c "$CPU_TRL" timeout 90 python3 -m benchmarks.gemm_shapes --rounds 1 \
     --only onednn,onednn_matmul 2>&1 | awk -F, '$1 == "onednn_verbose" && ($2 == "info" || !seen[$4 "," $5]++)' \
     | tee "$OUT/onednn_info.txt"
+  # MKL's version, ISA and threads as torch's wheel runs it (the mkl column's library)
+  $CPU_ENV MKL_VERBOSE=1 taskset -c "$CPU_TRL" timeout 90 python3 -m benchmarks.gemm_shapes --rounds 1 --only mkl \
+    2>&1 | grep -m 3 "^MKL_VERBOSE" | tee "$OUT/mkl_info.txt"
   stamp "gemm_shapes done"
   profile_float32 "$CPU_TRL"
   grep -v "^WARNING" "$OUT/step_profile.log" | tail -n 14
