@@ -9,9 +9,9 @@ The implementations:
   ppojax's default projections on a single CPU device), where the wheel and the handlers can be had;
 - ``onednn_matmul``: the same products through oneDNN's matmul primitive (its brgemm kernels where the CPU has
   them; `benchmarks/ffi/onednn_matmul.cc`) instead of its `dnnl_sgemm`: whether oneDNN's API matters on a CPU;
-- ``mkl``: the same in-place products through MKL's `sgemm_` as torch's x86 wheels carry it
-  (`benchmarks/ffi/blas_sgemm.cc`, linked against torch's `libtorch_cpu.so`): whether ppojax's handlers on MKL
-  would run at torch's rates (``torch`` adds its own dispatch and, for ``dw``, a transposed output);
+- ``mkl``: ppojax's handlers on MKL's `sgemm_` as torch's x86 wheels carry it (`matmul_implementation: mkl`):
+  whether the handlers on MKL run at torch's rates (``torch`` adds its own dispatch and, for ``dw``, a transposed
+  output);
 - ``torch``: `torch.nn.functional.linear` and the products of its backward (what TRL's step runs: MKL's sgemm in
   torch's x86 wheels), with as many threads as this process may use.
 
@@ -54,8 +54,6 @@ PRODUCTS = ("fwd", "dx", "dw")
 IMPLEMENTATIONS = ("xla", "onednn", "onednn_matmul", "mkl", "torch")
 PRIMITIVE_SOURCE = Path(__file__).parent / "ffi" / "onednn_matmul.cc"
 PRIMITIVE_TARGET = "ppojax_bench_onednn_matmul"
-BLAS_SOURCE = Path(__file__).parent / "ffi" / "blas_sgemm.cc"
-BLAS_TARGET = "ppojax_bench_blas_sgemm"
 
 
 def operands(rows: int, d_in: int, d_out: int, layers: int, seed: int = 0) -> dict:
@@ -127,24 +125,38 @@ def _scanned_over_layer_index(layer_product: dict, arrays: tuple) -> dict:
     return out
 
 
-def onednn_products(ops: dict) -> dict:
-    """ppojax's oneDNN handlers in a `lax.scan` over the layer index, the weights read in place in the stack.
-    Raises RuntimeError naming why where the handlers cannot be had."""
+def _handler_products(ops: dict, library: str) -> dict:
+    """ppojax's in-place handlers on `library`'s GEMM in a `lax.scan` over the layer index, the weights read in place
+    in the stack. Raises RuntimeError naming why where the handlers cannot be had."""
     import jax
     import jax.numpy as jnp
 
     from ppojax.models import stacked_matmul
 
-    why = stacked_matmul.unavailable_reason()
+    why = stacked_matmul.unavailable_reason(library)
     if why:
         raise RuntimeError(why)
     x, w, g = (jnp.array(ops[k]) for k in ("x", "w", "g"))  # in XLA's own buffers, as a model's are
-    weight_grad = jax.ffi.ffi_call(stacked_matmul.TARGETS["weight_grad"],
+    weight_grad = jax.ffi.ffi_call(stacked_matmul.TARGETS[library]["weight_grad"],
                                    jax.ShapeDtypeStruct(ops["w"].shape[1:], jnp.float32))
-    layer_product = {"fwd": lambda x, w, g, i: stacked_matmul._gemm(x[i], w, i, False),
-                     "dx": lambda x, w, g, i: stacked_matmul._gemm(g[i], w, i, True),
+    layer_product = {"fwd": lambda x, w, g, i: stacked_matmul._gemm(x[i], w, i, False, library),
+                     "dx": lambda x, w, g, i: stacked_matmul._gemm(g[i], w, i, True, library),
                      "dw": lambda x, w, g, i: weight_grad(x[i], g[i])}
     return _scanned_over_layer_index(layer_product, (x, w, g))
+
+
+def onednn_products(ops: dict) -> dict:
+    """ppojax's oneDNN handlers (its default projections on a single CPU device)."""
+    return _handler_products(ops, "onednn")
+
+
+def mkl_products(ops: dict) -> dict:
+    """ppojax's handlers on MKL (`matmul_implementation: mkl`: torch's MKL), with as many threads as this process may
+    use: whether the handlers on MKL run at torch's rates."""
+    import torch
+
+    torch.set_num_threads(len(os.sched_getaffinity(0)))  # MKL's threads too
+    return _handler_products(ops, "mkl")
 
 
 def _register(handlers: Path, symbol: str, target: str) -> str:
@@ -167,47 +179,6 @@ def _primitive_target() -> str:
     if library is None:
         raise RuntimeError(why)
     return _register(library, "OnednnMatmul", PRIMITIVE_TARGET)
-
-
-def torch_mkl_library() -> Path:
-    """torch's ``libtorch_cpu.so``: its x86 wheels link MKL in and export MKL's BLAS (``sgemm_``). Raises
-    RuntimeError (no torch, or a torch without MKL's ``sgemm_``: not an x86 wheel)."""
-    import ctypes
-
-    try:
-        import torch
-    except ImportError as err:
-        raise RuntimeError(f"torch is not installed ({err})") from None
-    library = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
-    if not library.exists() or not torch.backends.mkl.is_available() or \
-            not hasattr(ctypes.CDLL(str(library)), "sgemm_"):
-        raise RuntimeError(f"torch {torch.__version__} carries no MKL sgemm_ ({library})")
-    return library
-
-
-@functools.cache
-def _blas_target() -> str:
-    """Build ``benchmarks/ffi/blas_sgemm.cc`` against torch's MKL once and register it: its FFI target name. Raises
-    RuntimeError naming why where it cannot be had."""
-    import hashlib
-    import shutil
-
-    import jax
-
-    from benchmarks.bf16_dots import FFI_CACHE
-    from ppojax.models.stacked_matmul import compile_handlers
-
-    library = torch_mkl_library()
-    key = hashlib.sha256(BLAS_SOURCE.read_bytes() + str(library).encode() + jax.lib.__version__.encode())
-    handlers = FFI_CACHE / f"lib{BLAS_SOURCE.stem}-{key.hexdigest()[:16]}.so"
-    if not handlers.exists():
-        compiler = shutil.which("g++") or shutil.which("c++")
-        if compiler is None:
-            raise RuntimeError("no C++ compiler (g++) on PATH")
-        why = compile_handlers(compiler, library, jax.ffi.include_dir(), handlers, source=BLAS_SOURCE)
-        if why:
-            raise RuntimeError(why)
-    return _register(handlers, "BlasSgemm", BLAS_TARGET)
 
 
 def _in_place_products(target: str, ops: dict) -> dict:
@@ -234,15 +205,6 @@ def onednn_matmul_products(ops: dict) -> dict:
     """As `onednn_products`, through oneDNN's matmul primitive (`benchmarks/ffi/onednn_matmul.cc`) instead of its
     `dnnl_sgemm`: whether oneDNN's API is what its rate on a CPU turns on."""
     return _in_place_products(_primitive_target(), ops)
-
-
-def mkl_products(ops: dict) -> dict:
-    """As `onednn_products`, through MKL's `sgemm_` (torch's, `benchmarks/ffi/blas_sgemm.cc`), with as many threads
-    as this process may use: whether ppojax's in-place handlers on MKL would run at torch's rates."""
-    import torch
-
-    torch.set_num_threads(len(os.sched_getaffinity(0)))  # MKL's threads too
-    return _in_place_products(_blas_target(), ops)
 
 
 def torch_products(ops: dict) -> dict:

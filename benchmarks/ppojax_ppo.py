@@ -207,8 +207,8 @@ def _page_faults() -> int:
 
 
 def _matmul_used(config: dict, params) -> str:
-    """What the policy's layer projections ran on in the update: "onednn" where ``stacked_matmul`` applied, else
-    "xla" (with the reason when the handlers were missing)."""
+    """What the policy's layer projections ran on in the update: "onednn" or "mkl" where ``stacked_matmul`` applied,
+    else "xla" (with the reason when the handlers were missing)."""
     from ppojax.models import stacked_matmul
 
     def is_projection(path) -> bool:
@@ -218,12 +218,14 @@ def _matmul_used(config: dict, params) -> str:
     kernels = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(params["policy"]) if is_projection(path)]
     rows = config["batch_size"] * (config["prompt_length"] + config["response_length"])
     compute = jnp.float32 if config.get("precision", "float32") == "float32" else jnp.bfloat16
+    implementation = config.get("matmul_implementation", "auto")
     try:
-        used = stacked_matmul.applies(config.get("matmul_implementation", "auto"), compute, kernels, rows)
+        used = stacked_matmul.applies(implementation, compute, kernels, rows)
     except ValueError as err:
         return f"xla ({err})"
-    why = stacked_matmul.unavailable_reason()
-    return "onednn" if used else ("xla" if not why else f"xla ({why})")
+    library = stacked_matmul.library_of(implementation)
+    why = stacked_matmul.unavailable_reason(library)
+    return library if used else ("xla" if not why else f"xla ({why})")
 
 
 def measure_phases(program, state, prompts, key, repeats: int = 2) -> dict:
@@ -274,7 +276,7 @@ def main(argv=None):
     parser.add_argument("--compile-ahead", action=argparse.BooleanOptionalAction, default=DEFAULT_COMPILE_AHEAD,
                         help="compile train_step on a background thread while the models load (the config's "
                              f"compile_ahead; default {DEFAULT_COMPILE_AHEAD}), else at the first update")
-    parser.add_argument("--matmul", default="auto", choices=["auto", "xla", "onednn"],
+    parser.add_argument("--matmul", default="auto", choices=["auto", "xla", "onednn", "mkl"],
                         help="matmul_implementation of the models (default: ppojax's, 'auto')")
     parser.add_argument("--behaviour-logprobs", default="sampler", choices=["sampler", "forward"],
                         help="'sampler': the decode loop's log-probs, as TRL's PPOTrainer (the benchmark's work); "

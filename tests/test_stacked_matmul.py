@@ -1,4 +1,5 @@
-"""Projections that read one layer's kernel in the stack (oneDNN through jax.ffi, `ppojax.models.stacked_matmul`).
+"""Projections that read one layer's kernel in the stack (oneDNN's or MKL's GEMM through jax.ffi,
+`ppojax.models.stacked_matmul`).
 
 Against XLA's own dots: the product and its two gradients, the layer scan's gradient accumulated into the stacked
 kernel, a whole model's hidden states and gradients under each remat policy; and when the path is (not) taken:
@@ -23,6 +24,20 @@ pytestmark = pytest.mark.skipif(bool(stacked_matmul.unavailable_reason()),
                                 reason=f"oneDNN handlers unavailable: {stacked_matmul.unavailable_reason()}")
 
 CALL = "ppojax_stacked_matmul"
+#: each GEMM library the handlers build on, skipped where it cannot be had (MKL: torch's x86 wheel)
+LIBRARIES = [pytest.param(library, marks=pytest.mark.skipif(
+    bool(stacked_matmul.unavailable_reason(library)),
+    reason=f"{library} handlers unavailable: {stacked_matmul.unavailable_reason(library)}"))
+    for library in stacked_matmul.LIBRARIES]
+
+
+def custom_calls(hlo: str, library: str) -> int:
+    """How many calls of `library`'s in-place product a compiled program's text holds."""
+    return hlo.count(f'custom_call_target="{stacked_matmul.TARGETS[library]["matmul"]}"')
+
+
+def no_compiler(library="onednn") -> str:
+    return "no C++ compiler (g++) on PATH"
 
 
 def rel_err(a, b) -> float:
@@ -30,12 +45,13 @@ def rel_err(a, b) -> float:
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
-def test_product_and_gradients_equal_xlas_dot_at_every_layer():
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_product_and_gradients_equal_xlas_dot_at_every_layer(library):
     kx, kw, kg = jax.random.split(jax.random.key(0), 3)
     x, stack, g = jax.random.normal(kx, (24, 40)), jax.random.normal(kw, (5, 40, 56)), jax.random.normal(kg, (24, 56))
     for layer in range(5):
         i = jnp.int32(layer)
-        got, vjp = jax.vjp(lambda x, s: stacked_matmul.matmul(x, s, i), x, stack)
+        got, vjp = jax.vjp(lambda x, s: stacked_matmul.matmul(x, s, i, library), x, stack)
         want, vjp_want = jax.vjp(lambda x, s: x @ s[layer], x, stack)
         assert rel_err(got, want) < 1e-5
         (dx, dstack), (dx_want, dstack_want) = vjp(g), vjp_want(g)
@@ -44,7 +60,8 @@ def test_product_and_gradients_equal_xlas_dot_at_every_layer():
         assert not np.any(np.delete(np.asarray(dstack), layer, axis=0))  # only this layer's slot
 
 
-def test_layer_scan_accumulates_each_layers_gradient_in_its_slot():
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_layer_scan_accumulates_each_layers_gradient_in_its_slot(library):
     """Under `lax.scan` the stack is a constant of the loop: each iteration's gradient lands in its own slot."""
     kx, kw = jax.random.split(jax.random.key(1))
     x, stack = jax.random.normal(kx, (16, 32)), 0.2 * jax.random.normal(kw, (6, 32, 32))
@@ -54,7 +71,7 @@ def test_layer_scan_accumulates_each_layers_gradient_in_its_slot():
         y, _ = jax.lax.scan(lambda h, i: (jnp.tanh(product(h, stack, i)), None), x, layers)
         return jnp.sum(y ** 2)
 
-    ffi = jax.jit(jax.grad(loss), static_argnums=2)(stack, x, stacked_matmul.matmul)
+    ffi = jax.jit(jax.grad(loss), static_argnums=2)(stack, x, lambda h, s, i: stacked_matmul.matmul(h, s, i, library))
     xla = jax.jit(jax.grad(loss), static_argnums=2)(stack, x, lambda h, s, i: h @ s[i])
     assert rel_err(ffi, xla) < 1e-5
 
@@ -69,36 +86,40 @@ def _batch():
     return jnp.asarray(ids) % LLAMA["vocab_size"], jnp.asarray(mask)
 
 
-@pytest.mark.parametrize("remat", REMAT_POLICIES)
-def test_model_gradient_equals_xlas_and_dots_recomputes_no_projection(remat):
+@pytest.mark.parametrize("library,remat", [("onednn", remat) for remat in REMAT_POLICIES]
+                         + [pytest.param(*p.values, "dots", marks=p.marks) for p in LIBRARIES if p.values[0] == "mkl"])
+def test_model_gradient_equals_xlas_and_dots_recomputes_no_projection(library, remat):
     ids, mask = _batch()
     grad = jax.jit(jax.value_and_grad(token_logprob_loss, argnums=1), static_argnums=0)
     results, calls = {}, {}
-    for impl in ("xla", "onednn"):
+    for impl in ("xla", library):  # the implementation named as its library ("onednn", "mkl")
         graphdef, params = _model(impl, remat=remat)
         results[impl] = grad(graphdef, params, ids, mask)
-        calls[impl] = grad.lower(graphdef, params, ids, mask).compile().as_text().count(CALL)
-    (loss_x, g_x), (loss_o, g_o) = results["xla"], results["onednn"]
+        hlo = grad.lower(graphdef, params, ids, mask).compile().as_text()
+        calls[impl] = {lib: custom_calls(hlo, lib) for lib in stacked_matmul.LIBRARIES}
+    (loss_x, g_x), (loss_o, g_o) = results["xla"], results[library]
     assert abs(float(loss_x) - float(loss_o)) < 1e-5
     for a, b in zip(jax.tree.leaves(g_x), jax.tree.leaves(g_o)):
         assert rel_err(b, a) < 1e-4
-    assert calls["xla"] == 0
+    assert set(calls["xla"].values()) == {0}
     # 7 projections per layer body: 7 forward products, 7 input gradients (weight gradients are another target);
     # "dots" saves the products (recomputing them would add calls); "full" recomputes 6 (the down projection's
-    # output only feeds the residual sum, whose gradient does not need it)
-    assert calls["onednn"] == {"none": 14, "dots": 14, "full": 20}[remat]
+    # output only feeds the residual sum, whose gradient does not need it). Only the library asked for is called.
+    assert calls[library] == {lib: {"none": 14, "dots": 14, "full": 20}[remat] if lib == library else 0
+                              for lib in stacked_matmul.LIBRARIES}
 
 
-def test_layer_weights_are_no_longer_sliced_out_of_the_stack():
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_layer_weights_are_no_longer_sliced_out_of_the_stack(library):
     ids, mask = _batch()
     forward = jax.jit(lambda g, p: nnx.merge(g, p)(ids, mask)[0], static_argnums=0)
     slices = {}
-    for impl in ("xla", "onednn"):
+    for impl in ("xla", library):
         graphdef, params = _model(impl)
         hlo = forward.lower(graphdef, params).compile().as_text()
         # the stacked kernels are [3, 64, ...] / [3, 160, 64]: a per-layer slice of one is [1, 64, ...] or [64, ...]
         slices[impl] = sum(1 for line in hlo.splitlines() if "dynamic-slice(" in line and "f32[1,64," in line)
-    assert slices["xla"] > 0 and slices["onednn"] == 0
+    assert slices["xla"] > 0 and slices[library] == 0
 
 
 def test_generation_and_16_bit_models_keep_xlas_dots():
@@ -131,7 +152,7 @@ def test_auto_takes_onednn_only_where_it_pays():
 
 
 def test_auto_falls_back_and_onednn_names_why_when_the_handlers_cannot_be_had(monkeypatch):
-    monkeypatch.setattr(stacked_matmul, "unavailable_reason", lambda: "no C++ compiler (g++) on PATH")
+    monkeypatch.setattr(stacked_matmul, "unavailable_reason", no_compiler)
     kernels = [jax.ShapeDtypeStruct((2, 1024, 1024), jnp.float32)]
     assert not stacked_matmul.applies("auto", jnp.float32, kernels, rows=128)
     with pytest.raises(ValueError, match="no C\\+\\+ compiler.*use 'auto' or 'xla'"):
@@ -195,7 +216,31 @@ def test_a_run_asking_for_onednn_where_it_cannot_run_stops_before_loading(monkey
     two_devices = types.SimpleNamespace(devices=np.empty(2, object))
     with pytest.raises(ConfigError, match="cannot be used: it runs on a single CPU device, and here are 2 cpu"):
         build._check_matmul_implementation(config, two_devices)
-    monkeypatch.setattr(stacked_matmul, "unavailable_reason", lambda: "no C++ compiler (g++) on PATH")
+    monkeypatch.setattr(stacked_matmul, "unavailable_reason", no_compiler)
     with pytest.raises(ConfigError, match="cannot be used: no C\\+\\+ compiler.*Set matmul_implementation: auto"):
         build._check_matmul_implementation(config, mesh)
     build._check_matmul_implementation(PPOConfig(matmul_implementation="auto"), mesh)
+
+
+def test_mkl_says_where_it_comes_from_and_is_refused_where_it_cannot_run(monkeypatch):
+    """'mkl' reads MKL from torch's x86 wheel: without torch it names the install; the config and the build refuse
+    it as they refuse 'onednn' (a 16-bit precision; handlers that cannot be had), naming 'mkl'."""
+    from ppojax import sharding
+    from ppojax.config import ConfigError, PPOConfig
+    from ppojax.train import build
+
+    monkeypatch.setattr(stacked_matmul, "mkl_library", lambda: None)
+    stacked_matmul._built.cache_clear()
+    try:
+        handlers, why = stacked_matmul._built("mkl")
+    finally:
+        stacked_matmul._built.cache_clear()
+    assert handlers is None and "torch is not installed (pip install torch" in why
+    with pytest.raises(ConfigError, match="matmul_implementation='mkl' multiplies float32 models only"):
+        PPOConfig(matmul_implementation="mkl", precision="bfloat16")
+    monkeypatch.setattr(stacked_matmul, "unavailable_reason", lambda library="onednn": f"no {library} here")
+    config = PPOConfig(matmul_implementation="mkl")
+    with pytest.raises(ConfigError, match="matmul_implementation='mkl' cannot be used: no mkl here"):
+        build._check_matmul_implementation(config, sharding.mesh_from_config(config))
+    with pytest.raises(ValueError, match="matmul_implementation='mkl' cannot be used here: no mkl here"):
+        stacked_matmul.applies("mkl", jnp.float32, [jax.ShapeDtypeStruct((2, 64, 64), jnp.float32)], rows=8)

@@ -9,13 +9,18 @@ layer transposed in place; the weight gradient `x.T @ g` by oneDNN into a layer-
 stacked gradient at `layer` (a dynamic-update-slice into zeros, which XLA folds into the scan's in-place
 accumulation of the stack's cotangent). Values: float32 GEMMs as XLA's, summed in another order.
 
+The same handlers on MKL's GEMM (`matmul_implementation: mkl`, the library `"mkl"`): MKL as torch's x86 wheels link
+it into `libtorch_cpu.so` (its Fortran `sgemm_`), the GEMM TRL's step runs; for CPUs where MKL outruns oneDNN at a
+model's shapes (`python -m benchmarks.gemm_shapes` tells, per CPU).
+
 The handlers (`stacked_gemm.cc`) are compiled on first use with the system's C++ compiler against
-`jax.ffi.include_dir()` and the wheel's `libdnnl.so.3`, once per source, library and jaxlib, into
-`$XDG_CACHE_HOME/ppojax/ffi` (written under a temporary name, then renamed: never half-written); a library
-already there (built before, or prebuilt for a machine without a compiler: `benchmarks/device_wheels.sh`) is
-taken as it is.
+`jax.ffi.include_dir()` and the library's file (the wheel's `libdnnl.so.3`, or torch's `libtorch_cpu.so`), once per
+source, library and jaxlib, into `$XDG_CACHE_HOME/ppojax/ffi` (written under a temporary name, then renamed: never
+half-written); a library already there (built before, or prebuilt for a machine without a compiler:
+`benchmarks/device_wheels.sh`) is taken as it is.
 :func:`unavailable_reason` says why not where they cannot be had (not Linux x86-64, no wheel, no compiler, a
-failed build); the models then keep XLA's dots (the models' `matmul_implementation`: "auto", "xla" or "onednn").
+failed build); the models then keep XLA's dots (the models' `matmul_implementation`: "auto", "xla", "onednn" or
+"mkl").
 """
 from __future__ import annotations
 
@@ -34,7 +39,10 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 SOURCE = Path(__file__).with_name("stacked_gemm.cc")
-IMPLEMENTATIONS = ("auto", "xla", "onednn")
+IMPLEMENTATIONS = ("auto", "xla", "onednn", "mkl")
+#: the GEMM libraries the handlers can be built on ("auto" takes oneDNN's), and the compiler define choosing each
+LIBRARIES = {"onednn": (), "mkl": ("-DPPOJAX_FORTRAN_SGEMM",)}
+LIBRARY_NAMES = {"onednn": "oneDNN", "mkl": "MKL"}
 #: "auto" takes oneDNN from these sizes on: a layer's projection kernels of at least this many elements (below, the
 #: copy it saves is small and a custom call's fixed cost larger: the tiny benchmark model ran slower through it) and
 #: calls of at least this many token rows (at a decode step's few rows XLA's dot is faster, copy included); the
@@ -42,7 +50,9 @@ IMPLEMENTATIONS = ("auto", "xla", "onednn")
 AUTO_MIN_LAYER_ELEMENTS = 1 << 20
 AUTO_MIN_ROWS = 64
 WHEEL = "onednn-cpu-gomp"
-TARGETS = {"matmul": "ppojax_stacked_matmul", "weight_grad": "ppojax_weight_grad"}
+#: the FFI targets of each library's handlers
+TARGETS = {"onednn": {"matmul": "ppojax_stacked_matmul", "weight_grad": "ppojax_weight_grad"},
+           "mkl": {"matmul": "ppojax_stacked_matmul_mkl", "weight_grad": "ppojax_weight_grad_mkl"}}
 #: the name remat's "dots" policy saves a projection's output by (a custom call is not a dot to jax.checkpoint)
 SAVED_NAME = "stacked_projection"
 
@@ -63,6 +73,26 @@ def onednn_library() -> Path | None:
     return None
 
 
+def mkl_library() -> Path | None:
+    """torch's ``libtorch_cpu.so``, where torch's x86 wheels link MKL in (exporting its BLAS, ``sgemm_``), or None
+    (no torch installed). Found without importing torch."""
+    from importlib import metadata
+
+    try:
+        files = metadata.distribution("torch").files or []
+    except metadata.PackageNotFoundError:
+        return None
+    for f in files:
+        if f.name == "libtorch_cpu.so":
+            return Path(f.locate()).resolve()
+    return None
+
+
+def library_of(implementation: str) -> str:
+    """The GEMM library an implementation's handlers use: "mkl" for "mkl", oneDNN's for "onednn" and "auto"."""
+    return "mkl" if implementation == "mkl" else "onednn"
+
+
 def _cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base).expanduser() / "ppojax" / "ffi"
@@ -71,23 +101,28 @@ def _cache_dir() -> Path:
 _lock = threading.Lock()  # a compile_ahead thread and the main thread may both ask first
 
 
-def handler_library_path(library: Path, jaxlib_version: str, cache_dir: Path | None = None) -> Path:
-    """Where the handlers built against oneDNN's `library` for jaxlib `jaxlib_version` are kept: one file per
-    source, library path and jaxlib (the FFI's ABI follows jaxlib)."""
-    key = hashlib.sha256(SOURCE.read_bytes() + str(library).encode() + jaxlib_version.encode()).hexdigest()[:16]
+def handler_library_path(library: Path, jaxlib_version: str, cache_dir: Path | None = None,
+                         defines: tuple = ()) -> Path:
+    """Where the handlers built against the GEMM library file `library` (with compiler `defines`) for jaxlib
+    `jaxlib_version` are kept: one file per source, library path, defines and jaxlib (the FFI's ABI follows
+    jaxlib)."""
+    key = hashlib.sha256(SOURCE.read_bytes() + str(library).encode() + " ".join(defines).encode()
+                         + jaxlib_version.encode()).hexdigest()[:16]
     return (cache_dir or _cache_dir()) / f"libstacked_gemm-{key}.so"
 
 
-def compile_handlers(compiler: str, library: Path, include_dir: str, out: Path, source: Path = SOURCE) -> str:
-    """Build `source` (`stacked_gemm.cc`; the benchmarks build their own oneDNN handlers with it too) into `out`
-    (written under a temporary name, then renamed: never half-written); "" when done, else why not."""
+def compile_handlers(compiler: str, library: Path, include_dir: str, out: Path, source: Path = SOURCE,
+                     defines: tuple = ()) -> str:
+    """Build `source` (`stacked_gemm.cc`; the benchmarks build their own oneDNN handlers with it too) with compiler
+    `defines`, linked against `library`, into `out` (written under a temporary name, then renamed: never
+    half-written); "" when done, else why not."""
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        return f"cannot create {out.parent} for the oneDNN handlers ({err})"
+        return f"cannot create {out.parent} for the GEMM handlers ({err})"
     partial = out.with_name(f"{out.name}.{os.getpid()}.partial")
-    cmd = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", f"-I{include_dir}", str(source), "-o", str(partial),
-           str(library), f"-Wl,-rpath,{library.parent}"]
+    cmd = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", *defines, f"-I{include_dir}", str(source), "-o",
+           str(partial), str(library), f"-Wl,-rpath,{library.parent}"]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True)
     except OSError as err:
@@ -99,53 +134,65 @@ def compile_handlers(compiler: str, library: Path, include_dir: str, out: Path, 
     return ""
 
 
+def _library_file(library: str) -> tuple[Path | None, str]:
+    """(the file the handlers of `library` link against, "") or (None, how to get it)."""
+    if library == "mkl":
+        found = mkl_library()
+        return found, "" if found else "MKL is read from torch's x86 wheel, and torch is not installed " \
+                                        "(pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu)"
+    found = onednn_library()
+    return found, "" if found else f"the {WHEEL} wheel is not installed (pip install {WHEEL}==2023.2.0)"
+
+
 @functools.cache
-def _built() -> tuple[Path | None, str]:
-    """(the compiled handler library, "") or (None, why not). Built once per process at most."""
+def _built(library: str = "onednn") -> tuple[Path | None, str]:
+    """(the compiled handlers on `library`, "") or (None, why not). Built once per process and library at most."""
     if platform.system() != "Linux" or platform.machine() != "x86_64":
-        return None, f"oneDNN's wheel is for Linux x86-64 (this is {platform.system()} {platform.machine()})"
-    library = onednn_library()
-    if library is None:
-        return None, f"the {WHEEL} wheel is not installed (pip install {WHEEL}==2023.2.0)"
-    out = handler_library_path(library, jax.lib.__version__)
+        return None, f"the GEMM libraries' wheels are for Linux x86-64 (this is {platform.system()} " \
+                     f"{platform.machine()})"
+    file, why = _library_file(library)
+    if file is None:
+        return None, why
+    out = handler_library_path(file, jax.lib.__version__, defines=LIBRARIES[library])
     if out.exists():  # built before (or carried: benchmarks/device_wheels.sh)
         return out, ""
     compiler = shutil.which("g++") or shutil.which("c++")
     if compiler is None:
-        return None, "no C++ compiler (g++) on PATH to build the oneDNN handlers"
-    why = compile_handlers(compiler, library, jax.ffi.include_dir(), out)
+        return None, f"no C++ compiler (g++) on PATH to build the {LIBRARY_NAMES[library]} handlers"
+    why = compile_handlers(compiler, file, jax.ffi.include_dir(), out, defines=LIBRARIES[library])
     return (None, why) if why else (out, "")
 
 
 @functools.cache
-def _registered() -> str:
-    """Register the handlers with XLA once; "" when done, else why they are unavailable."""
+def _registered(library: str = "onednn") -> str:
+    """Register `library`'s handlers with XLA once; "" when done, else why they are unavailable."""
     import ctypes
 
-    library, why = _built()
-    if library is None:
+    handlers_file, why = _built(library)
+    if handlers_file is None:
         return why
-    try:
-        handlers = ctypes.cdll.LoadLibrary(str(library))
+    try:  # ctypes resolves every symbol now: a library without the GEMM (e.g. torch without MKL) fails here
+        handlers = ctypes.cdll.LoadLibrary(str(handlers_file))
     except OSError as err:  # e.g. the wheel's libdnnl removed since the build
-        return f"loading {library} failed ({err})"
-    jax.ffi.register_ffi_target(TARGETS["matmul"], jax.ffi.pycapsule(handlers.StackedMatmul), platform="cpu")
-    jax.ffi.register_ffi_target(TARGETS["weight_grad"], jax.ffi.pycapsule(handlers.WeightGradOut), platform="cpu")
+        return f"loading {handlers_file} failed ({err})"
+    targets = TARGETS[library]
+    jax.ffi.register_ffi_target(targets["matmul"], jax.ffi.pycapsule(handlers.StackedMatmul), platform="cpu")
+    jax.ffi.register_ffi_target(targets["weight_grad"], jax.ffi.pycapsule(handlers.WeightGradOut), platform="cpu")
     return ""
 
 
-def unavailable_reason() -> str:
-    """"" when the oneDNN handlers are registered (building them if needed), else why they cannot be."""
+def unavailable_reason(library: str = "onednn") -> str:
+    """"" when `library`'s handlers are registered (building them if needed), else why they cannot be."""
     with _lock:
-        return _registered()
+        return _registered(library)
 
 
-def unavailable_on(devices: int) -> str:
-    """"" when the oneDNN products can run on `devices` devices of the default backend (one CPU device, the handlers
-    registered), else why not."""
+def unavailable_on(devices: int, library: str = "onednn") -> str:
+    """"" when `library`'s in-place products can run on `devices` devices of the default backend (one CPU device,
+    the handlers registered), else why not."""
     if jax.default_backend() != "cpu" or devices != 1:
         return f"it runs on a single CPU device, and here are {devices} {jax.default_backend()} device(s)"
-    return unavailable_reason()
+    return unavailable_reason(library)
 
 
 def check_implementation(implementation: str) -> None:
@@ -153,17 +200,18 @@ def check_implementation(implementation: str) -> None:
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"matmul_implementation={implementation!r} is not one of {IMPLEMENTATIONS}: 'auto' "
                          f"multiplies float32 layer kernels in place with oneDNN on a single CPU device where it can "
-                         f"be had, 'xla' keeps XLA's dots, 'onednn' insists on oneDNN")
+                         f"be had, 'xla' keeps XLA's dots, 'onednn' insists on oneDNN, 'mkl' takes MKL's GEMM "
+                         f"(torch's) instead")
 
 
 def applies(implementation: str, dtype, kernels, rows: int) -> bool:
     """Whether a model traced now multiplies its stacked layer kernels (`kernels`, [L, ...] each) here, for calls of
-    `rows` token rows (static, at trace time).
+    `rows` token rows (static, at trace time), with the handlers of `library_of(implementation)`.
 
     Only float32 on a single CPU device: XLA cannot partition a custom call (on a mesh it would gather the whole
     stack per call), other platforms have their own kernels, and XLA's bf16 kernels serve the 16-bit policies.
     "auto" also wants the sizes where it pays (`AUTO_MIN_LAYER_ELEMENTS`, `AUTO_MIN_ROWS`) and keeps XLA's dots
-    where the handlers cannot be had; "onednn" raises where it cannot run, naming why."""
+    where the handlers cannot be had; "onednn" and "mkl" raise where they cannot run, naming why."""
     check_implementation(implementation)
     if implementation == "xla":
         return False
@@ -172,40 +220,41 @@ def applies(implementation: str, dtype, kernels, rows: int) -> bool:
         return False
     float32 = jnp.dtype(dtype) == jnp.float32 and all(jnp.dtype(k.dtype) == jnp.float32 for k in kernels)
     why = "" if float32 else "it runs float32 models on a single CPU device only"
-    why = why or unavailable_on(jax.device_count())
-    if why and implementation == "onednn":
-        raise ValueError(f"matmul_implementation='onednn' cannot be used here: {why}; use 'auto' or 'xla'")
+    why = why or unavailable_on(jax.device_count(), library_of(implementation))
+    if why and implementation != "auto":
+        raise ValueError(f"matmul_implementation={implementation!r} cannot be used here: {why}; use 'auto' or 'xla'")
     return not why
 
 
-def _gemm(a: Array, stack: Array, layer: Array, transpose: bool) -> Array:
+def _gemm(a: Array, stack: Array, layer: Array, transpose: bool, library: str) -> Array:
     n = stack.shape[1] if transpose else stack.shape[2]
     # vmap (e.g. seeds vmapped over, examples/vmap_seeds.py) runs the call once per batch element
-    call = jax.ffi.ffi_call(TARGETS["matmul"], jax.ShapeDtypeStruct((a.shape[0], n), jnp.float32),
+    call = jax.ffi.ffi_call(TARGETS[library]["matmul"], jax.ShapeDtypeStruct((a.shape[0], n), jnp.float32),
                             vmap_method="sequential")
     return call(a, stack, layer, transpose_w=np.int64(transpose))
 
 
-def matmul(x: Array, stack: Array, layer: Array) -> Array:
+def matmul(x: Array, stack: Array, layer: Array, library: str = "onednn") -> Array:
     """x f32[N, K] @ stack[layer] -> f32[N, M] for stack f32[L, K, M] and layer i32[] (in range; checked by the
-    handler). Call :func:`unavailable_reason` first (it registers the handlers). The product carries the name
-    remat's "dots" policy saves (outside the custom VJP, where jax.checkpoint sees it)."""
-    return checkpoint_name(_matmul(x, stack, layer), SAVED_NAME)
+    handler), by `library`'s GEMM ("onednn" or "mkl"). Call :func:`unavailable_reason` first (it registers the
+    handlers). The product carries the name remat's "dots" policy saves (outside the custom VJP, where
+    jax.checkpoint sees it)."""
+    return checkpoint_name(_matmul(x, stack, layer, library), SAVED_NAME)
 
 
-@jax.custom_vjp
-def _matmul(x: Array, stack: Array, layer: Array) -> Array:
-    return _gemm(x, stack, layer, False)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _matmul(x: Array, stack: Array, layer: Array, library: str) -> Array:
+    return _gemm(x, stack, layer, False, library)
 
 
-def _matmul_fwd(x, stack, layer):
-    return _matmul(x, stack, layer), (x, stack, layer)
+def _matmul_fwd(x, stack, layer, library):
+    return _matmul(x, stack, layer, library), (x, stack, layer)
 
 
-def _matmul_bwd(residuals, g):
+def _matmul_bwd(library, residuals, g):
     x, stack, layer = residuals
-    dx = _gemm(g, stack, layer, True)
-    call = jax.ffi.ffi_call(TARGETS["weight_grad"], jax.ShapeDtypeStruct(stack.shape[1:], jnp.float32),
+    dx = _gemm(g, stack, layer, True, library)
+    call = jax.ffi.ffi_call(TARGETS[library]["weight_grad"], jax.ShapeDtypeStruct(stack.shape[1:], jnp.float32),
                             vmap_method="sequential")
     dstack = jax.lax.dynamic_update_index_in_dim(jnp.zeros_like(stack), call(x, g), layer, 0)
     return dx, dstack, None

@@ -19,8 +19,9 @@ gets a finite, meaningless output (never NaN); callers ignore pad positions.
 
 Model options (static, part of the graphdef): `dtype` / `param_dtype` (compute / storage; named pairs in
 `precision.py`), `remat` ("none" | "full" | "dots", `remat.py`), `attention_implementation` ("auto" | "xla" |
-"cudnn"), `matmul_implementation` ("auto" | "xla" | "onednn": float32 projections on one CPU device read their
-layer's kernel in the stack through oneDNN instead of XLA's copy-then-dot, `stacked_matmul.py`), `scan_layers`.
+"cudnn"), `matmul_implementation` ("auto" | "xla" | "onednn" | "mkl": float32 projections on one CPU device read
+their layer's kernel in the stack through oneDNN's (or MKL's) GEMM instead of XLA's copy-then-dot,
+`stacked_matmul.py`), `scan_layers`.
 
 KV cache (`KVCache`, `init_cache`): keys/values `[L, B, T, K, hd]`, `key_mask bool[B, T]`, `index i32[]` (next write
 slot; on the CPU a 16-bit cache holds the uint16 bits of its keys and values, `slot_storage.py`). A call with a
@@ -291,9 +292,10 @@ def _project(x: Array, d: dict, dtype, lora_scale: float | None) -> Array:
 
 def _stacked_dense(x2: Array, d: dict, lead: tuple) -> Array:
     """x2 [N, in] times this layer's kernel read in the stack (`d["stacked"]`: (stack [L, in, prod(out)], layer,
-    out shape)) -> [*lead, *out], plus this layer's bias when `d` has one (float32 models only reach here)."""
-    stack, layer, out_shape = d["stacked"]
-    y = stacked_matmul.matmul(x2, stack, layer).reshape(*lead, *out_shape)
+    out shape, GEMM library)) -> [*lead, *out], plus this layer's bias when `d` has one (float32 models only reach
+    here)."""
+    stack, layer, out_shape, library = d["stacked"]
+    y = stacked_matmul.matmul(x2, stack, layer, library).reshape(*lead, *out_shape)
     return y if "bias" not in d else y + d["bias"]
 
 
@@ -303,9 +305,10 @@ _STACKED_PROJECTIONS = {("attn", "q"): 1, ("attn", "k"): 1, ("attn", "v"): 1, ("
                         ("mlp", "up"): 1, ("mlp", "gate"): 1, ("mlp", "down"): 1}
 
 
-def _split_stacked_kernels(layers: dict) -> tuple[dict, dict]:
+def _split_stacked_kernels(layers: dict, library: str) -> tuple[dict, dict]:
     """The layer scan's weights without the projection kernels, and those kernels as 3-D stacks
-    `[L, in, prod(out)]` (a reshape, no copy) with their output shapes, for `stacked_matmul` to read in place."""
+    `[L, in, prod(out)]` (a reshape, no copy) with their output shapes, for `stacked_matmul` to read in place with
+    `library`'s GEMM."""
     layers = jax.tree.map(lambda a: a, layers)  # a fresh nesting of dicts, the leaves shared
     stacks = {}
     for (group, name), n_in in _STACKED_PROJECTIONS.items():
@@ -315,15 +318,15 @@ def _split_stacked_kernels(layers: dict) -> tuple[dict, dict]:
         kernel = d.pop("kernel")
         n_layers, shape = kernel.shape[0], kernel.shape[1:]
         stacks[(group, name)] = (kernel.reshape(n_layers, math.prod(shape[:n_in]), math.prod(shape[n_in:])),
-                                 shape[n_in:])
+                                 shape[n_in:], library)
     return layers, stacks
 
 
 def _with_stacked_kernels(p: dict, stacks: dict, layer_idx) -> dict:
     """One layer's weights `p` with each split-off kernel named by its stack and this layer's index."""
     p = jax.tree.map(lambda a: a, p)
-    for (group, name), (stack, out_shape) in stacks.items():
-        p[group][name]["stacked"] = (stack, layer_idx, out_shape)
+    for (group, name), (stack, out_shape, library) in stacks.items():
+        p[group][name]["stacked"] = (stack, layer_idx, out_shape, library)
     return p
 
 
@@ -584,7 +587,7 @@ class Backbone(nnx.Module):
             # float32 on one CPU device: each layer's projections read their kernels in the stack (stacked_matmul)
             # instead of the scan copying them out per layer. Not in generation: at a few rows per call oneDNN's
             # GEMM is slower than XLA's, copy included
-            layers, stacks = _split_stacked_kernels(layers)
+            layers, stacks = _split_stacked_kernels(layers, stacked_matmul.library_of(self.matmul_implementation))
         restore = lambda layer: layer  # noqa: E731
         if cache is not None:
             # generation reads every layer's weights once per token; a 16-bit stack (the sampler's weights, cast

@@ -517,16 +517,17 @@ def _split_eval(ids, num_eval):
 
 
 def _check_matmul_implementation(config, mesh) -> None:
-    """matmul_implementation='onednn' must be able to run here: one CPU device, the handlers built (before any
-    weight is loaded; 'auto' falls back to XLA's dots silently)."""
-    if config.matmul_implementation != "onednn":
+    """matmul_implementation 'onednn' or 'mkl' must be able to run here: one CPU device, the handlers built (before
+    any weight is loaded; 'auto' falls back to XLA's dots silently)."""
+    if config.matmul_implementation not in ("onednn", "mkl"):
         return
     from ..models import stacked_matmul
 
-    why = stacked_matmul.unavailable_on(mesh.devices.size if mesh is not None else jax.device_count())
+    why = stacked_matmul.unavailable_on(mesh.devices.size if mesh is not None else jax.device_count(),
+                                        stacked_matmul.library_of(config.matmul_implementation))
     if why:
-        raise ConfigError(f"matmul_implementation='onednn' cannot be used: {why}. Set matmul_implementation: auto "
-                          "(oneDNN where it can run, XLA's dots elsewhere) or xla.")
+        raise ConfigError(f"matmul_implementation={config.matmul_implementation!r} cannot be used: {why}. Set "
+                          "matmul_implementation: auto (oneDNN where it can run, XLA's dots elsewhere) or xla.")
 
 
 def model_kwargs(config) -> dict:
