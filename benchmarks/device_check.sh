@@ -16,9 +16,10 @@
 #              the GPU, one line per test as it ends (`-v`), on the remaining cores;
 #   gpu-bench  `benchmarks.gpu` (tiny, SmolLM2, a random 1B Llama under mixed and bfloat16) and TRL on the
 #              same GPU (`trl_ppo --device cuda --bf16`).
-#   cpu-ab     alone: SmolLM2 `benchmarks.ppojax_ppo` under `--matmul xla` and `--matmul onednn` side by side, each
-#              on its own two cores (a paired comparison under the same load), and `benchmarks.step_profile`
-#              float32 (ppojax's default) on two more: whether oneDNN's projections pay on that CPU, and where a
+#   cpu-ab     alone: SmolLM2 `benchmarks.ppojax_ppo` under two `--matmul` implementations side by side (AB_IMPLS,
+#              default "onednn mkl"; the nineteenth session ran "xla onednn"), each on its own two cores (a
+#              paired comparison under the same load), and `benchmarks.step_profile` float32 (--matmul
+#              PROFILE_MATMUL, default the second) on two more: which projections pay on that CPU, and where a
 #              step's time goes there (~2.5 min);
 #   cpu-gemm   alone: `benchmarks.gemm_shapes` (the update's float32 GEMMs at SmolLM2's shapes, and the decode
 #              step's, by XLA, ppojax's oneDNN handlers, oneDNN's matmul primitive, the handlers' products on
@@ -113,25 +114,28 @@ if want cpu-quiet; then
   grep -v "^WARNING\|plugin" "$OUT/cpu_quiet.log" | tail -n 40
   stamp "all done"; exit 0
 fi
-# one traced float32 SmolLM2 step (ppojax's default) on CPUs $1: where its time goes on that CPU
+# one traced float32 SmolLM2 step on CPUs $1 with matmul_implementation $2 (default: ppojax's, auto): where its time
+# goes on that CPU
 profile_float32() {
   $CPU_ENV JAX_COMPILATION_CACHE_DIR=/tmp/jc_prof taskset -c "$1" timeout 240 python3 -m benchmarks.step_profile \
-    --size "${PROFILE_SIZE:-smollm2}" --precision float32 --json "$OUT/step_profile_float32.json" \
-    > "$OUT/step_profile.log" 2>&1
+    --size "${PROFILE_SIZE:-smollm2}" --precision float32 --matmul "${2:-auto}" \
+    --json "$OUT/step_profile_float32.json" > "$OUT/step_profile.log" 2>&1
 }
 if want cpu-ab; then
-  stamp "cpu-ab: --matmul xla on CPUs $CPU_F32, --matmul onednn on $CPU_MIXED, step_profile on $CPU_PROF"
+  read -r IMPL_A IMPL_B <<< "${AB_IMPLS:-onednn mkl}"
+  stamp "cpu-ab: --matmul $IMPL_A on CPUs $CPU_F32, --matmul $IMPL_B on $CPU_MIXED, step_profile" \
+    "(--matmul ${PROFILE_MATMUL:-$IMPL_B}) on $CPU_PROF"
   AB=(); AB_ARGS="--size ${PROFILE_SIZE:-smollm2} --updates ${AB_UPDATES:-5} --no-phases"
-  for impl in xla onednn; do
-    cpus=$CPU_F32; [ $impl = onednn ] && cpus=$CPU_MIXED
+  for impl in $IMPL_A $IMPL_B; do
+    cpus=$CPU_F32; [ $impl = $IMPL_B ] && cpus=$CPU_MIXED
     $CPU_ENV JAX_COMPILATION_CACHE_DIR=/tmp/jc_ab_$impl taskset -c "$cpus" timeout 240 python3 -m \
       benchmarks.ppojax_ppo $AB_ARGS --matmul $impl --json "$OUT/ab_$impl.json" > "$OUT/ab_$impl.log" 2>&1 &
     AB+=($!)
   done
-  profile_float32 "$CPU_PROF" &
+  profile_float32 "$CPU_PROF" "${PROFILE_MATMUL:-$IMPL_B}" &
   AB+=($!)
   wait "${AB[@]}"
-  for impl in xla onednn; do
+  for impl in $IMPL_A $IMPL_B; do
     echo "== $impl"; grep -E '"(episodes_per_s|update_s|step_s|matmul_implementation|time_to_first_update_s)"' \
       "$OUT/ab_$impl.log"
   done
