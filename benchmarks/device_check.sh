@@ -29,7 +29,8 @@
 #              whether MKL would close it (~2.5 + 0.7 + 1.5 min on 2 Zen 4 cores: timeout_s=480);
 #   cpu-quiet  alone (no other part): `benchmarks.run` as ONE process on two cores with nothing else running: TRL,
 #              then ppojax float32, SmolLM2 only (issue 15's "quiet machine" figures; tiny's target was met there
-#              already; BENCH_EXTRA="--sizes tiny,smollm2" adds it). From the fifteenth session's busy runs: the
+#              already; BENCH_EXTRA="--sizes tiny,smollm2" adds it; BENCH_EXTRA="--ppojax-matmul mkl" runs
+#              ppojax's projections on MKL). From the fifteenth session's busy runs: the
 #              peaks ~20 s, TRL ~120 s, ppojax ~195 s measured + ~140 s warm-cache run: ~8 min; the report is
 #              written after ppojax's measured run, so a cut in its warm-cache run loses only that figure. The
 #              `cpu` part's three rows at once kept 3-13 other cores busy (2026-11-26, fifteenth session).
@@ -108,7 +109,8 @@ CPU_ENV="env JAX_PLATFORMS=cpu CUDA_VISIBLE_DEVICES= PPOJAX_BENCH_PYTHON=${PPOJA
 BENCH="python3 -m benchmarks.run --threads 2 --smollm2-dir random ${BENCH_EXTRA:-}"
 if want cpu-quiet; then
   stamp "cpu-quiet: one benchmarks.run process on CPUs $CPU_TRL, nothing else running"
-  QUIET_SIZES="--sizes smollm2"; [ -n "${BENCH_EXTRA:-}" ] && QUIET_SIZES=""  # BENCH_EXTRA (in $BENCH) decides
+  QUIET_SIZES="--sizes smollm2"  # unless BENCH_EXTRA (in $BENCH) names the sizes (or --quick)
+  [[ "${BENCH_EXTRA:-}" == *--sizes* || "${BENCH_EXTRA:-}" == *--quick* ]] && QUIET_SIZES=""
   $CPU_ENV JAX_COMPILATION_CACHE_DIR=/tmp/jc_quiet taskset -c "$CPU_TRL" timeout 560 $BENCH \
     $QUIET_SIZES --json "$OUT/cpu_quiet.json" > "$OUT/cpu_quiet.log" 2>&1
   grep -v "^WARNING\|plugin" "$OUT/cpu_quiet.log" | tail -n 40

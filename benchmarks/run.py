@@ -397,6 +397,7 @@ def run_size(size: str, args, tmp: Path, peak: float | None, entry: dict | None 
     config = make_config(size, quick=args.quick, num_updates=args.updates, model_dir=model_dir)
     config["remat"] = args.ppojax_remat  # ppojax's side only (TRL's PPOTrainer runs without checkpointing)
     config["behaviour_logprobs"] = args.ppojax_behaviour_logprobs  # TRL's PPOTrainer takes the sampler's
+    config["matmul_implementation"] = args.ppojax_matmul  # ppojax's float32 layer projections
     config_path = tmp / f"{size}.json"
     config_path.write_text(json.dumps(config))
     timeout = 150 if args.quick else (600 if size == "tiny" else 2400)
@@ -586,6 +587,9 @@ def main(argv=None) -> int:
     p.add_argument("--ppojax-remat", default=DEFAULT_REMAT, choices=["none", "full", "dots"],
                    help="ppojax's rematerialisation of the layer scan (the same gradients; default: ppojax's, "
                         f"{DEFAULT_REMAT!r}; TRL's PPOTrainer keeps every activation)")
+    p.add_argument("--ppojax-matmul", default="auto", choices=["auto", "xla", "onednn", "mkl"],
+                   help="ppojax's matmul_implementation (default: ppojax's, 'auto'; 'mkl': the in-place "
+                        "projections on MKL, the library TRL's torch runs)")
     p.add_argument("--ppojax-mixed", action="store_true",
                    help="also run ppojax with precision 'mixed' (bfloat16 matmuls), reported as a separate row "
                         "against TRL's float32 (back-to-back runs only)")
@@ -613,6 +617,9 @@ def main(argv=None) -> int:
         return 0
     args.ppojax_precisions = (args.ppojax_precisions or ("float32,mixed" if args.ppojax_mixed else "float32")
                               ).split(",")
+    if args.ppojax_matmul in ("onednn", "mkl") and "mixed" in args.ppojax_precisions:
+        p.error(f"--ppojax-matmul {args.ppojax_matmul} multiplies float32 models only, and the mixed row runs "
+                "bfloat16 matmuls: run the mixed row without it (a separate --ppojax-precisions mixed process)")
     if args.smollm2_dir is None:
         args.smollm2_dir = default_smollm2_dir()
     elif args.smollm2_dir == "random":
