@@ -1,6 +1,6 @@
 """Float32 GEMM rates at SmolLM2-135M's own shapes, by each implementation a PPO update on the CPU can run.
 
-    python -m benchmarks.gemm_shapes [--rounds 10] [--only xla,onednn,onednn_matmul,mkl,torch] [--json F]
+    python -m benchmarks.gemm_shapes [--rounds 10] [--only xla,onednn,onednn_matmul,mkl,torch] [--json F] [--record]
 
 The implementations:
 
@@ -25,7 +25,8 @@ each; the policy's LM head): the time the update's GEMMs alone would take, by im
 them (``ppojax``: the projections by ``onednn`` where it is available, the LM head by ``xla``). The projections'
 forward at a decode step's 8 rows too (``decode_step_s``: one decode step's projections, the policy's 30 layers):
 where in-place oneDNN starts to beat XLA's copy-then-dot on a CPU (`stacked_matmul.AUTO_MIN_ROWS`). Run it pinned
-(`taskset`) to the cores compared.
+(`taskset`) to the cores compared. ``--record``: record the in-place library (``onednn`` or ``mkl``) whose update
+GEMMs were fastest as this CPU's choice for `matmul_implementation: auto` (`ppojax.models.matmul_record`).
 """
 from __future__ import annotations
 
@@ -313,11 +314,22 @@ def update_seconds(results: dict, shapes=SHAPES) -> dict:
     return out
 
 
+def fastest_library(update_s: dict) -> tuple[str, dict] | None:
+    """(the in-place library with the fewest update GEMM seconds, {library: seconds}) among those measured, or
+    None where none was."""
+    from ppojax.models.stacked_matmul import LIBRARIES
+
+    measured = {lib: update_s[lib] for lib in LIBRARIES if update_s.get(lib) is not None}
+    return (min(measured, key=measured.get), measured) if measured else None
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--only", default=",".join(IMPLEMENTATIONS), help="implementations, comma-separated")
     parser.add_argument("--json", default=None, help="write the report here")
+    parser.add_argument("--record", action="store_true",
+                        help="record the fastest in-place library as this CPU's choice for matmul_implementation: auto")
     args = parser.parse_args(argv)
     only = [i for i in args.only.split(",") if i]
     unknown = sorted(set(only) - set(IMPLEMENTATIONS))
@@ -342,7 +354,19 @@ def main(argv=None):
                                                              for k, v in report["decode_step_s"].items()))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    if args.record:
+        from ppojax.models import matmul_record, stacked_matmul
+
+        fastest = fastest_library(report["update_s"])
+        if fastest is None:
+            print("--record: no in-place library could be measured here; nothing recorded")
+            return 1
+        library, measured = fastest
+        path = matmul_record.record(library, measured, tuple(stacked_matmul.LIBRARIES))
+        print(f"recorded {library} for this CPU ({', '.join(f'{k} {v:.2f} s' for k, v in measured.items())}) in "
+              f"{path}: matmul_implementation 'auto' takes it")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

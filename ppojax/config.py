@@ -188,7 +188,8 @@ class PPOConfig:
     """The layers' projections of a float32 model on a single CPU device: 'auto' (oneDNN's GEMM reading each
     layer's kernel where it lies in the stacked weights, for models whose layers hold at least 1 M kernel
     elements and calls of at least 64 token rows, where the onednn-cpu-gomp wheel and a C++ compiler let ppojax
-    build its handlers; else XLA's dots, which copy each layer's kernels out first), 'xla', 'onednn' (whatever
+    build its handlers; MKL's instead where `python -m benchmarks.gemm_shapes --record` measured it faster on this
+    CPU; else XLA's dots, which copy each layer's kernels out first), 'xla', 'onednn' (whatever
     the size; an error where it cannot be had), or 'mkl' (as 'onednn', on MKL's GEMM as torch's x86 wheels carry
     it: for CPUs where MKL is faster at the model's shapes, `python -m benchmarks.gemm_shapes`). Generation, other
     precisions, meshes and accelerators always use XLA's dots."""

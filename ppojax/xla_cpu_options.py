@@ -119,10 +119,11 @@ def _jaxlib_version() -> str:
         return "unknown"
 
 
-def record_path(environ: Mapping[str, str] = os.environ) -> Path:
-    """``$XDG_CACHE_HOME/ppojax/xla_cpu_options.json`` (``~/.cache/ppojax/...``)."""
+def record_path(environ: Mapping[str, str] = os.environ, name: str = RECORD_FILE) -> Path:
+    """``$XDG_CACHE_HOME/ppojax/<name>`` (``~/.cache/ppojax/xla_cpu_options.json`` unless named: the per-CPU
+    records live there)."""
     base = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base).expanduser() / "ppojax" / RECORD_FILE
+    return Path(base).expanduser() / "ppojax" / name
 
 
 def _key(cpu: Cpu, jaxlib: str) -> str:
@@ -130,7 +131,8 @@ def _key(cpu: Cpu, jaxlib: str) -> str:
     return f"{cpu.signature} jaxlib {jaxlib}"
 
 
-def _read(path: Path) -> dict:
+def read_records(path: Path) -> dict:
+    """A records file's JSON object; {} where it is missing or unreadable (a record is only ever a speed-up)."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -150,7 +152,7 @@ def record(option_set: str, measurements: dict, *, matmuls: str = "float32", cpu
         raise ValueError(f"matmuls {matmuls!r}: expected one of {', '.join(MATMULS)}")
     cpu, jaxlib = cpu or this_cpu(), jaxlib or _jaxlib_version()
     path = record_path(environ)
-    records = _read(path)
+    records = read_records(path)
     by_matmuls = _by_matmuls(records.get(_key(cpu, jaxlib)))
     by_matmuls[matmuls] = {"option_set": chosen.name, "flags": chosen.flags, "measurements": measurements,
                            "recorded": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
@@ -174,7 +176,7 @@ def recorded_choice(cpu: Optional[Cpu] = None, jaxlib: Optional[str] = None,
     """The record for ``cpu``, ``jaxlib`` (default: this CPU, the installed jaxlib) and the matmuls of
     ``precision``, or None."""
     cpu, jaxlib = cpu or this_cpu(), jaxlib or _jaxlib_version()
-    entry = _by_matmuls(_read(record_path(environ)).get(_key(cpu, jaxlib))).get(matmuls_of(precision))
+    entry = _by_matmuls(read_records(record_path(environ)).get(_key(cpu, jaxlib))).get(matmuls_of(precision))
     known = {s.name: s for s in CANDIDATES}
     if not isinstance(entry, dict) or entry.get("option_set") not in known:
         return None

@@ -244,3 +244,52 @@ def test_mkl_says_where_it_comes_from_and_is_refused_where_it_cannot_run(monkeyp
         build._check_matmul_implementation(config, sharding.mesh_from_config(config))
     with pytest.raises(ValueError, match="matmul_implementation='mkl' cannot be used here: no mkl here"):
         stacked_matmul.applies("mkl", jnp.float32, [jax.ShapeDtypeStruct((2, 64, 64), jnp.float32)], rows=8)
+
+
+def test_auto_takes_the_library_recorded_fastest_on_this_cpu(monkeypatch, tmp_path):
+    """`gemm_shapes --record` writes the fastest in-place library under this CPU's signature; "auto" then takes it
+    (a model's projections call its handlers), falls back to oneDNN's where it cannot be had or another CPU holds
+    the record, and "onednn" / "mkl" keep their own library whatever the record says."""
+    from benchmarks.gemm_shapes import fastest_library
+    from ppojax.models import matmul_record
+    from ppojax.xla_cpu_options import Cpu, this_cpu
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    libraries = tuple(stacked_matmul.LIBRARIES)
+    assert stacked_matmul.library_of("auto") == "onednn"  # no record
+    assert fastest_library({"xla": 1.0, "onednn": 12.0, "mkl": 11.0, "torch": 10.0}) == \
+        ("mkl", {"onednn": 12.0, "mkl": 11.0})
+    assert fastest_library({"xla": 1.0, "torch": 2.0}) is None
+    with pytest.raises(ValueError, match="library 'cublas': expected one of onednn, mkl"):
+        matmul_record.record("cublas", {}, libraries)
+    other = Cpu("Other CPU", frozenset({"avx2"}))
+    matmul_record.record("mkl", {"mkl": 1.0}, libraries, cpu=other)
+    assert matmul_record.recorded_library(libraries, cpu=other) == "mkl"
+    assert stacked_matmul.library_of("auto") == "onednn"  # the record is another CPU's
+    matmul_record.record("mkl", {"onednn": 12.0, "mkl": 11.0}, libraries)
+    assert matmul_record.recorded_library(libraries, cpu=other) == "mkl"  # kept beside this CPU's
+    assert matmul_record.recorded_library(libraries) == "mkl" == matmul_record.recorded_library(
+        libraries, cpu=this_cpu())
+    assert stacked_matmul.library_of("onednn") == "onednn" and stacked_matmul.library_of("mkl") == "mkl"
+    monkeypatch.setattr(stacked_matmul, "unavailable_reason", lambda library="onednn": "")
+    assert stacked_matmul.library_of("auto") == "mkl"
+    monkeypatch.setattr(stacked_matmul, "unavailable_reason",
+                        lambda library="onednn": "no torch" if library == "mkl" else "")
+    assert stacked_matmul.library_of("auto") == "onednn"  # recorded, but not to be had here
+    matmul_record.record_path().write_text("{not json")
+    assert matmul_record.recorded_library(libraries) is None  # an unreadable record is no record
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_a_model_on_auto_calls_the_recorded_librarys_handlers(monkeypatch, tmp_path, library):
+    from ppojax.models import matmul_record
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(stacked_matmul, "AUTO_MIN_LAYER_ELEMENTS", 0)  # the test model and batch are small
+    monkeypatch.setattr(stacked_matmul, "AUTO_MIN_ROWS", 0)
+    matmul_record.record(library, {library: 1.0}, tuple(stacked_matmul.LIBRARIES))
+    ids, mask = _batch()
+    graphdef, params = _model("auto")
+    hlo = jax.jit(lambda p: nnx.merge(graphdef, p)(ids, mask)[0]).lower(params).compile().as_text()
+    assert {lib: custom_calls(hlo, lib) > 0 for lib in stacked_matmul.LIBRARIES} == \
+        {lib: lib == library for lib in stacked_matmul.LIBRARIES}

@@ -11,7 +11,8 @@ accumulation of the stack's cotangent). Values: float32 GEMMs as XLA's, summed i
 
 The same handlers on MKL's GEMM (`matmul_implementation: mkl`, the library `"mkl"`): MKL as torch's x86 wheels link
 it into `libtorch_cpu.so` (its Fortran `sgemm_`), the GEMM TRL's step runs; for CPUs where MKL outruns oneDNN at a
-model's shapes (`python -m benchmarks.gemm_shapes` tells, per CPU).
+model's shapes (`python -m benchmarks.gemm_shapes` tells; with `--record`, "auto" takes the faster on that CPU:
+`matmul_record.py`).
 
 The handlers (`stacked_gemm.cc`) are compiled on first use with the system's C++ compiler against
 `jax.ffi.include_dir()` and the library's file (the wheel's `libdnnl.so.3`, or torch's `libtorch_cpu.so`), once per
@@ -89,8 +90,14 @@ def mkl_library() -> Path | None:
 
 
 def library_of(implementation: str) -> str:
-    """The GEMM library an implementation's handlers use: "mkl" for "mkl", oneDNN's for "onednn" and "auto"."""
-    return "mkl" if implementation == "mkl" else "onednn"
+    """The GEMM library an implementation's handlers use: its own for "onednn" and "mkl"; for "auto" the one
+    measured fastest on this CPU (`matmul_record`) where its handlers can be had, else oneDNN's."""
+    if implementation in LIBRARIES:
+        return implementation
+    from .matmul_record import recorded_library
+
+    recorded = recorded_library(tuple(LIBRARIES))
+    return recorded if recorded and not unavailable_reason(recorded) else "onednn"
 
 
 def _cache_dir() -> Path:
