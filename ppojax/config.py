@@ -738,8 +738,8 @@ def _problems_together(c: PPOConfig) -> list[str]:
                    "(e.g. 16) to train LoRA adapters, or remove the lora_* settings.")
     if c.matmul_implementation in ("onednn", "mkl") and c.precision != "float32":
         out.append(f"matmul_implementation={c.matmul_implementation!r} multiplies float32 models only, but "
-                   f"precision={c.precision!r}; set matmul_implementation: auto (XLA's bf16 kernels serve it) or precision: "
-                   "float32.")
+                   f"precision={c.precision!r}; set matmul_implementation: auto (XLA's bf16 kernels serve it) or "
+                   "precision: float32.")
     axes = {"mesh_data": c.mesh_data, "mesh_fsdp": c.mesh_fsdp, "mesh_tensor": c.mesh_tensor}
     if list(axes.values()).count(-1) > 1:
         out.append(f"mesh sizes {axes}: at most one -1 (the axis taking the devices left over) among mesh_data/"

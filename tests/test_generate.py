@@ -15,7 +15,8 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from ppojax.forward import sequence_inputs  # noqa: E402
-from ppojax.generate import _first_index_of_top, first_argmax, generate_jit, process_logits, sample_logits  # noqa: E402,E501
+from ppojax.generate import (_first_index_of_top, first_argmax, generate_jit, process_logits,  # noqa: E402
+                             sample_logits)
 from ppojax.models import load_pretrained  # noqa: E402
 
 torch.set_num_threads(1)

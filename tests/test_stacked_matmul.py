@@ -246,7 +246,7 @@ def test_mkl_says_where_it_comes_from_and_is_refused_where_it_cannot_run(monkeyp
         stacked_matmul.applies("mkl", jnp.float32, [jax.ShapeDtypeStruct((2, 64, 64), jnp.float32)], rows=8)
 
 
-def test_auto_takes_the_library_recorded_fastest_on_this_cpu(monkeypatch, tmp_path):
+def test_auto_takes_the_library_recorded_fastest_on_this_cpu(monkeypatch, tmp_path, capsys):
     """`gemm_shapes --record` writes the fastest in-place library under this CPU's signature; "auto" then takes it
     (a model's projections call its handlers), falls back to oneDNN's where it cannot be had or another CPU holds
     the record, and "onednn" / "mkl" keep their own library whatever the record says."""
@@ -272,7 +272,11 @@ def test_auto_takes_the_library_recorded_fastest_on_this_cpu(monkeypatch, tmp_pa
         libraries, cpu=this_cpu())
     assert stacked_matmul.library_of("onednn") == "onednn" and stacked_matmul.library_of("mkl") == "mkl"
     monkeypatch.setattr(stacked_matmul, "unavailable_reason", lambda library="onednn": "")
-    assert stacked_matmul.library_of("auto") == "mkl"
+    stacked_matmul._announce_recorded.cache_clear()
+    capsys.readouterr()
+    assert stacked_matmul.library_of("auto") == "mkl" == stacked_matmul.library_of("auto")
+    said = capsys.readouterr().out.splitlines()
+    assert len(said) == 1 and "'auto' takes MKL's GEMM, measured fastest on this CPU" in said[0]  # once
     monkeypatch.setattr(stacked_matmul, "unavailable_reason",
                         lambda library="onednn": "no torch" if library == "mkl" else "")
     assert stacked_matmul.library_of("auto") == "onednn"  # recorded, but not to be had here

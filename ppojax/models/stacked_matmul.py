@@ -97,7 +97,20 @@ def library_of(implementation: str) -> str:
     from .matmul_record import recorded_library
 
     recorded = recorded_library(tuple(LIBRARIES))
-    return recorded if recorded and not unavailable_reason(recorded) else "onednn"
+    if not recorded or unavailable_reason(recorded):
+        return "onednn"
+    if recorded != "onednn":
+        _announce_recorded(recorded)
+    return recorded
+
+
+@functools.cache
+def _announce_recorded(library: str) -> None:
+    """Say once per process that "auto" follows this CPU's record (as the recorded XLA:CPU options are said)."""
+    from .matmul_record import record_path
+
+    print(f"ppojax: matmul_implementation 'auto' takes {LIBRARY_NAMES[library]}'s GEMM, measured fastest on this CPU "
+          f"(recorded in {record_path()}; matmul_implementation: onednn or xla overrides it)", flush=True)
 
 
 def _cache_dir() -> Path:
