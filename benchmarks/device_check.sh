@@ -26,7 +26,9 @@
 #              torch's MKL and torch, TRL's), oneDNN's and MKL's verbose report of their ISA, kernels and threads
 #              there, then `benchmarks.step_profile` float32, one after the other on two cores with nothing else
 #              running: whether that CPU's GEMMs or the rest make ppojax's update slower than TRL's there, and
-#              whether MKL would close it (~2.5 + 0.7 + 1.5 min on 2 Zen 4 cores: timeout_s=480);
+#              whether MKL would close it (~2.5 + 0.7 + 1.5 min on 2 Zen 4 cores: timeout_s=480). With
+#              GEMM_EXTRA=--record it also records the faster in-place library (oneDNN or MKL) for that CPU in
+#              ~/.cache/ppojax/matmul_library.json: `matmul_implementation: auto` takes it in later runs there;
 #   cpu-quiet  alone (no other part): `benchmarks.run` as ONE process on two cores with nothing else running: TRL,
 #              then ppojax float32, SmolLM2 only (issue 15's "quiet machine" figures; tiny's target was met there
 #              already; BENCH_EXTRA="--sizes tiny,smollm2" adds it; BENCH_EXTRA="--ppojax-matmul mkl" runs
