@@ -156,7 +156,7 @@ if want cpu-gemm; then
   # which ISA, threads and kernels oneDNN takes on that CPU (its verbose mode: the info lines and the first call
   # of each API / primitive implementation; one pass more of the two oneDNN columns)
   $CPU_ENV ONEDNN_VERBOSE=1 taskset -c "$CPU_TRL" timeout 90 python3 -m benchmarks.gemm_shapes --rounds 1 \
-    --only onednn,onednn_matmul 2>&1 | awk -F, '$1 == "onednn_verbose" && ($2 == "info" || !seen[$4 "," $5]++)' \
+    --only onednn,onednn_primitive 2>&1 | awk -F, '$1 == "onednn_verbose" && ($2 == "info" || !seen[$4 "," $5]++)' \
     | tee "$OUT/onednn_info.txt"
   # MKL's version, ISA and threads as torch's wheel runs it (the mkl column's library)
   $CPU_ENV MKL_VERBOSE=1 taskset -c "$CPU_TRL" timeout 90 python3 -m benchmarks.gemm_shapes --rounds 1 --only mkl \

@@ -48,11 +48,14 @@ from ppojax.models import stacked_matmul
 
 assert jax.lib.__version__ == "0.10.2", f"the prebuilt handlers must match the carried jaxlib, not {jax.lib.__version__}"
 library = Path(sys.argv[1])
-out = stacked_matmul.handler_library_path(library, jax.lib.__version__, cache_dir=Path(".whl/ffi"))
 compiler = shutil.which("g++") or shutil.which("c++")
-why = stacked_matmul.compile_handlers(compiler, library, jax.ffi.include_dir(), out) if compiler else "no g++ here"
-if why:
-    sys.exit(f"device_wheels.sh: prebuilding stacked_matmul's handlers: {why}")
-print(f"prebuilt {out}")
+for name in ("onednn", "onednn_primitive"):  # the libraries on oneDNN's wheel (MKL's is the machine's torch)
+    defines = stacked_matmul.LIBRARIES[name]
+    out = stacked_matmul.handler_library_path(library, jax.lib.__version__, cache_dir=Path(".whl/ffi"), defines=defines)
+    why = stacked_matmul.compile_handlers(compiler, library, jax.ffi.include_dir(), out, defines=defines) \
+        if compiler else "no g++ here"
+    if why:
+        sys.exit(f"device_wheels.sh: prebuilding stacked_matmul's {name} handlers: {why}")
+    print(f"prebuilt {out} ({name})")
 PY
 du -sh .whl

@@ -1,14 +1,16 @@
 """Float32 GEMM rates at SmolLM2-135M's own shapes, by each implementation a PPO update on the CPU can run.
 
-    python -m benchmarks.gemm_shapes [--rounds 10] [--only xla,onednn,onednn_matmul,mkl,torch] [--json F] [--record]
+    python -m benchmarks.gemm_shapes [--rounds 10] [--only xla,onednn,onednn_primitive,mkl,torch] [--json F]
+                                     [--record]
 
 The implementations:
 
 - ``xla``: XLA's dot on whole operands (ppojax's `matmul_implementation: xla`, and its LM head always);
 - ``onednn``: oneDNN's GEMM on one layer of a stacked kernel, in place (`ppojax.models.stacked_matmul`'s handlers:
   ppojax's default projections on a single CPU device), where the wheel and the handlers can be had;
-- ``onednn_matmul``: the same products through oneDNN's matmul primitive (its brgemm kernels where the CPU has
-  them; `benchmarks/ffi/onednn_matmul.cc`) instead of its `dnnl_sgemm`: whether oneDNN's API matters on a CPU;
+- ``onednn_primitive``: the handlers on oneDNN's matmul primitive (its brgemm kernels where the CPU has them;
+  `matmul_implementation: onednn_primitive`) instead of its `dnnl_sgemm`: whether oneDNN's API matters on a CPU
+  (the nineteenth session's ``onednn_matmul`` column, a benchmark-only handler of the same primitive);
 - ``mkl``: ppojax's handlers on MKL's `sgemm_` as torch's x86 wheels carry it (`matmul_implementation: mkl`):
   whether the handlers on MKL run at torch's rates (``torch`` adds its own dispatch and, for ``dw``, a transposed
   output);
@@ -25,8 +27,9 @@ each; the policy's LM head): the time the update's GEMMs alone would take, by im
 them (``ppojax``: the projections by ``onednn`` where it is available, the LM head by ``xla``). The projections'
 forward at a decode step's 8 rows too (``decode_step_s``: one decode step's projections, the policy's 30 layers):
 where in-place oneDNN starts to beat XLA's copy-then-dot on a CPU (`stacked_matmul.AUTO_MIN_ROWS`). Run it pinned
-(`taskset`) to the cores compared. ``--record``: record the in-place library (``onednn`` or ``mkl``) whose update
-GEMMs were fastest as this CPU's choice for `matmul_implementation: auto` (`ppojax.models.matmul_record`).
+(`taskset`) to the cores compared. ``--record``: record the in-place library (``onednn``, ``onednn_primitive`` or
+``mkl``) whose update GEMMs were fastest as this CPU's choice for `matmul_implementation: auto`
+(`ppojax.models.matmul_record`).
 """
 from __future__ import annotations
 
@@ -52,9 +55,7 @@ DECODE_ROWS = 8
 DECODE_SHAPES = tuple((f"{name}@decode", DECODE_ROWS, d_in, d_out, uses)
                       for name, _rows, d_in, d_out, uses in SHAPES if uses is not None)
 PRODUCTS = ("fwd", "dx", "dw")
-IMPLEMENTATIONS = ("xla", "onednn", "onednn_matmul", "mkl", "torch")
-PRIMITIVE_SOURCE = Path(__file__).parent / "ffi" / "onednn_matmul.cc"
-PRIMITIVE_TARGET = "ppojax_bench_onednn_matmul"
+IMPLEMENTATIONS = ("xla", "onednn", "onednn_primitive", "mkl", "torch")
 
 
 def operands(rows: int, d_in: int, d_out: int, layers: int, seed: int = 0) -> dict:
@@ -160,52 +161,10 @@ def mkl_products(ops: dict) -> dict:
     return _handler_products(ops, "mkl")
 
 
-def _register(handlers: Path, symbol: str, target: str) -> str:
-    import ctypes
-
-    import jax
-
-    handler = getattr(ctypes.cdll.LoadLibrary(str(handlers)), symbol)
-    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
-    return target
-
-
-@functools.cache
-def _primitive_target() -> str:
-    """Build and register ``benchmarks/ffi/onednn_matmul.cc`` once: its FFI target name. Raises RuntimeError naming
-    why where it cannot be had."""
-    from benchmarks.bf16_dots import FFI_CACHE, build_ffi
-
-    library, why = build_ffi(FFI_CACHE, source=PRIMITIVE_SOURCE)
-    if library is None:
-        raise RuntimeError(why)
-    return _register(library, "OnednnMatmul", PRIMITIVE_TARGET)
-
-
-def _in_place_products(target: str, ops: dict) -> dict:
-    """(every_layer, one_layer) per product through an FFI handler with `onednn_matmul.cc`'s interface (one layer
-    of a stacked operand read in place; transposes by flag)."""
-    import jax
-    import jax.numpy as jnp
-
-    x, w, g = (jnp.array(ops[k]) for k in ("x", "w", "g"))
-    _layers, rows, d_in = ops["x"].shape
-
-    def call(a, stack, i, m, n, ta, tb):
-        return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((m, n), jnp.float32))(
-            a, stack, i, transpose_a=np.int64(ta), transpose_b=np.int64(tb))
-
-    d_out = ops["w"].shape[2]
-    layer_product = {"fwd": lambda x, w, g, i: call(x[i], w, i, rows, d_out, False, False),
-                     "dx": lambda x, w, g, i: call(g[i], w, i, rows, d_in, False, True),
-                     "dw": lambda x, w, g, i: call(x[i], g, i, d_in, d_out, True, False)}
-    return _scanned_over_layer_index(layer_product, (x, w, g))
-
-
-def onednn_matmul_products(ops: dict) -> dict:
-    """As `onednn_products`, through oneDNN's matmul primitive (`benchmarks/ffi/onednn_matmul.cc`) instead of its
-    `dnnl_sgemm`: whether oneDNN's API is what its rate on a CPU turns on."""
-    return _in_place_products(_primitive_target(), ops)
+def onednn_primitive_products(ops: dict) -> dict:
+    """ppojax's handlers on oneDNN's matmul primitive (`matmul_implementation: onednn_primitive`; its brgemm kernels
+    where the CPU has them) instead of its `dnnl_sgemm`: whether oneDNN's API is what its rate on a CPU turns on."""
+    return _handler_products(ops, "onednn_primitive")
 
 
 def torch_products(ops: dict) -> dict:
@@ -229,7 +188,7 @@ def torch_products(ops: dict) -> dict:
 
 
 def _make(implementation: str, ops: dict) -> dict:
-    return {"xla": xla_products, "onednn": onednn_products, "onednn_matmul": onednn_matmul_products,
+    return {"xla": xla_products, "onednn": onednn_products, "onednn_primitive": onednn_primitive_products,
             "mkl": mkl_products, "torch": torch_products}[implementation](ops)
 
 

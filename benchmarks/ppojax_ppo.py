@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 from benchmarks.common import Turns, make_config, peak_rss_mb, status_mb, summarize
-from ppojax.config import PPOConfig
+from ppojax.config import MATMUL_IMPLEMENTATIONS, PPOConfig
 
 DEFAULT_REMAT = PPOConfig().remat  # ppojax's default, so the benchmark runs what a user's run does
 DEFAULT_COMPILE_AHEAD = PPOConfig().compile_ahead
@@ -276,7 +276,7 @@ def main(argv=None):
     parser.add_argument("--compile-ahead", action=argparse.BooleanOptionalAction, default=DEFAULT_COMPILE_AHEAD,
                         help="compile train_step on a background thread while the models load (the config's "
                              f"compile_ahead; default {DEFAULT_COMPILE_AHEAD}), else at the first update")
-    parser.add_argument("--matmul", default="auto", choices=["auto", "xla", "onednn", "mkl"],
+    parser.add_argument("--matmul", default="auto", choices=MATMUL_IMPLEMENTATIONS,
                         help="matmul_implementation of the models (default: ppojax's, 'auto')")
     parser.add_argument("--behaviour-logprobs", default="sampler", choices=["sampler", "forward"],
                         help="'sampler': the decode loop's log-probs, as TRL's PPOTrainer (the benchmark's work); "

@@ -46,7 +46,7 @@ from pathlib import Path
 
 from benchmarks.common import make_config, machine_info, peak_rss_mb
 from benchmarks.flops import mfu, ppo_update_flops
-from ppojax.config import PPOConfig
+from ppojax.config import IN_PLACE_MATMULS, MATMUL_IMPLEMENTATIONS, PPOConfig
 from ppojax.strict_json import write_text_atomic
 
 DEFAULT_REMAT = PPOConfig().remat  # ppojax's default, so the benchmark runs what a user's run does
@@ -587,7 +587,7 @@ def main(argv=None) -> int:
     p.add_argument("--ppojax-remat", default=DEFAULT_REMAT, choices=["none", "full", "dots"],
                    help="ppojax's rematerialisation of the layer scan (the same gradients; default: ppojax's, "
                         f"{DEFAULT_REMAT!r}; TRL's PPOTrainer keeps every activation)")
-    p.add_argument("--ppojax-matmul", default="auto", choices=["auto", "xla", "onednn", "mkl"],
+    p.add_argument("--ppojax-matmul", default="auto", choices=MATMUL_IMPLEMENTATIONS,
                    help="ppojax's matmul_implementation (default: ppojax's, 'auto'; 'mkl': the in-place "
                         "projections on MKL, the library TRL's torch runs)")
     p.add_argument("--ppojax-mixed", action="store_true",
@@ -617,7 +617,7 @@ def main(argv=None) -> int:
         return 0
     args.ppojax_precisions = (args.ppojax_precisions or ("float32,mixed" if args.ppojax_mixed else "float32")
                               ).split(",")
-    if args.ppojax_matmul in ("onednn", "mkl") and "mixed" in args.ppojax_precisions:
+    if args.ppojax_matmul in IN_PLACE_MATMULS and "mixed" in args.ppojax_precisions:
         p.error(f"--ppojax-matmul {args.ppojax_matmul} multiplies float32 models only, and the mixed row runs "
                 "bfloat16 matmuls: run the mixed row without it (a separate --ppojax-precisions mixed process)")
     if args.smollm2_dir is None:

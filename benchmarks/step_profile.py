@@ -180,11 +180,12 @@ def profile(size: str, precision: str, warm: int, matmul: str = "auto") -> dict:
 
 def main(argv=None) -> int:
     from benchmarks.common import SIZES, positive_int
+    from ppojax.config import MATMUL_IMPLEMENTATIONS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="smollm2")
     parser.add_argument("--precision", choices=("float32", "mixed"), default="float32")
     parser.add_argument("--warm", type=positive_int, default=2, help="steps before the traced one (the first compiles)")
-    parser.add_argument("--matmul", choices=("auto", "xla", "onednn", "mkl"), default="auto",
+    parser.add_argument("--matmul", choices=MATMUL_IMPLEMENTATIONS, default="auto",
                         help="the models' matmul_implementation (default: ppojax's)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)

@@ -41,6 +41,11 @@ from typing import Any, Callable, Optional, Union
 
 import yaml
 
+#: the models' `matmul_implementation` values (`ppojax.models.stacked_matmul.IMPLEMENTATIONS`, spelled here without
+#: jax): the in-place ones name the GEMM library of ppojax's handlers
+IN_PLACE_MATMULS = ("onednn", "onednn_primitive", "mkl")
+MATMUL_IMPLEMENTATIONS = ("auto", "xla", *IN_PLACE_MATMULS)
+
 
 class ConfigError(ValueError):
     """A bad configuration value; the message names the value, what was expected and the fix."""
@@ -184,15 +189,16 @@ class PPOConfig:
                                             rule=one_of("auto", "xla", "cudnn"))
     """'auto' (cuDNN's fused kernel on an NVIDIA GPU when it applies, XLA elsewhere), 'xla', or 'cudnn'."""
     matmul_implementation: str = setting("auto", static=True, on_resume=MAY_CHANGE,
-                                         rule=one_of("auto", "xla", "onednn", "mkl"))
+                                         rule=one_of(*MATMUL_IMPLEMENTATIONS))
     """The layers' projections of a float32 model on a single CPU device: 'auto' (oneDNN's GEMM reading each
     layer's kernel where it lies in the stacked weights, for models whose layers hold at least 1 M kernel
     elements and calls of at least 64 token rows, where the onednn-cpu-gomp wheel and a C++ compiler let ppojax
     build its handlers; MKL's instead where `python -m benchmarks.gemm_shapes --record` measured it faster on this
     CPU; else XLA's dots, which copy each layer's kernels out first), 'xla', 'onednn' (whatever
-    the size; an error where it cannot be had), or 'mkl' (as 'onednn', on MKL's GEMM as torch's x86 wheels carry
-    it: for CPUs where MKL is faster at the model's shapes, `python -m benchmarks.gemm_shapes`). Generation, other
-    precisions, meshes and accelerators always use XLA's dots."""
+    the size; an error where it cannot be had), 'onednn_primitive' (as 'onednn', through oneDNN's matmul
+    primitive) or 'mkl' (as 'onednn', on MKL's GEMM as torch's x86 wheels carry it): for CPUs where one is faster at
+    the model's shapes, `python -m benchmarks.gemm_shapes` tells. Generation, other precisions, meshes and
+    accelerators always use XLA's dots."""
 
     # ---- LoRA (PEFT's LoraConfig(r, lora_alpha, lora_dropout, target_modules); TRL's --use_peft --lora_r ...) ----
     lora_r: int = setting(0, static=True, on_resume=MUST_MATCH, rule=at_least(0))
@@ -736,7 +742,7 @@ def _problems_together(c: PPOConfig) -> list[str]:
     if c.lora_r == 0 and lora_set:
         out.append(f"{', '.join(lora_set)} set but lora_r=0 (LoRA off: every weight trains). Set lora_r > 0 "
                    "(e.g. 16) to train LoRA adapters, or remove the lora_* settings.")
-    if c.matmul_implementation in ("onednn", "mkl") and c.precision != "float32":
+    if c.matmul_implementation in IN_PLACE_MATMULS and c.precision != "float32":
         out.append(f"matmul_implementation={c.matmul_implementation!r} multiplies float32 models only, but "
                    f"precision={c.precision!r}; set matmul_implementation: auto (XLA's bf16 kernels serve it) or "
                    "precision: float32.")

@@ -575,10 +575,10 @@ def test_gemm_shapes_times_each_product_of_the_right_layer_and_sums_the_update()
     decode = (("layer@decode", 2, 24, 40, 2),)
     report = gemm_shapes.measure(rounds=1, shapes=shapes, layers=3, decode_shapes=decode)
     why = stacked_matmul.unavailable_reason()
-    assert set(report["unavailable"]) <= {"onednn", "onednn_matmul", "mkl"}  # these need a library and a compiler
+    assert set(report["unavailable"]) <= {"onednn", "onednn_primitive", "mkl"}  # each needs a library, a compiler
     assert report["unavailable"].get("onednn", "") == why
-    if not why:  # where ppojax's handlers build, the benchmark's primitive handler builds too
-        assert "onednn_matmul" not in report["unavailable"], report["unavailable"]
+    if not why:  # where the oneDNN handlers build, those on its matmul primitive build too
+        assert "onednn_primitive" not in report["unavailable"], report["unavailable"]
     if shutil.which("g++") and torch.backends.mkl.is_available():  # torch's x86 wheels carry MKL
         assert "mkl" not in report["unavailable"], report["unavailable"]
     expected = set(gemm_shapes.IMPLEMENTATIONS) - set(report["unavailable"])

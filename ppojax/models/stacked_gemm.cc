@@ -1,19 +1,26 @@
 // A float32 GEMM on ONE layer of a stacked weight [L, R, C], read where it lies, as XLA FFI handlers for
 // ppojax/models/stacked_matmul.py, which builds this file on first use, once per GEMM library:
-//   g++ -O2 -std=c++17 -shared -fPIC -I<jax.ffi.include_dir()> [-DPPOJAX_FORTRAN_SGEMM] stacked_gemm.cc -o ... LIB
-// oneDNN's `dnnl_sgemm` (LIB: the `onednn-cpu-gomp` wheel's libdnnl.so.3: no headers in the wheel, the one function
-// used is declared here with the signature of oneDNN's dnnl.h) or, with PPOJAX_FORTRAN_SGEMM, a Fortran BLAS's
-// `sgemm_` (LIB: MKL, as torch's x86 wheels link it into libtorch_cpu.so; LP64: 32-bit sizes).
+//   g++ -O2 -std=c++17 -shared -fPIC -I<jax.ffi.include_dir()> [-D...] stacked_gemm.cc -o ... LIB
+// - by default oneDNN's `dnnl_sgemm` (LIB: the `onednn-cpu-gomp` wheel's libdnnl.so.3);
+// - with PPOJAX_ONEDNN_PRIMITIVE, oneDNN's matmul primitive (its brgemm kernels where the CPU has them; one primitive
+//   per problem, made on its first call and kept), same LIB;
+// - with PPOJAX_FORTRAN_SGEMM, a Fortran BLAS's `sgemm_` (LIB: MKL, as torch's x86 wheels link it into
+//   libtorch_cpu.so; LP64: 32-bit sizes).
+// oneDNN's wheel has no headers: the few C declarations used are copied from oneDNN 3.2's dnnl.h / dnnl_types.h.
 #include <climits>
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 // Row-major C[M, N] = op(A) @ op(B) (op: the transpose where ta / tb is 'T'); lda, ldb, ldc: the row-major leading
-// dimensions as stored. False when the library fails or a size does not fit it.
-#ifdef PPOJAX_FORTRAN_SGEMM
+// dimensions as stored (op(A) stored [M, K] or, transposed, [K, M]; likewise B). False when the library fails or a
+// size does not fit it.
+#if defined(PPOJAX_FORTRAN_SGEMM)
 extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
                        const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
                        const float* beta, float* c, const int* ldc);
@@ -27,6 +34,103 @@ static bool Gemm(char ta, char tb, int64_t M, int64_t N, int64_t K, const float*
   // column-major, the same memory: C' = op(B)' @ op(A)'
   sgemm_(&tb, &ta, &n, &m, &k, &one, B, &lb, A, &la, &zero, C, &lc);
   return true;
+}
+#elif defined(PPOJAX_ONEDNN_PRIMITIVE)
+extern "C" {
+typedef struct dnnl_engine* dnnl_engine_t;
+typedef struct dnnl_stream* dnnl_stream_t;
+typedef struct dnnl_memory_desc* dnnl_memory_desc_t;
+typedef const struct dnnl_memory_desc* const_dnnl_memory_desc_t;
+typedef struct dnnl_primitive_desc* dnnl_primitive_desc_t;
+typedef struct dnnl_primitive* dnnl_primitive_t;
+typedef struct dnnl_memory* dnnl_memory_t;
+typedef int64_t dnnl_dims_t[12];  // DNNL_MAX_NDIMS
+typedef struct {
+  int arg;
+  dnnl_memory_t memory;
+} dnnl_exec_arg_t;
+int dnnl_engine_create(dnnl_engine_t* engine, int kind, size_t index);
+int dnnl_stream_create(dnnl_stream_t* stream, dnnl_engine_t engine, unsigned flags);
+int dnnl_memory_desc_create_with_strides(dnnl_memory_desc_t* md, int ndims, const dnnl_dims_t dims, int data_type,
+                                         const dnnl_dims_t strides);
+int dnnl_memory_desc_destroy(dnnl_memory_desc_t md);
+int dnnl_matmul_primitive_desc_create(dnnl_primitive_desc_t* pd, dnnl_engine_t engine, const_dnnl_memory_desc_t src,
+                                      const_dnnl_memory_desc_t weights, const_dnnl_memory_desc_t bias,
+                                      const_dnnl_memory_desc_t dst, const void* attr);
+int dnnl_primitive_desc_destroy(dnnl_primitive_desc_t pd);
+int dnnl_primitive_create(dnnl_primitive_t* primitive, dnnl_primitive_desc_t pd);
+int dnnl_memory_create(dnnl_memory_t* memory, const_dnnl_memory_desc_t md, dnnl_engine_t engine, void* handle);
+int dnnl_memory_destroy(dnnl_memory_t memory);
+int dnnl_primitive_execute(dnnl_primitive_t primitive, dnnl_stream_t stream, int nargs, const dnnl_exec_arg_t* args);
+int dnnl_stream_wait(dnnl_stream_t stream);
+}
+
+namespace {
+constexpr int kCpu = 1, kF32 = 3, kInOrder = 1, kArgSrc = 1, kArgDst = 17, kArgWeights = 33;
+
+dnnl_engine_t Engine() {
+  static dnnl_engine_t engine = [] {
+    dnnl_engine_t e = nullptr;
+    return dnnl_engine_create(&e, kCpu, 0) == 0 ? e : nullptr;
+  }();
+  return engine;
+}
+
+// op(X) [rows, cols] of a row-major buffer stored as itself or, transposed, as [cols, rows].
+struct Desc {
+  dnnl_memory_desc_t md = nullptr;
+  Desc(int64_t rows, int64_t cols, bool transposed) {
+    dnnl_dims_t dims = {rows, cols};
+    dnnl_dims_t strides = {transposed ? 1 : cols, transposed ? rows : 1};
+    dnnl_memory_desc_create_with_strides(&md, 2, dims, kF32, strides);
+  }
+  ~Desc() { dnnl_memory_desc_destroy(md); }
+};
+
+// One primitive per problem, made on its first call and kept for the process.
+struct Problem {
+  Desc a, b, c;
+  dnnl_primitive_t primitive = nullptr;
+  Problem(int64_t M, int64_t N, int64_t K, bool ta, bool tb) : a(M, K, ta), b(K, N, tb), c(M, N, false) {
+    dnnl_primitive_desc_t pd = nullptr;
+    if (Engine() != nullptr && dnnl_matmul_primitive_desc_create(&pd, Engine(), a.md, b.md, nullptr, c.md,
+                                                                  nullptr) == 0) {
+      dnnl_primitive_create(&primitive, pd);
+      dnnl_primitive_desc_destroy(pd);
+    }
+  }
+};
+
+Problem* Get(int64_t M, int64_t N, int64_t K, bool ta, bool tb) {
+  static std::mutex lock;
+  static std::map<std::tuple<int64_t, int64_t, int64_t, bool, bool>, Problem*> cache;
+  std::lock_guard<std::mutex> hold(lock);
+  Problem*& p = cache[std::make_tuple(M, N, K, ta, tb)];
+  if (p == nullptr) p = new Problem(M, N, K, ta, tb);
+  return p;
+}
+}  // namespace
+
+static bool Gemm(char ta, char tb, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
+                 int64_t ldb, float* C, int64_t ldc) {
+  // the calls below pass packed operands: the leading dimensions follow from M, N, K
+  if (lda != (ta == 'T' ? M : K) || ldb != (tb == 'T' ? K : N) || ldc != N) return false;
+  Problem* p = Get(M, N, K, ta == 'T', tb == 'T');
+  if (p->primitive == nullptr) return false;
+  thread_local dnnl_stream_t stream = [] {
+    dnnl_stream_t s = nullptr;
+    dnnl_stream_create(&s, Engine(), kInOrder);
+    return s;
+  }();
+  dnnl_memory_t mem[3] = {nullptr, nullptr, nullptr};
+  dnnl_memory_create(&mem[0], p->a.md, Engine(), const_cast<float*>(A));
+  dnnl_memory_create(&mem[1], p->b.md, Engine(), const_cast<float*>(B));
+  dnnl_memory_create(&mem[2], p->c.md, Engine(), C);
+  const dnnl_exec_arg_t args[3] = {{kArgSrc, mem[0]}, {kArgWeights, mem[1]}, {kArgDst, mem[2]}};
+  const int status = dnnl_primitive_execute(p->primitive, stream, 3, args);
+  dnnl_stream_wait(stream);
+  for (auto* m : mem) dnnl_memory_destroy(m);
+  return status == 0;
 }
 #else
 extern "C" int dnnl_sgemm(char transa, char transb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,

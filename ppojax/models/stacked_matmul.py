@@ -40,10 +40,11 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 SOURCE = Path(__file__).with_name("stacked_gemm.cc")
-IMPLEMENTATIONS = ("auto", "xla", "onednn", "mkl")
-#: the GEMM libraries the handlers can be built on ("auto" takes oneDNN's), and the compiler define choosing each
-LIBRARIES = {"onednn": (), "mkl": ("-DPPOJAX_FORTRAN_SGEMM",)}
-LIBRARY_NAMES = {"onednn": "oneDNN", "mkl": "MKL"}
+#: the GEMM libraries the handlers can be built on ("auto" takes oneDNN's unless this CPU's record names another),
+#: each the compiler define choosing it in `stacked_gemm.cc`; each is also a `matmul_implementation` of its own
+LIBRARIES = {"onednn": (), "onednn_primitive": ("-DPPOJAX_ONEDNN_PRIMITIVE",), "mkl": ("-DPPOJAX_FORTRAN_SGEMM",)}
+LIBRARY_NAMES = {"onednn": "oneDNN's sgemm", "onednn_primitive": "oneDNN's matmul primitive", "mkl": "MKL's sgemm"}
+IMPLEMENTATIONS = ("auto", "xla", *LIBRARIES)  # ppojax.config.MATMUL_IMPLEMENTATIONS spells the same (jax-free)
 #: "auto" takes oneDNN from these sizes on: a layer's projection kernels of at least this many elements (below, the
 #: copy it saves is small and a custom call's fixed cost larger: the tiny benchmark model ran slower through it) and
 #: calls of at least this many token rows (at a decode step's few rows XLA's dot is faster, copy included); the
@@ -53,6 +54,8 @@ AUTO_MIN_ROWS = 64
 WHEEL = "onednn-cpu-gomp"
 #: the FFI targets of each library's handlers
 TARGETS = {"onednn": {"matmul": "ppojax_stacked_matmul", "weight_grad": "ppojax_weight_grad"},
+           "onednn_primitive": {"matmul": "ppojax_stacked_matmul_primitive",
+                                "weight_grad": "ppojax_weight_grad_primitive"},
            "mkl": {"matmul": "ppojax_stacked_matmul_mkl", "weight_grad": "ppojax_weight_grad_mkl"}}
 #: the name remat's "dots" policy saves a projection's output by (a custom call is not a dot to jax.checkpoint)
 SAVED_NAME = "stacked_projection"
@@ -90,8 +93,9 @@ def mkl_library() -> Path | None:
 
 
 def library_of(implementation: str) -> str:
-    """The GEMM library an implementation's handlers use: its own for "onednn" and "mkl"; for "auto" the one
-    measured fastest on this CPU (`matmul_record`) where its handlers can be had, else oneDNN's."""
+    """The GEMM library an implementation's handlers use: its own for a library's name ("onednn",
+    "onednn_primitive", "mkl"); for "auto" the one measured fastest on this CPU (`matmul_record`) where its handlers
+    can be had, else oneDNN's sgemm."""
     if implementation in LIBRARIES:
         return implementation
     from .matmul_record import recorded_library
@@ -109,8 +113,9 @@ def _announce_recorded(library: str) -> None:
     """Say once per process that "auto" follows this CPU's record (as the recorded XLA:CPU options are said)."""
     from .matmul_record import record_path
 
-    print(f"ppojax: matmul_implementation 'auto' takes {LIBRARY_NAMES[library]}'s GEMM, measured fastest on this CPU "
-          f"(recorded in {record_path()}; matmul_implementation: onednn or xla overrides it)", flush=True)
+    print(f"ppojax: matmul_implementation 'auto' takes {LIBRARY_NAMES[library]} for the projections, measured "
+          f"fastest on this CPU (recorded in {record_path()}; naming another implementation overrides it)",
+          flush=True)
 
 
 def _cache_dir() -> Path:
@@ -156,7 +161,7 @@ def compile_handlers(compiler: str, library: Path, include_dir: str, out: Path, 
 
 def _library_file(library: str) -> tuple[Path | None, str]:
     """(the file the handlers of `library` link against, "") or (None, how to get it)."""
-    if library == "mkl":
+    if library == "mkl":  # every other library is oneDNN's
         found = mkl_library()
         return found, "" if found else "MKL is read from torch's x86 wheel, and torch is not installed " \
                                         "(pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu)"
@@ -178,7 +183,7 @@ def _built(library: str = "onednn") -> tuple[Path | None, str]:
         return out, ""
     compiler = shutil.which("g++") or shutil.which("c++")
     if compiler is None:
-        return None, f"no C++ compiler (g++) on PATH to build the {LIBRARY_NAMES[library]} handlers"
+        return None, f"no C++ compiler (g++) on PATH to build ppojax's handlers on {LIBRARY_NAMES[library]}"
     why = compile_handlers(compiler, file, jax.ffi.include_dir(), out, defines=LIBRARIES[library])
     return (None, why) if why else (out, "")
 
@@ -220,8 +225,8 @@ def check_implementation(implementation: str) -> None:
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"matmul_implementation={implementation!r} is not one of {IMPLEMENTATIONS}: 'auto' "
                          f"multiplies float32 layer kernels in place with oneDNN on a single CPU device where it can "
-                         f"be had, 'xla' keeps XLA's dots, 'onednn' insists on oneDNN, 'mkl' takes MKL's GEMM "
-                         f"(torch's) instead")
+                         f"be had, 'xla' keeps XLA's dots, 'onednn' insists on oneDNN's sgemm, 'onednn_primitive' "
+                         f"takes oneDNN's matmul primitive, 'mkl' MKL's sgemm (torch's)")
 
 
 def applies(implementation: str, dtype, kernels, rows: int) -> bool:
@@ -231,7 +236,7 @@ def applies(implementation: str, dtype, kernels, rows: int) -> bool:
     Only float32 on a single CPU device: XLA cannot partition a custom call (on a mesh it would gather the whole
     stack per call), other platforms have their own kernels, and XLA's bf16 kernels serve the 16-bit policies.
     "auto" also wants the sizes where it pays (`AUTO_MIN_LAYER_ELEMENTS`, `AUTO_MIN_ROWS`) and keeps XLA's dots
-    where the handlers cannot be had; "onednn" and "mkl" raise where they cannot run, naming why."""
+    where the handlers cannot be had; a library's name raises where it cannot run, naming why."""
     check_implementation(implementation)
     if implementation == "xla":
         return False
@@ -256,7 +261,7 @@ def _gemm(a: Array, stack: Array, layer: Array, transpose: bool, library: str) -
 
 def matmul(x: Array, stack: Array, layer: Array, library: str = "onednn") -> Array:
     """x f32[N, K] @ stack[layer] -> f32[N, M] for stack f32[L, K, M] and layer i32[] (in range; checked by the
-    handler), by `library`'s GEMM ("onednn" or "mkl"). Call :func:`unavailable_reason` first (it registers the
+    handler), by `library`'s GEMM (a key of `LIBRARIES`). Call :func:`unavailable_reason` first (it registers the
     handlers). The product carries the name remat's "dots" policy saves (outside the custom VJP, where
     jax.checkpoint sees it)."""
     return checkpoint_name(_matmul(x, stack, layer, library), SAVED_NAME)

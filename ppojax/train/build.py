@@ -26,7 +26,7 @@ from flax import nnx
 from .. import sharding
 from ..actor_critic import ActorCritic
 from ..compile_cache import enable_compilation_cache
-from ..config import ConfigError, PPOConfig
+from ..config import IN_PLACE_MATMULS, ConfigError, PPOConfig
 from ..models.families.keys import hf_num_labels
 from ..models.lora import LoraSpec, resolve_target_modules, with_lora
 from ..ppo.advantages import advantage_estimator
@@ -517,9 +517,9 @@ def _split_eval(ids, num_eval):
 
 
 def _check_matmul_implementation(config, mesh) -> None:
-    """matmul_implementation 'onednn' or 'mkl' must be able to run here: one CPU device, the handlers built (before
+    """An in-place matmul_implementation ('onednn', 'onednn_primitive', 'mkl') must be able to run here: one CPU device, the handlers built (before
     any weight is loaded; 'auto' falls back to XLA's dots silently)."""
-    if config.matmul_implementation not in ("onednn", "mkl"):
+    if config.matmul_implementation not in IN_PLACE_MATMULS:
         return
     from ..models import stacked_matmul
 
