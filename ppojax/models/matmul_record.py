@@ -5,8 +5,9 @@ host oneDNN's in-place products beat MKL's; TRL's update, on MKL, ran faster on 
 oneDNN), so the choice is a measurement, never a rule typed in for one host:
 
     ``python -m benchmarks.gemm_shapes --record`` times one update's GEMMs through ppojax's in-place handlers on
-    each library that can be had here and records the fastest under this CPU's signature (its model name and
-    instruction sets, as ``ppojax.xla_cpu_options`` keys its records) in ``~/.cache/ppojax/matmul_library.json``
+    each library that can be had here and records the fastest (oneDNN's sgemm unless another beats it by 10 %)
+    under this CPU's signature (its model name and instruction sets, as ``ppojax.xla_cpu_options`` keys its
+    records) in ``~/.cache/ppojax/matmul_library.json``
       -> "auto" takes the recorded library where its handlers can be had, oneDNN's otherwise.
 
 "onednn" and "mkl" name their library whatever the record says; a CPU with no record takes oneDNN's.

@@ -19,9 +19,9 @@ gets a finite, meaningless output (never NaN); callers ignore pad positions.
 
 Model options (static, part of the graphdef): `dtype` / `param_dtype` (compute / storage; named pairs in
 `precision.py`), `remat` ("none" | "full" | "dots", `remat.py`), `attention_implementation` ("auto" | "xla" |
-"cudnn"), `matmul_implementation` ("auto" | "xla" | "onednn" | "mkl": float32 projections on one CPU device read
-their layer's kernel in the stack through oneDNN's (or MKL's) GEMM instead of XLA's copy-then-dot,
-`stacked_matmul.py`), `scan_layers`.
+"cudnn"), `matmul_implementation` ("auto" | "xla" | "onednn" | "onednn_primitive" | "mkl": float32 projections on
+one CPU device read their layer's kernel in the stack through oneDNN's (or MKL's) GEMM instead of XLA's
+copy-then-dot, `stacked_matmul.py`), `scan_layers`.
 
 KV cache (`KVCache`, `init_cache`): keys/values `[L, B, T, K, hd]`, `key_mask bool[B, T]`, `index i32[]` (next write
 slot; on the CPU a 16-bit cache holds the uint16 bits of its keys and values, `slot_storage.py`). A call with a
