@@ -31,9 +31,7 @@ The figures per host are in ``benchmarks/RESULTS.md``.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import shutil
 import time
 from pathlib import Path
 
@@ -52,25 +50,18 @@ def onednn_library() -> Path | None:
     return lookup()
 
 
-def build_ffi(cache_dir: Path, source: Path = FFI_SOURCE) -> tuple[Path | None, str]:
-    """Compile a handler source of ``benchmarks/ffi`` (``bf16_gemm.cc`` unless told) against oneDNN, once per
-    source and library, into ``cache_dir``: (path, "") or (None, why not)."""
+def build_ffi(cache_dir: Path) -> tuple[Path | None, str]:
+    """Compile ``benchmarks/ffi/bf16_gemm.cc`` against oneDNN, once per source and library, into ``cache_dir``:
+    (path, "") or (None, why not)."""
     import jax
 
-    from ppojax.models.stacked_matmul import compile_handlers
+    from ppojax.models.stacked_matmul import build_cached, handler_library_path
 
     lib = onednn_library()
     if lib is None:
         return None, "onednn-cpu-gomp is not installed (pip install onednn-cpu-gomp==2023.2.0)"
-    key = hashlib.sha256(source.read_bytes() + str(lib).encode() + jax.lib.__version__.encode()).hexdigest()[:16]
-    out = cache_dir / f"lib{source.stem}-{key}.so"
-    if out.exists():
-        return out, ""
-    compiler = shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        return None, "no C++ compiler (g++) on PATH"
-    why = compile_handlers(compiler, lib, jax.ffi.include_dir(), out, source=source)
-    return (None, why) if why else (out, "")
+    out = handler_library_path(lib, jax.lib.__version__, cache_dir, source=FFI_SOURCE)
+    return build_cached(lib, out, FFI_SOURCE.name, source=FFI_SOURCE)
 
 
 def register_ffi(library: Path) -> None:

@@ -127,18 +127,18 @@ _lock = threading.Lock()  # a compile_ahead thread and the main thread may both 
 
 
 def handler_library_path(library: Path, jaxlib_version: str, cache_dir: Path | None = None,
-                         defines: tuple = ()) -> Path:
-    """Where the handlers built against the GEMM library file `library` (with compiler `defines`) for jaxlib
-    `jaxlib_version` are kept: one file per source, library path, defines and jaxlib (the FFI's ABI follows
+                         defines: tuple = (), source: Path = SOURCE) -> Path:
+    """Where the handlers of `source` built against the GEMM library file `library` (with compiler `defines`) for
+    jaxlib `jaxlib_version` are kept: one file per source, library path, defines and jaxlib (the FFI's ABI follows
     jaxlib)."""
-    key = hashlib.sha256(SOURCE.read_bytes() + str(library).encode() + " ".join(defines).encode()
+    key = hashlib.sha256(source.read_bytes() + str(library).encode() + " ".join(defines).encode()
                          + jaxlib_version.encode()).hexdigest()[:16]
-    return (cache_dir or _cache_dir()) / f"libstacked_gemm-{key}.so"
+    return (cache_dir or _cache_dir()) / f"lib{source.stem}-{key}.so"
 
 
 def compile_handlers(compiler: str, library: Path, include_dir: str, out: Path, source: Path = SOURCE,
                      defines: tuple = ()) -> str:
-    """Build `source` (`stacked_gemm.cc`; the benchmarks build their own oneDNN handlers with it too) with compiler
+    """Build `source` (`stacked_gemm.cc`; the benchmarks' bf16 handler too) with compiler
     `defines`, linked against `library`, into `out` (written under a temporary name, then renamed: never
     half-written); "" when done, else why not."""
     try:
@@ -157,6 +157,20 @@ def compile_handlers(compiler: str, library: Path, include_dir: str, out: Path, 
         return f"building {source.name} failed: {done.stderr.strip()[-400:]}"
     partial.replace(out)
     return ""
+
+
+def build_cached(library: Path, out: Path, what: str, source: Path = SOURCE,
+                 defines: tuple = ()) -> tuple[Path | None, str]:
+    """(`out`, "") once `source` is built there against `library` (a file already there is taken as it is: built
+    before, or prebuilt for a machine without a compiler), or (None, why not); `what` names the handlers in the
+    message when no compiler is found."""
+    if out.exists():
+        return out, ""
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        return None, f"no C++ compiler (g++) on PATH to build {what}"
+    why = compile_handlers(compiler, library, jax.ffi.include_dir(), out, source=source, defines=defines)
+    return (None, why) if why else (out, "")
 
 
 def _library_file(library: str) -> tuple[Path | None, str]:
@@ -179,13 +193,8 @@ def _built(library: str = "onednn") -> tuple[Path | None, str]:
     if file is None:
         return None, why
     out = handler_library_path(file, jax.lib.__version__, defines=LIBRARIES[library])
-    if out.exists():  # built before (or carried: benchmarks/device_wheels.sh)
-        return out, ""
-    compiler = shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        return None, f"no C++ compiler (g++) on PATH to build ppojax's handlers on {LIBRARY_NAMES[library]}"
-    why = compile_handlers(compiler, file, jax.ffi.include_dir(), out, defines=LIBRARIES[library])
-    return (None, why) if why else (out, "")
+    # carried prebuilt for a machine without a compiler: benchmarks/device_wheels.sh
+    return build_cached(file, out, f"ppojax's handlers on {LIBRARY_NAMES[library]}", defines=LIBRARIES[library])
 
 
 @functools.cache
