@@ -27,8 +27,8 @@
 #              there, then `benchmarks.step_profile` float32, one after the other on two cores with nothing else
 #              running: whether that CPU's GEMMs or the rest make ppojax's update slower than TRL's there, and
 #              whether MKL would close it (~2.5 + 0.7 + 1.5 min on 2 Zen 4 cores: timeout_s=480). With
-#              GEMM_EXTRA=--record it also records the faster in-place library (oneDNN or MKL) for that CPU in
-#              ~/.cache/ppojax/matmul_library.json: `matmul_implementation: auto` takes it in later runs there;
+#              GEMM_EXTRA=--record it also records the faster in-place library for that CPU in
+#              ~/.cache/ppojax/matmul_library.json from these figures (`auto` measures a quick one itself otherwise);
 #   cpu-quiet  alone (no other part): `benchmarks.run` as ONE process on two cores with nothing else running: TRL,
 #              then ppojax float32, SmolLM2 only (issue 15's "quiet machine" figures; tiny's target was met there
 #              already; BENCH_EXTRA="--sizes tiny,smollm2" adds it; BENCH_EXTRA="--ppojax-matmul mkl" runs
@@ -113,9 +113,11 @@ if want cpu-quiet; then
   stamp "cpu-quiet: one benchmarks.run process on CPUs $CPU_TRL, nothing else running"
   QUIET_SIZES="--sizes smollm2"  # unless BENCH_EXTRA (in $BENCH) names the sizes (or --quick)
   [[ "${BENCH_EXTRA:-}" == *--sizes* || "${BENCH_EXTRA:-}" == *--quick* ]] && QUIET_SIZES=""
-  # the in-place handlers are built once per machine (a one-time step, like an install): not inside a first update
-  $CPU_ENV python3 -c "from ppojax.models import stacked_matmul as s
-for lib in s.LIBRARIES: print(lib, 'handlers:', s.unavailable_reason(lib) or 'ready')" 2>&1 | grep handlers
+  # the in-place handlers are built, and the library 'auto' takes measured (matmul_tuning), once per machine (a
+  # one-time step, like an install): not inside a first update; on the cores the benchmark runs on
+  $CPU_ENV taskset -c "$CPU_TRL" python3 -c "from ppojax.models import stacked_matmul as s
+for lib in s.LIBRARIES: print(lib, 'handlers:', s.unavailable_reason(lib) or 'ready')
+print('auto takes:', s.library_of('auto'))" 2>&1 | grep -E "handlers|auto"
   $CPU_ENV JAX_COMPILATION_CACHE_DIR=/tmp/jc_quiet taskset -c "$CPU_TRL" timeout 560 $BENCH \
     $QUIET_SIZES --json "$OUT/cpu_quiet.json" > "$OUT/cpu_quiet.log" 2>&1
   grep -v "^WARNING\|plugin" "$OUT/cpu_quiet.log" | tail -n 40

@@ -29,7 +29,7 @@ forward at a decode step's 8 rows too (``decode_step_s``: one decode step's proj
 where in-place oneDNN starts to beat XLA's copy-then-dot on a CPU (`stacked_matmul.AUTO_MIN_ROWS`). Run it pinned
 (`taskset`) to the cores compared. ``--record``: record the in-place library (``onednn``, ``onednn_primitive`` or
 ``mkl``) whose update GEMMs were fastest as this CPU's choice for `matmul_implementation: auto`
-(`ppojax.models.matmul_record`); oneDNN's sgemm stays unless another beats it by 10 % (`RECORD_MARGIN`).
+(`ppojax.models.matmul_record`); oneDNN's sgemm stays unless another beats it by 10 % (`matmul_record.RECORD_MARGIN`).
 """
 from __future__ import annotations
 
@@ -273,24 +273,14 @@ def update_seconds(results: dict, shapes=SHAPES) -> dict:
     return out
 
 
-#: another library replaces oneDNN's sgemm (the default) only when its update GEMMs take at most this share of
-#: oneDNN's: on Zen 4 the matmul primitive's 4-6 % lead in these GEMMs gave no faster step (RESULTS, twentieth
-#: session)
-RECORD_MARGIN = 0.9
-
-
 def fastest_library(update_s: dict) -> tuple[str, dict] | None:
     """(the in-place library to record, {library: update GEMM seconds}) among those measured, or None where none
-    was: the fastest, unless oneDNN's sgemm was measured and the fastest does not beat it by `RECORD_MARGIN`."""
+    was (`matmul_record.choose`: the fastest, but oneDNN's sgemm unless another beats it by 10 %)."""
+    from ppojax.models.matmul_record import choose
     from ppojax.models.stacked_matmul import LIBRARIES
 
     measured = {lib: update_s[lib] for lib in LIBRARIES if update_s.get(lib) is not None}
-    if not measured:
-        return None
-    fastest = min(measured, key=measured.get)
-    if "onednn" in measured and measured[fastest] > RECORD_MARGIN * measured["onednn"]:
-        fastest = "onednn"
-    return fastest, measured
+    return (choose(measured), measured) if measured else None
 
 
 def main(argv=None):

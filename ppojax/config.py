@@ -193,8 +193,9 @@ class PPOConfig:
     """The layers' projections of a float32 model on a single CPU device: 'auto' (oneDNN's GEMM reading each
     layer's kernel where it lies in the stacked weights, for models whose layers hold at least 1 M kernel
     elements and calls of at least 64 token rows, where the onednn-cpu-gomp wheel and a C++ compiler let ppojax
-    build its handlers; MKL's instead where `python -m benchmarks.gemm_shapes --record` measured it faster on this
-    CPU; else XLA's dots, which copy each layer's kernels out first), 'xla', 'onednn' (whatever
+    build its handlers, on the GEMM library measured fastest on this CPU: timed once per CPU, a few seconds, and
+    recorded in ~/.cache/ppojax/matmul_library.json; else XLA's dots, which copy each layer's kernels out first),
+    'xla', 'onednn' (whatever
     the size; an error where it cannot be had), 'onednn_primitive' (as 'onednn', through oneDNN's matmul
     primitive) or 'mkl' (as 'onednn', on MKL's GEMM as torch's x86 wheels carry it): for CPUs where one is faster at
     the model's shapes, `python -m benchmarks.gemm_shapes` tells. Generation, other precisions, meshes and

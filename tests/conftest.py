@@ -16,3 +16,9 @@ use_cheap_compiles()  # before jax starts its backend: the suite's compiles with
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="ppojax-tests-xla-")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+# The same for ppojax's per-machine records and builds under $XDG_CACHE_HOME/ppojax (the GEMM handlers, the matmul
+# library "auto" measured, recorded XLA:CPU options): the suite neither reads the user's nor leaves its own.
+if "PPOJAX_TESTS_CACHE_HOME" not in os.environ:
+    os.environ["PPOJAX_TESTS_CACHE_HOME"] = tempfile.mkdtemp(prefix="ppojax-tests-cache-")
+    atexit.register(shutil.rmtree, os.environ["PPOJAX_TESTS_CACHE_HOME"], ignore_errors=True)
+os.environ["XDG_CACHE_HOME"] = os.environ["PPOJAX_TESTS_CACHE_HOME"]

@@ -6,6 +6,7 @@ kernel, a whole model's hidden states and gradients under each remat policy; and
 the compiled programs' custom calls and weight slices, the fallback and the error when the handlers cannot be had.
 """
 
+import json
 import types
 
 import jax
@@ -254,45 +255,115 @@ def test_mkl_says_where_it_comes_from_and_is_refused_where_it_cannot_run(monkeyp
         stacked_matmul.applies("mkl", jnp.float32, [jax.ShapeDtypeStruct((2, 64, 64), jnp.float32)], rows=8)
 
 
-def test_auto_takes_the_library_recorded_fastest_on_this_cpu(monkeypatch, tmp_path, capsys):
-    """`gemm_shapes --record` writes the fastest in-place library under this CPU's signature; "auto" then takes it
-    (a model's projections call its handlers), falls back to oneDNN's where it cannot be had or another CPU holds
-    the record, and "onednn" / "mkl" keep their own library whatever the record says."""
+def test_the_choice_keeps_onednn_unless_another_library_clearly_leads():
     from benchmarks.gemm_shapes import fastest_library
+    from ppojax.models.matmul_record import choose
+
+    assert choose({"onednn": 12.0, "mkl": 10.0}) == "mkl"
+    assert choose({"onednn": 12.0, "onednn_primitive": 11.0, "mkl": 13.0}) == "onednn"  # within the margin
+    assert choose({"onednn_primitive": 11.0, "mkl": 13.0}) == "onednn_primitive"  # oneDNN's sgemm not measured
+    assert fastest_library({"xla": 1.0, "onednn": 12.0, "mkl": 10.0, "torch": 9.0}) == \
+        ("mkl", {"onednn": 12.0, "mkl": 10.0})  # the in-place libraries only
+    assert fastest_library({"xla": 1.0, "torch": 2.0}) is None
+
+
+def _all_available(monkeypatch, unavailable=()):
+    monkeypatch.setattr(stacked_matmul, "unavailable_reason",
+                        lambda library="onednn": "not here" if library in unavailable else "")
+
+
+def test_auto_takes_the_library_recorded_fastest_on_this_cpu(monkeypatch, tmp_path, capsys):
+    """A record of this CPU's that measured every library to be had decides "auto" (said once per process); another
+    CPU's record does not; a recorded library that cannot be had now gives way to the fastest measured one that can;
+    "onednn" / "mkl" keep their own library whatever the record says."""
     from ppojax.models import matmul_record
-    from ppojax.xla_cpu_options import Cpu, this_cpu
+    from ppojax.xla_cpu_options import Cpu
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(stacked_matmul, "_measured_choice", lambda candidates: pytest.fail("measured"))
+    _all_available(monkeypatch)
     libraries = tuple(stacked_matmul.LIBRARIES)
-    assert stacked_matmul.library_of("auto") == "onednn"  # no record
-    assert fastest_library({"xla": 1.0, "onednn": 12.0, "mkl": 10.0, "torch": 9.0}) == \
-        ("mkl", {"onednn": 12.0, "mkl": 10.0})
-    # a lead within the margin keeps oneDNN's sgemm (the default); without it measured, the fastest
-    assert fastest_library({"onednn": 12.0, "onednn_primitive": 11.0, "mkl": 13.0})[0] == "onednn"
-    assert fastest_library({"onednn_primitive": 11.0, "mkl": 13.0})[0] == "onednn_primitive"
-    assert fastest_library({"xla": 1.0, "torch": 2.0}) is None
     with pytest.raises(ValueError, match="library 'cublas': expected one of onednn, onednn_primitive, mkl"):
         matmul_record.record("cublas", {}, libraries)
+    measured = {"onednn": 12.0, "onednn_primitive": 11.5, "mkl": 10.0}
     other = Cpu("Other CPU", frozenset({"avx2"}))
-    matmul_record.record("mkl", {"mkl": 1.0}, libraries, cpu=other)
-    assert matmul_record.recorded_library(libraries, cpu=other) == "mkl"
-    assert stacked_matmul.library_of("auto") == "onednn"  # the record is another CPU's
-    matmul_record.record("mkl", {"onednn": 12.0, "mkl": 11.0}, libraries)
-    assert matmul_record.recorded_library(libraries, cpu=other) == "mkl"  # kept beside this CPU's
-    assert matmul_record.recorded_library(libraries) == "mkl" == matmul_record.recorded_library(
-        libraries, cpu=this_cpu())
-    assert stacked_matmul.library_of("onednn") == "onednn" and stacked_matmul.library_of("mkl") == "mkl"
-    monkeypatch.setattr(stacked_matmul, "unavailable_reason", lambda library="onednn": "")
+    matmul_record.record("mkl", measured, libraries, cpu=other)
+    assert matmul_record.recorded_choice(libraries, cpu=other) == "mkl"
+    assert matmul_record.recorded_choice(libraries) is None  # the record is another CPU's
+    matmul_record.record("mkl", measured, libraries)
+    assert matmul_record.recorded_choice(libraries, cpu=other) == "mkl"  # kept beside this CPU's
     stacked_matmul._announce_recorded.cache_clear()
     capsys.readouterr()
     assert stacked_matmul.library_of("auto") == "mkl" == stacked_matmul.library_of("auto")
     said = capsys.readouterr().out.splitlines()
     assert len(said) == 1 and "'auto' takes MKL's sgemm for the projections, measured fastest" in said[0]  # once
-    monkeypatch.setattr(stacked_matmul, "unavailable_reason",
-                        lambda library="onednn": "no torch" if library == "mkl" else "")
-    assert stacked_matmul.library_of("auto") == "onednn"  # recorded, but not to be had here
+    assert stacked_matmul.library_of("onednn") == "onednn" and stacked_matmul.library_of("onednn_primitive") == \
+        "onednn_primitive"
+    _all_available(monkeypatch, unavailable=("mkl",))
+    assert stacked_matmul.library_of("auto") == "onednn"  # recorded, not to be had here; the primitive's lead < 10 %
+    matmul_record.record("onednn", {"onednn": 12.0, "onednn_primitive": 9.0, "mkl": 10.0}, libraries)
+    assert stacked_matmul.library_of("auto") == "onednn"  # the record's own choice stands where it can be had
     matmul_record.record_path().write_text("{not json")
-    assert matmul_record.recorded_library(libraries) is None  # an unreadable record is no record
+    assert matmul_record.recorded_choice(libraries) is None  # an unreadable record is no record
+
+
+def test_auto_measures_once_per_cpu_where_no_record_covers_the_libraries(monkeypatch, tmp_path, capsys):
+    """No record, or one that did not measure a library to be had now (torch installed since): "auto" measures the
+    libraries that can be had, records the choice with the seconds, and later calls read it; a failed measurement
+    takes oneDNN's sgemm, says why and records nothing."""
+    from ppojax.models import matmul_record, matmul_tuning
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    stacked_matmul._tuned.cache_clear()
+    stacked_matmul._announce_recorded.cache_clear()
+    seconds = {"onednn": 0.10, "onednn_primitive": 0.095, "mkl": 0.08}
+    asked = []
+
+    def measure(libraries, rounds=matmul_tuning.ROUNDS, ops=None):
+        asked.append(libraries)
+        return {lib: seconds[lib] for lib in libraries}
+
+    monkeypatch.setattr(matmul_tuning, "measure", measure)
+    _all_available(monkeypatch, unavailable=("mkl",))  # torch not installed yet
+    assert stacked_matmul.library_of("auto") == "onednn"  # the primitive's 5 % lead is within the margin
+    assert asked == [("onednn", "onednn_primitive")]
+    entry = json.loads(matmul_record.record_path().read_text())
+    assert [(e["library"], e["measurements"]) for e in entry.values()] == \
+        [("onednn", {"onednn": 0.10, "onednn_primitive": 0.095})]
+    assert "timing oneDNN's sgemm, oneDNN's matmul primitive once for this CPU" in capsys.readouterr().out
+    stacked_matmul._tuned.cache_clear()  # as a new process
+    assert stacked_matmul.library_of("auto") == "onednn" and len(asked) == 1  # the record serves
+    _all_available(monkeypatch)  # torch installed since: MKL was never measured here
+    assert stacked_matmul.library_of("auto") == "mkl" == stacked_matmul.library_of("auto")
+    assert asked[1:] == [("onednn", "onednn_primitive", "mkl")]  # measured again, once
+    assert matmul_record.recorded_choice(tuple(seconds)) == "mkl"
+
+    def broken(libraries, rounds=matmul_tuning.ROUNDS, ops=None):
+        raise RuntimeError("a handler failed")
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "fresh"))
+    monkeypatch.setattr(matmul_tuning, "measure", broken)
+    stacked_matmul._tuned.cache_clear()
+    capsys.readouterr()
+    assert stacked_matmul.library_of("auto") == "onednn"
+    assert "the measurement failed (RuntimeError: a handler failed)" in capsys.readouterr().out
+    assert not matmul_record.record_path().exists()
+    stacked_matmul._tuned.cache_clear()
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_the_measurement_times_each_librarys_products(library):
+    """`matmul_tuning.products` runs the three products of every layer through the library's handlers (their values
+    as numpy's), and `measure` times each library given."""
+    from ppojax.models import matmul_tuning
+
+    ops = matmul_tuning.operands(shapes=((64, 48),), rows=16, layers=3)
+    numpy_ops = [tuple(np.asarray(a, np.float64) for a in shape) for shape in ops]
+    expected = sum((x[i] @ w[i])[0, 0] + (g[i] @ w[i].T)[0, 0] + (x[i].T @ g[i])[0, 0]
+                   for x, w, g in numpy_ops for i in range(3))
+    np.testing.assert_allclose(float(matmul_tuning.products(library)(ops)), expected, rtol=1e-4)
+    seconds = matmul_tuning.measure((library, "onednn"), rounds=2, ops=ops)
+    assert set(seconds) == {library, "onednn"} and all(0 < s < 10 for s in seconds.values())
 
 
 @pytest.mark.parametrize("library", LIBRARIES)
@@ -302,7 +373,8 @@ def test_a_model_on_auto_calls_the_recorded_librarys_handlers(monkeypatch, tmp_p
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(stacked_matmul, "AUTO_MIN_LAYER_ELEMENTS", 0)  # the test model and batch are small
     monkeypatch.setattr(stacked_matmul, "AUTO_MIN_ROWS", 0)
-    matmul_record.record(library, {library: 1.0}, tuple(stacked_matmul.LIBRARIES))
+    measured = {lib: 1.0 if lib == library else 2.0 for lib in stacked_matmul.LIBRARIES}
+    matmul_record.record(library, measured, tuple(stacked_matmul.LIBRARIES))
     ids, mask = _batch()
     graphdef, params = _model("auto")
     hlo = jax.jit(lambda p: nnx.merge(graphdef, p)(ids, mask)[0]).lower(params).compile().as_text()

@@ -2,15 +2,16 @@
 
 oneDNN's and MKL's float32 GEMMs win on different CPUs at a model's shapes (`benchmarks/RESULTS.md`: on a Zen 4
 host oneDNN's in-place products beat MKL's; TRL's update, on MKL, ran faster on an Intel AMX host than ppojax's on
-oneDNN), so the choice is a measurement, never a rule typed in for one host:
+oneDNN), so the choice is a measurement, never a rule typed in for one host. The measured seconds per library are
+recorded under this CPU's signature (its model name and instruction sets, as ``ppojax.xla_cpu_options`` keys its
+records) in ``~/.cache/ppojax/matmul_library.json``, with the library chosen (:func:`choose`: the fastest, but
+oneDNN's sgemm unless another beats it by 10 %). Two measurements write it:
 
-    ``python -m benchmarks.gemm_shapes --record`` times one update's GEMMs through ppojax's in-place handlers on
-    each library that can be had here and records the fastest (oneDNN's sgemm unless another beats it by 10 %)
-    under this CPU's signature (its model name and instruction sets, as ``ppojax.xla_cpu_options`` keys its
-    records) in ``~/.cache/ppojax/matmul_library.json``
-      -> "auto" takes the recorded library where its handlers can be had, oneDNN's otherwise.
+- ``matmul_tuning``: the first model "auto" puts on the in-place handlers on a CPU without a record (or with one
+  that did not measure every library to be had now) measures a few seconds' worth of one layer's products;
+- ``python -m benchmarks.gemm_shapes --record``: one whole update's GEMMs at SmolLM2's shapes, per library.
 
-"onednn" and "mkl" name their library whatever the record says; a CPU with no record takes oneDNN's.
+"onednn", "onednn_primitive" and "mkl" name their library whatever the record says.
 """
 from __future__ import annotations
 
@@ -24,6 +25,18 @@ from ..strict_json import write_text_atomic
 from ..xla_cpu_options import Cpu, read_records, record_path as _records_path, this_cpu
 
 RECORD_FILE = "matmul_library.json"
+#: another library replaces oneDNN's sgemm (the default) only when its GEMMs take at most this share of oneDNN's: on
+#: Zen 4 the matmul primitive's 4-6 % lead in an update's GEMMs gave no faster step (RESULTS, twentieth session)
+RECORD_MARGIN = 0.9
+
+
+def choose(measured: Mapping[str, float]) -> str:
+    """The library to take from `measured` ({library: seconds of the same GEMMs}, not empty): the fastest, unless
+    oneDNN's sgemm was measured and the fastest does not beat it by `RECORD_MARGIN`."""
+    fastest = min(measured, key=measured.get)
+    if "onednn" in measured and measured[fastest] > RECORD_MARGIN * measured["onednn"]:
+        return "onednn"
+    return fastest
 
 
 def record_path(environ: Mapping[str, str] = os.environ) -> Path:
@@ -46,10 +59,17 @@ def record(library: str, measurements: dict, libraries, *, cpu: Optional[Cpu] = 
     return write_text_atomic(path, json.dumps(records, indent=1, sort_keys=True))
 
 
-def recorded_library(libraries, *, cpu: Optional[Cpu] = None,
-                     environ: Mapping[str, str] = os.environ) -> Optional[str]:
-    """The library recorded for `cpu` (default: this one) if it is one of `libraries`, else None (no record, or an
-    unreadable one)."""
+def recorded_choice(candidates, *, cpu: Optional[Cpu] = None,
+                    environ: Mapping[str, str] = os.environ) -> Optional[str]:
+    """The library to take among `candidates` (those whose handlers can be had now) by `cpu`'s record, or None
+    where the record did not measure every candidate (none yet, another CPU's, an unreadable one, or a library
+    installed since): the recorded library where it is a candidate, else :func:`choose` among the candidates'
+    recorded seconds."""
     entry = read_records(record_path(environ)).get((cpu or this_cpu()).signature)
-    library = entry.get("library") if isinstance(entry, dict) else None
-    return library if library in libraries else None
+    measured = entry.get("measurements") if isinstance(entry, dict) else None
+    if not candidates or not isinstance(measured, dict) or not all(
+            isinstance(measured.get(lib), (int, float)) for lib in candidates):
+        return None
+    if entry.get("library") in candidates:
+        return entry["library"]
+    return choose({lib: float(measured[lib]) for lib in candidates})

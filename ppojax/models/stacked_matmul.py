@@ -11,8 +11,8 @@ accumulation of the stack's cotangent). Values: float32 GEMMs as XLA's, summed i
 
 The same handlers on MKL's GEMM (`matmul_implementation: mkl`, the library `"mkl"`): MKL as torch's x86 wheels link
 it into `libtorch_cpu.so` (its Fortran `sgemm_`), the GEMM TRL's step runs; for CPUs where MKL outruns oneDNN at a
-model's shapes (`python -m benchmarks.gemm_shapes` tells; with `--record`, "auto" takes the faster on that CPU:
-`matmul_record.py`).
+model's shapes. "auto" takes the library measured fastest on the CPU it runs on (`matmul_record.py`: measured once
+per CPU by `matmul_tuning.py`, or by `python -m benchmarks.gemm_shapes --record`).
 
 The handlers (`stacked_gemm.cc`) are compiled on first use with the system's C++ compiler against
 `jax.ffi.include_dir()` and the library's file (the wheel's `libdnnl.so.3`, or torch's `libtorch_cpu.so`), once per
@@ -40,7 +40,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 SOURCE = Path(__file__).with_name("stacked_gemm.cc")
-#: the GEMM libraries the handlers can be built on ("auto" takes oneDNN's unless this CPU's record names another),
+#: the GEMM libraries the handlers can be built on ("auto" takes the one measured fastest on this CPU),
 #: each the compiler define choosing it in `stacked_gemm.cc`; each is also a `matmul_implementation` of its own
 LIBRARIES = {"onednn": (), "onednn_primitive": ("-DPPOJAX_ONEDNN_PRIMITIVE",), "mkl": ("-DPPOJAX_FORTRAN_SGEMM",)}
 LIBRARY_NAMES = {"onednn": "oneDNN's sgemm", "onednn_primitive": "oneDNN's matmul primitive", "mkl": "MKL's sgemm"}
@@ -94,18 +94,37 @@ def mkl_library() -> Path | None:
 
 def library_of(implementation: str) -> str:
     """The GEMM library an implementation's handlers use: its own for a library's name ("onednn",
-    "onednn_primitive", "mkl"); for "auto" the one measured fastest on this CPU (`matmul_record`) where its handlers
-    can be had, else oneDNN's sgemm."""
+    "onednn_primitive", "mkl"); for "auto" the one measured fastest on this CPU among those whose handlers can be
+    had (`matmul_record`; measured now, once per CPU, where no record covers them all: `matmul_tuning`), oneDNN's
+    sgemm where none can be had."""
     if implementation in LIBRARIES:
         return implementation
-    from .matmul_record import recorded_library
+    from .matmul_record import recorded_choice
 
-    recorded = recorded_library(tuple(LIBRARIES))
-    if not recorded or unavailable_reason(recorded):
+    candidates = tuple(lib for lib in LIBRARIES if not unavailable_reason(lib))
+    if not candidates:
         return "onednn"
-    if recorded != "onednn":
-        _announce_recorded(recorded)
-    return recorded
+    library = recorded_choice(candidates) or _measured_choice(candidates)
+    if library != "onednn":
+        _announce_recorded(library)
+    return library
+
+
+_tuning_lock = threading.Lock()  # a compile_ahead thread and the main thread may both trace first
+
+
+def _measured_choice(candidates: tuple) -> str:
+    """`matmul_tuning.tune(candidates)`, at most once per process and set of candidates (a record that cannot be
+    written is not measured again at every trace)."""
+    with _tuning_lock:
+        return _tuned(candidates)
+
+
+@functools.cache
+def _tuned(candidates: tuple) -> str:
+    from .matmul_tuning import tune
+
+    return tune(candidates)
 
 
 @functools.cache
@@ -285,12 +304,16 @@ def _matmul_fwd(x, stack, layer, library):
     return _matmul(x, stack, layer, library), (x, stack, layer)
 
 
+def weight_grad(x: Array, g: Array, library: str) -> Array:
+    """x.T @ g -> f32[K, M] for x f32[N, K], g f32[N, M], by `library`'s GEMM (one layer's weight gradient)."""
+    out = jax.ShapeDtypeStruct((x.shape[1], g.shape[1]), jnp.float32)
+    return jax.ffi.ffi_call(TARGETS[library]["weight_grad"], out, vmap_method="sequential")(x, g)
+
+
 def _matmul_bwd(library, residuals, g):
     x, stack, layer = residuals
     dx = _gemm(g, stack, layer, True, library)
-    call = jax.ffi.ffi_call(TARGETS[library]["weight_grad"], jax.ShapeDtypeStruct(stack.shape[1:], jnp.float32),
-                            vmap_method="sequential")
-    dstack = jax.lax.dynamic_update_index_in_dim(jnp.zeros_like(stack), call(x, g), layer, 0)
+    dstack = jax.lax.dynamic_update_index_in_dim(jnp.zeros_like(stack), weight_grad(x, g, library), layer, 0)
     return dx, dstack, None
 
 

@@ -1,0 +1,95 @@
+"""`matmul_implementation: auto` on a CPU without a record: measure the in-place GEMM libraries once, record the fastest.
+
+The first model that "auto" puts on the in-place handlers (`stacked_matmul`) on a CPU whose record
+(`matmul_record`) did not measure every library to be had now times ppojax's handlers on each of them and records
+the seconds and the library chosen (`matmul_record.choose`) under this CPU's signature; later processes on that CPU
+read the record. What is timed is what a training step asks of them: one layer's forward, input-gradient and
+weight-gradient products (`x @ W`, `g @ W.T`, `x.T @ g`) at SmolLM2-135M's four projection shapes and an update's
+384 token rows, the weights read in place from a stack of a few layers in a layer scan (each layer's operands its
+own, as the update's backward has them). The libraries take turns within each round; each one's figure is its
+fastest round (what another process's load cannot make faster). A few seconds, once per CPU, said when it runs;
+``python -m benchmarks.gemm_shapes --record`` measures one whole update's GEMMs instead.
+"""
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+#: (d_in, d_out) of SmolLM2-135M's projections: q/o, k/v, gate/up, down
+SHAPES = ((576, 576), (576, 192), (576, 1536), (1536, 576))
+ROWS = 384  # the benchmark's update micro-batch: 8 sequences of 48 tokens
+LAYERS = 4  # a stack larger than the last-level cache of most CPUs, read layer by layer as a scan does
+ROUNDS = 5
+
+
+def operands(shapes=SHAPES, rows: int = ROWS, layers: int = LAYERS, seed: int = 0) -> list:
+    """Per shape (x f32[layers, rows, d_in], stack f32[layers, d_in, d_out], g f32[layers, rows, d_out])."""
+    rng = np.random.default_rng(seed)
+    return [tuple(jnp.asarray(rng.standard_normal(shape, np.float32) * scale)
+                  for shape, scale in (((layers, rows, d_in), 1.0), ((layers, d_in, d_out), 0.02),
+                                       ((layers, rows, d_out), 1.0)))
+            for d_in, d_out in shapes]
+
+
+def products(library: str):
+    """A jitted function of `operands()` running every layer's three products on `library`'s handlers (registered:
+    `stacked_matmul.unavailable_reason` first) -> f32[] (one element of each product, which keeps them all)."""
+    from .stacked_matmul import _gemm, weight_grad
+
+    def one_shape(x, stack, g):
+        def layer(total, i):
+            y = _gemm(x[i], stack, i, False, library)
+            dx = _gemm(g[i], stack, i, True, library)
+            dw = weight_grad(x[i], g[i], library)
+            return total + y[0, 0] + dx[0, 0] + dw[0, 0], None
+
+        return jax.lax.scan(layer, jnp.float32(0), jnp.arange(stack.shape[0]))[0]
+
+    return jax.jit(lambda ops: sum(one_shape(*shape) for shape in ops))
+
+
+def measure(libraries, rounds: int = ROUNDS, ops=None) -> dict:
+    """{library: seconds of one pass of `products` (its fastest of `rounds`)} for `libraries` (their handlers
+    registered), the libraries taking turns within each round after one untimed pass each."""
+    ops = operands() if ops is None else ops
+    passes = {library: products(library) for library in libraries}
+    for run in passes.values():
+        jax.block_until_ready(run(ops))  # compiles, and wakes the library's threads
+    best = {library: float("inf") for library in libraries}
+    for r in range(rounds):
+        for library in libraries[r % len(libraries):] + libraries[:r % len(libraries)]:
+            start = time.perf_counter()
+            jax.block_until_ready(passes[library](ops))
+            best[library] = min(best[library], time.perf_counter() - start)
+    return best
+
+
+def tune(candidates) -> str:
+    """Measure `candidates` (libraries whose handlers are registered), record the choice for this CPU and return it;
+    say what was measured. A failed measurement takes oneDNN's sgemm and records nothing (said)."""
+    from . import matmul_record
+    from .stacked_matmul import LIBRARIES, LIBRARY_NAMES
+
+    names = ", ".join(LIBRARY_NAMES[lib] for lib in candidates)
+    print(f"ppojax: matmul_implementation 'auto': timing {names} once for this CPU ...", flush=True)
+    start = time.perf_counter()
+    try:
+        with jax.ensure_compile_time_eval():  # run now, also when a model's trace asked (not staged into it)
+            seconds = measure(tuple(candidates))
+    except Exception as err:  # noqa: BLE001 - the choice is a speed-up only; oneDNN's sgemm is the default
+        print(f"ppojax: the measurement failed ({type(err).__name__}: {err}); 'auto' takes {LIBRARY_NAMES['onednn']}",
+              flush=True)
+        return "onednn"
+    library = matmul_record.choose(seconds)
+    where = ""
+    try:
+        where = f", recorded in {matmul_record.record(library, seconds, tuple(LIBRARIES))}"
+    except OSError as err:  # a read-only cache: this process still takes the measured choice
+        where = f" (not recorded: {err})"
+    print(f"ppojax: 'auto' takes {LIBRARY_NAMES[library]} for the projections ("
+          + ", ".join(f"{lib} {s * 1e3:.1f} ms" for lib, s in seconds.items())
+          + f"; {time.perf_counter() - start:.1f} s{where})", flush=True)
+    return library
