@@ -101,6 +101,7 @@ def library_of(implementation: str) -> str:
         return implementation
     from .matmul_record import recorded_choice
 
+    _build_all()
     candidates = tuple(lib for lib in LIBRARIES if not unavailable_reason(lib))
     if not candidates:
         return "onednn"
@@ -232,6 +233,14 @@ def _registered(library: str = "onednn") -> str:
     jax.ffi.register_ffi_target(targets["matmul"], jax.ffi.pycapsule(handlers.StackedMatmul), platform="cpu")
     jax.ffi.register_ffi_target(targets["weight_grad"], jax.ffi.pycapsule(handlers.WeightGradOut), platform="cpu")
     return ""
+
+
+def _build_all() -> None:
+    """Build every library's handlers at once (each a compiler process; "auto" measures all that can be had)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with _lock, ThreadPoolExecutor(len(LIBRARIES)) as pool:
+        list(pool.map(_built, LIBRARIES))
 
 
 def unavailable_reason(library: str = "onednn") -> str:
