@@ -113,11 +113,8 @@ if want cpu-quiet; then
   stamp "cpu-quiet: one benchmarks.run process on CPUs $CPU_TRL, nothing else running"
   QUIET_SIZES="--sizes smollm2"  # unless BENCH_EXTRA (in $BENCH) names the sizes (or --quick)
   [[ "${BENCH_EXTRA:-}" == *--sizes* || "${BENCH_EXTRA:-}" == *--quick* ]] && QUIET_SIZES=""
-  # the in-place handlers are built, and the library 'auto' takes measured (matmul_tuning), once per machine (a
-  # one-time step, like an install): not inside a first update; on the cores the benchmark runs on
-  $CPU_ENV taskset -c "$CPU_TRL" python3 -c "from ppojax.models import stacked_matmul as s
-for lib in s.LIBRARIES: print(lib, 'handlers:', s.unavailable_reason(lib) or 'ready')
-print('auto takes:', s.library_of('auto'))" 2>&1 | grep -E "handlers|auto"
+  # benchmarks.run builds the in-place handlers and measures the library 'auto' takes on this CPU first (once per
+  # machine, like an install: `python -m ppojax.models.matmul_tuning`), not inside a measured first update
   $CPU_ENV JAX_COMPILATION_CACHE_DIR=/tmp/jc_quiet taskset -c "$CPU_TRL" timeout 560 $BENCH \
     $QUIET_SIZES --json "$OUT/cpu_quiet.json" > "$OUT/cpu_quiet.log" 2>&1
   grep -v "^WARNING\|plugin" "$OUT/cpu_quiet.log" | tail -n 40

@@ -45,7 +45,7 @@ from importlib import metadata
 from pathlib import Path
 
 from benchmarks.common import make_config, machine_info, peak_rss_mb
-from benchmarks.flops import mfu, ppo_update_flops
+from benchmarks.flops import Dims, mfu, ppo_update_flops
 from ppojax.config import IN_PLACE_MATMULS, MATMUL_IMPLEMENTATIONS, PPOConfig
 from ppojax.strict_json import write_text_atomic
 
@@ -240,6 +240,37 @@ def run_ppojax(config_path: Path, tmp: Path, timeout: float, measured=lambda res
     return result
 
 
+def prepare_machine(tmp: Path, timeout: float = 300) -> dict:
+    """ppojax's once-per-machine step before its measured runs (as an install is): the in-place GEMM handlers built
+    and the library `matmul_implementation: auto` takes measured on this CPU where no record covers it
+    (`python -m ppojax.models.matmul_tuning`), so that neither lands in a measured first update. -> its seconds and
+    what it said."""
+    log = tmp / "prepare_machine.log"
+    start = time.perf_counter()
+    with open(log, "w") as logf:
+        try:
+            done = subprocess.run([sys.executable, "-m", "ppojax.models.matmul_tuning"], cwd=REPO, env=_env(),
+                                  stdout=logf, stderr=subprocess.STDOUT, timeout=timeout)
+            error = None if done.returncode == 0 else f"exit status {done.returncode}"
+        except subprocess.TimeoutExpired:
+            error = f"timed out after {timeout} s"
+    said = [line for line in log.read_text().splitlines() if "'auto'" in line or "handlers" in line]
+    return {"seconds": time.perf_counter() - start, "said": said, "error": error}
+
+
+def _uses_in_place_matmuls(config: dict) -> bool:
+    """Whether ppojax's float32 run of `config` multiplies its layers on the in-place GEMM handlers: a library named,
+    or "auto" on a model whose layers are large enough for it (`stacked_matmul.AUTO_MIN_LAYER_ELEMENTS`)."""
+    from ppojax.models.stacked_matmul import AUTO_MIN_LAYER_ELEMENTS
+
+    implementation = config.get("matmul_implementation", "auto")
+    if implementation != "auto":
+        return implementation != "xla"
+    d = Dims.from_config(_model_shape(config))
+    attention = 2 * d.hidden * d.heads * d.head_dim + 2 * d.hidden * d.kv_heads * d.head_dim
+    return attention + 3 * d.hidden * d.mlp >= AUTO_MIN_LAYER_ELEMENTS
+
+
 def _ppojax_worker_cmd(config: Path, out: Path) -> list[str]:
     return [sys.executable, "-m", "benchmarks.run", "--_worker", "ppojax", "--_config", str(config), "--_out", str(out)]
 
@@ -416,6 +447,10 @@ def run_size(size: str, args, tmp: Path, peak: float | None, entry: dict | None 
 
     skipped = {"available": False, "reason": "skipped (--only)"}
     float32, mixed = ("float32" in args.ppojax_precisions, "mixed" in args.ppojax_precisions)
+    if float32 and args.only in (None, "ppojax") and _uses_in_place_matmuls(config):
+        setup = entry["ppojax_machine_setup"] = prepare_machine(tmp)
+        print(f"[{size}] ppojax's once-per-machine setup ({setup['seconds']:.1f} s): "
+              + "; ".join(setup["said"][-2:] + ([setup["error"]] if setup["error"] else [])), file=sys.stderr, flush=True)
     if args.interleave and args.only is None and float32:
         print(f"[{size}] TRL and ppojax, updates interleaved ...", file=sys.stderr, flush=True)
         entry["trl"], entry["ppojax"] = run_interleaved(config_path, tmp, max(args.threads), timeout)

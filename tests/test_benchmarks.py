@@ -371,8 +371,13 @@ def _fake_harness(monkeypatch, calls: list, fail_on: str | None = None, fail_aft
         measured(result)
         return result
 
+    def fake_setup(tmp):
+        calls.append(("ppojax machine setup",))
+        return {"seconds": 1.0, "said": ["'auto' takes: onednn"], "error": None}
+
     monkeypatch.setattr(bench_run, "run_trl", fake_trl)
     monkeypatch.setattr(bench_run, "run_ppojax", fake_ppojax)
+    monkeypatch.setattr(bench_run, "prepare_machine", fake_setup)
     return bench_run
 
 
@@ -382,8 +387,13 @@ def test_a_run_cut_off_keeps_every_side_it_finished(monkeypatch, tmp_path):
     out = tmp_path / "new_folder" / "report.json"  # its folder is made before any measurement
     with pytest.raises(KeyboardInterrupt):
         bench_run.main(["--sizes", "tiny,smollm2", "--threads", "2", "--smollm2-dir", "random", "--json", str(out)])
+    # ppojax's once-per-machine setup (the in-place handlers, auto's library) before SmolLM2's sides, not tiny's:
+    # tiny's layers are below auto's size for them
+    assert calls == [("trl", "tiny"), ("ppojax", "tiny", "float32"), ("ppojax machine setup",), ("trl", "smollm2"),
+                     ("ppojax", "smollm2", "float32")]
     report = json.loads(out.read_text())
     assert report["complete"] is False
+    assert report["sizes"]["smollm2"]["ppojax_machine_setup"]["said"] == ["'auto' takes: onednn"]
     assert report["sizes"]["tiny"]["ratio_ppojax_over_trl"]["episodes_per_s"] == 3.0
     assert report["sizes"]["smollm2"]["trl"]["episodes_per_s"] == 1.0  # the side finished before the kill
     assert "ppojax" not in report["sizes"]["smollm2"]

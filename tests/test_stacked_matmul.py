@@ -7,7 +7,11 @@ the compiled programs' custom calls and weight slices, the fallback and the erro
 """
 
 import json
+import os
+import subprocess
+import sys
 import types
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +29,7 @@ pytestmark = pytest.mark.skipif(bool(stacked_matmul.unavailable_reason()),
                                 reason=f"oneDNN handlers unavailable: {stacked_matmul.unavailable_reason()}")
 
 CALL = "ppojax_stacked_matmul"
+REPO_ROOT = Path(__file__).resolve().parent.parent
 #: each GEMM library the handlers build on, skipped where it cannot be had (MKL: torch's x86 wheel)
 LIBRARIES = [pytest.param(library, marks=pytest.mark.skipif(
     bool(stacked_matmul.unavailable_reason(library)),
@@ -380,3 +385,22 @@ def test_a_model_on_auto_calls_the_recorded_librarys_handlers(monkeypatch, tmp_p
     hlo = jax.jit(lambda p: nnx.merge(graphdef, p)(ids, mask)[0]).lower(params).compile().as_text()
     assert {lib: custom_calls(hlo, lib) > 0 for lib in stacked_matmul.LIBRARIES} == \
         {lib: lib == library for lib in stacked_matmul.LIBRARIES}
+
+
+def test_the_once_per_machine_command_measures_then_reads_the_record(tmp_path):
+    """`python -m ppojax.models.matmul_tuning` (what benchmarks.run does before ppojax's measured runs): the
+    handlers built, auto's library measured and recorded; run again, the record answers without timing anything."""
+    built = Path(os.environ["XDG_CACHE_HOME"]) / "ppojax" / "ffi"  # the session's handlers, built once
+    built.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "ppojax").mkdir()
+    (tmp_path / "ppojax" / "ffi").symlink_to(built)
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "PPOJAX_HUGE_PAGES": "0"}
+    runs = [subprocess.run([sys.executable, "-m", "ppojax.models.matmul_tuning"], cwd=REPO_ROOT, env=env,
+                           capture_output=True, text=True, timeout=300) for _ in range(2)]
+    assert [r.returncode for r in runs] == [0, 0], runs[0].stderr[-2000:]
+    first, second = (r.stdout for r in runs)
+    assert "onednn: handlers ready" in first and "timing oneDNN's sgemm, oneDNN's matmul primitive" in first
+    chosen = first.strip().splitlines()[-1]
+    assert chosen.startswith("'auto' takes: ") and chosen.split(": ")[1] in stacked_matmul.LIBRARIES
+    assert "timing" not in second and second.strip().splitlines()[-1] == chosen
+    assert (tmp_path / "ppojax" / "matmul_library.json").exists()

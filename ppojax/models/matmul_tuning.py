@@ -93,3 +93,30 @@ def tune(candidates) -> str:
           + ", ".join(f"{lib} {s * 1e3:.1f} ms" for lib, s in seconds.items())
           + f"; {time.perf_counter() - start:.1f} s{where})", flush=True)
     return library
+
+
+def main(argv=None) -> int:
+    """``python -m ppojax.models.matmul_tuning [--again]``: build the in-place handlers of every library that can be
+    had and say which one "auto" takes on this CPU, measuring now where no record covers them (``--again``: measure
+    anew whatever the record says). A once-per-machine step a deployment can run ahead of training."""
+    import argparse
+
+    from .stacked_matmul import LIBRARIES, _build_all, library_of, unavailable_reason
+
+    parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    parser.add_argument("--again", action="store_true", help="measure anew whatever this CPU's record says")
+    args = parser.parse_args(argv)
+    _build_all()
+    for library in LIBRARIES:
+        print(f"{library}: {unavailable_reason(library) or 'handlers ready'}")
+    candidates = tuple(lib for lib in LIBRARIES if not unavailable_reason(lib))
+    if not candidates:
+        print("'auto' keeps XLA's dots here: no in-place library can be had")
+        return 0
+    library = tune(candidates) if args.again else library_of("auto")
+    print(f"'auto' takes: {library}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
