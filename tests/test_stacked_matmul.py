@@ -273,6 +273,8 @@ def test_the_choice_keeps_onednn_unless_another_library_clearly_leads():
 
 
 def _all_available(monkeypatch, unavailable=()):
+    monkeypatch.setattr(stacked_matmul, "_candidates",
+                        lambda: tuple(lib for lib in stacked_matmul.LIBRARIES if lib not in unavailable))
     monkeypatch.setattr(stacked_matmul, "unavailable_reason",
                         lambda library="onednn": "not here" if library in unavailable else "")
 
@@ -404,3 +406,10 @@ def test_the_once_per_machine_command_measures_then_reads_the_record(tmp_path):
     assert chosen.startswith("'auto' takes: ") and chosen.split(": ")[1] in stacked_matmul.LIBRARIES
     assert "timing" not in second and second.strip().splitlines()[-1] == chosen
     assert (tmp_path / "ppojax" / "matmul_library.json").exists()
+    # a run on "auto" loads the chosen library's handlers only: MKL's mean torch's whole runtime in the process
+    probe = ("from ppojax.models import stacked_matmul as s; library = s.library_of('auto'); "
+             "print(library, 'libtorch_cpu' in open('/proc/self/maps').read())")
+    run = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    library = chosen.split(": ")[1]
+    assert run.stdout.split()[-2:] == [library, str(library == "mkl")], run.stdout + run.stderr[-2000:]

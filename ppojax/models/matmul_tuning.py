@@ -68,11 +68,15 @@ def measure(libraries, rounds: int = ROUNDS, ops=None) -> dict:
 
 
 def tune(candidates) -> str:
-    """Measure `candidates` (libraries whose handlers are registered), record the choice for this CPU and return it;
-    say what was measured. A failed measurement takes oneDNN's sgemm and records nothing (said)."""
+    """Measure `candidates` (libraries whose handlers are built; any that will not load is left out), record the
+    choice for this CPU and return it; say what was measured. A failed measurement takes oneDNN's sgemm and records
+    nothing (said)."""
     from . import matmul_record
-    from .stacked_matmul import LIBRARIES, LIBRARY_NAMES
+    from .stacked_matmul import LIBRARIES, LIBRARY_NAMES, unavailable_reason
 
+    candidates = [lib for lib in candidates if not unavailable_reason(lib)]  # loaded and registered
+    if not candidates:
+        return "onednn"
     names = ", ".join(LIBRARY_NAMES[lib] for lib in candidates)
     print(f"ppojax: matmul_implementation 'auto': timing {names} once for this CPU ...", flush=True)
     start = time.perf_counter()

@@ -101,14 +101,21 @@ def library_of(implementation: str) -> str:
         return implementation
     from .matmul_record import recorded_choice
 
-    _build_all()
-    candidates = tuple(lib for lib in LIBRARIES if not unavailable_reason(lib))
-    if not candidates:
+    candidates = _candidates()
+    library = (recorded_choice(candidates) or _measured_choice(candidates)) if candidates else "onednn"
+    if unavailable_reason(library):  # its handlers would not load: XLA's dots (`applies`)
         return "onednn"
-    library = recorded_choice(candidates) or _measured_choice(candidates)
     if library != "onednn":
         _announce_recorded(library)
     return library
+
+
+def _candidates() -> tuple:
+    """The libraries whose handlers are built here (building them first where needed), none of them loaded: a library
+    is loaded (and its runtime mapped into the process: torch's, for MKL) only where it is measured or taken."""
+    _build_all()
+    with _lock:
+        return tuple(lib for lib in LIBRARIES if _built(lib)[0] is not None)
 
 
 _tuning_lock = threading.Lock()  # a compile_ahead thread and the main thread may both trace first
