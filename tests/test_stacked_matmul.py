@@ -164,6 +164,20 @@ def test_auto_takes_onednn_only_where_it_pays():
     assert not stacked_matmul.applies("auto", jnp.bfloat16, big, rows=384)
 
 
+def test_auto_chooses_no_library_where_the_products_cannot_run(monkeypatch):
+    """On several devices (a mesh, the tests' virtual devices) or an accelerator, "auto" keeps XLA's dots without
+    building handlers or measuring anything; a library's name says why it cannot run."""
+    big = [jax.ShapeDtypeStruct((3, 1024, 768), jnp.float32)]
+    monkeypatch.setattr(stacked_matmul, "library_of", lambda implementation: pytest.fail("a library was chosen"))
+    monkeypatch.setattr(jax, "device_count", lambda: 8)
+    assert not stacked_matmul.applies("auto", jnp.float32, big, rows=384)
+    with pytest.raises(ValueError, match="single CPU device, and here are 8 cpu device"):
+        stacked_matmul.applies("mkl", jnp.float32, big, rows=384)
+    monkeypatch.setattr(jax, "device_count", lambda: 1)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert not stacked_matmul.applies("auto", jnp.float32, big, rows=384)
+
+
 def test_auto_falls_back_and_onednn_names_why_when_the_handlers_cannot_be_had(monkeypatch):
     monkeypatch.setattr(stacked_matmul, "unavailable_reason", no_compiler)
     kernels = [jax.ShapeDtypeStruct((2, 1024, 1024), jnp.float32)]

@@ -256,12 +256,13 @@ def unavailable_reason(library: str = "onednn") -> str:
         return _registered(library)
 
 
-def unavailable_on(devices: int, library: str = "onednn") -> str:
-    """"" when `library`'s in-place products can run on `devices` devices of the default backend (one CPU device,
-    the handlers registered), else why not."""
+def unavailable_on(devices: int, implementation: str = "onednn") -> str:
+    """"" when `implementation`'s in-place products can run on `devices` devices of the default backend (one CPU
+    device, the handlers of `library_of(implementation)` registered), else why not. The devices are checked first:
+    "auto" chooses its library (building handlers, measuring once per CPU) only where the products can run."""
     if jax.default_backend() != "cpu" or devices != 1:
         return f"it runs on a single CPU device, and here are {devices} {jax.default_backend()} device(s)"
-    return unavailable_reason(library)
+    return unavailable_reason(library_of(implementation))
 
 
 def check_implementation(implementation: str) -> None:
@@ -289,7 +290,7 @@ def applies(implementation: str, dtype, kernels, rows: int) -> bool:
         return False
     float32 = jnp.dtype(dtype) == jnp.float32 and all(jnp.dtype(k.dtype) == jnp.float32 for k in kernels)
     why = "" if float32 else "it runs float32 models on a single CPU device only"
-    why = why or unavailable_on(jax.device_count(), library_of(implementation))
+    why = why or unavailable_on(jax.device_count(), implementation)
     if why and implementation != "auto":
         raise ValueError(f"matmul_implementation={implementation!r} cannot be used here: {why}; use 'auto' or 'xla'")
     return not why

@@ -524,7 +524,7 @@ def _check_matmul_implementation(config, mesh) -> None:
     from ..models import stacked_matmul
 
     why = stacked_matmul.unavailable_on(mesh.devices.size if mesh is not None else jax.device_count(),
-                                        stacked_matmul.library_of(config.matmul_implementation))
+                                        config.matmul_implementation)
     if why:
         raise ConfigError(f"matmul_implementation={config.matmul_implementation!r} cannot be used: {why}. Set "
                           "matmul_implementation: auto (oneDNN where it can run, XLA's dots elsewhere) or xla.")
