@@ -207,8 +207,8 @@ def _page_faults() -> int:
 
 
 def _matmul_used(config: dict, params) -> str:
-    """What the policy's layer projections ran on in the update: "onednn" or "mkl" where ``stacked_matmul`` applied,
-    else "xla" (with the reason when the handlers were missing)."""
+    """What the policy's layer projections ran on in the update: the library (e.g. "onednn", "mkl") where
+    ``stacked_matmul`` applied, else "xla" (with the reason when oneDNN's handlers were missing)."""
     from ppojax.models import stacked_matmul
 
     def is_projection(path) -> bool:
@@ -223,9 +223,11 @@ def _matmul_used(config: dict, params) -> str:
         used = stacked_matmul.applies(implementation, compute, kernels, rows)
     except ValueError as err:
         return f"xla ({err})"
-    library = stacked_matmul.library_of(implementation)
-    why = stacked_matmul.unavailable_reason(library)
-    return library if used else ("xla" if not why else f"xla ({why})")
+    if used:
+        return stacked_matmul.library_of(implementation)
+    # why not, where the default library's handlers are the reason (no library is chosen: "auto" would measure)
+    why = stacked_matmul.unavailable_reason() if jax.default_backend() == "cpu" else ""
+    return f"xla ({why})" if why else "xla"
 
 
 def measure_phases(program, state, prompts, key, repeats: int = 2) -> dict:
