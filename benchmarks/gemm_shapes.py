@@ -295,6 +295,13 @@ def main(argv=None):
     unknown = sorted(set(only) - set(IMPLEMENTATIONS))
     if unknown:
         parser.error(f"--only {','.join(unknown)}: the implementations are {', '.join(IMPLEMENTATIONS)}")
+    if args.record:
+        from ppojax.models.stacked_matmul import _candidates
+
+        missing = [lib for lib in _candidates() if lib not in only]
+        if missing:  # "auto" would measure them itself and replace the record
+            parser.error(f"--record with --only {args.only}: a record must measure every in-place library that can "
+                         f"be had here; add {','.join(missing)} to --only")
     from benchmarks.common import machine_info
     from ppojax.program_start import start_program
 

@@ -615,3 +615,18 @@ def test_gemm_shapes_times_each_product_of_the_right_layer_and_sums_the_update()
         gemm_shapes.EPOCHS * (1 if uses is None else uses * gemm_shapes.LAYERS * gemm_shapes.MODELS)
         * report["results"][name][product][head_by_xla[name]]["s"]
         for name, _r, _i, _o, uses in shapes for product in gemm_shapes.PRODUCTS))
+
+
+def test_gemm_shapes_record_refuses_a_subset_of_the_libraries(capsys):
+    """`--record` must measure every in-place library that can be had here (else `auto` would measure the rest
+    itself and replace the record): refused before anything is timed, naming what to add."""
+    from benchmarks import gemm_shapes
+    from ppojax.models import stacked_matmul
+
+    available = stacked_matmul._candidates()
+    if len(available) < 2:
+        pytest.skip(f"one in-place library or none can be had here: {available}")
+    with pytest.raises(SystemExit) as stop:
+        gemm_shapes.main(["--record", "--only", f"xla,{available[0]}"])
+    assert stop.value.code == 2
+    assert f"add {','.join(available[1:])} to --only" in capsys.readouterr().err
