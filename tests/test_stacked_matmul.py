@@ -322,6 +322,11 @@ def test_auto_takes_the_library_recorded_fastest_on_this_cpu(monkeypatch, tmp_pa
         "onednn_primitive"
     _all_available(monkeypatch, unavailable=("mkl",))
     assert stacked_matmul.library_of("auto") == "onednn"  # recorded, not to be had here; the primitive's lead < 10 %
+    _all_available(monkeypatch, unavailable=("onednn",))
+    assert stacked_matmul.library_of("auto") == "onednn"  # no baseline: not to be had, so `applies` keeps XLA's
+    assert not stacked_matmul.applies("auto", jnp.float32, [jax.ShapeDtypeStruct((3, 1024, 768), jnp.float32)],
+                                      rows=384)
+    _all_available(monkeypatch, unavailable=("mkl",))
     matmul_record.record("onednn", {"onednn": 12.0, "onednn_primitive": 9.0, "mkl": 10.0}, libraries)
     assert stacked_matmul.library_of("auto") == "onednn"  # the record's own choice stands where it can be had
     matmul_record.record_path().write_text("{not json")

@@ -75,7 +75,7 @@ def tune(candidates) -> str:
     from .stacked_matmul import LIBRARIES, LIBRARY_NAMES, unavailable_reason
 
     candidates = [lib for lib in candidates if not unavailable_reason(lib)]  # loaded and registered
-    if not candidates:
+    if "onednn" not in candidates:  # the baseline (library_of): nothing to measure against
         return "onednn"
     names = ", ".join(LIBRARY_NAMES[lib] for lib in candidates)
     print(f"ppojax: matmul_implementation 'auto': timing {names} once for this CPU ...", flush=True)
@@ -113,10 +113,11 @@ def main(argv=None) -> int:
     _build_all()
     for library in LIBRARIES:
         print(f"{library}: {unavailable_reason(library) or 'handlers ready'}")
-    candidates = tuple(lib for lib in LIBRARIES if not unavailable_reason(lib))
-    if not candidates:
-        print("'auto' keeps XLA's dots here: no in-place library can be had")
+    if unavailable_reason("onednn"):
+        print(f"'auto' keeps XLA's dots here: oneDNN's handlers, the in-place baseline, cannot be had "
+              f"({unavailable_reason('onednn')})")
         return 0
+    candidates = tuple(lib for lib in LIBRARIES if not unavailable_reason(lib))
     library = tune(candidates) if args.again else library_of("auto")
     print(f"'auto' takes: {library}")
     return 0

@@ -95,14 +95,17 @@ def mkl_library() -> Path | None:
 def library_of(implementation: str) -> str:
     """The GEMM library an implementation's handlers use: its own for a library's name ("onednn",
     "onednn_primitive", "mkl"); for "auto" the one measured fastest on this CPU among those whose handlers can be
-    had (`matmul_record`; measured now, once per CPU, where no record covers them all: `matmul_tuning`), oneDNN's
-    sgemm where none can be had."""
+    had (`matmul_record`; measured now, once per CPU, where no record covers them all: `matmul_tuning`); oneDNN's
+    sgemm where it cannot be had itself (then `applies` keeps XLA's dots: oneDNN's in-place products are the ones
+    measured faster than XLA's copy-then-dot, the others are measured against them)."""
     if implementation in LIBRARIES:
         return implementation
     from .matmul_record import recorded_choice
 
     candidates = _candidates()
-    library = (recorded_choice(candidates) or _measured_choice(candidates)) if candidates else "onednn"
+    if "onednn" not in candidates:  # the baseline the others must beat, itself measured against XLA's dots
+        return "onednn"  # (not to be had: `applies` keeps XLA's dots)
+    library = recorded_choice(candidates) or _measured_choice(candidates)
     if unavailable_reason(library):  # its handlers would not load: XLA's dots (`applies`)
         return "onednn"
     if library != "onednn":
