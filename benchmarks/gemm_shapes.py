@@ -296,9 +296,9 @@ def main(argv=None):
     if unknown:
         parser.error(f"--only {','.join(unknown)}: the implementations are {', '.join(IMPLEMENTATIONS)}")
     if args.record:
-        from ppojax.models.stacked_matmul import _candidates
+        from ppojax.models.stacked_matmul import buildable_libraries
 
-        missing = [lib for lib in _candidates() if lib not in only]
+        missing = [lib for lib in buildable_libraries() if lib not in only]
         if missing:  # "auto" would measure them itself and replace the record
             parser.error(f"--record with --only {args.only}: a record must measure every in-place library that can "
                          f"be had here; add {','.join(missing)} to --only")

@@ -449,8 +449,9 @@ def run_size(size: str, args, tmp: Path, peak: float | None, entry: dict | None 
     float32, mixed = ("float32" in args.ppojax_precisions, "mixed" in args.ppojax_precisions)
     if float32 and args.only in (None, "ppojax") and _uses_in_place_matmuls(config):
         setup = entry["ppojax_machine_setup"] = prepare_machine(tmp)
-        print(f"[{size}] ppojax's once-per-machine setup ({setup['seconds']:.1f} s): "
-              + "; ".join(setup["said"][-2:] + ([setup["error"]] if setup["error"] else [])), file=sys.stderr, flush=True)
+        said = setup["said"][-2:] + ([setup["error"]] if setup["error"] else [])
+        print(f"[{size}] ppojax's once-per-machine setup ({setup['seconds']:.1f} s): " + "; ".join(said),
+              file=sys.stderr, flush=True)
     if args.interleave and args.only is None and float32:
         print(f"[{size}] TRL and ppojax, updates interleaved ...", file=sys.stderr, flush=True)
         entry["trl"], entry["ppojax"] = run_interleaved(config_path, tmp, max(args.threads), timeout)

@@ -623,7 +623,7 @@ def test_gemm_shapes_record_refuses_a_subset_of_the_libraries(capsys):
     from benchmarks import gemm_shapes
     from ppojax.models import stacked_matmul
 
-    available = stacked_matmul._candidates()
+    available = stacked_matmul.buildable_libraries()
     if len(available) < 2:
         pytest.skip(f"one in-place library or none can be had here: {available}")
     with pytest.raises(SystemExit) as stop:

@@ -287,7 +287,7 @@ def test_the_choice_keeps_onednn_unless_another_library_clearly_leads():
 
 
 def _all_available(monkeypatch, unavailable=()):
-    monkeypatch.setattr(stacked_matmul, "_candidates",
+    monkeypatch.setattr(stacked_matmul, "buildable_libraries",
                         lambda: tuple(lib for lib in stacked_matmul.LIBRARIES if lib not in unavailable))
     monkeypatch.setattr(stacked_matmul, "unavailable_reason",
                         lambda library="onednn": "not here" if library in unavailable else "")

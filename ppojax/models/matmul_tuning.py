@@ -1,4 +1,4 @@
-"""`matmul_implementation: auto` on a CPU without a record: measure the in-place GEMM libraries once, record the fastest.
+"""`matmul_implementation: auto` on a CPU without a record: the in-place GEMM libraries measured once, the fastest kept.
 
 The first model that "auto" puts on the in-place handlers (`stacked_matmul`) on a CPU whose record
 (`matmul_record`) did not measure every library to be had now times ppojax's handlers on each of them and records
@@ -105,12 +105,12 @@ def main(argv=None) -> int:
     anew whatever the record says). A once-per-machine step a deployment can run ahead of training."""
     import argparse
 
-    from .stacked_matmul import LIBRARIES, _build_all, library_of, unavailable_reason
+    from .stacked_matmul import LIBRARIES, build_all_handlers, library_of, unavailable_reason
 
     parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
     parser.add_argument("--again", action="store_true", help="measure anew whatever this CPU's record says")
     args = parser.parse_args(argv)
-    _build_all()
+    build_all_handlers()
     for library in LIBRARIES:
         print(f"{library}: {unavailable_reason(library) or 'handlers ready'}")
     if unavailable_reason("onednn"):

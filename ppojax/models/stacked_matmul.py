@@ -102,7 +102,7 @@ def library_of(implementation: str) -> str:
         return implementation
     from .matmul_record import recorded_choice
 
-    candidates = _candidates()
+    candidates = buildable_libraries()
     if "onednn" not in candidates:  # the baseline the others must beat, itself measured against XLA's dots
         return "onednn"  # (not to be had: `applies` keeps XLA's dots)
     library = recorded_choice(candidates) or _measured_choice(candidates)
@@ -113,10 +113,10 @@ def library_of(implementation: str) -> str:
     return library
 
 
-def _candidates() -> tuple:
+def buildable_libraries() -> tuple:
     """The libraries whose handlers are built here (building them first where needed), none of them loaded: a library
     is loaded (and its runtime mapped into the process: torch's, for MKL) only where it is measured or taken."""
-    _build_all()
+    build_all_handlers()
     with _lock:
         return tuple(lib for lib in LIBRARIES if _built(lib)[0] is not None)
 
@@ -245,7 +245,7 @@ def _registered(library: str = "onednn") -> str:
     return ""
 
 
-def _build_all() -> None:
+def build_all_handlers() -> None:
     """Build every library's handlers at once (each a compiler process; "auto" measures all that can be had)."""
     from concurrent.futures import ThreadPoolExecutor
 
