@@ -26,7 +26,8 @@ sums one PPO update's products as the benchmark's work runs them (4 epochs; poli
 each; the policy's LM head): the time the update's GEMMs alone would take, by implementation, and as ppojax runs
 them (``ppojax``: the projections by ``onednn`` where it is available, the LM head by ``xla``). The projections'
 forward at a decode step's 8 rows too (``decode_step_s``: one decode step's projections, the policy's 30 layers):
-where in-place oneDNN starts to beat XLA's copy-then-dot on a CPU (`stacked_matmul.AUTO_MIN_ROWS`). Run it pinned
+there the in-place columns run the handlers' own few-row kernels where the CPU has them
+(`stacked_matmul.few_rows_limit`, whatever the library), the library's GEMM elsewhere. Run it pinned
 (`taskset`) to the cores compared. ``--record``: record the in-place library (``onednn``, ``onednn_primitive`` or
 ``mkl``) whose update GEMMs were fastest as this CPU's choice for `matmul_implementation: auto`
 (`ppojax.models.matmul_record`); oneDNN's sgemm stays unless another beats it by 10 % (`matmul_record.RECORD_MARGIN`).
@@ -50,7 +51,7 @@ SHAPES = (("q_o", UPDATE_ROWS, HIDDEN, HIDDEN, 2), ("k_v", UPDATE_ROWS, HIDDEN, 
           ("gate_up", UPDATE_ROWS, HIDDEN, INTERMEDIATE, 2), ("down", UPDATE_ROWS, INTERMEDIATE, HIDDEN, 1),
           ("lm_head", RESPONSE_ROWS, HIDDEN, VOCAB, None))
 #: the same projections at a decode step's rows (one new token of each of the 8 sequences): the forward only, the
-#: policy alone (generation); ppojax leaves these to XLA (`stacked_matmul.AUTO_MIN_ROWS`)
+#: policy alone (generation); ppojax multiplies these in place where the CPU has its few-row kernels
 DECODE_ROWS = 8
 DECODE_SHAPES = tuple((f"{name}@decode", DECODE_ROWS, d_in, d_out, uses)
                       for name, _rows, d_in, d_out, uses in SHAPES if uses is not None)

@@ -194,12 +194,12 @@ class PPOConfig:
     layer's kernel where it lies in the stacked weights, for models whose layers hold at least 1 M kernel
     elements and calls of at least 64 token rows, where the onednn-cpu-gomp wheel and a C++ compiler let ppojax
     build its handlers, on the GEMM library measured fastest on this CPU: timed once per CPU, a few seconds, and
-    recorded in ~/.cache/ppojax/matmul_library.json; else XLA's dots, which copy each layer's kernels out first),
-    'xla', 'onednn' (whatever
-    the size; an error where it cannot be had), 'onednn_primitive' (as 'onednn', through oneDNN's matmul
-    primitive) or 'mkl' (as 'onednn', on MKL's GEMM as torch's x86 wheels carry it): for CPUs where one is faster at
-    the model's shapes, `python -m benchmarks.gemm_shapes` tells. Generation, other precisions, meshes and
-    accelerators always use XLA's dots."""
+    recorded in ~/.cache/ppojax/matmul_library.json; a decode step's at most 8 rows by the handlers' own kernels
+    on AVX-512 CPUs; else XLA's dots, which copy each layer's kernels out first), 'xla', 'onednn' (whatever the
+    size; an error where it cannot be had), 'onednn_primitive' (as 'onednn', through oneDNN's matmul primitive)
+    or 'mkl' (as 'onednn', on MKL's GEMM as torch's x86 wheels carry it): for CPUs where one is faster at the
+    model's shapes, `python -m benchmarks.gemm_shapes` tells. Other precisions, meshes and accelerators always use
+    XLA's dots."""
 
     # ---- LoRA (PEFT's LoraConfig(r, lora_alpha, lora_dropout, target_modules); TRL's --use_peft --lora_r ...) ----
     lora_r: int = setting(0, static=True, on_resume=MUST_MATCH, rule=at_least(0))

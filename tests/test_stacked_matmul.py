@@ -128,19 +128,64 @@ def test_layer_weights_are_no_longer_sliced_out_of_the_stack(library):
     assert slices["xla"] > 0 and slices[library] == 0
 
 
-def test_generation_and_16_bit_models_keep_xlas_dots():
+def _avx512() -> bool:
+    flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    return "avx512f" in flags.split()
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_few_row_products_equal_numpys_and_the_kernels_follow_the_cpu(library):
+    """A decode step's few rows (at most `few_rows_limit`: the handlers' own kernels on AVX-512 CPUs, the library's
+    GEMM elsewhere and above) at every layer, with sizes that fill no vector exactly; their gradients (the library's
+    GEMMs) as XLA's."""
+    limit = stacked_matmul.few_rows_limit(library)
+    assert limit == (8 if _avx512() else 0)
+    rng = np.random.default_rng(0)
+    for rows in (1, 3, 8, 9):
+        for k, n in ((40, 56), (17, 33), (1, 5), (130, 16)):
+            x, stack = rng.standard_normal((rows, k), np.float32), rng.standard_normal((3, k, n), np.float32)
+            for layer in range(3):
+                got = stacked_matmul.matmul(jnp.asarray(x), jnp.asarray(stack), jnp.int32(layer), library)
+                assert rel_err(got, x.astype(np.float64) @ stack[layer]) < 1e-5, (rows, k, n, layer)
+    x, stack, g = (jnp.asarray(rng.standard_normal(shape, np.float32)) for shape in ((3, 40), (2, 40, 56), (3, 56)))
+    _, vjp = jax.vjp(lambda x, s: stacked_matmul.matmul(x, s, jnp.int32(1), library), x, stack)
+    _, vjp_want = jax.vjp(lambda x, s: x @ s[1], x, stack)
+    for got, want in zip(vjp(g), vjp_want(g)):
+        assert rel_err(got, want) < 1e-5
+
+
+def _decode_step(graphdef, params, batch=2):
     from ppojax.models import init_cache
 
-    graphdef, params = _model("onednn")
-    model = nnx.merge(graphdef, params)
-    cache = init_cache(model.cfg, 2, 8)
-    ids = jnp.ones((2, 1), jnp.int32)
-    decode = jax.jit(lambda p, c: nnx.merge(graphdef, p)(ids, jnp.ones((2, 1), bool), jnp.zeros((2, 1), jnp.int32), c)[0])
-    assert CALL not in decode.lower(params, cache).compile().as_text()
+    cache = init_cache(nnx.merge(graphdef, params).cfg, batch, 8)
+    ids, mask, positions = jnp.ones((batch, 1), jnp.int32), jnp.ones((batch, 1), bool), jnp.zeros((batch, 1), jnp.int32)
+    return jax.jit(lambda p, c: nnx.merge(graphdef, p)(ids, mask, positions, c)[0]).lower(params, cache).compile()
+
+
+def test_generation_reads_the_layers_in_place_where_the_cpu_has_the_few_row_kernels(monkeypatch):
+    """"auto" multiplies a decode step's projections in place where `few_rows_limit` covers its rows (AVX-512 CPUs),
+    with XLA's dots above it and elsewhere; the sampled tokens are XLA's."""
+    from ppojax.generate import generate
+
+    monkeypatch.setattr(stacked_matmul, "AUTO_MIN_LAYER_ELEMENTS", 0)  # the test model is small
+    in_place = stacked_matmul.few_rows_limit(stacked_matmul.library_of("auto")) >= 2
+    graphdef, params = _model("auto")
+    assert (CALL in _decode_step(graphdef, params).as_text()) == in_place
+    assert CALL not in _decode_step(graphdef, params, batch=9).as_text()  # above the kernels' rows: XLA's dots
+    ids = jnp.asarray(np.random.default_rng(0).integers(1, LLAMA["vocab_size"], (2, 6)), jnp.int32)
+    responses = {}
+    for impl in ("xla", "auto"):
+        graphdef, params = _model(impl)
+        responses[impl] = jax.jit(lambda p: generate(graphdef, p, ids, jax.random.key(0), response_length=12,
+                                                     pad_token_id=0, temperature=0.7))(params)
+    np.testing.assert_array_equal(responses["auto"], responses["xla"])
+
+
+def test_16_bit_models_keep_xlas_dots():
     graphdef16, params16 = _model("auto", dtype=jnp.bfloat16, param_dtype=jnp.float32)
     ids, mask = _batch()
     hlo = jax.jit(lambda p: nnx.merge(graphdef16, p)(ids, mask)[0]).lower(params16).compile().as_text()
-    assert CALL not in hlo
+    assert CALL not in hlo and CALL not in _decode_step(graphdef16, params16).as_text()
     with pytest.raises(ValueError, match="float32 models on a single CPU device only"):
         jax.jit(lambda p: nnx.merge(_model("onednn", dtype=jnp.bfloat16)[0], p)(ids, mask)[0]).lower(params16)
 
@@ -153,12 +198,15 @@ def test_the_config_spells_the_models_matmul_implementations():
 
 
 def test_auto_takes_onednn_only_where_it_pays():
-    """"auto": layers of at least AUTO_MIN_LAYER_ELEMENTS kernel elements, calls of at least AUTO_MIN_ROWS rows;
-    "onednn" whatever the size."""
+    """"auto": layers of at least AUTO_MIN_LAYER_ELEMENTS kernel elements, calls of at least AUTO_MIN_ROWS rows or of
+    at most `few_rows_limit`; "onednn" whatever the size."""
     big = [jax.ShapeDtypeStruct((3, 1024, 768), jnp.float32), jax.ShapeDtypeStruct((3, 768, 1024), jnp.float32)]
     small = [jax.ShapeDtypeStruct((3, 64, 256), jnp.float32)]
     assert stacked_matmul.applies("auto", jnp.float32, big, rows=stacked_matmul.AUTO_MIN_ROWS)
     assert not stacked_matmul.applies("auto", jnp.float32, big, rows=stacked_matmul.AUTO_MIN_ROWS - 1)
+    few = stacked_matmul.few_rows_limit("onednn")  # a decode step's rows, where the CPU has the kernels for them
+    assert stacked_matmul.applies("auto", jnp.float32, big, rows=8) == (few >= 8)
+    assert not stacked_matmul.applies("auto", jnp.float32, big, rows=few + 1)
     assert not stacked_matmul.applies("auto", jnp.float32, small, rows=384)
     assert stacked_matmul.applies("onednn", jnp.float32, small, rows=8)
     assert not stacked_matmul.applies("auto", jnp.bfloat16, big, rows=384)

@@ -6,12 +6,19 @@
 //   per problem, made on its first call and kept), same LIB;
 // - with PPOJAX_FORTRAN_SGEMM, a Fortran BLAS's `sgemm_` (LIB: MKL, as torch's x86 wheels link it into
 //   libtorch_cpu.so; LP64: 32-bit sizes).
+// At a decode step's few token rows (at most kFewRows) the products skip the library: `FewRows` below.
 // oneDNN's wheel has no headers: the few C declarations used are copied from oneDNN 3.2's dnnl.h / dnnl_types.h.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <tuple>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -142,6 +149,101 @@ static bool Gemm(char ta, char tb, int64_t M, int64_t N, int64_t K, const float*
 }
 #endif
 
+// ---- a decode step's products: few rows, bound by reading the weights ----
+// At a few token rows a product does a few FMAs per weight it reads, so its time is the time to read the weights.
+// A GEMM library packs them first and XLA copies the layer out of the stack, then reads the copy (both measured
+// slower than these kernels there: benchmarks/RESULTS.md, twenty-second session). These read each weight once,
+// where it lies: the threads split the contraction into contiguous shares of w's rows, every accumulator stays in a
+// register. AVX-512 only (elsewhere `FewRowsKernels` says 0 and "auto" keeps XLA's dots at these rows).
+namespace few_rows {
+constexpr int kFewRows = 8;  // rows of x at most: one accumulator register each, plus the weights' vector
+constexpr int kDepth = 16;   // rows of w per pass over the accumulators
+
+// y[R, N] = x[R, K] @ w[K, N] (x's leading dimension ldx; w and y packed row-major).
+template <int R>
+__attribute__((target("avx512f"))) void Rows(const float* __restrict x, int64_t ldx, const float* __restrict w,
+                                             float* __restrict y, int64_t K, int64_t N) {
+  for (int64_t kc = 0; kc < K; kc += kDepth) {
+    const int64_t depth = std::min<int64_t>(kDepth, K - kc);
+    for (int64_t j = 0; j < N; j += 16) {
+      const __mmask16 mask = N - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (N - j)) - 1);
+      __m512 acc[R];
+      for (int m = 0; m < R; ++m) acc[m] = kc == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, y + m * N + j);
+      if (depth == kDepth) {  // unrolled
+#pragma GCC unroll 16
+        for (int kk = 0; kk < kDepth; ++kk) {
+          const __m512 b = _mm512_maskz_loadu_ps(mask, w + (kc + kk) * N + j);
+#pragma GCC unroll 8
+          for (int m = 0; m < R; ++m) acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * ldx + kc + kk]), b, acc[m]);
+        }
+      } else {
+        for (int64_t kk = 0; kk < depth; ++kk) {
+          const __m512 b = _mm512_maskz_loadu_ps(mask, w + (kc + kk) * N + j);
+          for (int m = 0; m < R; ++m) acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * ldx + kc + kk]), b, acc[m]);
+        }
+      }
+      for (int m = 0; m < R; ++m) _mm512_mask_storeu_ps(y + m * N + j, mask, acc[m]);
+    }
+  }
+}
+
+// Rows<R> for a run-time R in [1, kFewRows].
+template <int R, typename F>
+void WithRows(int rows, F&& f) {
+  if (rows == R) return f(std::integral_constant<int, R>());
+  if constexpr (R > 1) WithRows<R - 1>(rows, f);
+}
+
+bool Available() {
+  static const bool avx512 = __builtin_cpu_supports("avx512f");
+  return avx512;
+}
+
+// share(i) for every i in [0, shares), on the calling thread and XLA's intra-op threads (oneDNN's and OpenMP's own
+// threads would compete with XLA's for the cores between calls). Shares are claimed, never assigned: the caller
+// runs those no other thread has taken and waits only for shares already running, so it cannot wait on a task
+// queued behind a busy pool; a task that starts after the last share was claimed finds nothing to do.
+template <typename F>
+void Parallel(ffi::ThreadPool& pool, int shares, const F& share) {
+  struct Claims {
+    std::atomic<int> next{0}, done{0};
+  };
+  auto claims = std::make_shared<Claims>();
+  auto work = [claims, &share, shares] {  // `share` is only called while the caller still waits
+    for (int i; (i = claims->next.fetch_add(1)) < shares;) {
+      share(i);
+      claims->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int helpers = static_cast<int>(std::min<int64_t>(pool.num_threads(), shares - 1));
+  for (int h = 0; h < helpers; ++h) pool.Schedule(decltype(work)(work));  // a copy each
+  work();
+  while (claims->done.load(std::memory_order_acquire) < shares) _mm_pause();
+}
+
+// y[M, N] = x[M, K] @ w[K, N], M <= kFewRows, both packed row-major.
+void Product(ffi::ThreadPool& pool, const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K) {
+  if (K == 0) return std::fill(y, y + M * N, 0.0f);
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  // a share of the contraction each (rows of w, contiguous), its partial sums added at the end
+  const int64_t depths = (K + kDepth - 1) / kDepth;
+  const int shares = static_cast<int>(std::clamp<int64_t>(depths, 1, threads));
+  std::vector<float> partial(static_cast<size_t>(shares - 1) * M * N);
+  Parallel(pool, shares, [&](int i) {
+    const int64_t k0 = depths * i / shares * kDepth, k1 = std::min<int64_t>(K, depths * (i + 1) / shares * kDepth);
+    float* out = i == 0 ? y : partial.data() + static_cast<size_t>(i - 1) * M * N;
+    WithRows<kFewRows>(M, [&](auto r) { Rows<decltype(r)::value>(x + k0, K, w + k0 * N, out, k1 - k0, N); });
+  });
+  for (int i = 1; i < shares; ++i) {
+    const float* p = partial.data() + static_cast<size_t>(i - 1) * M * N;
+    for (int64_t j = 0; j < M * N; ++j) y[j] += p[j];
+  }
+}
+}  // namespace few_rows
+
+// The most token rows the few-rows kernels take on this CPU (0: none; the products then go to the library).
+extern "C" int FewRowsKernels() { return few_rows::Available() ? few_rows::kFewRows : 0; }
+
 // The layer a scalar index names, or -1 when it lies outside the stack's depth.
 static int64_t Layer(ffi::Buffer<ffi::S32> index, int64_t layers) {
   const int64_t i = index.typed_data()[0];
@@ -150,8 +252,8 @@ static int64_t Layer(ffi::Buffer<ffi::S32> index, int64_t layers) {
 
 // a: f32[M, K]; stack: f32[L, R, C]; index: s32[] -> out: f32[M, N] = a @ stack[i] (R = K, C = N) or, with
 // transpose_w, a @ stack[i].T (C = K, R = N). The layer's weights are read where they lie: no copy.
-static ffi::Error MatmulImpl(ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> stack, ffi::Buffer<ffi::S32> index,
-                             ffi::ResultBuffer<ffi::F32> out, int64_t transpose_w) {
+static ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> stack,
+                             ffi::Buffer<ffi::S32> index, ffi::ResultBuffer<ffi::F32> out, int64_t transpose_w) {
   auto ad = a.dimensions(), sd = stack.dimensions();
   if (ad.size() != 2 || sd.size() != 3) return ffi::Error::InvalidArgument("stacked_gemm: a 2-d, stack 3-d");
   const int64_t layer = Layer(index, sd[0]);
@@ -160,6 +262,10 @@ static ffi::Error MatmulImpl(ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> stac
   const int64_t N = transpose_w ? R : C;
   if ((transpose_w ? C : R) != K) return ffi::Error::InvalidArgument("stacked_gemm: contraction sizes differ");
   const float* w = stack.typed_data() + layer * R * C;
+  if (M <= few_rows::kFewRows && !transpose_w && few_rows::Available()) {
+    few_rows::Product(pool, a.typed_data(), w, out->typed_data(), M, N, K);
+    return ffi::Error::Success();
+  }
   if (!Gemm('N', transpose_w ? 'T' : 'N', M, N, K, a.typed_data(), K, w, C, out->typed_data(), N))
     return ffi::Error::Internal("stacked_gemm: the GEMM failed");
   return ffi::Error::Success();
@@ -167,6 +273,7 @@ static ffi::Error MatmulImpl(ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> stac
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(StackedMatmul, MatmulImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

@@ -4,7 +4,9 @@ Under the layer scan XLA:CPU hands a dot whole buffers, so every layer call firs
 stacked `[L, ...]` kernels (a `dynamic-slice`: forward, backward and every decode step) and XLA has no dot that
 reads a slice in place on the CPU (`benchmarks/RESULTS.md`, issue 15). `matmul(x, stack, layer)` computes
 `x @ stack[layer]` with oneDNN's float32 GEMM (`dnnl_sgemm`, from the `onednn-cpu-gomp` wheel) called as an XLA
-FFI custom call on a pointer into the stack: no copy. Its VJP: the input gradient by the same kernel, reading the
+FFI custom call on a pointer into the stack: no copy. At a decode step's few rows (`few_rows_limit`) the handlers
+use their own kernels instead, which read each weight once (AVX-512 CPUs; there a product is bound by reading the
+weights, and the libraries, which pack them first, were slower than XLA's copy-then-dot). Its VJP: the input gradient by the same kernel, reading the
 layer transposed in place; the weight gradient `x.T @ g` by oneDNN into a layer-sized buffer, written into the
 stacked gradient at `layer` (a dynamic-update-slice into zeros, which XLA folds into the scan's in-place
 accumulation of the stack's cotangent). Values: float32 GEMMs as XLA's, summed in another order.
@@ -47,8 +49,9 @@ LIBRARY_NAMES = {"onednn": "oneDNN's sgemm", "onednn_primitive": "oneDNN's matmu
 IMPLEMENTATIONS = ("auto", "xla", *LIBRARIES)  # ppojax.config.MATMUL_IMPLEMENTATIONS spells the same (jax-free)
 #: "auto" takes oneDNN from these sizes on: a layer's projection kernels of at least this many elements (below, the
 #: copy it saves is small and a custom call's fixed cost larger: the tiny benchmark model ran slower through it) and
-#: calls of at least this many token rows (at a decode step's few rows XLA's dot is faster, copy included); the
-#: measurements are in benchmarks/RESULTS.md (seventeenth session)
+#: calls of at least this many token rows (below, a GEMM library is slower than XLA's dot, copy included), or of at
+#: most `few_rows_limit` rows (a decode step's, which the handlers' own kernels multiply); the measurements are in
+#: benchmarks/RESULTS.md (seventeenth and twenty-second sessions)
 AUTO_MIN_LAYER_ELEMENTS = 1 << 20
 AUTO_MIN_ROWS = 64
 WHEEL = "onednn-cpu-gomp"
@@ -176,8 +179,8 @@ def compile_handlers(compiler: str, library: Path, include_dir: str, out: Path, 
     except OSError as err:
         return f"cannot create {out.parent} for the GEMM handlers ({err})"
     partial = out.with_name(f"{out.name}.{os.getpid()}.partial")
-    cmd = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", *defines, f"-I{include_dir}", str(source), "-o",
-           str(partial), str(library), f"-Wl,-rpath,{library.parent}"]
+    cmd = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", *defines, f"-I{include_dir}", str(source),
+           "-o", str(partial), str(library), f"-Wl,-rpath,{library.parent}"]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True)
     except OSError as err:
@@ -227,6 +230,16 @@ def _built(library: str = "onednn") -> tuple[Path | None, str]:
     return build_cached(file, out, f"ppojax's handlers on {LIBRARY_NAMES[library]}", defines=LIBRARIES[library])
 
 
+_FEW_ROWS: dict = {}  # library -> the most rows its handlers' few-rows kernels take on this CPU (once registered)
+
+
+def few_rows_limit(library: str) -> int:
+    """The most token rows `library`'s handlers multiply with their few-rows kernels on this CPU, reading each weight
+    once where it lies (`stacked_gemm.cc`: a decode step's products, bound by reading the weights; AVX-512 CPUs); 0
+    where they cannot (no such kernels here, or the handlers cannot be had)."""
+    return 0 if unavailable_reason(library) else _FEW_ROWS[library]
+
+
 @functools.cache
 def _registered(library: str = "onednn") -> str:
     """Register `library`'s handlers with XLA once; "" when done, else why they are unavailable."""
@@ -240,6 +253,7 @@ def _registered(library: str = "onednn") -> str:
     except OSError as err:  # e.g. the wheel's libdnnl removed since the build
         return f"loading {handlers_file} failed ({err})"
     targets = TARGETS[library]
+    _FEW_ROWS[library] = int(handlers.FewRowsKernels())
     jax.ffi.register_ffi_target(targets["matmul"], jax.ffi.pycapsule(handlers.StackedMatmul), platform="cpu")
     jax.ffi.register_ffi_target(targets["weight_grad"], jax.ffi.pycapsule(handlers.WeightGradOut), platform="cpu")
     return ""
@@ -283,19 +297,21 @@ def applies(implementation: str, dtype, kernels, rows: int) -> bool:
 
     Only float32 on a single CPU device: XLA cannot partition a custom call (on a mesh it would gather the whole
     stack per call), other platforms have their own kernels, and XLA's bf16 kernels serve the 16-bit policies.
-    "auto" also wants the sizes where it pays (`AUTO_MIN_LAYER_ELEMENTS`, `AUTO_MIN_ROWS`) and keeps XLA's dots
-    where the handlers cannot be had; a library's name raises where it cannot run, naming why."""
+    "auto" also wants the sizes where it pays (`AUTO_MIN_LAYER_ELEMENTS`, `AUTO_MIN_ROWS` or `few_rows_limit`) and
+    keeps XLA's dots where the handlers cannot be had; a library's name raises where it cannot run, naming why."""
     check_implementation(implementation)
     if implementation == "xla":
         return False
     layer_elements = sum(k.size // k.shape[0] for k in kernels)
-    if implementation == "auto" and (layer_elements < AUTO_MIN_LAYER_ELEMENTS or rows < AUTO_MIN_ROWS):
+    if implementation == "auto" and layer_elements < AUTO_MIN_LAYER_ELEMENTS:
         return False
     float32 = jnp.dtype(dtype) == jnp.float32 and all(jnp.dtype(k.dtype) == jnp.float32 for k in kernels)
     why = "" if float32 else "it runs float32 models on a single CPU device only"
     why = why or unavailable_on(jax.device_count(), implementation)
     if why and implementation != "auto":
         raise ValueError(f"matmul_implementation={implementation!r} cannot be used here: {why}; use 'auto' or 'xla'")
+    if implementation == "auto" and rows < AUTO_MIN_ROWS and not why:
+        return rows <= few_rows_limit(library_of(implementation))
     return not why
 
 

@@ -582,11 +582,10 @@ class Backbone(nnx.Module):
         layers = nnx.to_pure_dict(nnx.state(self.layers))
         stacks = {}
         kernels = [layers[g][n]["kernel"] for g, n in _STACKED_PROJECTIONS if n in layers.get(g, {})]
-        if cache is None and self.scan_layers and stacked_matmul.applies(self.matmul_implementation, self.dtype,
-                                                                        kernels, rows=b * s):
+        if self.scan_layers and stacked_matmul.applies(self.matmul_implementation, self.dtype, kernels, rows=b * s):
             # float32 on one CPU device: each layer's projections read their kernels in the stack (stacked_matmul)
-            # instead of the scan copying them out per layer. Not in generation: at a few rows per call oneDNN's
-            # GEMM is slower than XLA's, copy included
+            # instead of the scan copying them out per layer (a decode step's too, where "auto" has a kernel for
+            # its few rows)
             layers, stacks = _split_stacked_kernels(layers, stacked_matmul.library_of(self.matmul_implementation))
         restore = lambda layer: layer  # noqa: E731
         if cache is not None:
