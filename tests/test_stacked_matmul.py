@@ -128,30 +128,60 @@ def test_layer_weights_are_no_longer_sliced_out_of_the_stack(library):
     assert slices["xla"] > 0 and slices[library] == 0
 
 
-def _avx512() -> bool:
-    flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    return "avx512f" in flags.split()
+def _cpu_flags() -> set:
+    return set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("flags")).split())
 
 
-@pytest.mark.parametrize("library", LIBRARIES)
-def test_few_row_products_equal_numpys_and_the_kernels_follow_the_cpu(library):
-    """A decode step's few rows (at most `few_rows_limit`: the handlers' own kernels on AVX-512 CPUs, the library's
-    GEMM elsewhere and above) at every layer, with sizes that fill no vector exactly; their gradients (the library's
-    GEMMs) as XLA's."""
-    limit = stacked_matmul.few_rows_limit(library)
-    assert limit == (8 if _avx512() else 0)
+def _assert_few_row_products_equal_numpys(product):
+    """`product(x, stack, layer)` at 1 to 9 rows (9: above the kernels, the library's GEMM), at every layer, with
+    sizes that fill no vector exactly (and more than one pass over the accumulators: 130 rows of the weights)."""
     rng = np.random.default_rng(0)
     for rows in (1, 3, 8, 9):
         for k, n in ((40, 56), (17, 33), (1, 5), (130, 16)):
             x, stack = rng.standard_normal((rows, k), np.float32), rng.standard_normal((3, k, n), np.float32)
             for layer in range(3):
-                got = stacked_matmul.matmul(jnp.asarray(x), jnp.asarray(stack), jnp.int32(layer), library)
+                got = product(jnp.asarray(x), jnp.asarray(stack), jnp.int32(layer))
                 assert rel_err(got, x.astype(np.float64) @ stack[layer]) < 1e-5, (rows, k, n, layer)
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_few_row_products_equal_numpys_and_the_kernels_follow_the_cpu(library):
+    """A decode step's few rows (at most `few_rows_limit`: the handlers' own kernels on AVX-512 or AVX2 CPUs, the
+    library's GEMM elsewhere and above); their gradients (the library's GEMMs) as XLA's."""
+    flags = _cpu_flags()
+    assert stacked_matmul.few_rows_limit(library) == (8 if "avx512f" in flags or {"avx2", "fma"} <= flags else 0)
+    _assert_few_row_products_equal_numpys(lambda x, s, i: stacked_matmul.matmul(x, s, i, library))
+    rng = np.random.default_rng(1)
     x, stack, g = (jnp.asarray(rng.standard_normal(shape, np.float32)) for shape in ((3, 40), (2, 40, 56), (3, 56)))
     _, vjp = jax.vjp(lambda x, s: stacked_matmul.matmul(x, s, jnp.int32(1), library), x, stack)
     _, vjp_want = jax.vjp(lambda x, s: x @ s[1], x, stack)
     for got, want in zip(vjp(g), vjp_want(g)):
         assert rel_err(got, want) < 1e-5
+
+
+def test_the_avx2_few_row_kernels_equal_numpys(tmp_path):
+    """The handlers built with their kernels capped at AVX2 (`PPOJAX_FEW_ROWS_AVX2`: the AVX2 path on any CPU that
+    has it, e.g. Zen 3's), registered under a target of their own."""
+    import ctypes
+    import shutil
+
+    if not {"avx2", "fma"} <= _cpu_flags():
+        pytest.skip("this CPU has no AVX2 with FMA")
+    out = tmp_path / "libstacked_gemm_avx2.so"
+    why = stacked_matmul.compile_handlers(shutil.which("g++"), stacked_matmul.onednn_library(),
+                                          jax.ffi.include_dir(), out, defines=("-DPPOJAX_FEW_ROWS_AVX2",))
+    assert not why, why
+    handlers = ctypes.cdll.LoadLibrary(str(out))
+    assert handlers.FewRowsKernels() == 8
+    jax.ffi.register_ffi_target("ppojax_test_stacked_matmul_avx2", jax.ffi.pycapsule(handlers.StackedMatmul),
+                                platform="cpu")
+
+    def product(x, stack, layer):
+        out = jax.ShapeDtypeStruct((x.shape[0], stack.shape[2]), jnp.float32)
+        return jax.ffi.ffi_call("ppojax_test_stacked_matmul_avx2", out)(x, stack, layer, transpose_w=np.int64(0))
+
+    _assert_few_row_products_equal_numpys(product)
 
 
 def _decode_step(graphdef, params, batch=2):
@@ -163,8 +193,8 @@ def _decode_step(graphdef, params, batch=2):
 
 
 def test_generation_reads_the_layers_in_place_where_the_cpu_has_the_few_row_kernels(monkeypatch):
-    """"auto" multiplies a decode step's projections in place where `few_rows_limit` covers its rows (AVX-512 CPUs),
-    with XLA's dots above it and elsewhere; the sampled tokens are XLA's."""
+    """"auto" multiplies a decode step's projections in place where `few_rows_limit` covers its rows (AVX-512 or AVX2
+    CPUs), with XLA's dots above it and elsewhere; the sampled tokens are XLA's."""
     from ppojax.generate import generate
 
     monkeypatch.setattr(stacked_matmul, "AUTO_MIN_LAYER_ELEMENTS", 0)  # the test model is small

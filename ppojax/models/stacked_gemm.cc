@@ -154,7 +154,7 @@ static bool Gemm(char ta, char tb, int64_t M, int64_t N, int64_t K, const float*
 // A GEMM library packs them first and XLA copies the layer out of the stack, then reads the copy (both measured
 // slower than these kernels there: benchmarks/RESULTS.md, twenty-second session). These read each weight once,
 // where it lies: the threads split the contraction into contiguous shares of w's rows, every accumulator stays in a
-// register. AVX-512 only (elsewhere `FewRowsKernels` says 0 and "auto" keeps XLA's dots at these rows).
+// register. AVX-512 or AVX2 (elsewhere `FewRowsKernels` says 0 and "auto" keeps XLA's dots at these rows).
 namespace few_rows {
 constexpr int kFewRows = 8;  // rows of x at most: one accumulator register each, plus the weights' vector
 constexpr int kDepth = 16;   // rows of w per pass over the accumulators
@@ -187,6 +187,40 @@ __attribute__((target("avx512f"))) void Rows(const float* __restrict x, int64_t 
   }
 }
 
+// The same on AVX2 (8 floats a vector; the columns no vector fills, one at a time).
+template <int R>
+__attribute__((target("avx2,fma"))) void RowsAvx2(const float* __restrict x, int64_t ldx, const float* __restrict w,
+                                                  float* __restrict y, int64_t K, int64_t N) {
+  const int64_t full = N / 8 * 8;
+  for (int64_t kc = 0; kc < K; kc += kDepth) {
+    const int64_t depth = std::min<int64_t>(kDepth, K - kc);
+    for (int64_t j = 0; j < full; j += 8) {
+      __m256 acc[R];
+      for (int m = 0; m < R; ++m) acc[m] = kc == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(y + m * N + j);
+      if (depth == kDepth) {  // unrolled
+#pragma GCC unroll 16
+        for (int kk = 0; kk < kDepth; ++kk) {
+          const __m256 b = _mm256_loadu_ps(w + (kc + kk) * N + j);
+#pragma GCC unroll 8
+          for (int m = 0; m < R; ++m) acc[m] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + m * ldx + kc + kk), b, acc[m]);
+        }
+      } else {
+        for (int64_t kk = 0; kk < depth; ++kk) {
+          const __m256 b = _mm256_loadu_ps(w + (kc + kk) * N + j);
+          for (int m = 0; m < R; ++m) acc[m] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + m * ldx + kc + kk), b, acc[m]);
+        }
+      }
+      for (int m = 0; m < R; ++m) _mm256_storeu_ps(y + m * N + j, acc[m]);
+    }
+    for (int64_t j = full; j < N; ++j)
+      for (int m = 0; m < R; ++m) {
+        float sum = kc == 0 ? 0.0f : y[m * N + j];
+        for (int64_t kk = 0; kk < depth; ++kk) sum += x[m * ldx + kc + kk] * w[(kc + kk) * N + j];
+        y[m * N + j] = sum;
+      }
+  }
+}
+
 // Rows<R> for a run-time R in [1, kFewRows].
 template <int R, typename F>
 void WithRows(int rows, F&& f) {
@@ -194,9 +228,25 @@ void WithRows(int rows, F&& f) {
   if constexpr (R > 1) WithRows<R - 1>(rows, f);
 }
 
+// The widest vectors this CPU has for the kernels: 16 floats (AVX-512), 8 (AVX2 with FMA) or 0 (none: the library's
+// GEMM serves). PPOJAX_FEW_ROWS_AVX2 caps it at AVX2 (a build for testing that path on an AVX-512 CPU).
+int Width() {
+#ifndef PPOJAX_FEW_ROWS_AVX2
+  if (__builtin_cpu_supports("avx512f")) return 16;
+#endif
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 8 : 0;
+}
+
 bool Available() {
-  static const bool avx512 = __builtin_cpu_supports("avx512f");
-  return avx512;
+  static const bool available = Width() > 0;
+  return available;
+}
+
+// y[R, N] = x[R, K] @ w[K, N] with this CPU's widest kernel (Available() first).
+template <int R>
+void RowsOnThisCpu(const float* x, int64_t ldx, const float* w, float* y, int64_t K, int64_t N) {
+  static const bool avx512 = Width() == 16;
+  avx512 ? Rows<R>(x, ldx, w, y, K, N) : RowsAvx2<R>(x, ldx, w, y, K, N);
 }
 
 // share(i) for every i in [0, shares), on the calling thread and XLA's intra-op threads (oneDNN's and OpenMP's own
@@ -232,7 +282,7 @@ void Product(ffi::ThreadPool& pool, const float* x, const float* w, float* y, in
   Parallel(pool, shares, [&](int i) {
     const int64_t k0 = depths * i / shares * kDepth, k1 = std::min<int64_t>(K, depths * (i + 1) / shares * kDepth);
     float* out = i == 0 ? y : partial.data() + static_cast<size_t>(i - 1) * M * N;
-    WithRows<kFewRows>(M, [&](auto r) { Rows<decltype(r)::value>(x + k0, K, w + k0 * N, out, k1 - k0, N); });
+    WithRows<kFewRows>(M, [&](auto r) { RowsOnThisCpu<decltype(r)::value>(x + k0, K, w + k0 * N, out, k1 - k0, N); });
   });
   for (int i = 1; i < shares; ++i) {
     const float* p = partial.data() + static_cast<size_t>(i - 1) * M * N;

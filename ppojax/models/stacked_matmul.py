@@ -4,12 +4,13 @@ Under the layer scan XLA:CPU hands a dot whole buffers, so every layer call firs
 stacked `[L, ...]` kernels (a `dynamic-slice`: forward, backward and every decode step) and XLA has no dot that
 reads a slice in place on the CPU (`benchmarks/RESULTS.md`, issue 15). `matmul(x, stack, layer)` computes
 `x @ stack[layer]` with oneDNN's float32 GEMM (`dnnl_sgemm`, from the `onednn-cpu-gomp` wheel) called as an XLA
-FFI custom call on a pointer into the stack: no copy. At a decode step's few rows (`few_rows_limit`) the handlers
-use their own kernels instead, which read each weight once (AVX-512 CPUs; there a product is bound by reading the
-weights, and the libraries, which pack them first, were slower than XLA's copy-then-dot). Its VJP: the input gradient by the same kernel, reading the
+FFI custom call on a pointer into the stack: no copy. Its VJP: the input gradient by the same kernel, reading the
 layer transposed in place; the weight gradient `x.T @ g` by oneDNN into a layer-sized buffer, written into the
 stacked gradient at `layer` (a dynamic-update-slice into zeros, which XLA folds into the scan's in-place
 accumulation of the stack's cotangent). Values: float32 GEMMs as XLA's, summed in another order.
+At a decode step's few rows (`few_rows_limit`) the handlers multiply with kernels of their own, which read each
+weight once (AVX-512 or AVX2 CPUs): there a product is bound by reading the weights, and the libraries, which pack
+them first, were slower than XLA's copy-then-dot.
 
 The same handlers on MKL's GEMM (`matmul_implementation: mkl`, the library `"mkl"`): MKL as torch's x86 wheels link
 it into `libtorch_cpu.so` (its Fortran `sgemm_`), the GEMM TRL's step runs; for CPUs where MKL outruns oneDNN at a
@@ -235,8 +236,8 @@ _FEW_ROWS: dict = {}  # library -> the most rows its handlers' few-rows kernels 
 
 def few_rows_limit(library: str) -> int:
     """The most token rows `library`'s handlers multiply with their few-rows kernels on this CPU, reading each weight
-    once where it lies (`stacked_gemm.cc`: a decode step's products, bound by reading the weights; AVX-512 CPUs); 0
-    where they cannot (no such kernels here, or the handlers cannot be had)."""
+    once where it lies (`stacked_gemm.cc`: a decode step's products, bound by reading the weights; AVX-512 or AVX2
+    CPUs); 0 where they cannot (no such kernels here, or the handlers cannot be had)."""
     return 0 if unavailable_reason(library) else _FEW_ROWS[library]
 
 
