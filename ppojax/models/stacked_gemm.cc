@@ -158,6 +158,9 @@ static bool Gemm(char ta, char tb, int64_t M, int64_t N, int64_t K, const float*
 namespace few_rows {
 constexpr int kFewRows = 8;  // rows of x at most: one accumulator register each, plus the weights' vector
 constexpr int kDepth = 16;   // rows of w per pass over the accumulators
+// threads per product at most: the caller adds the others' partial sums alone, (shares - 1) * M * N additions that
+// would outweigh the reading they share out on a many-core CPU
+constexpr int kMaxShares = 4;
 
 // y[R, N] = x[R, K] @ w[K, N] (x's leading dimension ldx; w and y packed row-major).
 template <int R>
@@ -277,7 +280,7 @@ void Product(ffi::ThreadPool& pool, const float* x, const float* w, float* y, in
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   // a share of the contraction each (rows of w, contiguous), its partial sums added at the end
   const int64_t depths = (K + kDepth - 1) / kDepth;
-  const int shares = static_cast<int>(std::clamp<int64_t>(depths, 1, threads));
+  const int shares = static_cast<int>(std::clamp<int64_t>(depths, 1, std::min<int64_t>(threads, kMaxShares)));
   std::vector<float> partial(static_cast<size_t>(shares - 1) * M * N);
   Parallel(pool, shares, [&](int i) {
     const int64_t k0 = depths * i / shares * kDepth, k1 = std::min<int64_t>(K, depths * (i + 1) / shares * kDepth);
