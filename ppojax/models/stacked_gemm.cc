@@ -17,6 +17,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -271,7 +272,9 @@ void Parallel(ffi::ThreadPool& pool, int shares, const F& share) {
   const int helpers = static_cast<int>(std::min<int64_t>(pool.num_threads(), shares - 1));
   for (int h = 0; h < helpers; ++h) pool.Schedule(decltype(work)(work));  // a copy each
   work();
-  while (claims->done.load(std::memory_order_acquire) < shares) _mm_pause();
+  // the shares left are running: spin briefly, then give the core away (a busy machine may have descheduled them)
+  for (int spins = 0; claims->done.load(std::memory_order_acquire) < shares; ++spins)
+    spins < 4096 ? _mm_pause() : std::this_thread::yield();
 }
 
 // y[M, N] = x[M, K] @ w[K, N], M <= kFewRows, both packed row-major.
