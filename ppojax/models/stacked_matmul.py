@@ -180,8 +180,8 @@ def compile_handlers(compiler: str, library: Path, include_dir: str, out: Path, 
     except OSError as err:
         return f"cannot create {out.parent} for the GEMM handlers ({err})"
     partial = out.with_name(f"{out.name}.{os.getpid()}.partial")
-    cmd = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", *defines, f"-I{include_dir}", str(source),
-           "-o", str(partial), str(library), f"-Wl,-rpath,{library.parent}"]
+    cmd = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", *defines, f"-I{include_dir}", str(source), "-o",
+           str(partial), str(library), f"-Wl,-rpath,{library.parent}"]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True)
     except OSError as err:
