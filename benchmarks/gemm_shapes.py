@@ -24,13 +24,15 @@ layer scan's backward has them; the LM head once). Each figure is the median ove
 implementations take turns within each round, each after one untimed pass (that wakes its threads). ``update_s``
 sums one PPO update's products as the benchmark's work runs them (4 epochs; policy and value model, 30 layers
 each; the policy's LM head): the time the update's GEMMs alone would take, by implementation, and as ppojax runs
-them (``ppojax``: the projections by ``onednn`` where it is available, the LM head by ``xla``). The projections'
-forward at a decode step's 8 rows too (``decode_step_s``: one decode step's projections, the policy's 30 layers):
+them (``ppojax``: each product of the projections by the in-place library ``--record`` would record from these
+figures, the LM head by ``xla``); ``update_s_by_product``: the projections' seconds per implementation and product.
+The projections' forward at a decode step's 8 rows too (``decode_step_s``: one decode step's projections, the policy's 30 layers):
 there the in-place columns run the handlers' own few-row kernels where the CPU has them
 (`stacked_matmul.few_rows_limit`, whatever the library), the library's GEMM elsewhere. Run it pinned
-(`taskset`) to the cores compared. ``--record``: record the in-place library (``onednn``, ``onednn_primitive`` or
-``mkl``) whose update GEMMs were fastest as this CPU's choice for `matmul_implementation: auto`
-(`ppojax.models.matmul_record`); oneDNN's sgemm stays unless another beats it by 10 % (`matmul_record.RECORD_MARGIN`).
+(`taskset`) to the cores compared. ``--record``: record for each product the in-place library (``onednn``,
+``onednn_primitive`` or ``mkl``) whose update projections were fastest as this CPU's choice for
+`matmul_implementation: auto` (`ppojax.models.matmul_record`); oneDNN's sgemm stays unless another beats it by 5 %
+(`matmul_record.RECORD_MARGIN`).
 """
 from __future__ import annotations
 
@@ -249,38 +251,56 @@ def measure(implementations=IMPLEMENTATIONS, rounds: int = 10, shapes=SHAPES, la
               for impl in implementations
               if decode_shapes and all("s" in results[name]["fwd"].get(impl, {}) for name, *_ in decode_shapes)}
     return {"results": results, "unavailable": unavailable, "update_s": update_seconds(results, shapes),
-            "decode_step_s": decode}
+            "update_s_by_product": projections_by_product(results, shapes), "decode_step_s": decode}
+
+
+def _uses_per_update(uses) -> int:
+    """How many times one PPO update runs a shape's product (`uses` per layer, or None: the LM head, once)."""
+    return EPOCHS * (1 if uses is None else uses * LAYERS * MODELS)
+
+
+def projections_by_product(results: dict, shapes=SHAPES) -> dict:
+    """{implementation: {product: seconds}}: one PPO update's layer projections (the LM head left out: XLA runs it)
+    per product, for the implementations measured at every shape."""
+    found = {impl for cells in results.values() for cell in cells.values() for impl in cell}
+    layers = [(name, uses) for name, _rows, _d_in, _d_out, uses in shapes if uses is not None]
+    return {impl: {product: sum(_uses_per_update(uses) * results[name][product][impl]["s"] for name, uses in layers)
+                   for product in PRODUCTS}
+            for impl in IMPLEMENTATIONS if impl in found
+            and all("s" in results[name][product].get(impl, {}) for name, _ in layers for product in PRODUCTS)}
 
 
 def update_seconds(results: dict, shapes=SHAPES) -> dict:
-    """One PPO update's GEMM seconds (the benchmark's work) by implementation, and as ppojax runs them (the LM
-    head, the shape without per-layer uses, by XLA)."""
+    """One PPO update's GEMM seconds (the benchmark's work) by implementation, and as ppojax runs them (each
+    product of the projections by the library `fastest_libraries` takes, the LM head, the shape without per-layer
+    uses, by XLA)."""
     found = {impl for cells in results.values() for cell in cells.values() for impl in cell}
 
     def total(pick) -> float | None:
         seconds = 0.0
         for name, _rows, _d_in, _d_out, uses in shapes:
-            count = EPOCHS * (1 if uses is None else uses * LAYERS * MODELS)
-            impl = pick(uses)
             for product in PRODUCTS:
+                impl = pick(uses, product)
                 if "s" not in results[name][product].get(impl, {}):
                     return None
-                seconds += count * results[name][product][impl]["s"]
+                seconds += _uses_per_update(uses) * results[name][product][impl]["s"]
         return seconds
 
-    out = {impl: total(lambda uses, impl=impl: impl) for impl in IMPLEMENTATIONS if impl in found}
-    projections = "onednn" if "onednn" in found else "xla"
-    out["ppojax"] = total(lambda uses: "xla" if uses is None else projections)
+    out = {impl: total(lambda uses, product, impl=impl: impl) for impl in IMPLEMENTATIONS if impl in found}
+    fastest = fastest_libraries(projections_by_product(results, shapes))
+    chosen = dict(zip(PRODUCTS, fastest[0])) if fastest else {product: "xla" for product in PRODUCTS}
+    out["ppojax"] = total(lambda uses, product: "xla" if uses is None else chosen[product])
     return out
 
 
-def fastest_library(update_s: dict) -> tuple[str, dict] | None:
-    """(the in-place library to record, {library: update GEMM seconds}) among those measured, or None where none
-    was (`matmul_record.choose`: the fastest, but oneDNN's sgemm unless another beats it by 10 %)."""
+def fastest_libraries(by_product: dict) -> tuple | None:
+    """(the in-place libraries to record, one per product (`matmul_record.Libraries`), {library: {product:
+    seconds}}) among those measured in `by_product` ({implementation: {product: seconds}}), or None where none was
+    (`matmul_record.choose`: per product the fastest, but oneDNN's sgemm unless another beats it by 5 %)."""
     from ppojax.models.matmul_record import choose
     from ppojax.models.stacked_matmul import LIBRARIES
 
-    measured = {lib: update_s[lib] for lib in LIBRARIES if update_s.get(lib) is not None}
+    measured = {lib: by_product[lib] for lib in LIBRARIES if lib in by_product}
     return (choose(measured), measured) if measured else None
 
 
@@ -318,6 +338,9 @@ def main(argv=None):
             print(f"{name:18} {product:7} " + " ".join(f"{cell[i]['gflops']:13.0f}" for i in shown))
     print("one update's GEMMs (s): " + ", ".join(f"{k} {v:.2f}" for k, v in report["update_s"].items()
                                                  if v is not None))
+    print("one update's projections by product (s): " + "; ".join(
+        f"{impl} " + " / ".join(f"{product} {v:.2f}" for product, v in by_product.items())
+        for impl, by_product in report["update_s_by_product"].items()))
     print("one decode step's projections (ms): " + ", ".join(f"{k} {v * 1e3:.2f}"
                                                              for k, v in report["decode_step_s"].items()))
     if args.json:
@@ -325,14 +348,16 @@ def main(argv=None):
     if args.record:
         from ppojax.models import matmul_record, stacked_matmul
 
-        fastest = fastest_library(report["update_s"])
+        fastest = fastest_libraries(report["update_s_by_product"])
         if fastest is None:
             print("--record: no in-place library could be measured here; nothing recorded")
             return 1
-        library, measured = fastest
-        path = matmul_record.record(library, measured, tuple(stacked_matmul.LIBRARIES))
-        print(f"recorded {library} for this CPU ({', '.join(f'{k} {v:.2f} s' for k, v in measured.items())}) in "
-              f"{path}: matmul_implementation 'auto' takes it")
+        chosen, measured = fastest
+        path = matmul_record.record(chosen, measured, tuple(stacked_matmul.LIBRARIES))
+        seconds = "; ".join(f"{lib} " + " / ".join(f"{product} {s:.2f}" for product, s in by_product.items()) + " s"
+                            for lib, by_product in measured.items())
+        print(f"recorded {stacked_matmul.described(chosen)} for this CPU ({seconds}) in {path}: "
+              f"matmul_implementation 'auto' takes it")
     return 0
 
 

@@ -224,7 +224,7 @@ def _matmul_used(config: dict, params) -> str:
     except ValueError as err:
         return f"xla ({err})"
     if used:
-        return stacked_matmul.library_of(implementation)
+        return str(stacked_matmul.library_of(implementation))
     # why not, where the default library's handlers are the reason (no library is chosen: "auto" would measure)
     why = stacked_matmul.unavailable_reason() if jax.default_backend() == "cpu" else ""
     return f"xla ({why})" if why else "xla"

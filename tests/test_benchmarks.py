@@ -580,6 +580,7 @@ def test_gemm_shapes_times_each_product_of_the_right_layer_and_sums_the_update()
 
     from benchmarks import gemm_shapes
     from ppojax.models import stacked_matmul
+    from ppojax.models.matmul_record import choose
 
     shapes = (("layer", 12, 24, 40, 2), ("head", 8, 24, 56, None))
     decode = (("layer@decode", 2, 24, 40, 2),)
@@ -610,10 +611,17 @@ def test_gemm_shapes_times_each_product_of_the_right_layer_and_sums_the_update()
                       * report["results"][name][product][impl]["s"]
                       for name, _r, _i, _o, uses in shapes for product in gemm_shapes.PRODUCTS)
         assert report["update_s"][impl] == pytest.approx(by_hand)
-    head_by_xla = {name: "xla" if name == "head" else ("xla" if why else "onednn") for name, *_ in shapes}
+    per_layer = gemm_shapes.EPOCHS * 2 * gemm_shapes.LAYERS * gemm_shapes.MODELS  # the layer shape's 2 uses
+    assert set(report["update_s_by_product"]) == expected
+    for impl, by_product in report["update_s_by_product"].items():
+        assert by_product == pytest.approx({product: per_layer * report["results"]["layer"][product][impl]["s"]
+                                            for product in gemm_shapes.PRODUCTS})
+    # ppojax: each product of the projections by the library `--record` would take from these figures, the head by XLA
+    chosen = dict(zip(gemm_shapes.PRODUCTS, choose({lib: report["update_s_by_product"][lib]
+                                                    for lib in stacked_matmul.LIBRARIES if lib in expected})))
     assert report["update_s"]["ppojax"] == pytest.approx(sum(
         gemm_shapes.EPOCHS * (1 if uses is None else uses * gemm_shapes.LAYERS * gemm_shapes.MODELS)
-        * report["results"][name][product][head_by_xla[name]]["s"]
+        * report["results"][name][product]["xla" if uses is None or why else chosen[product]]["s"]
         for name, _r, _i, _o, uses in shapes for product in gemm_shapes.PRODUCTS))
 
 

@@ -66,6 +66,36 @@ def test_product_and_gradients_equal_xlas_dot_at_every_layer(library):
         assert not np.any(np.delete(np.asarray(dstack), layer, axis=0))  # only this layer's slot
 
 
+def test_each_product_runs_on_its_own_library():
+    """`Libraries` (what "auto" takes where the libraries win different products): the forward, the input gradient
+    and the weight gradient each by its own library's handlers, the values as XLA's."""
+    others = [lib for lib in ("onednn_primitive", "mkl") if not stacked_matmul.unavailable_reason(lib)]
+    if not others:
+        pytest.skip("only oneDNN's sgemm here")
+    libraries = stacked_matmul.Libraries("onednn", others[0], others[-1])
+    kx, kw, kg = jax.random.split(jax.random.key(3), 3)
+    x, stack, g = jax.random.normal(kx, (24, 40)), jax.random.normal(kw, (4, 40, 56)), jax.random.normal(kg, (24, 56))
+
+    def vjp_of(product):
+        def run(x, stack, g):
+            y, vjp = jax.vjp(lambda x, s: product(x, s, jnp.int32(2)), x, stack)
+            return y, *vjp(g)
+        return jax.jit(run)
+
+    got = vjp_of(lambda x, s, i: stacked_matmul.matmul(x, s, i, libraries))
+    want = vjp_of(lambda x, s, i: x @ s[i])(x, stack, g)
+    for a, b in zip(got(x, stack, g), want):
+        assert rel_err(a, b) < 1e-5
+    hlo = got.lower(x, stack, g).compile().as_text()
+    calls = lambda kind: {lib: hlo.count(f'custom_call_target="{targets[kind]}"')  # noqa: E731
+                          for lib, targets in stacked_matmul.TARGETS.items()}
+    products = {lib: 0 for lib in stacked_matmul.LIBRARIES}
+    for lib in libraries[:2]:  # the forward and the input gradient: the matmul target
+        products[lib] += 1
+    assert calls("matmul") == products
+    assert calls("weight_grad") == {lib: int(lib == libraries.dw) for lib in stacked_matmul.LIBRARIES}
+
+
 @pytest.mark.parametrize("library", LIBRARIES)
 def test_layer_scan_accumulates_each_layers_gradient_in_its_slot(library):
     """Under `lax.scan` the stack is a constant of the loop: each iteration's gradient lands in its own slot."""
@@ -198,7 +228,7 @@ def test_generation_reads_the_layers_in_place_where_the_cpu_has_the_few_row_kern
     from ppojax.generate import generate
 
     monkeypatch.setattr(stacked_matmul, "AUTO_MIN_LAYER_ELEMENTS", 0)  # the test model is small
-    in_place = stacked_matmul.few_rows_limit(stacked_matmul.library_of("auto")) >= 2
+    in_place = stacked_matmul.few_rows_limit(stacked_matmul.library_of("auto").fwd) >= 2
     graphdef, params = _model("auto")
     assert (CALL in _decode_step(graphdef, params).as_text()) == in_place
     assert CALL not in _decode_step(graphdef, params, batch=9).as_text()  # above the kernels' rows: XLA's dots
@@ -352,16 +382,29 @@ def test_mkl_says_where_it_comes_from_and_is_refused_where_it_cannot_run(monkeyp
         stacked_matmul.applies("mkl", jnp.float32, [jax.ShapeDtypeStruct((2, 64, 64), jnp.float32)], rows=8)
 
 
-def test_the_choice_keeps_onednn_unless_another_library_clearly_leads():
-    from benchmarks.gemm_shapes import fastest_library
-    from ppojax.models.matmul_record import choose
+def _per_product(fwd, dx=None, dw=None) -> dict:
+    return {"fwd": fwd, "dx": fwd if dx is None else dx, "dw": fwd if dw is None else dw}
 
-    assert choose({"onednn": 12.0, "mkl": 10.0}) == "mkl"
-    assert choose({"onednn": 12.0, "onednn_primitive": 11.0, "mkl": 13.0}) == "onednn"  # within the margin
-    assert choose({"onednn_primitive": 11.0, "mkl": 13.0}) == "onednn_primitive"  # oneDNN's sgemm not measured
-    assert fastest_library({"xla": 1.0, "onednn": 12.0, "mkl": 10.0, "torch": 9.0}) == \
-        ("mkl", {"onednn": 12.0, "mkl": 10.0})  # the in-place libraries only
-    assert fastest_library({"xla": 1.0, "torch": 2.0}) is None
+
+def test_the_choice_keeps_onednn_unless_another_library_clearly_leads_each_product():
+    from benchmarks.gemm_shapes import fastest_libraries
+    from ppojax.models.matmul_record import Libraries, choose
+
+    assert choose({"onednn": _per_product(12.0), "mkl": _per_product(10.0)}) == Libraries.every("mkl")
+    assert choose({"onednn": _per_product(12.0), "onednn_primitive": _per_product(11.5),
+                   "mkl": _per_product(13.0)}) == Libraries.every("onednn")  # within the margin
+    assert choose({"onednn_primitive": _per_product(11.0), "mkl": _per_product(13.0)}) == \
+        Libraries.every("onednn_primitive")  # oneDNN's sgemm not measured
+    # each product on its own: the primitive leads the input gradient, MKL the weight gradient, the forward stays
+    assert choose({"onednn": _per_product(4.0, 4.0, 4.0), "onednn_primitive": _per_product(3.85, 3.4, 4.5),
+                   "mkl": _per_product(3.9, 3.9, 3.5)}) == Libraries("onednn", "onednn_primitive", "mkl")
+    by_product = {"xla": _per_product(1.0), "onednn": _per_product(4.0), "mkl": _per_product(4.0, 4.0, 3.0),
+                  "torch": _per_product(0.5)}
+    assert fastest_libraries(by_product) == (Libraries("onednn", "onednn", "mkl"),
+                                             {"onednn": _per_product(4.0), "mkl": _per_product(4.0, 4.0, 3.0)})
+    assert fastest_libraries({"xla": _per_product(1.0)}) is None  # the in-place libraries only
+    assert str(Libraries.every("mkl")) == "mkl"
+    assert str(Libraries("onednn", "onednn_primitive", "mkl")) == "fwd onednn, dx onednn_primitive, dw mkl"
 
 
 def _all_available(monkeypatch, unavailable=()):
@@ -371,11 +414,13 @@ def _all_available(monkeypatch, unavailable=()):
                         lambda library="onednn": "not here" if library in unavailable else "")
 
 
-def test_auto_takes_the_library_recorded_fastest_on_this_cpu(monkeypatch, tmp_path, capsys):
+def test_auto_takes_the_libraries_recorded_fastest_on_this_cpu(monkeypatch, tmp_path, capsys):
     """A record of this CPU's that measured every library to be had decides "auto" (said once per process); another
-    CPU's record does not; a recorded library that cannot be had now gives way to the fastest measured one that can;
-    "onednn" / "mkl" keep their own library whatever the record says."""
+    CPU's record does not, nor one measured before the products were timed apart; a recorded library that cannot be
+    had now gives way to the fastest measured one that can; "onednn" / "mkl" keep their own library whatever the
+    record says."""
     from ppojax.models import matmul_record
+    from ppojax.models.matmul_record import Libraries
     from ppojax.xla_cpu_options import Cpu
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -383,44 +428,55 @@ def test_auto_takes_the_library_recorded_fastest_on_this_cpu(monkeypatch, tmp_pa
     _all_available(monkeypatch)
     libraries = tuple(stacked_matmul.LIBRARIES)
     with pytest.raises(ValueError, match="library 'cublas': expected one of onednn, onednn_primitive, mkl"):
-        matmul_record.record("cublas", {}, libraries)
-    measured = {"onednn": 12.0, "onednn_primitive": 11.5, "mkl": 10.0}
+        matmul_record.record(Libraries("onednn", "cublas", "onednn"), {}, libraries)
+    measured = {"onednn": _per_product(12.0), "onednn_primitive": _per_product(11.5, 10.0, 11.5),
+                "mkl": _per_product(10.0, 11.0, 10.0)}
+    chosen = Libraries("mkl", "onednn_primitive", "mkl")
     other = Cpu("Other CPU", frozenset({"avx2"}))
-    matmul_record.record("mkl", measured, libraries, cpu=other)
-    assert matmul_record.recorded_choice(libraries, cpu=other) == "mkl"
+    matmul_record.record(chosen, measured, libraries, cpu=other)
+    assert matmul_record.recorded_choice(libraries, cpu=other) == chosen
     assert matmul_record.recorded_choice(libraries) is None  # the record is another CPU's
-    matmul_record.record("mkl", measured, libraries)
-    assert matmul_record.recorded_choice(libraries, cpu=other) == "mkl"  # kept beside this CPU's
+    matmul_record.record(chosen, measured, libraries)
+    assert matmul_record.recorded_choice(libraries, cpu=other) == chosen  # kept beside this CPU's
     stacked_matmul._announce_recorded.cache_clear()
     capsys.readouterr()
-    assert stacked_matmul.library_of("auto") == "mkl" == stacked_matmul.library_of("auto")
+    assert stacked_matmul.library_of("auto") == chosen == stacked_matmul.library_of("auto")
     said = capsys.readouterr().out.splitlines()
-    assert len(said) == 1 and "'auto' takes MKL's sgemm for the projections, measured fastest" in said[0]  # once
-    assert stacked_matmul.library_of("onednn") == "onednn" and stacked_matmul.library_of("onednn_primitive") == \
-        "onednn_primitive"
+    assert len(said) == 1 and ("'auto' takes MKL's sgemm for the forward products, oneDNN's matmul primitive for the "
+                               "input gradients, MKL's sgemm for the weight gradients, measured fastest") in said[0]
+    assert stacked_matmul.library_of("onednn") == Libraries.every("onednn")
+    assert stacked_matmul.library_of("onednn_primitive") == Libraries.every("onednn_primitive")
     _all_available(monkeypatch, unavailable=("mkl",))
-    assert stacked_matmul.library_of("auto") == "onednn"  # recorded, not to be had here; the primitive's lead < 10 %
+    # recorded, not to be had here: chosen again among the rest (the primitive leads the input gradient by 17 %)
+    assert stacked_matmul.library_of("auto") == Libraries("onednn", "onednn_primitive", "onednn")
     _all_available(monkeypatch, unavailable=("onednn",))
-    assert stacked_matmul.library_of("auto") == "onednn"  # no baseline: not to be had, so `applies` keeps XLA's
+    assert stacked_matmul.library_of("auto") == Libraries.every("onednn")  # no baseline: `applies` keeps XLA's
     assert not stacked_matmul.applies("auto", jnp.float32, [jax.ShapeDtypeStruct((3, 1024, 768), jnp.float32)],
                                       rows=384)
     _all_available(monkeypatch, unavailable=("mkl",))
-    matmul_record.record("onednn", {"onednn": 12.0, "onednn_primitive": 9.0, "mkl": 10.0}, libraries)
-    assert stacked_matmul.library_of("auto") == "onednn"  # the record's own choice stands where it can be had
+    matmul_record.record(Libraries.every("onednn"), measured, libraries)
+    assert stacked_matmul.library_of("auto") == Libraries.every("onednn")  # the record's own choice stands
+    entry = json.loads(matmul_record.record_path().read_text())
+    this = next(key for key in entry if key != other.signature)
+    entry[this] = {"library": "mkl", "measurements": {lib: 10.0 for lib in libraries}}  # an older record's form
+    matmul_record.record_path().write_text(json.dumps(entry))
+    assert matmul_record.recorded_choice(libraries) is None  # measured again: the products were not timed apart
     matmul_record.record_path().write_text("{not json")
     assert matmul_record.recorded_choice(libraries) is None  # an unreadable record is no record
 
 
 def test_auto_measures_once_per_cpu_where_no_record_covers_the_libraries(monkeypatch, tmp_path, capsys):
     """No record, or one that did not measure a library to be had now (torch installed since): "auto" measures the
-    libraries that can be had, records the choice with the seconds, and later calls read it; a failed measurement
-    takes oneDNN's sgemm, says why and records nothing."""
+    libraries that can be had, records the choice per product with the seconds, and later calls read it; a failed
+    measurement takes oneDNN's sgemm, says why and records nothing."""
     from ppojax.models import matmul_record, matmul_tuning
+    from ppojax.models.matmul_record import Libraries
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     stacked_matmul._tuned.cache_clear()
     stacked_matmul._announce_recorded.cache_clear()
-    seconds = {"onednn": 0.10, "onednn_primitive": 0.095, "mkl": 0.08}
+    seconds = {"onednn": _per_product(0.10), "onednn_primitive": _per_product(0.097, 0.085, 0.11),
+               "mkl": _per_product(0.08)}
     asked = []
 
     def measure(libraries, rounds=matmul_tuning.ROUNDS, ops=None):
@@ -429,18 +485,23 @@ def test_auto_measures_once_per_cpu_where_no_record_covers_the_libraries(monkeyp
 
     monkeypatch.setattr(matmul_tuning, "measure", measure)
     _all_available(monkeypatch, unavailable=("mkl",))  # torch not installed yet
-    assert stacked_matmul.library_of("auto") == "onednn"  # the primitive's 5 % lead is within the margin
+    # the primitive's 3 % lead in the forward is within the margin, its 15 % in the input gradient is not
+    assert stacked_matmul.library_of("auto") == Libraries("onednn", "onednn_primitive", "onednn")
     assert asked == [("onednn", "onednn_primitive")]
     entry = json.loads(matmul_record.record_path().read_text())
-    assert [(e["library"], e["measurements"]) for e in entry.values()] == \
-        [("onednn", {"onednn": 0.10, "onednn_primitive": 0.095})]
-    assert "timing oneDNN's sgemm, oneDNN's matmul primitive once for this CPU" in capsys.readouterr().out
+    assert [(e["libraries"], e["measurements"]) for e in entry.values()] == \
+        [({"fwd": "onednn", "dx": "onednn_primitive", "dw": "onednn"},
+          {"onednn": seconds["onednn"], "onednn_primitive": seconds["onednn_primitive"]})]
+    out = capsys.readouterr().out
+    assert "timing oneDNN's sgemm, oneDNN's matmul primitive once for this CPU" in out
+    assert "onednn_primitive fwd 97.0 / dx 85.0 / dw 110.0 ms" in out
     stacked_matmul._tuned.cache_clear()  # as a new process
-    assert stacked_matmul.library_of("auto") == "onednn" and len(asked) == 1  # the record serves
+    assert stacked_matmul.library_of("auto") == Libraries("onednn", "onednn_primitive", "onednn")
+    assert len(asked) == 1  # the record serves
     _all_available(monkeypatch)  # torch installed since: MKL was never measured here
-    assert stacked_matmul.library_of("auto") == "mkl" == stacked_matmul.library_of("auto")
+    assert stacked_matmul.library_of("auto") == Libraries.every("mkl") == stacked_matmul.library_of("auto")
     assert asked[1:] == [("onednn", "onednn_primitive", "mkl")]  # measured again, once
-    assert matmul_record.recorded_choice(tuple(seconds)) == "mkl"
+    assert matmul_record.recorded_choice(tuple(seconds)) == Libraries.every("mkl")
 
     def broken(libraries, rounds=matmul_tuning.ROUNDS, ops=None):
         raise RuntimeError("a handler failed")
@@ -449,7 +510,7 @@ def test_auto_measures_once_per_cpu_where_no_record_covers_the_libraries(monkeyp
     monkeypatch.setattr(matmul_tuning, "measure", broken)
     stacked_matmul._tuned.cache_clear()
     capsys.readouterr()
-    assert stacked_matmul.library_of("auto") == "onednn"
+    assert stacked_matmul.library_of("auto") == Libraries.every("onednn")
     assert "the measurement failed (RuntimeError: a handler failed)" in capsys.readouterr().out
     assert not matmul_record.record_path().exists()
     stacked_matmul._tuned.cache_clear()
@@ -457,17 +518,20 @@ def test_auto_measures_once_per_cpu_where_no_record_covers_the_libraries(monkeyp
 
 @pytest.mark.parametrize("library", LIBRARIES)
 def test_the_measurement_times_each_librarys_products(library):
-    """`matmul_tuning.products` runs the three products of every layer through the library's handlers (their values
-    as numpy's), and `measure` times each library given."""
+    """`matmul_tuning.products` runs one product of every layer through the library's handlers (their values as
+    numpy's), and `measure` times each product of each library given."""
     from ppojax.models import matmul_tuning
 
     ops = matmul_tuning.operands(shapes=((64, 48),), rows=16, layers=3)
     numpy_ops = [tuple(np.asarray(a, np.float64) for a in shape) for shape in ops]
-    expected = sum((x[i] @ w[i])[0, 0] + (g[i] @ w[i].T)[0, 0] + (x[i].T @ g[i])[0, 0]
-                   for x, w, g in numpy_ops for i in range(3))
-    np.testing.assert_allclose(float(matmul_tuning.products(library)(ops)), expected, rtol=1e-4)
+    products = {"fwd": lambda x, w, g: x @ w, "dx": lambda x, w, g: g @ w.T, "dw": lambda x, w, g: x.T @ g}
+    for product, by_numpy in products.items():
+        expected = sum(by_numpy(x[i], w[i], g[i])[0, 0] for x, w, g in numpy_ops for i in range(3))
+        np.testing.assert_allclose(float(matmul_tuning.products(library, product)(ops)), expected, rtol=1e-4)
     seconds = matmul_tuning.measure((library, "onednn"), rounds=2, ops=ops)
-    assert set(seconds) == {library, "onednn"} and all(0 < s < 10 for s in seconds.values())
+    assert set(seconds) == {library, "onednn"}
+    assert all(set(by_product) == set(products) and all(0 < s < 10 for s in by_product.values())
+               for by_product in seconds.values())
 
 
 @pytest.mark.parametrize("library", LIBRARIES)
@@ -477,8 +541,8 @@ def test_a_model_on_auto_calls_the_recorded_librarys_handlers(monkeypatch, tmp_p
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(stacked_matmul, "AUTO_MIN_LAYER_ELEMENTS", 0)  # the test model and batch are small
     monkeypatch.setattr(stacked_matmul, "AUTO_MIN_ROWS", 0)
-    measured = {lib: 1.0 if lib == library else 2.0 for lib in stacked_matmul.LIBRARIES}
-    matmul_record.record(library, measured, tuple(stacked_matmul.LIBRARIES))
+    measured = {lib: _per_product(1.0 if lib == library else 2.0) for lib in stacked_matmul.LIBRARIES}
+    matmul_record.record(matmul_record.Libraries.every(library), measured, tuple(stacked_matmul.LIBRARIES))
     ids, mask = _batch()
     graphdef, params = _model("auto")
     hlo = jax.jit(lambda p: nnx.merge(graphdef, p)(ids, mask)[0]).lower(params).compile().as_text()
@@ -500,13 +564,15 @@ def test_the_once_per_machine_command_measures_then_reads_the_record(tmp_path):
     first, second = (r.stdout for r in runs)
     assert "onednn: handlers ready" in first and "timing oneDNN's sgemm, oneDNN's matmul primitive" in first
     chosen = first.strip().splitlines()[-1]
-    assert chosen.startswith("'auto' takes: ") and chosen.split(": ")[1] in stacked_matmul.LIBRARIES
+    [entry] = json.loads((tmp_path / "ppojax" / "matmul_library.json").read_text()).values()
+    libraries = [entry["libraries"][product] for product in ("fwd", "dx", "dw")]
+    assert set(libraries) <= set(stacked_matmul.LIBRARIES)
+    assert chosen == f"'auto' takes: {stacked_matmul.Libraries(*libraries)}"
     assert "timing" not in second and second.strip().splitlines()[-1] == chosen
-    assert (tmp_path / "ppojax" / "matmul_library.json").exists()
-    # a run on "auto" loads the chosen library's handlers only: MKL's mean torch's whole runtime in the process
-    probe = ("from ppojax.models import stacked_matmul as s; library = s.library_of('auto'); "
-             "print(library, 'libtorch_cpu' in open('/proc/self/maps').read())")
+    # a run on "auto" loads the chosen libraries' handlers only: MKL's mean torch's whole runtime in the process
+    probe = ("from ppojax.models import stacked_matmul as s; libraries = s.library_of('auto'); "
+             "print(','.join(libraries), 'libtorch_cpu' in open('/proc/self/maps').read())")
     run = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                          timeout=300)
-    library = chosen.split(": ")[1]
-    assert run.stdout.split()[-2:] == [library, str(library == "mkl")], run.stdout + run.stderr[-2000:]
+    assert run.stdout.split()[-2:] == [",".join(libraries), str("mkl" in libraries)], \
+        run.stdout + run.stderr[-2000:]

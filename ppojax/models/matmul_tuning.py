@@ -1,14 +1,16 @@
-"""`matmul_implementation: auto` on a CPU without a record: the in-place GEMM libraries measured once, the fastest kept.
+"""`matmul_implementation: auto` on a CPU without a record: the in-place GEMM libraries measured once per product,
+the fastest kept.
 
 The first model that "auto" puts on the in-place handlers (`stacked_matmul`) on a CPU whose record
 (`matmul_record`) did not measure every library to be had now times ppojax's handlers on each of them and records
-the seconds and the library chosen (`matmul_record.choose`) under this CPU's signature; later processes on that CPU
-read the record. What is timed is what a training step asks of them: one layer's forward, input-gradient and
-weight-gradient products (`x @ W`, `g @ W.T`, `x.T @ g`) at SmolLM2-135M's four projection shapes and an update's
-384 token rows, the weights read in place from a stack of a few layers in a layer scan (each layer's operands its
-own, as the update's backward has them). The libraries take turns within each round; each one's figure is its
-fastest round (what another process's load cannot make faster). A few seconds, once per CPU, said when it runs;
-``python -m benchmarks.gemm_shapes --record`` measures one whole update's GEMMs instead.
+the seconds and the libraries chosen (`matmul_record.choose`: one per product) under this CPU's signature; later
+processes on that CPU read the record. What is timed is what a training step asks of them: one layer's forward,
+input-gradient and weight-gradient products (`x @ W`, `g @ W.T`, `x.T @ g`), each product timed on its own, at
+SmolLM2-135M's four projection shapes and an update's 384 token rows, the weights read in place from a stack of a
+few layers in a layer scan (each layer's operands its own, as the update's backward has them). The libraries and
+products take turns within each round; each one's figure is its fastest round (what another process's load cannot
+make faster). A few seconds, once per CPU, said when it runs; ``python -m benchmarks.gemm_shapes --record``
+measures one whole update's GEMMs instead.
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from .matmul_record import PRODUCTS, Libraries
 
 #: (d_in, d_out) of SmolLM2-135M's projections: q/o, k/v, gate/up, down
 SHAPES = ((576, 576), (576, 192), (576, 1536), (1536, 576))
@@ -34,17 +38,19 @@ def operands(shapes=SHAPES, rows: int = ROWS, layers: int = LAYERS, seed: int = 
             for d_in, d_out in shapes]
 
 
-def products(library: str):
-    """A jitted function of `operands()` running every layer's three products on `library`'s handlers (registered:
-    `stacked_matmul.unavailable_reason` first) -> f32[] (one element of each product, which keeps them all)."""
+def products(library: str, product: str):
+    """A jitted function of `operands()` running every layer's `product` ("fwd", "dx" or "dw":
+    `matmul_record.PRODUCTS`) through `library`'s handlers (registered: `stacked_matmul.unavailable_reason` first)
+    -> f32[] (one element of each product, which keeps them all)."""
     from .stacked_matmul import _gemm, weight_grad
+
+    one_layer = {"fwd": lambda x, stack, g, i: _gemm(x[i], stack, i, False, library),
+                 "dx": lambda x, stack, g, i: _gemm(g[i], stack, i, True, library),
+                 "dw": lambda x, stack, g, i: weight_grad(x[i], g[i], library)}[product]
 
     def one_shape(x, stack, g):
         def layer(total, i):
-            y = _gemm(x[i], stack, i, False, library)
-            dx = _gemm(g[i], stack, i, True, library)
-            dw = weight_grad(x[i], g[i], library)
-            return total + y[0, 0] + dx[0, 0] + dw[0, 0], None
+            return total + one_layer(x, stack, g, i)[0, 0], None
 
         return jax.lax.scan(layer, jnp.float32(0), jnp.arange(stack.shape[0]))[0]
 
@@ -52,31 +58,33 @@ def products(library: str):
 
 
 def measure(libraries, rounds: int = ROUNDS, ops=None) -> dict:
-    """{library: seconds of one pass of `products` (its fastest of `rounds`)} for `libraries` (their handlers
-    registered), the libraries taking turns within each round after one untimed pass each."""
+    """{library: {product: seconds of one pass of `products`}} (each its fastest of `rounds`) for `libraries`
+    (their handlers registered), every library's products taking turns within each round after one untimed pass
+    each."""
     ops = operands() if ops is None else ops
-    passes = {library: products(library) for library in libraries}
+    passes = {(library, product): products(library, product) for library in libraries for product in PRODUCTS}
     for run in passes.values():
         jax.block_until_ready(run(ops))  # compiles, and wakes the library's threads
-    best = {library: float("inf") for library in libraries}
+    best = {key: float("inf") for key in passes}
+    order = list(passes)
     for r in range(rounds):
-        for library in libraries[r % len(libraries):] + libraries[:r % len(libraries)]:
+        for key in order[r % len(order):] + order[:r % len(order)]:
             start = time.perf_counter()
-            jax.block_until_ready(passes[library](ops))
-            best[library] = min(best[library], time.perf_counter() - start)
-    return best
+            jax.block_until_ready(passes[key](ops))
+            best[key] = min(best[key], time.perf_counter() - start)
+    return {library: {product: best[library, product] for product in PRODUCTS} for library in libraries}
 
 
-def tune(candidates) -> str:
+def tune(candidates) -> Libraries:
     """Measure `candidates` (libraries whose handlers are built; any that will not load is left out), record the
-    choice for this CPU and return it; say what was measured. A failed measurement takes oneDNN's sgemm and records
-    nothing (said)."""
+    choice for this CPU and return it (a library per product); say what was measured. A failed measurement takes
+    oneDNN's sgemm and records nothing (said)."""
     from . import matmul_record
-    from .stacked_matmul import LIBRARIES, LIBRARY_NAMES, unavailable_reason
+    from .stacked_matmul import LIBRARIES, LIBRARY_NAMES, described, unavailable_reason
 
     candidates = [lib for lib in candidates if not unavailable_reason(lib)]  # loaded and registered
     if "onednn" not in candidates:  # the baseline (library_of): nothing to measure against
-        return "onednn"
+        return Libraries.every("onednn")
     names = ", ".join(LIBRARY_NAMES[lib] for lib in candidates)
     print(f"ppojax: matmul_implementation 'auto': timing {names} once for this CPU ...", flush=True)
     start = time.perf_counter()
@@ -86,17 +94,18 @@ def tune(candidates) -> str:
     except Exception as err:  # noqa: BLE001 - the choice is a speed-up only; oneDNN's sgemm is the default
         print(f"ppojax: the measurement failed ({type(err).__name__}: {err}); 'auto' takes {LIBRARY_NAMES['onednn']}",
               flush=True)
-        return "onednn"
-    library = matmul_record.choose(seconds)
+        return Libraries.every("onednn")
+    chosen = matmul_record.choose(seconds)
     where = ""
     try:
-        where = f", recorded in {matmul_record.record(library, seconds, tuple(LIBRARIES))}"
+        where = f", recorded in {matmul_record.record(chosen, seconds, tuple(LIBRARIES))}"
     except OSError as err:  # a read-only cache: this process still takes the measured choice
         where = f" (not recorded: {err})"
-    print(f"ppojax: 'auto' takes {LIBRARY_NAMES[library]} for the projections ("
-          + ", ".join(f"{lib} {s * 1e3:.1f} ms" for lib, s in seconds.items())
-          + f"; {time.perf_counter() - start:.1f} s{where})", flush=True)
-    return library
+    timings = "; ".join(f"{lib} " + " / ".join(f"{product} {s * 1e3:.1f}" for product, s in by_product.items())
+                        + " ms" for lib, by_product in seconds.items())
+    print(f"ppojax: 'auto' takes {described(chosen)} ({timings}; {time.perf_counter() - start:.1f} s{where})",
+          flush=True)
+    return chosen
 
 
 def main(argv=None) -> int:
@@ -118,8 +127,8 @@ def main(argv=None) -> int:
               f"({unavailable_reason('onednn')})")
         return 0
     candidates = tuple(lib for lib in LIBRARIES if not unavailable_reason(lib))
-    library = tune(candidates) if args.again else library_of("auto")
-    print(f"'auto' takes: {library}")
+    chosen = tune(candidates) if args.again else library_of("auto")
+    print(f"'auto' takes: {chosen}")
     return 0
 
 

@@ -14,8 +14,9 @@ them first, were slower than XLA's copy-then-dot.
 
 The same handlers on MKL's GEMM (`matmul_implementation: mkl`, the library `"mkl"`): MKL as torch's x86 wheels link
 it into `libtorch_cpu.so` (its Fortran `sgemm_`), the GEMM TRL's step runs; for CPUs where MKL outruns oneDNN at a
-model's shapes. "auto" takes the library measured fastest on the CPU it runs on (`matmul_record.py`: measured once
-per CPU by `matmul_tuning.py`, or by `python -m benchmarks.gemm_shapes --record`).
+model's shapes. "auto" takes, for each of the three products (forward, input gradient, weight gradient), the library
+measured fastest for it on the CPU it runs on (`matmul_record.py`: measured once per CPU by `matmul_tuning.py`, or
+by `python -m benchmarks.gemm_shapes --record`); the libraries share one OpenMP runtime (`libgomp.so.1`).
 
 The handlers (`stacked_gemm.cc`) are compiled on first use with the system's C++ compiler against
 `jax.ffi.include_dir()` and the library's file (the wheel's `libdnnl.so.3`, or torch's `libtorch_cpu.so`), once per
@@ -42,11 +43,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from .matmul_record import PRODUCTS, Libraries
+
 SOURCE = Path(__file__).with_name("stacked_gemm.cc")
 #: the GEMM libraries the handlers can be built on ("auto" takes the one measured fastest on this CPU),
 #: each the compiler define choosing it in `stacked_gemm.cc`; each is also a `matmul_implementation` of its own
 LIBRARIES = {"onednn": (), "onednn_primitive": ("-DPPOJAX_ONEDNN_PRIMITIVE",), "mkl": ("-DPPOJAX_FORTRAN_SGEMM",)}
 LIBRARY_NAMES = {"onednn": "oneDNN's sgemm", "onednn_primitive": "oneDNN's matmul primitive", "mkl": "MKL's sgemm"}
+PRODUCT_NAMES = {"fwd": "the forward products", "dx": "the input gradients", "dw": "the weight gradients"}
 IMPLEMENTATIONS = ("auto", "xla", *LIBRARIES)  # ppojax.config.MATMUL_IMPLEMENTATIONS spells the same (jax-free)
 #: "auto" takes oneDNN from these sizes on: a layer's projection kernels of at least this many elements (below, the
 #: copy it saves is small and a custom call's fixed cost larger: the tiny benchmark model ran slower through it) and
@@ -96,25 +100,34 @@ def mkl_library() -> Path | None:
     return None
 
 
-def library_of(implementation: str) -> str:
-    """The GEMM library an implementation's handlers use: its own for a library's name ("onednn",
-    "onednn_primitive", "mkl"); for "auto" the one measured fastest on this CPU among those whose handlers can be
-    had (`matmul_record`; measured now, once per CPU, where no record covers them all: `matmul_tuning`); oneDNN's
-    sgemm where it cannot be had itself (then `applies` keeps XLA's dots: oneDNN's in-place products are the ones
-    measured faster than XLA's copy-then-dot, the others are measured against them)."""
+def library_of(implementation: str) -> Libraries:
+    """The GEMM library of each product an implementation's handlers run: its own for a library's name ("onednn",
+    "onednn_primitive", "mkl"); for "auto" per product the one measured fastest on this CPU among those whose
+    handlers can be had (`matmul_record`; measured now, once per CPU, where no record covers them all:
+    `matmul_tuning`); oneDNN's sgemm where it cannot be had itself (then `applies` keeps XLA's dots: oneDNN's
+    in-place products are the ones measured faster than XLA's copy-then-dot, the others are measured against
+    them)."""
     if implementation in LIBRARIES:
-        return implementation
+        return Libraries.every(implementation)
     from .matmul_record import recorded_choice
 
     candidates = buildable_libraries()
     if "onednn" not in candidates:  # the baseline the others must beat, itself measured against XLA's dots
-        return "onednn"  # (not to be had: `applies` keeps XLA's dots)
-    library = recorded_choice(candidates) or _measured_choice(candidates)
-    if unavailable_reason(library):  # its handlers would not load: XLA's dots (`applies`)
-        return "onednn"
-    if library != "onednn":
-        _announce_recorded(library)
-    return library
+        return Libraries.every("onednn")  # (not to be had: `applies` keeps XLA's dots)
+    chosen = recorded_choice(candidates) or _measured_choice(candidates)
+    if any(unavailable_reason(library) for library in set(chosen)):  # handlers that would not load: XLA's dots
+        return Libraries.every("onednn")
+    if chosen != Libraries.every("onednn"):
+        _announce_recorded(chosen)
+    return chosen
+
+
+def described(libraries: Libraries) -> str:
+    """`libraries` in words: "oneDNN's sgemm for the projections", or the library of each product."""
+    if len(set(libraries)) == 1:
+        return f"{LIBRARY_NAMES[libraries.fwd]} for the projections"
+    return ", ".join(f"{LIBRARY_NAMES[library]} for {PRODUCT_NAMES[product]}"
+                     for product, library in zip(PRODUCTS, libraries))
 
 
 def buildable_libraries() -> tuple:
@@ -128,7 +141,7 @@ def buildable_libraries() -> tuple:
 _tuning_lock = threading.Lock()  # a compile_ahead thread and the main thread may both trace first
 
 
-def _measured_choice(candidates: tuple) -> str:
+def _measured_choice(candidates: tuple) -> Libraries:
     """`matmul_tuning.tune(candidates)`, at most once per process and set of candidates (a record that cannot be
     written is not measured again at every trace)."""
     with _tuning_lock:
@@ -136,20 +149,19 @@ def _measured_choice(candidates: tuple) -> str:
 
 
 @functools.cache
-def _tuned(candidates: tuple) -> str:
+def _tuned(candidates: tuple) -> Libraries:
     from .matmul_tuning import tune
 
     return tune(candidates)
 
 
 @functools.cache
-def _announce_recorded(library: str) -> None:
+def _announce_recorded(libraries: Libraries) -> None:
     """Say once per process that "auto" follows this CPU's record (as the recorded XLA:CPU options are said)."""
     from .matmul_record import record_path
 
-    print(f"ppojax: matmul_implementation 'auto' takes {LIBRARY_NAMES[library]} for the projections, measured "
-          f"fastest on this CPU (recorded in {record_path()}; naming another implementation overrides it)",
-          flush=True)
+    print(f"ppojax: matmul_implementation 'auto' takes {described(libraries)}, measured fastest on this CPU "
+          f"(recorded in {record_path()}; naming another implementation overrides it)", flush=True)
 
 
 def _cache_dir() -> Path:
@@ -280,7 +292,7 @@ def unavailable_on(devices: int, implementation: str = "onednn") -> str:
     "auto" chooses its library (building handlers, measuring once per CPU) only where the products can run."""
     if jax.default_backend() != "cpu" or devices != 1:
         return f"it runs on a single CPU device, and here are {devices} {jax.default_backend()} device(s)"
-    return unavailable_reason(library_of(implementation))
+    return next(filter(None, map(unavailable_reason, dict.fromkeys(library_of(implementation)))), "")
 
 
 def check_implementation(implementation: str) -> None:
@@ -312,7 +324,7 @@ def applies(implementation: str, dtype, kernels, rows: int) -> bool:
     if why and implementation != "auto":
         raise ValueError(f"matmul_implementation={implementation!r} cannot be used here: {why}; use 'auto' or 'xla'")
     if implementation == "auto" and rows < AUTO_MIN_ROWS and not why:
-        return rows <= few_rows_limit(library_of(implementation))
+        return rows <= few_rows_limit(library_of(implementation).fwd)  # a decode step's products are forwards
     return not why
 
 
@@ -324,21 +336,23 @@ def _gemm(a: Array, stack: Array, layer: Array, transpose: bool, library: str) -
     return call(a, stack, layer, transpose_w=np.int64(transpose))
 
 
-def matmul(x: Array, stack: Array, layer: Array, library: str = "onednn") -> Array:
+def matmul(x: Array, stack: Array, layer: Array, library: str | Libraries = "onednn") -> Array:
     """x f32[N, K] @ stack[layer] -> f32[N, M] for stack f32[L, K, M] and layer i32[] (in range; checked by the
-    handler), by `library`'s GEMM (a key of `LIBRARIES`). Call :func:`unavailable_reason` first (it registers the
+    handler), by `library`'s GEMM (a key of `LIBRARIES`), or by each product's library (`Libraries`: the forward,
+    and in the VJP the input and weight gradients). Call :func:`unavailable_reason` first for each (it registers the
     handlers). The product carries the name remat's "dots" policy saves (outside the custom VJP, where
     jax.checkpoint sees it)."""
-    return checkpoint_name(_matmul(x, stack, layer, library), SAVED_NAME)
+    libraries = library if isinstance(library, Libraries) else Libraries.every(library)
+    return checkpoint_name(_matmul(x, stack, layer, libraries), SAVED_NAME)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _matmul(x: Array, stack: Array, layer: Array, library: str) -> Array:
-    return _gemm(x, stack, layer, False, library)
+def _matmul(x: Array, stack: Array, layer: Array, libraries: Libraries) -> Array:
+    return _gemm(x, stack, layer, False, libraries.fwd)
 
 
-def _matmul_fwd(x, stack, layer, library):
-    return _matmul(x, stack, layer, library), (x, stack, layer)
+def _matmul_fwd(x, stack, layer, libraries):
+    return _matmul(x, stack, layer, libraries), (x, stack, layer)
 
 
 def weight_grad(x: Array, g: Array, library: str) -> Array:
@@ -347,10 +361,10 @@ def weight_grad(x: Array, g: Array, library: str) -> Array:
     return jax.ffi.ffi_call(TARGETS[library]["weight_grad"], out, vmap_method="sequential")(x, g)
 
 
-def _matmul_bwd(library, residuals, g):
+def _matmul_bwd(libraries, residuals, g):
     x, stack, layer = residuals
-    dx = _gemm(g, stack, layer, True, library)
-    dstack = jax.lax.dynamic_update_index_in_dim(jnp.zeros_like(stack), weight_grad(x, g, library), layer, 0)
+    dx = _gemm(g, stack, layer, True, libraries.dx)
+    dstack = jax.lax.dynamic_update_index_in_dim(jnp.zeros_like(stack), weight_grad(x, g, libraries.dw), layer, 0)
     return dx, dstack, None
 
 

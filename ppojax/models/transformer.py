@@ -292,7 +292,7 @@ def _project(x: Array, d: dict, dtype, lora_scale: float | None) -> Array:
 
 def _stacked_dense(x2: Array, d: dict, lead: tuple) -> Array:
     """x2 [N, in] times this layer's kernel read in the stack (`d["stacked"]`: (stack [L, in, prod(out)], layer,
-    out shape, GEMM library)) -> [*lead, *out], plus this layer's bias when `d` has one (float32 models only reach
+    out shape, GEMM libraries)) -> [*lead, *out], plus this layer's bias when `d` has one (float32 models only reach
     here)."""
     stack, layer, out_shape, library = d["stacked"]
     y = stacked_matmul.matmul(x2, stack, layer, library).reshape(*lead, *out_shape)
@@ -305,10 +305,10 @@ _STACKED_PROJECTIONS = {("attn", "q"): 1, ("attn", "k"): 1, ("attn", "v"): 1, ("
                         ("mlp", "up"): 1, ("mlp", "gate"): 1, ("mlp", "down"): 1}
 
 
-def _split_stacked_kernels(layers: dict, library: str) -> tuple[dict, dict]:
+def _split_stacked_kernels(layers: dict, library: stacked_matmul.Libraries) -> tuple[dict, dict]:
     """The layer scan's weights without the projection kernels, and those kernels as 3-D stacks
     `[L, in, prod(out)]` (a reshape, no copy) with their output shapes, for `stacked_matmul` to read in place with
-    `library`'s GEMM."""
+    `library`'s GEMMs (one per product)."""
     layers = jax.tree.map(lambda a: a, layers)  # a fresh nesting of dicts, the leaves shared
     stacks = {}
     for (group, name), n_in in _STACKED_PROJECTIONS.items():
