@@ -31,7 +31,7 @@ there the in-place columns run the handlers' own few-row kernels where the CPU h
 (`stacked_matmul.few_rows_limit`, whatever the library), the library's GEMM elsewhere. Run it pinned
 (`taskset`) to the cores compared. ``--record``: record for each product the in-place library (``onednn``,
 ``onednn_primitive`` or ``mkl``) whose update projections were fastest as this CPU's choice for
-`matmul_implementation: auto` (`ppojax.models.matmul_record`); oneDNN's sgemm stays unless another beats it by 5 %
+`matmul_implementation: auto` (`ppojax.models.matmul_record`); oneDNN's sgemm stays unless another beats it by 10 %
 (`matmul_record.RECORD_MARGIN`).
 """
 from __future__ import annotations
@@ -296,7 +296,7 @@ def update_seconds(results: dict, shapes=SHAPES) -> dict:
 def fastest_libraries(by_product: dict) -> tuple | None:
     """(the in-place libraries to record, one per product (`matmul_record.Libraries`), {library: {product:
     seconds}}) among those measured in `by_product` ({implementation: {product: seconds}}), or None where none was
-    (`matmul_record.choose`: per product the fastest, but oneDNN's sgemm unless another beats it by 5 %)."""
+    (`matmul_record.choose`: per product the fastest, but oneDNN's sgemm unless another beats it by 10 %)."""
     from ppojax.models.matmul_record import choose
     from ppojax.models.stacked_matmul import LIBRARIES
 
