@@ -94,6 +94,10 @@ def test_each_product_runs_on_its_own_library():
         products[lib] += 1
     assert calls("matmul") == products
     assert calls("weight_grad") == {lib: int(lib == libraries.dw) for lib in stacked_matmul.LIBRARIES}
+    # one OpenMP runtime serves every library loaded: two would keep their threads spinning against each other
+    openmp = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+              if "libgomp" in line or "libiomp" in line}
+    assert len(openmp) == 1, openmp
 
 
 @pytest.mark.parametrize("library", LIBRARIES)
