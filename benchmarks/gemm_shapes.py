@@ -294,19 +294,14 @@ def update_seconds(results: dict, shapes=SHAPES) -> dict:
 
 
 def fastest_libraries(by_product: dict) -> tuple | None:
-    """(the in-place libraries to record, one per product (`matmul_record.Libraries`; the weight gradient's may be
-    XLA's dot), {library: {product: seconds}}) among those measured in `by_product` ({implementation: {product:
-    seconds}}), or None where no library was (`matmul_record.choose`: per product the fastest, but oneDNN's sgemm
-    unless another beats it by 10 %)."""
-    from ppojax.models.matmul_record import XLA, XLA_PRODUCTS, choose
+    """(the in-place libraries to record, one per product (`matmul_record.Libraries`), {library: {product:
+    seconds}}) among those measured in `by_product` ({implementation: {product: seconds}}), or None where none was
+    (`matmul_record.choose`: per product the fastest, but oneDNN's sgemm unless another beats it by 10 %)."""
+    from ppojax.models.matmul_record import choose
     from ppojax.models.stacked_matmul import LIBRARIES
 
     measured = {lib: by_product[lib] for lib in LIBRARIES if lib in by_product}
-    if not measured:
-        return None
-    if XLA in by_product:  # XLA's dot computes the weight gradient in place of a library: it reads no weight
-        measured[XLA] = {product: by_product[XLA][product] for product in XLA_PRODUCTS}
-    return choose(measured), measured
+    return (choose(measured), measured) if measured else None
 
 
 def main(argv=None):
@@ -324,11 +319,10 @@ def main(argv=None):
     if args.record:
         from ppojax.models.stacked_matmul import buildable_libraries
 
-        missing = [lib for lib in (*buildable_libraries(), "xla") if lib not in only]
+        missing = [lib for lib in buildable_libraries() if lib not in only]
         if missing:  # "auto" would measure them itself and replace the record
             parser.error(f"--record with --only {args.only}: a record must measure every in-place library that can "
-                         f"be had here, and xla (the weight gradient's other candidate); add {','.join(missing)} to "
-                         f"--only")
+                         f"be had here; add {','.join(missing)} to --only")
     from benchmarks.common import machine_info
     from ppojax.program_start import start_program
 

@@ -82,19 +82,18 @@ def test_each_product_runs_on_its_own_library():
             return y, *vjp(g)
         return jax.jit(run)
 
+    got = vjp_of(lambda x, s, i: stacked_matmul.matmul(x, s, i, libraries))
     want = vjp_of(lambda x, s, i: x @ s[i])(x, stack, g)
-    for libraries in (libraries, libraries._replace(dw="xla")):  # XLA's dot for the weight gradient: no handler
-        got = vjp_of(lambda x, s, i: stacked_matmul.matmul(x, s, i, libraries))
-        for a, b in zip(got(x, stack, g), want):
-            assert rel_err(a, b) < 1e-5
-        hlo = got.lower(x, stack, g).compile().as_text()
-        calls = lambda kind: {lib: hlo.count(f'custom_call_target="{targets[kind]}"')  # noqa: E731
-                              for lib, targets in stacked_matmul.TARGETS.items()}
-        products = {lib: 0 for lib in stacked_matmul.LIBRARIES}
-        for lib in libraries[:2]:  # the forward and the input gradient: the matmul target
-            products[lib] += 1
-        assert calls("matmul") == products
-        assert calls("weight_grad") == {lib: int(lib == libraries.dw) for lib in stacked_matmul.LIBRARIES}
+    for a, b in zip(got(x, stack, g), want):
+        assert rel_err(a, b) < 1e-5
+    hlo = got.lower(x, stack, g).compile().as_text()
+    calls = lambda kind: {lib: hlo.count(f'custom_call_target="{targets[kind]}"')  # noqa: E731
+                          for lib, targets in stacked_matmul.TARGETS.items()}
+    products = {lib: 0 for lib in stacked_matmul.LIBRARIES}
+    for lib in libraries[:2]:  # the forward and the input gradient: the matmul target
+        products[lib] += 1
+    assert calls("matmul") == products
+    assert calls("weight_grad") == {lib: int(lib == libraries.dw) for lib in stacked_matmul.LIBRARIES}
     # one OpenMP runtime serves every library loaded: two would keep their threads spinning against each other
     openmp = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
               if "libgomp" in line or "libiomp" in line}
@@ -403,15 +402,11 @@ def test_the_choice_keeps_onednn_unless_another_library_clearly_leads_each_produ
     # each product on its own: the primitive leads the input gradient, MKL the weight gradient, the forward stays
     assert choose({"onednn": _per_product(4.0, 4.0, 4.0), "onednn_primitive": _per_product(3.85, 3.4, 4.5),
                    "mkl": _per_product(3.9, 3.9, 3.5)}) == Libraries("onednn", "onednn_primitive", "mkl")
-    # XLA's dot competes for the weight gradient only (the other products would copy the layer out of the stack)
-    assert choose({"onednn": _per_product(4.0), "xla": {"dw": 3.0}}) == Libraries("onednn", "onednn", "xla")
-    assert choose({"onednn": _per_product(4.0), "xla": {"dw": 3.8}}) == Libraries.every("onednn")
-    by_product = {"xla": _per_product(1.0, 1.0, 3.2), "onednn": _per_product(4.0),
-                  "mkl": _per_product(4.0, 4.0, 3.0), "torch": _per_product(0.5)}
+    by_product = {"xla": _per_product(1.0), "onednn": _per_product(4.0), "mkl": _per_product(4.0, 4.0, 3.0),
+                  "torch": _per_product(0.5)}
     assert fastest_libraries(by_product) == (Libraries("onednn", "onednn", "mkl"),
-                                             {"onednn": _per_product(4.0), "mkl": _per_product(4.0, 4.0, 3.0),
-                                              "xla": {"dw": 3.2}})
-    assert fastest_libraries({"xla": _per_product(1.0)}) is None  # no in-place library measured
+                                             {"onednn": _per_product(4.0), "mkl": _per_product(4.0, 4.0, 3.0)})
+    assert fastest_libraries({"xla": _per_product(1.0)}) is None  # the in-place libraries only
     assert str(Libraries.every("mkl")) == "mkl"
     assert str(Libraries("onednn", "onednn_primitive", "mkl")) == "fwd onednn, dx onednn_primitive, dw mkl"
 
@@ -436,12 +431,10 @@ def test_auto_takes_the_libraries_recorded_fastest_on_this_cpu(monkeypatch, tmp_
     monkeypatch.setattr(stacked_matmul, "_measured_choice", lambda candidates: pytest.fail("measured"))
     _all_available(monkeypatch)
     libraries = tuple(stacked_matmul.LIBRARIES)
-    with pytest.raises(ValueError, match="library 'cublas' for dx: expected one of onednn, onednn_primitive, mkl$"):
+    with pytest.raises(ValueError, match="library 'cublas': expected one of onednn, onednn_primitive, mkl"):
         matmul_record.record(Libraries("onednn", "cublas", "onednn"), {}, libraries)
-    with pytest.raises(ValueError, match="library 'xla' for fwd: expected one of onednn, onednn_primitive, mkl$"):
-        matmul_record.record(Libraries("xla", "onednn", "onednn"), {}, libraries)  # XLA's dot: the weight gradient's
     measured = {"onednn": _per_product(12.0), "onednn_primitive": _per_product(11.5, 10.0, 11.5),
-                "mkl": _per_product(10.0, 11.0, 10.0), "xla": {"dw": 11.9}}
+                "mkl": _per_product(10.0, 11.0, 10.0)}
     chosen = Libraries("mkl", "onednn_primitive", "mkl")
     other = Cpu("Other CPU", frozenset({"avx2"}))
     matmul_record.record(chosen, measured, libraries, cpu=other)
@@ -472,8 +465,6 @@ def test_auto_takes_the_libraries_recorded_fastest_on_this_cpu(monkeypatch, tmp_
     entry[this] = {"library": "mkl", "measurements": {lib: 10.0 for lib in libraries}}  # an older record's form
     matmul_record.record_path().write_text(json.dumps(entry))
     assert matmul_record.recorded_choice(libraries) is None  # measured again: the products were not timed apart
-    matmul_record.record(Libraries.every("onednn"), {k: v for k, v in measured.items() if k != "xla"}, libraries)
-    assert matmul_record.recorded_choice(libraries) is None  # nor XLA's weight gradient
     matmul_record.record_path().write_text("{not json")
     assert matmul_record.recorded_choice(libraries) is None  # an unreadable record is no record
 
@@ -489,12 +480,12 @@ def test_auto_measures_once_per_cpu_where_no_record_covers_the_libraries(monkeyp
     stacked_matmul._tuned.cache_clear()
     stacked_matmul._announce_recorded.cache_clear()
     seconds = {"onednn": _per_product(0.10), "onednn_primitive": _per_product(0.097, 0.085, 0.11),
-               "mkl": _per_product(0.08), "xla": {"dw": 0.095}}
+               "mkl": _per_product(0.08)}
     asked = []
 
     def measure(libraries, rounds=matmul_tuning.ROUNDS, ops=None):
         asked.append(libraries)
-        return {lib: seconds[lib] for lib in (*libraries, "xla")}
+        return {lib: seconds[lib] for lib in libraries}
 
     monkeypatch.setattr(matmul_tuning, "measure", measure)
     _all_available(monkeypatch, unavailable=("mkl",))  # torch not installed yet
@@ -504,7 +495,7 @@ def test_auto_measures_once_per_cpu_where_no_record_covers_the_libraries(monkeyp
     entry = json.loads(matmul_record.record_path().read_text())
     assert [(e["libraries"], e["measurements"]) for e in entry.values()] == \
         [({"fwd": "onednn", "dx": "onednn_primitive", "dw": "onednn"},
-          {"onednn": seconds["onednn"], "onednn_primitive": seconds["onednn_primitive"], "xla": seconds["xla"]})]
+          {"onednn": seconds["onednn"], "onednn_primitive": seconds["onednn_primitive"]})]
     out = capsys.readouterr().out
     assert "timing oneDNN's sgemm, oneDNN's matmul primitive once for this CPU" in out
     assert "onednn_primitive fwd 97.0 / dx 85.0 / dw 110.0 ms" in out
@@ -541,12 +532,10 @@ def test_the_measurement_times_each_librarys_products(library):
     for product, by_numpy in products.items():
         expected = sum(by_numpy(x[i], w[i], g[i])[0, 0] for x, w, g in numpy_ops for i in range(3))
         np.testing.assert_allclose(float(matmul_tuning.products(library, product)(ops)), expected, rtol=1e-4)
-    expected = sum((x[i].T @ g[i])[0, 0] for x, w, g in numpy_ops for i in range(3))
-    np.testing.assert_allclose(float(matmul_tuning.products("xla", "dw")(ops)), expected, rtol=1e-4)
     seconds = matmul_tuning.measure((library, "onednn"), rounds=2, ops=ops)
-    assert {lib: set(by_product) for lib, by_product in seconds.items()} == \
-        {library: set(products), "onednn": set(products), "xla": {"dw"}}  # XLA's dot: the weight gradient's
-    assert all(0 < s < 10 for by_product in seconds.values() for s in by_product.values())
+    assert set(seconds) == {library, "onednn"}
+    assert all(set(by_product) == set(products) and all(0 < s < 10 for s in by_product.values())
+               for by_product in seconds.values())
 
 
 @pytest.mark.parametrize("library", LIBRARIES)
@@ -557,7 +546,6 @@ def test_a_model_on_auto_calls_the_recorded_librarys_handlers(monkeypatch, tmp_p
     monkeypatch.setattr(stacked_matmul, "AUTO_MIN_LAYER_ELEMENTS", 0)  # the test model and batch are small
     monkeypatch.setattr(stacked_matmul, "AUTO_MIN_ROWS", 0)
     measured = {lib: _per_product(1.0 if lib == library else 2.0) for lib in stacked_matmul.LIBRARIES}
-    measured["xla"] = {"dw": 2.0}
     matmul_record.record(matmul_record.Libraries.every(library), measured, tuple(stacked_matmul.LIBRARIES))
     ids, mask = _batch()
     graphdef, params = _model("auto")
@@ -610,7 +598,7 @@ def test_the_once_per_machine_command_measures_then_reads_the_record(tmp_path):
     chosen = first.strip().splitlines()[-1]
     [entry] = json.loads((tmp_path / "ppojax" / "matmul_library.json").read_text()).values()
     libraries = [entry["libraries"][product] for product in ("fwd", "dx", "dw")]
-    assert set(libraries[:2]) <= set(stacked_matmul.LIBRARIES) and libraries[2] in {*stacked_matmul.LIBRARIES, "xla"}
+    assert set(libraries) <= set(stacked_matmul.LIBRARIES)
     assert chosen == f"'auto' takes: {stacked_matmul.Libraries(*libraries)}"
     assert "timing" not in second and second.strip().splitlines()[-1] == chosen
     # a run on "auto" loads the chosen libraries' handlers only: MKL's mean torch's whole runtime in the process

@@ -3,8 +3,7 @@
 oneDNN's and MKL's float32 GEMMs win on different CPUs at a model's shapes (`benchmarks/RESULTS.md`: on a Zen 4
 host oneDNN's in-place products beat MKL's; TRL's update, on MKL, ran faster on an Intel AMX host than ppojax's on
 oneDNN), and on different products of one CPU (oneDNN's matmul primitive reads a layer transposed, the input
-gradient, faster than its sgemm on both hosts; XLA's own dot, which needs no copy of a layer for the weight
-gradient, led that product on the Intel host), so the choice is a measurement per product, never a rule typed in
+gradient, faster than its sgemm on both hosts), so the choice is a measurement per product, never a rule typed in
 for one host. The measured seconds per library and product are recorded under this CPU's signature (its model
 name and instruction sets, as ``ppojax.xla_cpu_options`` keys its records) in
 ``~/.cache/ppojax/matmul_library.json``, with the libraries chosen (:func:`choose`: per product the fastest, but
@@ -35,16 +34,11 @@ RECORD_FILE = "matmul_library.json"
 RECORD_MARGIN = 0.9
 #: a projection's three products, each measured and chosen on its own
 PRODUCTS = ("fwd", "dx", "dw")
-#: the weight gradient reads no weight, so XLA's own dot computes it without copying a layer out of the stack: a
-#: candidate for that product beside the libraries (on the Intel AMX host it led them all, RESULTS, twenty-third
-#: session)
-XLA = "xla"
-XLA_PRODUCTS = ("dw",)
 
 
 class Libraries(NamedTuple):
     """The GEMM library of each product of a layer's projection: the forward ``x @ W``, the input gradient
-    ``g @ W.T`` (the layer read transposed) and the weight gradient ``x.T @ g`` (a library or `XLA`)."""
+    ``g @ W.T`` (the layer read transposed) and the weight gradient ``x.T @ g``."""
     fwd: str
     dx: str
     dw: str
@@ -60,21 +54,16 @@ class Libraries(NamedTuple):
 
 
 def choose(measured: Mapping[str, Mapping[str, float]]) -> Libraries:
-    """The libraries to take from `measured` ({library: {product: seconds of the same GEMMs}}: every product of
-    each library, `XLA_PRODUCTS` of `XLA`): per product the fastest, unless oneDNN's sgemm was measured and the
-    fastest does not beat it by `RECORD_MARGIN`."""
+    """The libraries to take from `measured` ({library: {product: seconds of the same GEMMs}}, not empty): per
+    product the fastest, unless oneDNN's sgemm was measured and the fastest does not beat it by `RECORD_MARGIN`."""
     def fastest(product: str) -> str:
-        seconds = {library: by_product[product] for library, by_product in measured.items() if product in by_product}
+        seconds = {library: by_product[product] for library, by_product in measured.items()}
         best = min(seconds, key=seconds.get)
         if "onednn" in seconds and seconds[best] > RECORD_MARGIN * seconds["onednn"]:
             return "onednn"
         return best
 
     return Libraries(*map(fastest, PRODUCTS))
-
-
-def _products_of(library: str) -> tuple:
-    return XLA_PRODUCTS if library == XLA else PRODUCTS
 
 
 def record_path(environ: Mapping[str, str] = os.environ) -> Path:
@@ -87,10 +76,9 @@ def record(chosen: Libraries, measurements: dict, libraries, *, cpu: Optional[Cp
     """Record `chosen` (each product's library one of `libraries`) as the measured choice for `cpu` (default: this
     one); `measurements` (what decided it: {library: {product: seconds}}) kept beside it. Other CPUs' records are
     kept. Written atomically."""
-    for product, library in zip(PRODUCTS, chosen):
-        allowed = (*libraries, XLA) if product in XLA_PRODUCTS else tuple(libraries)
-        if library not in allowed:
-            raise ValueError(f"library {library!r} for {product}: expected one of {', '.join(allowed)}")
+    for library in chosen:
+        if library not in libraries:
+            raise ValueError(f"library {library!r}: expected one of {', '.join(libraries)}")
     cpu = cpu or this_cpu()
     path = record_path(environ)
     records = read_records(path)
@@ -102,21 +90,18 @@ def record(chosen: Libraries, measurements: dict, libraries, *, cpu: Optional[Cp
 
 def recorded_choice(candidates, *, cpu: Optional[Cpu] = None,
                     environ: Mapping[str, str] = os.environ) -> Optional[Libraries]:
-    """The libraries to take among `candidates` (those whose handlers can be had now; `XLA` for its products) by
-    `cpu`'s record, or None where the record did not measure every candidate's every product (none yet, another
-    CPU's, an unreadable one, one written before the products were measured apart, or a library installed since):
-    the recorded libraries where each is a candidate, else :func:`choose` among the candidates' recorded seconds."""
+    """The libraries to take among `candidates` (those whose handlers can be had now) by `cpu`'s record, or None
+    where the record did not measure every candidate's every product (none yet, another CPU's, an unreadable one,
+    one written before the products were measured apart, or a library installed since): the recorded libraries
+    where each is a candidate, else :func:`choose` among the candidates' recorded seconds."""
     entry = read_records(record_path(environ)).get((cpu or this_cpu()).signature)
     measured = entry.get("measurements") if isinstance(entry, dict) else None
-    everyone = (*candidates, XLA)
     if not candidates or not isinstance(measured, dict) or not all(
             isinstance(measured.get(lib), dict)
-            and all(isinstance(measured[lib].get(product), (int, float)) for product in _products_of(lib))
-            for lib in everyone):
+            and all(isinstance(measured[lib].get(product), (int, float)) for product in PRODUCTS)
+            for lib in candidates):
         return None
     chosen = entry.get("libraries")
-    if isinstance(chosen, dict) and all(chosen.get(product) in (everyone if product in XLA_PRODUCTS else candidates)
-                                        for product in PRODUCTS):
+    if isinstance(chosen, dict) and all(chosen.get(product) in candidates for product in PRODUCTS):
         return Libraries(*(chosen[product] for product in PRODUCTS))
-    return choose({lib: {product: float(measured[lib][product]) for product in _products_of(lib)}
-                   for lib in everyone})
+    return choose({lib: {product: float(measured[lib][product]) for product in PRODUCTS} for lib in candidates})

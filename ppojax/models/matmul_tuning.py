@@ -5,11 +5,11 @@ The first model that "auto" puts on the in-place handlers (`stacked_matmul`) on 
 (`matmul_record`) did not measure every library to be had now times ppojax's handlers on each of them and records
 the seconds and the libraries chosen (`matmul_record.choose`: one per product) under this CPU's signature; later
 processes on that CPU read the record. What is timed is what a training step asks of them: one layer's forward,
-input-gradient and weight-gradient products (`x @ W`, `g @ W.T`, `x.T @ g`; the last by XLA's dot too, which
-reads no weight), each product timed on its own, at SmolLM2-135M's four projection shapes and an update's 384
-token rows, the weights read in place from a stack of a few layers in a layer scan (each layer's operands its own,
-as the update's backward has them). The libraries and products take turns within each round; each one's figure is
-its fastest round (what another process's load cannot make faster). A few seconds, once per CPU, said when it runs; ``python -m benchmarks.gemm_shapes --record``
+input-gradient and weight-gradient products (`x @ W`, `g @ W.T`, `x.T @ g`), each product timed on its own, at
+SmolLM2-135M's four projection shapes and an update's 384 token rows, the weights read in place from a stack of a
+few layers in a layer scan (each layer's operands its own, as the update's backward has them). The libraries and
+products take turns within each round; each one's figure is its fastest round (what another process's load cannot
+make faster). A few seconds, once per CPU, said when it runs; ``python -m benchmarks.gemm_shapes --record``
 measures one whole update's GEMMs instead.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .matmul_record import PRODUCTS, XLA, XLA_PRODUCTS, Libraries
+from .matmul_record import PRODUCTS, Libraries
 
 #: (d_in, d_out) of SmolLM2-135M's projections: q/o, k/v, gate/up, down
 SHAPES = ((576, 576), (576, 192), (576, 1536), (1536, 576))
@@ -40,8 +40,8 @@ def operands(shapes=SHAPES, rows: int = ROWS, layers: int = LAYERS, seed: int = 
 
 def products(library: str, product: str):
     """A jitted function of `operands()` running every layer's `product` ("fwd", "dx" or "dw":
-    `matmul_record.PRODUCTS`) through `library`'s handlers (registered: `stacked_matmul.unavailable_reason` first;
-    or XLA's dot for `XLA_PRODUCTS`) -> f32[] (one element of each product, which keeps them all)."""
+    `matmul_record.PRODUCTS`) through `library`'s handlers (registered: `stacked_matmul.unavailable_reason` first)
+    -> f32[] (one element of each product, which keeps them all)."""
     from .stacked_matmul import _gemm, weight_grad
 
     one_layer = {"fwd": lambda x, stack, g, i: _gemm(x[i], stack, i, False, library),
@@ -59,11 +59,10 @@ def products(library: str, product: str):
 
 def measure(libraries, rounds: int = ROUNDS, ops=None) -> dict:
     """{library: {product: seconds of one pass of `products`}} (each its fastest of `rounds`) for `libraries`
-    (their handlers registered) and `XLA`'s `XLA_PRODUCTS`, every pass taking its turn within each round after one
-    untimed pass each."""
+    (their handlers registered), every library's products taking turns within each round after one untimed pass
+    each."""
     ops = operands() if ops is None else ops
     passes = {(library, product): products(library, product) for library in libraries for product in PRODUCTS}
-    passes.update({(XLA, product): products(XLA, product) for product in XLA_PRODUCTS})
     for run in passes.values():
         jax.block_until_ready(run(ops))  # compiles, and wakes the library's threads
     best = {key: float("inf") for key in passes}
@@ -73,8 +72,7 @@ def measure(libraries, rounds: int = ROUNDS, ops=None) -> dict:
             start = time.perf_counter()
             jax.block_until_ready(passes[key](ops))
             best[key] = min(best[key], time.perf_counter() - start)
-    return {library: {product: best[library, product] for product in PRODUCTS} for library in libraries} | \
-        {XLA: {product: best[XLA, product] for product in XLA_PRODUCTS}}
+    return {library: {product: best[library, product] for product in PRODUCTS} for library in libraries}
 
 
 def tune(candidates) -> Libraries:

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from .matmul_record import PRODUCTS, XLA, Libraries
+from .matmul_record import PRODUCTS, Libraries
 
 SOURCE = Path(__file__).with_name("stacked_gemm.cc")
 #: the GEMM libraries the handlers can be built on ("auto" takes the one measured fastest on this CPU),
@@ -115,24 +115,19 @@ def library_of(implementation: str) -> Libraries:
     if "onednn" not in candidates:  # the baseline the others must beat, itself measured against XLA's dots
         return Libraries.every("onednn")  # (not to be had: `applies` keeps XLA's dots)
     chosen = recorded_choice(candidates) or _measured_choice(candidates)
-    if any(map(unavailable_reason, _handler_libraries(chosen))):  # handlers that would not load: XLA's dots
+    if any(unavailable_reason(library) for library in set(chosen)):  # handlers that would not load: XLA's dots
         return Libraries.every("onednn")
     if chosen != Libraries.every("onednn"):
         _announce_recorded(chosen)
     return chosen
 
 
-def _handler_libraries(libraries: Libraries) -> tuple:
-    """The libraries whose handlers `libraries` call, each once (XLA's dot is no handler)."""
-    return tuple(library for library in dict.fromkeys(libraries) if library != XLA)
-
-
 def described(libraries: Libraries) -> str:
     """`libraries` in words: "oneDNN's sgemm for the projections", or the library of each product."""
-    names = {**LIBRARY_NAMES, XLA: "XLA's dot"}
     if len(set(libraries)) == 1:
-        return f"{names[libraries.fwd]} for the projections"
-    return ", ".join(f"{names[library]} for {PRODUCT_NAMES[product]}" for product, library in zip(PRODUCTS, libraries))
+        return f"{LIBRARY_NAMES[libraries.fwd]} for the projections"
+    return ", ".join(f"{LIBRARY_NAMES[library]} for {PRODUCT_NAMES[product]}"
+                     for product, library in zip(PRODUCTS, libraries))
 
 
 def buildable_libraries() -> tuple:
@@ -297,7 +292,7 @@ def unavailable_on(devices: int, implementation: str = "onednn") -> str:
     "auto" chooses its library (building handlers, measuring once per CPU) only where the products can run."""
     if jax.default_backend() != "cpu" or devices != 1:
         return f"it runs on a single CPU device, and here are {devices} {jax.default_backend()} device(s)"
-    return next(filter(None, map(unavailable_reason, _handler_libraries(library_of(implementation)))), "")
+    return next(filter(None, map(unavailable_reason, dict.fromkeys(library_of(implementation)))), "")
 
 
 def check_implementation(implementation: str) -> None:
@@ -361,10 +356,7 @@ def _matmul_fwd(x, stack, layer, libraries):
 
 
 def weight_grad(x: Array, g: Array, library: str) -> Array:
-    """x.T @ g -> f32[K, M] for x f32[N, K], g f32[N, M], by `library`'s GEMM or XLA's dot (`XLA`: it reads no
-    weight, so nothing is copied out of a stack for it) (one layer's weight gradient)."""
-    if library == XLA:
-        return x.T @ g
+    """x.T @ g -> f32[K, M] for x f32[N, K], g f32[N, M], by `library`'s GEMM (one layer's weight gradient)."""
     out = jax.ShapeDtypeStruct((x.shape[1], g.shape[1]), jnp.float32)
     return jax.ffi.ffi_call(TARGETS[library]["weight_grad"], out, vmap_method="sequential")(x, g)
 
