@@ -555,8 +555,8 @@ def test_a_model_on_auto_calls_the_recorded_librarys_handlers(monkeypatch, tmp_p
 
 
 def test_a_model_on_auto_runs_each_product_on_its_recorded_library(monkeypatch, tmp_path):
-    """A record that chose a library per product (the weight gradient XLA's dot): a model's gradients on "auto" are
-    XLA's, its forwards on the first library, its input gradients on the second, no weight-gradient handler."""
+    """A record that chose a library per product: a model's gradients on "auto" are XLA's, its forwards on the first
+    library, its input gradients on the second, its weight gradients on the third."""
     from ppojax.models import matmul_record
 
     if stacked_matmul.unavailable_reason("onednn_primitive"):
@@ -565,8 +565,8 @@ def test_a_model_on_auto_runs_each_product_on_its_recorded_library(monkeypatch, 
     monkeypatch.setattr(stacked_matmul, "AUTO_MIN_LAYER_ELEMENTS", 0)  # the test model and batch are small
     monkeypatch.setattr(stacked_matmul, "AUTO_MIN_ROWS", 0)
     monkeypatch.setattr(stacked_matmul, "buildable_libraries", lambda: ("onednn", "onednn_primitive"))
-    measured = {"onednn": _per_product(2.0), "onednn_primitive": _per_product(2.0, 1.0, 2.0), "xla": {"dw": 1.0}}
-    chosen = matmul_record.Libraries("onednn", "onednn_primitive", "xla")
+    measured = {"onednn": _per_product(2.0, 2.0, 1.0), "onednn_primitive": _per_product(2.0, 1.0, 2.0)}
+    chosen = matmul_record.Libraries("onednn", "onednn_primitive", "onednn")
     matmul_record.record(chosen, measured, tuple(stacked_matmul.LIBRARIES))
     assert stacked_matmul.library_of("auto") == chosen
     ids, mask = _batch()
@@ -576,10 +576,12 @@ def test_a_model_on_auto_runs_each_product_on_its_recorded_library(monkeypatch, 
     for a, b in zip(jax.tree.leaves(g_x), jax.tree.leaves(g_a)):
         assert rel_err(b, a) < 1e-4
     hlo = grad.lower(*_model("auto"), ids, mask).compile().as_text()
-    # 7 projections per layer body: 7 forward products on oneDNN's sgemm, 7 input gradients on its primitive
+    # 7 projections per layer body: 7 forward products on oneDNN's sgemm, 7 input gradients on its primitive, and
+    # 7 weight gradients on the sgemm
     assert {lib: custom_calls(hlo, lib) for lib in stacked_matmul.LIBRARIES} == \
         {"onednn": 7, "onednn_primitive": 7, "mkl": 0}
-    assert not any(targets["weight_grad"] in hlo for targets in stacked_matmul.TARGETS.values())
+    assert {lib: hlo.count(f'custom_call_target="{targets["weight_grad"]}"')
+            for lib, targets in stacked_matmul.TARGETS.items()} == {"onednn": 7, "onednn_primitive": 0, "mkl": 0}
 
 
 def test_the_once_per_machine_command_measures_then_reads_the_record(tmp_path):

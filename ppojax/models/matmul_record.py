@@ -32,7 +32,9 @@ RECORD_FILE = "matmul_library.json"
 #: oneDNN's time there: on Zen 4 neither the matmul primitive's 4-6 % lead in an update's GEMMs nor its 8 % lead in
 #: the input gradients gave a measurably faster step (RESULTS, twentieth and twenty-third sessions)
 RECORD_MARGIN = 0.9
-#: a projection's three products, each measured and chosen on its own
+#: a projection's three products, each measured and chosen on its own (among the libraries only: XLA's dot, which
+#: reads no weight for the weight gradient, led it in isolation on the Intel host yet made a Zen 4 step 1.6 s slower,
+#: RESULTS, twenty-third session)
 PRODUCTS = ("fwd", "dx", "dw")
 
 
