@@ -17,7 +17,8 @@
 #   gpu-bench  `benchmarks.gpu` (tiny, SmolLM2, a random 1B Llama under mixed and bfloat16) and TRL on the
 #              same GPU (`trl_ppo --device cuda --bf16`).
 #   cpu-ab     alone: SmolLM2 `benchmarks.ppojax_ppo` under two `--matmul` implementations side by side (AB_IMPLS,
-#              default "onednn mkl"; the nineteenth session ran "xla onednn"), each on its own two cores (a
+#              default "onednn auto": `auto`'s library per product, measured there first, against oneDNN's sgemm
+#              for every product; the nineteenth session ran "xla onednn"), each on its own two cores (a
 #              paired comparison under the same load), and `benchmarks.step_profile` float32 (--matmul
 #              PROFILE_MATMUL, default the second) on two more: which projections pay on that CPU, and where a
 #              step's time goes there (~2.5 min);
@@ -128,7 +129,7 @@ profile_float32() {
     --json "$OUT/step_profile_float32.json" > "$OUT/step_profile.log" 2>&1
 }
 if want cpu-ab; then
-  read -r IMPL_A IMPL_B <<< "${AB_IMPLS:-onednn mkl}"
+  read -r IMPL_A IMPL_B <<< "${AB_IMPLS:-onednn auto}"
   stamp "cpu-ab: --matmul $IMPL_A on CPUs $CPU_F32, --matmul $IMPL_B on $CPU_MIXED, step_profile" \
     "(--matmul ${PROFILE_MATMUL:-$IMPL_B}) on $CPU_PROF"
   AB=(); AB_ARGS="--size ${PROFILE_SIZE:-smollm2} --updates ${AB_UPDATES:-5} --no-phases"
