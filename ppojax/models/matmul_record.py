@@ -12,7 +12,8 @@ oneDNN's sgemm unless another beats it by 10 %). Two measurements write it:
 - ``matmul_tuning``: the first model "auto" puts on the in-place handlers on a CPU without a record (or with one
   that did not measure every library and product to be had now) measures a few seconds' worth of one layer's
   products;
-- ``python -m benchmarks.gemm_shapes --record``: one whole update's GEMMs at SmolLM2's shapes, per library.
+- ``python -m benchmarks.gemm_shapes --record``: one whole update's GEMMs at SmolLM2's shapes, per library and
+  product.
 
 "onednn", "onednn_primitive" and "mkl" name their library for every product whatever the record says.
 """
