@@ -26,8 +26,8 @@ sums one PPO update's products as the benchmark's work runs them (4 epochs; poli
 each; the policy's LM head): the time the update's GEMMs alone would take, by implementation, and as ppojax runs
 them (``ppojax``: each product of the projections by the in-place library ``--record`` would record from these
 figures, the LM head by ``xla``); ``update_s_by_product``: the projections' seconds per implementation and product.
-The projections' forward at a decode step's 8 rows too (``decode_step_s``: one decode step's projections, the policy's 30 layers):
-there the in-place columns run the handlers' own few-row kernels where the CPU has them
+The projections' forward at a decode step's 8 rows too (``decode_step_s``: one decode step's projections, the
+policy's 30 layers): there the in-place columns run the handlers' own few-row kernels where the CPU has them
 (`stacked_matmul.few_rows_limit`, whatever the library), the library's GEMM elsewhere. Run it pinned
 (`taskset`) to the cores compared. ``--record``: record for each product the in-place library (``onednn``,
 ``onednn_primitive`` or ``mkl``) whose update projections were fastest as this CPU's choice for
