@@ -24,15 +24,15 @@ layer scan's backward has them; the LM head once). Each figure is the median ove
 implementations take turns within each round, each after one untimed pass (that wakes its threads). ``update_s``
 sums one PPO update's products as the benchmark's work runs them (4 epochs; policy and value model, 30 layers
 each; the policy's LM head): the time the update's GEMMs alone would take, by implementation, and as ppojax runs
-them (``ppojax``: each product of the projections by the in-place library ``--record`` would record from these
-figures, the LM head by ``xla``); ``update_s_by_product``: the projections' seconds per implementation and product.
+them (``ppojax``: each product of each projection shape by the in-place library ``--record`` would record from
+these figures, the LM head by ``xla``); ``update_s_by_product``: the projections' seconds per implementation and product.
 The projections' forward at a decode step's 8 rows too (``decode_step_s``: one decode step's projections, the
 policy's 30 layers): there the in-place columns run the handlers' own few-row kernels where the CPU has them
 (`stacked_matmul.few_rows_limit`, whatever the library), the library's GEMM elsewhere. Run it pinned
-(`taskset`) to the cores compared. ``--record``: record for each product the in-place library (``onednn``,
-``onednn_primitive`` or ``mkl``) whose update projections were fastest as this CPU's choice for
-`matmul_implementation: auto` (`ppojax.models.matmul_record`); oneDNN's sgemm stays unless another beats it by 10 %
-(`matmul_record.RECORD_MARGIN`).
+(`taskset`) to the cores compared. ``--record``: record for each projection shape and product the in-place library
+(``onednn``, ``onednn_primitive`` or ``mkl``) that was fastest there as this CPU's choice for
+`matmul_implementation: auto` at those shapes (`ppojax.models.matmul_record`); oneDNN's sgemm stays unless another
+beats it by 10 % (`matmul_record.RECORD_MARGIN`).
 """
 from __future__ import annotations
 
@@ -272,36 +272,44 @@ def projections_by_product(results: dict, shapes=SHAPES) -> dict:
 
 def update_seconds(results: dict, shapes=SHAPES) -> dict:
     """One PPO update's GEMM seconds (the benchmark's work) by implementation, and as ppojax runs them (each
-    product of the projections by the library `fastest_libraries` takes, the LM head, the shape without per-layer
-    uses, by XLA)."""
+    product of each projection shape by the library `fastest_libraries` takes, the LM head, the shape without
+    per-layer uses, by XLA)."""
     found = {impl for cells in results.values() for cell in cells.values() for impl in cell}
 
-    def total(pick) -> float | None:
+    def total(pick) -> float | None:  # pick(name, uses, product) -> implementation
         seconds = 0.0
         for name, _rows, _d_in, _d_out, uses in shapes:
             for product in PRODUCTS:
-                impl = pick(uses, product)
+                impl = pick(name, uses, product)
                 if "s" not in results[name][product].get(impl, {}):
                     return None
                 seconds += _uses_per_update(uses) * results[name][product][impl]["s"]
         return seconds
 
-    out = {impl: total(lambda uses, product, impl=impl: impl) for impl in IMPLEMENTATIONS if impl in found}
-    fastest = fastest_libraries(projections_by_product(results, shapes))
-    chosen = dict(zip(PRODUCTS, fastest[0])) if fastest else {product: "xla" for product in PRODUCTS}
-    out["ppojax"] = total(lambda uses, product: "xla" if uses is None else chosen[product])
+    out = {impl: total(lambda name, uses, product, impl=impl: impl) for impl in IMPLEMENTATIONS if impl in found}
+    chosen = (fastest_libraries(results, shapes) or ({},))[0]
+    dims = {name: (d_in, d_out) for name, _rows, d_in, d_out, _uses in shapes}
+    out["ppojax"] = total(lambda name, uses, product: "xla" if uses is None or dims[name] not in chosen
+                          else getattr(chosen[dims[name]], product))
     return out
 
 
-def fastest_libraries(by_product: dict) -> tuple | None:
-    """(the in-place libraries to record, one per product (`matmul_record.Libraries`), {library: {product:
-    seconds}}) among those measured in `by_product` ({implementation: {product: seconds}}), or None where none was
-    (`matmul_record.choose`: per product the fastest, but oneDNN's sgemm unless another beats it by 10 %)."""
+def fastest_libraries(results: dict, shapes=SHAPES) -> tuple | None:
+    """({(d_in, d_out): the in-place libraries to record, one per product (`matmul_record.Libraries`)},
+    {(d_in, d_out): {library: {product: seconds of one pass of its layers}}}) for the layer projections' shapes, among
+    the in-place libraries measured at every one of them in `results`, or None where none was
+    (`matmul_record.choose`: per shape and product the fastest, but oneDNN's sgemm unless another beats it by 10 %)."""
     from ppojax.models.matmul_record import choose
     from ppojax.models.stacked_matmul import LIBRARIES
 
-    measured = {lib: by_product[lib] for lib in LIBRARIES if lib in by_product}
-    return (choose(measured), measured) if measured else None
+    layers = [(name, (d_in, d_out)) for name, _rows, d_in, d_out, uses in shapes if uses is not None]
+    measured = {shape: {lib: {product: results[name][product][lib]["s"] for product in PRODUCTS}
+                        for lib in LIBRARIES
+                        if all("s" in results[n][product].get(lib, {}) for n, _ in layers for product in PRODUCTS)}
+                for name, shape in layers}
+    if not layers or not all(measured.values()):
+        return None
+    return {shape: choose(by_library) for shape, by_library in measured.items()}, measured
 
 
 def main(argv=None):
@@ -310,7 +318,8 @@ def main(argv=None):
     parser.add_argument("--only", default=",".join(IMPLEMENTATIONS), help="implementations, comma-separated")
     parser.add_argument("--json", default=None, help="write the report here")
     parser.add_argument("--record", action="store_true",
-                        help="record the fastest in-place library as this CPU's choice for matmul_implementation: auto")
+                        help="record the fastest in-place library per shape and product as this CPU's choice for "
+                             "matmul_implementation: auto")
     args = parser.parse_args(argv)
     only = [i for i in args.only.split(",") if i]
     unknown = sorted(set(only) - set(IMPLEMENTATIONS))
@@ -348,16 +357,14 @@ def main(argv=None):
     if args.record:
         from ppojax.models import matmul_record, stacked_matmul
 
-        fastest = fastest_libraries(report["update_s_by_product"])
+        fastest = fastest_libraries(report["results"])
         if fastest is None:
             print("--record: no in-place library could be measured here; nothing recorded")
             return 1
         chosen, measured = fastest
         path = matmul_record.record(chosen, measured, tuple(stacked_matmul.LIBRARIES))
-        seconds = "; ".join(f"{lib} " + " / ".join(f"{product} {s:.2f}" for product, s in by_product.items()) + " s"
-                            for lib, by_product in measured.items())
-        print(f"recorded {stacked_matmul.described(chosen)} for this CPU ({seconds}) in {path}: "
-              f"matmul_implementation 'auto' takes it")
+        print(f"recorded {stacked_matmul.choice_str(chosen)} for this CPU in {path}: "
+              f"matmul_implementation 'auto' takes it at these shapes")
     return 0
 
 

@@ -210,12 +210,16 @@ def _matmul_used(config: dict, params) -> str:
     """What the policy's layer projections ran on in the update: the library (e.g. "onednn", "mkl") where
     ``stacked_matmul`` applied, else "xla" (with the reason when oneDNN's handlers were missing)."""
     from ppojax.models import stacked_matmul
+    from ppojax.models.transformer import stacked_kernel_shapes
 
-    def is_projection(path) -> bool:
-        keys = [str(getattr(k, "key", k)) for k in path]
-        return "layers" in keys and "kernel" in keys and bool({"q", "k", "v", "o", "up", "gate", "down"} & set(keys))
+    def scanned_layers(tree):  # the policy's `layers` dict (the layer scan's stacked weights)
+        if not hasattr(tree, "items"):
+            return None
+        if "layers" in tree:
+            return tree["layers"]
+        return next(filter(None, map(scanned_layers, tree.values())), None)
 
-    kernels = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(params["policy"]) if is_projection(path)]
+    kernels = stacked_kernel_shapes(scanned_layers(params["policy"]) or {})
     rows = config["batch_size"] * (config["prompt_length"] + config["response_length"])
     compute = jnp.float32 if config.get("precision", "float32") == "float32" else jnp.bfloat16
     implementation = config.get("matmul_implementation", "auto")
@@ -224,7 +228,8 @@ def _matmul_used(config: dict, params) -> str:
     except ValueError as err:
         return f"xla ({err})"
     if used:
-        return str(stacked_matmul.library_of(implementation))
+        return stacked_matmul.choice_str(stacked_matmul.library_of(implementation,
+                                                                    stacked_matmul.kernel_shapes(kernels)))
     # why not, where the default library's handlers are the reason (no library is chosen: "auto" would measure)
     why = stacked_matmul.unavailable_reason() if jax.default_backend() == "cpu" else ""
     return f"xla ({why})" if why else "xla"

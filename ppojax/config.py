@@ -193,8 +193,8 @@ class PPOConfig:
     """The layers' projections of a float32 model on a single CPU device: 'auto' (oneDNN's GEMM reading each
     layer's kernel where it lies in the stacked weights, for models whose layers hold at least 1 M kernel
     elements and calls of at least 64 token rows, where the onednn-cpu-gomp wheel and a C++ compiler let ppojax
-    build its handlers, on the GEMM library measured fastest on this CPU for each product (forward, input
-    gradient, weight gradient): timed once per CPU, a few seconds, and recorded in
+    build its handlers, on the GEMM library measured fastest on this CPU for each projection shape and product
+    (forward, input gradient, weight gradient): timed once per CPU and shape, a few seconds, and recorded in
     ~/.cache/ppojax/matmul_library.json; a decode step's at most 8 rows by the handlers' own kernels
     on AVX-512 or AVX2 CPUs; else XLA's dots, which copy each layer's kernels out first), 'xla', 'onednn'
     (whatever the size; an error where it cannot be had), 'onednn_primitive' (as 'onednn', through oneDNN's matmul

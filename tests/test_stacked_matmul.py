@@ -8,6 +8,7 @@ the compiled programs' custom calls and weight slices, the fallback and the erro
 
 import json
 import os
+import re
 import subprocess
 import sys
 import types
@@ -232,7 +233,7 @@ def test_generation_reads_the_layers_in_place_where_the_cpu_has_the_few_row_kern
     from ppojax.generate import generate
 
     monkeypatch.setattr(stacked_matmul, "AUTO_MIN_LAYER_ELEMENTS", 0)  # the test model is small
-    in_place = stacked_matmul.few_rows_limit(stacked_matmul.library_of("auto").fwd) >= 2
+    in_place = stacked_matmul.few_rows_limit("onednn") >= 2  # the handlers' own kernels, whatever the library
     graphdef, params = _model("auto")
     assert (CALL in _decode_step(graphdef, params).as_text()) == in_place
     assert CALL not in _decode_step(graphdef, params, batch=9).as_text()  # above the kernels' rows: XLA's dots
@@ -280,7 +281,7 @@ def test_auto_chooses_no_library_where_the_products_cannot_run(monkeypatch):
     """On several devices (a mesh, the tests' virtual devices) or an accelerator, "auto" keeps XLA's dots without
     building handlers or measuring anything; a library's name says why it cannot run."""
     big = [jax.ShapeDtypeStruct((3, 1024, 768), jnp.float32)]
-    monkeypatch.setattr(stacked_matmul, "library_of", lambda implementation: pytest.fail("a library was chosen"))
+    monkeypatch.setattr(stacked_matmul, "library_of", lambda *args: pytest.fail("a library was chosen"))
     monkeypatch.setattr(jax, "device_count", lambda: 8)
     assert not stacked_matmul.applies("auto", jnp.float32, big, rows=384)
     with pytest.raises(ValueError, match="single CPU device, and here are 8 cpu device"):
@@ -391,7 +392,6 @@ def _per_product(fwd, dx=None, dw=None) -> dict:
 
 
 def test_the_choice_keeps_onednn_unless_another_library_clearly_leads_each_product():
-    from benchmarks.gemm_shapes import fastest_libraries
     from ppojax.models.matmul_record import Libraries, choose
 
     assert choose({"onednn": _per_product(12.0), "mkl": _per_product(10.0)}) == Libraries.every("mkl")
@@ -402,13 +402,35 @@ def test_the_choice_keeps_onednn_unless_another_library_clearly_leads_each_produ
     # each product on its own: the primitive leads the input gradient, MKL the weight gradient, the forward stays
     assert choose({"onednn": _per_product(4.0, 4.0, 4.0), "onednn_primitive": _per_product(3.85, 3.4, 4.5),
                    "mkl": _per_product(3.9, 3.9, 3.5)}) == Libraries("onednn", "onednn_primitive", "mkl")
-    by_product = {"xla": _per_product(1.0), "onednn": _per_product(4.0), "mkl": _per_product(4.0, 4.0, 3.0),
-                  "torch": _per_product(0.5)}
-    assert fastest_libraries(by_product) == (Libraries("onednn", "onednn", "mkl"),
-                                             {"onednn": _per_product(4.0), "mkl": _per_product(4.0, 4.0, 3.0)})
-    assert fastest_libraries({"xla": _per_product(1.0)}) is None  # the in-place libraries only
     assert str(Libraries.every("mkl")) == "mkl"
     assert str(Libraries("onednn", "onednn_primitive", "mkl")) == "fwd onednn, dx onednn_primitive, dw mkl"
+
+
+def test_gemm_shapes_chooses_per_shape_and_product_among_the_in_place_libraries():
+    """`benchmarks.gemm_shapes --record`'s choice: per layer shape and product (the LM head left to XLA), among the
+    in-place libraries measured at every layer shape; its `ppojax` column sums the update as that choice runs it."""
+    from benchmarks import gemm_shapes
+    from ppojax.models.matmul_record import Libraries
+
+    shapes = (("a", 8, 4, 6, 2), ("b", 8, 6, 4, 1), ("head", 8, 4, 10, None))
+    seconds = {"a": {"xla": _per_product(1.0), "onednn": _per_product(4.0), "mkl": _per_product(4.0, 4.0, 3.0),
+                     "torch": _per_product(0.5)},
+               "b": {"xla": _per_product(1.0), "onednn": _per_product(2.0, 1.0, 2.0), "mkl": _per_product(1.0)},
+               "head": {"xla": _per_product(7.0), "onednn": _per_product(0.1)}}
+    results = {name: {product: {impl: {"s": by_product[product]} for impl, by_product in cell.items()}
+                      for product in gemm_shapes.PRODUCTS} for name, cell in seconds.items()}
+    chosen, measured = gemm_shapes.fastest_libraries(results, shapes)
+    assert chosen == {(4, 6): Libraries("onednn", "onednn", "mkl"), (6, 4): Libraries("mkl", "onednn", "mkl")}
+    assert measured == {(4, 6): {lib: seconds["a"][lib] for lib in ("onednn", "mkl")},
+                        (6, 4): {lib: seconds["b"][lib] for lib in ("onednn", "mkl")}}
+    uses = {name: gemm_shapes._uses_per_update(u) for name, *_rest, u in shapes}
+    assert gemm_shapes.update_seconds(results, shapes)["ppojax"] == pytest.approx(
+        uses["a"] * (4.0 + 4.0 + 3.0) + uses["b"] * (1.0 + 1.0 + 1.0) + uses["head"] * 3 * 7.0)
+    del results["b"]["fwd"]["mkl"]  # MKL not measured at every layer shape: not a candidate
+    assert gemm_shapes.fastest_libraries(results, shapes)[0] == {(4, 6): Libraries.every("onednn"),
+                                                                 (6, 4): Libraries.every("onednn")}
+    only_xla = {name: {product: {"xla": {"s": 1.0}} for product in gemm_shapes.PRODUCTS} for name in seconds}
+    assert gemm_shapes.fastest_libraries(only_xla, shapes) is None  # the in-place libraries only
 
 
 def _all_available(monkeypatch, unavailable=()):
@@ -418,60 +440,75 @@ def _all_available(monkeypatch, unavailable=()):
                         lambda library="onednn": "not here" if library in unavailable else "")
 
 
+SQUARE, NARROW, WIDE = (576, 576), (576, 192), (576, 1536)
+
+
 def test_auto_takes_the_libraries_recorded_fastest_on_this_cpu(monkeypatch, tmp_path, capsys):
-    """A record of this CPU's that measured every library to be had decides "auto" (said once per process); another
-    CPU's record does not, nor one measured before the products were timed apart; a recorded library that cannot be
-    had now gives way to the fastest measured one that can; "onednn" / "mkl" keep their own library whatever the
-    record says."""
+    """A record of this CPU's that measured a model's shapes with every library to be had decides "auto" for them,
+    shape by shape (said once per process); another CPU's record does not, nor one measured before the shapes and
+    products were timed apart; a recorded library that cannot be had now gives way to the fastest measured one that
+    can; "onednn" / "mkl" keep their own library whatever the record says."""
     from ppojax.models import matmul_record
     from ppojax.models.matmul_record import Libraries
     from ppojax.xla_cpu_options import Cpu
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(stacked_matmul, "_measured_choice", lambda candidates: pytest.fail("measured"))
+    monkeypatch.setattr(stacked_matmul, "_measured_choice", lambda *args: pytest.fail("measured"))
     _all_available(monkeypatch)
     libraries = tuple(stacked_matmul.LIBRARIES)
     with pytest.raises(ValueError, match="library 'cublas': expected one of onednn, onednn_primitive, mkl"):
-        matmul_record.record(Libraries("onednn", "cublas", "onednn"), {}, libraries)
+        matmul_record.record({SQUARE: Libraries("onednn", "cublas", "onednn")}, {SQUARE: {}}, libraries)
     measured = {"onednn": _per_product(12.0), "onednn_primitive": _per_product(11.5, 10.0, 11.5),
                 "mkl": _per_product(10.0, 11.0, 10.0)}
     chosen = Libraries("mkl", "onednn_primitive", "mkl")
     other = Cpu("Other CPU", frozenset({"avx2"}))
-    matmul_record.record(chosen, measured, libraries, cpu=other)
-    assert matmul_record.recorded_choice(libraries, cpu=other) == chosen
-    assert matmul_record.recorded_choice(libraries) is None  # the record is another CPU's
-    matmul_record.record(chosen, measured, libraries)
-    assert matmul_record.recorded_choice(libraries, cpu=other) == chosen  # kept beside this CPU's
+    matmul_record.record({SQUARE: chosen}, {SQUARE: measured}, libraries, cpu=other)
+    assert matmul_record.recorded_choice(libraries, (SQUARE,), cpu=other) == {SQUARE: chosen}
+    assert matmul_record.recorded_choice(libraries, (SQUARE,)) == {}  # the record is another CPU's
+    narrow = {"onednn": _per_product(4.0), "onednn_primitive": _per_product(3.0), "mkl": _per_product(5.0)}
+    matmul_record.record({SQUARE: chosen}, {SQUARE: measured}, libraries)
+    matmul_record.record({NARROW: Libraries.every("onednn_primitive")}, {NARROW: narrow}, libraries)  # added
+    assert matmul_record.recorded_choice(libraries, (SQUARE,), cpu=other) == {SQUARE: chosen}  # kept beside
+    assert matmul_record.recorded_choice(libraries, (SQUARE, WIDE)) == {SQUARE: chosen}  # WIDE: never measured
     stacked_matmul._announce_recorded.cache_clear()
     capsys.readouterr()
-    assert stacked_matmul.library_of("auto") == chosen == stacked_matmul.library_of("auto")
+    both = {SQUARE: chosen, NARROW: Libraries.every("onednn_primitive")}
+    assert stacked_matmul.library_of("auto", (SQUARE, NARROW)) == both == \
+        stacked_matmul.library_of("auto", (SQUARE, NARROW))
     said = capsys.readouterr().out.splitlines()
-    assert len(said) == 1 and ("'auto' takes MKL's sgemm for the forward products, oneDNN's matmul primitive for the "
-                               "input gradients, MKL's sgemm for the weight gradients, measured fastest") in said[0]
-    assert stacked_matmul.library_of("onednn") == Libraries.every("onednn")
-    assert stacked_matmul.library_of("onednn_primitive") == Libraries.every("onednn_primitive")
+    assert len(said) == 1 and ("'auto' takes at 576x576 MKL's sgemm for the forward products, oneDNN's matmul "
+                               "primitive for the input gradients, MKL's sgemm for the weight gradients; at 576x192 "
+                               "oneDNN's matmul primitive, measured fastest") in said[0]
+    assert stacked_matmul.choice_str(both) == "576x576 fwd mkl, dx onednn_primitive, dw mkl; 576x192 onednn_primitive"
+    assert stacked_matmul.library_of("onednn", (SQUARE, NARROW)) == {SQUARE: Libraries.every("onednn"),
+                                                                    NARROW: Libraries.every("onednn")}
+    assert stacked_matmul.library_of("mkl", (SQUARE,)) == {SQUARE: Libraries.every("mkl")}
     _all_available(monkeypatch, unavailable=("mkl",))
     # recorded, not to be had here: chosen again among the rest (the primitive leads the input gradient by 17 %)
-    assert stacked_matmul.library_of("auto") == Libraries("onednn", "onednn_primitive", "onednn")
+    assert stacked_matmul.library_of("auto", (SQUARE, NARROW)) == {
+        SQUARE: Libraries("onednn", "onednn_primitive", "onednn"), NARROW: Libraries.every("onednn_primitive")}
     _all_available(monkeypatch, unavailable=("onednn",))
-    assert stacked_matmul.library_of("auto") == Libraries.every("onednn")  # no baseline: `applies` keeps XLA's
+    assert stacked_matmul.library_of("auto", (SQUARE,)) == {SQUARE: Libraries.every("onednn")}  # no baseline
     assert not stacked_matmul.applies("auto", jnp.float32, [jax.ShapeDtypeStruct((3, 1024, 768), jnp.float32)],
-                                      rows=384)
+                                      rows=384)  # ... so `applies` keeps XLA's
     _all_available(monkeypatch, unavailable=("mkl",))
-    matmul_record.record(Libraries.every("onednn"), measured, libraries)
-    assert stacked_matmul.library_of("auto") == Libraries.every("onednn")  # the record's own choice stands
+    matmul_record.record({SQUARE: Libraries.every("onednn")}, {SQUARE: measured}, libraries)
+    assert stacked_matmul.library_of("auto", (SQUARE,)) == {SQUARE: Libraries.every("onednn")}  # the record's own
     entry = json.loads(matmul_record.record_path().read_text())
     this = next(key for key in entry if key != other.signature)
-    entry[this] = {"library": "mkl", "measurements": {lib: 10.0 for lib in libraries}}  # an older record's form
+    entry[this] = {"libraries": {"fwd": "mkl", "dx": "mkl", "dw": "mkl"}, "measurements": measured}  # an older form
     matmul_record.record_path().write_text(json.dumps(entry))
-    assert matmul_record.recorded_choice(libraries) is None  # measured again: the products were not timed apart
+    assert matmul_record.recorded_choice(libraries, (SQUARE,)) == {}  # measured again: shapes not timed apart
+    matmul_record.record({NARROW: Libraries.every("onednn_primitive")}, {NARROW: narrow}, libraries)
+    assert json.loads(matmul_record.record_path().read_text())[this]["shapes"].keys() == {"576x192"}  # replaced
     matmul_record.record_path().write_text("{not json")
-    assert matmul_record.recorded_choice(libraries) is None  # an unreadable record is no record
+    assert matmul_record.recorded_choice(libraries, (SQUARE,)) == {}  # an unreadable record is no record
 
 
-def test_auto_measures_once_per_cpu_where_no_record_covers_the_libraries(monkeypatch, tmp_path, capsys):
-    """No record, or one that did not measure a library to be had now (torch installed since): "auto" measures the
-    libraries that can be had, records the choice per product with the seconds, and later calls read it; a failed
+def test_auto_measures_once_per_cpu_the_shapes_no_record_covers(monkeypatch, tmp_path, capsys):
+    """No record, one without a model's shapes, or one that did not measure a library to be had now (torch
+    installed since): "auto" measures the libraries that can be had at the shapes not covered, records the choice
+    per shape and product with the seconds beside the shapes already there, and later calls read it; a failed
     measurement takes oneDNN's sgemm, says why and records nothing."""
     from ppojax.models import matmul_record, matmul_tuning
     from ppojax.models.matmul_record import Libraries
@@ -479,42 +516,57 @@ def test_auto_measures_once_per_cpu_where_no_record_covers_the_libraries(monkeyp
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     stacked_matmul._tuned.cache_clear()
     stacked_matmul._announce_recorded.cache_clear()
-    seconds = {"onednn": _per_product(0.10), "onednn_primitive": _per_product(0.097, 0.085, 0.11),
-               "mkl": _per_product(0.08)}
+    seconds = {SQUARE: {"onednn": _per_product(0.10), "onednn_primitive": _per_product(0.097, 0.085, 0.11),
+                        "mkl": _per_product(0.08)},
+               NARROW: {"onednn": _per_product(0.05), "onednn_primitive": _per_product(0.04, 0.05, 0.05),
+                        "mkl": _per_product(0.06)},
+               WIDE: {"onednn": _per_product(0.3), "onednn_primitive": _per_product(0.3), "mkl": _per_product(0.2)}}
     asked = []
 
-    def measure(libraries, rounds=matmul_tuning.ROUNDS, ops=None):
-        asked.append(libraries)
-        return {lib: seconds[lib] for lib in libraries}
+    def measure(libraries, rounds=matmul_tuning.ROUNDS, shapes=matmul_tuning.SHAPES, **kwargs):
+        asked.append((libraries, shapes))
+        return {shape: {lib: seconds[shape][lib] for lib in libraries} for shape in shapes}
 
     monkeypatch.setattr(matmul_tuning, "measure", measure)
     _all_available(monkeypatch, unavailable=("mkl",))  # torch not installed yet
-    # the primitive's 3 % lead in the forward is within the margin, its 15 % in the input gradient is not
-    assert stacked_matmul.library_of("auto") == Libraries("onednn", "onednn_primitive", "onednn")
-    assert asked == [("onednn", "onednn_primitive")]
-    entry = json.loads(matmul_record.record_path().read_text())
-    assert [(e["libraries"], e["measurements"]) for e in entry.values()] == \
-        [({"fwd": "onednn", "dx": "onednn_primitive", "dw": "onednn"},
-          {"onednn": seconds["onednn"], "onednn_primitive": seconds["onednn_primitive"]})]
+    # at SQUARE the primitive's 3 % lead in the forward is within the margin, its 15 % in the input gradient is not
+    first = {SQUARE: Libraries("onednn", "onednn_primitive", "onednn"),
+             NARROW: Libraries("onednn_primitive", "onednn", "onednn")}
+    assert stacked_matmul.library_of("auto", (SQUARE, NARROW)) == first
+    assert asked == [(("onednn", "onednn_primitive"), (SQUARE, NARROW))]
+    [entry] = json.loads(matmul_record.record_path().read_text()).values()
+    assert {key: (cell["libraries"], cell["measurements"]) for key, cell in entry["shapes"].items()} == {
+        "576x576": ({"fwd": "onednn", "dx": "onednn_primitive", "dw": "onednn"},
+                    {lib: seconds[SQUARE][lib] for lib in ("onednn", "onednn_primitive")}),
+        "576x192": ({"fwd": "onednn_primitive", "dx": "onednn", "dw": "onednn"},
+                    {lib: seconds[NARROW][lib] for lib in ("onednn", "onednn_primitive")})}
     out = capsys.readouterr().out
-    assert "timing oneDNN's sgemm, oneDNN's matmul primitive once for this CPU" in out
-    assert "onednn_primitive fwd 97.0 / dx 85.0 / dw 110.0 ms" in out
+    assert "timing oneDNN's sgemm, oneDNN's matmul primitive once for this CPU at 576x576, 576x192" in out
+    assert "576x576 onednn 100.0/100.0/100.0, onednn_primitive 97.0/85.0/110.0" in out
     stacked_matmul._tuned.cache_clear()  # as a new process
-    assert stacked_matmul.library_of("auto") == Libraries("onednn", "onednn_primitive", "onednn")
+    assert stacked_matmul.library_of("auto", (NARROW, SQUARE)) == first
     assert len(asked) == 1  # the record serves
+    # a model with another shape: that shape alone measured, recorded beside the others
+    assert stacked_matmul.library_of("auto", (SQUARE, WIDE)) == {SQUARE: first[SQUARE], WIDE: Libraries.every("onednn")}
+    assert asked[1:] == [(("onednn", "onednn_primitive"), (WIDE,))]
+    assert matmul_record.recorded_choice(("onednn", "onednn_primitive"), (SQUARE, NARROW, WIDE)).keys() == \
+        {SQUARE, NARROW, WIDE}
     _all_available(monkeypatch)  # torch installed since: MKL was never measured here
-    assert stacked_matmul.library_of("auto") == Libraries.every("mkl") == stacked_matmul.library_of("auto")
-    assert asked[1:] == [("onednn", "onednn_primitive", "mkl")]  # measured again, once
-    assert matmul_record.recorded_choice(tuple(seconds)) == Libraries.every("mkl")
+    assert stacked_matmul.library_of("auto", (SQUARE, WIDE)) == {SQUARE: Libraries.every("mkl"),
+                                                                 WIDE: Libraries.every("mkl")}
+    assert asked[2:] == [(("onednn", "onednn_primitive", "mkl"), (SQUARE, WIDE))]  # measured again, once
+    assert stacked_matmul.library_of("auto", (SQUARE, WIDE)) == {SQUARE: Libraries.every("mkl"),
+                                                                 WIDE: Libraries.every("mkl")}
+    assert len(asked) == 3
 
-    def broken(libraries, rounds=matmul_tuning.ROUNDS, ops=None):
+    def broken(libraries, rounds=matmul_tuning.ROUNDS, shapes=matmul_tuning.SHAPES, **kwargs):
         raise RuntimeError("a handler failed")
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "fresh"))
     monkeypatch.setattr(matmul_tuning, "measure", broken)
     stacked_matmul._tuned.cache_clear()
     capsys.readouterr()
-    assert stacked_matmul.library_of("auto") == Libraries.every("onednn")
+    assert stacked_matmul.library_of("auto", (SQUARE,)) == {SQUARE: Libraries.every("onednn")}
     assert "the measurement failed (RuntimeError: a handler failed)" in capsys.readouterr().out
     assert not matmul_record.record_path().exists()
     stacked_matmul._tuned.cache_clear()
@@ -523,7 +575,7 @@ def test_auto_measures_once_per_cpu_where_no_record_covers_the_libraries(monkeyp
 @pytest.mark.parametrize("library", LIBRARIES)
 def test_the_measurement_times_each_librarys_products(library):
     """`matmul_tuning.products` runs one product of every layer through the library's handlers (their values as
-    numpy's), and `measure` times each product of each library given."""
+    numpy's), and `measure` times each product of each library given at each shape."""
     from ppojax.models import matmul_tuning
 
     ops = matmul_tuning.operands(shapes=((64, 48),), rows=16, layers=3)
@@ -532,10 +584,11 @@ def test_the_measurement_times_each_librarys_products(library):
     for product, by_numpy in products.items():
         expected = sum(by_numpy(x[i], w[i], g[i])[0, 0] for x, w, g in numpy_ops for i in range(3))
         np.testing.assert_allclose(float(matmul_tuning.products(library, product)(ops)), expected, rtol=1e-4)
-    seconds = matmul_tuning.measure((library, "onednn"), rounds=2, ops=ops)
-    assert set(seconds) == {library, "onednn"}
+    seconds = matmul_tuning.measure((library, "onednn"), rounds=2, shapes=((64, 48), (48, 32)), rows=16, layers=3)
+    assert set(seconds) == {(64, 48), (48, 32)}
+    assert all(set(by_library) == {library, "onednn"} for by_library in seconds.values())
     assert all(set(by_product) == set(products) and all(0 < s < 10 for s in by_product.values())
-               for by_product in seconds.values())
+               for by_library in seconds.values() for by_product in by_library.values())
 
 
 @pytest.mark.parametrize("library", LIBRARIES)
@@ -546,7 +599,9 @@ def test_a_model_on_auto_calls_the_recorded_librarys_handlers(monkeypatch, tmp_p
     monkeypatch.setattr(stacked_matmul, "AUTO_MIN_LAYER_ELEMENTS", 0)  # the test model and batch are small
     monkeypatch.setattr(stacked_matmul, "AUTO_MIN_ROWS", 0)
     measured = {lib: _per_product(1.0 if lib == library else 2.0) for lib in stacked_matmul.LIBRARIES}
-    matmul_record.record(matmul_record.Libraries.every(library), measured, tuple(stacked_matmul.LIBRARIES))
+    shapes = _model_shapes()
+    matmul_record.record({shape: matmul_record.Libraries.every(library) for shape in shapes},
+                         {shape: measured for shape in shapes}, tuple(stacked_matmul.LIBRARIES))
     ids, mask = _batch()
     graphdef, params = _model("auto")
     hlo = jax.jit(lambda p: nnx.merge(graphdef, p)(ids, mask)[0]).lower(params).compile().as_text()
@@ -554,10 +609,24 @@ def test_a_model_on_auto_calls_the_recorded_librarys_handlers(monkeypatch, tmp_p
         {lib: lib == library for lib in stacked_matmul.LIBRARIES}
 
 
-def test_a_model_on_auto_runs_each_product_on_its_recorded_library(monkeypatch, tmp_path):
-    """A record that chose a library per product: a model's gradients on "auto" are XLA's, its forwards on the first
-    library, its input gradients on the second, its weight gradients on the third."""
+def _model_shapes() -> tuple:
+    """The test model's projection shapes (d_in, d_out): q/o (64, 64), k/v (64, 32), gate/up (64, 160), down (160, 64)."""
+    from ppojax.models.transformer import stacked_kernel_shapes
+
+    _graphdef, params = _model("xla")
+    return stacked_matmul.kernel_shapes(stacked_kernel_shapes(nnx.to_pure_dict(params)["backbone"]["layers"]))
+
+
+def custom_call_shapes(hlo: str, target: str) -> list:
+    """The result shapes ("64,160") of a compiled program's calls of `target`, sorted."""
+    return sorted(re.findall(r"= f32\[([\d,]+)\]\S* custom-call\([^\n]*custom_call_target=\"" + target + '"', hlo))
+
+
+def test_a_model_on_auto_runs_each_product_of_each_shape_on_its_recorded_library(monkeypatch, tmp_path):
+    """A record that chose a library per shape and product: a model's gradients on "auto" are XLA's, and each of its
+    projections' forward, input-gradient and weight-gradient products runs on the library recorded for its shape."""
     from ppojax.models import matmul_record
+    from ppojax.models.matmul_record import Libraries
 
     if stacked_matmul.unavailable_reason("onednn_primitive"):
         pytest.skip(stacked_matmul.unavailable_reason("onednn_primitive"))
@@ -565,10 +634,13 @@ def test_a_model_on_auto_runs_each_product_on_its_recorded_library(monkeypatch, 
     monkeypatch.setattr(stacked_matmul, "AUTO_MIN_LAYER_ELEMENTS", 0)  # the test model and batch are small
     monkeypatch.setattr(stacked_matmul, "AUTO_MIN_ROWS", 0)
     monkeypatch.setattr(stacked_matmul, "buildable_libraries", lambda: ("onednn", "onednn_primitive"))
-    measured = {"onednn": _per_product(2.0, 2.0, 1.0), "onednn_primitive": _per_product(2.0, 1.0, 2.0)}
-    chosen = matmul_record.Libraries("onednn", "onednn_primitive", "onednn")
-    matmul_record.record(chosen, measured, tuple(stacked_matmul.LIBRARIES))
-    assert stacked_matmul.library_of("auto") == chosen
+    assert _model_shapes() == ((64, 64), (64, 32), (64, 160), (160, 64))
+    chosen = {(64, 64): Libraries.every("onednn"), (64, 32): Libraries.every("onednn"),
+              (64, 160): Libraries.every("onednn_primitive"),
+              (160, 64): Libraries("onednn", "onednn_primitive", "onednn_primitive")}
+    measured = {lib: _per_product(1.0) for lib in ("onednn", "onednn_primitive")}
+    matmul_record.record(chosen, {shape: measured for shape in chosen}, tuple(stacked_matmul.LIBRARIES))
+    assert stacked_matmul.library_of("auto", _model_shapes()) == chosen
     ids, mask = _batch()
     grad = jax.jit(jax.value_and_grad(token_logprob_loss, argnums=1), static_argnums=0)
     (loss_x, g_x), (loss_a, g_a) = (grad(*_model(impl), ids, mask) for impl in ("xla", "auto"))
@@ -576,17 +648,23 @@ def test_a_model_on_auto_runs_each_product_on_its_recorded_library(monkeypatch, 
     for a, b in zip(jax.tree.leaves(g_x), jax.tree.leaves(g_a)):
         assert rel_err(b, a) < 1e-4
     hlo = grad.lower(*_model("auto"), ids, mask).compile().as_text()
-    # 7 projections per layer body: 7 forward products on oneDNN's sgemm, 7 input gradients on its primitive, and
-    # 7 weight gradients on the sgemm
-    assert {lib: custom_calls(hlo, lib) for lib in stacked_matmul.LIBRARIES} == \
-        {"onednn": 7, "onednn_primitive": 7, "mkl": 0}
-    assert {lib: hlo.count(f'custom_call_target="{targets["weight_grad"]}"')
-            for lib, targets in stacked_matmul.TARGETS.items()} == {"onednn": 7, "onednn_primitive": 0, "mkl": 0}
+    rows = ids.size
+    # the layer body's products: forwards [rows, d_out], input gradients [rows, d_in], weight gradients [d_in, d_out]
+    expected = {"onednn": {"matmul": sorted([f"{rows},64"] * 2 + [f"{rows},32"] * 2 + [f"{rows},64"]  # forwards
+                                            + [f"{rows},64"] * 4),  # q/o and k/v input gradients
+                           "weight_grad": ["64,32"] * 2 + ["64,64"] * 2},
+                "onednn_primitive": {"matmul": sorted([f"{rows},160"] * 2  # gate/up forwards
+                                                      + [f"{rows},64"] * 2 + [f"{rows},160"]),  # input gradients
+                                     "weight_grad": sorted(["64,160"] * 2 + ["160,64"])},
+                "mkl": {"matmul": [], "weight_grad": []}}
+    assert {lib: {kind: custom_call_shapes(hlo, target) for kind, target in targets.items()}
+            for lib, targets in stacked_matmul.TARGETS.items()} == expected
 
 
 def test_the_once_per_machine_command_measures_then_reads_the_record(tmp_path):
     """`python -m ppojax.models.matmul_tuning` (what benchmarks.run does before ppojax's measured runs): the
-    handlers built, auto's library measured and recorded; run again, the record answers without timing anything."""
+    handlers built, auto's libraries measured at SmolLM2's shapes and recorded; run again, the record answers
+    without timing anything."""
     built = Path(os.environ["XDG_CACHE_HOME"]) / "ppojax" / "ffi"  # the session's handlers, built once
     built.mkdir(parents=True, exist_ok=True)
     (tmp_path / "ppojax").mkdir()
@@ -598,15 +676,21 @@ def test_the_once_per_machine_command_measures_then_reads_the_record(tmp_path):
     first, second = (r.stdout for r in runs)
     assert "onednn: handlers ready" in first and "timing oneDNN's sgemm, oneDNN's matmul primitive" in first
     chosen = first.strip().splitlines()[-1]
+    from ppojax.models import matmul_record
+    from ppojax.models.matmul_tuning import SHAPES
+
     [entry] = json.loads((tmp_path / "ppojax" / "matmul_library.json").read_text()).values()
-    libraries = [entry["libraries"][product] for product in ("fwd", "dx", "dw")]
+    assert list(entry["shapes"]) == sorted(map(matmul_record.shape_key, SHAPES))  # SmolLM2's
+    recorded = {shape: stacked_matmul.Libraries(*(entry["shapes"][matmul_record.shape_key(shape)]["libraries"][p]
+                                                  for p in ("fwd", "dx", "dw"))) for shape in SHAPES}
+    libraries = stacked_matmul.libraries_in(recorded)
     assert set(libraries) <= set(stacked_matmul.LIBRARIES)
-    assert chosen == f"'auto' takes: {stacked_matmul.Libraries(*libraries)}"
+    assert chosen == f"'auto' takes: {stacked_matmul.choice_str(recorded)}"
     assert "timing" not in second and second.strip().splitlines()[-1] == chosen
     # a run on "auto" loads the chosen libraries' handlers only: MKL's mean torch's whole runtime in the process
-    probe = ("from ppojax.models import stacked_matmul as s; libraries = s.library_of('auto'); "
-             "print(','.join(libraries), 'libtorch_cpu' in open('/proc/self/maps').read())")
+    probe = ("from ppojax.models import stacked_matmul as s; libraries = s.libraries_in(s.library_of('auto')); "
+             "print(','.join(sorted(libraries)), 'libtorch_cpu' in open('/proc/self/maps').read())")
     run = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                          timeout=300)
-    assert run.stdout.split()[-2:] == [",".join(libraries), str("mkl" in libraries)], \
+    assert run.stdout.split()[-2:] == [",".join(sorted(libraries)), str("mkl" in libraries)], \
         run.stdout + run.stderr[-2000:]

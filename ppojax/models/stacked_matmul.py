@@ -14,9 +14,10 @@ them first, were slower than XLA's copy-then-dot.
 
 The same handlers on MKL's GEMM (`matmul_implementation: mkl`, the library `"mkl"`): MKL as torch's x86 wheels link
 it into `libtorch_cpu.so` (its Fortran `sgemm_`), the GEMM TRL's step runs; for CPUs where MKL outruns oneDNN at a
-model's shapes. "auto" takes, for each of the three products (forward, input gradient, weight gradient), the library
-measured fastest for it on the CPU it runs on (`matmul_record.py`: measured once per CPU by `matmul_tuning.py`, or
-by `python -m benchmarks.gemm_shapes --record`); the libraries share one OpenMP runtime (`libgomp.so.1`).
+model's shapes. "auto" takes, for each projection shape and each of its three products (forward, input gradient,
+weight gradient), the library measured fastest for it on the CPU it runs on (`matmul_record.py`: measured once per
+CPU and shape by `matmul_tuning.py`, or by `python -m benchmarks.gemm_shapes --record`); the libraries share one
+OpenMP runtime (`libgomp.so.1`).
 
 The handlers (`stacked_gemm.cc`) are compiled on first use with the system's C++ compiler against
 `jax.ffi.include_dir()` and the library's file (the wheel's `libdnnl.so.3`, or torch's `libtorch_cpu.so`), once per
@@ -100,34 +101,68 @@ def mkl_library() -> Path | None:
     return None
 
 
-def library_of(implementation: str) -> Libraries:
-    """The GEMM library of each product an implementation's handlers run: its own for a library's name ("onednn",
-    "onednn_primitive", "mkl"); for "auto" per product the one measured fastest on this CPU among those whose
-    handlers can be had (`matmul_record`; measured now, once per CPU, where no record covers them all:
-    `matmul_tuning`); oneDNN's sgemm where it cannot be had itself (then `applies` keeps XLA's dots: oneDNN's
-    in-place products are the ones measured faster than XLA's copy-then-dot, the others are measured against
-    them)."""
+def library_of(implementation: str, shapes=None) -> dict:
+    """{shape: the GEMM library of each product} for each of `shapes` (projection shapes `(d_in, d_out)`; default
+    `matmul_tuning.SHAPES`, SmolLM2-135M's) as an implementation's handlers run them: its own for a library's name
+    ("onednn", "onednn_primitive", "mkl"); for "auto" per shape and product the one measured fastest on this CPU
+    among those whose handlers can be had (`matmul_record`; measured now, once per CPU and shape, where no record
+    covers them all: `matmul_tuning`); oneDNN's sgemm where it cannot be had itself (then `applies` keeps XLA's
+    dots: oneDNN's in-place products are the ones measured faster than XLA's copy-then-dot, the others are
+    measured against them)."""
+    from .matmul_tuning import SHAPES
+
+    shapes = tuple(dict.fromkeys(tuple(map(int, shape)) for shape in (SHAPES if shapes is None else shapes)))
     if implementation in LIBRARIES:
-        return Libraries.every(implementation)
+        return {shape: Libraries.every(implementation) for shape in shapes}
     from .matmul_record import recorded_choice
 
+    onednn = {shape: Libraries.every("onednn") for shape in shapes}
     candidates = buildable_libraries()
     if "onednn" not in candidates:  # the baseline the others must beat, itself measured against XLA's dots
-        return Libraries.every("onednn")  # (not to be had: `applies` keeps XLA's dots)
-    chosen = recorded_choice(candidates) or _measured_choice(candidates)
-    if any(unavailable_reason(library) for library in set(chosen)):  # handlers that would not load: XLA's dots
-        return Libraries.every("onednn")
-    if chosen != Libraries.every("onednn"):
-        _announce_recorded(chosen)
+        return onednn  # (not to be had: `applies` keeps XLA's dots)
+    chosen = recorded_choice(candidates, shapes)
+    missing = tuple(shape for shape in shapes if shape not in chosen)
+    if missing:
+        chosen.update(_measured_choice(candidates, missing))
+    chosen = {shape: chosen[shape] for shape in shapes}
+    if any(unavailable_reason(library) for library in libraries_in(chosen)):  # handlers that would not load
+        return onednn
+    if chosen != onednn:
+        _announce_recorded(tuple(chosen.items()))
     return chosen
 
 
-def described(libraries: Libraries) -> str:
-    """`libraries` in words: "oneDNN's sgemm for the projections", or the library of each product."""
-    if len(set(libraries)) == 1:
-        return f"{LIBRARY_NAMES[libraries.fwd]} for the projections"
-    return ", ".join(f"{LIBRARY_NAMES[library]} for {PRODUCT_NAMES[product]}"
-                     for product, library in zip(PRODUCTS, libraries))
+def libraries_in(chosen: dict) -> tuple:
+    """The distinct libraries a choice ({shape: Libraries}) runs, in order."""
+    return tuple(dict.fromkeys(library for libraries in chosen.values() for library in libraries))
+
+
+def described(chosen: dict | Libraries) -> str:
+    """A choice in words: "oneDNN's sgemm for the projections", or the library of each product (of each shape)."""
+    from .matmul_record import shape_key
+
+    def one(libraries: Libraries) -> str:
+        if len(set(libraries)) == 1:
+            return LIBRARY_NAMES[libraries.fwd]
+        return ", ".join(f"{LIBRARY_NAMES[library]} for {PRODUCT_NAMES[product]}"
+                         for product, library in zip(PRODUCTS, libraries))
+
+    if isinstance(chosen, Libraries):
+        chosen = {None: chosen}
+    if len(set(chosen.values())) == 1:
+        libraries = next(iter(chosen.values()))
+        return f"{LIBRARY_NAMES[libraries.fwd]} for the projections" if len(set(libraries)) == 1 else one(libraries)
+    return "; ".join(f"at {shape_key(shape)} {one(libraries)}" for shape, libraries in chosen.items())
+
+
+def choice_str(chosen: dict) -> str:
+    """A choice in short: "onednn", "fwd onednn, dx mkl, dw mkl" (every shape alike), or
+    "576x576 onednn; 576x192 fwd onednn_primitive, dx onednn, dw onednn; ..."."""
+    from .matmul_record import shape_key
+
+    if len(set(chosen.values())) == 1:
+        return str(next(iter(chosen.values())))
+    return "; ".join(f"{shape_key(shape)} {libraries}" for shape, libraries in chosen.items())
 
 
 def buildable_libraries() -> tuple:
@@ -141,26 +176,27 @@ def buildable_libraries() -> tuple:
 _tuning_lock = threading.Lock()  # a compile_ahead thread and the main thread may both trace first
 
 
-def _measured_choice(candidates: tuple) -> Libraries:
-    """`matmul_tuning.tune(candidates)`, at most once per process and set of candidates (a record that cannot be
-    written is not measured again at every trace)."""
+def _measured_choice(candidates: tuple, shapes: tuple) -> dict:
+    """`matmul_tuning.tune(candidates, shapes)`, at most once per process, set of candidates and shapes (a record
+    that cannot be written is not measured again at every trace)."""
     with _tuning_lock:
-        return _tuned(candidates)
+        return _tuned(candidates, shapes)
 
 
 @functools.cache
-def _tuned(candidates: tuple) -> Libraries:
+def _tuned(candidates: tuple, shapes: tuple) -> dict:
     from .matmul_tuning import tune
 
-    return tune(candidates)
+    return tune(candidates, shapes)
 
 
 @functools.cache
-def _announce_recorded(libraries: Libraries) -> None:
-    """Say once per process that "auto" follows this CPU's record (as the recorded XLA:CPU options are said)."""
+def _announce_recorded(chosen: tuple) -> None:
+    """Say once per process and choice ((shape, Libraries) pairs) that "auto" follows this CPU's record (as the
+    recorded XLA:CPU options are said)."""
     from .matmul_record import record_path
 
-    print(f"ppojax: matmul_implementation 'auto' takes {described(libraries)}, measured fastest on this CPU "
+    print(f"ppojax: matmul_implementation 'auto' takes {described(dict(chosen))}, measured fastest on this CPU "
           f"(recorded in {record_path()}; naming another implementation overrides it)", flush=True)
 
 
@@ -286,13 +322,14 @@ def unavailable_reason(library: str = "onednn") -> str:
         return _registered(library)
 
 
-def unavailable_on(devices: int, implementation: str = "onednn") -> str:
+def unavailable_on(devices: int, implementation: str = "onednn", shapes=None) -> str:
     """"" when `implementation`'s in-place products can run on `devices` devices of the default backend (one CPU
-    device, the handlers of `library_of(implementation)` registered), else why not. The devices are checked first:
-    "auto" chooses its library (building handlers, measuring once per CPU) only where the products can run."""
+    device, the handlers of `library_of(implementation, shapes)` registered), else why not. The devices are checked
+    first: "auto" chooses its libraries (building handlers, measuring once per CPU) only where the products can
+    run."""
     if jax.default_backend() != "cpu" or devices != 1:
         return f"it runs on a single CPU device, and here are {devices} {jax.default_backend()} device(s)"
-    return next(filter(None, map(unavailable_reason, dict.fromkeys(library_of(implementation)))), "")
+    return next(filter(None, map(unavailable_reason, libraries_in(library_of(implementation, shapes)))), "")
 
 
 def check_implementation(implementation: str) -> None:
@@ -305,8 +342,9 @@ def check_implementation(implementation: str) -> None:
 
 
 def applies(implementation: str, dtype, kernels, rows: int) -> bool:
-    """Whether a model traced now multiplies its stacked layer kernels (`kernels`, [L, ...] each) here, for calls of
-    `rows` token rows (static, at trace time), with the handlers of `library_of(implementation)`.
+    """Whether a model traced now multiplies its stacked layer kernels (`kernels`, [L, d_in, d_out] each, arrays or
+    shapes) here, for calls of `rows` token rows (static, at trace time), with the handlers of
+    `library_of(implementation, their shapes)`.
 
     Only float32 on a single CPU device: XLA cannot partition a custom call (on a mesh it would gather the whole
     stack per call), other platforms have their own kernels, and XLA's bf16 kernels serve the 16-bit policies.
@@ -320,12 +358,19 @@ def applies(implementation: str, dtype, kernels, rows: int) -> bool:
         return False
     float32 = jnp.dtype(dtype) == jnp.float32 and all(jnp.dtype(k.dtype) == jnp.float32 for k in kernels)
     why = "" if float32 else "it runs float32 models on a single CPU device only"
-    why = why or unavailable_on(jax.device_count(), implementation)
+    shapes = kernel_shapes(kernels)
+    why = why or unavailable_on(jax.device_count(), implementation, shapes)
     if why and implementation != "auto":
         raise ValueError(f"matmul_implementation={implementation!r} cannot be used here: {why}; use 'auto' or 'xla'")
     if implementation == "auto" and rows < AUTO_MIN_ROWS and not why:
-        return rows <= few_rows_limit(library_of(implementation).fwd)  # a decode step's products are forwards
+        # a decode step's products are forwards
+        return rows <= min(few_rows_limit(libraries.fwd) for libraries in library_of(implementation, shapes).values())
     return not why
+
+
+def kernel_shapes(kernels) -> tuple:
+    """The distinct `(d_in, d_out)` of stacked layer kernels ([L, d_in, d_out] each), in order."""
+    return tuple(dict.fromkeys((int(k.shape[1]), int(k.shape[2])) for k in kernels))
 
 
 def _gemm(a: Array, stack: Array, layer: Array, transpose: bool, library: str) -> Array:

@@ -305,10 +305,24 @@ _STACKED_PROJECTIONS = {("attn", "q"): 1, ("attn", "k"): 1, ("attn", "v"): 1, ("
                         ("mlp", "up"): 1, ("mlp", "gate"): 1, ("mlp", "down"): 1}
 
 
-def _split_stacked_kernels(layers: dict, library: stacked_matmul.Libraries) -> tuple[dict, dict]:
+def stacked_kernel_shapes(layers: dict) -> list:
+    """The projection kernels of the layer scan's weights as the 3-D stacks `[L, in, prod(out)]` `stacked_matmul`
+    reads (shapes and dtypes only)."""
+    found = []
+    for (group, name), n_in in _STACKED_PROJECTIONS.items():
+        d = layers.get(group, {}).get(name)
+        if d is not None:
+            kernel = d["kernel"]
+            n_layers, shape = kernel.shape[0], kernel.shape[1:]
+            found.append(jax.ShapeDtypeStruct((n_layers, math.prod(shape[:n_in]), math.prod(shape[n_in:])),
+                                              kernel.dtype))
+    return found
+
+
+def _split_stacked_kernels(layers: dict, libraries: dict) -> tuple[dict, dict]:
     """The layer scan's weights without the projection kernels, and those kernels as 3-D stacks
     `[L, in, prod(out)]` (a reshape, no copy) with their output shapes, for `stacked_matmul` to read in place with
-    `library`'s GEMMs (one per product)."""
+    the GEMMs `libraries` ({(in, prod(out)): Libraries}: one library per product) chose for their shape."""
     layers = jax.tree.map(lambda a: a, layers)  # a fresh nesting of dicts, the leaves shared
     stacks = {}
     for (group, name), n_in in _STACKED_PROJECTIONS.items():
@@ -317,8 +331,8 @@ def _split_stacked_kernels(layers: dict, library: stacked_matmul.Libraries) -> t
             continue
         kernel = d.pop("kernel")
         n_layers, shape = kernel.shape[0], kernel.shape[1:]
-        stacks[(group, name)] = (kernel.reshape(n_layers, math.prod(shape[:n_in]), math.prod(shape[n_in:])),
-                                 shape[n_in:], library)
+        d_in, d_out = math.prod(shape[:n_in]), math.prod(shape[n_in:])
+        stacks[(group, name)] = (kernel.reshape(n_layers, d_in, d_out), shape[n_in:], libraries[(d_in, d_out)])
     return layers, stacks
 
 
@@ -581,12 +595,13 @@ class Backbone(nnx.Module):
         inv_freq = rope_inv_freq(cfg) if cfg.position_embedding == "rope" else None
         layers = nnx.to_pure_dict(nnx.state(self.layers))
         stacks = {}
-        kernels = [layers[g][n]["kernel"] for g, n in _STACKED_PROJECTIONS if n in layers.get(g, {})]
+        kernels = stacked_kernel_shapes(layers)
         if self.scan_layers and stacked_matmul.applies(self.matmul_implementation, self.dtype, kernels, rows=b * s):
             # float32 on one CPU device: each layer's projections read their kernels in the stack (stacked_matmul)
             # instead of the scan copying them out per layer (a decode step's too, where "auto" has a kernel for
             # its few rows)
-            layers, stacks = _split_stacked_kernels(layers, stacked_matmul.library_of(self.matmul_implementation))
+            libraries = stacked_matmul.library_of(self.matmul_implementation, stacked_matmul.kernel_shapes(kernels))
+            layers, stacks = _split_stacked_kernels(layers, libraries)
         restore = lambda layer: layer  # noqa: E731
         if cache is not None:
             # generation reads every layer's weights once per token; a 16-bit stack (the sampler's weights, cast
