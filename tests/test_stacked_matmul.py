@@ -127,6 +127,52 @@ def _batch():
     return jnp.asarray(ids) % LLAMA["vocab_size"], jnp.asarray(mask)
 
 
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_transposed_product_and_gradients_equal_xlas_dot_at_every_layer(library):
+    """`matmul_transposed` (a tied LM head: x @ stack[layer].T): the product and both gradients as XLA's, each
+    product on the library of its kind."""
+    kx, kw, kg = jax.random.split(jax.random.key(1), 3)
+    x, stack, g = jax.random.normal(kx, (24, 40)), jax.random.normal(kw, (3, 56, 40)), jax.random.normal(kg, (24, 56))
+    for layer in range(3):
+        i = jnp.int32(layer)
+        got, vjp = jax.vjp(lambda x, s: stacked_matmul.matmul_transposed(x, s, i, library), x, stack)
+        want, vjp_want = jax.vjp(lambda x, s: x @ s[layer].T, x, stack)
+        assert rel_err(got, want) < 1e-5
+        (dx, dstack), (dx_want, dstack_want) = vjp(g), vjp_want(g)
+        assert rel_err(dx, dx_want) < 1e-5
+        assert rel_err(dstack, dstack_want) < 1e-5
+        assert not np.any(np.delete(np.asarray(dstack), layer, axis=0))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_lm_head_reads_its_weight_in_place_from_64_rows(monkeypatch, tied):
+    """The LM head (a tied one's embedding read transposed, or the head's own kernel) on the handlers for calls of
+    at least AUTO_MIN_ROWS rows: logits and every gradient as XLA's; a decode step's few rows keep XLA's dot."""
+    monkeypatch.setattr(stacked_matmul, "AUTO_MIN_ROWS", 30)  # the test batch: 3 x 12 rows
+    hf = dict(LLAMA, tie_word_embeddings=tied)
+    ids, mask = _batch()
+    grad = jax.jit(jax.value_and_grad(token_logprob_loss, argnums=1), static_argnums=0)
+    results, hlos = {}, {}
+    for impl in ("xla", "onednn"):
+        graphdef, params = nnx.split(CausalLM(ModelConfig.from_hf(hf), rngs=nnx.Rngs(0), matmul_implementation=impl))
+        results[impl] = grad(graphdef, params, ids, mask)
+        hlos[impl] = grad.lower(graphdef, params, ids, mask).compile().as_text()
+    (loss_x, g_x), (loss_o, g_o) = results["xla"], results["onednn"]
+    assert abs(float(loss_x) - float(loss_o)) < 1e-5
+    for a, b in zip(jax.tree.leaves(g_x), jax.tree.leaves(g_o)):
+        assert rel_err(b, a) < 1e-4
+    target = stacked_matmul.TARGETS["onednn"]
+    rows, vocab = ids.size, LLAMA["vocab_size"]
+    # the head's forward [rows, V] and input gradient [rows, D] besides the layers'; its weight gradient [V, D] or
+    # [D, V], the weight's own layout
+    assert custom_call_shapes(hlos["onednn"], target["matmul"]).count(f"{rows},{vocab}") == 1
+    assert (f"{vocab},64" if tied else f"64,{vocab}") in custom_call_shapes(hlos["onednn"], target["weight_grad"])
+    assert not custom_call_shapes(hlos["xla"], target["matmul"])
+    graphdef, params = nnx.split(CausalLM(ModelConfig.from_hf(hf), rngs=nnx.Rngs(0), matmul_implementation="onednn"))
+    decode = jax.jit(lambda p, h: nnx.merge(graphdef, p).logits(h)).lower(params, jnp.ones((2, 1, 64))).as_text()
+    assert target["matmul"] not in decode  # 2 rows: XLA's dot
+
+
 @pytest.mark.parametrize("library,remat", [("onednn", remat) for remat in REMAT_POLICIES]
                          + [pytest.param(*p.values, "dots", marks=p.marks) for p in LIBRARIES if p.values[0] != "onednn"])
 def test_model_gradient_equals_xlas_and_dots_recomputes_no_projection(library, remat):
@@ -624,7 +670,8 @@ def custom_call_shapes(hlo: str, target: str) -> list:
 
 def test_a_model_on_auto_runs_each_product_of_each_shape_on_its_recorded_library(monkeypatch, tmp_path):
     """A record that chose a library per shape and product: a model's gradients on "auto" are XLA's, and each of its
-    projections' forward, input-gradient and weight-gradient products runs on the library recorded for its shape."""
+    projections' (and its LM head's) forward, input-gradient and weight-gradient products runs on the library
+    recorded for its shape."""
     from ppojax.models import matmul_record
     from ppojax.models.matmul_record import Libraries
 
@@ -637,10 +684,11 @@ def test_a_model_on_auto_runs_each_product_of_each_shape_on_its_recorded_library
     assert _model_shapes() == ((64, 64), (64, 32), (64, 160), (160, 64))
     chosen = {(64, 64): Libraries.every("onednn"), (64, 32): Libraries.every("onednn"),
               (64, 160): Libraries.every("onednn_primitive"),
-              (160, 64): Libraries("onednn", "onednn_primitive", "onednn_primitive")}
+              (160, 64): Libraries("onednn", "onednn_primitive", "onednn_primitive"),
+              (64, 128): Libraries("onednn_primitive", "onednn", "onednn")}  # the LM head's kernel [D, V]
     measured = {lib: _per_product(1.0) for lib in ("onednn", "onednn_primitive")}
     matmul_record.record(chosen, {shape: measured for shape in chosen}, tuple(stacked_matmul.LIBRARIES))
-    assert stacked_matmul.library_of("auto", _model_shapes()) == chosen
+    assert stacked_matmul.library_of("auto", tuple(chosen)) == chosen
     ids, mask = _batch()
     grad = jax.jit(jax.value_and_grad(token_logprob_loss, argnums=1), static_argnums=0)
     (loss_x, g_x), (loss_a, g_a) = (grad(*_model(impl), ids, mask) for impl in ("xla", "auto"))
@@ -649,12 +697,14 @@ def test_a_model_on_auto_runs_each_product_of_each_shape_on_its_recorded_library
         assert rel_err(b, a) < 1e-4
     hlo = grad.lower(*_model("auto"), ids, mask).compile().as_text()
     rows = ids.size
-    # the layer body's products: forwards [rows, d_out], input gradients [rows, d_in], weight gradients [d_in, d_out]
+    # the layer body's and the head's products: forwards [rows, d_out], input gradients [rows, d_in], weight gradients [d_in, d_out]
     expected = {"onednn": {"matmul": sorted([f"{rows},64"] * 2 + [f"{rows},32"] * 2 + [f"{rows},64"]  # forwards
-                                            + [f"{rows},64"] * 4),  # q/o and k/v input gradients
-                           "weight_grad": ["64,32"] * 2 + ["64,64"] * 2},
+                                            + [f"{rows},64"] * 4  # q/o and k/v input gradients
+                                            + [f"{rows},64"]),  # the head's input gradient
+                           "weight_grad": sorted(["64,32"] * 2 + ["64,64"] * 2 + ["64,128"])},
                 "onednn_primitive": {"matmul": sorted([f"{rows},160"] * 2  # gate/up forwards
-                                                      + [f"{rows},64"] * 2 + [f"{rows},160"]),  # input gradients
+                                                      + [f"{rows},64"] * 2 + [f"{rows},160"]  # input gradients
+                                                      + [f"{rows},128"]),  # the head's forward
                                      "weight_grad": sorted(["64,160"] * 2 + ["160,64"])},
                 "mkl": {"matmul": [], "weight_grad": []}}
     assert {lib: {kind: custom_call_shapes(hlo, target) for kind, target in targets.items()}

@@ -6,8 +6,9 @@ The first model that "auto" puts on the in-place handlers (`stacked_matmul`) on 
 on each of them and records the seconds and the libraries chosen (`matmul_record.choose`: one per shape and
 product) under this CPU's signature; later processes on that CPU read the record. What is timed is what a
 training step asks of them: one layer's forward, input-gradient and weight-gradient products (`x @ W`, `g @ W.T`,
-`x.T @ g`), each product of each shape timed on its own, at an update's 384 token rows, the weights read in place
-from a stack of a few layers in a layer scan (each layer's operands its own, as the update's backward has them).
+`x.T @ g`; a tied LM head's products are these three kinds too, of its embedding's shape), each product of each
+shape timed on its own, at an update's 384 token rows, the weights read in place from a stack of a few layers in a
+layer scan (each layer's operands its own, as the update's backward has them; an LM head's weight alone).
 The libraries and products take turns within each round; each one's figure is its fastest round (what another
 process's load cannot make faster). A few seconds per shape at SmolLM2-135M's sizes, once per CPU, said when it
 runs; ``python -m benchmarks.gemm_shapes --record`` measures one whole update's GEMMs at SmolLM2's shapes instead.
@@ -22,8 +23,12 @@ import numpy as np
 
 from .matmul_record import PRODUCTS, Libraries
 
-#: (d_in, d_out) of SmolLM2-135M's projections: q/o, k/v, gate/up, down (what the once-per-machine command measures)
-SHAPES = ((576, 576), (576, 192), (576, 1536), (1536, 576))
+#: (d_in, d_out) of SmolLM2-135M's projections: q/o, k/v, gate/up, down, and its tied LM head (the embedding
+#: [V, D], read transposed) (what the once-per-machine command measures)
+SHAPES = ((576, 576), (576, 192), (576, 1536), (1536, 576), (49152, 576))
+#: a weight of at least this many elements (an LM head's) is measured as one layer, in at most 2 rounds: a stack of
+#: several would take memory, and the rounds time, for no better figure
+LARGE_WEIGHT_ELEMENTS = 1 << 24
 ROWS = 384  # the benchmark's update micro-batch: 8 sequences of 48 tokens
 LAYERS = 4  # a stack larger than the last-level cache of most CPUs, read layer by layer as a scan does
 ROUNDS = 5
@@ -59,17 +64,19 @@ def products(library: str, product: str):
 
 def measure(libraries, rounds: int = ROUNDS, shapes=SHAPES, rows: int = ROWS, layers: int = LAYERS) -> dict:
     """{shape: {library: {product: seconds of one pass of `products` at that shape}}} (each its fastest of
-    `rounds`) for `libraries` (their handlers registered) at `shapes` ((d_in, d_out) each), every library's
-    products taking turns within each round after one untimed pass each."""
+    `rounds`) for `libraries` (their handlers registered) at `shapes` ((d_in, d_out) each; `layers` of each, but
+    one of a `LARGE_WEIGHT_ELEMENTS` weight, in at most 2 rounds), every library's products taking turns within
+    each round after one untimed pass each."""
     passes = {(library, product): products(library, product) for library in libraries for product in PRODUCTS}
     seconds = {}
     for shape in shapes:
-        ops = operands((shape,), rows, layers)
+        large = shape[0] * shape[1] >= LARGE_WEIGHT_ELEMENTS
+        ops = operands((shape,), rows, 1 if large else layers)
         for run in passes.values():
             jax.block_until_ready(run(ops))  # compiles, and wakes the library's threads
         best = {key: float("inf") for key in passes}
         order = list(passes)
-        for r in range(rounds):
+        for r in range(min(rounds, 2) if large else rounds):
             for key in order[r % len(order):] + order[:r % len(order)]:
                 start = time.perf_counter()
                 jax.block_until_ready(passes[key](ops))

@@ -414,3 +414,31 @@ def _matmul_bwd(libraries, residuals, g):
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def matmul_transposed(x: Array, stack: Array, layer: Array, library: str | Libraries = "onednn") -> Array:
+    """x f32[N, M] @ stack[layer].T -> f32[N, K] for stack f32[L, K, M] (a tied LM head: the hidden states times
+    the embedding [V, D], read in place), by each product's library as :func:`matmul` measures them for the shape
+    (K, M): this product is that shape's input-gradient kind (`libraries.dx`), its input gradient `g @ stack[layer]`
+    the forward kind (`libraries.fwd`), its weight gradient `g.T @ x` the weight-gradient kind (`libraries.dw`)."""
+    libraries = library if isinstance(library, Libraries) else Libraries.every(library)
+    return _matmul_transposed(x, stack, layer, libraries)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _matmul_transposed(x: Array, stack: Array, layer: Array, libraries: Libraries) -> Array:
+    return _gemm(x, stack, layer, True, libraries.dx)
+
+
+def _matmul_transposed_fwd(x, stack, layer, libraries):
+    return _matmul_transposed(x, stack, layer, libraries), (x, stack, layer)
+
+
+def _matmul_transposed_bwd(libraries, residuals, g):
+    x, stack, layer = residuals
+    dx = _gemm(g, stack, layer, False, libraries.fwd)
+    dstack = jax.lax.dynamic_update_index_in_dim(jnp.zeros_like(stack), weight_grad(g, x, libraries.dw), layer, 0)
+    return dx, dstack, None
+
+
+_matmul_transposed.defvjp(_matmul_transposed_fwd, _matmul_transposed_bwd)

@@ -674,11 +674,33 @@ class CausalLM(nnx.Module):
 
     def logits(self, hidden: Array) -> Array:
         """hidden [..., D] -> logits f32[..., V] (matmul in the compute dtype, float32 accumulation)."""
+        in_place = self._logits_in_place(hidden)
+        if in_place is not None:
+            return in_place
         if self.lm_head is None:
             w = self.backbone.embed["embedding"][...].astype(self.dtype).T  # the transpose folds into the dot
         else:
             w = self.lm_head["kernel"][...].astype(self.dtype)
         return matmul_float32_out(hidden.astype(self.dtype), w)
+
+    def _logits_in_place(self, hidden: Array) -> Array | None:
+        """The head's product by the in-place GEMM handlers, where the layers' projections take them
+        (`stacked_matmul.applies`: float32 on one CPU device, "auto" from its sizes) and for at least
+        `AUTO_MIN_ROWS` rows (a decode step's few rows keep XLA's dot: the handlers' few-row kernels do not read a
+        weight transposed, as a tied head's is), on the libraries chosen for the head's own shape; else None. The
+        weight is read where it lies: the embedding [V, D] transposed (tied), or the head's kernel [D, V]."""
+        rows, implementation = math.prod(hidden.shape[:-1]), self.backbone.matmul_implementation
+        tied = self.lm_head is None
+        weight = self.backbone.embed["embedding"][...] if tied else self.lm_head["kernel"][...]
+        as_stack = jax.ShapeDtypeStruct((1, *weight.shape), weight.dtype)
+        if rows < stacked_matmul.AUTO_MIN_ROWS or not stacked_matmul.applies(implementation, self.dtype, [as_stack],
+                                                                              rows):
+            return None
+        shape = tuple(weight.shape)
+        libraries = stacked_matmul.library_of(implementation, (shape,))[shape]
+        product = stacked_matmul.matmul_transposed if tied else stacked_matmul.matmul
+        x = hidden.reshape(rows, hidden.shape[-1]).astype(jnp.float32)
+        return product(x, weight[None], jnp.int32(0), libraries).reshape(*hidden.shape[:-1], -1)
 
 
 def init_value_head(cfg: ModelConfig, key: Array, param_dtype=jnp.float32) -> dict:
