@@ -25,7 +25,9 @@ implementations take turns within each round, each after one untimed pass (that 
 sums one PPO update's products as the benchmark's work runs them (4 epochs; policy and value model, 30 layers
 each; the policy's LM head): the time the update's GEMMs alone would take, by implementation, and as ppojax runs
 them (``ppojax``: each product of each projection shape by the in-place library ``--record`` would record from
-these figures, the LM head by ``xla``); ``update_s_by_product``: the projections' seconds per implementation and product.
+these figures, the LM head by ``xla``: the head measured here is an untied one's `[D, V]` kernel, while ppojax runs
+SmolLM2's tied head on the embedding `[V, D]` read transposed, by the libraries `auto` measured for that shape);
+``update_s_by_product``: the projections' seconds per implementation and product.
 The projections' forward at a decode step's 8 rows too (``decode_step_s``: one decode step's projections, the
 policy's 30 layers): there the in-place columns run the handlers' own few-row kernels where the CPU has them
 (`stacked_matmul.few_rows_limit`, whatever the library), the library's GEMM elsewhere. Run it pinned

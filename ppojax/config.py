@@ -190,13 +190,13 @@ class PPOConfig:
     """'auto' (cuDNN's fused kernel on an NVIDIA GPU when it applies, XLA elsewhere), 'xla', or 'cudnn'."""
     matmul_implementation: str = setting("auto", static=True, on_resume=MAY_CHANGE,
                                          rule=one_of(*MATMUL_IMPLEMENTATIONS))
-    """The layers' projections of a float32 model on a single CPU device: 'auto' (oneDNN's GEMM reading each
-    layer's kernel where it lies in the stacked weights, for models whose layers hold at least 1 M kernel
-    elements and calls of at least 64 token rows, where the onednn-cpu-gomp wheel and a C++ compiler let ppojax
-    build its handlers, on the GEMM library measured fastest on this CPU for each projection shape and product
-    (forward, input gradient, weight gradient): timed once per CPU and shape, a few seconds, and recorded in
-    ~/.cache/ppojax/matmul_library.json; a decode step's at most 8 rows by the handlers' own kernels
-    on AVX-512 or AVX2 CPUs; else XLA's dots, which copy each layer's kernels out first), 'xla', 'onednn'
+    """The layers' projections (and the LM head, at calls of at least 64 rows) of a float32 model on a single CPU
+    device: 'auto' (oneDNN's GEMM reading each layer's kernel where it lies in the stacked weights, for models
+    whose layers hold at least 1 M kernel elements and calls of at least 64 token rows, where the onednn-cpu-gomp
+    wheel and a C++ compiler let ppojax build its handlers, on the GEMM library measured fastest on this CPU for
+    each projection shape and product (forward, input gradient, weight gradient): timed once per CPU and shape, a
+    few seconds, and recorded in ~/.cache/ppojax/matmul_library.json; a decode step's at most 8 rows by the
+    handlers' own kernels on AVX-512 or AVX2 CPUs; else XLA's dots, which copy each layer's kernels out first), 'xla', 'onednn'
     (whatever the size; an error where it cannot be had), 'onednn_primitive' (as 'onednn', through oneDNN's matmul
     primitive) or 'mkl' (as 'onednn', on MKL's GEMM as torch's x86 wheels carry it): for CPUs where one is faster
     at the model's shapes, `python -m benchmarks.gemm_shapes` tells. Other precisions, meshes and accelerators

@@ -656,7 +656,8 @@ def test_a_model_on_auto_calls_the_recorded_librarys_handlers(monkeypatch, tmp_p
 
 
 def _model_shapes() -> tuple:
-    """The test model's projection shapes (d_in, d_out): q/o (64, 64), k/v (64, 32), gate/up (64, 160), down (160, 64)."""
+    """The test model's projection shapes (d_in, d_out): q/o (64, 64), k/v (64, 32), gate/up (64, 160), down
+    (160, 64)."""
     from ppojax.models.transformer import stacked_kernel_shapes
 
     _graphdef, params = _model("xla")
@@ -697,7 +698,8 @@ def test_a_model_on_auto_runs_each_product_of_each_shape_on_its_recorded_library
         assert rel_err(b, a) < 1e-4
     hlo = grad.lower(*_model("auto"), ids, mask).compile().as_text()
     rows = ids.size
-    # the layer body's and the head's products: forwards [rows, d_out], input gradients [rows, d_in], weight gradients [d_in, d_out]
+    # the layer body's and the head's products: forwards [rows, d_out], input gradients [rows, d_in], weight
+    # gradients [d_in, d_out]
     expected = {"onednn": {"matmul": sorted([f"{rows},64"] * 2 + [f"{rows},32"] * 2 + [f"{rows},64"]  # forwards
                                             + [f"{rows},64"] * 4  # q/o and k/v input gradients
                                             + [f"{rows},64"]),  # the head's input gradient

@@ -114,9 +114,8 @@ def tune(candidates, shapes) -> dict:
         where = f", recorded in {matmul_record.record(chosen, seconds, tuple(LIBRARIES))}"
     except OSError as err:  # a read-only cache: this process still takes the measured choice
         where = f" (not recorded: {err})"
-    timings = "; ".join(
-        f"{matmul_record.shape_key(shape)} " + ", ".join(
-            f"{lib} " + "/".join(f"{s * 1e3:.1f}" for s in by_product.values()) for lib, by_product in by_library.items())
+    timings = "; ".join(f"{matmul_record.shape_key(shape)} " + ", ".join(
+        f"{lib} " + "/".join(f"{s * 1e3:.1f}" for s in by_product.values()) for lib, by_product in by_library.items())
         for shape, by_library in seconds.items())
     print(f"ppojax: 'auto' takes {described(chosen)} (ms for fwd/dx/dw: {timings}; "
           f"{time.perf_counter() - start:.1f} s{where})", flush=True)

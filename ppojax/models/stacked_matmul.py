@@ -12,6 +12,9 @@ At a decode step's few rows (`few_rows_limit`) the handlers multiply with kernel
 weight once (AVX-512 or AVX2 CPUs): there a product is bound by reading the weights, and the libraries, which pack
 them first, were slower than XLA's copy-then-dot.
 
+The LM head's product too (`matmul_transposed` for a tied head: the hidden states times the embedding `[V, D]`
+read transposed where it lies; an untied head's kernel `[D, V]` as a one-layer stack), at an update's rows.
+
 The same handlers on MKL's GEMM (`matmul_implementation: mkl`, the library `"mkl"`): MKL as torch's x86 wheels link
 it into `libtorch_cpu.so` (its Fortran `sgemm_`), the GEMM TRL's step runs; for CPUs where MKL outruns oneDNN at a
 model's shapes. "auto" takes, for each projection shape and each of its three products (forward, input gradient,
