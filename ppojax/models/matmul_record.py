@@ -5,8 +5,8 @@ oneDNN's and MKL's float32 GEMMs win on different CPUs at a model's shapes (`ben
 host oneDNN's in-place products beat MKL's; TRL's update, on MKL, ran faster on an Intel AMX host than ppojax's on
 oneDNN), on different products of one CPU (oneDNN's matmul primitive reads a layer transposed, the input
 gradient, faster than its sgemm on both hosts), and on different shapes of one product (on the Intel host MKL led
-the 576 -> 1536 and 1536 -> 576 products by 13-33 %, the primitive the 576 -> 192 ones by 20-28 %, oneDNN's sgemm
-the 576 -> 576 weight gradient), so the choice is a measurement per projection shape (a layer kernel's
+SmolLM2's 576 -> 1536 and 1536 -> 576 products, the primitive its 576 -> 192 ones, oneDNN's sgemm its 576 -> 576
+weight gradient: RESULTS, twenty-fourth session), so the choice is a measurement per projection shape (a layer kernel's
 ``(d_in, d_out)``) and product, never a rule typed in for one host. The measured seconds per shape, library and
 product are recorded under this CPU's signature (its model name and instruction sets, as
 ``ppojax.xla_cpu_options`` keys its records) in ``~/.cache/ppojax/matmul_library.json``, with the libraries chosen

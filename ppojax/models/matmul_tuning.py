@@ -125,8 +125,8 @@ def tune(candidates, shapes) -> dict:
 def main(argv=None) -> int:
     """``python -m ppojax.models.matmul_tuning [--again]``: build the in-place handlers of every library that can be
     had and say which ones "auto" takes on this CPU at SmolLM2-135M's shapes, measuring now where no record covers
-    them (``--again``: measure
-    anew whatever the record says). A once-per-machine step a deployment can run ahead of training."""
+    them (``--again``: measure anew whatever the record says). A once-per-machine step a deployment can run ahead
+    of training."""
     import argparse
 
     from .stacked_matmul import LIBRARIES, build_all_handlers, choice_str, library_of, unavailable_reason

@@ -140,8 +140,9 @@ def libraries_in(chosen: dict) -> tuple:
     return tuple(dict.fromkeys(library for libraries in chosen.values() for library in libraries))
 
 
-def described(chosen: dict | Libraries) -> str:
-    """A choice in words: "oneDNN's sgemm for the projections", or the library of each product (of each shape)."""
+def described(chosen: dict) -> str:
+    """A choice ({shape: Libraries}) in words: "oneDNN's sgemm for the projections" (every shape and product
+    alike), or "at 576x576 oneDNN's sgemm; at 576x1536 MKL's sgemm for the forward products, ..."."""
     from .matmul_record import shape_key
 
     def one(libraries: Libraries) -> str:
@@ -150,11 +151,8 @@ def described(chosen: dict | Libraries) -> str:
         return ", ".join(f"{LIBRARY_NAMES[library]} for {PRODUCT_NAMES[product]}"
                          for product, library in zip(PRODUCTS, libraries))
 
-    if isinstance(chosen, Libraries):
-        chosen = {None: chosen}
-    if len(set(chosen.values())) == 1:
-        libraries = next(iter(chosen.values()))
-        return f"{LIBRARY_NAMES[libraries.fwd]} for the projections" if len(set(libraries)) == 1 else one(libraries)
+    if len(chosen) > 1 and len(set(chosen.values())) == 1 and len(set(next(iter(chosen.values())))) == 1:
+        return f"{LIBRARY_NAMES[next(iter(chosen.values())).fwd]} for the projections"
     return "; ".join(f"at {shape_key(shape)} {one(libraries)}" for shape, libraries in chosen.items())
 
 
