@@ -17,8 +17,9 @@
 #   gpu-bench  `benchmarks.gpu` (tiny, SmolLM2, a random 1B Llama under mixed and bfloat16) and TRL on the
 #              same GPU (`trl_ppo --device cuda --bf16`).
 #   cpu-ab     alone: SmolLM2 `benchmarks.ppojax_ppo` under two `--matmul` implementations side by side (AB_IMPLS,
-#              default "onednn auto": `auto`'s library per product, measured there first, against oneDNN's sgemm
-#              for every product; the nineteenth session ran "xla onednn"), each on its own two cores (a
+#              default "onednn auto": `auto`'s library per projection shape and product (the LM head's too),
+#              measured there first, against oneDNN's sgemm for every product; the nineteenth session ran
+#              "xla onednn"), each on its own two cores (a
 #              paired comparison under the same load), and `benchmarks.step_profile` float32 (--matmul
 #              PROFILE_MATMUL, default the second) on two more: which projections pay on that CPU, and where a
 #              step's time goes there (~2.5 min);
