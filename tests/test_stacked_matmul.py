@@ -144,6 +144,28 @@ def test_transposed_product_and_gradients_equal_xlas_dot_at_every_layer(library)
         assert not np.any(np.delete(np.asarray(dstack), layer, axis=0))
 
 
+def test_the_transposed_products_run_on_the_library_of_their_kind():
+    """`matmul_transposed`'s forward is its shape's input-gradient kind, its input gradient the forward kind, its
+    weight gradient the weight-gradient kind: each on the library recorded for that kind."""
+    from ppojax.models.matmul_record import Libraries
+
+    if stacked_matmul.unavailable_reason("onednn_primitive"):
+        pytest.skip(stacked_matmul.unavailable_reason("onednn_primitive"))
+    x, stack, g = jnp.ones((24, 40)), jnp.ones((1, 56, 40)), jnp.ones((24, 56))
+    libraries = Libraries(fwd="onednn", dx="onednn_primitive", dw="onednn_primitive")
+
+    def vjp(x, s, g):
+        out, pullback = jax.vjp(lambda x, s: stacked_matmul.matmul_transposed(x, s, jnp.int32(0), libraries), x, s)
+        return out, pullback(g)
+
+    hlo = jax.jit(vjp).lower(x, stack, g).compile().as_text()
+    targets = stacked_matmul.TARGETS
+    assert custom_call_shapes(hlo, targets["onednn_primitive"]["matmul"]) == ["24,56"]  # the forward
+    assert custom_call_shapes(hlo, targets["onednn"]["matmul"]) == ["24,40"]  # the input gradient
+    assert custom_call_shapes(hlo, targets["onednn_primitive"]["weight_grad"]) == ["56,40"]
+    assert not custom_call_shapes(hlo, targets["onednn"]["weight_grad"])
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_the_lm_head_reads_its_weight_in_place_from_64_rows(monkeypatch, tied):
     """The LM head (a tied one's embedding read transposed, or the head's own kernel) on the handlers for calls of

@@ -389,32 +389,7 @@ def matmul(x: Array, stack: Array, layer: Array, library: str | Libraries = "one
     handlers). The product carries the name remat's "dots" policy saves (outside the custom VJP, where
     jax.checkpoint sees it)."""
     libraries = library if isinstance(library, Libraries) else Libraries.every(library)
-    return checkpoint_name(_matmul(x, stack, layer, libraries), SAVED_NAME)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _matmul(x: Array, stack: Array, layer: Array, libraries: Libraries) -> Array:
-    return _gemm(x, stack, layer, False, libraries.fwd)
-
-
-def _matmul_fwd(x, stack, layer, libraries):
-    return _matmul(x, stack, layer, libraries), (x, stack, layer)
-
-
-def weight_grad(x: Array, g: Array, library: str) -> Array:
-    """x.T @ g -> f32[K, M] for x f32[N, K], g f32[N, M], by `library`'s GEMM (one layer's weight gradient)."""
-    out = jax.ShapeDtypeStruct((x.shape[1], g.shape[1]), jnp.float32)
-    return jax.ffi.ffi_call(TARGETS[library]["weight_grad"], out, vmap_method="sequential")(x, g)
-
-
-def _matmul_bwd(libraries, residuals, g):
-    x, stack, layer = residuals
-    dx = _gemm(g, stack, layer, True, libraries.dx)
-    dstack = jax.lax.dynamic_update_index_in_dim(jnp.zeros_like(stack), weight_grad(x, g, libraries.dw), layer, 0)
-    return dx, dstack, None
-
-
-_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+    return checkpoint_name(_product(x, stack, layer, libraries, False), SAVED_NAME)
 
 
 def matmul_transposed(x: Array, stack: Array, layer: Array, library: str | Libraries = "onednn") -> Array:
@@ -423,23 +398,32 @@ def matmul_transposed(x: Array, stack: Array, layer: Array, library: str | Libra
     (K, M): this product is that shape's input-gradient kind (`libraries.dx`), its input gradient `g @ stack[layer]`
     the forward kind (`libraries.fwd`), its weight gradient `g.T @ x` the weight-gradient kind (`libraries.dw`)."""
     libraries = library if isinstance(library, Libraries) else Libraries.every(library)
-    return _matmul_transposed(x, stack, layer, libraries)
+    return _product(x, stack, layer, libraries, True)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _matmul_transposed(x: Array, stack: Array, layer: Array, libraries: Libraries) -> Array:
-    return _gemm(x, stack, layer, True, libraries.dx)
+def weight_grad(x: Array, g: Array, library: str) -> Array:
+    """x.T @ g -> f32[K, M] for x f32[N, K], g f32[N, M], by `library`'s GEMM (one layer's weight gradient)."""
+    out = jax.ShapeDtypeStruct((x.shape[1], g.shape[1]), jnp.float32)
+    return jax.ffi.ffi_call(TARGETS[library]["weight_grad"], out, vmap_method="sequential")(x, g)
 
 
-def _matmul_transposed_fwd(x, stack, layer, libraries):
-    return _matmul_transposed(x, stack, layer, libraries), (x, stack, layer)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _product(x: Array, stack: Array, layer: Array, libraries: Libraries, transposed: bool) -> Array:
+    """x @ stack[layer] (or, `transposed`, x @ stack[layer].T), each product by the library of its kind."""
+    return _gemm(x, stack, layer, transposed, libraries.dx if transposed else libraries.fwd)
 
 
-def _matmul_transposed_bwd(libraries, residuals, g):
+def _product_fwd(x, stack, layer, libraries, transposed):
+    return _product(x, stack, layer, libraries, transposed), (x, stack, layer)
+
+
+def _product_bwd(libraries, transposed, residuals, g):
     x, stack, layer = residuals
-    dx = _gemm(g, stack, layer, False, libraries.fwd)
-    dstack = jax.lax.dynamic_update_index_in_dim(jnp.zeros_like(stack), weight_grad(g, x, libraries.dw), layer, 0)
+    # the input gradient reads the layer the other way round; the weight gradient is [K, M], the stack's layout
+    dx = _gemm(g, stack, layer, not transposed, libraries.fwd if transposed else libraries.dx)
+    dw = weight_grad(g, x, libraries.dw) if transposed else weight_grad(x, g, libraries.dw)
+    dstack = jax.lax.dynamic_update_index_in_dim(jnp.zeros_like(stack), dw, layer, 0)
     return dx, dstack, None
 
 
-_matmul_transposed.defvjp(_matmul_transposed_fwd, _matmul_transposed_bwd)
+_product.defvjp(_product_fwd, _product_bwd)
