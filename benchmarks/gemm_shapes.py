@@ -5,7 +5,7 @@
 
 The implementations:
 
-- ``xla``: XLA's dot on whole operands (ppojax's `matmul_implementation: xla`, and its LM head always);
+- ``xla``: XLA's dot on whole operands (ppojax's `matmul_implementation: xla`);
 - ``onednn``: oneDNN's GEMM on one layer of a stacked kernel, in place (`ppojax.models.stacked_matmul`'s handlers:
   ppojax's default projections on a single CPU device), where the wheel and the handlers can be had;
 - ``onednn_primitive``: the handlers on oneDNN's matmul primitive (its brgemm kernels where the CPU has them;
@@ -18,16 +18,15 @@ The implementations:
   torch's x86 wheels), with as many threads as this process may use.
 
 For each distinct projection shape of a layer (q/o 576 -> 576, k/v 576 -> 192, gate/up 576 -> 1536, down 1536 -> 576,
-at the update's 384 token rows) and for the LM head (576 -> 49152 at the 256 response rows), the three products of
-a training step: ``fwd`` x @ W, ``dx`` g @ W.T, ``dw`` x.T @ g, for 30 layers in turn (each its own operands, as a
-layer scan's backward has them; the LM head once). Each figure is the median over ``rounds`` of such a pass; the
+at the update's 384 token rows) and for the tied LM head (the embedding W [49152, 576] at the 256 response rows),
+the three products of a training step: ``fwd`` x @ W, ``dx`` g @ W.T, ``dw`` x.T @ g, for 30 layers in turn (each
+its own operands, as a layer scan's backward has them; the LM head once: its forward, hidden states times W.T, is
+the ``dx`` kind, its input gradient the ``fwd`` kind, its weight gradient the ``dw`` kind). Each figure is the median over ``rounds`` of such a pass; the
 implementations take turns within each round, each after one untimed pass (that wakes its threads). ``update_s``
 sums one PPO update's products as the benchmark's work runs them (4 epochs; policy and value model, 30 layers
 each; the policy's LM head): the time the update's GEMMs alone would take, by implementation, and as ppojax runs
-them (``ppojax``: each product of each projection shape by the in-place library ``--record`` would record from
-these figures, the LM head by ``xla``: the head measured here is an untied one's `[D, V]` kernel, while ppojax runs
-SmolLM2's tied head on the embedding `[V, D]` read transposed, by the libraries `auto` measured for that shape);
-``update_s_by_product``: the projections' seconds per implementation and product.
+them (``ppojax``: each product of each shape, the head's too, by the in-place library ``--record`` would record from
+these figures); ``update_s_by_product``: the projections' seconds per implementation and product.
 The projections' forward at a decode step's 8 rows too (``decode_step_s``: one decode step's projections, the
 policy's 30 layers): there the in-place columns run the handlers' own few-row kernels where the CPU has them
 (`stacked_matmul.few_rows_limit`, whatever the library), the library's GEMM elsewhere. Run it pinned
@@ -50,10 +49,11 @@ import numpy as np
 
 HIDDEN, KV, INTERMEDIATE, VOCAB, LAYERS = 576, 192, 1536, 49152, 30  # SmolLM2-135M
 UPDATE_ROWS, RESPONSE_ROWS, EPOCHS, MODELS = 8 * 48, 8 * 32, 4, 2  # the benchmark's work (benchmarks.common)
-#: (name, rows, d_in, d_out, uses per layer and model) — `uses` None: the LM head, once per update epoch
+#: (name, rows, d_in, d_out, uses per layer and model) — `uses` None: the tied LM head (W: the embedding [V, D]),
+#: once per update epoch
 SHAPES = (("q_o", UPDATE_ROWS, HIDDEN, HIDDEN, 2), ("k_v", UPDATE_ROWS, HIDDEN, KV, 2),
           ("gate_up", UPDATE_ROWS, HIDDEN, INTERMEDIATE, 2), ("down", UPDATE_ROWS, INTERMEDIATE, HIDDEN, 1),
-          ("lm_head", RESPONSE_ROWS, HIDDEN, VOCAB, None))
+          ("lm_head", RESPONSE_ROWS, VOCAB, HIDDEN, None))
 #: the same projections at a decode step's rows (one new token of each of the 8 sequences): the forward only, the
 #: policy alone (generation); ppojax multiplies these in place where the CPU has its few-row kernels
 DECODE_ROWS = 8
@@ -262,7 +262,7 @@ def _uses_per_update(uses) -> int:
 
 
 def projections_by_product(results: dict, shapes=SHAPES) -> dict:
-    """{implementation: {product: seconds}}: one PPO update's layer projections (the LM head left out: XLA runs it)
+    """{implementation: {product: seconds}}: one PPO update's layer projections (the LM head left out)
     per product, for the implementations measured at every shape."""
     found = {impl for cells in results.values() for cell in cells.values() for impl in cell}
     layers = [(name, uses) for name, _rows, _d_in, _d_out, uses in shapes if uses is not None]
@@ -274,8 +274,8 @@ def projections_by_product(results: dict, shapes=SHAPES) -> dict:
 
 def update_seconds(results: dict, shapes=SHAPES) -> dict:
     """One PPO update's GEMM seconds (the benchmark's work) by implementation, and as ppojax runs them (each
-    product of each projection shape by the library `fastest_libraries` takes, the LM head, the shape without
-    per-layer uses, by XLA)."""
+    product of each shape, the LM head's too, by the library `fastest_libraries` takes; XLA's where none was
+    measured)."""
     found = {impl for cells in results.values() for cell in cells.values() for impl in cell}
 
     def total(pick) -> float | None:  # pick(name, uses, product) -> implementation
@@ -291,20 +291,20 @@ def update_seconds(results: dict, shapes=SHAPES) -> dict:
     out = {impl: total(lambda name, uses, product, impl=impl: impl) for impl in IMPLEMENTATIONS if impl in found}
     chosen = (fastest_libraries(results, shapes) or ({},))[0]
     dims = {name: (d_in, d_out) for name, _rows, d_in, d_out, _uses in shapes}
-    out["ppojax"] = total(lambda name, uses, product: "xla" if uses is None or dims[name] not in chosen
-                          else getattr(chosen[dims[name]], product))
+    out["ppojax"] = total(lambda name, uses, product: getattr(chosen[dims[name]], product) if dims[name] in chosen
+                          else "xla")
     return out
 
 
 def fastest_libraries(results: dict, shapes=SHAPES) -> tuple | None:
     """({(d_in, d_out): the in-place libraries to record, one per product (`matmul_record.Libraries`)},
-    {(d_in, d_out): {library: {product: seconds of one pass of its layers}}}) for the layer projections' shapes, among
-    the in-place libraries measured at every one of them in `results`, or None where none was
+    {(d_in, d_out): {library: {product: seconds of one layer's product}}}) for `shapes` (the layers' projections and
+    the LM head), among the in-place libraries measured at every one of them in `results`, or None where none was
     (`matmul_record.choose`: per shape and product the fastest, but oneDNN's sgemm unless another beats it by 10 %)."""
     from ppojax.models.matmul_record import choose
     from ppojax.models.stacked_matmul import LIBRARIES
 
-    layers = [(name, (d_in, d_out)) for name, _rows, d_in, d_out, uses in shapes if uses is not None]
+    layers = [(name, (d_in, d_out)) for name, _rows, d_in, d_out, _uses in shapes]
     measured = {shape: {lib: {product: results[name][product][lib]["s"] for product in PRODUCTS}
                         for lib in LIBRARIES
                         if all("s" in results[n][product].get(lib, {}) for n, _ in layers for product in PRODUCTS)}

@@ -616,14 +616,13 @@ def test_gemm_shapes_times_each_product_of_the_right_layer_and_sums_the_update()
     for impl, by_product in report["update_s_by_product"].items():
         assert by_product == pytest.approx({product: per_layer * report["results"]["layer"][product][impl]["s"]
                                             for product in gemm_shapes.PRODUCTS})
-    # ppojax: each product of the layer shape by the library `--record` would take from these figures, the head by
-    # XLA
-    chosen = dict(zip(gemm_shapes.PRODUCTS, choose({
-        lib: {product: report["results"]["layer"][product][lib]["s"] for product in gemm_shapes.PRODUCTS}
-        for lib in stacked_matmul.LIBRARIES if lib in expected})))
+    # ppojax: each product of each shape (the head's too) by the library `--record` would take from these figures
+    chosen = {name: dict(zip(gemm_shapes.PRODUCTS, choose({
+        lib: {product: report["results"][name][product][lib]["s"] for product in gemm_shapes.PRODUCTS}
+        for lib in stacked_matmul.LIBRARIES if lib in expected}))) for name in ("layer", "head")} if not why else {}
     assert report["update_s"]["ppojax"] == pytest.approx(sum(
         gemm_shapes.EPOCHS * (1 if uses is None else uses * gemm_shapes.LAYERS * gemm_shapes.MODELS)
-        * report["results"][name][product]["xla" if uses is None or why else chosen[product]]["s"]
+        * report["results"][name][product]["xla" if why else chosen[name][product]]["s"]
         for name, _r, _i, _o, uses in shapes for product in gemm_shapes.PRODUCTS))
 
 
