@@ -34,7 +34,7 @@ LAYERS = 4  # a stack larger than the last-level cache of most CPUs, read layer 
 ROUNDS = 5
 
 
-def operands(shapes=SHAPES, rows: int = ROWS, layers: int = LAYERS, seed: int = 0) -> list:
+def operands(shapes, rows: int = ROWS, layers: int = LAYERS, seed: int = 0) -> list:
     """Per shape (x f32[layers, rows, d_in], stack f32[layers, d_in, d_out], g f32[layers, rows, d_out])."""
     rng = np.random.default_rng(seed)
     return [tuple(jnp.asarray(rng.standard_normal(shape, np.float32) * scale)
@@ -44,7 +44,7 @@ def operands(shapes=SHAPES, rows: int = ROWS, layers: int = LAYERS, seed: int = 
 
 
 def products(library: str, product: str):
-    """A jitted function of `operands()` running every layer's `product` ("fwd", "dx" or "dw":
+    """A jitted function of `operands(shapes)` running every layer's `product` ("fwd", "dx" or "dw":
     `matmul_record.PRODUCTS`) through `library`'s handlers (registered: `stacked_matmul.unavailable_reason` first)
     -> f32[] (one element of each product, which keeps them all)."""
     from .stacked_matmul import _gemm, weight_grad
