@@ -55,13 +55,12 @@ def build_ffi(cache_dir: Path) -> tuple[Path | None, str]:
     (path, "") or (None, why not)."""
     import jax
 
-    from ppojax.models.stacked_matmul import build_cached, handler_library_path
+    from ppojax.ffi.build import build_cached
 
     lib = onednn_library()
     if lib is None:
         return None, "onednn-cpu-gomp is not installed (pip install onednn-cpu-gomp==2023.2.0)"
-    out = handler_library_path(lib, jax.lib.__version__, cache_dir, source=FFI_SOURCE)
-    return build_cached(lib, out, FFI_SOURCE.name, source=FFI_SOURCE)
+    return build_cached(FFI_SOURCE, FFI_SOURCE.name, lib, cache=cache_dir)
 
 
 def register_ffi(library: Path) -> None:

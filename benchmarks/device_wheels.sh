@@ -3,7 +3,8 @@
 # through .git/info/exclude; under the 64 MiB a call may carry). Run here once per session: ~3 minutes (xz).
 #   .whl/any: TRL and what the machine's Python lacks;  .whl/cpu: this project's jax / jaxlib / flax pins
 #   (jaxlib's 85 MB wheel unzipped, stripped and re-packed as a ~46 MB tar.xz; device_check.sh unpacks it) and
-#   oneDNN's library (~7 MB);  .whl/ffi: stacked_matmul's handlers, prebuilt for the machine's paths.
+#   oneDNN's library (~7 MB);  .whl/ffi: stacked_matmul's and adam_in_place's handlers, prebuilt for the
+#   machine's paths.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
@@ -44,18 +45,21 @@ from pathlib import Path
 
 import jax
 
+from ppojax import adam_in_place
+from ppojax.ffi import build
 from ppojax.models import stacked_matmul
 
 assert jax.lib.__version__ == "0.10.2", f"the prebuilt handlers must match the carried jaxlib, not {jax.lib.__version__}"
 library = Path(sys.argv[1])
 compiler = shutil.which("g++") or shutil.which("c++")
-for name in ("onednn", "onednn_primitive"):  # the libraries on oneDNN's wheel (MKL's is the machine's torch)
-    defines = stacked_matmul.LIBRARIES[name]
-    out = stacked_matmul.handler_library_path(library, jax.lib.__version__, cache_dir=Path(".whl/ffi"), defines=defines)
-    why = stacked_matmul.compile_handlers(compiler, library, jax.ffi.include_dir(), out, defines=defines) \
-        if compiler else "no g++ here"
+builds = {name: (stacked_matmul.SOURCE, library, stacked_matmul.LIBRARIES[name])
+          for name in ("onednn", "onednn_primitive")}  # the libraries on oneDNN's wheel (MKL's is the machine's torch)
+builds["adam_in_place"] = (adam_in_place.SOURCE, None, adam_in_place.FLAGS)
+for name, (source, linked, flags) in builds.items():
+    out = build.library_path(source, jax.lib.__version__, linked, flags, cache=Path(".whl/ffi"))
+    why = build.compile_source(compiler, source, out, linked, flags) if compiler else "no g++ here"
     if why:
-        sys.exit(f"device_wheels.sh: prebuilding stacked_matmul's {name} handlers: {why}")
+        sys.exit(f"device_wheels.sh: prebuilding the {name} handlers: {why}")
     print(f"prebuilt {out} ({name})")
 PY
 du -sh .whl

@@ -30,6 +30,7 @@ from flax import nnx
 
 from benchmarks.common import Turns, make_config, peak_rss_mb, status_mb, summarize
 from ppojax.config import MATMUL_IMPLEMENTATIONS, PPOConfig
+from ppojax.optimizer import IMPLEMENTATIONS, in_place, make_optimizer
 
 DEFAULT_REMAT = PPOConfig().remat  # ppojax's default, so the benchmark runs what a user's run does
 DEFAULT_COMPILE_AHEAD = PPOConfig().compile_ahead
@@ -79,7 +80,6 @@ def build_compiling_ahead(config: dict, compile_ahead: bool = True):
     from ppojax.settings import StepSettings
     from ppojax.train.compile_ahead import start_train_step
     from ppojax.train_step import PPOProgram
-    from ppojax.update import make_optimizer
 
     abstract_policy, abstract_reward, cfg = _models(config, abstract=True)
     policy_graphdef, reward_graphdef = nnx.graphdef(abstract_policy), nnx.graphdef(abstract_reward)
@@ -97,7 +97,7 @@ def build_compiling_ahead(config: dict, compile_ahead: bool = True):
                                         eos_token_id=config["eos_token_id"], vocab_size=cfg.vocab_size)
     actor_critic = ActorCritic(policy_graphdef, reward_graphdef if estimator.uses_critic else None, pad,
                                config["temperature"], has_critic=estimator.uses_critic)
-    optimizer = make_optimizer()
+    optimizer = make_optimizer(implementation=config.get("optimizer_implementation", "auto"))
     mesh = sharding.make_mesh(devices=jax.devices()[:1])
     program = PPOProgram(actor_critic, ModelScores(reward_graphdef, pad), settings, optimizer, mesh)
 
@@ -195,6 +195,7 @@ def run(config: dict) -> dict:
     out["precision"] = config.get("precision", "float32")
     out["allocator"] = "mimalloc" if host_memory.mimalloc_preloaded() else "glibc"
     out["matmul_implementation"] = _matmul_used(config, state.params)
+    out["optimizer_in_place"] = in_place(program.optimizer, state.params, state.opt_state)
     out["state_mb"] = sum(x.nbytes for x in jax.tree.leaves((state.params, state.opt_state))) / 1e6
     return out
 
@@ -285,6 +286,9 @@ def main(argv=None):
                              f"compile_ahead; default {DEFAULT_COMPILE_AHEAD}), else at the first update")
     parser.add_argument("--matmul", default="auto", choices=MATMUL_IMPLEMENTATIONS,
                         help="matmul_implementation of the models (default: ppojax's, 'auto')")
+    parser.add_argument("--optimizer", default="auto", choices=IMPLEMENTATIONS,
+                        help="optimizer_implementation (default: ppojax's, 'auto': AdamW's step in one pass where it "
+                             "applies; 'optax': optax's)")
     parser.add_argument("--behaviour-logprobs", default="sampler", choices=["sampler", "forward"],
                         help="'sampler': the decode loop's log-probs, as TRL's PPOTrainer (the benchmark's work); "
                              "'forward': one more policy forward in the rollout (ppojax's default)")
@@ -295,7 +299,8 @@ def main(argv=None):
     config = make_config(args.size, quick=args.quick, num_updates=args.updates, model_dir=args.model_dir)
     result = run(dict(config, scan=args.scan, phases=not args.no_phases, advantage_estimator=args.estimator,
                       remat=args.remat, behaviour_logprobs=args.behaviour_logprobs,
-                      compile_ahead=args.compile_ahead, matmul_implementation=args.matmul))
+                      compile_ahead=args.compile_ahead, matmul_implementation=args.matmul,
+                      optimizer_implementation=args.optimizer))
     text = json.dumps({k: v for k, v in result.items() if k != "updates"}, indent=2)
     print(text)
     if args.json:

@@ -1,7 +1,8 @@
 """Where one ``train_step`` of the PPO benchmark's work spends its time on the CPU: a ``jax.profiler`` trace of one
 step, its XLA:CPU ops summed by kind.
 
-    python -m benchmarks.step_profile [--size smollm2] [--precision float32|mixed] [--warm 2] [--json F]
+    python -m benchmarks.step_profile [--size smollm2] [--precision float32|mixed] [--warm 2] [--optimizer optax]
+        [--json F]
 
 The work is ``benchmarks.ppojax_ppo``'s (``benchmarks/common.py``: policy, reference, reward and value models,
 sampler log-probs, 4 epochs of one mini-batch). ``--warm`` steps run first (the first compiles), then one step is
@@ -138,7 +139,7 @@ def read_trace(directory: str) -> list[dict]:
         return json.load(f)["traceEvents"]
 
 
-def profile(size: str, precision: str, warm: int, matmul: str = "auto") -> dict:
+def profile(size: str, precision: str, warm: int, matmul: str = "auto", optimizer: str = "auto") -> dict:
     import jax
     import numpy as np
 
@@ -147,6 +148,7 @@ def profile(size: str, precision: str, warm: int, matmul: str = "auto") -> dict:
     from ppojax.train_step import _place, make_train_step
 
     config = dict(make_config(size, num_updates=max(2, warm + 1)), precision=precision, matmul_implementation=matmul,
+                  optimizer_implementation=optimizer,
                   behaviour_logprobs="sampler")  # the benchmark's work: the sampler's log-probs, as TRL
     program, state, shardings = ppojax_ppo.build(config)
     batch = config["batch_size"]
@@ -173,7 +175,8 @@ def profile(size: str, precision: str, warm: int, matmul: str = "auto") -> dict:
     # the arguments' shapes (not compiled a second time)
     hlo = step.jitted.lower(state, *_place(program, prompts[:batch], key)).compile().as_text()
     out = summarize_trace(events, conditional_branch_ops(hlo))
-    return dict(out, size=size, precision=precision, matmul_implementation=matmul, jax=jax.__version__,
+    return dict(out, size=size, precision=precision, matmul_implementation=matmul, optimizer_implementation=optimizer,
+                jax=jax.__version__,
                 step_s=[round(s, 3) for s in step_s],
                 traced_step_s=round(step_s[-1], 3))
 
@@ -181,18 +184,21 @@ def profile(size: str, precision: str, warm: int, matmul: str = "auto") -> dict:
 def main(argv=None) -> int:
     from benchmarks.common import SIZES, positive_int
     from ppojax.config import MATMUL_IMPLEMENTATIONS
+    from ppojax.optimizer import IMPLEMENTATIONS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="smollm2")
     parser.add_argument("--precision", choices=("float32", "mixed"), default="float32")
     parser.add_argument("--warm", type=positive_int, default=2, help="steps before the traced one (the first compiles)")
     parser.add_argument("--matmul", choices=MATMUL_IMPLEMENTATIONS, default="auto",
                         help="the models' matmul_implementation (default: ppojax's)")
+    parser.add_argument("--optimizer", choices=IMPLEMENTATIONS, default="auto",
+                        help="optimizer_implementation (default: ppojax's)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     from ppojax.program_start import start_program
     start_program(args.precision)  # as the ppojax command and the benchmark do (allocator, XLA:CPU options)
     from benchmarks.common import machine_info, write_report
-    result = dict(profile(args.size, args.precision, args.warm, args.matmul), machine=machine_info())
+    result = dict(profile(args.size, args.precision, args.warm, args.matmul, args.optimizer), machine=machine_info())
     print(f"{args.size} {args.precision}: steps {result['step_s']} s (the last traced); op time "
           f"{result['op_seconds']:.2f} s")
     for kind, figures in result["kinds"].items():

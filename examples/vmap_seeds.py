@@ -22,7 +22,7 @@ from ppojax.rewards import TracedScores
 from ppojax.settings import StepSettings
 from ppojax.train_step import PPOProgram, ppo_iteration
 from ppojax.types import init_train_state
-from ppojax.update import make_optimizer
+from ppojax.optimizer import make_optimizer
 
 PAD, EOS, GOOD = 0, 1, 2          # token ids of a 16-word vocabulary
 SEEDS, ITERATIONS, BATCH = 4, 20, 16

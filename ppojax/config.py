@@ -298,6 +298,12 @@ class PPOConfig:
     """AdamW's epsilon (added to the second-moment root)."""
     weight_decay: float = setting(0.0, static=True, on_resume=MAY_CHANGE, rule=at_least(0))
     """AdamW's decoupled weight decay."""
+    optimizer_implementation: str = setting("auto", static=True, on_resume=MAY_CHANGE, rule=one_of("auto", "optax"))
+    """How AdamW's step runs: 'auto' (in one pass over each parameter, reading the parameter, its gradient and
+    moments once and writing them in place, through a handler ppojax builds with the system's g++ (Linux x86-64),
+    for float32 parameters on a single CPU device; optax's elsewhere) or 'optax' (optax's transformations, which
+    XLA:CPU runs as three passes). The same arithmetic; XLA fuses some multiply-adds, so the two agree to a few
+    units in the last place."""
     cliprange: float = setting(0.2, static=True, on_resume=MAY_CHANGE, rule=above(0))
     """PPO's policy ratio clip range epsilon: the ratio is clipped to [1 - cliprange, 1 + cliprange]."""
     cliprange_value: float = setting(0.2, static=True, on_resume=MAY_CHANGE, rule=above(0))

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from . import ppo
+from .optimizer import apply as apply_optimizer
 from .types import UpdateBatch
 
 
@@ -39,23 +39,6 @@ def learning_rate_at(settings, update_index):
         decay = jnp.maximum(0.0, (total - u) / jnp.maximum(total - warmup, 1.0))
         factor = jnp.where(u < warmup, u / jnp.maximum(warmup, 1.0), decay)
     return base * factor
-
-
-def make_optimizer(*, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, weight_decay=0.0,
-                   max_grad_norm=None) -> optax.GradientTransformation:
-    """AdamW WITHOUT the learning rate (the update multiplies by ``learning_rate_at``), so the schedule is
-    a traced function of the update index. Optional global-norm clipping first."""
-    parts = [optax.clip_by_global_norm(max_grad_norm)] if max_grad_norm else []
-    parts += [optax.scale_by_adam(b1=adam_beta1, b2=adam_beta2, eps=adam_epsilon)]
-    if weight_decay:
-        parts.append(optax.add_decayed_weights(weight_decay))
-    return optax.chain(*parts)
-
-
-def optimizer_from_config(config) -> optax.GradientTransformation:
-    return make_optimizer(adam_beta1=config.adam_beta1, adam_beta2=config.adam_beta2,
-                          adam_epsilon=config.adam_epsilon, weight_decay=config.weight_decay,
-                          max_grad_norm=config.max_grad_norm)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -158,15 +141,6 @@ def _select(condition, new, old):
     return jax.tree.map(lambda n, o: jnp.where(condition, n, o), new, old)
 
 
-def _keep_policy(actor_critic, frozen, new, old):
-    """``new`` with every leaf of the policy (``actor_critic.owner``) replaced by ``old`` while ``frozen`` (a
-    traced bool). Works on parameters and on optimizer states that mirror them; the critic's leaves and
-    those of neither (Adam's step count, which the critic's bias correction needs) follow ``new``."""
-    def pick(path, n, o):
-        return jnp.where(frozen, o, n) if actor_critic.owner(path) == "policy" else n
-    return jax.tree_util.tree_map_with_path(pick, new, old)
-
-
 # --------------------------------------------------------------------------------------------------
 # The update
 # --------------------------------------------------------------------------------------------------
@@ -189,6 +163,7 @@ def learn(program, state, experience, key):
     # Critic warm-up: during the first ``critic_warmup`` updates only the critic's parameters (and their
     # optimizer moments) change; the policy's are kept as they were.
     policy_frozen = state.update_count < settings.critic_warmup if settings.critic_warmup else None
+    policy_leaf = (lambda path: actor_critic.owner(path) == "policy") if settings.critic_warmup else None
 
     def mini_batch_step(carry, rows):
         state, stopped = carry
@@ -215,12 +190,7 @@ def learn(program, state, experience, key):
         apply = finite & ~skip
 
         def optimizer_step(params, opt_state):
-            updates, new_opt_state = optimizer.update(grads, opt_state, params)
-            new_params = jax.tree.map(lambda p, u: p - (lr * u).astype(p.dtype), params, updates)  # bf16 stays
-            if policy_frozen is not None:
-                new_params = _keep_policy(actor_critic, policy_frozen, new_params, params)
-                new_opt_state = _keep_policy(actor_critic, policy_frozen, new_opt_state, opt_state)
-            return new_params, new_opt_state
+            return apply_optimizer(optimizer, grads, opt_state, params, lr, kept=policy_leaf, frozen=policy_frozen)
 
         # A branch, not where(apply, new, old): with both values live XLA copies every carried parameter and
         # Adam moment at each step; the branch updates them in place.

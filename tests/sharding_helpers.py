@@ -35,7 +35,8 @@ from ppojax.rewards import ModelScores  # noqa: E402
 from ppojax.settings import StepSettings  # noqa: E402
 from ppojax.train_step import PPOProgram, make_rollout  # noqa: E402
 from ppojax.types import Experience  # noqa: E402
-from ppojax.update import learn, make_optimizer  # noqa: E402
+from ppojax.optimizer import make_optimizer  # noqa: E402
+from ppojax.update import learn  # noqa: E402
 
 PAD, STOP, VOCAB, P, R, B = 0, 2, 128, 6, 8, 16
 CFG = ModelConfig(model_type="llama", vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4,

@@ -28,7 +28,7 @@ from ppojax.config import PPOConfig
 from ppojax.data import PromptBatches
 from ppojax.ppo.controllers import RunningMoments
 from ppojax.types import init_train_state
-from ppojax.update import make_optimizer
+from ppojax.optimizer import make_optimizer
 
 REPO = Path(__file__).resolve().parents[1]
 

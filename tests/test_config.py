@@ -131,7 +131,8 @@ def test_derived_sets_are_what_the_fields_declare():
     assert C.IGNORED_ON_RESUME_FIELDS == OLD_HARMLESS | {"overwrite_output_dir", "resume_with_changes",
                                                          "compile_ahead", "export_check"}
     assert C.MAY_CHANGE_FIELDS == OLD_TUNABLE | {
-        "remat", "attention_implementation", "matmul_implementation", "scale_rewards", "normalize_advantages",
+        "remat", "attention_implementation", "matmul_implementation", "optimizer_implementation", "scale_rewards",
+        "normalize_advantages",
         "critic_warmup",
         "kl_loss_coef", "kl_loss_type", "cliprange_low", "cliprange_high", "dual_clip_c", "loss_agg_mode",
         "lora_dropout", "behaviour_logprobs"}

@@ -191,7 +191,8 @@ def test_cpu_16_bit_projections_ask_for_float32_products():
     """XLA:CPU runs a bf16 x bf16 -> bf16 dot as a float32 dot (it converts the operands first) but hands a
     bf16 x bf16 -> f32 dot to its bf16 kernels (`benchmarks.bf16_dots`): on the CPU every forward projection of
     the 16-bit policies asks for a float32 product and rounds it; the rounded product equals the plain bf16
-    dot's (both accumulate in float32)."""
+    dot's (both accumulate in float32) to one bfloat16 rounding (the kernels sum in different orders: on an Intel
+    AMX host one element in 960 rounded the other way)."""
     from ppojax.models import transformer
 
     ids, mask = jnp.ones((2, 8), jnp.int32), jnp.ones((2, 8), bool)
@@ -210,7 +211,10 @@ def test_cpu_16_bit_projections_ask_for_float32_products():
     w = jax.random.normal(jax.random.key(1), (64, 40)).astype(jnp.bfloat16)
     got = jax.jit(lambda x, w: transformer._matmul(x, w, jnp.bfloat16))(x, w)
     assert got.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(jax.jit(jnp.dot)(x, w), np.float32))
+    plain = np.asarray(jax.jit(jnp.dot)(x, w), np.float32)
+    ulp = np.asarray(np.spacing(np.abs(plain).astype(np.float32)), np.float32) * 2.0 ** 16  # bf16: 16 fewer bits
+    assert np.all(np.abs(np.asarray(got, np.float32) - plain) <= ulp)
+    assert np.mean(np.asarray(got, np.float32) == plain) > 0.99
 
 
 def compiled_dots(hlo: str) -> list[dict]:

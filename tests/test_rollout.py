@@ -21,7 +21,7 @@ from ppojax.rewards import GivenScores, FunctionScores, ModelScores  # noqa: E40
 from ppojax.settings import StepSettings  # noqa: E402
 from ppojax.train_step import PPOProgram, make_rollout  # noqa: E402
 from ppojax.types import init_train_state  # noqa: E402
-from ppojax.update import make_optimizer  # noqa: E402
+from ppojax.optimizer import make_optimizer  # noqa: E402
 from tests.test_forward import trl_first_true_indices, trl_inputs  # noqa: E402
 from tests.test_generate import PAD, PROMPTS, build_tiny_hf  # noqa: E402
 

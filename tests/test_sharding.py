@@ -126,7 +126,7 @@ def test_a_donated_init_holds_the_given_buffers_and_copies_a_shared_one():
     """init_sharded_train_state(donate=True): the state's params and frozen models ARE the given buffers (no
     second copy while building), the given arrays are deleted, and a buffer given twice (one module in two
     roles) becomes two (a buffer is donated once); without donate the state holds copies."""
-    from ppojax.update import make_optimizer
+    from ppojax.optimizer import make_optimizer
 
     mesh = sh.make_mesh(devices=jax.devices()[:1])
     pointer = lambda x: x.unsafe_buffer_pointer()  # noqa: E731
@@ -221,7 +221,7 @@ if CHILD:
 
     def test_fsdp8_holds_an_eighth_of_params_and_optimizer_state_per_device(reference):
         mesh = sh.make_mesh(data=1, fsdp=8)
-        from ppojax.update import make_optimizer
+        from ppojax.optimizer import make_optimizer
 
         state, _ = sh.init_sharded_train_state(reference["params"], make_optimizer(), mesh)
         total_params = sum(x.nbytes for x in jax.tree.leaves(state.params))

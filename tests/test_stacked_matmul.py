@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from ppojax.ffi import build
 from ppojax.models import CausalLM, ModelConfig, stacked_matmul
 from ppojax.models.remat import REMAT_POLICIES
 
@@ -272,8 +273,8 @@ def test_the_avx2_few_row_kernels_equal_numpys(tmp_path):
     if not {"avx2", "fma"} <= _cpu_flags():
         pytest.skip("this CPU has no AVX2 with FMA")
     out = tmp_path / "libstacked_gemm_avx2.so"
-    why = stacked_matmul.compile_handlers(shutil.which("g++"), stacked_matmul.onednn_library(),
-                                          jax.ffi.include_dir(), out, defines=("-DPPOJAX_FEW_ROWS_AVX2",))
+    why = build.compile_source(shutil.which("g++"), stacked_matmul.SOURCE, out, stacked_matmul.onednn_library(),
+                               ("-DPPOJAX_FEW_ROWS_AVX2",))
     assert not why, why
     handlers = ctypes.cdll.LoadLibrary(str(out))
     assert handlers.FewRowsKernels() == 8
@@ -388,10 +389,10 @@ def test_a_failed_build_is_reported_not_raised(monkeypatch, tmp_path):
 
 def test_handlers_in_the_cache_serve_without_a_compiler(monkeypatch, tmp_path):
     """Handlers built before (or prebuilt for a machine: benchmarks/device_wheels.sh, under the name
-    `handler_library_path` gives) are taken from the cache: no compiler needed."""
+    `ppojax.ffi.build.library_path` gives) are taken from the cache: no compiler needed."""
     built, _ = stacked_matmul._built()
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    cached = stacked_matmul.handler_library_path(stacked_matmul.onednn_library(), jax.lib.__version__)
+    cached = build.library_path(stacked_matmul.SOURCE, jax.lib.__version__, stacked_matmul.onednn_library())
     assert cached.parent == tmp_path / "cache" / "ppojax" / "ffi"
     cached.parent.mkdir(parents=True)
     cached.write_bytes(built.read_bytes())

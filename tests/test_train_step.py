@@ -23,7 +23,7 @@ from ppojax.train.loop import step_key
 from ppojax.train_step import PPOProgram, make_train_step, make_train_steps, ppo_iteration
 from ppojax.trainer import PPOTrainer
 from ppojax.types import init_train_state
-from ppojax.update import make_optimizer
+from ppojax.optimizer import make_optimizer
 from tests.test_trainer import good_fraction
 from tests.tiny_setup import PROMPTS, tiny_config, tiny_policy, tiny_tokenizer
 

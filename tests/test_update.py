@@ -14,7 +14,8 @@ from ppojax.config import PPOConfig
 from ppojax.settings import StepSettings
 from ppojax.train_step import PPOProgram
 from ppojax.types import init_train_state
-from ppojax.update import learn, make_optimizer, shaped_rewards_and_advantages
+from ppojax.optimizer import make_optimizer
+from ppojax.update import learn, shaped_rewards_and_advantages
 from tests.toy_models import ToyLM, ToyLMWithValueHead, ToyScore
 from tests.xla_test_flags import cheap_compiles
 

@@ -1,6 +1,6 @@
 // A float32 GEMM on ONE layer of a stacked weight [L, R, C], read where it lies, as XLA FFI handlers for
 // ppojax/models/stacked_matmul.py, which builds this file on first use, once per GEMM library:
-//   g++ -O2 -std=c++17 -shared -fPIC -I<jax.ffi.include_dir()> [-D...] stacked_gemm.cc -o ... LIB
+//   g++ -O2 -std=c++17 -shared -fPIC -I<jax.ffi.include_dir()> -I<ppojax/ffi> [-D...] stacked_gemm.cc -o ... LIB
 // - by default oneDNN's `dnnl_sgemm` (LIB: the `onednn-cpu-gomp` wheel's libdnnl.so.3);
 // - with PPOJAX_ONEDNN_PRIMITIVE, oneDNN's matmul primitive (its brgemm kernels where the CPU has them; one primitive
 //   per problem, made on its first call and kept), same LIB;
@@ -11,7 +11,6 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
 #include <climits>
 #include <cstdint>
 #include <map>
@@ -21,6 +20,7 @@
 #include <tuple>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -253,29 +253,7 @@ void RowsOnThisCpu(const float* x, int64_t ldx, const float* w, float* y, int64_
   avx512 ? Rows<R>(x, ldx, w, y, K, N) : RowsAvx2<R>(x, ldx, w, y, K, N);
 }
 
-// share(i) for every i in [0, shares), on the calling thread and XLA's intra-op threads (oneDNN's and OpenMP's own
-// threads would compete with XLA's for the cores between calls). Shares are claimed, never assigned: the caller
-// runs those no other thread has taken and waits only for shares already running, so it cannot wait on a task
-// queued behind a busy pool; a task that starts after the last share was claimed finds nothing to do.
-template <typename F>
-void Parallel(ffi::ThreadPool& pool, int shares, const F& share) {
-  struct Claims {
-    std::atomic<int> next{0}, done{0};
-  };
-  auto claims = std::make_shared<Claims>();
-  auto work = [claims, &share, shares] {  // `share` is only called while the caller still waits
-    for (int i; (i = claims->next.fetch_add(1)) < shares;) {
-      share(i);
-      claims->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int helpers = static_cast<int>(std::min<int64_t>(pool.num_threads(), shares - 1));
-  for (int h = 0; h < helpers; ++h) pool.Schedule(decltype(work)(work));  // a copy each
-  work();
-  // the shares left are running: spin briefly, then give the core away (a busy machine may have descheduled them)
-  for (int spins = 0; claims->done.load(std::memory_order_acquire) < shares; ++spins)
-    spins < 4096 ? _mm_pause() : std::this_thread::yield();
-}
+using ppojax::Parallel;
 
 // y[M, N] = x[M, K] @ w[K, N], M <= kFewRows, both packed row-major.
 void Product(ffi::ThreadPool& pool, const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K) {

@@ -22,11 +22,10 @@ weight gradient), the library measured fastest for it on the CPU it runs on (`ma
 CPU and shape by `matmul_tuning.py`, or by `python -m benchmarks.gemm_shapes --record`); the libraries share one
 OpenMP runtime (`libgomp.so.1`).
 
-The handlers (`stacked_gemm.cc`) are compiled on first use with the system's C++ compiler against
-`jax.ffi.include_dir()` and the library's file (the wheel's `libdnnl.so.3`, or torch's `libtorch_cpu.so`), once per
-source, library and jaxlib, into `$XDG_CACHE_HOME/ppojax/ffi` (written under a temporary name, then renamed: never
-half-written); a library already there (built before, or prebuilt for a machine without a compiler:
-`benchmarks/device_wheels.sh`) is taken as it is.
+The handlers (`stacked_gemm.cc`) are compiled on first use with the system's C++ compiler against the library's
+file (the wheel's `libdnnl.so.3`, or torch's `libtorch_cpu.so`), once per source, library and jaxlib, into
+`$XDG_CACHE_HOME/ppojax/ffi` (`ppojax.ffi.build`); a library already there (built before, or prebuilt for a machine
+without a compiler: `benchmarks/device_wheels.sh`) is taken as it is.
 :func:`unavailable_reason` says why not where they cannot be had (not Linux x86-64, no wheel, no compiler, a
 failed build); the models then keep XLA's dots (the models' `matmul_implementation`: "auto", "xla", "onednn" or
 "mkl").
@@ -34,11 +33,7 @@ failed build); the models then keep XLA's dots (the models' `matmul_implementati
 from __future__ import annotations
 
 import functools
-import hashlib
-import os
 import platform
-import shutil
-import subprocess
 import threading
 from pathlib import Path
 
@@ -47,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from ..ffi.build import build_cached
 from .matmul_record import PRODUCTS, Libraries
 
 SOURCE = Path(__file__).with_name("stacked_gemm.cc")
@@ -201,59 +197,7 @@ def _announce_recorded(chosen: tuple) -> None:
           f"(recorded in {record_path()}; naming another implementation overrides it)", flush=True)
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base).expanduser() / "ppojax" / "ffi"
-
-
 _lock = threading.Lock()  # a compile_ahead thread and the main thread may both ask first
-
-
-def handler_library_path(library: Path, jaxlib_version: str, cache_dir: Path | None = None,
-                         defines: tuple = (), source: Path = SOURCE) -> Path:
-    """Where the handlers of `source` built against the GEMM library file `library` (with compiler `defines`) for
-    jaxlib `jaxlib_version` are kept: one file per source, library path, defines and jaxlib (the FFI's ABI follows
-    jaxlib)."""
-    key = hashlib.sha256(source.read_bytes() + str(library).encode() + " ".join(defines).encode()
-                         + jaxlib_version.encode()).hexdigest()[:16]
-    return (cache_dir or _cache_dir()) / f"lib{source.stem}-{key}.so"
-
-
-def compile_handlers(compiler: str, library: Path, include_dir: str, out: Path, source: Path = SOURCE,
-                     defines: tuple = ()) -> str:
-    """Build `source` (`stacked_gemm.cc`; the benchmarks' bf16 handler too) with compiler
-    `defines`, linked against `library`, into `out` (written under a temporary name, then renamed: never
-    half-written); "" when done, else why not."""
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        return f"cannot create {out.parent} for the GEMM handlers ({err})"
-    partial = out.with_name(f"{out.name}.{os.getpid()}.partial")
-    cmd = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", *defines, f"-I{include_dir}", str(source), "-o",
-           str(partial), str(library), f"-Wl,-rpath,{library.parent}"]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True)
-    except OSError as err:
-        return f"building {source.name} failed: {err}"
-    if done.returncode != 0:
-        partial.unlink(missing_ok=True)
-        return f"building {source.name} failed: {done.stderr.strip()[-400:]}"
-    partial.replace(out)
-    return ""
-
-
-def build_cached(library: Path, out: Path, what: str, source: Path = SOURCE,
-                 defines: tuple = ()) -> tuple[Path | None, str]:
-    """(`out`, "") once `source` is built there against `library` (a file already there is taken as it is: built
-    before, or prebuilt for a machine without a compiler), or (None, why not); `what` names the handlers in the
-    message when no compiler is found."""
-    if out.exists():
-        return out, ""
-    compiler = shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        return None, f"no C++ compiler (g++) on PATH to build {what}"
-    why = compile_handlers(compiler, library, jax.ffi.include_dir(), out, source=source, defines=defines)
-    return (None, why) if why else (out, "")
 
 
 def _library_file(library: str) -> tuple[Path | None, str]:
@@ -275,9 +219,8 @@ def _built(library: str = "onednn") -> tuple[Path | None, str]:
     file, why = _library_file(library)
     if file is None:
         return None, why
-    out = handler_library_path(file, jax.lib.__version__, defines=LIBRARIES[library])
     # carried prebuilt for a machine without a compiler: benchmarks/device_wheels.sh
-    return build_cached(file, out, f"ppojax's handlers on {LIBRARY_NAMES[library]}", defines=LIBRARIES[library])
+    return build_cached(SOURCE, f"ppojax's handlers on {LIBRARY_NAMES[library]}", file, LIBRARIES[library])
 
 
 _FEW_ROWS: dict = {}  # library -> the most rows its handlers' few-rows kernels take on this CPU (once registered)

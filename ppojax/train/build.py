@@ -35,7 +35,7 @@ from ..rewards import FunctionScores, ModelScores
 from ..settings import StepSettings
 from ..train_step import PPOProgram
 from ..types import TrainState
-from ..update import optimizer_from_config
+from ..optimizer import optimizer_from_config
 
 log = logging.getLogger(__name__)
 
