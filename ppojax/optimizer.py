@@ -13,6 +13,7 @@ import functools
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from . import adam_in_place
@@ -93,8 +94,6 @@ def apply(optimizer, grads, opt_state, params, lr, kept=None, frozen=None):
 def _keep(kept, frozen, new, old):
     """``new`` with every leaf whose path is `kept` replaced by ``old`` while ``frozen``. Works on parameters and on
     optimizer states that mirror them (a moment's path ends with its parameter's)."""
-    import jax.numpy as jnp
-
     def pick(path, n, o):
         return jnp.where(frozen, o, n) if kept(path) else n
     return jax.tree_util.tree_map_with_path(pick, new, old)
