@@ -114,13 +114,11 @@ def step(optimizer, grads, opt_state, params, lr, frozen_leaves=None, frozen=Non
     aliases = {}
     for i in range(len(p_leaves)):  # p, m, v of leaf i are written where they lie
         aliases.update({2 + 4 * i: 3 * i, 4 + 4 * i: 3 * i + 1, 5 + 4 * i: 3 * i + 2})
-    kept = tuple(frozen_leaves) if frozen_leaves is not None else (False,) * len(p_leaves)
-    if len(kept) != len(p_leaves):
-        raise ValueError(f"frozen_leaves names {len(kept)} leaves, the parameters have {len(p_leaves)}")
+    kept = frozen_leaves if frozen_leaves is not None else (False,) * len(p_leaves)
     out = jax.ffi.ffi_call(TARGET, results, input_output_aliases=aliases, vmap_method="sequential")(
         *operands, b1=np.float32(optimizer.b1), one_minus_b1=np.float32(1 - optimizer.b1),
         b2=np.float32(optimizer.b2), one_minus_b2=np.float32(1 - optimizer.b2), eps=np.float32(optimizer.eps),
-        eps_root=np.float32(0.0), weight_decay=np.float32(optimizer.weight_decay),
+        weight_decay=np.float32(optimizer.weight_decay),
         max_norm=np.float32(optimizer.max_grad_norm or 0.0), frozen_leaves=np.asarray(kept, np.int64))
     new_params = treedef.unflatten(out[0::3])
     new_adam = adam._replace(count=count, mu=treedef.unflatten(out[1::3]), nu=treedef.unflatten(out[2::3]))

@@ -22,7 +22,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 struct Hyper {
-  float b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, weight_decay, max_norm;
+  float b1, one_minus_b1, b2, one_minus_b2, eps, weight_decay, max_norm;
 };
 
 struct Step {  // this step's scalars
@@ -48,7 +48,8 @@ __attribute__((always_inline)) inline void Stretch(float* __restrict p, const fl
     if (kClip) g = (g / s.grad_norm) * h.max_norm;  // optax: select(norm < max_norm, g, (g / norm) * max_norm)
     const float m = h.one_minus_b1 * g + h.b1 * m_in[i];
     const float v = h.one_minus_b2 * (g * g) + h.b2 * v_in[i];
-    float u = (m / s.bias_correction1) / (std::sqrt(v / s.bias_correction2 + h.eps_root) + h.eps);
+    // optax adds eps_root (0 in AdamW) under the root: v is never -0, so sqrt(v + 0) is sqrt(v)
+    float u = (m / s.bias_correction1) / (std::sqrt(v / s.bias_correction2) + h.eps);
     if (kDecay) u = u + h.weight_decay * p[i];
     p[i] = p[i] - s.lr * u;
     m_in[i] = m;
@@ -76,7 +77,7 @@ constexpr int64_t kStretch = 1 << 16;  // elements per unit of work: 256 KiB of 
 // m, v of each leaf; rets: p, m, v of each leaf (aliased to the args). frozen_leaves: 1 for each leaf kept as it
 // is while `frozen` (the policy's), else 0.
 ffi::Error AdamImpl(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::RemainingRets rets, float b1,
-                    float one_minus_b1, float b2, float one_minus_b2, float eps, float eps_root, float weight_decay,
+                    float one_minus_b1, float b2, float one_minus_b2, float eps, float weight_decay,
                     float max_norm, ffi::Span<const int64_t> frozen_leaves) {
   auto scalars = args.get<ffi::Buffer<ffi::F32>>(0);
   auto flags = args.get<ffi::Buffer<ffi::S32>>(1);
@@ -88,7 +89,7 @@ ffi::Error AdamImpl(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Remainin
   const float* s = scalars->typed_data();
   const Step step{s[0], s[1], s[2], s[3], flags->typed_data()[0] != 0};
   const bool frozen = flags->typed_data()[1] != 0;
-  const Hyper hyper{b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, weight_decay, max_norm};
+  const Hyper hyper{b1, one_minus_b1, b2, one_minus_b2, eps, weight_decay, max_norm};
 
   std::vector<Leaf> updated;
   std::vector<std::pair<size_t, int64_t>> stretches;  // (leaf, first element)
@@ -142,7 +143,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AdamInPlace, AdamImpl,
                                   .Attr<float>("b2")
                                   .Attr<float>("one_minus_b2")
                                   .Attr<float>("eps")
-                                  .Attr<float>("eps_root")
                                   .Attr<float>("weight_decay")
                                   .Attr<float>("max_norm")
                                   .Attr<ffi::Span<const int64_t>>("frozen_leaves"));
