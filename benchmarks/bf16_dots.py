@@ -50,13 +50,22 @@ def onednn_library() -> Path | None:
     return lookup()
 
 
+def onednn_bf16_unavailable() -> str:
+    """"" where this CPU (ppojax's probe) can run oneDNN's bfloat16 GEMM, else one line naming what it lacks."""
+    from ppojax.backends.cpu import capabilities
+
+    return capabilities.probe().lacks("onednn_bf16", "oneDNN's bfloat16 GEMM (the onednn_ffi form, --step onednn_backward)",
+                         "use XLA's bf16 forms (bf16_f32acc, bf16_row_major; --step xla), which run on any CPU")
+
+
 def build_ffi(cache_dir: Path) -> tuple[Path | None, str]:
     """Compile ``benchmarks/ffi/bf16_gemm.cc`` against oneDNN, once per source and library, into ``cache_dir``:
-    (path, "") or (None, why not)."""
-    import jax
-
+    (path, "") or (None, why not: also where this CPU cannot run oneDNN's bfloat16 GEMM)."""
     from ppojax.ffi.build import build_cached
 
+    why = onednn_bf16_unavailable()
+    if why:
+        return None, why
     lib = onednn_library()
     if lib is None:
         return None, "onednn-cpu-gomp is not installed (pip install onednn-cpu-gomp==2023.2.0)"
@@ -73,10 +82,17 @@ def register_ffi(library: Path) -> None:
 
 
 def ffi_matmul(a, b, transpose_a: bool, transpose_b: bool):
-    """f32[M, N] = op(a) @ op(b) by oneDNN, a and b rounded to bfloat16 first."""
+    """f32[M, N] = op(a) @ op(b) by oneDNN, a and b rounded to bfloat16 first. Raises `CpuFeatureMissing` (before
+    anything is traced) on a CPU that cannot run oneDNN's bfloat16 GEMM."""
     import jax
     import jax.numpy as jnp
     import numpy as np
+
+    from ppojax.backends.cpu.capabilities import CpuFeatureMissing
+
+    why = onednn_bf16_unavailable()
+    if why:
+        raise CpuFeatureMissing(why)
 
     m = a.shape[1] if transpose_a else a.shape[0]
     n = b.shape[0] if transpose_b else b.shape[1]

@@ -237,16 +237,7 @@ def machine_info() -> dict:
             mem_gb = round(int(f.readline().split()[1]) / 2**20, 1)
     except (OSError, ValueError, IndexError):
         pass
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = line
-                    break
-    except OSError:
-        pass
-    simd = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile") if f" {f}" in flags]
+    simd = _simd()
     return {
         "cpu_model": model,
         "cores": os.cpu_count(),
@@ -258,6 +249,22 @@ def machine_info() -> dict:
         "xla_flags": os.environ.get("XLA_FLAGS", ""),  # incl. options recorded for this CPU (xla_cpu_options)
         "cpu_signature": _cpu_signature(),
     }
+
+
+def _simd() -> list:
+    """The instruction sets that matter here, as ppojax's probe reports them (a PPOJAX_CPU_ISA cap included); the
+    TRL side's interpreter may have no ppojax: /proc/cpuinfo read directly there."""
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile")
+    try:
+        from ppojax.backends.cpu.capabilities import probe
+    except ImportError:
+        try:
+            with open("/proc/cpuinfo") as f:
+                flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+        except OSError:
+            flags = []
+        return [f for f in wanted if f in flags]
+    return [f for f in wanted if f in probe().flags]
 
 
 def _cpu_signature() -> str:

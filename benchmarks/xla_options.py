@@ -222,7 +222,8 @@ def main(argv=None) -> int:
                   f"bfloat16 {r['by_dtype']['bfloat16']['gflops']:7.1f} GFLOP/s", flush=True)
     if a.record:
         for precision, matmuls in (("float32", "float32"), ("mixed", "bf16")):
-            winner, seconds = choose(results["sets"], precision)
+            allowed = {s.name for s in xla_cpu_options.candidates(xla_cpu_options.this_cpu(), matmuls)}
+            winner, seconds = choose({k: v for k, v in results["sets"].items() if k in allowed}, precision)
             path = xla_cpu_options.record(winner, seconds, matmuls=matmuls)
             print(f"recorded {winner} for {xla_cpu_options.this_cpu().signature}, {matmuls} matmuls, in {path}")
     if a.json:

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from .backends.cpu import capabilities
 from .ffi.build import build_cached
 
 SOURCE = Path(__file__).parent / "ffi" / "adam_in_place.cc"
@@ -39,9 +40,11 @@ _lock = threading.Lock()  # a compile_ahead thread and the main thread may both 
 @functools.cache
 def _built() -> tuple[Path | None, str]:
     """(the built handler, "") or (None, why not). Built once per source and jaxlib (`ppojax.ffi.build`)."""
-    if platform.system() != "Linux" or platform.machine() != "x86_64":
+    cpu = capabilities.probe()
+    if platform.system() != "Linux" or not cpu.has("x86_64"):
         return None, f"its handler is built for Linux x86-64 (this is {platform.system()} {platform.machine()})"
-    return build_cached(SOURCE, "ppojax's in-place Adam step", flags=FLAGS)
+    # its vector clones stop at the instruction sets the probe reports (a cap included)
+    return build_cached(SOURCE, "ppojax's in-place Adam step", flags=FLAGS + capabilities.build_defines(cpu))
 
 
 @functools.cache

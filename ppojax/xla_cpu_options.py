@@ -4,7 +4,7 @@ Which XLA:CPU options are fastest depends on the CPU (its vector width, its bf16
 version, and one host's winner can lose on another (``benchmarks/RESULTS.md``). So nothing here is a rule
 typed in for one host:
 
-    the CPU's features (/proc/cpuinfo: model name, instruction-set flags)
+    the CPU's features (``ppojax.backends.cpu.capabilities.probe``: model name, instruction-set flags)
       -> the option sets worth timing on it (``CANDIDATES``: each names the instruction sets it needs)
       -> ``python -m benchmarks.xla_options --workload step --record`` times them there and records the winner
          (``default`` when nothing beats XLA's defaults) under the CPU's signature and the jaxlib version, one
@@ -22,22 +22,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import platform
 import time
 from pathlib import Path
 from typing import Mapping, Optional
 
+from .backends.cpu import capabilities
+from .backends.cpu.capabilities import REQUIREMENTS, Cpu, apply_cap
+from .backends.cpu.capabilities import RELEVANT_FLAGS, parse_cpuinfo  # noqa: F401 - re-exported
 from .host_memory import switched_off
 from .strict_json import write_text_atomic
 
 OFF_SWITCH = "PPOJAX_XLA_CPU_OPTIONS"
 RECORD_FILE = "xla_cpu_options.json"
-
-#: The instruction sets that decide which XLA:CPU code paths pay off; the signature keeps only these, so a
-#: record survives flags that do not matter (a microcode or virtualisation flag) but never a different unit.
-RELEVANT_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
-                  "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "bf16")
-
 
 #: The kinds of matmul a record keeps a winner for: float32, and the bf16 matmuls that ``mixed`` and ``bfloat16``
 #: both run (XLA reaches different kernels for them, and an option can speed one and slow the other).
@@ -57,6 +53,7 @@ class OptionSet:
     flags: str
     needs: tuple[str, ...] = ()
     why: str = ""
+    needs_bf16: tuple[str, ...] = ()  # needed on top of ``needs`` where it serves the bf16 matmuls
 
 
 CANDIDATES = (
@@ -70,45 +67,21 @@ CANDIDATES = (
               "512-bit vectors in LLVM's code for the fusions around the dots"),
     OptionSet("onednn_dot", "--xla_cpu_use_onednn=true --xla_cpu_experimental_onednn_fusion_type=dot "
               "--xla_cpu_use_xnnpack=false", ("avx2",),
-              "oneDNN's dots (torch's CPU library; the route to AVX512-BF16 and AMX units)"),
+              "oneDNN's dots (torch's CPU library; the route to AVX512-BF16 and AMX units)",
+              REQUIREMENTS["onednn_bf16"].flags),
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class Cpu:
-    """What a choice is keyed by: the CPU's model name and its relevant instruction sets."""
-
-    model_name: str
-    flags: frozenset
-
-    @property
-    def signature(self) -> str:
-        relevant = sorted(f for f in self.flags if f in RELEVANT_FLAGS)
-        return f"{self.model_name} [{' '.join(relevant)}]"
-
-
-def parse_cpuinfo(text: str) -> Cpu:
-    """/proc/cpuinfo's text -> Cpu (x86: 'model name' and 'flags'; ARM: 'CPU part' and 'Features')."""
-    fields: dict[str, str] = {}
-    for line in text.splitlines():
-        key, sep, value = line.partition(":")
-        if sep and key.strip() not in fields:  # the first processor's entry
-            fields[key.strip()] = value.strip()
-    name = fields.get("model name") or fields.get("CPU part") or platform.processor() or "unknown"
-    flags = fields.get("flags") or fields.get("Features") or ""
-    return Cpu(" ".join(name.split()), frozenset(flags.split()))
-
-
 def this_cpu() -> Cpu:
-    try:
-        return parse_cpuinfo(Path("/proc/cpuinfo").read_text())
-    except OSError:  # not Linux: no flags, so only the option sets that need none are timed
-        return Cpu(platform.processor() or platform.machine() or "unknown", frozenset())
+    """This CPU as ppojax's probe reports it (`ppojax.backends.cpu.capabilities`: a cap included)."""
+    return capabilities.probe()
 
 
-def candidates(cpu: Cpu) -> list[OptionSet]:
-    """The option sets worth timing on ``cpu``: those whose instruction sets it has."""
-    return [s for s in CANDIDATES if all(flag in cpu.flags for flag in s.needs)]
+def candidates(cpu: Cpu, matmuls: str = "float32") -> list[OptionSet]:
+    """The option sets worth timing on ``cpu`` for ``matmuls`` (a key of MATMULS): those whose instruction sets it
+    has (for bf16 matmuls, ``needs_bf16``'s too)."""
+    return [s for s in CANDIDATES
+            if all(flag in cpu.flags for flag in s.needs + (s.needs_bf16 if matmuls == "bf16" else ()))]
 
 
 def _jaxlib_version() -> str:
@@ -188,7 +161,9 @@ def apply(environ=os.environ, cpu: Optional[Cpu] = None, jaxlib: Optional[str] =
     """Add the XLA:CPU options recorded for this CPU and the matmuls of ``precision`` (a config's) to
     ``environ["XLA_FLAGS"]``. Returns the flags added, or None (no record, the record says ``default``, the user
     set ``--xla_cpu_`` options, or switched off)."""
-    if switched_off(OFF_SWITCH, environ) or "--xla_cpu_" in environ.get("XLA_FLAGS", ""):
+    user_options = "--xla_cpu_" in environ.get("XLA_FLAGS", "")
+    apply_cap(environ)  # PPOJAX_CPU_ISA's cap on XLA's (and oneDNN's, MKL's, torch's) instruction sets, if set
+    if switched_off(OFF_SWITCH, environ) or user_options:
         return None
     entry = recorded_choice(cpu, jaxlib, environ, precision)
     if entry is None or not entry["flags"]:

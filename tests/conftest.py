@@ -1,14 +1,20 @@
 import atexit
+import importlib.util
 import os
 import shutil
 import tempfile
 
-import torch
-
+from ppojax.backends.cpu.capabilities import apply_cap
 from tests.xla_test_flags import use_cheap_compiles
 
-torch.set_num_threads(1)
+# PPOJAX_CPU_ISA=avx2 runs the suite as an AVX2-only host would: the probe and the libraries (XLA, oneDNN, MKL,
+# torch) capped before any of them starts; subprocesses inherit the environment.
+apply_cap()
 use_cheap_compiles()  # before jax starts its backend: the suite's compiles without LLVM's optimisation
+if importlib.util.find_spec("torch") is not None:  # the tests that compare against torch import it themselves
+    import torch
+
+    torch.set_num_threads(1)
 
 # PPOTrainer turns on JAX's persistent compilation cache ('auto'); keep the tests' entries out of the
 # user's ~/.cache, in one directory per test session (xdist workers and subprocesses, e.g. the CLI tests,

@@ -248,34 +248,46 @@ def test_slot_storage_variants_give_the_same_values():
     assert slot_storage.stores_bits.__module__ == slot_storage.__name__ and slot_storage.stores_bits(jnp.bfloat16)
 
 
-@pytest.mark.parametrize("layout", ["fwd", "dx", "dw"])
-def test_bf16_dot_forms_compute_the_product(layout, tmp_path_factory):
-    """benchmarks.bf16_dots times each form of a linear layer's three contractions; each must compute that
-    contraction: against a float64 product of the operands it multiplies (bfloat16-rounded where the form
-    rounds), exact up to float32 accumulation, except ``bf16_out``, which also rounds its output. The oneDNN
-    custom call is built and checked (every transpose flag) where its wheel and a C++ compiler are here."""
+BF16_FORM_TOLERANCE = {"f32": 1e-5, "bf16_out": 1e-2, "bf16_f32acc": 1e-5, "bf16_row_major": 1e-5, "onednn_ffi": 1e-5}
+
+
+def _assert_form_computes_the_product(form, layout):
+    """One form of one contraction against a float64 product of the operands it multiplies (bfloat16-rounded where
+    the form rounds), exact up to float32 accumulation, except ``bf16_out``, which also rounds its output."""
     import numpy as np
 
     from benchmarks import bf16_dots
 
-    tolerance = {"f32": 1e-5, "bf16_out": 1e-2, "bf16_f32acc": 1e-5, "bf16_row_major": 1e-5, "onednn_ffi": 1e-5}
-    forms = ["f32", "bf16_out", "bf16_f32acc", "bf16_row_major"]
+    a, b = bf16_dots.operands(form, layout, tokens=12, d_in=24, d_out=40, seed=5)
+    got = np.asarray(bf16_dots.contraction(form, layout)(a, b), np.float64)
+    want = bf16_dots.reference(form, layout, a, b)
+    assert got.shape == want.shape == ((24, 40) if layout == "dw" else (12, 24 if layout == "dx" else 40))
+    error = np.abs(got - want).max() / np.abs(want).max()
+    assert error < BF16_FORM_TOLERANCE[form], (form, layout, error)
+    return a, b, got
+
+
+@pytest.mark.parametrize("layout", ["fwd", "dx", "dw"])
+def test_bf16_dot_forms_compute_the_product(layout):
+    """benchmarks.bf16_dots times each form of a linear layer's three contractions; XLA's forms (what ppojax's
+    16-bit models run, on any CPU) must compute that contraction."""
+    for form in ("f32", "bf16_out", "bf16_f32acc", "bf16_row_major"):
+        _assert_form_computes_the_product(form, layout)
+
+
+@pytest.mark.parametrize("layout", ["fwd", "dx", "dw"])
+def test_bf16_dot_onednn_form_computes_the_product(layout, tmp_path_factory):
+    """The oneDNN bfloat16 custom call (every transpose flag), built where this CPU can run it (AVX-512, asked of
+    ppojax's probe), its wheel and a C++ compiler are here: the product of bfloat16-rounded operands, not of the
+    float32 ones."""
+    import numpy as np
+
     library, why = _bf16_ffi_library(tmp_path_factory)
-    if library is not None:
-        forms.append("onednn_ffi")
-    for form in forms:
-        a, b = bf16_dots.operands(form, layout, tokens=12, d_in=24, d_out=40, seed=5)
-        got = np.asarray(bf16_dots.contraction(form, layout)(a, b), np.float64)
-        want = bf16_dots.reference(form, layout, a, b)
-        assert got.shape == want.shape == ((24, 40) if layout == "dw" else (12, 24 if layout == "dx" else 40))
-        error = np.abs(got - want).max() / np.abs(want).max()
-        assert error < tolerance[form], (form, layout, error)
-        if form == "onednn_ffi":  # it really multiplies bfloat16-rounded operands: not the float32 product
-            exact = (np.asarray(a.T if layout == "dw" else a, np.float64)
-                     @ np.asarray(b.T if layout == "dx" else b, np.float64))
-            assert np.abs(got - exact).max() / np.abs(exact).max() > 1e-4
     if library is None:
-        pytest.skip(f"onednn_ffi not checked: {why}")
+        pytest.skip(why)
+    a, b, got = _assert_form_computes_the_product("onednn_ffi", layout)
+    exact = np.asarray(a.T if layout == "dw" else a, np.float64) @ np.asarray(b.T if layout == "dx" else b, np.float64)
+    assert np.abs(got - exact).max() / np.abs(exact).max() > 1e-4
 
 
 _BF16_FFI = {}

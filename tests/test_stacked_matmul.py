@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from ppojax.backends.cpu import capabilities
 from ppojax.ffi import build
 from ppojax.models import CausalLM, ModelConfig, stacked_matmul
 from ppojax.models.remat import REMAT_POLICIES
@@ -233,8 +234,8 @@ def test_layer_weights_are_no_longer_sliced_out_of_the_stack(library):
 
 
 def _cpu_flags() -> set:
-    return set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("flags")).split())
+    """This CPU's instruction sets as ppojax's probe reports them (a PPOJAX_CPU_ISA cap included)."""
+    return set(capabilities.probe().flags)
 
 
 def _assert_few_row_products_equal_numpys(product):
@@ -265,8 +266,8 @@ def test_few_row_products_equal_numpys_and_the_kernels_follow_the_cpu(library):
 
 
 def test_the_avx2_few_row_kernels_equal_numpys(tmp_path):
-    """The handlers built with their kernels capped at AVX2 (`PPOJAX_FEW_ROWS_AVX2`: the AVX2 path on any CPU that
-    has it, e.g. Zen 3's), registered under a target of their own."""
+    """The handlers built as for an AVX2-only CPU (the defines `capabilities.build_defines` gives Zen 3's: the AVX2
+    path on any CPU that has it), registered under a target of their own."""
     import ctypes
     import shutil
 
@@ -274,7 +275,7 @@ def test_the_avx2_few_row_kernels_equal_numpys(tmp_path):
         pytest.skip("this CPU has no AVX2 with FMA")
     out = tmp_path / "libstacked_gemm_avx2.so"
     why = build.compile_source(shutil.which("g++"), stacked_matmul.SOURCE, out, stacked_matmul.onednn_library(),
-                               ("-DPPOJAX_FEW_ROWS_AVX2",))
+                               capabilities.build_defines(capabilities.Cpu("Zen 3", frozenset({"avx2", "fma", "sse2"}))))
     assert not why, why
     handlers = ctypes.cdll.LoadLibrary(str(out))
     assert handlers.FewRowsKernels() == 8

@@ -57,8 +57,17 @@ __attribute__((always_inline)) inline void Stretch(float* __restrict p, const fl
   }
 }
 
-// Elements [begin, end) of a leaf. Vectorised per instruction set (a clone each, chosen when the library loads).
-__attribute__((target_clones("avx512f", "avx2", "default"))) void Update(const Leaf& l, int64_t begin, int64_t end,
+// Elements [begin, end) of a leaf. Vectorised per instruction set (a clone each, chosen when the library loads);
+// PPOJAX_MAX_ISA_AVX2 / PPOJAX_MAX_ISA_BASELINE leave out the clones above a capped probe's instruction sets
+// (ppojax/backends/cpu/capabilities.py, `build_defines`).
+#if defined(PPOJAX_MAX_ISA_BASELINE)
+#define PPOJAX_UPDATE_CLONES "default"
+#elif defined(PPOJAX_MAX_ISA_AVX2)
+#define PPOJAX_UPDATE_CLONES "avx2", "default"
+#else
+#define PPOJAX_UPDATE_CLONES "avx512f", "avx2", "default"
+#endif
+__attribute__((target_clones(PPOJAX_UPDATE_CLONES))) void Update(const Leaf& l, int64_t begin, int64_t end,
                                                                         const Hyper h, const Step s) {
   const bool decay = h.weight_decay != 0.0f;  // optax skips a zero decay: u + 0 * p would turn -0 into +0
   float* p = l.p + begin;

@@ -30,7 +30,9 @@ from pathlib import Path
 from typing import Mapping, NamedTuple, Optional
 
 from ..strict_json import write_text_atomic
-from ..xla_cpu_options import Cpu, read_records, record_path as _records_path, this_cpu
+from ..backends.cpu import capabilities
+from ..backends.cpu.capabilities import Cpu
+from ..xla_cpu_options import read_records, record_path as _records_path
 
 RECORD_FILE = "matmul_library.json"
 #: another library replaces oneDNN's sgemm (the default) for a product only when it takes at most this share of
@@ -96,7 +98,7 @@ def record(chosen: Mapping[Shape, Libraries], measurements: Mapping[Shape, dict]
         for library in libs:
             if library not in libraries:
                 raise ValueError(f"library {library!r}: expected one of {', '.join(libraries)}")
-    cpu = cpu or this_cpu()
+    cpu = cpu or capabilities.probe()
     path = record_path(environ)
     records = read_records(path)
     entry = records.get(cpu.signature)
@@ -115,7 +117,7 @@ def recorded_choice(candidates, shapes, *, cpu: Optional[Cpu] = None,
     candidate, else :func:`choose` among the candidates' recorded seconds. A shape is left out where the record
     did not measure it so (none yet, another CPU's, an unreadable one, one written before shapes and products were
     measured apart, or a library installed since)."""
-    entry = read_records(record_path(environ)).get((cpu or this_cpu()).signature)
+    entry = read_records(record_path(environ)).get((cpu or capabilities.probe()).signature)
     by_shape = entry.get("shapes") if isinstance(entry, dict) else None
     if not candidates or not isinstance(by_shape, dict):
         return {}

@@ -233,12 +233,17 @@ void WithRows(int rows, F&& f) {
 }
 
 // The widest vectors this CPU has for the kernels: 16 floats (AVX-512), 8 (AVX2 with FMA) or 0 (none: the library's
-// GEMM serves). PPOJAX_FEW_ROWS_AVX2 caps it at AVX2 (a build for testing that path on an AVX-512 CPU).
+// GEMM serves). PPOJAX_MAX_ISA_AVX2 / PPOJAX_MAX_ISA_BASELINE cap it below what the CPU has: builds for a CPU whose
+// instruction sets ppojax's probe reports capped (ppojax/backends/cpu/capabilities.py, `build_defines`).
 int Width() {
-#ifndef PPOJAX_FEW_ROWS_AVX2
+#if defined(PPOJAX_MAX_ISA_BASELINE)
+  return 0;
+#else
+#if !defined(PPOJAX_MAX_ISA_AVX2)
   if (__builtin_cpu_supports("avx512f")) return 16;
 #endif
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 8 : 0;
+#endif
 }
 
 bool Available() {

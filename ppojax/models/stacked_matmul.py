@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from ..backends.cpu import capabilities
 from ..ffi.build import build_cached
 from .matmul_record import PRODUCTS, Libraries
 
@@ -213,14 +214,17 @@ def _library_file(library: str) -> tuple[Path | None, str]:
 @functools.cache
 def _built(library: str = "onednn") -> tuple[Path | None, str]:
     """(the compiled handlers on `library`, "") or (None, why not). Built once per process and library at most."""
-    if platform.system() != "Linux" or platform.machine() != "x86_64":
+    cpu = capabilities.probe()
+    if platform.system() != "Linux" or not cpu.has("x86_64"):
         return None, f"the GEMM libraries' wheels are for Linux x86-64 (this is {platform.system()} " \
                      f"{platform.machine()})"
     file, why = _library_file(library)
     if file is None:
         return None, why
-    # carried prebuilt for a machine without a compiler: benchmarks/device_wheels.sh
-    return build_cached(SOURCE, f"ppojax's handlers on {LIBRARY_NAMES[library]}", file, LIBRARIES[library])
+    # carried prebuilt for a machine without a compiler: benchmarks/device_wheels.sh. The few-rows kernels stop at
+    # the instruction sets the probe reports (a cap included).
+    return build_cached(SOURCE, f"ppojax's handlers on {LIBRARY_NAMES[library]}", file,
+                        LIBRARIES[library] + capabilities.build_defines(cpu))
 
 
 _FEW_ROWS: dict = {}  # library -> the most rows its handlers' few-rows kernels take on this CPU (once registered)

@@ -1,0 +1,1 @@
+"""Everything that depends on the host CPU: what it can run (`capabilities`), chosen once, before JAX starts."""
