@@ -46,16 +46,19 @@ from pathlib import Path
 import jax
 
 from ppojax import adam_in_place
+from ppojax.backends.cpu import capabilities
 from ppojax.ffi import build
 from ppojax.models import stacked_matmul
 
 assert jax.lib.__version__ == "0.10.2", f"the prebuilt handlers must match the carried jaxlib, not {jax.lib.__version__}"
 library = Path(sys.argv[1])
 compiler = shutil.which("g++") or shutil.which("c++")
-builds = {name: (stacked_matmul.SOURCE, library, stacked_matmul.LIBRARIES[name])
-          for name in ("onednn", "onednn_primitive")}  # the libraries on oneDNN's wheel (MKL's is the machine's torch)
-builds["adam_in_place"] = (adam_in_place.SOURCE, None, adam_in_place.FLAGS)
-for name, (source, linked, flags) in builds.items():
+builds = []
+for defines in capabilities.ALL_BUILD_DEFINES:  # the device's CPU is not known here: a build for each kind
+    builds += [(name, stacked_matmul.SOURCE, library, stacked_matmul.LIBRARIES[name] + defines)
+               for name in ("onednn", "onednn_primitive")]  # the libraries on oneDNN's wheel (MKL's: the machine's torch)
+    builds.append(("adam_in_place", adam_in_place.SOURCE, None, adam_in_place.FLAGS + defines))
+for name, source, linked, flags in builds:
     out = build.library_path(source, jax.lib.__version__, linked, flags, cache=Path(".whl/ffi"))
     why = build.compile_source(compiler, source, out, linked, flags) if compiler else "no g++ here"
     if why:

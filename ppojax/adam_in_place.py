@@ -44,7 +44,13 @@ def _built() -> tuple[Path | None, str]:
     if platform.system() != "Linux" or not cpu.has("x86_64"):
         return None, f"its handler is built for Linux x86-64 (this is {platform.system()} {platform.machine()})"
     # its vector clones stop at the instruction sets the probe reports (a cap included)
-    return build_cached(SOURCE, "ppojax's in-place Adam step", flags=FLAGS + capabilities.build_defines(cpu))
+    return build_cached(SOURCE, "ppojax's in-place Adam step", flags=build_flags(cpu))
+
+
+def build_flags(cpu=None) -> tuple[str, ...]:
+    """The compiler flags of the handler on `cpu` (default: the probe's): its vector clones stop at the CPU's
+    instruction sets."""
+    return FLAGS + capabilities.build_defines(cpu)
 
 
 @functools.cache

@@ -393,7 +393,8 @@ def test_handlers_in_the_cache_serve_without_a_compiler(monkeypatch, tmp_path):
     `ppojax.ffi.build.library_path` gives) are taken from the cache: no compiler needed."""
     built, _ = stacked_matmul._built()
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    cached = build.library_path(stacked_matmul.SOURCE, jax.lib.__version__, stacked_matmul.onednn_library())
+    cached = build.library_path(stacked_matmul.SOURCE, jax.lib.__version__, stacked_matmul.onednn_library(),
+                                stacked_matmul.build_flags("onednn"))
     assert cached.parent == tmp_path / "cache" / "ppojax" / "ffi"
     cached.parent.mkdir(parents=True)
     cached.write_bytes(built.read_bytes())

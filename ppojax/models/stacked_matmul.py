@@ -223,8 +223,13 @@ def _built(library: str = "onednn") -> tuple[Path | None, str]:
         return None, why
     # carried prebuilt for a machine without a compiler: benchmarks/device_wheels.sh. The few-rows kernels stop at
     # the instruction sets the probe reports (a cap included).
-    return build_cached(SOURCE, f"ppojax's handlers on {LIBRARY_NAMES[library]}", file,
-                        LIBRARIES[library] + capabilities.build_defines(cpu))
+    return build_cached(SOURCE, f"ppojax's handlers on {LIBRARY_NAMES[library]}", file, build_flags(library, cpu))
+
+
+def build_flags(library: str, cpu=None) -> tuple[str, ...]:
+    """The compiler flags of `library`'s handlers on `cpu` (default: the probe's): the library's defines, and the
+    few-rows kernels kept within the CPU's instruction sets."""
+    return LIBRARIES[library] + capabilities.build_defines(cpu)
 
 
 _FEW_ROWS: dict = {}  # library -> the most rows its handlers' few-rows kernels take on this CPU (once registered)

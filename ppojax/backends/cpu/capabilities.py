@@ -182,6 +182,10 @@ def apply_cap(environ: MutableMapping[str, str] = os.environ) -> str:
     return level
 
 
+#: every value :func:`build_defines` can give (a prebuild for an unknown host builds each)
+ALL_BUILD_DEFINES = ((), ("-DPPOJAX_MAX_ISA_AVX2",), ("-DPPOJAX_MAX_ISA_BASELINE",))
+
+
 def build_defines(cpu: Cpu | None = None) -> tuple[str, ...]:
     """The C++ defines that keep ppojax's handlers (`ppojax/ffi`, `stacked_gemm.cc`) inside ``cpu``'s instruction
     sets (default: the probe's). The handlers test the CPU themselves at load time; a define caps them below that
