@@ -18,6 +18,7 @@ from pathlib import Path
 from .config import ConfigError, PPOConfig, field_help
 from . import xla_cpu_options
 from .host_memory import reexec_with_huge_pages
+from .library_logs import LOG_FILE as LIBRARY_LOG_FILE, library_output_to
 
 
 def _help_epilog() -> str:
@@ -55,7 +56,11 @@ def run_training(config: PPOConfig) -> dict:
                 print(claim.results_message())
             summary_path = Path(config.output_dir) / "summary.json"
             return json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-        return _train_and_report(config, claim)
+        if claim is None:  # another process of a multi-process run: its libraries' output stays where it was
+            return _train_and_report(config, claim)
+        # what other libraries log or warn during the run goes to the run's own file, not the terminal
+        with library_output_to(Path(config.output_dir) / LIBRARY_LOG_FILE):
+            return _train_and_report(config, claim)
     finally:
         if claim is not None:
             claim.release()
@@ -306,7 +311,7 @@ def main(argv=None) -> int:
         if not isinstance(err, (CheckpointError, RewardFunctionError, FloatingPointError, ExportDirError)):
             raise
         print(f"ppojax: error: {err}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(err, RewardFunctionError) else 1  # 2: a mistake in the user's own function
     return 0
 
 

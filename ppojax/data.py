@@ -270,6 +270,33 @@ def _encode_all(texts: Sequence, tokenizer, chat_template: bool | None) -> list[
     return [list(ids) for ids in tokenizer(rendered, add_special_tokens=False)["input_ids"]]
 
 
+def _unreadable_ids(tokenizer) -> dict[int, str]:
+    """{id: what it is} of the tokens that carry nothing of a prompt's text: the unknown token (what a word outside
+    the vocabulary encodes to) and the pad token (which ppojax reads as padding wherever it stands)."""
+    out = {}
+    for what, token_id in (("pad", tokenizer.pad_token_id), ("unknown", getattr(tokenizer, "unk_token_id", None))):
+        if token_id is not None:
+            out.setdefault(int(token_id), what)
+    return out
+
+
+def _check_readable(i: int, text, ids: Sequence[int], tokenizer, unreadable: dict[int, str]) -> None:
+    """Refuse prompt ``i`` when none of its tokens carries its text: every token is unknown, pad or another special
+    token (a bos, a chat template's markers) -- the model would be trained on prompts it cannot read."""
+    special = set(getattr(tokenizer, "all_special_ids", ()) or ()) - set(unreadable)
+    bad = [t for t in ids if t in unreadable]
+    if not bad or any(t not in unreadable and t not in special for t in ids):
+        return
+    kinds = " or ".join(sorted({f"{unreadable[t]} ({tokenizer.convert_ids_to_tokens(int(t))!r}, id {t})"
+                                for t in bad}))
+    raise ValueError(
+        f"prompt {i} ({_short(text)}) encodes to nothing the model can read: {len(bad)} of its {len(ids)} tokens "
+        f"({len(bad) / len(ids):.0%}) are the tokenizer's {kinds} token and the rest are special tokens. Its words "
+        "are outside the tokenizer's vocabulary: use the tokenizer saved with this model, or rewrite or remove the "
+        "prompt."
+    )
+
+
 def tokenize_prompts(
     texts: Sequence,
     tokenizer,
@@ -286,7 +313,8 @@ def tokenize_prompts(
       tokenizer's own special tokens, e.g. a bos); None (default) = True iff the tokenizer has a chat template.
       For "continue this text" prompts on an instruct model (the movie-review demo) pass False.
     Returns (token ids of the kept prompts, their indices in `texts`, number filtered). The filtered count is
-    printed (never silent). Errors: an empty dataset; a prompt that tokenizes to nothing; a prompt ending with
+    printed (never silent). Errors: an empty dataset; a prompt that tokenizes to nothing, or only to unknown, pad
+    and special tokens (nothing the model can read); a prompt ending with
     `stop_token_id` (the response would be over before it starts); every prompt too long.
     """
     if isinstance(max_prompt_length, bool) or not isinstance(max_prompt_length, int) or max_prompt_length < 1:
@@ -294,10 +322,12 @@ def tokenize_prompts(
     if len(texts) == 0:
         raise ValueError("the prompt dataset is empty; it needs at least one prompt")
     encoded = _encode_all(texts, tokenizer, chat_template)
+    unreadable = _unreadable_ids(tokenizer)
     kept_ids, kept, too_long = [], [], []
     for i, ids in enumerate(encoded):
         if len(ids) == 0:
             raise ValueError(f"prompt {i} ({texts[i]!r}) tokenizes to no tokens; remove empty prompts from the dataset")
+        _check_readable(i, texts[i], ids, tokenizer, unreadable)
         if stop_token_id is not None and ids[-1] == stop_token_id:
             token = tokenizer.convert_ids_to_tokens(int(stop_token_id))
             raise ValueError(

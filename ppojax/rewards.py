@@ -101,6 +101,13 @@ def check_scores(scores, n: int, *, name: str = "reward function", prompts: Sequ
     is given, the prompt text), unless `allow_nonfinite` (PPOConfig ``on_nonfinite_reward='skip'``: the
     NaN/inf goes through, and the update's non-finite guard skips that update's optimizer steps).
     """
+    text = _first_text(scores)
+    if text is not None:
+        i, value = text
+        raise RewardFunctionError(
+            f"{name} returned text, {_preview(value)} for prompt index {i} ({type(scores).__name__} "
+            f"{_preview(scores)}); scores must be numbers, not strings: return float(...) of each, {n} per call."
+        )
     try:
         if scores is None or isinstance(scores, (str, bytes, int, float)):
             raise TypeError("not a sequence")
@@ -135,6 +142,26 @@ def check_scores(scores, n: int, *, name: str = "reward function", prompts: Sequ
             f"{name} returned {float(values[i])!r}{overflow} for {where}{extra}; scores must be finite numbers."
         )
     return out
+
+
+def _first_text(scores):
+    """(index, value) of the first string among ``scores`` (a sequence, or a sequence of 1-element rows), or None.
+    numpy would read "0.25" as 0.25: a reward function that returns text has a bug, which is said, not hidden."""
+    if isinstance(scores, (str, bytes)) or scores is None:
+        return None  # not a sequence: said as such by the checks that follow
+    if hasattr(scores, "dtype"):  # an array: text only in numpy's string and object arrays
+        if np.dtype(scores.dtype).kind not in "OSU":
+            return None
+        scores = np.asarray(scores).reshape(-1).tolist()
+    try:
+        rows = list(scores)
+    except TypeError:
+        return None
+    for i, row in enumerate(rows):
+        for value in (row if isinstance(row, (list, tuple)) else (row,)):
+            if isinstance(value, (str, bytes)):
+                return i, value
+    return None
 
 
 def call_reward_function(fn, prompts: Sequence[str], completions: Sequence[str], *,

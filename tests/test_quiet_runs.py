@@ -1,0 +1,147 @@
+"""`ppojax train` as a user runs it says what happens in its own words (issue 51): other libraries' logging and
+warnings go to the run's libraries.log, not the terminal (a full disk at a checkpoint is one line; the export check
+prints no load report); a reward function that returns text and a prompt the tokenizer cannot read are refused in
+one line, exit 2, before the first update."""
+import json
+import logging
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from tests.test_cli import good_fraction
+from tests.test_trust import REPO, args_for, cli_env, tiny_dirs  # noqa: F401 - fixtures
+
+MODULE = "tests.test_quiet_runs"
+
+
+def noisy_good_fraction(prompts, completions):
+    """The tiny reward, and what libraries do during a run: log a warning and raise a Python warning."""
+    logging.getLogger("some_library.writer").warning("a library's own warning (with its traceback)")
+    warnings.warn("a library's deprecation", FutureWarning)
+    return good_fraction(prompts, completions)
+
+
+def text_scores(prompts, completions):
+    return [str(s) for s in good_fraction(prompts, completions)]
+
+
+def _train(dirs, out, env, *extra, preexec_fn=None):
+    """`ppojax train` on the tiny run with ``extra`` overrides (replacing the test defaults they name)."""
+    overridden = {e.split("=", 1)[0] for e in extra}
+    args = [a for a in args_for(dirs, out) if a.split("=", 1)[0] not in overridden] + list(extra)
+    return subprocess.run([sys.executable, "-m", "ppojax.cli", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300, preexec_fn=preexec_fn)
+
+
+def test_a_full_disk_at_a_checkpoint_is_one_line_and_library_output_goes_to_the_runs_file(tiny_dirs, tmp_path,
+                                                                                          cli_env):
+    """A real file-size limit (`ulimit -f 64`) that the first checkpoint crosses: ONE line on stderr, no traceback
+    (orbax's writer threads log theirs), nothing half-written; what the libraries logged and warned during the run
+    is in output_dir/libraries.log."""
+    import resource
+
+    out = tmp_path / "run"
+    env = {k: v for k, v in cli_env.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
+
+    proc = _train(tiny_dirs, out, env, f"reward_function={MODULE}:noisy_good_fraction", "compilation_cache_dir=none",
+                  preexec_fn=small_files)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == [
+        f"ppojax: error: file too large while writing {out / 'checkpoints' / 'step_2'}; no earlier checkpoint "
+        "exists; raise the file size limit (`ulimit -f unlimited`) or use a file system that allows larger files."]
+    assert "Traceback" not in proc.stdout and "library" not in proc.stdout
+    assert not [p for p in out.rglob("*") if ".tmp" in p.name or ".partial" in p.name]
+    assert not list((out / "checkpoints").glob("step_*"))
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        json.loads(line)
+    log = (out / "libraries.log").read_text()
+    assert "WARNING some_library.writer: a library's own warning" in log
+    assert "FutureWarning: a library's deprecation" in log
+
+
+def test_the_export_check_prints_no_load_report(tiny_dirs, tmp_path, cli_env):
+    """The policy exported with its value head (value_head: policy, as the demo): transformers' causal LM ignores
+    v_head.* and says so in a load report; the run keeps that report in libraries.log and prints only its own
+    line about the check."""
+    out = tmp_path / "run"
+    proc = _train(tiny_dirs, out, cli_env, "value_head=policy", "num_eval_prompts=4", "total_episodes=16",
+                  "save_steps=0", "learning_rate=1e-4")
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-3000:]
+    assert "ppojax: transformers reproduces ppojax's greedy continuations: True" in proc.stdout
+    assert "LOAD REPORT" not in text and "UNEXPECTED" not in text, text[-3000:]
+    assert "Loading weights" not in text  # transformers' progress bar
+    # stderr: ppojax's own word that the tiny checkpoint has no value head to load, nothing else
+    assert proc.stderr.splitlines() == [f"ppojax: no v_head.summary.* in {tiny_dirs / 'model'}: value head "
+                                        "initialised randomly (seed 0)"], proc.stderr
+    log = (out / "libraries.log").read_text()
+    assert "LOAD REPORT" in log and "v_head.summary.bias   | UNEXPECTED" in log
+
+
+def test_a_reward_function_that_returns_text_is_refused_in_one_line(tiny_dirs, tmp_path, cli_env):
+    out = tmp_path / "run"
+    proc = _train(tiny_dirs, out, cli_env, f"reward_function={MODULE}:text_scores")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    assert lines[0].startswith(f"ppojax: error: reward function {MODULE}.text_scores returned text, '"), lines[0]
+    assert "for prompt index 0" in lines[0] and "scores must be numbers, not strings" in lines[0]
+    assert not (out / "checkpoints").exists()  # before the first update
+    assert not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text()
+
+
+def test_a_prompt_the_tokenizer_cannot_read_is_refused_before_compute(tiny_dirs, tmp_path, cli_env):
+    """The tiny word-level tokenizer encodes words outside its vocabulary as its pad token: a prompt of such words
+    carries nothing; refused before anything is compiled, naming the prompt, the share and the fix."""
+    prompts = tmp_path / "prompts.jsonl"
+    texts = ["the movie was good", "a very bad plot", "zebra quantum", "it is fun"]
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    compile_cache = tmp_path / "jax_cache"
+    compile_cache.mkdir()
+    out = tmp_path / "run"
+    proc = _train(tiny_dirs, out, {**cli_env, "JAX_COMPILATION_CACHE_DIR": str(compile_cache)}, f"dataset={prompts}")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    assert lines[0] == ("ppojax: error: prompt 2 ('zebra quantum') encodes to nothing the model can read: 2 of its 2 "
+                        "tokens (100%) are the tokenizer's pad ('<pad>', id 0) token and the rest are special tokens. "
+                        "Its words are outside the tokenizer's vocabulary: use the tokenizer saved with this model, or "
+                        "rewrite or remove the prompt.")
+    assert not any(compile_cache.iterdir())  # nothing compiled
+
+
+def test_prompt_readability_against_hand_counted_cases():
+    """Unknown and pad tokens among readable ones pass; all unknown / pad (with or without special tokens) is
+    refused with its share; a tokenizer with a separate unknown token names it."""
+    from ppojax.data import tokenize_prompts
+    from tests.test_models import tiny_tokenizer as tokenizer_with_unk
+
+    tok = tokenizer_with_unk()  # <pad> 0, <s> 1, </s> 2, <unk> 3, and five words
+    ids, kept, _ = tokenize_prompts(["the zebra movie", "the movie"], tok, 8, chat_template=False)
+    assert ids == [[4, 3, 5], [4, 5]] and kept == [0, 1]
+    with pytest.raises(ValueError, match=r"prompt 1 \('zebra quantum'\) encodes to nothing the model can read: 2 of "
+                                         r"its 2 tokens \(100%\) are the tokenizer's unknown \('<unk>', id 3\) token"):
+        tokenize_prompts(["the movie", "zebra quantum"], tok, 8, chat_template=False)
+
+
+def test_scores_as_text_are_refused_whatever_holds_them():
+    """numpy reads "0.25" as 0.25; check_scores names the text instead, in a list, a numpy string or object array,
+    a column of rows, bytes; numbers in the same containers pass."""
+    import numpy as np
+
+    from ppojax.rewards import RewardFunctionError, check_scores
+
+    for scores, index, value in ((["0.25", "0.5"], 0, "'0.25'"), (np.array(["0.25", "0.5"]), 0, "'0.25'"),
+                                 ([[0.1], ["0.5"]], 1, "'0.5'"), ((0.1, b"0.5"), 1, "b'0.5'"),
+                                 (np.array([0.1, "x"], dtype=object), 1, "'x'")):
+        with pytest.raises(RewardFunctionError, match=rf"^reward function f returned text, {value} for prompt index "
+                                                      rf"{index} \(.*\); scores must be numbers, not strings"):
+            check_scores(scores, 2, name="reward function f")
+    for scores in ([0.25, 0.5], np.array([0.25, 0.5]), np.array([[0.25], [0.5]]), (0.25, 0.5)):
+        assert check_scores(scores, 2).tolist() == [0.25, 0.5]
