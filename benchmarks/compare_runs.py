@@ -16,7 +16,7 @@ KEYS = ("objective/scores", "objective/kl")
 
 
 def load(run_dir: Path) -> dict:
-    from ppojax.run_logging import read_jsonl
+    from ppojax.io.run_logging import read_jsonl
 
     return {"summary": json.loads((run_dir / "summary.json").read_text()),
             "rows": read_jsonl(run_dir / "metrics.jsonl")}

@@ -116,7 +116,7 @@ if want cpu-quiet; then
   QUIET_SIZES="--sizes smollm2"  # unless BENCH_EXTRA (in $BENCH) names the sizes (or --quick)
   [[ "${BENCH_EXTRA:-}" == *--sizes* || "${BENCH_EXTRA:-}" == *--quick* ]] && QUIET_SIZES=""
   # benchmarks.run builds the in-place handlers and measures the library 'auto' takes on this CPU first (once per
-  # machine, like an install: `python -m ppojax.models.matmul_tuning`), not inside a measured first update
+  # machine, like an install: `python -m ppojax.backends.cpu.matmul_tuning`), not inside a measured first update
   $CPU_ENV JAX_COMPILATION_CACHE_DIR=/tmp/jc_quiet taskset -c "$CPU_TRL" timeout 560 $BENCH \
     $QUIET_SIZES --json "$OUT/cpu_quiet.json" > "$OUT/cpu_quiet.log" 2>&1
   grep -v "^WARNING\|plugin" "$OUT/cpu_quiet.log" | tail -n 40
@@ -197,7 +197,7 @@ fi
 
 # GPU side: the project's flax/optax pins if they import with this machine's jax, else the machine's own.
 GPU_PATH=/tmp/site_flax:/tmp/site_any:$REPO
-if ! PYTHONPATH=$GPU_PATH python3 -c "import flax.nnx, optax, orbax.checkpoint, ppojax.train_step" 2> /tmp/smoke.err; then
+if ! PYTHONPATH=$GPU_PATH python3 -c "import flax.nnx, optax, orbax.checkpoint, ppojax.rl.program" 2> /tmp/smoke.err; then
   tail -1 /tmp/smoke.err; GPU_PATH=/tmp/site_any:$REPO; stamp "GPU side: the machine's flax/optax"
 fi
 GPU_ENV="env PYTHONPATH=$GPU_PATH PYTHONUNBUFFERED=1 PPOJAX_XLA_CPU_OPTIONS=0"

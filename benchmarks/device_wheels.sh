@@ -24,7 +24,7 @@ if [ ! -f .whl/cpu/jaxlib.tar.xz ]; then
    find . -name "*.so" -exec strip --strip-unneeded {} + && tar cf - . | xz -T2 -9 > ../jaxlib.tar.xz)
   mv "$tmp/jaxlib.tar.xz" .whl/cpu/ && rm -rf "$tmp"
 fi
-# oneDNN for ppojax's float32 projections on one CPU device (ppojax/models/stacked_matmul.py): the wheel's
+# oneDNN for ppojax's float32 projections on one CPU device (ppojax/backends/cpu/stacked_matmul.py): the wheel's
 # libdnnl.so.3 and metadata only (the wheel holds three copies of the 55 MB library), unpacked on the machine
 # to ONEDNN_SITE; and the handlers prebuilt here for that path and the pinned jaxlib, in case the machine has no
 # C++ compiler (device_check.sh puts them in the handler cache, where stacked_matmul looks first)
@@ -45,10 +45,10 @@ from pathlib import Path
 
 import jax
 
-from ppojax import adam_in_place
+from ppojax.backends.cpu import adam_in_place
 from ppojax.backends.cpu import capabilities
-from ppojax.ffi import build
-from ppojax.models import stacked_matmul
+from ppojax.backends.cpu.ffi import build
+from ppojax.backends.cpu import stacked_matmul
 
 assert jax.lib.__version__ == "0.10.2", f"the prebuilt handlers must match the carried jaxlib, not {jax.lib.__version__}"
 library = Path(sys.argv[1])

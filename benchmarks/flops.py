@@ -12,7 +12,7 @@ Conventions (the usual "model FLOPs" of MFU, e.g. PaLM appendix B, counted exact
 - generation with a KV cache: a prefill of P tokens (LM head on its last position), then R-1 decode steps of
   one token each, the step producing token t attending to P + t keys.
 
-One PPO update (SPEC.md, TRL's layout with a separate reward and value model):
+One PPO update (docs/algorithm.md, TRL's layout with a separate reward and value model):
 - rollout = B × [generation + reference forward (LM head) + value forward + reward forward];
 - update  = epochs × B × 3 × [policy forward (LM head) + value forward]  (all mini-batches together cover B).
 """

@@ -6,7 +6,7 @@
 The implementations:
 
 - ``xla``: XLA's dot on whole operands (ppojax's `matmul_implementation: xla`);
-- ``onednn``: oneDNN's GEMM on one layer of a stacked kernel, in place (`ppojax.models.stacked_matmul`'s handlers:
+- ``onednn``: oneDNN's GEMM on one layer of a stacked kernel, in place (`ppojax.backends.cpu.stacked_matmul`'s handlers:
   ppojax's default projections on a single CPU device), where the wheel and the handlers can be had;
 - ``onednn_primitive``: the handlers on oneDNN's matmul primitive (its brgemm kernels where the CPU has them;
   `matmul_implementation: onednn_primitive`) instead of its `dnnl_sgemm`: whether oneDNN's API matters on a CPU
@@ -32,7 +32,7 @@ policy's 30 layers): there the in-place columns run the handlers' own few-row ke
 (`stacked_matmul.few_rows_limit`, whatever the library), the library's GEMM elsewhere. Run it pinned
 (`taskset`) to the cores compared. ``--record``: record for each projection shape and product the in-place library
 (``onednn``, ``onednn_primitive`` or ``mkl``) that was fastest there as this CPU's choice for
-`matmul_implementation: auto` at those shapes (`ppojax.models.matmul_record`); oneDNN's sgemm stays unless another
+`matmul_implementation: auto` at those shapes (`ppojax.backends.cpu.matmul_record`); oneDNN's sgemm stays unless another
 beats it by 10 % (`matmul_record.RECORD_MARGIN`).
 """
 from __future__ import annotations
@@ -138,7 +138,7 @@ def _handler_products(ops: dict, library: str) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from ppojax.models import stacked_matmul
+    from ppojax.backends.cpu import stacked_matmul
 
     why = stacked_matmul.unavailable_reason(library)
     if why:
@@ -301,8 +301,8 @@ def fastest_libraries(results: dict, shapes=SHAPES) -> tuple | None:
     {(d_in, d_out): {library: {product: seconds of one layer's product}}}) for `shapes` (the layers' projections and
     the LM head), among the in-place libraries measured at every one of them in `results`, or None where none was
     (`matmul_record.choose`: per shape and product the fastest, but oneDNN's sgemm unless another beats it by 10 %)."""
-    from ppojax.models.matmul_record import choose
-    from ppojax.models.stacked_matmul import LIBRARIES
+    from ppojax.backends.cpu.matmul_record import choose
+    from ppojax.backends.cpu.stacked_matmul import LIBRARIES
 
     layers = [(name, (d_in, d_out)) for name, _rows, d_in, d_out, _uses in shapes]
     measured = {shape: {lib: {product: results[name][product][lib]["s"] for product in PRODUCTS}
@@ -328,14 +328,14 @@ def main(argv=None):
     if unknown:
         parser.error(f"--only {','.join(unknown)}: the implementations are {', '.join(IMPLEMENTATIONS)}")
     if args.record:
-        from ppojax.models.stacked_matmul import buildable_libraries
+        from ppojax.backends.cpu.stacked_matmul import buildable_libraries
 
         missing = [lib for lib in buildable_libraries() if lib not in only]
         if missing:  # "auto" would measure them itself and replace the record
             parser.error(f"--record with --only {args.only}: a record must measure every in-place library that can "
                          f"be had here; add {','.join(missing)} to --only")
     from benchmarks.common import machine_info
-    from ppojax.program_start import start_program
+    from ppojax.backends.cpu.program_start import start_program
 
     start_program()  # as the ppojax command does (mimalloc, the recorded XLA options)
     report = {"machine": machine_info(), "cpus": len(os.sched_getaffinity(0)),
@@ -357,7 +357,8 @@ def main(argv=None):
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     if args.record:
-        from ppojax.models import matmul_record, stacked_matmul
+        from ppojax.backends.cpu import matmul_record
+        from ppojax.backends.cpu import stacked_matmul
 
         fastest = fastest_libraries(report["results"])
         if fastest is None:

@@ -65,7 +65,7 @@ def bench_ppojax(directory, prompts, response_length, temperature, repeats):
     import jax.numpy as jnp
     from flax import nnx
 
-    from ppojax.generate import generate_jit
+    from ppojax.rl.sampler import generate_jit
     from ppojax.models import load_pretrained
 
     model, _ = load_pretrained(directory)

@@ -68,10 +68,10 @@ def measure_peaks() -> dict:
 
 def run_case(name: str, precision: str, peaks: dict, fused: bool) -> dict:
     from benchmarks.ppojax_ppo import build
-    from ppojax import rollout
-    from ppojax.generate import generate
-    from ppojax.train_step import make_rollout, make_train_step
-    from ppojax.update import learn
+    from ppojax.rl import rollout
+    from ppojax.rl.sampler import generate
+    from ppojax.rl.program import make_rollout, make_train_step
+    from ppojax.rl.update import learn
 
     model, B, P, R = CASES[name]
     epochs = PPO_SETTINGS["num_ppo_epochs"]

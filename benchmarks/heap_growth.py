@@ -6,13 +6,13 @@ Each mode runs in a fresh process: build the benchmark's PPO state (``benchmarks
 the ``train_step``, run ``--steps`` steps, and record after each the step's seconds and the process's peak RSS
 (ru_maxrss), and at the end its minor page faults and kernel CPU time. Modes:
 
-- ``kept_heap``: what ppojax did before ``ppojax/host_memory.py`` used huge pages: ``mallopt`` one arena, no
+- ``kept_heap``: what ppojax did before ``ppojax/backends/cpu/host_memory.py`` used huge pages: ``mallopt`` one arena, no
   ``mmap``, never trim (freed memory stays in the heap for reuse);
 - ``plain``: glibc's defaults (large blocks mapped and unmapped every step, 4 KiB page faults);
 - ``huge_pages``: ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` (what the ppojax command and benchmarks used
   before mimalloc, and still do where the ``cmeel-mimalloc`` wheel is missing);
 - ``mimalloc``: the huge-page tunable and mimalloc preloaded with its purge delay, what
-  ``ppojax.host_memory.start_environment`` gives the ppojax command and the benchmarks now.
+  ``ppojax.backends.cpu.host_memory.start_environment`` gives the ppojax command and the benchmarks now.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def child(mode: str, steps: int) -> dict:
 
     from benchmarks import ppojax_ppo
     from benchmarks.common import make_config, peak_rss_mb
-    from ppojax.train_step import make_train_step
+    from ppojax.rl.program import make_train_step
 
     config = make_config("smollm2", num_updates=steps, model_dir=MODEL_DIR if os.path.isdir(MODEL_DIR) else None)
     program, state, shardings = ppojax_ppo.build(dict(config, scan=1, phases=False))
@@ -62,7 +62,7 @@ def child(mode: str, steps: int) -> dict:
 
 
 def run(mode: str, steps: int) -> dict:
-    from ppojax import host_memory
+    from ppojax.backends.cpu import host_memory
 
     env = {k: v for k, v in os.environ.items() if k not in host_memory.START_VARIABLES}
     if mode == "mimalloc":

@@ -14,13 +14,13 @@ the stacked gradient (``dynamic-update-slice``). This benchmark runs the same la
 - ``unstacked_per_call``: stacked storage, split into per-layer buffers once per call (one bulk copy, a custom
   VJP stacks the gradients back), then the Python loop;
 - ``scan_stacked_onednn``: ``lax.scan`` over stacked weights whose products read each layer's kernel in place
-  (``ppojax.models.stacked_matmul``: oneDNN's GEMM through jax.ffi, what ppojax's float32 models do on one CPU
+  (``ppojax.backends.cpu.stacked_matmul``: oneDNN's GEMM through jax.ffi, what ppojax's float32 models do on one CPU
   device since the seventeenth session), when its handlers can be had.
 
 The layer is the dense part of a Llama block (q, k, v, o projections with SmolLM2's GQA widths, the gated MLP,
 two residual adds), no attention or norms, so the difference is the weight traffic, not the math. Every
 variant computes the same gradient (``tests/test_benchmarks.py`` checks it). The figures per host are in
-``benchmarks/RESULTS.md``.
+``benchmarks/README.md``.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def variants() -> dict:
     out = {"scan_stacked": (scan_stacked, "stacked"), "unrolled_separate": (unrolled_separate, "separate"),
            "unrolled_static_slices": (unrolled_static_slices, "stacked"),
            "unstacked_per_call": (unstacked_per_call, "stacked")}
-    from ppojax.models import stacked_matmul
+    from ppojax.backends.cpu import stacked_matmul
 
     if not stacked_matmul.unavailable_reason():
         def scan_stacked_onednn(stacked, x):
@@ -169,7 +169,7 @@ def measure(layers: int, rows: int, reps: int) -> dict:
 
 
 def main(argv=None) -> int:
-    from ppojax.program_start import start_program
+    from ppojax.backends.cpu.program_start import start_program
 
     start_program()  # huge pages and this CPU's XLA options, as the ppojax command runs
     from benchmarks.common import machine_info, positive_int

@@ -32,18 +32,18 @@ OVERRIDES = ["precision=float32", "remat=none", "max_prompt_length=32", "respons
 
 def phase(name: str, model_dir: str, overrides: list) -> dict:
     """In this (fresh) process: build the run, then compile and run one ``name`` program; -> RSS figures."""
-    from ppojax.program_start import start_program
-    start_program()  # as the ppojax command does (ppojax/program_start.py)
+    from ppojax.backends.cpu.program_start import start_program
+    start_program()  # as the ppojax command does (ppojax/backends/cpu/program_start.py)
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
     from benchmarks.common import peak_rss_mb
-    from ppojax.config import PPOConfig
+    from ppojax.trainer.config import PPOConfig
     from ppojax.models import CausalLM, ScoreModel, load_pretrained, load_tokenizer
-    from ppojax.plan import PRESETS, model_config_for
-    from ppojax.train.build import build_run, model_kwargs
-    from ppojax.train_step import make_rollout, make_update, rollout_part
+    from ppojax.trainer.plan import PRESETS, model_config_for
+    from ppojax.trainer.build import build_run, model_kwargs
+    from ppojax.rl.program import make_rollout, make_update, rollout_part
 
     config = PPOConfig.from_yaml(REPO / "configs/plan.yaml", overrides)
     runtime_mb = status_mb("VmRSS")
@@ -103,7 +103,7 @@ def _tokenizer(path, cfg):
 def planned(phases: list, overrides: list) -> dict:
     """The plan of the same config (one device), from the CLI's JSON."""
     out = Path("/tmp/ppojax_plan_vs_rss.json")
-    subprocess.run([sys.executable, "-m", "ppojax.cli", "plan", str(REPO / "configs/plan.yaml"), "--model", "smollm2",
+    subprocess.run([sys.executable, "-m", "ppojax.trainer.cli", "plan", str(REPO / "configs/plan.yaml"), "--model", "smollm2",
                     "--programs", ",".join(phases), "--json", str(out), *overrides], check=True, cwd=REPO,
                    env={**os.environ, "PYTHONPATH": str(REPO)})
     return json.loads(out.read_text())

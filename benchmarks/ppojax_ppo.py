@@ -4,7 +4,7 @@ backbone shape + a Linear(hidden, 1) score head), fixed-length responses, ``num_
 
     python -m benchmarks.ppojax_ppo --size tiny [--updates N] [--model-dir DIR] [--json out.json]
 
-Each update is ONE call of ``ppojax.train_step`` (sampling, reference/value/reward forwards, rewards,
+Each update is ONE call of ``ppojax.rl.program`` (sampling, reference/value/reward forwards, rewards,
 advantages and the epochs of optimizer steps in one compiled program), timed after ``jax.block_until_ready``:
 that is the headline (episodes/s, time to the first update). The phases inside one program cannot be timed
 apart, so after the timed updates the same work runs as separate programs (the sampler alone, the rollout,
@@ -29,8 +29,8 @@ import numpy as np
 from flax import nnx
 
 from benchmarks.common import Turns, make_config, peak_rss_mb, status_mb, summarize
-from ppojax.config import MATMUL_IMPLEMENTATIONS, PPOConfig
-from ppojax.optimizer import IMPLEMENTATIONS, in_place, make_optimizer
+from ppojax.trainer.config import MATMUL_IMPLEMENTATIONS, PPOConfig
+from ppojax.rl.optimizer import IMPLEMENTATIONS, in_place, make_optimizer
 
 DEFAULT_REMAT = PPOConfig().remat  # ppojax's default, so the benchmark runs what a user's run does
 DEFAULT_COMPILE_AHEAD = PPOConfig().compile_ahead
@@ -72,14 +72,15 @@ def build_compiling_ahead(config: dict, compile_ahead: bool = True):
     """:func:`build`, and (CompileAhead or None): with compile_ahead, the program is made from the models'
     structure first and its ``train_step`` compiles on a background thread while the weights load (as
     ``ppojax train`` does)."""
-    from ppojax import sharding
-    from ppojax.actor_critic import ActorCritic
-    from ppojax.config import PPOConfig
-    from ppojax.ppo import advantage_estimator
-    from ppojax.rewards import ModelScores
-    from ppojax.settings import StepSettings
-    from ppojax.train.compile_ahead import start_train_step
-    from ppojax.train_step import PPOProgram
+    from ppojax.parallel import sharding
+    from ppojax.rl import placement
+    from ppojax.rl.actor_critic import ActorCritic
+    from ppojax.trainer.config import PPOConfig
+    from ppojax.core import advantage_estimator
+    from ppojax.rl.rewards import ModelScores
+    from ppojax.rl.settings import StepSettings
+    from ppojax.trainer.compile_ahead import start_train_step
+    from ppojax.rl.program import PPOProgram
 
     abstract_policy, abstract_reward, cfg = _models(config, abstract=True)
     policy_graphdef, reward_graphdef = nnx.graphdef(abstract_policy), nnx.graphdef(abstract_reward)
@@ -118,14 +119,14 @@ def build_compiling_ahead(config: dict, compile_ahead: bool = True):
     if (nnx.graphdef(policy), nnx.graphdef(reward)) != (policy_graphdef, reward_graphdef):
         raise AssertionError("the loaded models' structure differs from abstract_pretrained's")
     params, frozen = trees(nnx.state(policy), nnx.state(reward), sharding.copy_arrays)
-    state, shardings = sharding.init_sharded_train_state(params, optimizer, mesh, frozen=frozen, kl_coef=0.05,
+    state, shardings = placement.init_sharded_train_state(params, optimizer, mesh, frozen=frozen, kl_coef=0.05,
                                                          donate=True)  # the models are this function's
     return program, state, shardings, ahead
 
 
 def run(config: dict) -> dict:
-    from ppojax import host_memory
-    from ppojax.train_step import make_train_step, make_train_steps
+    from ppojax.backends.cpu import host_memory
+    from ppojax.rl.program import make_train_step, make_train_steps
 
     t_setup = time.perf_counter()
     scan = config.get("scan") or 1
@@ -210,7 +211,7 @@ def _page_faults() -> int:
 def _matmul_used(config: dict, params) -> str:
     """What the policy's layer projections ran on in the update: the library (e.g. "onednn", "mkl") where
     ``stacked_matmul`` applied, else "xla" (with the reason when oneDNN's handlers were missing)."""
-    from ppojax.models import stacked_matmul
+    from ppojax.backends.cpu import stacked_matmul
     from ppojax.models.transformer import stacked_kernel_shapes
 
     def scanned_layers(tree):  # the policy's `layers` dict (the layer scan's stacked weights)
@@ -242,9 +243,9 @@ def measure_phases(program, state, prompts, key, repeats: int = 2) -> dict:
     ``update_s`` (``learn`` on that experience). The update donates its state and the next calls use the new
     one, as the training loop's program does: a non-donated update would write a fresh copy of the whole
     state (weights and Adam moments) every call, work the training loop never does."""
-    from ppojax import rollout
-    from ppojax.train_step import make_rollout
-    from ppojax.update import learn
+    from ppojax.rl import rollout
+    from ppojax.rl.program import make_rollout
+    from ppojax.rl.update import learn
 
     sample = jax.jit(lambda s, q, k: rollout.sample(program, s, q, k))
     run_rollout = make_rollout(program)
@@ -293,9 +294,9 @@ def main(argv=None):
                         help="'sampler': the decode loop's log-probs, as TRL's PPOTrainer (the benchmark's work); "
                              "'forward': one more policy forward in the rollout (ppojax's default)")
     args = parser.parse_args(argv)
-    from ppojax.program_start import start_program
+    from ppojax.backends.cpu.program_start import start_program
 
-    start_program()  # as the ppojax command does (ppojax/program_start.py)
+    start_program()  # as the ppojax command does (ppojax/backends/cpu/program_start.py)
     config = make_config(args.size, quick=args.quick, num_updates=args.updates, model_dir=args.model_dir)
     result = run(dict(config, scan=args.scan, phases=not args.no_phases, advantage_estimator=args.estimator,
                       remat=args.remat, behaviour_logprobs=args.behaviour_logprobs,

@@ -46,8 +46,8 @@ from pathlib import Path
 
 from benchmarks.common import make_config, machine_info, peak_rss_mb
 from benchmarks.flops import Dims, mfu, ppo_update_flops
-from ppojax.config import IN_PLACE_MATMULS, MATMUL_IMPLEMENTATIONS, PPOConfig
-from ppojax.strict_json import write_text_atomic
+from ppojax.trainer.config import IN_PLACE_MATMULS, MATMUL_IMPLEMENTATIONS, PPOConfig
+from ppojax.io.strict_json import write_text_atomic
 
 DEFAULT_REMAT = PPOConfig().remat  # ppojax's default, so the benchmark runs what a user's run does
 
@@ -243,13 +243,13 @@ def run_ppojax(config_path: Path, tmp: Path, timeout: float, measured=lambda res
 def prepare_machine(tmp: Path, timeout: float = 300) -> dict:
     """ppojax's once-per-machine step before its measured runs (as an install is): the in-place GEMM handlers built
     and the library `matmul_implementation: auto` takes measured on this CPU where no record covers it
-    (`python -m ppojax.models.matmul_tuning`), so that neither lands in a measured first update. -> its seconds and
+    (`python -m ppojax.backends.cpu.matmul_tuning`), so that neither lands in a measured first update. -> its seconds and
     what it said."""
     log = tmp / "prepare_machine.log"
     start = time.perf_counter()
     with open(log, "w") as logf:
         try:
-            done = subprocess.run([sys.executable, "-m", "ppojax.models.matmul_tuning"], cwd=REPO, env=_env(),
+            done = subprocess.run([sys.executable, "-m", "ppojax.backends.cpu.matmul_tuning"], cwd=REPO, env=_env(),
                                   stdout=logf, stderr=subprocess.STDOUT, timeout=timeout)
             error = None if done.returncode == 0 else f"exit status {done.returncode}"
         except subprocess.TimeoutExpired:
@@ -261,7 +261,7 @@ def prepare_machine(tmp: Path, timeout: float = 300) -> dict:
 def _uses_in_place_matmuls(config: dict) -> bool:
     """Whether ppojax's float32 run of `config` multiplies its layers on the in-place GEMM handlers: a library named,
     or "auto" on a model whose layers are large enough for it (`stacked_matmul.AUTO_MIN_LAYER_ELEMENTS`)."""
-    from ppojax.models.stacked_matmul import AUTO_MIN_LAYER_ELEMENTS
+    from ppojax.backends.cpu.stacked_matmul import AUTO_MIN_LAYER_ELEMENTS
 
     implementation = config.get("matmul_implementation", "auto")
     if implementation != "auto":
@@ -381,11 +381,11 @@ def run_interleaved(config_path: Path, tmp: Path, threads: int, timeout: float) 
 
 def _worker(config_path: str, out_path: str) -> int:
     """Child process: ``benchmarks.ppojax_ppo.run(config)``, plus this process's peak RSS."""
-    from ppojax.program_start import start_program
+    from ppojax.backends.cpu.program_start import start_program
 
     with open(config_path) as f:
         config = json.load(f)
-    start_program(config.get("precision", "float32"))  # as the ppojax command does (ppojax/program_start.py)
+    start_program(config.get("precision", "float32"))  # as the ppojax command does (ppojax/backends/cpu/program_start.py)
     import benchmarks.ppojax_ppo as side
 
     if not callable(getattr(side, "run", None)):

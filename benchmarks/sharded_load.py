@@ -36,7 +36,7 @@ def make_checkpoint(directory: str, preset: str) -> None:
     from flax import nnx
 
     from ppojax.models import CausalLM, ModelConfig, save_pretrained
-    from ppojax.plan import PRESETS
+    from ppojax.trainer.plan import PRESETS
 
     cfg = ModelConfig.from_hf(PRESETS[preset])
     abstract = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)))
@@ -59,7 +59,7 @@ def measure(way: str, directory: str, mesh_shape: tuple, param_dtype: str) -> di
     import jax.numpy as jnp
     from flax import nnx
 
-    from ppojax import sharding
+    from ppojax.parallel import sharding
     from ppojax.models import load_pretrained
 
     mesh = sharding.make_mesh(*mesh_shape)

@@ -16,7 +16,7 @@ float32 conversion of the whole stack, and reads the sampler's 16-bit weight sta
 and ``slot_storage`` (as ppojax runs it). Both generate the same tokens;
 their gradients agree within bf16 rounding (the plain program may use an unrounded float32 product where slot
 storage saves the rounded one). Both are reported on every run and checked in ``tests/test_benchmarks.py``.
-Figures per host: ``RESULTS.md``.
+Current figures per host: ``benchmarks/README.md``.
 """
 
 from __future__ import annotations
@@ -54,10 +54,10 @@ def programs(cfg, precision: str, rows: int = 8, prompt: int = 16, response: int
     import numpy as np
     from flax import nnx
 
-    from ppojax.generate import generate
+    from ppojax.rl.sampler import generate
     from ppojax.models import CausalLM, apply_causal_lm
     from ppojax.models.precision import precision_dtypes
-    from ppojax.rollout import _in_compute_dtype
+    from ppojax.rl.rollout import _in_compute_dtype
 
     dtype, param_dtype = precision_dtypes(precision)
     new = lambda: CausalLM(cfg, rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=param_dtype, remat="dots")  # noqa: E731
@@ -146,7 +146,7 @@ def main(argv=None) -> int:
     parser.add_argument("--precision", choices=("mixed", "bfloat16"), default="mixed")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    from ppojax.program_start import start_program
+    from ppojax.backends.cpu.program_start import start_program
 
     start_program()
     from benchmarks.common import machine_info, write_report

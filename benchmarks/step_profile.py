@@ -20,9 +20,9 @@ make the sums readable:
 - Op times are summed over XLA's worker threads, which run independent ops at the same time: the shares are
   shares of the summed op time, not of the wall time (on SmolLM2 the sum is close to the step's wall time).
   Weight-gradient dots on Eigen return before their work ends (an asynchronous thunk): they look short and the
-  ops beside them long (RESULTS.md, sixth session).
+  ops beside them long.
 
-Figures per host: ``benchmarks/RESULTS.md``.
+Current figures per host: ``benchmarks/README.md``.
 """
 from __future__ import annotations
 
@@ -145,7 +145,7 @@ def profile(size: str, precision: str, warm: int, matmul: str = "auto", optimize
 
     from benchmarks import ppojax_ppo
     from benchmarks.common import make_config
-    from ppojax.train_step import _place, make_train_step
+    from ppojax.rl.program import _place, make_train_step
 
     config = dict(make_config(size, num_updates=max(2, warm + 1)), precision=precision, matmul_implementation=matmul,
                   optimizer_implementation=optimizer,
@@ -183,8 +183,8 @@ def profile(size: str, precision: str, warm: int, matmul: str = "auto", optimize
 
 def main(argv=None) -> int:
     from benchmarks.common import SIZES, positive_int
-    from ppojax.config import MATMUL_IMPLEMENTATIONS
-    from ppojax.optimizer import IMPLEMENTATIONS
+    from ppojax.trainer.config import MATMUL_IMPLEMENTATIONS
+    from ppojax.rl.optimizer import IMPLEMENTATIONS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="smollm2")
     parser.add_argument("--precision", choices=("float32", "mixed"), default="float32")
@@ -195,7 +195,7 @@ def main(argv=None) -> int:
                         help="optimizer_implementation (default: ppojax's)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    from ppojax.program_start import start_program
+    from ppojax.backends.cpu.program_start import start_program
     start_program(args.precision)  # as the ppojax command and the benchmark do (allocator, XLA:CPU options)
     from benchmarks.common import machine_info, write_report
     result = dict(profile(args.size, args.precision, args.warm, args.matmul, args.optimizer), machine=machine_info())

@@ -11,7 +11,7 @@ set and dtype is the total FLOPs of the dots divided by the sum of their best ti
 by the time it takes in a real update. ``--torch-python`` times the same dots with torch (oneDNN), the
 reference for what the host's matmul units can do. ``--workload step`` times a whole training step instead
 (forward, backward and Adam of a 6-layer SmolLM2-shaped model), where the options also touch the fusions
-around the dots. The figures per host are in ``benchmarks/RESULTS.md``.
+around the dots. Current figures per host: ``benchmarks/README.md``.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import subprocess
 import sys
 import time
 
-from ppojax import xla_cpu_options
-from ppojax.xla_cpu_options import CANDIDATES
+from ppojax.backends.cpu import xla_options as xla_cpu_options
+from ppojax.backends.cpu.xla_options import CANDIDATES
 
 # name -> XLA_FLAGS. "default" is what jax does with no flags. One list for the benchmark and the run-time choice.
 OPTION_SETS = {s.name: s.flags for s in CANDIDATES}
@@ -150,10 +150,10 @@ print(json.dumps(out))
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-#: XLA errors whose cause is known (RESULTS.md), explained where a set fails with them
+#: XLA errors whose cause is known, explained where a set fails with them
 KNOWN_FAILURES = {
     "partition compile failed": "XLA's oneDNN fusion takes an element-wise op into a dot's input, which oneDNN "
-                                "cannot compile; `(p * s) @ v` alone aborts (jaxlib 0.10.2; RESULTS.md, 2026-11-26)",
+                                "cannot compile; `(p * s) @ v` alone aborts (jaxlib 0.10.2)",
 }
 
 
@@ -177,7 +177,7 @@ def run_set(name: str, tokens: int, reps: int, workload: str = "dots") -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sets", default=None, help="comma-separated names from OPTION_SETS (default: the ones this "
-                   "CPU's instruction sets make worth timing, ppojax.xla_cpu_options.candidates)")
+                   "CPU's instruction sets make worth timing, ppojax.backends.cpu.xla_options.candidates)")
     p.add_argument("--tokens", type=int, default=512, help="rows of every dot (sequences x tokens)")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--workload", default="dots", choices=["dots", "step"],

@@ -15,14 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ppojax.actor_critic import ActorCritic
-from ppojax.config import PPOConfig
+from ppojax.rl.actor_critic import ActorCritic
+from ppojax.trainer.config import PPOConfig
 from ppojax.models import CausalLM, ModelConfig, ScoreModel
-from ppojax.rewards import TracedScores
-from ppojax.settings import StepSettings
-from ppojax.train_step import PPOProgram, ppo_iteration
-from ppojax.types import init_train_state
-from ppojax.optimizer import make_optimizer
+from ppojax.rl.rewards import TracedScores
+from ppojax.rl.settings import StepSettings
+from ppojax.rl.program import PPOProgram, ppo_iteration
+from ppojax.rl.types import init_train_state
+from ppojax.rl.optimizer import make_optimizer
 
 PAD, EOS, GOOD = 0, 1, 2          # token ids of a 16-word vocabulary
 SEEDS, ITERATIONS, BATCH = 4, 20, 16

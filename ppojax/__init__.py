@@ -1,5 +1,5 @@
 """ppojax: PPO for language models (RLHF) as pure, jitted JAX/Flax functions, with TRL's semantics."""
-from .config import PPOConfig
+from ppojax.trainer.config import PPOConfig
 
 __all__ = ["PPOConfig", "PPOTrainer"]
 __version__ = "0.1.0"
@@ -7,6 +7,6 @@ __version__ = "0.1.0"
 
 def __getattr__(name):  # PPOTrainer pulls in the models; import it only when asked for
     if name == "PPOTrainer":
-        from .trainer import PPOTrainer
+        from ppojax.trainer.ppo_trainer import PPOTrainer
         return PPOTrainer
     raise AttributeError(f"module 'ppojax' has no attribute {name!r}")

@@ -2,7 +2,10 @@ import atexit
 import importlib.util
 import os
 import shutil
+import subprocess
 import tempfile
+
+import pytest
 
 from ppojax.backends.cpu.capabilities import apply_cap
 from tests.xla_test_flags import use_cheap_compiles
@@ -10,6 +13,14 @@ from tests.xla_test_flags import use_cheap_compiles
 # PPOJAX_CPU_ISA=avx2 runs the suite as an AVX2-only host would: the probe and the libraries (XLA, oneDNN, MKL,
 # torch) capped before any of them starts; subprocesses inherit the environment.
 apply_cap()
+
+# The fast lane for development (`make test-fast`, PPOJAX_TESTS_FAST=1): the pure-XLA / optax path that
+# accelerator users run (ppojax's CPU backend off: no C++ is built), no test marked slow, and a test that starts a
+# subprocess (the CLI runs, the multi-device and multi-process suites) is skipped where it starts one. `make test`
+# runs everything.
+FAST_LANE = os.environ.get("PPOJAX_TESTS_FAST", "").strip().lower() in ("1", "true", "yes", "on")
+if FAST_LANE:
+    os.environ.setdefault("PPOJAX_CPU_BACKEND", "0")
 use_cheap_compiles()  # before jax starts its backend: the suite's compiles without LLVM's optimisation
 if importlib.util.find_spec("torch") is not None:  # the tests that compare against torch import it themselves
     import torch
@@ -28,3 +39,18 @@ if "PPOJAX_TESTS_CACHE_HOME" not in os.environ:
     os.environ["PPOJAX_TESTS_CACHE_HOME"] = tempfile.mkdtemp(prefix="ppojax-tests-cache-")
     atexit.register(shutil.rmtree, os.environ["PPOJAX_TESTS_CACHE_HOME"], ignore_errors=True)
 os.environ["XDG_CACHE_HOME"] = os.environ["PPOJAX_TESTS_CACHE_HOME"]
+
+
+@pytest.fixture(autouse=True)
+def _fast_lane_starts_no_subprocess(monkeypatch):
+    if FAST_LANE:
+        def skip(*args, **kwargs):
+            pytest.skip("fast lane: this test starts a subprocess (make test runs it)")
+
+        monkeypatch.setattr(subprocess.Popen, "__init__", skip)
+    yield
+
+
+def pytest_collection_modifyitems(config, items):
+    if FAST_LANE:
+        items[:] = [item for item in items if item.get_closest_marker("slow") is None]

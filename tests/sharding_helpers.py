@@ -22,21 +22,22 @@ FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_em
 if __name__ == "__main__":  # a subprocess: make `ppojax` importable; a worker starts jax.distributed FIRST
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if sys.argv[1] == "worker":
-        from ppojax.sharding import initialize_distributed
+        from ppojax.parallel.sharding import initialize_distributed
 
         assert initialize_distributed(), "expected PPOJAX_* variables for a distributed run"
 
-from ppojax import sharding as sh  # noqa: E402
-from ppojax.actor_critic import ActorCritic  # noqa: E402
+from ppojax.parallel import sharding as sh  # noqa: E402
+from ppojax.rl import placement  # noqa: E402
+from ppojax.rl.actor_critic import ActorCritic  # noqa: E402
 from ppojax.models import CausalLM, ModelConfig, ScoreModel, load_pretrained, save_pretrained  # noqa: E402
 from ppojax.models import hf_io  # noqa: E402
-from ppojax.config import PPOConfig  # noqa: E402
-from ppojax.rewards import ModelScores  # noqa: E402
-from ppojax.settings import StepSettings  # noqa: E402
-from ppojax.train_step import PPOProgram, make_rollout  # noqa: E402
-from ppojax.types import Experience  # noqa: E402
-from ppojax.optimizer import make_optimizer  # noqa: E402
-from ppojax.update import learn  # noqa: E402
+from ppojax.trainer.config import PPOConfig  # noqa: E402
+from ppojax.rl.rewards import ModelScores  # noqa: E402
+from ppojax.rl.settings import StepSettings  # noqa: E402
+from ppojax.rl.program import PPOProgram, make_rollout  # noqa: E402
+from ppojax.rl.types import Experience  # noqa: E402
+from ppojax.rl.optimizer import make_optimizer  # noqa: E402
+from ppojax.rl.update import learn  # noqa: E402
 
 PAD, STOP, VOCAB, P, R, B = 0, 2, 128, 6, 8, 16
 CFG = ModelConfig(model_type="llama", vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4,
@@ -68,12 +69,12 @@ def prompts(seed=0):
 
 
 def rollout(mesh, params, frozen, graphdefs, queries, key):
-    """The rollout half of the PPO program on ``mesh`` (``ppojax.train_step.make_rollout``): the state placed
+    """The rollout half of the PPO program on ``mesh`` (``ppojax.rl.program.make_rollout``): the state placed
     by TRAIN_RULES (the policy is re-laid out for generation inside the program), the prompts by rows."""
     policy_def, value_def = graphdefs
     ac = ActorCritic(policy_def, value_def, PAD, temperature=0.7)
     program = PPOProgram(ac, ModelScores(value_def, PAD), SETTINGS, make_optimizer(), mesh)
-    state, _ = sh.init_sharded_train_state(params, program.optimizer, mesh, frozen=frozen)
+    state, _ = placement.init_sharded_train_state(params, program.optimizer, mesh, frozen=frozen)
     experience, failures = make_rollout(program)(state, jnp.asarray(queries), key)
     assert int(failures) == 0
     return experience
@@ -94,7 +95,7 @@ def lora_rollout_and_update(mesh, experience=None):
     adapters = jax.tree.map(lambda x: x + 0.01, adapters)
     ac = ActorCritic(lora_def, value_def, PAD, temperature=0.7, base_graphdef=base_def, lora_scale=spec.scale)
     program = PPOProgram(ac, ModelScores(value_def, PAD), SETTINGS, make_optimizer(), mesh)
-    state, shardings = sh.init_sharded_train_state(
+    state, shardings = placement.init_sharded_train_state(
         {"policy": adapters, "value": params["value"]}, program.optimizer, mesh,
         frozen={"base": base, "ref": None, "reward": frozen["reward"]})
     rolled, failures = make_rollout(program)(state, jnp.asarray(prompts()), jax.random.key(0))
@@ -107,11 +108,11 @@ def lora_rollout_and_update(mesh, experience=None):
 
 
 def run_updates(mesh, ac, params, experience, num_updates, settings=SETTINGS):
-    """``num_updates`` sharded PPO updates (``ppojax.update.learn``) on the same experience.
+    """``num_updates`` sharded PPO updates (``ppojax.rl.update.learn``) on the same experience.
     -> (state, list of metric dicts)."""
     optimizer = make_optimizer()
     program = PPOProgram(ac, None, settings, optimizer, mesh)
-    state, shardings = sh.init_sharded_train_state(params, optimizer, mesh, kl_coef=0.05)
+    state, shardings = placement.init_sharded_train_state(params, optimizer, mesh, kl_coef=0.05)
     update = jax.jit(lambda s, e, k: learn(program, s, e, k), donate_argnums=(0,),
                      out_shardings=(shardings, sh.replicated(mesh)))
     experience = sh.shard_batch(experience, mesh)
@@ -205,7 +206,7 @@ def flat_params(tree):
 
 def synthetic_experience(seed=0):
     """A deterministic numpy ``Experience`` (no model run): random tokens with stop tokens, log-probs near
-    the tiny model's (~ -log V), values and scores; masks as SPEC's rollout makes them."""
+    the tiny model's (~ -log V), values and scores; masks as the rollout makes them (docs/algorithm.md, "Rollout")."""
     rng = np.random.default_rng(seed)
     queries = prompts(seed)
     raw = rng.integers(3, VOCAB, size=(B, R)).astype(np.int32)

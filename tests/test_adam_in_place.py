@@ -1,4 +1,4 @@
-"""AdamW's step in one pass (ppojax/adam_in_place.py, ppojax/ffi/adam_in_place.cc) against a float32 loop of optax's
+"""AdamW's step in one pass (ppojax/backends/cpu/adam_in_place.py, ppojax/backends/cpu/ffi/adam_in_place.cc) against a float32 loop of optax's
 arithmetic (equal bit for bit), against optax itself (a few units in the last place: XLA fuses multiply-adds), in
 place in a compiled step, and where it does not apply."""
 import re
@@ -9,8 +9,8 @@ import numpy as np
 import optax
 import pytest
 
-from ppojax import adam_in_place
-from ppojax.optimizer import AdamW, apply, in_place
+from ppojax.backends.cpu import adam_in_place
+from ppojax.rl.optimizer import AdamW, apply, in_place
 
 pytestmark = pytest.mark.skipif(bool(adam_in_place.unavailable_reason()),
                                 reason=f"in-place Adam unavailable: {adam_in_place.unavailable_reason()}")
@@ -125,7 +125,7 @@ def test_the_critic_warmup_keeps_the_policys_leaves_and_moments():
 
 
 def _scanned_step(optimizer, grads):
-    """Three optimizer steps in a scan, each behind a `lax.cond` (as `ppojax.update.learn` runs them), donated."""
+    """Three optimizer steps in a scan, each behind a `lax.cond` (as `ppojax.rl.update.learn` runs them), donated."""
     def run(params, state):
         def body(carry, i):
             p, s = carry

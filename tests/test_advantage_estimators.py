@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ppojax import ppo
-from ppojax.types import UpdateBatch
+from ppojax import core as ppo
+from ppojax.rl.types import UpdateBatch
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "trl_grpo_rloo_reference.json").read_text())
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -27,7 +27,7 @@ def _f32(x):
 
 def _inputs_with_returns(returns, completion_mask):
     """AdvantageInputs whose rows' rewards sum to ``returns`` (the score on the slot after the last token, as
-    SPEC's 'trl' score position puts it), with TRL's completion mask as the live tokens."""
+    the 'trl' score position puts it, docs/algorithm.md), with TRL's completion mask as the live tokens."""
     live = jnp.asarray(completion_mask, bool)
     padding_mask = ~live
     last = jnp.sum(live, axis=1) - 1

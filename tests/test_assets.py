@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ppojax import assets
-from ppojax.gguf_convert import unpermute_qk
+from ppojax.assets.gguf_convert import unpermute_qk
 
 QUIET = dict(log=lambda *a, **k: None)
 
@@ -29,7 +29,7 @@ def test_unpermute_inverts_llama_cpp_permute():
 
 def test_convert_once_then_reuse(tmp_path, monkeypatch, capsys):
     """The cache logic with a stand-in converter: converts on the first call (atomically), reuses after."""
-    import ppojax.gguf_convert as gc
+    import ppojax.assets.gguf_convert as gc
 
     calls = []
 

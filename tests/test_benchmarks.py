@@ -173,7 +173,7 @@ def test_layer_storage_variants_compute_the_same_gradient():
     stacked = layer_storage.init_stacked(3, hidden=8, intermediate=16, q_width=8, kv_width=4, std=0.3, seed=3)
     x = np.random.default_rng(4).standard_normal((5, 8)).astype(np.float32)
     grads = layer_storage.gradients(stacked, x)
-    from ppojax.models import stacked_matmul
+    from ppojax.backends.cpu import stacked_matmul
 
     assert set(grads) == {"scan_stacked", "unrolled_separate", "unrolled_static_slices", "unstacked_per_call"} | (
         set() if stacked_matmul.unavailable_reason() else {"scan_stacked_onednn"})
@@ -591,8 +591,8 @@ def test_gemm_shapes_times_each_product_of_the_right_layer_and_sums_the_update()
     import torch
 
     from benchmarks import gemm_shapes
-    from ppojax.models import stacked_matmul
-    from ppojax.models.matmul_record import choose
+    from ppojax.backends.cpu import stacked_matmul
+    from ppojax.backends.cpu.matmul_record import choose
 
     shapes = (("layer", 12, 24, 40, 2), ("head", 8, 24, 56, None))
     decode = (("layer@decode", 2, 24, 40, 2),)
@@ -602,7 +602,7 @@ def test_gemm_shapes_times_each_product_of_the_right_layer_and_sums_the_update()
     assert report["unavailable"].get("onednn", "") == why
     if not why:  # where the oneDNN handlers build, those on its matmul primitive build too
         assert "onednn_primitive" not in report["unavailable"], report["unavailable"]
-    if shutil.which("g++") and torch.backends.mkl.is_available():  # torch's x86 wheels carry MKL
+    if shutil.which("g++") and torch.backends.mkl.is_available() and not why:  # torch's x86 wheels carry MKL
         assert "mkl" not in report["unavailable"], report["unavailable"]
     expected = set(gemm_shapes.IMPLEMENTATIONS) - set(report["unavailable"])
     for name, _rows, _d_in, _d_out, _uses in shapes:
@@ -642,7 +642,7 @@ def test_gemm_shapes_record_refuses_a_subset_of_the_libraries(capsys):
     """`--record` must measure every in-place library that can be had here (else `auto` would measure the rest
     itself and replace the record): refused before anything is timed, naming what to add."""
     from benchmarks import gemm_shapes
-    from ppojax.models import stacked_matmul
+    from ppojax.backends.cpu import stacked_matmul
 
     available = stacked_matmul.buildable_libraries()
     if len(available) < 2:

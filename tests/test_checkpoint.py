@@ -22,13 +22,14 @@ import numpy as np
 import optax
 import pytest
 
-from ppojax import checkpoint as ckpt
-from ppojax import file_manifest
-from ppojax.config import PPOConfig
-from ppojax.data import PromptBatches
-from ppojax.ppo.controllers import RunningMoments
-from ppojax.types import init_train_state
-from ppojax.optimizer import make_optimizer
+from ppojax.io import checkpoint as ckpt
+from ppojax.trainer.config import check_compatible
+from ppojax.io import file_manifest
+from ppojax.trainer.config import PPOConfig
+from ppojax.trainer.data import PromptBatches
+from ppojax.core.controllers import RunningMoments
+from ppojax.rl.types import init_train_state
+from ppojax.rl.optimizer import make_optimizer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -197,7 +198,7 @@ def test_check_compatible_lists_every_difference():
     now = config_dict(model_name_or_path="other", response_length=16, precision="bfloat16", batch_size=32,
                       output_dir="b", save_steps=10, total_episodes=999, resume="auto", learning_rate=1e-5)
     with pytest.raises(ckpt.CheckpointError) as err:
-        ckpt.check_compatible(saved, now)
+        check_compatible(saved, now)
     message = str(err.value)
     for line in ("batch_size: None -> 32", "precision: 'float32' -> 'bfloat16'",
                  "model_name_or_path: 'tiny' -> 'other'", "response_length: 8 -> 16"):
@@ -207,21 +208,21 @@ def test_check_compatible_lists_every_difference():
         assert f"  {harmless}:" not in message
     # harmless and tunable differences pass; tunable ones are reported for a warning
     relaxed = config_dict(model_name_or_path="tiny", response_length=8, output_dir="b", learning_rate=1e-5)
-    assert ckpt.check_compatible(saved, relaxed) == ["learning_rate: 3e-06 -> 1e-05"]
+    assert check_compatible(saved, relaxed) == ["learning_rate: 3e-06 -> 1e-05"]
     # per_device_train_batch_size does not matter once the global batch_size is set (and equal)
-    assert ckpt.check_compatible(config_dict(batch_size=16, per_device_train_batch_size=2),
+    assert check_compatible(config_dict(batch_size=16, per_device_train_batch_size=2),
                                  config_dict(batch_size=16, per_device_train_batch_size=4)) == []
     # a field an older checkpoint lacks counts as its default; an unknown field is strict
     older = {k: v for k, v in saved.items() if k != "chat_template"}
-    assert ckpt.check_compatible(older, saved) == []
+    assert check_compatible(older, saved) == []
     with pytest.raises(ckpt.CheckpointError, match="vocab_size: <absent> -> 512"):
-        ckpt.check_compatible(saved, {**saved, "vocab_size": 512})
+        check_compatible(saved, {**saved, "vocab_size": 512})
 
 
 CRASH_SCRIPT = textwrap.dedent("""
     import sys
     import numpy as np, jax.numpy as jnp
-    from ppojax import checkpoint as ckpt
+    from ppojax.io import checkpoint as ckpt
 
     def tree(offset):  # ~24 MB of float32
         rng = np.random.default_rng(0)
@@ -314,7 +315,7 @@ SHARDED_SCRIPT = textwrap.dedent("""
     import sys
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from ppojax import checkpoint as ckpt
+    from ppojax.io import checkpoint as ckpt
     assert jax.device_count() == 4, jax.devices()
     mesh = Mesh(np.array(jax.devices()).reshape(4), ("fsdp",))
     w = jax.device_put(jnp.arange(32.0).reshape(8, 4), NamedSharding(mesh, P("fsdp", None)))
@@ -540,7 +541,7 @@ def make_legacy(path: Path) -> None:
 LEGACY_SCRIPT = textwrap.dedent("""
     import json, sys
     import numpy as np, jax, jax.numpy as jnp
-    from ppojax import checkpoint as ckpt
+    from ppojax.io import checkpoint as ckpt
 
     def tree(step):
         rng = np.random.default_rng(step)
@@ -633,7 +634,7 @@ def test_resolve_checkpoint_paths(tmp_path):
 LIMIT_SCRIPT = textwrap.dedent("""
     import sys
     import numpy as np, jax.numpy as jnp
-    from ppojax import checkpoint as ckpt
+    from ppojax.io import checkpoint as ckpt
 
     def tree(step):
         rng = np.random.default_rng(step)
@@ -696,7 +697,7 @@ def test_save_total_limit_holds_after_real_crashes(tmp_path):
 FULL_DISK_SCRIPT = textwrap.dedent("""
     import resource, signal, sys
     import numpy as np, jax.numpy as jnp
-    from ppojax import checkpoint as ckpt
+    from ppojax.io import checkpoint as ckpt
 
     # As the CLI must: without this, a write past `ulimit -f` kills the process (SIGXFSZ) instead of failing
     # with EFBIG.

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ppojax.cli import main
+from ppojax.trainer.cli import main
 from tests.tiny_setup import write_tiny_run_inputs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,9 +63,9 @@ def test_bad_override_is_a_clear_error(tmp_path, capsys):
 
 
 def test_help_lists_every_field_with_its_default():
-    text = subprocess.run([sys.executable, "-m", "ppojax.cli", "train", "--help"], capture_output=True,
+    text = subprocess.run([sys.executable, "-m", "ppojax.trainer.cli", "train", "--help"], capture_output=True,
                           text=True, check=True, cwd=REPO).stdout
-    from ppojax.config import field_names
+    from ppojax.trainer.config import field_names
     for name in field_names():
         assert f"  {name} (default " in text, name
     assert "kl_coef (default 0.05)" in text
@@ -75,8 +75,8 @@ def test_a_policy_too_large_for_the_automatic_export_check_is_exported_unchecked
                                                                                 monkeypatch):
     """export_check: null (auto) leaves a policy above its size limit unchecked (transformers would hold it whole
     in one host's memory) and says why and how to check it anyway; here the tiny policy counts as large."""
-    import ppojax.export_check
-    monkeypatch.setattr(ppojax.export_check, "AUTO_MAX_PARAMS", 1000)
+    import ppojax.trainer.export_check
+    monkeypatch.setattr(ppojax.trainer.export_check, "AUTO_MAX_PARAMS", 1000)
     out = tmp_path / "run"
     code = main(["train", str(REPO / "configs/tiny.yaml"), f"model_name_or_path={tiny_dirs / 'model'}",
                  f"dataset={tiny_dirs / 'prompts.jsonl'}", f"output_dir={out}", "total_episodes=16"])
@@ -89,7 +89,7 @@ def test_a_policy_too_large_for_the_automatic_export_check_is_exported_unchecked
 
 
 def test_the_export_check_runs_where_it_can_and_was_asked_to():
-    from ppojax.export_check import AUTO_MAX_PARAMS, export_check_skipped
+    from ppojax.trainer.export_check import AUTO_MAX_PARAMS, export_check_skipped
     small, large = 135_000_000, AUTO_MAX_PARAMS + 1
     ready = dict(held_out=True, torch_available=True)
     assert export_check_skipped(None, num_params=small, **ready) is None

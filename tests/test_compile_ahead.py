@@ -1,4 +1,4 @@
-"""Compiling ``train_step`` while the weights load (``ppojax.train.compile_ahead``): the abstract models equal
+"""Compiling ``train_step`` while the weights load (``ppojax.trainer.compile_ahead``): the abstract models equal
 the loaded ones' structure, the first call of the step compiled ahead compiles nothing and computes what the
 plain step computes, and a wrong structure guess falls back to compiling at the first call."""
 import contextlib
@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ppojax.config import PPOConfig
+from ppojax.trainer.config import PPOConfig
 from ppojax.models import ScoreModel, abstract_pretrained, load_pretrained, save_pretrained
 from ppojax.models.lora import _initial_adapters
-from ppojax.train import build as build_module
-from ppojax.train.build import build_run
-from ppojax.train.loop import step_key
-from ppojax.train_step import make_train_step
-from ppojax.trainer import PPOTrainer
+from ppojax.trainer import build as build_module
+from ppojax.trainer.build import build_run
+from ppojax.trainer.loop import step_key
+from ppojax.rl.program import make_train_step
+from ppojax.trainer.ppo_trainer import PPOTrainer
 from tests.tiny_setup import PROMPTS, tiny_config, tiny_policy, tiny_tokenizer
 
 _jax_monitoring = pytest.importorskip("jax._src.monitoring")
@@ -128,7 +128,7 @@ def test_the_step_compiled_ahead_compiles_nothing_at_its_first_call_and_equals_t
 
 
 def test_a_wrong_structure_guess_falls_back_to_the_loaded_models_program(checkpoints, tmp_path, monkeypatch):
-    from ppojax.train import compile_ahead
+    from ppojax.trainer import compile_ahead
     started = []
 
     def wrong_guess(**sources):  # a structure other than the loaded models' (here: another remat in the graphdefs)

@@ -7,7 +7,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from ppojax.compile_cache import enable_compilation_cache, resolve_cache_dir
+from ppojax.trainer.compile_cache import enable_compilation_cache, resolve_cache_dir
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -36,7 +36,7 @@ def test_unwritable_cache_dir_turns_the_cache_off(tmp_path, capsys):
 _CHILD = r"""
 import json, sys
 import jax, jax.numpy as jnp
-from ppojax.compile_cache import enable_compilation_cache
+from ppojax.trainer.compile_cache import enable_compilation_cache
 hits = []
 jax.monitoring.register_event_listener(lambda name, **kw: hits.append(name))
 jax.jit(lambda x: x + 1).lower(1.0).compile()  # a compile BEFORE the cache is switched on: it must still work

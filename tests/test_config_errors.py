@@ -1,5 +1,5 @@
 """Bad configs, one table, run two ways: in-process (``PPOConfig.from_yaml`` raises a ConfigError with the
-expected words) and through the real CLI (``python -m ppojax.cli train BAD.yaml``: exit code 2, the message on
+expected words) and through the real CLI (``python -m ppojax.trainer.cli train BAD.yaml``: exit code 2, the message on
 stderr, no traceback, and no heavy library imported before the error)."""
 import os
 import subprocess
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ppojax.config import ConfigError, PPOConfig
+from ppojax.trainer.config import ConfigError, PPOConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -133,7 +133,7 @@ def _poisoned_libraries(root: Path) -> Path:
 
 
 def test_bad_configs_through_the_cli(tmp_path):
-    """Every row through `python -m ppojax.cli train BAD.yaml`, one process each. The CLI must refuse the config
+    """Every row through `python -m ppojax.trainer.cli train BAD.yaml`, one process each. The CLI must refuse the config
     before importing JAX (or torch, transformers...): those are shadowed here by packages that fail on import,
     so reaching one shows up as a wrong exit code and message rather than as a slow, timing-dependent run."""
     poison = _poisoned_libraries(tmp_path / "poisoned")
@@ -142,7 +142,7 @@ def test_bad_configs_through_the_cli(tmp_path):
     failures = []
     for name, text, words in BAD_CONFIGS:
         path = write(tmp_path, name, text)
-        done = subprocess.run([sys.executable, "-m", "ppojax.cli", "train", str(path)], capture_output=True,
+        done = subprocess.run([sys.executable, "-m", "ppojax.trainer.cli", "train", str(path)], capture_output=True,
                               text=True, env=env, cwd=tmp_path, timeout=60)
         problems = []
         if done.returncode != 2:
@@ -170,7 +170,7 @@ def test_the_poisoned_libraries_do_fail_on_import(tmp_path):
 
 
 def test_cli_overrides_are_checked_like_the_file(tmp_path, capsys):
-    from ppojax.cli import main
+    from ppojax.trainer.cli import main
     good = write(tmp_path, "good", "reward_function: vader\n")
     assert main(["train", str(good), "temperature=0", "bf16=true", "kl_coef=[1"]) == 2
     err = capsys.readouterr().err

@@ -7,10 +7,11 @@ import jax.numpy as jnp
 import pytest
 
 from benchmarks import bf16_dots
-from ppojax import adam_in_place, xla_cpu_options
+from ppojax.backends.cpu import adam_in_place
+from ppojax.backends.cpu import xla_options as xla_cpu_options
 from ppojax.backends.cpu import capabilities
 from ppojax.backends.cpu.capabilities import CpuFeatureMissing, parse_cpuinfo
-from ppojax.models import stacked_matmul
+from ppojax.backends.cpu import stacked_matmul
 
 # /proc/cpuinfo as each kind of host shows it (the first processor; flags abridged to those of interest + baseline)
 BASELINE = "fpu sse sse2 ssse3 sse4_1 sse4_2 popcnt avx f16c bmi1 bmi2 hypervisor"
@@ -58,6 +59,7 @@ def host(request, monkeypatch):
     """Mock the probe as the named host; every CPU-specific path asks `capabilities.probe()`."""
     cpu = parse_cpuinfo(HOSTS[request.param])
     monkeypatch.setattr(capabilities, "probe", lambda: cpu)
+    monkeypatch.setattr(capabilities, "backend_off", lambda: "")  # the fast lane turns it off; the host has it
     return request.param, cpu
 
 

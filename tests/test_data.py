@@ -3,7 +3,7 @@ import json
 import numpy as np
 import pytest
 
-from ppojax.data import (
+from ppojax.trainer.data import (
     PromptBatches,
     check_tokenizer,
     left_pad,

@@ -10,8 +10,8 @@ import jax
 import numpy as np
 import pytest
 
-from ppojax.config import ConfigError, PPOConfig
-from ppojax.train_step import make_rollout
+from ppojax.trainer.config import ConfigError, PPOConfig
+from ppojax.rl.program import make_rollout
 from tests.test_trainer import make_trainer
 
 ESTIMATOR_RUNS = {

@@ -1,12 +1,12 @@
 """Exports (`save_pretrained`, `save_peft_adapter`, `ppojax export`) are written whole or not at all, replace only
-an earlier export, and never write into (or delete from) a directory of other files (`ppojax/export_dir.py`)."""
+an earlier export, and never write into (or delete from) a directory of other files (`ppojax/io/export_dir.py`)."""
 import json
 
 import numpy as np
 import pytest
 from flax import nnx
 
-from ppojax.export_dir import MARKER, ExportDirError
+from ppojax.io.export_dir import MARKER, ExportDirError
 from ppojax.models import CausalLM, load_pretrained, save_pretrained
 from ppojax.models import hf_io
 from tests.tiny_setup import tiny_config, tiny_tokenizer
@@ -85,7 +85,7 @@ def test_an_export_that_fails_half_way_leaves_the_earlier_one_intact(tmp_path, m
 def test_ppojax_export_refuses_a_directory_of_other_files_before_loading_anything(tmp_path, capsys):
     """`ppojax export CHECKPOINT OUT_DIR` with OUT_DIR a directory of other files: exit 2 and the message, before
     the checkpoint is even looked at (it does not exist here)."""
-    from ppojax.cli import main
+    from ppojax.trainer.cli import main
     target = tmp_path / "my-project"
     target.mkdir()
     (target / "train.py").write_text("print('hi')\n")

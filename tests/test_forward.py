@@ -1,4 +1,4 @@
-"""Forward passes shared by rollout and loss (ppojax.forward) against an independent torch reference that
+"""Forward passes shared by rollout and loss (ppojax.rl.forward) against an independent torch reference that
 follows TRL's code: input_ids with pad -> 0, attention_mask = token != pad, position_ids = exclusive cumsum,
 logits[:, P-1:-1] / (T + 1e-7), log_softmax + gather; values and rewards via TRL's get_reward indexing."""
 import numpy as np
@@ -10,7 +10,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from ppojax.forward import (logprobs_from_hidden, response_logprobs, response_values,  # noqa: E402
+from ppojax.rl.forward import (logprobs_from_hidden, response_logprobs, response_values,  # noqa: E402
                             sequence_inputs, sequence_scores)
 from ppojax.models import load_pretrained  # noqa: E402
 from tests.test_generate import PAD, build_tiny_hf  # noqa: E402
@@ -139,7 +139,7 @@ def test_values_and_scores_follow_trl_get_reward(kind, tmp_path):
 
 
 def test_auto_chunk_size_fits_the_logits_budget():
-    from ppojax.forward import LOGITS_MEMORY_BUDGET, auto_chunk_size
+    from ppojax.rl.forward import LOGITS_MEMORY_BUDGET, auto_chunk_size
 
     # SmolLM2 benchmark: 8 rows x 32 steps x 49,152 vocab = 50 MB of float32 logits: no chunking
     assert auto_chunk_size(8, 32, 49152) is None

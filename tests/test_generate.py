@@ -1,4 +1,4 @@
-"""The KV-cache sampler (ppojax.generate): parity with transformers' greedy decoding, sampling statistics,
+"""The KV-cache sampler (ppojax.rl.sampler): parity with transformers' greedy decoding, sampling statistics,
 top-k / top-p / temperature, stop token and early exit.
 
 Tiny random transformers models are built with torch, saved with save_pretrained and loaded into ppojax.
@@ -14,8 +14,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from ppojax.forward import sequence_inputs  # noqa: E402
-from ppojax.generate import (_first_index_of_top, first_argmax, generate_jit, process_logits,  # noqa: E402
+from ppojax.rl.forward import sequence_inputs  # noqa: E402
+from ppojax.rl.sampler import (_first_index_of_top, first_argmax, generate_jit, process_logits,  # noqa: E402
                              sample_logits)
 from ppojax.models import load_pretrained  # noqa: E402
 

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from ppojax import host_memory
+from ppojax.backends.cpu import host_memory
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = 64 * 2**20 // 4096  # 4 KiB pages of the 64 MiB buffer
 
 _CHILD = r"""
 import ctypes, json, os, resource
-from ppojax.host_memory import reexec_with_huge_pages
+from ppojax.backends.cpu.host_memory import reexec_with_huge_pages
 reexec_with_huge_pages()
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p

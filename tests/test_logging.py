@@ -8,9 +8,9 @@ import re
 import numpy as np
 import pytest
 
-from ppojax import run_logging
-from ppojax.run_dir import RunDirError
-from ppojax.run_logging import RunLogger, format_postfix, read_jsonl, read_tensorboard_scalars
+from ppojax.io import run_logging
+from ppojax.io.run_dir import RunDirError
+from ppojax.io.run_logging import RunLogger, format_postfix, read_jsonl, read_tensorboard_scalars
 
 
 def metrics_at(step: int) -> dict:
@@ -134,12 +134,12 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from ppojax.tensorboard_sink import read_tensorboard_texts, samples_markdown  # noqa: E402
+from ppojax.io.tensorboard_sink import read_tensorboard_texts, samples_markdown  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 ATTEMPT = """
 import json, os, signal, sys, time
-from ppojax.run_logging import RunLogger
+from ppojax.io.run_logging import RunLogger
 a = json.loads(sys.argv[1])
 logger = RunLogger(a["out"], {"learning_rate": 3e-6, "run_name": "kill-test"}, enabled=True,
                    report_to=a["report_to"], resume_step=a["resume_step"], run_id="killtest")
@@ -224,7 +224,7 @@ def test_wandb_offline_holds_every_step_once_after_kills_and_resumes(tmp_path, f
     resumes backfill everything from metrics.jsonl. fast: it flushes every millisecond and the killed attempts
     pause before dying, so they leave some steps on disk, which the resumes must not log again."""
     pytest.importorskip("wandb")
-    from ppojax.wandb_sink import read_wandb_config, read_wandb_history
+    from ppojax.io.wandb_sink import read_wandb_config, read_wandb_history
 
     out, wandb_dir = tmp_path / "run", tmp_path / "wandb-dir"
     env = {"WANDB_MODE": "offline", "WANDB_DIR": str(wandb_dir), "WANDB_SILENT": "true"}
@@ -259,7 +259,7 @@ def test_wandb_steps_past_the_resume_checkpoint_are_kept_once(tmp_path, monkeypa
     """A resume from an older checkpoint than wandb has seen (the newest was unusable): wandb cannot take the
     later steps back, so they are not logged a second time, and the user is told."""
     pytest.importorskip("wandb")
-    from ppojax.wandb_sink import read_wandb_history
+    from ppojax.io.wandb_sink import read_wandb_history
 
     for name, value in {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path / "w"), "WANDB_SILENT": "true"}.items():
         monkeypatch.setenv(name, value)
@@ -281,7 +281,7 @@ def test_wandb_steps_past_the_resume_checkpoint_are_kept_once(tmp_path, monkeypa
 
 def test_wandb_waits_for_a_checkpoint(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
-    from ppojax.wandb_sink import read_wandb_history
+    from ppojax.io.wandb_sink import read_wandb_history
 
     for name, value in {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path / "w"), "WANDB_SILENT": "true"}.items():
         monkeypatch.setenv(name, value)
@@ -299,8 +299,8 @@ def test_wandb_waits_for_a_checkpoint(tmp_path, monkeypatch):
 
 
 def test_report_to_values(tmp_path, monkeypatch):
-    from ppojax.config import ConfigError
-    from ppojax.run_logging import normalise_report_to
+    from ppojax.trainer.config import ConfigError
+    from ppojax.io.run_logging import normalise_report_to
 
     assert normalise_report_to("tensorboard") == ("tensorboard",)
     assert normalise_report_to(["TensorBoard", "wandb", "wandb"]) == ("tensorboard", "wandb")
@@ -318,7 +318,7 @@ def test_report_to_values(tmp_path, monkeypatch):
 
 
 def test_summary_and_logs_are_strict_json(tmp_path):
-    from ppojax.strict_json import to_strict, write_json
+    from ppojax.io.strict_json import to_strict, write_json
 
     def strict(text):
         def refuse(constant):
@@ -360,7 +360,7 @@ def test_a_terminal_keeps_the_progress_bar(tmp_path):
     """Under a pseudo-terminal the same code draws tqdm's bar (carriage-return redraws)."""
     import pty
 
-    code = ("from ppojax.run_logging import RunLogger\n"
+    code = ("from ppojax.io.run_logging import RunLogger\n"
             f"bar = RunLogger({str(tmp_path)!r}, enabled=True, report_to='none').progress(3)\n"
             "for _ in range(3):\n    bar.update(1); bar.set_postfix(score='0.5')\nbar.close()\n")
     import fcntl
@@ -388,7 +388,7 @@ def test_a_terminal_keeps_the_progress_bar(tmp_path):
 
 
 def test_plot_labels_ticks_and_held_out_marks(tmp_path):
-    from ppojax.run_logging import curves_figure
+    from ppojax.io.run_logging import curves_figure
 
     rows = [{"step": s, "objective/scores": 0.1 * s, "objective/kl": 0.3 * s} for s in range(1, 8)]
     fig = curves_figure(rows, held_out_before=-0.02, held_out_after=0.47)
@@ -413,7 +413,7 @@ def test_plot_labels_ticks_and_held_out_marks(tmp_path):
 
 
 def test_plot_shows_the_adaptive_kl_coefficient_only_when_it_moves():
-    from ppojax.run_logging import curves_figure
+    from ppojax.io.run_logging import curves_figure
 
     rows = [{"step": s, "objective/scores": 0.1 * s, "objective/kl": 0.3 * s, "objective/kl_coef": 0.05}
             for s in range(1, 8)]
@@ -434,7 +434,7 @@ def test_the_whole_flow_and_a_rerun_of_a_finished_run(tmp_path, capsys):
     command again finds the run finished and leaves every byte of every file as it was."""
     import hashlib
 
-    from ppojax.run_dir import claim_output_dir
+    from ppojax.io.run_dir import claim_output_dir
 
     def train(config) -> str:
         claim = claim_output_dir(tmp_path / "run", config, resume=config["resume"])

@@ -145,8 +145,8 @@ def _lora_policy():
 
 
 def _lora_trainer(tmp_path, **overrides):
-    from ppojax.config import PPOConfig
-    from ppojax.trainer import PPOTrainer
+    from ppojax.trainer.config import PPOConfig
+    from ppojax.trainer.ppo_trainer import PPOTrainer
     from tests.test_trainer import good_fraction
     from tests.tiny_setup import PROMPTS, tiny_tokenizer
     values = dict(output_dir=str(tmp_path / "run"), report_to="none", batch_size=16, response_length=8,
@@ -224,8 +224,8 @@ def test_lora_run_learns_trains_only_adapters_and_exports(tmp_path):
 
 
 def test_lora_target_modules_are_checked_before_any_weights_load(tmp_path):
-    from ppojax.config import ConfigError, PPOConfig
-    from ppojax.train.build import preflight
+    from ppojax.trainer.config import ConfigError, PPOConfig
+    from ppojax.trainer.build import preflight
     (tmp_path / "config.json").write_text(json.dumps({**GPT2, "n_positions": 128, "architectures": ["GPT2LMHeadModel"]}))  # no weights
     config = PPOConfig(model_name_or_path=str(tmp_path), reward_function="vader", lora_r=8,
                        lora_target_modules=["q_proj", "c_fc"])
@@ -236,8 +236,8 @@ def test_lora_target_modules_are_checked_before_any_weights_load(tmp_path):
 def test_lora_with_the_legacy_value_head_trains_adapters_and_the_head(tmp_path):
     """value_head='policy' (TRL <= 0.11's value-head model with a peft_config): the new v_head trains with the
     adapters (PEFT's modules_to_save); every other weight stays frozen and is the reference."""
-    from ppojax.config import PPOConfig
-    from ppojax.trainer import PPOTrainer
+    from ppojax.trainer.config import PPOConfig
+    from ppojax.trainer.ppo_trainer import PPOTrainer
     from tests.test_trainer import good_fraction
     from tests.tiny_setup import PROMPTS, tiny_policy, tiny_tokenizer
     config = PPOConfig(output_dir=str(tmp_path / "run"), report_to="none", batch_size=16, response_length=8,

@@ -316,7 +316,7 @@ def test_export_check_of_a_16_bit_policy_compares_the_weights(precision, tmp_pat
     about the export: ppojax's side of the check decodes in float32 (the saved weights, float32 compute), and the
     policy's model is left as it was."""
     pytest.importorskip("torch")
-    from ppojax.export_check import greedy_continuations_agree
+    from ppojax.trainer.export_check import greedy_continuations_agree
     from ppojax.models import save_pretrained
 
     compute, param = precision_dtypes(precision)

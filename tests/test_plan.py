@@ -1,4 +1,4 @@
-"""`ppojax plan`: ahead-of-time memory / FLOP plan on virtual CPU devices (ppojax/plan.py).
+"""`ppojax plan`: ahead-of-time memory / FLOP plan on virtual CPU devices (ppojax/trainer/plan.py).
 
 The plans run the CLI in subprocesses (it sets up its own N virtual devices before JAX starts) on a tiny
 one-layer Llama whose config.json is written to a temporary directory (no weights anywhere).
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ppojax.cli import main
-from ppojax.plan import PRESETS, model_config_for, parse_mesh
+from ppojax.trainer.cli import main
+from ppojax.trainer.plan import PRESETS, model_config_for, parse_mesh
 from tests.sharding_helpers import FAST_COMPILE_FLAGS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,7 +32,7 @@ def tiny_model(tmp_path_factory):
 def run_plan(model, out, *args):
     """The CLI in a subprocess -> (completed process, the plan's JSON)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "XLA_FLAGS": FAST_COMPILE_FLAGS}
-    done = subprocess.run([sys.executable, "-m", "ppojax.cli", "plan", str(REPO / "configs/plan.yaml"),
+    done = subprocess.run([sys.executable, "-m", "ppojax.trainer.cli", "plan", str(REPO / "configs/plan.yaml"),
                            "--model", str(model), "--json", str(out), *args, *SETTINGS],
                           capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

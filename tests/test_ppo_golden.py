@@ -1,8 +1,8 @@
-"""SPEC's golden vector, end to end through the pure functions."""
+"""The golden vector (docs/algorithm.md, "Golden vector"), end to end through the pure functions."""
 import jax.numpy as jnp
 import numpy as np
 
-from ppojax import ppo
+from ppojax import core as ppo
 
 PAD, STOP, R = 9, 0, 5
 RESPONSES = jnp.array([[3, 4, 0, 7, 7], [3, 4, 5, 6, 2]])

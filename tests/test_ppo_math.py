@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from ppojax import ppo
-from ppojax.types import UpdateBatch
+from ppojax import core as ppo
+from ppojax.rl.types import UpdateBatch
 
 
 def gae_loop(rewards, values, gamma, lam):

@@ -32,7 +32,7 @@ def _train(dirs, out, env, *extra, preexec_fn=None):
     """`ppojax train` on the tiny run with ``extra`` overrides (replacing the test defaults they name)."""
     overridden = {e.split("=", 1)[0] for e in extra}
     args = [a for a in args_for(dirs, out) if a.split("=", 1)[0] not in overridden] + list(extra)
-    return subprocess.run([sys.executable, "-m", "ppojax.cli", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "ppojax.trainer.cli", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300, preexec_fn=preexec_fn)
 
 
@@ -119,7 +119,7 @@ def test_a_prompt_the_tokenizer_cannot_read_is_refused_before_compute(tiny_dirs,
 def test_prompt_readability_against_hand_counted_cases():
     """Unknown and pad tokens among readable ones pass; all unknown / pad (with or without special tokens) is
     refused with its share; a tokenizer with a separate unknown token names it."""
-    from ppojax.data import tokenize_prompts
+    from ppojax.trainer.data import tokenize_prompts
     from tests.test_models import tiny_tokenizer as tokenizer_with_unk
 
     tok = tokenizer_with_unk()  # <pad> 0, <s> 1, </s> 2, <unk> 3, and five words
@@ -135,13 +135,15 @@ def test_scores_as_text_are_refused_whatever_holds_them():
     a column of rows, bytes; numbers in the same containers pass."""
     import numpy as np
 
-    from ppojax.rewards import RewardFunctionError, check_scores
+    from ppojax.rl.rewards import RewardFunctionError, check_scores
 
     for scores, index, value in ((["0.25", "0.5"], 0, "'0.25'"), (np.array(["0.25", "0.5"]), 0, "'0.25'"),
                                  ([[0.1], ["0.5"]], 1, "'0.5'"), ((0.1, b"0.5"), 1, "b'0.5'"),
-                                 (np.array([0.1, "x"], dtype=object), 1, "'x'")):
+                                 (np.array([0.1, "3"], dtype=object), 1, "'3'")):
         with pytest.raises(RewardFunctionError, match=rf"^reward function f returned text, {value} for prompt index "
                                                       rf"{index} \(.*\); scores must be numbers, not strings"):
             check_scores(scores, 2, name="reward function f")
     for scores in ([0.25, 0.5], np.array([0.25, 0.5]), np.array([[0.25], [0.5]]), (0.25, 0.5)):
         assert check_scores(scores, 2).tolist() == [0.25, 0.5]
+    with pytest.raises(RewardFunctionError, match="not a sequence of numbers"):  # words: no number at all
+        check_scores(["good", "bad"], 2)

@@ -24,11 +24,11 @@ import jax
 import numpy as np
 import pytest
 
-from ppojax.checkpoint import latest_checkpoint, restore_checkpoint
-from ppojax.cli import main
-from ppojax.config import ConfigError, PPOConfig
+from ppojax.io.checkpoint import latest_checkpoint, restore_checkpoint
+from ppojax.trainer.cli import main
+from ppojax.trainer.config import ConfigError, PPOConfig
 from ppojax.models import save_pretrained
-from ppojax.rewards import RewardFunctionError
+from ppojax.rl.rewards import RewardFunctionError
 from tests.sharding_helpers import FAST_COMPILE_FLAGS
 from tests.test_trainer import good_fraction, make_trainer
 from tests.tiny_setup import write_tiny_run_inputs, PROMPTS, WORDS, tiny_config, tiny_policy, tiny_tokenizer
@@ -332,7 +332,7 @@ def _start_killable(name, dirs: Path, env, root: Path):
     out, log = root / "run", root / "run.log"
     root.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "ppojax.cli", *_run_args(dirs, out)], cwd=REPO,
+        proc = subprocess.Popen([sys.executable, "-m", "ppojax.trainer.cli", *_run_args(dirs, out)], cwd=REPO,
                                 env={**env, **KILL_POINTS[name][0]}, stdout=f, stderr=subprocess.STDOUT)
     return proc, out, log
 
@@ -402,7 +402,7 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tiny_dirs, kill_env, fi
     # resume all three with `ppojax train ... resume=auto`, in one process (one startup)
     script = textwrap.dedent("""
         import json, sys
-        from ppojax.cli import main
+        from ppojax.trainer.cli import main
         for args in json.loads(sys.argv[1]):
             assert main(args) == 0, args
     """)
@@ -435,7 +435,7 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tiny_dirs, kill_env, fi
 def assert_sinks_hold_every_step_once(out: Path) -> None:
     """TensorBoard's scalars, read back from the event files, equal metrics.jsonl step by step: every step
     once, in order, none missing, nothing of a killed attempt left over."""
-    from ppojax.tensorboard_sink import read_tensorboard_scalars
+    from ppojax.io.tensorboard_sink import read_tensorboard_scalars
 
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     scalars = read_tensorboard_scalars(out / "tensorboard")

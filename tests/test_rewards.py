@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from ppojax.rewards import (
+from ppojax.rl.rewards import (
     RewardFunction,
     RewardFunctionError,
     call_reward_function,

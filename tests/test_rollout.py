@@ -1,4 +1,4 @@
-"""The rollout half of the PPO program (``ppojax.train_step.make_rollout``) against SPEC's rollout steps, with
+"""The rollout half of the PPO program (``ppojax.rl.program.make_rollout``) against the rollout's steps (docs/algorithm.md, "Rollout"), with
 independent references: torch transformers forwards (TRL's forward / get_reward) for log-probs, values and
 scores, numpy for truncation and masks; the Python reward-function path; no recompilation across rollouts."""
 import dataclasses
@@ -12,16 +12,17 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from ppojax import forward, rollout  # noqa: E402
-from ppojax.actor_critic import ActorCritic  # noqa: E402
-from ppojax.config import PPOConfig  # noqa: E402
+from ppojax.rl import forward
+from ppojax.rl import rollout  # noqa: E402
+from ppojax.rl.actor_critic import ActorCritic  # noqa: E402
+from ppojax.trainer.config import PPOConfig  # noqa: E402
 from ppojax.models import load_pretrained  # noqa: E402
-from ppojax.ppo.masks import INVALID_LOGPROB  # noqa: E402
-from ppojax.rewards import GivenScores, FunctionScores, ModelScores  # noqa: E402
-from ppojax.settings import StepSettings  # noqa: E402
-from ppojax.train_step import PPOProgram, make_rollout  # noqa: E402
-from ppojax.types import init_train_state  # noqa: E402
-from ppojax.optimizer import make_optimizer  # noqa: E402
+from ppojax.core.masks import INVALID_LOGPROB  # noqa: E402
+from ppojax.rl.rewards import GivenScores, FunctionScores, ModelScores  # noqa: E402
+from ppojax.rl.settings import StepSettings  # noqa: E402
+from ppojax.rl.program import PPOProgram, make_rollout  # noqa: E402
+from ppojax.rl.types import init_train_state  # noqa: E402
+from ppojax.rl.optimizer import make_optimizer  # noqa: E402
 from tests.test_forward import trl_first_true_indices, trl_inputs  # noqa: E402
 from tests.test_generate import PAD, PROMPTS, build_tiny_hf  # noqa: E402
 
@@ -84,7 +85,7 @@ def torch_scores(hf, query_responses):
 
 
 def check_against_spec(exp, models, settings):
-    """Every field of the experience, recomputed independently (SPEC rollout steps 2-8)."""
+    """Every field of the experience, recomputed independently (docs/algorithm.md, "Rollout", steps 2-8)."""
     stop = settings.stop_token_id
     queries, qr = np.asarray(exp.queries), np.asarray(exp.query_responses)
     np.testing.assert_array_equal(queries, PROMPTS)
@@ -168,7 +169,7 @@ def test_num_eos_tokens_counts_the_sampled_eos_tokens(models, rollouts):
 
 @pytest.mark.parametrize("forward_batch_size", [None, 1])
 def test_sampler_logprobs_equal_the_forwards_and_skip_the_policy_forward(models, rollouts, forward_batch_size):
-    """behaviour_logprobs: sampler (TRL's way): the decode loop's log-probs pass the same SPEC check against
+    """behaviour_logprobs: sampler (TRL's way): the decode loop's log-probs pass the same check against
     torch as the forward's, the samples are the same, and the compiled rollout runs one model forward fewer."""
     key, _, (settings, exp) = rollouts
     sampler = settings.replace(behaviour_logprobs="sampler", local_rollout_forward_batch_size=forward_batch_size)

@@ -1,4 +1,4 @@
-"""A run owns its output_dir (ppojax/run_dir.py): every outcome of the claim on real files, the lock against
+"""A run owns its output_dir (ppojax/io/run_dir.py): every outcome of the claim on real files, the lock against
 real processes (SIGKILLed holders, racing claimers, a holder on another host), and byte-identical outputs
 where nothing may change."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ppojax.run_dir import LOCK_FILE, RunDirError, claim_output_dir, read_identity
+from ppojax.io.run_dir import LOCK_FILE, RunDirError, claim_output_dir, read_identity
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = {"model_name_or_path": "tiny", "learning_rate": 1e-5, "seed": 0, "output_dir": "x", "resume": None}
@@ -228,7 +228,7 @@ def test_unwritable_output_dir(tmp_path, monkeypatch):
 
 HOLDER = textwrap.dedent("""
     import sys, time
-    from ppojax.run_dir import claim_output_dir, RunDirError
+    from ppojax.io.run_dir import claim_output_dir, RunDirError
     out, hold, start_at = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
     while time.time() < start_at:
         pass

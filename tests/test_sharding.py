@@ -1,4 +1,4 @@
-"""Sharding over device meshes (ppojax.sharding).
+"""Sharding over device meshes (ppojax.parallel.sharding).
 
 The main test process has ONE device, so this file runs twice:
 - in the main process: rule/spec/mesh-size checks that need no devices, and
@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
 
-from ppojax import sharding as sh
+from ppojax.parallel import sharding as sh
+from ppojax.rl import placement
 from tests.sharding_helpers import FAST_COMPILE_FLAGS
 
 CHILD = os.environ.get("PPOJAX_SHARDING_CHILD") == "1"
@@ -126,7 +127,7 @@ def test_a_donated_init_holds_the_given_buffers_and_copies_a_shared_one():
     """init_sharded_train_state(donate=True): the state's params and frozen models ARE the given buffers (no
     second copy while building), the given arrays are deleted, and a buffer given twice (one module in two
     roles) becomes two (a buffer is donated once); without donate the state holds copies."""
-    from ppojax.optimizer import make_optimizer
+    from ppojax.rl.optimizer import make_optimizer
 
     mesh = sh.make_mesh(devices=jax.devices()[:1])
     pointer = lambda x: x.unsafe_buffer_pointer()  # noqa: E731
@@ -137,7 +138,7 @@ def test_a_donated_init_holds_the_given_buffers_and_copies_a_shared_one():
 
     params, frozen = trees()
     given = pointer(params["policy"]["w"]), pointer(params["value"]["w"])
-    state, _ = sh.init_sharded_train_state(params, make_optimizer(), mesh, frozen=frozen, donate=True)
+    state, _ = placement.init_sharded_train_state(params, make_optimizer(), mesh, frozen=frozen, donate=True)
     held = [pointer(state.params["policy"]["w"]), pointer(state.params["value"]["w"]),
             pointer(state.frozen["ref"]["w"])]
     assert held[:2] == list(given) and held[2] not in given
@@ -146,7 +147,7 @@ def test_a_donated_init_holds_the_given_buffers_and_copies_a_shared_one():
     np.testing.assert_array_equal(state.params["policy"]["w"], state.frozen["ref"]["w"])
 
     params, frozen = trees()
-    state, _ = sh.init_sharded_train_state(params, make_optimizer(), mesh, frozen=frozen)
+    state, _ = placement.init_sharded_train_state(params, make_optimizer(), mesh, frozen=frozen)
     assert not params["policy"]["w"].is_deleted()
     assert pointer(state.params["policy"]["w"]) != pointer(params["policy"]["w"])
 
@@ -221,9 +222,9 @@ if CHILD:
 
     def test_fsdp8_holds_an_eighth_of_params_and_optimizer_state_per_device(reference):
         mesh = sh.make_mesh(data=1, fsdp=8)
-        from ppojax.optimizer import make_optimizer
+        from ppojax.rl.optimizer import make_optimizer
 
-        state, _ = sh.init_sharded_train_state(reference["params"], make_optimizer(), mesh)
+        state, _ = placement.init_sharded_train_state(reference["params"], make_optimizer(), mesh)
         total_params = sum(x.nbytes for x in jax.tree.leaves(state.params))
         total_opt = sum(x.nbytes for x in jax.tree.leaves(state.opt_state))
         for device in jax.devices():
@@ -263,7 +264,7 @@ if CHILD:
     def test_whitening_statistics_are_global():
         """jnp.sum inside jit over a batch-sharded array is the global sum: the whitened advantages on 8
         devices equal the numpy whitening over the WHOLE batch, not per-device whitening."""
-        from ppojax import ppo
+        from ppojax import core as ppo
 
         rng = np.random.default_rng(0)
         rows, length = 16, 6
@@ -291,7 +292,7 @@ if CHILD:
             sh.shard_batch({"x": np.zeros((12, 3))}, mesh)
 
     def test_kv_cache_is_constrained_batch_and_kv_heads():
-        from ppojax.generate import generate
+        from ppojax.rl.sampler import generate
         from ppojax.models import init_cache
 
         mesh = sh.make_mesh(data=2, fsdp=2, tensor=2)
@@ -304,12 +305,12 @@ if CHILD:
         prompts = sh.shard_batch(jnp.asarray(H.prompts()[:8]), mesh)
         lowered = jax.jit(lambda p, q, k: generate(
             ac.policy_graphdef, p, q, k, response_length=4, pad_token_id=H.PAD,
-            init_cache_fn=sh.make_init_cache_fn(mesh))).lower(policy, prompts, jax.random.key(0))
+            init_cache_fn=placement.make_init_cache_fn(mesh))).lower(policy, prompts, jax.random.key(0))
         text = lowered.as_text()
         assert "sharding_constraint" in text and '{"tensor"}' in text, text[:2000]
 
     # ---- critic-free estimators: group statistics over a sharded batch ----
-    from ppojax.actor_critic import ActorCritic
+    from ppojax.rl.actor_critic import ActorCritic
     def _critic_free_updates(mesh, estimator):
         """One update of the critic-free ``estimator`` (groups of 4 consecutive rows, KL in the loss) on the
         synthetic experience: no value model, params {"policy"} only."""
@@ -361,9 +362,9 @@ if CHILD:
         """``build_run`` on a (1, 4, 2) mesh: the policy and the reward model are read shard by shard into the
         train state's shardings; the state holds the checkpoints' values (the reference and the value model
         as copies of them)."""
-        from ppojax.config import PPOConfig
+        from ppojax.trainer.config import PPOConfig
         from ppojax.models import ScoreModel, load_config, read_params, save_pretrained
-        from ppojax.train.build import build_run
+        from ppojax.trainer.build import build_run
         from flax import nnx
         from tests.tiny_setup import tiny_config, write_tiny_run_inputs
         root = write_tiny_run_inputs(tmp_path)

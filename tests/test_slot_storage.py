@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ppojax.generate import generate
+from ppojax.rl.sampler import generate
 from ppojax.models import apply_causal_lm, init_cache, position_ids_from_mask, slot_storage
 from ppojax.models.precision import precision_dtypes
 
@@ -181,7 +181,7 @@ def test_the_sampler_reads_its_16_bit_weights_as_bits(precision, monkeypatch):
     decode loop reads every layer's slice once per token: XLA:CPU would read a 16-bit stack through a float32
     copy of the whole stack (twice the bytes per token). The compiled sampler holds no such copy; the program
     without slot storage does; both sample the same tokens."""
-    from ppojax.rollout import _in_compute_dtype
+    from ppojax.rl.rollout import _in_compute_dtype
 
     compute, param = precision_dtypes(precision)
     cfg, model = tiny_llama(dtype=compute, param_dtype=param)

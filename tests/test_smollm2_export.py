@@ -5,8 +5,8 @@ import pytest
 from flax import nnx
 
 from ppojax.assets import smollm2_checkpoint
-from ppojax.data import left_pad
-from ppojax.export_check import greedy_continuations_agree
+from ppojax.trainer.data import left_pad
+from ppojax.trainer.export_check import greedy_continuations_agree
 from ppojax.models import load_pretrained, load_tokenizer, save_pretrained
 
 

@@ -1,5 +1,5 @@
 """Projections that read one layer's kernel in the stack (oneDNN's or MKL's GEMM through jax.ffi,
-`ppojax.models.stacked_matmul`).
+`ppojax.backends.cpu.stacked_matmul`).
 
 Against XLA's own dots: the product and its two gradients, the layer scan's gradient accumulated into the stacked
 kernel, a whole model's hidden states and gradients under each remat policy; and when the path is (not) taken:
@@ -21,8 +21,9 @@ import pytest
 from flax import nnx
 
 from ppojax.backends.cpu import capabilities
-from ppojax.ffi import build
-from ppojax.models import CausalLM, ModelConfig, stacked_matmul
+from ppojax.backends.cpu.ffi import build
+from ppojax.models import CausalLM, ModelConfig
+from ppojax.backends.cpu import stacked_matmul
 from ppojax.models.remat import REMAT_POLICIES
 
 from .test_model_policies import LLAMA, token_logprob_loss
@@ -149,7 +150,7 @@ def test_transposed_product_and_gradients_equal_xlas_dot_at_every_layer(library)
 def test_the_transposed_products_run_on_the_library_of_their_kind():
     """`matmul_transposed`'s forward is its shape's input-gradient kind, its input gradient the forward kind, its
     weight gradient the weight-gradient kind: each on the library recorded for that kind."""
-    from ppojax.models.matmul_record import Libraries
+    from ppojax.backends.cpu.matmul_record import Libraries
 
     if stacked_matmul.unavailable_reason("onednn_primitive"):
         pytest.skip(stacked_matmul.unavailable_reason("onednn_primitive"))
@@ -300,7 +301,7 @@ def _decode_step(graphdef, params, batch=2):
 def test_generation_reads_the_layers_in_place_where_the_cpu_has_the_few_row_kernels(monkeypatch):
     """"auto" multiplies a decode step's projections in place where `few_rows_limit` covers its rows (AVX-512 or AVX2
     CPUs), with XLA's dots above it and elsewhere; the sampled tokens are XLA's."""
-    from ppojax.generate import generate
+    from ppojax.rl.sampler import generate
 
     monkeypatch.setattr(stacked_matmul, "AUTO_MIN_LAYER_ELEMENTS", 0)  # the test model is small
     in_place = stacked_matmul.few_rows_limit("onednn") >= 2  # the handlers' own kernels, whatever the library
@@ -326,7 +327,7 @@ def test_16_bit_models_keep_xlas_dots():
 
 
 def test_the_config_spells_the_models_matmul_implementations():
-    from ppojax.config import IN_PLACE_MATMULS, MATMUL_IMPLEMENTATIONS
+    from ppojax.trainer.config import IN_PLACE_MATMULS, MATMUL_IMPLEMENTATIONS
 
     assert MATMUL_IMPLEMENTATIONS == stacked_matmul.IMPLEMENTATIONS
     assert IN_PLACE_MATMULS == tuple(stacked_matmul.LIBRARIES) == tuple(stacked_matmul.TARGETS)
@@ -390,7 +391,7 @@ def test_a_failed_build_is_reported_not_raised(monkeypatch, tmp_path):
 
 def test_handlers_in_the_cache_serve_without_a_compiler(monkeypatch, tmp_path):
     """Handlers built before (or prebuilt for a machine: benchmarks/device_wheels.sh, under the name
-    `ppojax.ffi.build.library_path` gives) are taken from the cache: no compiler needed."""
+    `ppojax.backends.cpu.ffi.build.library_path` gives) are taken from the cache: no compiler needed."""
     built, _ = stacked_matmul._built()
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     cached = build.library_path(stacked_matmul.SOURCE, jax.lib.__version__, stacked_matmul.onednn_library(),
@@ -413,9 +414,9 @@ def test_handlers_in_the_cache_serve_without_a_compiler(monkeypatch, tmp_path):
 def test_a_run_asking_for_onednn_where_it_cannot_run_stops_before_loading(monkeypatch):
     """The config refuses 'onednn' with a 16-bit precision; the build refuses it, before any weight is read,
     where the handlers cannot be had (and takes it where they can)."""
-    from ppojax import sharding
-    from ppojax.config import ConfigError, PPOConfig
-    from ppojax.train import build
+    from ppojax.parallel import sharding
+    from ppojax.trainer.config import ConfigError, PPOConfig
+    from ppojax.trainer import build
 
     with pytest.raises(ConfigError, match="matmul_implementation='onednn' multiplies float32 models only.*"
                                           "precision='mixed'"):
@@ -437,9 +438,9 @@ def test_a_run_asking_for_onednn_where_it_cannot_run_stops_before_loading(monkey
 def test_mkl_says_where_it_comes_from_and_is_refused_where_it_cannot_run(monkeypatch):
     """'mkl' reads MKL from torch's x86 wheel: without torch it names the install; the config and the build refuse
     it as they refuse 'onednn' (a 16-bit precision; handlers that cannot be had), naming 'mkl'."""
-    from ppojax import sharding
-    from ppojax.config import ConfigError, PPOConfig
-    from ppojax.train import build
+    from ppojax.parallel import sharding
+    from ppojax.trainer.config import ConfigError, PPOConfig
+    from ppojax.trainer import build
 
     monkeypatch.setattr(stacked_matmul, "mkl_library", lambda: None)
     stacked_matmul._built.cache_clear()
@@ -463,7 +464,7 @@ def _per_product(fwd, dx=None, dw=None) -> dict:
 
 
 def test_the_choice_keeps_onednn_unless_another_library_clearly_leads_each_product():
-    from ppojax.models.matmul_record import Libraries, choose
+    from ppojax.backends.cpu.matmul_record import Libraries, choose
 
     assert choose({"onednn": _per_product(12.0), "mkl": _per_product(10.0)}) == Libraries.every("mkl")
     assert choose({"onednn": _per_product(12.0), "onednn_primitive": _per_product(11.5),
@@ -481,7 +482,7 @@ def test_gemm_shapes_chooses_per_shape_and_product_among_the_in_place_libraries(
     """`benchmarks.gemm_shapes --record`'s choice: per shape (the layers' and the LM head's) and product, among the
     in-place libraries measured at every shape; its `ppojax` column sums the update as that choice runs it."""
     from benchmarks import gemm_shapes
-    from ppojax.models.matmul_record import Libraries
+    from ppojax.backends.cpu.matmul_record import Libraries
 
     shapes = (("a", 8, 4, 6, 2), ("b", 8, 6, 4, 1), ("head", 8, 4, 10, None))
     seconds = {"a": {"xla": _per_product(1.0), "onednn": _per_product(4.0), "mkl": _per_product(4.0, 4.0, 3.0),
@@ -522,9 +523,9 @@ def test_auto_takes_the_libraries_recorded_fastest_on_this_cpu(monkeypatch, tmp_
     shape by shape (said once per process); another CPU's record does not, nor one measured before the shapes and
     products were timed apart; a recorded library that cannot be had now gives way to the fastest measured one that
     can; "onednn" / "mkl" keep their own library whatever the record says."""
-    from ppojax.models import matmul_record
-    from ppojax.models.matmul_record import Libraries
-    from ppojax.xla_cpu_options import Cpu
+    from ppojax.backends.cpu import matmul_record
+    from ppojax.backends.cpu.matmul_record import Libraries
+    from ppojax.backends.cpu.xla_options import Cpu
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(stacked_matmul, "_measured_choice", lambda *args: pytest.fail("measured"))
@@ -584,8 +585,9 @@ def test_auto_measures_once_per_cpu_the_shapes_no_record_covers(monkeypatch, tmp
     installed since): "auto" measures the libraries that can be had at the shapes not covered, records the choice
     per shape and product with the seconds beside the shapes already there, and later calls read it; a failed
     measurement takes oneDNN's sgemm, says why and records nothing."""
-    from ppojax.models import matmul_record, matmul_tuning
-    from ppojax.models.matmul_record import Libraries
+    from ppojax.backends.cpu import matmul_record
+    from ppojax.backends.cpu import matmul_tuning
+    from ppojax.backends.cpu.matmul_record import Libraries
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     stacked_matmul._tuned.cache_clear()
@@ -650,7 +652,7 @@ def test_auto_measures_once_per_cpu_the_shapes_no_record_covers(monkeypatch, tmp
 def test_the_measurement_times_each_librarys_products(library):
     """`matmul_tuning.products` runs one product of every layer through the library's handlers (their values as
     numpy's), and `measure` times each product of each library given at each shape."""
-    from ppojax.models import matmul_tuning
+    from ppojax.backends.cpu import matmul_tuning
 
     ops = matmul_tuning.operands(shapes=((64, 48),), rows=16, layers=3)
     numpy_ops = [tuple(np.asarray(a, np.float64) for a in shape) for shape in ops]
@@ -667,7 +669,7 @@ def test_the_measurement_times_each_librarys_products(library):
 
 @pytest.mark.parametrize("library", LIBRARIES)
 def test_a_model_on_auto_calls_the_recorded_librarys_handlers(monkeypatch, tmp_path, library):
-    from ppojax.models import matmul_record
+    from ppojax.backends.cpu import matmul_record
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(stacked_matmul, "AUTO_MIN_LAYER_ELEMENTS", 0)  # the test model and batch are small
@@ -701,8 +703,8 @@ def test_a_model_on_auto_runs_each_product_of_each_shape_on_its_recorded_library
     """A record that chose a library per shape and product: a model's gradients on "auto" are XLA's, and each of its
     projections' (and its LM head's) forward, input-gradient and weight-gradient products runs on the library
     recorded for its shape."""
-    from ppojax.models import matmul_record
-    from ppojax.models.matmul_record import Libraries
+    from ppojax.backends.cpu import matmul_record
+    from ppojax.backends.cpu.matmul_record import Libraries
 
     if stacked_matmul.unavailable_reason("onednn_primitive"):
         pytest.skip(stacked_matmul.unavailable_reason("onednn_primitive"))
@@ -742,7 +744,7 @@ def test_a_model_on_auto_runs_each_product_of_each_shape_on_its_recorded_library
 
 
 def test_the_once_per_machine_command_measures_then_reads_the_record(tmp_path):
-    """`python -m ppojax.models.matmul_tuning` (what benchmarks.run does before ppojax's measured runs): the
+    """`python -m ppojax.backends.cpu.matmul_tuning` (what benchmarks.run does before ppojax's measured runs): the
     handlers built, auto's libraries measured at SmolLM2's shapes and recorded; run again, the record answers
     without timing anything."""
     built = Path(os.environ["XDG_CACHE_HOME"]) / "ppojax" / "ffi"  # the session's handlers, built once
@@ -750,14 +752,14 @@ def test_the_once_per_machine_command_measures_then_reads_the_record(tmp_path):
     (tmp_path / "ppojax").mkdir()
     (tmp_path / "ppojax" / "ffi").symlink_to(built)
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "PPOJAX_HUGE_PAGES": "0"}
-    runs = [subprocess.run([sys.executable, "-m", "ppojax.models.matmul_tuning"], cwd=REPO_ROOT, env=env,
+    runs = [subprocess.run([sys.executable, "-m", "ppojax.backends.cpu.matmul_tuning"], cwd=REPO_ROOT, env=env,
                            capture_output=True, text=True, timeout=300) for _ in range(2)]
     assert [r.returncode for r in runs] == [0, 0], runs[0].stderr[-2000:]
     first, second = (r.stdout for r in runs)
     assert "onednn: handlers ready" in first and "timing oneDNN's sgemm, oneDNN's matmul primitive" in first
     chosen = first.strip().splitlines()[-1]
-    from ppojax.models import matmul_record
-    from ppojax.models.matmul_tuning import SHAPES
+    from ppojax.backends.cpu import matmul_record
+    from ppojax.backends.cpu.matmul_tuning import SHAPES
 
     [entry] = json.loads((tmp_path / "ppojax" / "matmul_library.json").read_text()).values()
     assert list(entry["shapes"]) == sorted(map(matmul_record.shape_key, SHAPES))  # SmolLM2's
@@ -768,7 +770,7 @@ def test_the_once_per_machine_command_measures_then_reads_the_record(tmp_path):
     assert chosen == f"'auto' takes: {stacked_matmul.choice_str(recorded)}"
     assert "timing" not in second and second.strip().splitlines()[-1] == chosen
     # a run on "auto" loads the chosen libraries' handlers only: MKL's mean torch's whole runtime in the process
-    probe = ("from ppojax.models import stacked_matmul as s; libraries = s.libraries_in(s.library_of('auto')); "
+    probe = ("from ppojax.backends.cpu import stacked_matmul as s; libraries = s.libraries_in(s.library_of('auto')); "
              "print(','.join(sorted(libraries)), 'libtorch_cpu' in open('/proc/self/maps').read())")
     run = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                          timeout=300)

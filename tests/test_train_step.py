@@ -13,17 +13,17 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ppojax import sharding
-from ppojax.actor_critic import ActorCritic
-from ppojax.config import PPOConfig
+from ppojax.parallel import sharding
+from ppojax.rl.actor_critic import ActorCritic
+from ppojax.trainer.config import PPOConfig
 from ppojax.models import CausalLM, ScoreModel
-from ppojax.rewards import TracedScores
-from ppojax.settings import StepSettings
-from ppojax.train.loop import step_key
-from ppojax.train_step import PPOProgram, make_train_step, make_train_steps, ppo_iteration
-from ppojax.trainer import PPOTrainer
-from ppojax.types import init_train_state
-from ppojax.optimizer import make_optimizer
+from ppojax.rl.rewards import TracedScores
+from ppojax.rl.settings import StepSettings
+from ppojax.trainer.loop import step_key
+from ppojax.rl.program import PPOProgram, make_train_step, make_train_steps, ppo_iteration
+from ppojax.trainer.ppo_trainer import PPOTrainer
+from ppojax.rl.types import init_train_state
+from ppojax.rl.optimizer import make_optimizer
 from tests.test_trainer import good_fraction
 from tests.tiny_setup import PROMPTS, tiny_config, tiny_policy, tiny_tokenizer
 
@@ -108,7 +108,7 @@ def init_state(program, seed):
 
 def prompt_blocks(num_steps=NUM_STEPS):
     tok = tiny_tokenizer()
-    from ppojax.data import left_pad
+    from ppojax.trainer.data import left_pad
     ids = left_pad([tok(p)["input_ids"] for p in PROMPTS[:16 * num_steps]], 6, 0)
     return jnp.asarray(ids.reshape(num_steps, 16, 6))
 

@@ -3,9 +3,9 @@ import jax
 import numpy as np
 import pytest
 
-from ppojax import ppo
-from ppojax.config import ConfigError, PPOConfig
-from ppojax.trainer import PPOTrainer
+from ppojax import core as ppo
+from ppojax.trainer.config import ConfigError, PPOConfig
+from ppojax.trainer.ppo_trainer import PPOTrainer
 from tests.tiny_setup import PROMPTS, tiny_policy, tiny_tokenizer
 
 
@@ -21,7 +21,7 @@ def make_trainer(tmp_path, **overrides):
     if "init_kl_coef" in overrides:  # the legacy name for kl_coef
         values.pop("kl_coef")
     config = PPOConfig.from_dict(values)
-    from ppojax.train.build import model_kwargs
+    from ppojax.trainer.build import model_kwargs
     options = {k: v for k, v in model_kwargs(config).items() if k in ("dtype", "param_dtype")}  # the precision
     return PPOTrainer(config, processing_class=tiny_tokenizer(),
                       model=tiny_policy(value_head=config.value_head == "policy", **options),
@@ -91,7 +91,7 @@ def test_save_model_round_trips_in_transformers(tmp_path):
     torch_model = AutoModelForCausalLM.from_pretrained(tmp_path / "policy").eval()
     ids = np.array([[5, 4, 6, 2, 3]])
     from flax import nnx
-    from ppojax.forward import sequence_inputs
+    from ppojax.rl.forward import sequence_inputs
     policy = nnx.merge(trainer.run.program.actor_critic.policy_graphdef, trainer.policy_params)
     hidden, _ = policy(*sequence_inputs(ids, 0))
     ours = np.asarray(policy.logits(hidden))
@@ -117,7 +117,7 @@ def test_resume_continues_exactly(tmp_path):
 
 
 def test_logits_chunk_size_is_sized_from_the_memory_budget(tmp_path, monkeypatch):
-    from ppojax import forward
+    from ppojax.rl import forward
 
     trainer = make_trainer(tmp_path, num_mini_batches=2, gradient_accumulation_steps=2)
     # tiny vocabulary: a micro-batch's logits fit easily, so no chunking in the update or the rollout

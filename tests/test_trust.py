@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from ppojax.cli import main
+from ppojax.trainer.cli import main
 from ppojax.models import ScoreModel, save_pretrained
 from tests.sharding_helpers import FAST_COMPILE_FLAGS
 from tests.tiny_setup import tiny_config, tiny_policy, tiny_tokenizer, write_tiny_run_inputs
@@ -117,7 +117,7 @@ def start(dirs, out, env, *extra):
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as f:
         # a long run at a gentle learning rate (the tiny model diverges after many updates at tiny.yaml's 1e-2)
-        proc = subprocess.Popen([sys.executable, "-m", "ppojax.cli", *args_for(dirs, out, "total_episodes=1600",
+        proc = subprocess.Popen([sys.executable, "-m", "ppojax.trainer.cli", *args_for(dirs, out, "total_episodes=1600",
                                                                                "save_steps=0", "learning_rate=1e-4",
                                                                                *extra)],
                                 cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
@@ -218,7 +218,7 @@ def test_a_full_disk_during_training_is_one_message_and_leaves_nothing_half_writ
     def small_files():
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    proc = subprocess.run([sys.executable, "-m", "ppojax.cli", *args_for(tiny_dirs, out, "compilation_cache_dir=none")],
+    proc = subprocess.run([sys.executable, "-m", "ppojax.trainer.cli", *args_for(tiny_dirs, out, "compilation_cache_dir=none")],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300, preexec_fn=small_files)
     text = proc.stdout + proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("ppojax: error:")]
@@ -275,7 +275,7 @@ def test_bad_inputs_found_in_config_json_are_refused_before_loading(unloadable_d
     compile_cache.mkdir()
     overridden = {e.split("=", 1)[0] for e in extra}
     args = [a for a in args_for(unloadable_dirs, out) if a.split("=", 1)[0] not in overridden] + extra
-    proc = subprocess.run([sys.executable, "-m", "ppojax.cli", *args],
+    proc = subprocess.run([sys.executable, "-m", "ppojax.trainer.cli", *args],
                           cwd=REPO, env={**cli_env, "JAX_COMPILATION_CACHE_DIR": str(compile_cache)},
                           capture_output=True, text=True, timeout=60)
     text = proc.stdout + proc.stderr

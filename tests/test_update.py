@@ -1,4 +1,4 @@
-"""The jitted PPO update (``ppojax.update.learn``) against a plain Python loop of jax.grad + optax steps."""
+"""The jitted PPO update (``ppojax.rl.update.learn``) against a plain Python loop of jax.grad + optax steps."""
 from typing import NamedTuple
 
 import jax
@@ -8,14 +8,14 @@ import optax
 import pytest
 from flax import nnx
 
-from ppojax import ppo
-from ppojax.actor_critic import ActorCritic
-from ppojax.config import PPOConfig
-from ppojax.settings import StepSettings
-from ppojax.train_step import PPOProgram
-from ppojax.types import init_train_state
-from ppojax.optimizer import make_optimizer
-from ppojax.update import learn, shaped_rewards_and_advantages
+from ppojax import core as ppo
+from ppojax.rl.actor_critic import ActorCritic
+from ppojax.trainer.config import PPOConfig
+from ppojax.rl.settings import StepSettings
+from ppojax.rl.program import PPOProgram
+from ppojax.rl.types import init_train_state
+from ppojax.rl.optimizer import make_optimizer
+from ppojax.rl.update import learn, shaped_rewards_and_advantages
 from tests.toy_models import ToyLM, ToyLMWithValueHead, ToyScore
 from tests.xla_test_flags import cheap_compiles
 
@@ -162,7 +162,7 @@ def test_accumulated_gradients_equal_big_batch_gradient():
     ac, params, exp = build()
     settings = settings_for()
     batch, _, _ = shaped_rewards_and_advantages(settings, exp, exp.scores, 0.05)
-    from ppojax.update import micro_batch_loss
+    from ppojax.rl.update import micro_batch_loss
     tokens = (jnp.sum(~batch.padding_mask), jnp.sum(~batch.padding_mask_p1))
     big = jax.grad(lambda p: micro_batch_loss(ac, settings, p, batch, *tokens)[0])(params)
     halves = [jax.grad(lambda p: micro_batch_loss(ac, settings, p, jax.tree.map(lambda x: x[s], batch),
@@ -219,7 +219,7 @@ def test_all_finite_finds_every_inf_and_nan_and_nothing_else(dtype):
     """The gradient guard's check against numpy's, leaf by leaf: one inf, -inf or NaN anywhere in any leaf
     (a scalar, 1-D, 2-D and a stacked 4-D leaf) makes it False; the largest finite values (whose sum overflows)
     and integer leaves do not."""
-    from ppojax.update import all_finite
+    from ppojax.rl.update import all_finite
 
     rng = np.random.default_rng(0)
     shapes = [(), (7,), (5, 3), (3, 4, 2, 6)]

@@ -1,4 +1,4 @@
-"""The run-time choice of XLA:CPU options follows the CPU's features (ppojax/xla_cpu_options.py), with mocked
+"""The run-time choice of XLA:CPU options follows the CPU's features (ppojax/backends/cpu/xla_options.py), with mocked
 /proc/cpuinfo texts for three kinds of host; and the benchmark's --record rule."""
 import json
 import os
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.xla_options import RECORD_MARGIN, choose
-from ppojax import xla_cpu_options as xo
+from ppojax.backends.cpu import xla_options as xo
 from ppojax.backends.cpu import capabilities
 
 REPO = Path(__file__).resolve().parents[1]
@@ -132,7 +132,7 @@ def test_a_record_from_before_the_split_counts_as_float32s(tmp_path):
 
 
 def test_record_chooses_per_precision_from_the_amx_hosts_measurement():
-    """benchmarks.xla_options --workload step on the Intel AMX host (RESULTS.md, fifteenth session): at float32
+    """benchmarks.xla_options --workload step on the Intel AMX host: at float32
     nothing beats XLA's defaults by the margin; at mixed the concurrency scheduler does."""
     measured = json.loads((REPO / "benchmarks/device_2026-11-26b/xla_options.json").read_text())["sets"]
     assert choose(measured, "float32")[0] == "default"
@@ -157,7 +157,7 @@ def test_the_ppojax_command_starts_jax_with_the_recorded_options(tmp_path):
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "PYTHONPATH": str(REPO), "PPOJAX_HUGE_PAGES": "0"}
     env.pop("XLA_FLAGS", None)
     xo.record("no_xnnpack", {"default": 1.0, "no_xnnpack": 0.5}, environ=env)
-    code = ("import os, sys; from ppojax import cli; import jax, jax.numpy as jnp; "
+    code = ("import os, sys; from ppojax.trainer import cli; import jax, jax.numpy as jnp; "
             "cli.run_plan = lambda args: print('XLA_FLAGS=' + os.environ.get('XLA_FLAGS', ''), "
             "float(jnp.ones((4, 4)) @ jnp.ones((4,)) @ jnp.ones((4,)))); "
             "sys.argv = ['ppojax', 'plan', 'configs/plan.yaml']; sys.exit(cli.main())")
@@ -174,7 +174,7 @@ def test_the_ppojax_command_picks_the_record_of_its_configs_precision(tmp_path):
     env.pop("XLA_FLAGS", None)
     xo.record("no_xnnpack", {"default": 1.0, "no_xnnpack": 0.5}, matmuls="bf16", environ=env)
     xo.record("default", {"default": 1.0}, matmuls="float32", environ=env)
-    code = ("import os, sys; from ppojax import cli; import jax, jax.numpy as jnp; "
+    code = ("import os, sys; from ppojax.trainer import cli; import jax, jax.numpy as jnp; "
             "cli.run_training = lambda config: print(config.precision, 'XLA_FLAGS=' + os.environ.get('XLA_FLAGS', ''),"
             " float(jnp.ones((4, 4)) @ jnp.ones((4,)) @ jnp.ones((4,)))); "
             "sys.argv = ['ppojax', 'train', 'configs/tiny.yaml', 'precision=' + sys.argv[1]]; sys.exit(cli.main())")
@@ -187,7 +187,7 @@ def test_the_ppojax_command_picks_the_record_of_its_configs_precision(tmp_path):
 
 @pytest.mark.skipif(os.uname().machine not in ("x86_64", "AMD64"), reason="XLA's oneDNN paths are x86-only")
 def test_the_onednn_option_sets_failure_is_reproduced_and_explained():
-    """Why `onednn_dot` fails on the step (RESULTS.md, 2026-11-26): XLA's oneDNN fusion takes the element-wise
+    """Why `onednn_dot` fails on the step: XLA's oneDNN fusion takes the element-wise
     producer of a dot's input, and oneDNN's partition compile aborts. If a jaxlib fixes it, this test fails:
     time to measure the option set again (`python -m benchmarks.xla_options --workload step`)."""
     from benchmarks.xla_options import OPTION_SETS, explain

@@ -9,12 +9,12 @@ Typical use::
     save_pretrained(nnx.merge(graphdef, params), cfg, "out_dir", tokenizer=load_tokenizer("path/to/hf_dir"))
 """
 
-from .attention import ATTENTION_IMPLEMENTATIONS
-from .config import ModelConfig
-from .errors import ModelLoadError, UnsupportedModelError
-from .families import Family, family_for, register_family, supported_model_types
-from .hf_io import abstract_pretrained, load_config, load_pretrained, load_tokenizer, read_params, save_pretrained
-from .transformer import (
+from ppojax.models.attention import ATTENTION_IMPLEMENTATIONS
+from ppojax.models.config import ModelConfig
+from ppojax.models.errors import ModelLoadError, UnsupportedModelError
+from ppojax.models.families import Family, family_for, register_family, supported_model_types
+from ppojax.models.hf_io import abstract_pretrained, load_config, load_pretrained, load_tokenizer, read_params, save_pretrained
+from ppojax.models.transformer import (
     Backbone,
     CausalLM,
     CausalLMWithValueHead,
@@ -30,8 +30,8 @@ from .transformer import (
     logical_axes,
     position_ids_from_mask,
 )
-from .precision import PRECISIONS, precision_dtypes
-from .remat import REMAT_POLICIES
+from ppojax.models.precision import PRECISIONS, precision_dtypes
+from ppojax.models.remat import REMAT_POLICIES
 
 __all__ = [
     "ModelConfig", "ModelLoadError", "UnsupportedModelError",

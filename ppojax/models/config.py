@@ -15,8 +15,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .errors import ModelLoadError, UnsupportedModelError
-from .families import SUPPORTED_ACTIVATIONS, SUPPORTED_ROPE_TYPES, HFConfig, family_for
+from ppojax.models.errors import ModelLoadError, UnsupportedModelError
+from ppojax.models.families import SUPPORTED_ACTIVATIONS, SUPPORTED_ROPE_TYPES, HFConfig, family_for
 
 __all__ = ["FrozenDict", "ModelConfig", "ModelLoadError", "SUPPORTED_ACTIVATIONS", "SUPPORTED_ROPE_TYPES",
            "UnsupportedModelError"]

@@ -23,12 +23,12 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from ..export_dir import check_export_target, write_export_dir
-from .config import ModelConfig
-from .errors import ModelLoadError
-from .families import family_for, hf_to_params, params_to_hf, tensor_name
-from .families.keys import LayerStack, stack_on_host
-from .transformer import CausalLM, CausalLMWithValueHead, ScoreModel, init_value_head
+from ppojax.io.export_dir import check_export_target, write_export_dir
+from ppojax.models.config import ModelConfig
+from ppojax.models.errors import ModelLoadError
+from ppojax.models.families import family_for, hf_to_params, params_to_hf, tensor_name
+from ppojax.models.families.keys import LayerStack, stack_on_host
+from ppojax.models.transformer import CausalLM, CausalLMWithValueHead, ScoreModel, init_value_head
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +242,7 @@ def load_pretrained(path: str | os.PathLike, *, kind: str = "causal_lm", dtype=j
     score_label: for a
     classifier with several labels loaded as a "score" model, the label whose logit is the score (None: the
     checkpoint must have one label). mesh, rules: place every weight straight into its sharding on `mesh` by
-    `rules` (a `ppojax.sharding` rule table, default `TRAIN_RULES`), reading the checkpoint shard by shard:
+    `rules` (a `ppojax.parallel.sharding` rule table, default `TRAIN_RULES`), reading the checkpoint shard by shard:
     no process or device holds a sharded weight whole, and each process reads only its own devices' shards.
     Without a mesh the weights go to the default device.
     Returns `(model, cfg)`. :func:`abstract_pretrained` with the same arguments gives the same model's
@@ -276,7 +276,7 @@ def _shardings(state: nnx.State, mesh, rules) -> dict | None:
     `nnx.to_pure_dict(state)`; None without a mesh (the default device)."""
     if mesh is None:
         return None
-    from .. import sharding  # noqa: PLC0415 (the loader needs the rules only when given a mesh)
+    from ppojax.parallel import sharding  # noqa: PLC0415 (the loader needs the rules only when given a mesh)
     return nnx.to_pure_dict(sharding.param_shardings(state, mesh, sharding.TRAIN_RULES if rules is None else rules))
 
 
@@ -436,7 +436,7 @@ def save_pretrained(model, cfg: ModelConfig, out_dir: str | os.PathLike, tokeniz
                     dtype=None, max_shard_bytes: int = 4 << 30) -> Path:
     """Write a transformers checkpoint directory: config.json, model.safetensors (sharded with an index when
     larger than `max_shard_bytes`), and the tokenizer's files when given. The directory is written whole or not
-    at all, and only where it is new, empty or an earlier export (`ppojax.export_dir`: `ExportDirError`
+    at all, and only where it is new, empty or an earlier export (`ppojax.io.export_dir`: `ExportDirError`
     otherwise, before anything is written).
 
     model: a `CausalLM` (-> `XForCausalLM`), `ScoreModel` (-> `XForSequenceClassification`, num_labels = 1) or

@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .config import ModelConfig
-from .families.keys import Split, T, key_table
+from ppojax.models.config import ModelConfig
+from ppojax.models.families.keys import Split, T, key_table
 
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear projection of the blocks (never the LM head)
 

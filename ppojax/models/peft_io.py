@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 from flax import nnx
 
-from ..export_dir import check_export_target, write_export_dir
-from .config import ModelConfig
-from .families.keys import backbone_prefix
-from .hf_io import write_safetensors
-from .lora import LoraSpec, available_targets
+from ppojax.io.export_dir import check_export_target, write_export_dir
+from ppojax.models.config import ModelConfig
+from ppojax.models.families.keys import backbone_prefix
+from ppojax.models.hf_io import write_safetensors
+from ppojax.models.lora import LoraSpec, available_targets
 
 PEFT_PREFIX = "base_model.model."
 
@@ -70,7 +70,7 @@ def adapter_config(cfg: ModelConfig, spec: LoraSpec, base_model_name_or_path: st
 def save_peft_adapter(adapters, cfg: ModelConfig, spec: LoraSpec, out_dir: str | os.PathLike, *,
                       base_model_name_or_path: str | None = None, tokenizer=None) -> Path:
     """Write the PEFT adapter directory (float32 tensors; the tokenizer too when given), whole or not at all, and
-    not into a directory of other files (`ppojax.export_dir`). Returns the directory."""
+    not into a directory of other files (`ppojax.io.export_dir`). Returns the directory."""
     check_export_target(out_dir)
     tensors = adapter_tensors(adapters, cfg, spec)
 

@@ -20,9 +20,9 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from . import slot_storage
-from .slot_storage import SAVED_BITS
-from .stacked_matmul import SAVED_NAME as STACKED_PROJECTION
+from ppojax.models import slot_storage
+from ppojax.models.slot_storage import SAVED_BITS
+from ppojax.backends.cpu.stacked_matmul import SAVED_NAME as STACKED_PROJECTION
 
 REMAT_POLICIES = ("none", "full", "dots")
 

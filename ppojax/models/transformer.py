@@ -10,7 +10,8 @@ instead: for debugging only, it is slower to compile AND to run. Projection kern
 (`q.kernel: [L, D, H, hd]`) so that every axis carries a logical name for sharding (see `logical_axes`); the
 matmuls themselves run on flattened 2-D operands (see `_dense_in`).
 
-Forward contract (SPEC): `input_ids i32[B, S]`, `attention_mask bool[B, S]` (True = real token, False = pad),
+Forward contract (docs/algorithm.md, "Conventions"):
+`input_ids i32[B, S]`, `attention_mask bool[B, S]` (True = real token, False = pad),
 `position_ids i32[B, S]` (exclusive cumulative sum of the mask for left-padded rows; `position_ids_from_mask`).
 Pad ids are replaced by 0 before the embedding. Attention is causal AND ignores pad keys; it runs through
 `jax.nn.dot_product_attention` (`attention.py`: cuDNN's fused kernel or XLA, `attention_implementation`). Softmax
@@ -42,11 +43,12 @@ import numpy as np
 from flax import nnx
 from jax.experimental.layout import Layout, with_layout_constraint
 
-from .attention import attention, check_attention_implementation
-from .config import ModelConfig
-from .remat import check_remat, remat_layer
-from . import slot_storage, stacked_matmul
-from .slot_storage import BITS, float32_holding, from_bits, saved_as_bits, to_bits
+from ppojax.models.attention import attention, check_attention_implementation
+from ppojax.models.config import ModelConfig
+from ppojax.models.remat import check_remat, remat_layer
+from ppojax.models import slot_storage
+from ppojax.backends.cpu import stacked_matmul
+from ppojax.models.slot_storage import BITS, float32_holding, from_bits, saved_as_bits, to_bits
 
 Array = jax.Array
 

@@ -6,6 +6,8 @@ x86-64 baseline (XLA:CPU option sets, oneDNN's bfloat16 GEMM, the in-place GEMM 
 in-place Adam step's vector clones) names the instruction sets it needs (:data:`REQUIREMENTS`) and asks
 :func:`probe` whether this CPU has them; nothing tests the CPU anywhere else.
 
+``PPOJAX_CPU_BACKEND=0`` turns all of that off (:func:`backend_off`): the pure-XLA / optax path.
+
 ``PPOJAX_CPU_ISA=<level>`` caps what the probe reports at a level of :data:`LEVELS` (``avx2``: AVX2 and FMA,
 nothing of AVX-512, BF16 or AMX), so that an AVX-512 host runs every path as an AVX2-only host would. The cap also
 reaches the libraries that choose their own kernels (:func:`library_environment`): XLA's code generation
@@ -22,7 +24,12 @@ import platform
 from pathlib import Path
 from typing import Mapping, MutableMapping
 
+from ppojax.errors import CpuFeatureMissing
+
 CAP_VARIABLE = "PPOJAX_CPU_ISA"
+#: ``PPOJAX_CPU_BACKEND=0`` (false/off/no): none of ppojax's CPU-only code (C++ handlers, in-place GEMMs, the
+#: one-pass Adam step) is chosen; the run takes the pure-XLA / optax path that accelerator users run
+BACKEND_SWITCH = "PPOJAX_CPU_BACKEND"
 
 #: The instruction sets that decide which code paths pay off or run at all: a CPU's signature (the key of its
 #: recorded choices) keeps only these, so a record survives a flag that does not matter but never another unit.
@@ -111,11 +118,6 @@ class Cpu:
         return Cpu(self.model_name, frozenset(f for f in self.flags if not f.startswith(removed)), level)
 
 
-class CpuFeatureMissing(ValueError):
-    """A CPU-specific path was asked for on a CPU that lacks its instruction sets (the message says which and
-    what to use instead)."""
-
-
 def parse_cpuinfo(text: str) -> Cpu:
     """/proc/cpuinfo's text -> Cpu (x86: 'model name' and 'flags'; ARM: 'CPU part' and 'Features')."""
     fields: dict[str, str] = {}
@@ -156,6 +158,13 @@ def probe() -> Cpu:
     """This CPU, under ``PPOJAX_CPU_ISA``'s cap if set (read once per process and cap). Tests mock this function
     to simulate another host."""
     return _probed(cap_level())
+
+
+def backend_off(environ: Mapping[str, str] = os.environ) -> str:
+    """"" where ppojax's CPU-only code may be chosen, else why not (one line, for "unavailable" messages)."""
+    if environ.get(BACKEND_SWITCH, "").strip().lower() in ("0", "false", "off", "no"):
+        return f"ppojax's CPU backend is off ({BACKEND_SWITCH}={environ[BACKEND_SWITCH]}): XLA's dots and optax's step"
+    return ""
 
 
 def library_environment(level: str) -> dict[str, str]:

@@ -5,13 +5,13 @@ Adding a family: a module like `llama.py` that builds a `Family` and calls `regi
 imported below.
 """
 
-from ..errors import ModelLoadError, UnsupportedModelError
-from .hf_config import SUPPORTED_ACTIVATIONS, SUPPORTED_ROPE_TYPES, HFConfig
-from .keys import KINDS, Key, Split, T, Unflatten, hf_to_params, key_table, params_to_hf, tensor_name
-from .registry import Family, family_for, register_family, supported_model_types, transformers_classes
+from ppojax.models.errors import ModelLoadError, UnsupportedModelError
+from ppojax.models.families.hf_config import SUPPORTED_ACTIVATIONS, SUPPORTED_ROPE_TYPES, HFConfig
+from ppojax.models.families.keys import KINDS, Key, Split, T, Unflatten, hf_to_params, key_table, params_to_hf, tensor_name
+from ppojax.models.families.registry import Family, family_for, register_family, supported_model_types, transformers_classes
 
 # The built-in families, in the order `supported_model_types()` lists them.
-from . import gpt2, llama, gpt_neox  # noqa: E402, F401, I001  (registration happens on import)
+from ppojax.models.families import gpt2, llama, gpt_neox  # noqa: E402, F401, I001  (registration happens on import)
 
 __all__ = [
     "Family", "HFConfig", "KINDS", "Key", "ModelLoadError", "SUPPORTED_ACTIVATIONS", "SUPPORTED_ROPE_TYPES", "Split",

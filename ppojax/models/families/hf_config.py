@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ModelLoadError, UnsupportedModelError
+from ppojax.models.errors import ModelLoadError, UnsupportedModelError
 
 if TYPE_CHECKING:
-    from ..config import ModelConfig
+    from ppojax.models.config import ModelConfig
 
 _REQUIRED = object()
 

@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 import numpy as np
 
-from .registry import Family, family_for
+from ppojax.models.families.registry import Family, family_for
 
 if TYPE_CHECKING:
-    from ..config import ModelConfig
+    from ppojax.models.config import ModelConfig
 
 KINDS = ("causal_lm", "score", "value_head", "backbone")
 Getter = Callable[[str, tuple], np.ndarray]

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .hf_config import (HFConfig, attention_layer_types, rope_parameters, vocab_and_tokens,
+from ppojax.models.families.hf_config import (HFConfig, attention_layer_types, rope_parameters, vocab_and_tokens,
                         vocab_and_tokens_to_hf)
-from .keys import Key, T, Unflatten
-from .registry import Family, register_family, transformers_classes
+from ppojax.models.families.keys import Key, T, Unflatten
+from ppojax.models.families.registry import Family, register_family, transformers_classes
 
 if TYPE_CHECKING:
-    from ..config import ModelConfig
+    from ppojax.models.config import ModelConfig
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 

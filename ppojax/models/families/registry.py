@@ -11,12 +11,12 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from ..errors import UnsupportedModelError
+from ppojax.models.errors import UnsupportedModelError
 
 if TYPE_CHECKING:
-    from ..config import ModelConfig
-    from .hf_config import HFConfig
-    from .keys import Key
+    from ppojax.models.config import ModelConfig
+    from ppojax.models.families.hf_config import HFConfig
+    from ppojax.models.families.keys import Key
 
 # Model kinds, named after transformers' classes: "causal_lm" (`XForCausalLM`), "score"
 # (`XForSequenceClassification`, num_labels = 1), "backbone" (`XModel`, no head). TRL's value-head model

@@ -1,0 +1,151 @@
+"""`matmul_implementation: auto` on a CPU without a record of a model's shapes: the in-place GEMM libraries measured
+once per projection shape and product, the fastest kept.
+
+The first model that "auto" puts on the in-place handlers (`stacked_matmul`) on a CPU whose record
+(`matmul_record`) did not measure its projection shapes with every library to be had now times ppojax's handlers
+on each of them and records the seconds and the libraries chosen (`matmul_record.choose`: one per shape and
+product) under this CPU's signature; later processes on that CPU read the record. What is timed is what a
+training step asks of them: one layer's forward, input-gradient and weight-gradient products (`x @ W`, `g @ W.T`,
+`x.T @ g`; a tied LM head's products are these three kinds too, of its embedding's shape), each product of each
+shape timed on its own, at an update's 384 token rows, the weights read in place from a stack of a few layers in a
+layer scan (each layer's operands its own, as the update's backward has them; an LM head's weight alone).
+The libraries and products take turns within each round; each one's figure is its fastest round (what another
+process's load cannot make faster). A few seconds per shape at SmolLM2-135M's sizes, once per CPU, said when it
+runs; ``python -m benchmarks.gemm_shapes --record`` measures one whole update's GEMMs at SmolLM2's shapes instead.
+"""
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ppojax.backends.cpu.matmul_record import PRODUCTS, Libraries
+
+#: (d_in, d_out) of SmolLM2-135M's projections: q/o, k/v, gate/up, down, and its tied LM head (the embedding
+#: [V, D], read transposed) (what the once-per-machine command measures)
+SHAPES = ((576, 576), (576, 192), (576, 1536), (1536, 576), (49152, 576))
+#: a weight of at least this many elements (an LM head's) is measured as one layer, in at most 2 rounds: a stack of
+#: several would take memory, and the rounds time, for no better figure
+LARGE_WEIGHT_ELEMENTS = 1 << 24
+ROWS = 384  # the benchmark's update micro-batch: 8 sequences of 48 tokens
+LAYERS = 4  # a stack larger than the last-level cache of most CPUs, read layer by layer as a scan does
+ROUNDS = 5
+
+
+def operands(shapes, rows: int = ROWS, layers: int = LAYERS, seed: int = 0) -> list:
+    """Per shape (x f32[layers, rows, d_in], stack f32[layers, d_in, d_out], g f32[layers, rows, d_out])."""
+    rng = np.random.default_rng(seed)
+    return [tuple(jnp.asarray(rng.standard_normal(shape, np.float32) * scale)
+                  for shape, scale in (((layers, rows, d_in), 1.0), ((layers, d_in, d_out), 0.02),
+                                       ((layers, rows, d_out), 1.0)))
+            for d_in, d_out in shapes]
+
+
+def products(library: str, product: str):
+    """A jitted function of `operands(shapes)` running every layer's `product` ("fwd", "dx" or "dw":
+    `matmul_record.PRODUCTS`) through `library`'s handlers (registered: `stacked_matmul.unavailable_reason` first)
+    -> f32[] (one element of each product, which keeps them all)."""
+    from ppojax.backends.cpu.stacked_matmul import _gemm, weight_grad
+
+    one_layer = {"fwd": lambda x, stack, g, i: _gemm(x[i], stack, i, False, library),
+                 "dx": lambda x, stack, g, i: _gemm(g[i], stack, i, True, library),
+                 "dw": lambda x, stack, g, i: weight_grad(x[i], g[i], library)}[product]
+
+    def one_shape(x, stack, g):
+        def layer(total, i):
+            return total + one_layer(x, stack, g, i)[0, 0], None
+
+        return jax.lax.scan(layer, jnp.float32(0), jnp.arange(stack.shape[0]))[0]
+
+    return jax.jit(lambda ops: sum(one_shape(*shape) for shape in ops))
+
+
+def measure(libraries, rounds: int = ROUNDS, shapes=SHAPES, rows: int = ROWS, layers: int = LAYERS) -> dict:
+    """{shape: {library: {product: seconds of one pass of `products` at that shape}}} (each its fastest of
+    `rounds`) for `libraries` (their handlers registered) at `shapes` ((d_in, d_out) each; `layers` of each, but
+    one of a `LARGE_WEIGHT_ELEMENTS` weight, in at most 2 rounds), every library's products taking turns within
+    each round after one untimed pass each."""
+    passes = {(library, product): products(library, product) for library in libraries for product in PRODUCTS}
+    seconds = {}
+    for shape in shapes:
+        large = shape[0] * shape[1] >= LARGE_WEIGHT_ELEMENTS
+        ops = operands((shape,), rows, 1 if large else layers)
+        for run in passes.values():
+            jax.block_until_ready(run(ops))  # compiles, and wakes the library's threads
+        best = {key: float("inf") for key in passes}
+        order = list(passes)
+        for r in range(min(rounds, 2) if large else rounds):
+            for key in order[r % len(order):] + order[:r % len(order)]:
+                start = time.perf_counter()
+                jax.block_until_ready(passes[key](ops))
+                best[key] = min(best[key], time.perf_counter() - start)
+        seconds[tuple(shape)] = {library: {product: best[library, product] for product in PRODUCTS}
+                                 for library in libraries}
+    return seconds
+
+
+def tune(candidates, shapes) -> dict:
+    """Measure `candidates` (libraries whose handlers are built; any that will not load is left out) at `shapes`,
+    record the choice for this CPU and return it ({shape: a library per product}); say what was measured. A failed
+    measurement takes oneDNN's sgemm and records nothing (said)."""
+    from ppojax.backends.cpu import matmul_record
+    from ppojax.backends.cpu.stacked_matmul import LIBRARIES, LIBRARY_NAMES, described, unavailable_reason
+
+    candidates = [lib for lib in candidates if not unavailable_reason(lib)]  # loaded and registered
+    onednn = {tuple(shape): Libraries.every("onednn") for shape in shapes}
+    if "onednn" not in candidates:  # the baseline (library_of): nothing to measure against
+        return onednn
+    names = ", ".join(LIBRARY_NAMES[lib] for lib in candidates)
+    at = ", ".join(map(matmul_record.shape_key, shapes))
+    print(f"ppojax: matmul_implementation 'auto': timing {names} once for this CPU at {at} ...", flush=True)
+    start = time.perf_counter()
+    try:
+        with jax.ensure_compile_time_eval():  # run now, also when a model's trace asked (not staged into it)
+            seconds = measure(tuple(candidates), shapes=tuple(map(tuple, shapes)))
+    except Exception as err:  # noqa: BLE001 - the choice is a speed-up only; oneDNN's sgemm is the default
+        print(f"ppojax: the measurement failed ({type(err).__name__}: {err}); 'auto' takes {LIBRARY_NAMES['onednn']}",
+              flush=True)
+        return onednn
+    chosen = {shape: matmul_record.choose(by_library) for shape, by_library in seconds.items()}
+    where = ""
+    try:
+        where = f", recorded in {matmul_record.record(chosen, seconds, tuple(LIBRARIES))}"
+    except OSError as err:  # a read-only cache: this process still takes the measured choice
+        where = f" (not recorded: {err})"
+    timings = "; ".join(f"{matmul_record.shape_key(shape)} " + ", ".join(
+        f"{lib} " + "/".join(f"{s * 1e3:.1f}" for s in by_product.values()) for lib, by_product in by_library.items())
+        for shape, by_library in seconds.items())
+    print(f"ppojax: 'auto' takes {described(chosen)} (ms for fwd/dx/dw: {timings}; "
+          f"{time.perf_counter() - start:.1f} s{where})", flush=True)
+    return chosen
+
+
+def main(argv=None) -> int:
+    """``python -m ppojax.backends.cpu.matmul_tuning [--again]``: build the in-place handlers of every library that can be
+    had and say which ones "auto" takes on this CPU at SmolLM2-135M's shapes, measuring now where no record covers
+    them (``--again``: measure anew whatever the record says). A once-per-machine step a deployment can run ahead
+    of training."""
+    import argparse
+
+    from ppojax.backends.cpu.stacked_matmul import LIBRARIES, build_all_handlers, choice_str, library_of, unavailable_reason
+
+    parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    parser.add_argument("--again", action="store_true", help="measure anew whatever this CPU's record says")
+    args = parser.parse_args(argv)
+    build_all_handlers()
+    for library in LIBRARIES:
+        print(f"{library}: {unavailable_reason(library) or 'handlers ready'}")
+    if unavailable_reason("onednn"):
+        print(f"'auto' keeps XLA's dots here: oneDNN's handlers, the in-place baseline, cannot be had "
+              f"({unavailable_reason('onednn')})")
+        return 0
+    candidates = tuple(lib for lib in LIBRARIES if not unavailable_reason(lib))
+    chosen = tune(candidates, SHAPES) if args.again else library_of("auto", SHAPES)
+    print(f"'auto' takes: {choice_str(chosen)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""What a run writes and reads: checkpoints, the run directory, logging sinks, exports."""

@@ -1,0 +1,1 @@
+"""Meshes, logical-axis rule tables, placement and multi-host start-up (no algorithm code)."""

@@ -1,0 +1,196 @@
+"""Forward passes shared by the rollout and the PPO loss: log-probs, entropy, values, scores.
+
+All functions are pure and differentiable; they take a merged NNX module (call them inside ``jit`` after
+``nnx.merge(graphdef, params)``). docs/algorithm.md, "Conventions":
+
+- ``attention_mask = tokens != pad``; ``position_ids`` = exclusive cumulative sum of the mask (the first
+  real token is at 0, left padding aware); pad ids become 0 before the embedding.
+- response logits are the logits at positions ``P-1 ... P+R-2`` divided by ``temperature + 1e-7``;
+  ``logprob = logit[token] - logsumexp(logits)`` and ``entropy = logsumexp(l) - sum(softmax(l) * l)``,
+  both in float32.
+
+Large vocabularies: the float32 ``[B, R, V]`` logits are never held at once. :func:`logprobs_from_hidden`
+projects the response hidden states to logits ``chunk_size`` time steps at a time inside a ``lax.map``
+whose body is rematerialised (``jax.checkpoint``), so the backward pass recomputes one chunk's logits
+instead of storing all of them: peak logits memory is ``B * chunk_size * V`` floats.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+TEMPERATURE_EPS = 1e-7
+LOGITS_MEMORY_BUDGET = 256 * 2**20  # bytes of float32 logits per device that auto chunking allows
+
+
+def auto_chunk_size(rows, length, vocab, budget_bytes=LOGITS_MEMORY_BUDGET):
+    """Time steps per logits chunk so that ``rows x chunk x vocab`` float32 logits fit ``budget_bytes``.
+
+    None (no chunking) when all ``length`` steps fit: chunking then only costs time (a ``lax.map`` and the
+    recomputation of the chunk's logits in the backward pass; ~20 % of the tiny benchmark's update).
+    """
+    fit = max(1, budget_bytes // (4 * max(rows, 1) * vocab))
+    return None if fit >= length else int(fit)
+
+
+def sequence_inputs(tokens, pad_id):
+    """Model inputs for a (left-)padded token batch.
+
+    tokens: i32[B, S] -> (input_ids i32[B, S] with pad -> 0, attention_mask bool[B, S] (True = real token),
+    position_ids i32[B, S] = exclusive cumsum of attention_mask).
+    """
+    attention_mask = tokens != pad_id
+    live = attention_mask.astype(jnp.int32)
+    position_ids = jnp.cumsum(live, axis=-1, dtype=jnp.int32) - live
+    input_ids = jnp.where(attention_mask, tokens, 0).astype(jnp.int32)
+    return input_ids, attention_mask, position_ids
+
+
+def response_hidden(lm, query_responses, prompt_length, pad_id):
+    """Final hidden states that predict the response tokens.
+
+    query_responses: i32[B, P+R] -> f[B, R, D] (positions ``P-1 ... P+R-2``). Also the hook for a value
+    head on the policy backbone: one backbone pass gives both the log-probs and the values.
+    """
+    input_ids, attention_mask, position_ids = sequence_inputs(query_responses, pad_id)
+    hidden, _ = lm(input_ids, attention_mask, position_ids)
+    return hidden[:, prompt_length - 1:-1]
+
+
+def _chunked_over_time(fn, chunk_size, *arrays):
+    """Apply ``fn`` to [B, c, ...] time chunks of each [B, R, ...] array; outputs are [B, R] each.
+
+    ``fn`` is rematerialised so its intermediates (the float32 logits) are never all stored for the
+    backward pass.
+    """
+    length = arrays[0].shape[1]
+    if chunk_size is None or chunk_size >= length:
+        return fn(*arrays)
+    num_chunks = -(-length // chunk_size)
+    padded = num_chunks * chunk_size
+
+    def split(x):  # [B, R, ...] -> [n, B, c, ...]
+        x = jnp.pad(x, [(0, 0), (0, padded - length)] + [(0, 0)] * (x.ndim - 2))
+        x = x.reshape(x.shape[0], num_chunks, chunk_size, *x.shape[2:])
+        return jnp.moveaxis(x, 1, 0)
+
+    def merge(y):  # [n, B, c] -> [B, R]
+        y = jnp.moveaxis(y, 0, 1)
+        return y.reshape(y.shape[0], padded)[:, :length]
+
+    outputs = jax.lax.map(lambda xs: jax.checkpoint(fn)(*xs), tuple(split(x) for x in arrays))
+    return jax.tree.map(merge, outputs)
+
+
+def logprobs_from_hidden(lm, hidden, tokens, temperature, *, chunk_size=None, with_entropy=False):
+    """Log-probs (and entropy) of ``tokens`` under ``lm.logits(hidden) / (temperature + 1e-7)``.
+
+    hidden: f[B, R, D]; tokens: i32[B, R] (the token each position predicts; out-of-vocabulary ids, e.g. a
+    pad id past the vocabulary, are clipped: mask such positions).
+    chunk_size: time steps per logits chunk (None = all at once).
+    Returns (logprobs f32[B, R], entropy f32[B, R] or None).
+    """
+    scale = 1.0 / (temperature + TEMPERATURE_EPS)
+
+    def chunk(h, t):
+        logits = lm.logits(h).astype(jnp.float32) * scale  # f32[B, c, V]
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        chosen = jnp.take_along_axis(logits, t[..., None].astype(jnp.int32), axis=-1, mode="clip")[..., 0]
+        logprobs = chosen - lse
+        if not with_entropy:
+            return (logprobs,)
+        entropy = lse - jnp.sum(jax.nn.softmax(logits, axis=-1) * logits, axis=-1)
+        return logprobs, entropy
+
+    out = _chunked_over_time(chunk, chunk_size, hidden, tokens)
+    return (out[0], out[1] if with_entropy else None)
+
+
+def full_kl_from_hidden(lm, hidden, ref_lm, ref_hidden, temperature, *, chunk_size=None):
+    """Per-position KL over the whole vocabulary, ``sum_v pi(v) (log pi(v) - log pi_ref(v))``.
+
+    Both distributions are the temperature-scaled ones the log-probs use (the ``full`` estimator of
+    docs/algorithm.md, "KL estimators").
+    hidden, ref_hidden: f[B, R, D] from :func:`response_hidden` of the policy ``lm`` and the reference
+    ``ref_lm``. Chunked over time like :func:`logprobs_from_hidden`. Returns f32[B, R] (unmasked).
+    """
+    scale = 1.0 / (temperature + TEMPERATURE_EPS)
+
+    def chunk(h, ref_h):
+        log_p = jax.nn.log_softmax(lm.logits(h).astype(jnp.float32) * scale, axis=-1)
+        log_q = jax.nn.log_softmax(ref_lm.logits(ref_h).astype(jnp.float32) * scale, axis=-1)
+        return (jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1),)
+
+    return _chunked_over_time(chunk, chunk_size, hidden, ref_hidden)[0]
+
+
+def response_logprobs(lm, query_responses, prompt_length, pad_id, temperature, *, chunk_size=None,
+                      with_entropy=False):
+    """Log-probs of the response tokens of ``query_responses`` (docs/algorithm.md, "Rollout" step 5, and "Loss").
+
+    lm: a merged ``CausalLM``; query_responses: i32[B, P+R] (left-padded prompts + UNtruncated responses);
+    prompt_length: P (static). Returns (logprobs f32[B, R], entropy f32[B, R] or None), unmasked: the
+    caller writes ``INVALID_LOGPROB`` on padding.
+    """
+    hidden = response_hidden(lm, query_responses, prompt_length, pad_id)
+    tokens = query_responses[:, prompt_length:]
+    return logprobs_from_hidden(lm, hidden, tokens, temperature, chunk_size=chunk_size,
+                                with_entropy=with_entropy)
+
+
+def response_values(score_model, query_responses, prompt_length, pad_id):
+    """Value of state ``query + response[:t]``: the score head at positions ``P-1 ... P+R-2``.
+
+    score_model: a merged ``ScoreModel`` (``(ids, mask, positions) -> f32[B, S]``);
+    query_responses: i32[B, P+R] -> f32[B, R] (unmasked: the caller zeroes ``padding_mask_p1``).
+    """
+    input_ids, attention_mask, position_ids = sequence_inputs(query_responses, pad_id)
+    scores = score_model(input_ids, attention_mask, position_ids)
+    return scores[:, prompt_length - 1:-1].astype(jnp.float32)
+
+
+def last_token_index(tokens, pad_id, prompt_length=None):
+    """i32[B]: where a sequence's scalar score is read.
+
+    With ``prompt_length`` (TRL's ``get_reward``): one before the first pad after the prompt, i.e.
+    ``first_true_indices(tokens[:, P:] == pad) - 1 + P`` (``P+R-1`` if the response has no pad).
+    Without: the last non-pad token of the whole row.
+    """
+    length = tokens.shape[1]
+    if prompt_length is not None:
+        response = tokens[:, prompt_length:]
+        positions = jnp.arange(response.shape[1], dtype=jnp.int32)
+        first_pad = jnp.min(jnp.where(response == pad_id, positions, response.shape[1]), axis=-1)
+        return (first_pad - 1 + prompt_length).astype(jnp.int32)
+    positions = jnp.arange(length, dtype=jnp.int32)
+    return jnp.max(jnp.where(tokens != pad_id, positions, -1), axis=-1).clip(0).astype(jnp.int32)
+
+
+def sequence_scores(score_model, tokens, pad_id, prompt_length=None):
+    """Scalar score per sequence: the score head at :func:`last_token_index`.
+
+    score_model: a merged ``ScoreModel``; tokens: i32[B, S] (for rewards: prompts + TRUNCATED responses)
+    -> f32[B]. Pass ``prompt_length`` for TRL's exact semantics (docs/algorithm.md, "Rollout", step 7).
+    """
+    input_ids, attention_mask, position_ids = sequence_inputs(tokens, pad_id)
+    scores = score_model(input_ids, attention_mask, position_ids).astype(jnp.float32)
+    index = last_token_index(tokens, pad_id, prompt_length)
+    return jnp.take_along_axis(scores, index[:, None], axis=-1)[:, 0]
+
+
+def map_batch(fn, batch_size, *arrays):
+    """Run ``fn`` over batch slices of ``batch_size`` rows with ``lax.map`` (bounded activation memory).
+
+    arrays: [B, ...] each, B divisible by batch_size (None or >= B = one call). fn returns a pytree of
+    [b, ...] arrays; the result is the same pytree with [B, ...] leaves.
+    """
+    total = arrays[0].shape[0]
+    if batch_size is None or batch_size >= total:
+        return fn(*arrays)
+    if total % batch_size:
+        raise ValueError(f"batch size {total} is not divisible by the forward batch size {batch_size}; "
+                         "pick a divisor (e.g. local_rollout_forward_batch_size).")
+    n = total // batch_size
+    split = [x.reshape(n, batch_size, *x.shape[1:]) for x in arrays]
+    out = jax.lax.map(lambda xs: fn(*xs), tuple(split))
+    return jax.tree.map(lambda y: y.reshape(total, *y.shape[2:]), out)

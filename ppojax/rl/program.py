@@ -1,0 +1,236 @@
+"""One PPO iteration as ONE compiled program: ``train_step(state, prompts, key) -> (state, metrics)``.
+
+    sample_key, update_key = split(key)
+    query_responses = sample(policy, prompts, sample_key)                 # KV-cache decode loop
+    experience      = forwards(policy, reference, value) + reward scores  # rollout.experience
+    state, metrics  = learn(state, experience, update_key)                # rewards, advantages, epochs x
+                                                                          # mini-batches x micro-batches,
+                                                                          # KL controller, score moments
+The state (``ppojax.rl.types.TrainState``: parameters, optimizer state, frozen reference/reward parameters, KL
+coefficient, score moments, counters) is donated. With a reward model nothing leaves the device; a Python
+reward function is reached through a host callback inside the program (``ppojax.rl.rewards.FunctionScores``).
+
+``train_steps(state, prompts[K, B, P], keys[K])`` runs K iterations as one ``lax.scan``; a whole tiny run can
+be ``jax.vmap``-ed over seeds (``examples/vmap_seeds.py``).
+
+``split=True`` builds the same API from two programs with the Python reward function called between them
+on the host (the layout before the single program; kept as a reference to measure the single program against).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+from ppojax import core as ppo
+from ppojax.rl import rollout
+from ppojax.parallel import sharding
+from ppojax.rl.actor_critic import ActorCritic
+from ppojax.rl.rewards import GivenScores
+from ppojax.rl.settings import StepSettings
+from ppojax.rl.update import learn
+
+
+@dataclass(frozen=True, eq=False)
+class PPOProgram:
+    """Everything static that the PPO programs are traced from (hashable by identity: build it once).
+
+    actor_critic: the model forwards; reward: a reward source (``ppojax.rl.rewards``); settings: the static
+    settings; optimizer: an optax transformation (without the learning rate); mesh: the device mesh, or
+    None for a single device.
+    """
+
+    actor_critic: ActorCritic
+    reward: Any
+    settings: StepSettings
+    optimizer: Any
+    mesh: Optional[Any] = None
+
+    @property
+    def kl_estimator(self) -> ppo.KLEstimator:
+        return ppo.kl_estimator(self.settings.kl_estimator)
+
+
+# --------------------------------------------------------------------------------------------------
+# The iteration, pure
+# --------------------------------------------------------------------------------------------------
+def ppo_iteration(program: PPOProgram, state, prompts, key):
+    """One PPO iteration on left-padded ``prompts`` i32[B, P]. Pure: trace it under jit/scan/vmap."""
+    _, update_key = jax.random.split(key)
+    experience, failures = rollout_part(program, state, prompts, key)
+    return learn_unless_reward_failed(program, state, experience, update_key, failures)
+
+
+def learn_unless_reward_failed(program: PPOProgram, state, experience, key, failures):
+    """``learn``, except when the reward source failed on some rows (``failures`` > 0): then the state is
+    returned untouched (no update at all, counters included) and the metrics are NaN. Only a source that can
+    fail (a Python reward function) pays for the ``lax.cond``."""
+    if not getattr(program.reward, "may_fail", False):
+        state, metrics = learn(program, state, experience, key)
+    else:
+        metric_shapes = jax.eval_shape(lambda s, e, k: learn(program, s, e, k)[1], state, experience, key)
+
+        def skip(state, experience, key):
+            return state, jax.tree.map(_nan_like, metric_shapes)
+
+        state, metrics = jax.lax.cond(failures > 0, skip, lambda s, e, k: learn(program, s, e, k),
+                                      state, experience, key)
+    metrics["reward/failures"] = failures
+    return state, metrics
+
+
+def _nan_like(shape):
+    fill = jnp.nan if jnp.issubdtype(shape.dtype, jnp.floating) else 0
+    return jnp.full(shape.shape, fill, shape.dtype)
+
+
+def legacy_iteration(program: PPOProgram, state, query_responses, prompt_length, scores, key):
+    """The legacy ``step()``: forwards on caller-given tokens, the caller's scores, then the update."""
+    experience, failures = rollout.experience(program, state, query_responses, prompt_length,
+                                              reward=GivenScores(scores))
+    state, metrics = learn(program, state, experience, key)
+    metrics["reward/failures"] = failures
+    return state, metrics
+
+
+# --------------------------------------------------------------------------------------------------
+# Compiled entry points
+# --------------------------------------------------------------------------------------------------
+def _jit(program: PPOProgram, fn, state_shardings):
+    """jit with the state donated; on a mesh the state keeps ``state_shardings`` and metrics come back
+    replicated (so ``jax.device_get`` works on every process)."""
+    if program.mesh is None:
+        return jax.jit(fn, donate_argnums=(0,))
+    return jax.jit(fn, donate_argnums=(0,), out_shardings=(state_shardings, sharding.replicated(program.mesh)))
+
+
+def make_train_step(program: PPOProgram, state_shardings=None, *, split: bool = False):
+    """``train_step(state, prompts, key) -> (state, metrics)``, one compiled program with the state donated.
+
+    prompts: i32[B, P] (placed with rows over the mesh's batch axes); key: a PRNG key.
+    ``split=True``: two programs with the reward function between them on the host (same results, see
+    the module docstring). The returned function's ``.jitted`` is the jit object (for cache counts).
+    """
+    if split:
+        return _make_split_train_step(program, state_shardings)
+    jitted = _jit(program, lambda state, prompts, key: ppo_iteration(program, state, prompts, key),
+                  state_shardings)
+
+    def train_step(state, prompts, key):
+        prompts, key = _place(program, prompts, key)
+        return jitted(state, prompts, key)
+
+    train_step.jitted = jitted
+    return train_step
+
+
+def make_train_steps(program: PPOProgram, state_shardings=None):
+    """``train_steps(state, prompts i32[K, B, P], keys[K]) -> (state, metrics with a leading [K] axis)``:
+    K iterations as one ``lax.scan`` (no Python between them)."""
+    def steps(state, prompts, keys):
+        return jax.lax.scan(lambda s, xs: ppo_iteration(program, s, *xs), state, (prompts, keys))
+
+    jitted = _jit(program, steps, state_shardings)
+
+    def train_steps(state, prompts, keys):
+        if program.mesh is not None:
+            prompts = sharding.shard_batch_axis(jnp.asarray(prompts, jnp.int32), program.mesh, axis=1)
+            keys = sharding.put_replicated(keys, program.mesh)
+        return jitted(state, prompts, keys)
+
+    train_steps.jitted = jitted
+    return train_steps
+
+
+def rollout_part(program: PPOProgram, state, prompts, key):
+    """The rollout half of :func:`ppo_iteration` (same key use): -> (Experience, reward failures i32[])."""
+    sample_key, _ = jax.random.split(key)
+    query_responses, sampler_logprobs = rollout.sample_episodes(program, state, prompts, sample_key)
+    return rollout.experience(program, state, query_responses, prompts.shape[1], sampler_logprobs=sampler_logprobs)
+
+
+def make_rollout(program: PPOProgram):
+    """``rollout(state, prompts, key) -> (Experience, failures)`` compiled: the experience ``train_step``
+    would learn from with the same key (for notebooks, tests and the legacy API). Nothing is donated."""
+    jitted = jax.jit(lambda state, prompts, key: rollout_part(program, state, prompts, key))
+
+    def run(state, prompts, key):
+        prompts, key = _place(program, prompts, key)
+        return jitted(state, prompts, key)
+
+    run.jitted = jitted
+    return run
+
+
+def make_update(program: PPOProgram, state_shardings=None):
+    """``update(state, experience, key) -> (state, metrics)``: the update half of :func:`ppo_iteration`
+    (``learn``) as its own jit object, the state donated (``ppojax.trainer.plan`` compiles it alone)."""
+    return _jit(program, lambda state, experience, key: learn(program, state, experience, key), state_shardings)
+
+
+def make_legacy_step(program: PPOProgram, prompt_length: int, state_shardings=None):
+    """``step(state, query_responses i32[B, P+R], scores f32[B], key) -> (state, metrics)``: the legacy API's
+    update on caller-given tokens and scores, one compiled program."""
+    jitted = _jit(program, lambda state, qr, scores, key: legacy_iteration(program, state, qr, prompt_length,
+                                                                           scores, key), state_shardings)
+
+    def step(state, query_responses, scores, key):
+        if program.mesh is not None:
+            query_responses, scores = sharding.shard_batch((jnp.asarray(query_responses, jnp.int32),
+                                                            jnp.asarray(scores, jnp.float32)), program.mesh)
+            key = sharding.put_replicated(key, program.mesh)
+        return jitted(state, query_responses, scores, key)
+
+    step.jitted = jitted
+    return step
+
+
+def _place(program, prompts, key):
+    prompts = jnp.asarray(prompts, jnp.int32) if not isinstance(prompts, jax.Array) else prompts
+    if program.mesh is not None:
+        prompts = sharding.shard_batch(prompts, program.mesh)
+        key = sharding.put_replicated(key, program.mesh)
+    return prompts, key
+
+
+def _make_split_train_step(program: PPOProgram, state_shardings):
+    """Rollout program -> (a Python reward function on the host) -> update program: the layout before the
+    single program. Any other reward source is evaluated at the end of the rollout program."""
+    reward = program.reward
+    on_host = hasattr(reward, "host_scores")
+
+    def rollout_part_(state, prompts, key):
+        sample_key, update_key = jax.random.split(key)
+        query_responses, sampler_logprobs = rollout.sample_episodes(program, state, prompts, sample_key)
+        if on_host:
+            return rollout.experience_forwards(program, state, query_responses, prompts.shape[1],
+                                               sampler_logprobs), update_key
+        return rollout.experience(program, state, query_responses, prompts.shape[1],
+                                  sampler_logprobs=sampler_logprobs)[0], update_key
+
+    def learn_part(state, experience, scores, update_key):
+        if on_host:
+            experience = rollout.with_scores(experience, scores, program.settings)
+        state, metrics = learn(program, state, experience, update_key)
+        metrics["reward/failures"] = jnp.zeros((), jnp.int32)
+        return state, metrics
+
+    rollout_jit = jax.jit(rollout_part_)
+    learn_jit = _jit(program, learn_part, state_shardings)
+
+    def train_step(state, prompts, key):
+        prompts, key = _place(program, prompts, key)
+        experience, update_key = rollout_jit(state, prompts, key)
+        scores = None
+        if on_host:
+            host = sharding.to_host((experience.queries, experience.responses))  # every process takes part
+            scores = jnp.asarray(reward.host_scores(*host))
+            if program.mesh is not None:
+                scores = sharding.shard_batch(scores, program.mesh)
+        return learn_jit(state, experience, scores, update_key)
+
+    train_step.jitted = learn_jit
+    train_step.rollout_jitted = rollout_jit
+    return train_step

@@ -1,0 +1,218 @@
+"""KV-cache sampler: a jitted prefill over left-padded prompts, then a ``lax.while_loop`` decode.
+
+Everything here is a pure function of ``(graphdef, params, prompt_ids, key)`` with static shapes, so it
+can be traced inside a bigger jitted rollout; :func:`generate_jit` is the stand-alone compiled entry
+point (one compilation per prompt shape and option set).
+
+Conventions (docs/algorithm.md, "Conventions" and "Rollout" step 1):
+
+- prompts are LEFT padded with ``pad_token_id``; ``attention_mask = token != pad``; ``position_ids`` is
+  the exclusive cumulative sum of the mask (first real token at position 0); pad ids become 0 before
+  the embedding.
+- Generated tokens continue the same convention: a generated token gets the position "number of real
+  tokens before it", and a generated token equal to ``pad_token_id`` is a masked key, exactly as the
+  forward pass that later recomputes the log-probs sees it (so the sampling distribution and the
+  recomputed behaviour log-probs agree even in that corner case).
+- sampling distribution: ``softmax(logits / (temperature + 1e-7))`` in float32, then top-k (0 = off),
+  then top-p (1.0 = off); ``greedy`` takes the argmax.
+- with a stop token, a sequence is done after it emits it; later positions hold ``pad_token_id``. The
+  decode loop exits as soon as every sequence is done (the output keeps its static shape ``[B, R]``).
+- step ``t`` (0 = the token sampled from the prefill) draws with ``jax.random.fold_in(key, t)``.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ppojax.rl.forward import sequence_inputs
+
+TEMPERATURE_EPS = 1e-7
+
+
+# --------------------------------------------------------------------------------------------------
+# Sampling from one step's logits
+# --------------------------------------------------------------------------------------------------
+def process_logits(logits, *, temperature=1.0, top_k=0, top_p=1.0):
+    """The sampler's log-weights: temperature-scaled logits with the top-k / top-p cut set to -inf.
+
+    logits: f[B, V] -> f32[B, V]. ``softmax`` of the result is the distribution :func:`sample_logits`
+    draws from. ``top_k=0`` and ``top_p=1.0`` are off. Ties at the top-k / top-p boundary are kept.
+    top-p keeps the smallest set of most likely tokens whose probability mass reaches ``top_p``
+    (computed after temperature and top-k, as in transformers).
+    """
+    logits = logits.astype(jnp.float32) / (temperature + TEMPERATURE_EPS)
+    vocab = logits.shape[-1]
+    if top_k and top_k < vocab:
+        kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p < 1.0:
+        sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]  # descending
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs  # exclusive cumsum
+        # A token is kept while the mass of the more likely tokens has not reached top_p yet; the most
+        # likely token always is (mass_before == 0 < top_p).
+        num_kept = jnp.sum(mass_before < top_p, axis=-1, keepdims=True)
+        threshold = jnp.take_along_axis(sorted_logits, num_kept - 1, axis=-1)
+        logits = jnp.where(logits < threshold, -jnp.inf, logits)
+    return logits
+
+
+def token_logprobs(logits, tokens, temperature):
+    """logits f[B, V], tokens i32[B] -> f32[B]: each row's token's log-prob under ``logits / (temperature +
+    1e-7)``, unfiltered, computed as the forward computes it (``ppojax.rl.forward.logprobs_from_hidden``)."""
+    scaled = logits.astype(jnp.float32) * (1.0 / (temperature + TEMPERATURE_EPS))
+    chosen = jnp.take_along_axis(scaled, tokens[:, None].astype(jnp.int32), axis=-1, mode="clip")[:, 0]
+    return chosen - jax.nn.logsumexp(scaled, axis=-1)
+
+
+def first_argmax(x):
+    """x: f[..., V] -> i32[...]: the index of the first largest value along the last axis, as ``jnp.argmax``
+    gives it (ties go to the lowest index; a NaN counts as the largest).
+
+    Two plain reductions (the maximum, then the lowest index holding it) instead of ``jnp.argmax``'s one
+    (value, index) reduction, which XLA:CPU runs as a slow scalar loop: over a vocabulary that loop cost
+    more than the rest of a categorical draw."""
+    return _first_index_of_top(x, jnp.max(x, axis=-1, keepdims=True))
+
+
+def _first_index_of_top(x, top):
+    """x: f[..., V], top: f[..., 1] (x's maximum along the last axis) -> i32[...]: the first index holding
+    ``top`` (or the first NaN), always inside ``[0, V)``.
+
+    XLA may compute an element-wise ``x`` twice, once into the maximum and once into the comparison here,
+    and the two copies need not round alike (seen on the CPU at ``--xla_backend_optimization_level=0``): a
+    row then holds no ``top``. Such rows take jnp.argmax's single reduction, which cannot disagree with
+    itself; that branch runs only when a row missed."""
+    vocab = x.shape[-1]
+    nan = jnp.isnan(x)  # XLA:CPU's max may skip a NaN: NaN rows are told apart
+    hit = jnp.where(jnp.any(nan, axis=-1, keepdims=True), nan, x == top)
+    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    index = jnp.min(jnp.where(hit, iota, vocab), axis=-1)
+    return jax.lax.cond(jnp.any(index == vocab), _argmax_where_missed, lambda x, index: index, x, index)
+
+
+def _argmax_where_missed(x, index):
+    """x: f[..., V], index: i32[...] -> i32[...]: ``jnp.argmax(x)`` where ``index == V``, else ``index``."""
+    return jnp.where(index == x.shape[-1], jnp.argmax(x, axis=-1).astype(jnp.int32), index)
+
+
+def sample_logits(logits, key, *, temperature=1.0, top_k=0, top_p=1.0, greedy=False):
+    """Draw one token per row. logits: f[B, V], key: a PRNG key -> i32[B].
+
+    The draw is ``jax.random.categorical``'s (Gumbel-max with the same noise, so the same token for the same
+    key), its argmax taken by :func:`first_argmax`."""
+    if greedy:
+        return first_argmax(logits)
+    weights = process_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    return first_argmax(jax.random.gumbel(key, weights.shape, weights.dtype) + weights)
+
+
+# --------------------------------------------------------------------------------------------------
+# The model's KV cache
+# --------------------------------------------------------------------------------------------------
+def _model_config(model):
+    for name in ("cfg", "config"):
+        cfg = getattr(model, name, None)
+        if cfg is not None:
+            return cfg
+    raise TypeError(f"{type(model).__name__} has no `cfg` attribute; generate() needs the model config to "
+                    "build its KV cache (ppojax.models.CausalLM keeps it as `model.cfg`).")
+
+
+def _cache_dtype(model, params, cache_dtype):
+    """The KV cache dtype: as given, else the model's compute dtype, else the params' float dtype."""
+    if cache_dtype is not None:
+        return cache_dtype
+    if getattr(model, "dtype", None) is not None:
+        return model.dtype
+    floats = [x.dtype for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)]
+    return floats[0] if floats else jnp.float32
+
+
+def _init_cache(model, batch_size, max_length, dtype):
+    from ppojax.models import init_cache  # noqa: PLC0415 (models import nothing from here)
+
+    return init_cache(_model_config(model), batch_size, max_length, dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# generate
+# --------------------------------------------------------------------------------------------------
+def generate(graphdef, params, prompt_ids, key, *, response_length, pad_token_id, temperature=1.0,
+             top_k=0, top_p=1.0, greedy=False, stop_token_id=None, cache_dtype=None, init_cache_fn=None,
+             return_logprobs=False):
+    """Sample ``response_length`` tokens after each left-padded prompt. Pure; call it under jit.
+
+    graphdef, params: ``nnx.split(causal_lm)``; the model is merged inside, so ``params`` may be traced.
+    prompt_ids:  i32[B, P] left padded with ``pad_token_id``.
+    key:         PRNG key; step t draws with ``fold_in(key, t)`` (unused when ``greedy``).
+    temperature: float or f32 scalar (may be traced).
+    Static options: response_length R, pad_token_id, top_k (0 = off), top_p (1.0 = off), greedy,
+    stop_token_id (None = never stop), cache_dtype (default: the model's compute dtype),
+    init_cache_fn (``(model, batch, length, dtype) -> cache``; default ``ppojax.models.init_cache``),
+    return_logprobs (also return each sampled token's log-prob, :func:`token_logprobs` of the step's logits).
+    Returns responses: i32[B, R]; after a stop token every position holds ``pad_token_id``. With
+    ``return_logprobs``: (responses, logprobs f32[B, R]); logprobs after a row's stop token are meaningless.
+    """
+    batch, prompt_length = prompt_ids.shape
+    if response_length < 1:
+        raise ValueError(f"response_length={response_length}; expected >= 1")
+    sample = functools.partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p,
+                               greedy=greedy)
+    init_cache_fn = init_cache_fn or _init_cache
+    pad = jnp.asarray(pad_token_id, jnp.int32)
+
+    # Prefill: the whole prompt in one call, then the next-token logits of its last position.
+    model = nnx.merge(graphdef, params)
+    cache = init_cache_fn(model, batch, prompt_length + response_length,
+                          _cache_dtype(model, params, cache_dtype))
+    input_ids, attention_mask, position_ids = sequence_inputs(prompt_ids, pad_token_id)
+    hidden, cache = model(input_ids, attention_mask, position_ids, cache=cache)
+    logits = model.logits(hidden[:, -1:])[:, 0]
+    token = sample(logits, jax.random.fold_in(key, 0))
+    done = jnp.zeros((batch,), bool)
+    if stop_token_id is not None:
+        done = token == stop_token_id
+    responses = jnp.full((batch, response_length), pad, jnp.int32).at[:, 0].set(token)
+    # the sampled tokens' log-probs f32[B, R]; f32[B, 0] (free to carry) when not asked for
+    logprobs = jnp.zeros((batch, response_length if return_logprobs else 0), jnp.float32)
+    if return_logprobs:
+        logprobs = logprobs.at[:, 0].set(token_logprobs(logits, token, temperature))
+    next_position = jnp.sum(attention_mask, axis=-1, dtype=jnp.int32)  # real tokens seen so far
+
+    def cond(carry):
+        step, _, _, _, _, done, _ = carry
+        return (step < response_length) & ~jnp.all(done)
+
+    def body(carry):
+        step, cache, responses, logprobs, token, done, next_position = carry
+        # Feed the token sampled at step-1, get the distribution of step `step`.
+        live = token != pad
+        model = nnx.merge(graphdef, params)
+        hidden, cache = model(jnp.where(live, token, 0)[:, None], live[:, None], next_position[:, None],
+                              cache=cache)
+        logits = model.logits(hidden)[:, 0]
+        new = sample(logits, jax.random.fold_in(key, step))
+        new = jnp.where(done, pad, new)
+        if stop_token_id is not None:
+            done = done | (new == stop_token_id)
+        responses = jax.lax.dynamic_update_slice(responses, new[:, None], (jnp.int32(0), step))
+        if return_logprobs:
+            logprobs = jax.lax.dynamic_update_slice(logprobs, token_logprobs(logits, new, temperature)[:, None],
+                                                    (jnp.int32(0), step))
+        return step + 1, cache, responses, logprobs, new, done, next_position + live.astype(jnp.int32)
+
+    carry = (jnp.int32(1), cache, responses, logprobs, token, done, next_position)
+    _, _, responses, logprobs, _, _, _ = jax.lax.while_loop(cond, body, carry)
+    return (responses, logprobs) if return_logprobs else responses
+
+
+GENERATE_STATIC = ("graphdef", "response_length", "pad_token_id", "top_k", "top_p", "greedy", "stop_token_id",
+                   "cache_dtype", "init_cache_fn", "return_logprobs")
+
+#: ``generate`` compiled: one program per (graphdef, prompt shape, static options); params, prompts, key and
+#: ``temperature`` are traced (sampling at another temperature does not recompile).
+generate_jit = jax.jit(generate, static_argnames=GENERATE_STATIC)

@@ -1,0 +1,249 @@
+"""The PPO update on one rollout batch (docs/algorithm.md: "Shaped rewards", "Advantages", "Loss", "Update structure").
+
+    learn(program, state, experience, key):
+        scores        = process_scores(experience.scores, state.score_moments)     # legacy, off by default
+        rewards, kl   = shaped_rewards(scores, kl_estimator(logprobs, ref_logprobs), state.kl_coef)
+        advantages    = advantage_estimator(rewards, values)                          # global statistics
+        for epoch (lax.scan, key_e = split(key, epochs)[e]):
+            order = permutation(key_e, B).reshape(num_mini_batches, -1)
+            for mini-batch (lax.scan): grads = sum over micro-batches (lax.scan) of token-weighted grads
+                                       ONE optimizer step (skipped when non-finite)
+        kl_coef       = adaptive_kl_update(kl_coef, kl)                               # legacy, off by default
+        metrics       = rollout metrics + mean per-micro-batch diagnostics, under TRL's names
+
+Semantics chosen where TRL differs (see README): one optimizer step per mini-batch (TRL >= 0.17 steps once
+per epoch when num_mini_batches > 1); micro-batch losses are token-weighted over the mini-batch, so
+accumulation equals one big batch exactly; the learning-rate schedule advances once per UPDATE, as TRL's
+scheduler does. Non-finite loss or gradients skip the optimizer step and are counted; an update whose every
+step was skipped leaves the KL coefficient and the score moments as they were.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ppojax import core as ppo
+from ppojax.rl.optimizer import apply as apply_optimizer
+from ppojax.rl.types import UpdateBatch
+
+
+def learning_rate_at(settings, update_index):
+    """HF's linear schedule with warmup, stepped once per update (as TRL's PPO steps its scheduler)."""
+    u = jnp.asarray(update_index, jnp.float32)
+    base = jnp.float32(settings.learning_rate)
+    warmup = jnp.float32(max(settings.warmup_steps, 0))
+    if settings.lr_scheduler_type == "constant":
+        factor = jnp.where(u < warmup, u / jnp.maximum(warmup, 1.0), 1.0)
+    else:
+        total = jnp.float32(settings.num_updates)
+        decay = jnp.maximum(0.0, (total - u) / jnp.maximum(total - warmup, 1.0))
+        factor = jnp.where(u < warmup, u / jnp.maximum(warmup, 1.0), decay)
+    return base * factor
+
+
+# --------------------------------------------------------------------------------------------------
+# Rewards and advantages on the whole (global) rollout batch
+# --------------------------------------------------------------------------------------------------
+def process_scores(settings, experience, moments):
+    """Legacy score scaling / normalisation / clipping (off by default). -> (scores f32[B], new moments).
+
+    A NaN/inf score leaves the running moments as they were: that update is skipped anyway, and the moments
+    must stay usable for the next one."""
+    if not (settings.use_score_scaling or settings.score_clip is not None):
+        return experience.scores, moments
+    scores, new = ppo.process_scores(experience.scores, moments, use_score_scaling=settings.use_score_scaling,
+                                     use_score_norm=settings.use_score_norm, score_clip=settings.score_clip)
+    finite = jnp.all(jnp.isfinite(experience.scores))
+    return scores, jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, moments)
+
+
+def per_token_kl(settings, experience):
+    """The configured KL estimator's f32[B, R] (0 on padding)."""
+    if ppo.kl_estimator(settings.kl_estimator).needs_full_distribution:
+        return experience.full_kl  # computed in the rollout from both full distributions
+    return ppo.kl_per_token(experience.logprobs, experience.ref_logprobs, settings.kl_estimator)
+
+
+def shaped_rewards_and_advantages(settings, experience, scores, kl_coef):
+    """The KL-shaped rewards (docs/algorithm.md, "Shaped rewards") and the configured advantage estimator on the whole
+    rollout batch.
+
+    scores: f32[B] (after legacy processing); kl_coef: f32[]. Returns (UpdateBatch, rollout metrics, kl f32[B, R]).
+    """
+    kl = per_token_kl(settings, experience)
+    shaped = ppo.shaped_rewards(scores, kl, experience.last_index, kl_coef, experience.padding_mask_p1,
+                                score_position=settings.score_position, whiten_rewards=settings.whiten_rewards)
+    estimator = ppo.advantage_estimator(settings.advantage_estimator)
+    adv = estimator.fn(ppo.AdvantageInputs(shaped.rewards, scores, experience.values, experience.padding_mask,
+                                           experience.padding_mask_p1), settings)
+    metrics = ppo.rollout_metrics(experience.scores, kl, shaped.non_score_reward, experience.logprobs,
+                                  experience.padding_mask, experience.num_eos_tokens)
+    if settings.use_score_scaling or settings.score_clip is not None:
+        metrics["objective/scores_processed"] = jnp.mean(scores)
+    batch = UpdateBatch(experience.query_responses, experience.logprobs, experience.values, adv.advantages,
+                        adv.returns, experience.padding_mask, experience.padding_mask_p1,
+                        ref_logprobs=experience.ref_logprobs if settings.kl_loss_coef else None)
+    return batch, metrics, kl
+
+
+# --------------------------------------------------------------------------------------------------
+# The loss of one micro-batch
+# --------------------------------------------------------------------------------------------------
+def micro_batch_loss(actor_critic, settings, params, batch: UpdateBatch, policy_tokens, value_tokens, rows=None,
+                     frozen=None):
+    """PPO loss of one micro-batch on the current parameters, normalised by its mini-batch's live-token and
+    row counts (None: its own), so micro-batch gradients sum to the mini-batch's (``frozen``: the state's
+    frozen models, read by the policy under LoRA). Returns (loss, stats)."""
+    response_length = batch.logprobs.shape[1]
+    prompt_length = batch.query_responses.shape[1] - response_length
+    logprobs, entropy, vpred = actor_critic.evaluate(params, batch.query_responses, prompt_length, frozen=frozen,
+                                                     logits_chunk_size=settings.update_logits_chunk)
+    kl_loss_fn = ppo.kl_estimator(settings.kl_loss_type).fn if settings.kl_loss_coef else None
+    loss, stats = ppo.ppo_loss(logprobs, vpred, entropy, batch, cliprange=settings.cliprange_low or settings.cliprange,
+                               cliprange_value=settings.cliprange_value, vf_coef=settings.vf_coef,
+                               entropy_coef=settings.entropy_coef, policy_tokens=policy_tokens,
+                               value_tokens=value_tokens, rows=rows, cliprange_high=settings.cliprange_high,
+                               dual_clip_c=settings.dual_clip_c, loss_agg_mode=settings.loss_agg_mode,
+                               kl_loss_coef=settings.kl_loss_coef, kl_loss_fn=kl_loss_fn,
+                               with_value=actor_critic.has_critic)
+    masked_new = jnp.where(batch.padding_mask, ppo.INVALID_LOGPROB, logprobs)
+    stats["policykl"] = ppo.masked_mean(batch.logprobs - masked_new, ~batch.padding_mask)  # legacy early stop
+    return loss, stats
+
+
+def _take_rows(batch, rows):
+    return jax.tree.map(lambda x: x[rows], batch)
+
+
+def _split_leading(batch, parts):
+    return jax.tree.map(lambda x: x.reshape(parts, x.shape[0] // parts, *x.shape[1:]), batch)
+
+
+def all_finite(tree) -> jax.Array:
+    """bool[]: True when no floating leaf of ``tree`` holds an inf or a NaN.
+
+    Each leaf ``x`` is multiplied by a zero vector as a matrix-vector product (``x [N, last] @ 0 [last]``):
+    ``x * 0`` is NaN exactly where ``x`` is inf or NaN and 0 elsewhere, so the sum of the products is finite
+    iff the leaf is, and no overflow of large finite values can trip it. Why not ``jnp.isfinite(x).all()``:
+    XLA:CPU writes that as a parameter-sized bool array reduced in a tree of windows, a pass several times slower
+    than the dot, which reads each gradient once at memory speed.
+    """
+    checks = []
+    for x in jax.tree.leaves(tree):
+        if not jnp.issubdtype(x.dtype, jnp.inexact) or x.size == 0:
+            continue
+        rows = x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1)
+        zeros = jnp.zeros((rows.shape[-1],), x.dtype)
+        checks.append(jnp.sum(jnp.dot(rows, zeros, preferred_element_type=jnp.float32)))
+    return jnp.isfinite(sum(checks)) if checks else jnp.bool_(True)
+
+
+def _select(condition, new, old):
+    return jax.tree.map(lambda n, o: jnp.where(condition, n, o), new, old)
+
+
+# --------------------------------------------------------------------------------------------------
+# The update
+# --------------------------------------------------------------------------------------------------
+def learn(program, state, experience, key):
+    """One PPO update of ``state`` on ``experience`` (pure; traced inside ``ppojax.rl.program``).
+
+    program: a ``ppojax.rl.program.PPOProgram`` (actor_critic, settings, optimizer). key: PRNG key for the
+    epoch permutations. Returns (new state, metrics dict of f32/i32 scalars under TRL's names).
+    """
+    actor_critic, settings, optimizer = program.actor_critic, program.settings, program.optimizer
+    scores, moments = process_scores(settings, experience, state.score_moments)
+    batch, rollout_stats, kl = shaped_rewards_and_advantages(settings, experience, scores, state.kl_coef)
+    batch_size = batch.logprobs.shape[0]
+    mini_size = batch_size // settings.num_mini_batches
+    grad_fn = jax.value_and_grad(
+        lambda p, mb, pt, vt: micro_batch_loss(actor_critic, settings, p, mb, pt, vt, mini_size, state.frozen),
+        has_aux=True)
+    lr = learning_rate_at(settings, state.update_count)
+    nonfinite_before = state.nonfinite_total
+    # Critic warm-up: during the first ``critic_warmup`` updates only the critic's parameters (and their
+    # optimizer moments) change; the policy's are kept as they were.
+    policy_frozen = state.update_count < settings.critic_warmup if settings.critic_warmup else None
+    policy_leaf = (lambda path: actor_critic.owner(path) == "policy") if settings.critic_warmup else None
+
+    def mini_batch_step(carry, rows):
+        state, stopped = carry
+        mini = _take_rows(batch, rows)
+        policy_tokens = jnp.sum(~mini.padding_mask)
+        value_tokens = jnp.sum(~mini.padding_mask_p1)
+
+        def micro_step(grad_sum, micro):
+            (loss, stats), grads = grad_fn(state.params, micro, policy_tokens, value_tokens)
+            return jax.tree.map(jnp.add, grad_sum, grads), stats
+
+        if settings.gradient_accumulation_steps == 1:
+            # No accumulator: zero-filling and adding a parameter-sized buffer costs ~3 % of a SmolLM2 update.
+            (_, stats), grads = grad_fn(state.params, mini, policy_tokens, value_tokens)
+            stats = jax.tree.map(lambda s: s[None], stats)  # [micro_batches=1, ...] like the scan's
+        else:
+            zeros = jax.tree.map(jnp.zeros_like, state.params)
+            grads, stats = jax.lax.scan(micro_step, zeros,
+                                        _split_leading(mini, settings.gradient_accumulation_steps))
+        finite = all_finite(grads) & jnp.all(jnp.isfinite(stats["loss"]))
+        skip = stopped
+        if settings.ratio_threshold is not None:  # legacy: drop a mini-batch whose ratio blew up
+            skip = skip | (jnp.mean(stats["ratio"]) > settings.ratio_threshold)
+        apply = finite & ~skip
+
+        def optimizer_step(params, opt_state):
+            return apply_optimizer(optimizer, grads, opt_state, params, lr, kept=policy_leaf, frozen=policy_frozen)
+
+        # A branch, not where(apply, new, old): with both values live XLA copies every carried parameter and
+        # Adam moment at each step; the branch updates them in place.
+        params, opt_state = jax.lax.cond(apply, optimizer_step, lambda p, o: (p, o), state.params,
+                                         state.opt_state)
+        new_state = state.replace(
+            params=params,
+            opt_state=opt_state,
+            optimizer_steps=state.optimizer_steps + apply.astype(jnp.int32),
+            nonfinite_streak=jnp.where(finite, 0, state.nonfinite_streak + (~skip).astype(jnp.int32)),
+            nonfinite_total=state.nonfinite_total + (~finite & ~skip).astype(jnp.int32))
+        if settings.early_stopping:  # legacy: stop the epochs once the policy KL is too large
+            stopped = stopped | (jnp.mean(stats["policykl"]) > 1.5 * settings.target_kl)
+        stats["skipped"] = jnp.broadcast_to(~apply, stats["loss"].shape).astype(jnp.float32)
+        return (new_state, stopped), stats
+
+    def epoch_step(carry, epoch_key):
+        order = jax.random.permutation(epoch_key, batch_size).reshape(settings.num_mini_batches, mini_size)
+        return jax.lax.scan(mini_batch_step, carry, order)
+
+    epoch_keys = jax.random.split(key, settings.num_ppo_epochs)
+    (state, _), stats = jax.lax.scan(epoch_step, (state, jnp.bool_(False)), epoch_keys)
+    # stats leaves: [epochs, mini_batches, micro_batches]
+    metrics = dict(rollout_stats)
+    for short, name in ppo.UPDATE_METRIC_NAMES.items():
+        if short in stats:
+            metrics[name] = jnp.mean(stats[short])
+    for short, name in ppo.LOSS_METRIC_NAMES.items():
+        if short in stats:
+            metrics[name] = jnp.mean(jnp.sum(stats[short], axis=-1))
+    # TRL's val/ratio_var: the (unbiased) variance of the micro-batches' mean ratios (NaN with one).
+    metrics["val/ratio_var"] = jnp.var(stats["ratio"], ddof=1) if stats["ratio"].size > 1 else jnp.float32(jnp.nan)
+    metrics["policy/policykl_avg"] = jnp.mean(stats["policykl"])
+    metrics["ppo/skipped_steps"] = jnp.sum(stats["skipped"][..., 0])
+    metrics["ppo/nonfinite_total"] = state.nonfinite_total
+    metrics["lr"] = lr
+    metrics["first_micro_batch/ratio"] = stats["ratio"][0, 0, 0]
+    metrics["first_micro_batch/approxkl"] = stats["approxkl"][0, 0, 0]
+
+    # ---- controllers: the KL coefficient and the score moments move unless every step was skipped ----
+    nonfinite_steps = state.nonfinite_total - nonfinite_before
+    all_skipped = (nonfinite_steps > 0) & (metrics["ppo/skipped_steps"] >= settings.steps_per_update)
+    kl_coef = state.kl_coef
+    if settings.adaptive_kl:
+        mean_kl = rollout_stats["objective/kl"]
+        moved = ppo.adaptive_kl_update(kl_coef, mean_kl, batch_size, settings.target_kl_for_adaptive,
+                                       settings.horizon)
+        kl_coef = jnp.where(jnp.isfinite(mean_kl) & ~all_skipped, moved, kl_coef)
+    metrics["objective/kl_coef"] = state.kl_coef  # the coefficient this update's rewards used
+    moments = _select(all_skipped, state.score_moments, moments)
+    state = state.replace(kl_coef=kl_coef, score_moments=moments, update_count=state.update_count + 1,
+                          episode=state.episode + batch_size)
+    metrics["episode"] = state.episode
+    metrics["ppo/nonfinite_steps"] = nonfinite_steps
+    return state, metrics

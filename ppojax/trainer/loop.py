@@ -1,0 +1,165 @@
+"""The loop: ``train_step`` on each prompt batch, then the hooks that are due.
+
+    for update in range(start, total):
+        state, metrics = train_step(state, next(prompt_batches), key(seed, update))
+        for hook in hooks: if hook is due at update + 1: hook(StepEnd)
+
+Hooks (Levanter-style, ``Hook(fn, every=N)``) do everything else: the reward-failure and non-finite checks,
+logging, sample completions, evaluation, checkpoints. A hook that raises stops the run; nothing after the
+failing step is saved (the last checkpoint stays the newest).
+"""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import jax
+
+from ppojax.parallel import sharding
+
+
+@dataclass
+class StepEnd:
+    """What a hook sees after update ``step`` (1-based): the run, its host metrics (floats), wall times."""
+
+    step: int
+    total: int
+    run: Any
+    metrics: dict
+    seconds: float
+
+
+@dataclass
+class Hook:
+    """``fn(StepEnd)`` every ``every`` updates (and at the last one when ``at_end``)."""
+
+    fn: Callable[[StepEnd], None]
+    every: int = 1
+    at_end: bool = False
+
+    def due(self, step: int, total: int) -> bool:
+        return (self.every > 0 and step % self.every == 0) or (self.at_end and step == total)
+
+
+def step_key(seed: int, update_index: int):
+    """The PRNG key of update ``update_index``: derived from (seed, index) alone, so a resumed run draws the
+    same keys as an uninterrupted one without storing any."""
+    return jax.random.fold_in(jax.random.key(seed), update_index)
+
+
+def run_updates(run, train_step, total: int, hooks: list[Hook], *, should_stop: Callable[[], bool] = lambda: False
+                ) -> list[dict]:
+    """Run updates ``state.update_count .. total-1``; returns this call's host metrics, one dict per update.
+
+    ``should_stop()`` is asked after every update (after its hooks): True ends the loop early (a signal).
+    """
+    history = []
+    start = int(run.state.update_count)
+    for update_index in range(start, total):
+        t0 = time.perf_counter()
+        prompts = next(run.batches).input_ids
+        run.state, metrics = train_step(run.state, prompts, step_key(run.config.seed, update_index))
+        metrics = {name: float(value) for name, value in sharding.to_host(metrics).items()}
+        seconds = time.perf_counter() - t0
+        metrics["eps"] = run.settings.batch_size / seconds
+        metrics["time/step_s"] = seconds
+        history.append(metrics)
+        end = StepEnd(step=update_index + 1, total=total, run=run, metrics=metrics, seconds=seconds)
+        for hook in hooks:
+            if hook.due(end.step, total):
+                hook.fn(end)
+        if should_stop():
+            break
+    return history
+
+
+# --------------------------------------------------------------------------------------------------
+# The checks every run has
+# --------------------------------------------------------------------------------------------------
+def reward_failure_check(end: StepEnd) -> None:
+    """A reward function failed inside the step (its rows got NaN, so no optimizer step was applied):
+    re-raise its own error (``RewardFunctionError`` naming the function and the cause)."""
+    if end.metrics.get("reward/failures", 0) > 0:
+        reward = end.run.reward
+        if hasattr(reward, "raise_pending"):
+            reward.raise_pending()
+        from ppojax.rl.rewards import RewardFunctionError
+        raise RewardFunctionError(f"the reward function failed on another process at update {end.step} "
+                                  "(see that process's log); no optimizer step was applied.")
+
+
+def nonfinite_check(checkpoint_dir: Optional[Callable[[], Any]] = None):
+    """Stop after ``max_nonfinite_steps`` optimizer steps in a row were skipped for a non-finite loss or
+    gradient; print each update that skipped steps."""
+    def check(end: StepEnd) -> None:
+        run = end.run
+        skipped = int(end.metrics.get("ppo/nonfinite_steps", 0))
+        streak = int(run.state.nonfinite_streak)
+        if skipped:
+            from ppojax.io.run_logging import stage
+            stage(f"update {end.step}: {skipped} of {run.settings.steps_per_update} optimizer steps skipped "
+                  f"for a non-finite loss or gradient (mean score {end.metrics['objective/scores']}); {streak} "
+                  f"in a row, the run stops at max_nonfinite_steps={run.config.max_nonfinite_steps}.")
+        if streak >= run.config.max_nonfinite_steps:
+            from ppojax.io.checkpoint import latest_checkpoint
+            last = latest_checkpoint(checkpoint_dir()) if checkpoint_dir is not None else None
+            raise FloatingPointError(
+                f"{streak} optimizer steps in a row were skipped for a non-finite loss or gradient "
+                f"(max_nonfinite_steps={run.config.max_nonfinite_steps}); stopping. Last good checkpoint: "
+                f"{last or 'none yet'} (continue from it with resume=auto). Lower learning_rate, check the "
+                "reward for NaN/inf, or set max_grad_norm.")
+    return check
+
+
+# --------------------------------------------------------------------------------------------------
+# Graceful stop
+# --------------------------------------------------------------------------------------------------
+class RunInterrupted(Exception):
+    """SIGINT or SIGTERM stopped the run between updates; a checkpoint of the last update was written."""
+
+    def __init__(self, signum: int, update: int, checkpoint):
+        self.signum, self.update, self.checkpoint = signum, update, checkpoint
+        name = signal.Signals(signum).name
+        super().__init__(f"stopped by {name} after update {update}; checkpoint {checkpoint} written. Continue "
+                         "with resume=auto.")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum  # the shell's convention for a process ended by a signal
+
+
+class StopSignals:
+    """Within ``with``: the first SIGINT / SIGTERM (what preemption sends) is recorded, so the loop finishes
+    the update in flight and stops; a second one interrupts at once (KeyboardInterrupt). A no-op outside the
+    main thread, where Python cannot install handlers."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.signal = None
+        self._previous = {}
+
+    def requested(self) -> bool:
+        return self.signal is not None
+
+    def _handle(self, signum, frame):
+        if self.signal is not None:
+            raise KeyboardInterrupt
+        self.signal = signum
+        from ppojax.io.run_logging import stage
+        stage(f"{signal.Signals(signum).name} received: finishing this update, then writing a checkpoint "
+              "(send it again to stop at once).")
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()

@@ -1,0 +1,356 @@
+"""PPOTrainer: TRL's two ways of running PPO, on top of one compiled ``train_step``.
+
+- ``train()`` (TRL 1.x): prompts dataset -> ``train_step`` per batch (sampling, forwards, reward, update and
+  the KL controller in ONE program) -> hooks: logging, sample completions, checkpoints.
+- the legacy loop (TRL <= 0.11, ``ppojax.trainer.legacy``): ``generate(queries)``; ``step(queries, responses,
+  scores)``.
+- ``save_model(dir)``: the policy in Hugging Face format.
+
+The parts: ``ppojax.trainer.build`` (config -> models, reward source, prompts, mesh, state, program),
+``ppojax.trainer.loop`` (train_step + hooks), ``ppojax.trainer.legacy``. This class only wires them together and
+keeps the run's state (``trainer.state``: a ``ppojax.rl.types.TrainState``).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ppojax import core as ppo
+from ppojax.rl import rollout
+from ppojax.parallel import sharding
+from ppojax.trainer.config import ConfigError, PPOConfig
+from ppojax.trainer.build import NO_REWARD, build_run
+from ppojax.trainer.legacy import LegacyAPI
+from ppojax.trainer.loop import Hook, RunInterrupted, StopSignals, nonfinite_check, reward_failure_check, run_updates
+from ppojax.rl.program import make_train_step
+
+SAMPLE_TEMPERATURE = 0.01  # TRL's near-greedy sample completions
+
+
+class PPOTrainer(LegacyAPI):
+    """PPO on a policy, a frozen reference, a value function and a reward source.
+
+    args: a :class:`PPOConfig`. processing_class: the tokenizer (loaded from the policy directory when
+    None). model: a ppojax ``CausalLM`` (``CausalLMWithValueHead`` with value_head='policy'), or None to load
+    ``args.model_name_or_path``. ref_model: a frozen reference (default: a copy of the initial policy).
+    reward_model: a ppojax ``ScoreModel``, or a Python function ``f(prompts, completions) -> floats`` (TRL
+    never took one), or None to use ``args``. value_model: a ``ScoreModel`` (default: the reward model's copy,
+    as TRL, or the policy backbone + a new head when the reward is a function). train_dataset: prompts (list
+    of str, datasets.Dataset, path; default ``args.dataset``); None is fine for the legacy ``step`` API.
+    """
+
+    def __init__(self, args: PPOConfig, processing_class=None, model=None, ref_model=None, reward_model=None,
+                 train_dataset=None, value_model=None, *, logger=None, claim=None, split_train_step: bool = False):
+        self.args = args
+        # compile_ahead: the one-program step compiles on a background thread while the weights load
+        self.run = build_run(args, processing_class, model, ref_model, reward_model, train_dataset, value_model,
+                             compile_ahead=args.compile_ahead and not split_train_step)
+        self.train_step = self.run.train_step or make_train_step(self.run.program, self.run.state_shardings,
+                                                                 split=split_train_step)
+        self.logger = logger
+        self.claim = claim  # the run's hold on output_dir (ppojax.io.run_dir); train() takes one if None
+
+    # ---- the run's parts, under the names TRL users know ----
+    @property
+    def state(self):
+        return self.run.state
+
+    @state.setter
+    def state(self, value):
+        self.run.state = value
+
+    @property
+    def tokenizer(self):
+        return self.run.tokenizer
+
+    @property
+    def policy_graphdef(self):
+        """The graphdef of :attr:`policy_params` (under LoRA: the base model's)."""
+        actor_critic = self.run.program.actor_critic
+        return actor_critic.base_graphdef if actor_critic.lora else actor_critic.policy_graphdef
+
+    @property
+    def policy_params(self):
+        """The policy's weights as one model (under LoRA: the adapters merged into the base kernels)."""
+        from ppojax.rl.actor_critic import sampling_weights
+        return sampling_weights(self.run.program.actor_critic, self.run.state.params, self.run.state.frozen)
+
+    @property
+    def kl_coef(self) -> float:
+        return float(self.run.state.kl_coef)
+
+    @property
+    def episode(self) -> int:
+        return int(self.run.state.episode)
+
+    @property
+    def num_updates(self) -> int:
+        return self.run.num_updates
+
+    @property
+    def train_queries(self):
+        return self.run.train_queries
+
+    @property
+    def eval_queries(self):
+        return self.run.eval_queries
+
+    @property
+    def reward_fn(self):
+        """The Python reward function f(prompts, completions) (None with a reward model); assignable."""
+        from ppojax.rl.rewards import FunctionScores
+        return self.run.reward.fn if isinstance(self.run.reward, FunctionScores) else None
+
+    @reward_fn.setter
+    def reward_fn(self, fn):
+        self.run.reward.fn = fn
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.args.output_dir) / "checkpoints"
+
+    # ------------------------------------------------------------------------------------------------
+    # train()
+    # ------------------------------------------------------------------------------------------------
+    def train(self, num_updates: Optional[int] = None, progress: bool = True) -> list[dict[str, float]]:
+        """Run PPO up to ``num_updates`` updates (default: all the config asks for), resuming first when
+        ``resume`` is set. Logs every ``logging_steps`` updates, prints sample completions
+        ``num_sample_generations`` times, checkpoints every ``save_steps`` updates and at the end. Returns
+        this call's metrics, one dict per update."""
+        run, args = self.run, self.args
+        if run.batches is None:
+            raise ConfigError("train() needs prompts: pass train_dataset or set `dataset` in the config.")
+        if run.reward is None:
+            raise ConfigError(NO_REWARD)
+        total = run.num_updates if num_updates is None else num_updates
+        took_hold = self._hold_output_dir()
+        try:
+            if self.logger is None:
+                resumed = (self.resume(args.resume) if args.resume is not None and int(run.state.update_count) == 0
+                           else None)
+                self.open_logger(resumed)
+            return self._train(total, progress)
+        finally:
+            if took_hold:
+                self.claim.release()
+
+    def _train(self, total: int, progress: bool) -> list[dict[str, float]]:
+        run, args = self.run, self.args
+        start = int(run.state.update_count)
+        bar = self.logger.progress(total, initial=start) if progress else None
+        sample_every = max(1, total // max(1, args.num_sample_generations)) if args.num_sample_generations else 0
+
+        def log(end):
+            self.logger.log_metrics(end.step, end.metrics)
+
+        def progress_bar(end):
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(score=f"{end.metrics['objective/scores']:.3f}",
+                                kl=f"{end.metrics['objective/kl']:.2f}", eps=f"{end.metrics['eps']:.1f}")
+
+        # Order matters: a failed reward stops before the update is logged (its numbers mean nothing); a
+        # non-finite streak stops after it is logged (the skipped steps are in the metrics).
+        hooks = [Hook(reward_failure_check), Hook(log, every=args.logging_steps, at_end=True),
+                 Hook(progress_bar), Hook(nonfinite_check(lambda: self.checkpoint_dir)),
+                 Hook(lambda end: self.log_samples(end.step), every=sample_every, at_end=sample_every > 0),
+                 Hook(lambda end: self.save_checkpoint() if end.step != end.total else None, every=args.save_steps)]
+        stop = StopSignals()
+        try:
+            with stop:
+                history = run_updates(run, self.train_step, total, hooks, should_stop=stop.requested)
+        finally:
+            if bar is not None:
+                bar.close()
+        if int(run.state.update_count) > start:
+            path = self.save_checkpoint()
+            if stop.signal is not None:
+                raise RunInterrupted(stop.signal, int(run.state.update_count), path)
+        self.logger.flush()
+        return history
+
+    def _hold_output_dir(self) -> bool:
+        """Hold ``output_dir`` for this call of train() (process 0 only). The first call claims it (refusing a
+        directory that holds another run, or one in use: ``ppojax.io.run_dir``); later calls take the lock
+        again. A claim the caller passed in (the CLI's) is the caller's to release. Returns whether this
+        call took the lock (and must release it)."""
+        if not sharding.is_main_process() or (self.claim is not None and self.claim.lock.held):
+            return False
+        from ppojax.io.run_dir import DirectoryLock, claim_output_dir
+        if self.claim is None:
+            from ppojax.trainer.config import resume_compatibility as check_compatible
+            args = self.args
+            self.claim = claim_output_dir(args.output_dir, args.to_dict(), resume=args.resume,
+                                          overwrite=args.overwrite_output_dir,
+                                          resume_with_changes=args.resume_with_changes, compatible=check_compatible)
+        else:
+            self.claim.lock = DirectoryLock.acquire(self.claim.output_dir)
+        return True
+
+    def open_logger(self, resumed: Optional[Path]):
+        """The run's logger: a resumed run's logs are cut back to its checkpoint (and every sink rebuilt to
+        hold each step once); a run that found its directory holding this run but no checkpoint restarts
+        its logs from 0."""
+        from ppojax.io.run_logging import RunLogger
+        if resumed is not None:
+            resume_step = int(self.run.state.update_count)
+        else:
+            resume_step = 0 if self.claim is not None and self.claim.outcome == "resume" else None
+        self.logger = RunLogger(self.args.output_dir, self.args, report_to=self.args.report_sinks,
+                                resume_step=resume_step, run_id=getattr(self.claim, "run_id", None))
+        return self.logger
+
+    # ------------------------------------------------------------------------------------------------
+    # Checkpoints
+    # ------------------------------------------------------------------------------------------------
+    def host_state(self) -> dict[str, Any]:
+        """Everything outside the TrainState that a resumed run needs to continue exactly."""
+        return {"data": self.run.batches.state_dict() if self.run.batches is not None else None}
+
+    def save_checkpoint(self) -> Path:
+        from ppojax.io.checkpoint import save_checkpoint
+        step = int(self.run.state.update_count)
+        path = save_checkpoint(self.checkpoint_dir, step, self.run.state.without_frozen(), self.host_state(),
+                               self.args.to_dict(), save_total_limit=self.args.save_total_limit)
+        if self.logger is not None:
+            self.logger.checkpoint_saved(step)  # sinks that cannot rewrite history (wandb) catch up to here
+        return path
+
+    def resume(self, where="auto") -> Optional[Path]:
+        """Restore from ``where``: 'auto' (the newest checkpoint in output_dir/checkpoints that verifies; damaged
+        ones are skipped with one line each; None when nothing was saved yet) or a checkpoint path. Refuses a
+        checkpoint from an incompatible config. Returns the checkpoint used, or None."""
+        from ppojax.io.checkpoint import read_checkpoint_config, resolve_checkpoint, restore_checkpoint
+        from ppojax.trainer.config import resume_compatibility
+        path = resolve_checkpoint(where, self.checkpoint_dir)
+        if path is None:
+            return None
+        changed = resume_compatibility(read_checkpoint_config(path), self.args.to_dict())  # raises if must-match
+        if changed:
+            print(f"ppojax: resuming {path} with changed settings: {', '.join(changed)}")
+        frozen = self.run.state.frozen
+        # the fresh trainable state is only the restore's target: released first, never held twice
+        state, host, _ = restore_checkpoint(path, self.run.state.without_frozen(), release_target=True)
+        self.run.state = state.replace(frozen=frozen)
+        if self.run.batches is not None and host.get("data") is not None:
+            self.run.batches.load_state_dict(host["data"])
+        return path
+
+    # ------------------------------------------------------------------------------------------------
+    # Samples and evaluation
+    # ------------------------------------------------------------------------------------------------
+    def sample_completions(self, queries, temperature: float = SAMPLE_TEMPERATURE, step: int = 0):
+        """Near-greedy completions (T = 0.01, as TRL's samples) -> (prompts, completions) strings.
+
+        The sampling key comes from (seed, step), not the training stream, so samples never change training.
+        """
+        prompts, completions, _ = self._sample(queries, temperature, step)
+        return prompts, completions
+
+    def _sample(self, queries, temperature: float = SAMPLE_TEMPERATURE, step: int = 0):
+        """(prompts, completions, responses i32[B, R] truncated, on the host) for queries i32[B, P]."""
+        settings = self.run.settings
+        key = jax.random.fold_in(jax.random.key(self.args.seed + 1), step)
+        query_responses = rollout.sample_jit(self.policy_graphdef, self.policy_params,
+                                             jnp.asarray(queries, jnp.int32), key, jnp.float32(temperature),
+                                             settings=settings, mesh=self.run.mesh)
+        P = queries.shape[1]
+        responses = sharding.to_host(
+            ppo.truncate_response(query_responses[:, P:], settings.stop_token_id, settings.pad_token_id))
+        from ppojax.rl.rewards import decode_rollout_text
+        prompts, completions = decode_rollout_text(self.tokenizer, np.asarray(queries), responses,
+                                                   settings.pad_token_id)
+        return prompts, completions, responses
+
+    def log_samples(self, step: int, num: int = 4):
+        if self.run.train_queries is None or self.logger is None:
+            return
+        # a whole batch, of which the first `num` are shown: the sampler compiled for evaluation is reused
+        queries = _whole_batch((self.eval_queries if self.eval_queries is not None else self.train_queries)[:num],
+                               self.run.settings.batch_size)
+        prompts, completions, responses = self._sample(queries, step=step)
+        scores = self.score_samples(queries, responses, prompts, completions, rows=num)
+        self.logger.log_samples(step, prompts[:num], completions[:num], scores)
+
+    def evaluate(self, step: int = 0) -> Optional[dict[str, Any]]:
+        """Mean reward of near-greedy completions of the held-out prompts, scored by the run's reward (function
+        or model); None without held-out prompts or a reward. Returns {"mean_score", "prompts", "completions",
+        "scores"}."""
+        if self.eval_queries is None or self.run.reward is None:
+            return None
+        batch = self.run.settings.batch_size
+        prompts, completions, scores = [], [], []
+        for start in range(0, len(self.eval_queries), batch):
+            queries = _whole_batch(self.eval_queries[start:start + batch], batch)
+            p, c, responses = self._sample(queries, step=step)
+            keep = min(batch, len(self.eval_queries) - start)
+            prompts += p[:keep]
+            completions += c[:keep]
+            scores += self.score_samples(queries, responses, p, c, rows=keep)
+        return {"mean_score": float(np.mean(scores)), "prompts": prompts, "completions": completions,
+                "scores": scores}
+
+    def score_samples(self, queries, responses, prompts: list[str], completions: list[str],
+                      rows: Optional[int] = None) -> Optional[list]:
+        """The run's reward of the first ``rows`` (default: all) sampled completions: the reward function on
+        their texts, or the reward model (or a traced reward) on the tokens, as the rollout scores them (the whole
+        batch: one compiled shape). queries i32[B, P], responses i32[B, R] (truncated). None when the run has no
+        reward source (the legacy step() API)."""
+        reward = self.run.reward
+        rows = len(prompts) if rows is None else rows
+        if reward is None:
+            return None
+        if self.reward_fn is not None:  # only the rows that count: a user's function never sees batch padding
+            from ppojax.rl.rewards import call_reward_function
+            return [float(s) for s in call_reward_function(
+                self.reward_fn, prompts[:rows], completions[:rows],
+                allow_nonfinite=self.args.on_nonfinite_reward == "skip")]
+        if not hasattr(self, "_score_tokens"):  # one compiled program for every evaluation and sample table
+            self._score_tokens = jax.jit(lambda frozen, q, r: reward.scores(frozen, q, r)[0])
+        scores = self._score_tokens(self.run.state.frozen, jnp.asarray(queries, jnp.int32),
+                                    jnp.asarray(responses, jnp.int32))
+        return [float(s) for s in sharding.to_host(scores)[:rows]]
+
+    # ------------------------------------------------------------------------------------------------
+    def save_model(self, output_dir) -> Path:
+        """Write the trained policy as a Hugging Face checkpoint directory (config, safetensors, tokenizer).
+
+        Under LoRA: the merged model (adapters folded into the base weights) there, and the PEFT adapter
+        directory beside it (``<output_dir>_adapter``, :meth:`save_adapter`)."""
+        from ppojax.models import save_pretrained
+        # collectives (every process takes part); the weights come to the main host one at a time and stay on
+        # the host: the whole model never lands on one device (a 70B model would not fit one)
+        host_params = sharding.to_main_host(self.policy_params)
+        if self.run.lora is not None:
+            self.save_adapter(Path(output_dir).with_name(Path(output_dir).name + "_adapter"))
+        if not sharding.is_main_process():
+            return Path(output_dir)
+        policy = nnx.merge(self.policy_graphdef, host_params)
+        return save_pretrained(policy, self.run.model_config, output_dir, tokenizer=self.tokenizer)
+
+    def save_adapter(self, output_dir) -> Path:
+        """Write the policy's LoRA adapters as a PEFT adapter directory (``adapter_config.json``,
+        ``adapter_model.safetensors``, the tokenizer): ``peft.PeftModel.from_pretrained(base, output_dir)``."""
+        if self.run.lora is None:
+            raise ConfigError("save_adapter: this run has no LoRA adapters (lora_r=0); save_model writes the "
+                              "whole policy.")
+        from ppojax.models.peft_io import save_peft_adapter
+        host_adapters = sharding.to_host(self.run.state.params["policy"])  # a collective
+        if not sharding.is_main_process():
+            return Path(output_dir)
+        base = self.run.model_path or self.args.model_name_or_path
+        return save_peft_adapter(host_adapters, self.run.model_config, self.run.lora, output_dir,
+                                 base_model_name_or_path=str(base), tokenizer=self.tokenizer)
+
+
+def _whole_batch(queries, batch_size):
+    """np i32[n, P] padded to [batch_size, P] with copies of the last row (one compiled sampler shape)."""
+    if len(queries) >= batch_size:
+        return queries
+    return np.concatenate([queries, np.repeat(queries[-1:], batch_size - len(queries), 0)])
