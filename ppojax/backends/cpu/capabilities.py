@@ -167,6 +167,24 @@ def backend_off(environ: Mapping[str, str] = os.environ) -> str:
     return ""
 
 
+#: device files of the accelerators JAX runs on (NVIDIA GPUs, TPU chips through the accel or vfio driver, AMD GPUs)
+ACCELERATOR_DEVICE_FILES = ("/dev/nvidia[0-9]*", "/dev/accel[0-9]*", "/dev/vfio/[0-9]*", "/dev/kfd")
+
+
+def accelerator_host(environ: Mapping[str, str] = os.environ) -> str:
+    """"" where a run will compute on this CPU, else why not (one line): ``JAX_PLATFORMS`` names another platform
+    first, or (unset) the host has an accelerator's device files. Read before JAX starts, without importing it: the
+    CPU-only start-up steps (the allocator re-exec) are skipped on GPU and TPU hosts."""
+    import glob
+
+    platforms = environ.get("JAX_PLATFORMS", "").strip()
+    if platforms:
+        first = platforms.split(",")[0].strip().lower()
+        return "" if first == "cpu" else f"JAX_PLATFORMS={platforms}"
+    found = next((f for pattern in ACCELERATOR_DEVICE_FILES for f in sorted(glob.glob(pattern))), None)
+    return f"this host has an accelerator ({found})" if found else ""
+
+
 def library_environment(level: str) -> dict[str, str]:
     """The environment variables that cap the libraries' own kernel choice at ``level`` (see the module doc)."""
     _, xla, onednn, mkl, aten = LEVELS[level]

@@ -106,7 +106,12 @@ def start_environment(environ=os.environ) -> dict:
     """The variables the re-executed process gets on top of ``environ`` (empty: nothing to re-execute for):
     ``GLIBC_TUNABLES`` with the huge-page tunable added, ``LD_PRELOAD`` with mimalloc and its purge delay.
     Each is left out when its off switch is set, when it cannot work here, or when ``environ`` already has it
-    (so the re-executed process asks for nothing more)."""
+    (so the re-executed process asks for nothing more); both on a GPU or TPU host (`capabilities.accelerator_host`)
+    and with ``PPOJAX_CPU_BACKEND=0``."""
+    from ppojax.backends.cpu import capabilities
+
+    if capabilities.accelerator_host(environ) or capabilities.backend_off(environ):
+        return {}  # a CPU-only speed-up: never on a GPU or TPU host, nor with ppojax's CPU backend off
     extra = {}
     if not switched_off(OFF_SWITCH, environ) and not huge_pages_requested(environ) \
             and transparent_huge_pages_usable():
