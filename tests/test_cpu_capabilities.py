@@ -1,6 +1,6 @@
 """One probe decides every CPU-specific path (ppojax/backends/cpu/capabilities.py): the three kinds of host ppojax has
 met, simulated by mocking the probe, and the PPOJAX_CPU_ISA cap that makes an AVX-512 host run as an AVX2 one."""
-import functools
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +11,7 @@ from ppojax.backends.cpu import adam_in_place
 from ppojax.backends.cpu import xla_options as xla_cpu_options
 from ppojax.backends.cpu import capabilities
 from ppojax.backends.cpu.capabilities import CpuFeatureMissing, parse_cpuinfo
+from ppojax.errors import ConfigError
 from ppojax.backends.cpu import stacked_matmul
 
 # /proc/cpuinfo as each kind of host shows it (the first processor; flags abridged to those of interest + baseline)
@@ -137,8 +138,27 @@ def test_the_cap_removes_what_lies_above_its_level(tmp_path):
     assert capabilities.read_cpu({"PPOJAX_CPU_ISA": "avx512_bf16"}, cpuinfo).flags == parse_cpuinfo(ZEN3).flags
     # the message of a capped CPU says so
     assert "capped by PPOJAX_CPU_ISA=avx2" in avx2.lacks("onednn_bf16", "x", "y")
-    with pytest.raises(CpuFeatureMissing, match="PPOJAX_CPU_ISA='avx3' is not a level: use one of avx2, avx512"):
+    with pytest.raises(ConfigError, match="PPOJAX_CPU_ISA='avx3' is not a level: use one of avx2, avx512"):
         capabilities.read_cpu({"PPOJAX_CPU_ISA": "avx3"}, cpuinfo)
+
+
+def test_a_bad_cap_is_one_line_from_the_ppojax_command(tmp_path):
+    """`PPOJAX_CPU_ISA=avx3 ppojax train ...`: exit 2, one line naming the value and the levels, before anything
+    is loaded."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import sys; from ppojax.trainer.cli import main; sys.argv = ['ppojax'] + sys.argv[1:]; sys.exit(main())"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    done = subprocess.run([sys.executable, "-c", code, "train", "configs/tiny.yaml", f"output_dir={tmp_path / 'run'}"],
+                          env=dict(env, PPOJAX_CPU_ISA="avx3", JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+                          timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.splitlines() == [
+        "ppojax: error: PPOJAX_CPU_ISA='avx3' is not a level: use one of avx2, avx512, avx512_bf16 (or unset it to "
+        "use every instruction set this CPU has)"]
+    assert not (tmp_path / "run").exists()
 
 
 def test_the_cap_reaches_the_libraries_and_leaves_the_users_settings():

@@ -106,8 +106,8 @@ def library_output_to(path: Path) -> Iterator[Path]:
     root = logging.getLogger()
     saved_root = root.handlers[:]
     detached: list[tuple[logging.Logger, list[logging.Handler], bool]] = []
-    for logger in [logging.getLogger(n) for n in list(logging.Logger.manager.loggerDict)]:
-        if not isinstance(logger, logging.Logger):  # a placeholder
+    for logger in list(logging.Logger.manager.loggerDict.values()):
+        if not isinstance(logger, logging.Logger):  # a placeholder (a parent name no logger was asked for)
             continue
         terminal = [h for h in logger.handlers if _writes_to_a_stream(h)]
         if terminal:

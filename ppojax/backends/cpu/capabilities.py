@@ -24,7 +24,7 @@ import platform
 from pathlib import Path
 from typing import Mapping, MutableMapping
 
-from ppojax.errors import CpuFeatureMissing
+from ppojax.errors import ConfigError, CpuFeatureMissing  # noqa: F401 - CpuFeatureMissing: importable from here
 
 CAP_VARIABLE = "PPOJAX_CPU_ISA"
 #: ``PPOJAX_CPU_BACKEND=0`` (false/off/no): none of ppojax's CPU-only code (C++ handlers, in-place GEMMs, the
@@ -131,10 +131,11 @@ def parse_cpuinfo(text: str) -> Cpu:
 
 
 def cap_level(environ: Mapping[str, str] = os.environ) -> str:
-    """The cap ``PPOJAX_CPU_ISA`` asks for ("" for none); a value that is no level raises, naming the levels."""
+    """The cap ``PPOJAX_CPU_ISA`` asks for ("" for none); a value that is no level raises a `ConfigError` (the
+    ``ppojax`` command's one-line error, exit 2), naming the levels."""
     level = environ.get(CAP_VARIABLE, "").strip().lower()
     if level and level not in LEVELS:
-        raise CpuFeatureMissing(f"{CAP_VARIABLE}={environ[CAP_VARIABLE]!r} is not a level: use one of "
+        raise ConfigError(f"{CAP_VARIABLE}={environ[CAP_VARIABLE]!r} is not a level: use one of "
                                 f"{', '.join(LEVELS)} (or unset it to use every instruction set this CPU has)")
     return level
 
@@ -162,7 +163,9 @@ def probe() -> Cpu:
 
 def backend_off(environ: Mapping[str, str] = os.environ) -> str:
     """"" where ppojax's CPU-only code may be chosen, else why not (one line, for "unavailable" messages)."""
-    if environ.get(BACKEND_SWITCH, "").strip().lower() in ("0", "false", "off", "no"):
+    from ppojax.backends.cpu.host_memory import switched_off
+
+    if switched_off(BACKEND_SWITCH, environ):
         return f"ppojax's CPU backend is off ({BACKEND_SWITCH}={environ[BACKEND_SWITCH]}): XLA's dots and optax's step"
     return ""
 
