@@ -12,7 +12,7 @@ gradient ``g @ W.T`` (``dx``, the weight's contracting axis is its minor one) an
 - ``bf16_f32acc``: bfloat16 operands, float32 output (``preferred_element_type=float32``);
 - ``bf16_row_major``: as ``bf16_f32acc``, the operand that autodiff's form contracts on the wrong axis (``W`` of
   ``dx``, ``x`` of ``dw``) transposed into a row-major copy first (a layout constraint), as the 16-bit models'
-  backward does (``transformer._matmul_16_bit_cpu``); the copy is timed with the product;
+  backward does (``ppojax.backends.cpu.kernels._matmul_16_bit``); the copy is timed with the product;
 - ``onednn_ffi``: oneDNN's ``dnnl_gemm_bf16bf16f32`` called as an XLA custom call (``benchmarks/ffi``), when
   the ``onednn-cpu-gomp`` wheel and a C++ compiler are there (``pip install onednn-cpu-gomp==2023.2.0``);
   the operands arrive as float32 and are rounded to bfloat16 inside the program, as a mixed-precision
@@ -23,7 +23,7 @@ against a float64 product of the same (rounded) operands.
 
 ``--step xla|onednn_backward`` times the PPO benchmark's SmolLM2 ``train_step`` (random init, ``precision:
 mixed``) instead: ``xla`` as ppojax runs it (since the ninth session its backward products too run in XLA's
-bf16 kernels, `transformer._matmul_16_bit_cpu`); ``onednn_backward`` with each projection's two backward
+bf16 kernels, `ppojax.backends.cpu.kernels._matmul_16_bit`); ``onednn_backward`` with each projection's two backward
 products through the custom call (a custom VJP, its outputs saved for the backward like the dots they replace).
 Current figures per host: ``benchmarks/README.md``.
 """
@@ -110,7 +110,7 @@ def contraction(form: str, layout: str):
     if form == "onednn_ffi":
         return jax.jit(lambda a, b: ffi_matmul(a, b, t_a, t_b))
     if form == "bf16_row_major":
-        from ppojax.models.transformer import _row_major_transpose as t
+        from ppojax.backends.cpu.kernels import _row_major_transpose as t
 
         return jax.jit(lambda a, b: jnp.dot(t(a) if t_a else a, t(b) if t_b else b, preferred_element_type=jnp.float32))
     out = {"f32": None, "bf16_out": None, "bf16_f32acc": jnp.float32}[form]
@@ -194,15 +194,18 @@ def onednn_backward_matmul():
 
 def time_step(variant: str, steps: int = 4) -> dict:
     """Steady seconds per SmolLM2 ``train_step`` under ``precision: mixed`` (``variant``: xla|onednn_backward)
-    and the process's peak RSS. Patches ppojax's projection matmul and the ``dots`` remat policy for
-    ``onednn_backward``: run it in a process of its own."""
+    and the process's peak RSS. ``onednn_backward``: the models get the CPU's kernels with this benchmark's
+    projection product and its name saved by ``dots`` (the seam's choice replaced in this process: run it in a
+    process of its own)."""
     import jax
+    import jax.numpy as jnp
     import numpy as np
     from jax.ad_checkpoint import checkpoint_name
 
     from benchmarks.common import make_config, peak_rss_mb
     from benchmarks.ppojax_ppo import build
-    from ppojax.models import transformer
+    from ppojax import backends
+    from ppojax.backends.cpu.kernels import CpuKernels
     from ppojax.rl.program import make_train_step
 
     if variant == "onednn_backward":
@@ -211,13 +214,18 @@ def time_step(variant: str, steps: int = 4) -> dict:
             raise SystemExit(f"onednn_backward: {why}")
         register_ffi(library)
         matmul = onednn_backward_matmul()
-        plain = transformer._matmul
-        transformer._matmul = lambda x, w, dtype: (checkpoint_name(matmul(x, w), "projection")
-                                                   if transformer._float32_accumulated_16_bit(dtype)
-                                                   else plain(x, w, dtype))
-        policies = jax.checkpoint_policies  # `dots` saves dot outputs; the custom VJP's are named instead
-        policies.dots_with_no_batch_dims_saveable = policies.save_from_both_policies(
-            policies.dots_with_no_batch_dims_saveable, policies.save_only_these_names("projection"))
+
+        class OnednnBackward(CpuKernels):
+            def matmul(self, x, w):
+                if x.dtype == jnp.float32:
+                    return super().matmul(x, w)
+                return checkpoint_name(matmul(x, w.astype(x.dtype)), "projection")
+
+            def dots_policy(self):  # `dots` saves dot outputs; this product is a custom call, saved by its name
+                return jax.checkpoint_policies.save_from_both_policies(
+                    super().dots_policy(), jax.checkpoint_policies.save_only_these_names("projection"))
+
+        backends.kernels_for = lambda *args, **kwargs: OnednnBackward()
     elif variant != "xla":
         raise SystemExit(f"--step {variant!r}: expected xla or onednn_backward")
     config = dict(make_config("smollm2", num_updates=2), precision="mixed", behaviour_logprobs="sampler")

@@ -30,7 +30,7 @@ from flax import nnx
 
 from benchmarks.common import Turns, make_config, peak_rss_mb, status_mb, summarize
 from ppojax.trainer.config import MATMUL_IMPLEMENTATIONS, PPOConfig
-from ppojax.rl.optimizer import IMPLEMENTATIONS, in_place, make_optimizer
+from ppojax.rl.optimizer import make_optimizer
 
 DEFAULT_REMAT = PPOConfig().remat  # ppojax's default, so the benchmark runs what a user's run does
 DEFAULT_COMPILE_AHEAD = PPOConfig().compile_ahead
@@ -40,11 +40,11 @@ def _models(config, abstract: bool = False):
     """(policy, reward ScoreModel, ModelConfig) for the benchmark's shapes, in ``config['precision']``
     (default float32). abstract: the same models' structure with ``jax.ShapeDtypeStruct`` weights (no weight
     read or drawn), what the step is compiled for while the weights load."""
+    from ppojax import backends
     from ppojax.models import CausalLM, ModelConfig, ScoreModel, abstract_pretrained, load_pretrained, precision_dtypes
 
     dtype, param_dtype = precision_dtypes(config.get("precision", "float32"))
-    options = dict(dtype=dtype, param_dtype=param_dtype, remat=config.get("remat", DEFAULT_REMAT),
-                   matmul_implementation=config.get("matmul_implementation", "auto"))
+    options = dict(dtype=dtype, param_dtype=param_dtype, remat=config.get("remat", DEFAULT_REMAT))
     if config.get("model_dir"):
         load = abstract_pretrained if abstract else load_pretrained
         policy, cfg = load(config["model_dir"], **options)
@@ -59,6 +59,10 @@ def _models(config, abstract: bool = False):
         new = (lambda cls, seed: nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(seed), **options))) if abstract \
             else random
         policy, reward = new(CausalLM, 0), new(ScoreModel, 1)
+    # the backend's kernels, chosen once for the models' shapes as a run chooses them
+    kernels = backends.kernels_for([policy, reward], matmul_implementation=config.get("matmul_implementation", "auto"),
+                                   devices=jax.devices()[:1])
+    backends.use_kernels(kernels, policy, reward)
     return policy, reward, cfg
 
 
@@ -72,6 +76,7 @@ def build_compiling_ahead(config: dict, compile_ahead: bool = True):
     """:func:`build`, and (CompileAhead or None): with compile_ahead, the program is made from the models'
     structure first and its ``train_step`` compiles on a background thread while the weights load (as
     ``ppojax train`` does)."""
+    from ppojax import backends
     from ppojax.parallel import sharding
     from ppojax.rl import placement
     from ppojax.rl.actor_critic import ActorCritic
@@ -98,7 +103,8 @@ def build_compiling_ahead(config: dict, compile_ahead: bool = True):
                                         eos_token_id=config["eos_token_id"], vocab_size=cfg.vocab_size)
     actor_critic = ActorCritic(policy_graphdef, reward_graphdef if estimator.uses_critic else None, pad,
                                config["temperature"], has_critic=estimator.uses_critic)
-    optimizer = make_optimizer(implementation=config.get("optimizer_implementation", "auto"))
+    optimizer = make_optimizer(step=backends.optimizer_step_for(config.get("optimizer_implementation", "auto"),
+                                                                jax.devices()[:1]))
     mesh = sharding.make_mesh(devices=jax.devices()[:1])
     program = PPOProgram(actor_critic, ModelScores(reward_graphdef, pad), settings, optimizer, mesh)
 
@@ -195,8 +201,10 @@ def run(config: dict) -> dict:
     out["advantage_estimator"] = program.settings.advantage_estimator
     out["precision"] = config.get("precision", "float32")
     out["allocator"] = "mimalloc" if host_memory.mimalloc_preloaded() else "glibc"
-    out["matmul_implementation"] = _matmul_used(config, state.params)
-    out["optimizer_in_place"] = in_place(program.optimizer, state.params, state.opt_state)
+    out["matmul_implementation"] = _matmul_used(config, program, state.params)
+    step_impl = program.optimizer.step
+    out["optimizer_in_place"] = step_impl is not None and step_impl.applies(program.optimizer, state.params,
+                                                                            state.opt_state)
     out["state_mb"] = sum(x.nbytes for x in jax.tree.leaves((state.params, state.opt_state))) / 1e6
     return out
 
@@ -208,11 +216,12 @@ def _page_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def _matmul_used(config: dict, params) -> str:
-    """What the policy's layer projections ran on in the update: the library (e.g. "onednn", "mkl") where
-    ``stacked_matmul`` applied, else "xla" (with the reason when oneDNN's handlers were missing)."""
+def _matmul_used(config: dict, program, params) -> str:
+    """What the policy's layer projections ran on in the update: the library (e.g. "onednn", "mkl") where the CPU's
+    kernels multiply them in place, else "xla" (with the reason when oneDNN's handlers were missing)."""
     from ppojax.backends.cpu import stacked_matmul
-    from ppojax.models.transformer import stacked_kernel_shapes
+
+    kernels = nnx.merge(program.actor_critic.policy_graphdef, params["policy"]).kernels
 
     def scanned_layers(tree):  # the policy's `layers` dict (the layer scan's stacked weights)
         if not hasattr(tree, "items"):
@@ -221,18 +230,12 @@ def _matmul_used(config: dict, params) -> str:
             return tree["layers"]
         return next(filter(None, map(scanned_layers, tree.values())), None)
 
-    kernels = stacked_kernel_shapes(scanned_layers(params["policy"]) or {})
+    layers = nnx.to_pure_dict(scanned_layers(params["policy"]) or {})
     rows = config["batch_size"] * (config["prompt_length"] + config["response_length"])
     compute = jnp.float32 if config.get("precision", "float32") == "float32" else jnp.bfloat16
-    implementation = config.get("matmul_implementation", "auto")
-    try:
-        used = stacked_matmul.applies(implementation, compute, kernels, rows)
-    except ValueError as err:
-        return f"xla ({err})"
-    if used:
-        return stacked_matmul.choice_str(stacked_matmul.library_of(implementation,
-                                                                    stacked_matmul.kernel_shapes(kernels)))
-    # why not, where the default library's handlers are the reason (no library is chosen: "auto" would measure)
+    if kernels.split_layer_kernels(layers, rows, compute)[1] is not None:
+        return stacked_matmul.choice_str(dict(kernels.libraries))
+    # why not, where the default library's handlers are the reason
     why = stacked_matmul.unavailable_reason() if jax.default_backend() == "cpu" else ""
     return f"xla ({why})" if why else "xla"
 
@@ -287,7 +290,7 @@ def main(argv=None):
                              f"compile_ahead; default {DEFAULT_COMPILE_AHEAD}), else at the first update")
     parser.add_argument("--matmul", default="auto", choices=MATMUL_IMPLEMENTATIONS,
                         help="matmul_implementation of the models (default: ppojax's, 'auto')")
-    parser.add_argument("--optimizer", default="auto", choices=IMPLEMENTATIONS,
+    parser.add_argument("--optimizer", default="auto", choices=("auto", "optax"),
                         help="optimizer_implementation (default: ppojax's, 'auto': AdamW's step in one pass where it "
                              "applies; 'optax': optax's)")
     parser.add_argument("--behaviour-logprobs", default="sampler", choices=["sampler", "forward"],

@@ -22,29 +22,19 @@ Current figures per host: ``benchmarks/README.md``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import time
 
 VARIANTS = ("plain", "slot_storage")
 WORKLOADS = ("gradient", "generation")
 
 
-@contextlib.contextmanager
-def storage(variant: str):
-    """Trace inside this to build ``variant``: ``plain`` makes every ``stores_bits`` answer False."""
-    from ppojax.models import slot_storage  # the models ask it through the module: one switch
+def kernels(variant: str):
+    """The CPU's kernels of ``variant``: ``plain`` stores no 16-bit value as bits, ``slot_storage`` as ppojax runs."""
+    from ppojax.backends.cpu.kernels import CpuKernels
 
-    if variant == "slot_storage":
-        yield
-        return
-    if variant != "plain":
+    if variant not in VARIANTS:
         raise ValueError(f"variant {variant!r}: expected one of {VARIANTS}")
-    real = slot_storage.stores_bits
-    slot_storage.stores_bits = lambda dtype: False
-    try:
-        yield
-    finally:
-        slot_storage.stores_bits = real
+    return CpuKernels(bits=variant == "slot_storage")
 
 
 def programs(cfg, precision: str, rows: int = 8, prompt: int = 16, response: int = 32, seed: int = 0) -> dict:
@@ -61,7 +51,6 @@ def programs(cfg, precision: str, rows: int = 8, prompt: int = 16, response: int
 
     dtype, param_dtype = precision_dtypes(precision)
     new = lambda: CausalLM(cfg, rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=param_dtype, remat="dots")  # noqa: E731
-    graphdef = nnx.graphdef(nnx.eval_shape(new))
     params = jax.jit(lambda: nnx.state(new()))()
     rng = np.random.default_rng(seed)
     length = prompt + response
@@ -69,7 +58,11 @@ def programs(cfg, precision: str, rows: int = 8, prompt: int = 16, response: int
     real = jnp.asarray(np.arange(length)[None] >= rng.integers(0, prompt // 2 + 1, rows)[:, None])
     prompts = jnp.where(real[:, :prompt], ids[:, :prompt], 0)
 
-    def workloads():  # new function objects per variant: jax reuses a function's trace across jit wrappers
+    def workloads(variant):
+        graphdef = nnx.graphdef(nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(seed), dtype=dtype,
+                                                                param_dtype=param_dtype, remat="dots",
+                                                                kernels=kernels(variant))))
+
         def loss(p):
             logits = apply_causal_lm(graphdef, p, ids, real)[0]
             logp = jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]), ids[:, 1:, None], axis=-1)[..., 0]
@@ -84,10 +77,9 @@ def programs(cfg, precision: str, rows: int = 8, prompt: int = 16, response: int
 
     fns = {}
     for variant in VARIANTS:
-        with storage(variant):
-            for workload, fn in workloads():
-                compiled = jax.jit(fn).lower(params).compile()
-                fns[workload, variant] = lambda compiled=compiled: compiled(params)
+        for workload, fn in workloads(variant):
+            compiled = jax.jit(fn).lower(params).compile()
+            fns[workload, variant] = lambda compiled=compiled: compiled(params)
     return fns
 
 

@@ -4,6 +4,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -39,6 +40,26 @@ if "PPOJAX_TESTS_CACHE_HOME" not in os.environ:
     os.environ["PPOJAX_TESTS_CACHE_HOME"] = tempfile.mkdtemp(prefix="ppojax-tests-cache-")
     atexit.register(shutil.rmtree, os.environ["PPOJAX_TESTS_CACHE_HOME"], ignore_errors=True)
 os.environ["XDG_CACHE_HOME"] = os.environ["PPOJAX_TESTS_CACHE_HOME"]
+
+
+#: the test files of ppojax's CPU backend (and of the benchmarks, which measure what a CPU user runs): there a run
+#: built in the test process chooses the CPU's kernels and optimizer step as on a CPU user's machine. Everywhere
+#: else it takes the models' default kernels and optax's step, the pure-XLA path that accelerator users run. (A
+#: subprocess, e.g. the CLI tests' `ppojax train`, chooses as a user's process does.)
+CPU_BACKEND_TESTS = {"test_stacked_matmul", "test_adam_in_place", "test_cpu_capabilities", "test_cpu_kernels",
+                     "test_slot_storage", "test_xla_cpu_options", "test_host_memory", "test_benchmarks"}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _pure_xla_outside_the_cpu_backend_tests(request):
+    if Path(str(request.fspath)).stem in CPU_BACKEND_TESTS:
+        yield
+        return
+    from ppojax import backends
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(backends, "_cpu_backend_on", lambda devices: False)
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -9,11 +9,22 @@ import numpy as np
 import optax
 import pytest
 
+from ppojax import backends
 from ppojax.backends.cpu import adam_in_place
-from ppojax.rl.optimizer import AdamW, apply, in_place
+from ppojax.rl.optimizer import AdamW as OptaxAdamW, apply
 
 pytestmark = pytest.mark.skipif(bool(adam_in_place.unavailable_reason()),
                                 reason=f"in-place Adam unavailable: {adam_in_place.unavailable_reason()}")
+
+def AdamW(**settings):  # noqa: N802 - the optimizer with the CPU's step, as optimizer_step_for chooses it here
+    return OptaxAdamW(**settings, step=adam_in_place.InPlaceAdamStep())
+
+
+def in_place(optimizer, params, state) -> bool:
+    """Whether `apply` runs the CPU's step for these (the step's own trace-time test)."""
+    step = getattr(optimizer, "step", None)  # an optax transformation of the user's has none: optax's step
+    return step is not None and step.applies(optimizer, params, state)
+
 
 SETTINGS = {"plain": {}, "clipped, decayed": {"max_grad_norm": 0.5, "weight_decay": 0.01},
             "clip not reached": {"max_grad_norm": 1e6}, "other betas": {"b1": 0.8, "b2": 0.95, "eps": 1e-6}}
@@ -84,7 +95,7 @@ def test_the_step_equals_a_float32_loop_of_optaxs_arithmetic(name):
 @pytest.mark.parametrize("name", SETTINGS)
 def test_the_step_agrees_with_optaxs_to_a_few_units_in_the_last_place(name):
     rng = np.random.default_rng(1)
-    ours, theirs = AdamW(**SETTINGS[name]), AdamW(**SETTINGS[name], implementation="optax")
+    ours, theirs = AdamW(**SETTINGS[name]), OptaxAdamW(**SETTINGS[name])
     params = _params(rng)
     a = b = (params, ours.init(params))
     assert not in_place(theirs, *b)
@@ -145,7 +156,7 @@ def test_the_step_writes_the_parameters_and_moments_where_they_lie():
     hlo = _scanned_step(optimizer, grads).lower(params, optimizer.init(params)).compile().as_text()
     assert len(re.findall(rf'custom_call_target="{adam_in_place.TARGET}"', hlo)) == 1
     assert not re.findall(r"f32\[300,257\]\{[^}]*\} copy\(", hlo)
-    optax_hlo = _scanned_step(AdamW(weight_decay=0.1, implementation="optax"), grads).lower(
+    optax_hlo = _scanned_step(OptaxAdamW(weight_decay=0.1), grads).lower(
         params, optimizer.init(params)).compile().as_text()
     assert adam_in_place.TARGET not in optax_hlo
     expected, one = (params, optimizer.init(params)), jax.jit(lambda p, s: apply(optimizer, grads, s, p, 1e-2))
@@ -168,6 +179,10 @@ def test_vmapped_steps_equal_each_step_alone():
 
 def test_where_it_does_not_apply_optax_steps(monkeypatch):
     """16-bit parameters, an optax transformation of the user's, 'optax' and a mesh of devices take optax's step."""
+    one_cpu = jax.devices()[:1]
+    assert backends.optimizer_step_for("auto", one_cpu) == adam_in_place.InPlaceAdamStep()
+    assert backends.optimizer_step_for("optax", one_cpu) is None
+    assert backends.optimizer_step_for("auto", one_cpu * 2) is None  # a mesh: XLA cannot partition the call
     rng = np.random.default_rng(5)
     params = _params(rng)
     optimizer = AdamW()
@@ -176,10 +191,7 @@ def test_where_it_does_not_apply_optax_steps(monkeypatch):
     half = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
     assert not in_place(optimizer, half, optimizer.init(half))
     assert not in_place(optax.adamw(1.0), params, optax.adamw(1.0).init(params))
-    assert not in_place(AdamW(implementation="optax"), params, state)
-    monkeypatch.setattr(jax, "device_count", lambda: 2)
-    assert not in_place(optimizer, params, state)
-    monkeypatch.undo()
+    assert not in_place(OptaxAdamW(), params, state)
     new_half, _ = apply(optimizer, _gradients(rng, params), optimizer.init(half), half, 1e-2)
     assert jax.tree.leaves(new_half)[0].dtype == jnp.bfloat16
 
@@ -191,12 +203,11 @@ def test_without_a_compiler_the_step_is_optaxs(monkeypatch, tmp_path):
     for cached in (adam_in_place._built, adam_in_place._registered):
         monkeypatch.setattr(adam_in_place, cached.__name__, cached.__wrapped__)  # not the process's answers
     assert adam_in_place.unavailable_reason() == "no C++ compiler (g++) on PATH to build ppojax's in-place Adam step"
-    params = _params(np.random.default_rng(6))
-    assert not in_place(AdamW(), params, AdamW().init(params))
+    assert backends.optimizer_step_for("auto", jax.devices()[:1]) is None
     monkeypatch.undo()
-    assert in_place(AdamW(), params, AdamW().init(params))
+    assert backends.optimizer_step_for("auto", jax.devices()[:1]) == adam_in_place.InPlaceAdamStep()
 
 
-def test_an_unknown_implementation_is_refused():
-    with pytest.raises(ValueError, match="optimizer implementation 'fused' is not one of"):
-        AdamW(implementation="fused")
+def test_a_step_that_is_not_one_is_refused():
+    with pytest.raises(TypeError, match="step='fused' is not an optimizer step"):
+        OptaxAdamW(step="fused")

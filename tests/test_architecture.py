@@ -1,7 +1,11 @@
-"""The packages' imports flow one way (docs/architecture.md): core <- models <- rl <- trainer; io, parallel, assets
-and backends are leaves reached from above; errors is imported by all and imports nothing. Read from the source
+"""The packages' imports flow one way (docs/architecture.md): core <- models <- rl <- trainer; io, parallel and
+assets are leaves reached from above; backends implement the models' seam and are reached only from the trainer;
+errors is imported by all and imports nothing. Read from the source
 (every import, inside functions too), so an import added anywhere is checked."""
 import ast
+import io
+import re
+import tokenize
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "ppojax"
@@ -16,16 +20,12 @@ ALLOWED = {
     "io": {"errors"},
     "parallel": {"errors"},
     "assets": {"errors"},
-    "backends": {"io", "errors"},
+    # a backend implements the models' seam (`ppojax.models.kernels.Kernels`); nothing below imports a backend
+    "backends": {"models", "io", "errors"},
 }
-#: (module, package it imports) pairs outside ALLOWED that remain until the backend seam is built (the model taking
-#: its projection implementation, and the optimizer its step, as objects chosen when a run is built); each must
-#: still be real, so the list can only shrink
-KNOWN_EXCEPTIONS = {
-    ("ppojax.models.transformer", "backends"),
-    ("ppojax.models.remat", "backends"),
-    ("ppojax.rl.optimizer", "backends"),
-}
+#: (module, package it imports) pairs outside ALLOWED that remain; each must still be real, so the list can only
+#: shrink
+KNOWN_EXCEPTIONS = set()
 
 
 def _package(module: str) -> str:
@@ -92,3 +92,37 @@ def test_errors_are_one_family_importable_where_they_are_raised():
         errors.ConfigError, errors.RunDirError, errors.ModelLoadError, errors.UnsupportedModelError,
         errors.CheckpointError, errors.ExportDirError, errors.RewardFunctionError, errors.CpuFeatureMissing)
     assert issubclass(errors.RunDirError, errors.ConfigError)  # the CLI's exit 2 for both
+
+
+#: the layers below the trainer, which must hold no backend logic: the backends reach them through the seam
+#: (`ppojax.models.kernels.Kernels`, `ppojax.rl.optimizer.OptaxStep`), chosen when a run is built
+BACKEND_FREE = ("core", "models", "rl")
+#: code (not comments or docstrings) that would be backend logic there: a platform test, a custom call, a library
+BACKEND_LOGIC = re.compile(r"\.\s*platform\b|default_backend\s*\(|jax\s*\.\s*ffi|onednn|\bmkl\b|mimalloc|\bcpu\b",
+                           re.IGNORECASE)
+#: (module, why) that remain: attention's "auto" asks whether the device is an NVIDIA GPU for JAX's own cuDNN
+#: kernel (jax.nn.dot_product_attention), at trace time
+KNOWN_PLATFORM_TESTS = {"ppojax.models.attention"}
+
+
+def _code_without_comments_or_strings(path: Path) -> str:
+    kept = []
+    for token in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+        if token.type not in (tokenize.COMMENT, tokenize.STRING):
+            kept.append(token.string)
+    return " ".join(kept)
+
+
+def test_no_backend_logic_below_the_trainer():
+    """The models, the RL programs and the math run the same code on every backend: no platform test, no custom
+    call, no CPU library named in their code. The test reads the code itself, so it fails where one is added."""
+    found = {}
+    for module, path in _modules():
+        if _package(module) in BACKEND_FREE and module not in KNOWN_PLATFORM_TESTS:
+            hits = BACKEND_LOGIC.findall(_code_without_comments_or_strings(path))
+            if hits:
+                found[module] = sorted(set(hits))
+    assert not found, f"backend logic below the trainer (move it behind ppojax.backends' seam): {found}"
+    for module in KNOWN_PLATFORM_TESTS:
+        path = PACKAGE.parent / (module.replace(".", "/") + ".py")
+        assert BACKEND_LOGIC.search(_code_without_comments_or_strings(path)), f"{module}: no longer; remove it"

@@ -227,15 +227,15 @@ def test_attention_forms_compute_the_same_gradient():
 
 def test_slot_storage_variants_give_the_same_values():
     """benchmarks.slot_storage times a 16-bit gradient and generation with ppojax's slot storage on and off: the
-    two must give the same tokens and gradients within bf16 rounding (tiny model, `mixed`), and the model's
-    slot storage must be switched back on afterwards."""
+    two must give the same tokens and gradients within bf16 rounding (tiny model, `mixed`); the variants are the
+    CPU's kernels with and without bits, and the models' default (XLA's) stores none."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from benchmarks import slot_storage as bench
     from benchmarks.common import SIZES
-    from ppojax.models import ModelConfig, slot_storage
+    from ppojax.models import XLA, ModelConfig
 
     cfg = ModelConfig.from_hf(dict(SIZES["tiny"]["model"], model_type="llama"))
     fns = bench.programs(cfg, "mixed", rows=3, prompt=6, response=5, seed=2)
@@ -247,7 +247,7 @@ def test_slot_storage_variants_give_the_same_values():
     for workload in bench.WORKLOADS:  # each variant is its own program (16-bit slots as bits only in one)
         bits = {v: "u16[" in fns[workload, v].__defaults__[0].as_text() for v in bench.VARIANTS}
         assert bits == {"plain": False, "slot_storage": True}, (workload, bits)
-    assert slot_storage.stores_bits.__module__ == slot_storage.__name__ and slot_storage.stores_bits(jnp.bfloat16)
+    assert bench.kernels("slot_storage").stores_bits(jnp.bfloat16) and not XLA.stores_bits(jnp.bfloat16)
 
 
 BF16_FORM_TOLERANCE = {"f32": 1e-5, "bf16_out": 1e-2, "bf16_f32acc": 1e-5, "bf16_row_major": 1e-5, "onednn_ffi": 1e-5}
@@ -316,7 +316,7 @@ def test_bf16_dots_onednn_backward_has_the_gradient_of_the_projection(tmp_path_f
     import numpy as np
 
     from benchmarks import bf16_dots
-    from ppojax.models import transformer
+    from ppojax.backends.cpu.kernels import CpuKernels
 
     library, why = _bf16_ffi_library(tmp_path_factory)
     if library is None:
@@ -330,7 +330,7 @@ def test_bf16_dots_onednn_backward_has_the_gradient_of_the_projection(tmp_path_f
         return lambda x, w: jnp.sum(matmul(x, w).astype(jnp.float32) * c)
 
     ours = jax.jit(jax.value_and_grad(loss(bf16_dots.onednn_backward_matmul()), argnums=(0, 1)))(x, w)
-    ppojax = jax.jit(jax.value_and_grad(loss(lambda x, w: transformer._matmul(x, w, jnp.bfloat16)),
+    ppojax = jax.jit(jax.value_and_grad(loss(CpuKernels().matmul),
                                         argnums=(0, 1)))(x, w)
     np.testing.assert_array_equal(np.asarray(ours[0]), np.asarray(ppojax[0]))
     for got, want in zip(ours[1], ppojax[1]):

@@ -1,5 +1,5 @@
-"""16-bit values stored slot by slot (the KV cache, the layer scan's saved activations) on the CPU
-(`ppojax.models.slot_storage`).
+"""16-bit values stored slot by slot (the KV cache, the layer scan's saved activations) by the CPU's kernels
+(`ppojax.backends.cpu.kernels`, `ppojax.models.slot_storage`).
 
 XLA:CPU rewrites a bfloat16 dynamic-update-slice as a float32 conversion of the whole array, the update, and a
 conversion back. The checks: the compiled 16-bit programs (a `remat: dots` gradient, a generation) hold no such
@@ -17,22 +17,34 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from ppojax.backends.cpu.kernels import CpuKernels
 from ppojax.rl.sampler import generate
-from ppojax.models import apply_causal_lm, init_cache, position_ids_from_mask, slot_storage
+from ppojax.models import XLA, apply_causal_lm, init_cache, position_ids_from_mask
 from ppojax.models.precision import precision_dtypes
 
-from .test_model_policies import LLAMA, tiny_llama, token_logprob_loss
+from . import test_model_policies
+from .test_model_policies import LLAMA, token_logprob_loss
 from .test_models import left_padded_batch, max_diff_live
 
 SIXTEEN_BIT = {"bf16", "f16"}
 
 
+_KERNELS = [CpuKernels()]  # what `tiny_llama` builds with: the CPU's kernels, or (slot_storage_off) without bits
+
+
+def tiny_llama(**kwargs):
+    return test_model_policies.tiny_llama(kernels=_KERNELS[0], **kwargs)
+
+
 @contextlib.contextmanager
 def slot_storage_off(monkeypatch):
-    """The plain 16-bit program: `stores_bits` (which the models ask through its module) answers False."""
-    with monkeypatch.context() as m:
-        m.setattr(slot_storage, "stores_bits", lambda dtype: False)
+    """The plain 16-bit program: models built inside use the CPU's kernels without bits (graphdefs built before
+    keep theirs)."""
+    _KERNELS[0] = CpuKernels(bits=False)
+    try:
         yield
+    finally:
+        _KERNELS[0] = CpuKernels()
 
 
 def whole_array_16_bit_rewrites(hlo: str) -> list[str]:
@@ -144,9 +156,10 @@ def test_16_bit_cache_holds_bits_and_decodes_as_the_full_forward(precision):
     cfg, model = tiny_llama(dtype=compute, param_dtype=param)
     graphdef, params = nnx.split(model)
     prompt_len, steps = 8, 4
-    cache = init_cache(cfg, 3, prompt_len + steps, compute)
+    cache = init_cache(cfg, 3, prompt_len + steps, compute, model.kernels)
     assert cache.keys.dtype == cache.values.dtype == jnp.uint16 and cache.dtype == jnp.bfloat16
-    assert init_cache(cfg, 3, 4, jnp.float32).keys.dtype == jnp.float32  # float32 is stored as itself
+    assert init_cache(cfg, 3, 4, jnp.float32, model.kernels).keys.dtype == jnp.float32  # float32 as itself
+    assert init_cache(cfg, 3, 4, compute, XLA).keys.dtype == compute  # XLA's kernels store no bits
     ids_p, mask_p = left_padded_batch([8, 5, 2], prompt_len, seed=1)
     ids_p = ids_p % LLAMA["vocab_size"]
     cont = np.random.default_rng(2).integers(3, LLAMA["vocab_size"], size=(3, steps)).astype(np.int32)
@@ -193,7 +206,8 @@ def test_the_sampler_reads_its_16_bit_weights_as_bits(precision, monkeypatch):
     prompts = jnp.asarray(left_padded_batch([6, 4, 2], 6)[0]) % LLAMA["vocab_size"]
 
     def program():
-        run = jax.jit(lambda w, x, k: generate(graphdef, w, x, k, response_length=8, pad_token_id=0))
+        variant_graphdef = nnx.graphdef(tiny_llama(dtype=compute, param_dtype=param)[1])  # this variant's graphdef
+        run = jax.jit(lambda w, x, k: generate(variant_graphdef, w, x, k, response_length=8, pad_token_id=0))
         return run.lower(weights, prompts, jax.random.key(1)).compile()
 
     compiled = program()
@@ -213,7 +227,7 @@ def test_a_cached_forward_refuses_to_differentiate_16_bit_weights():
     graphdef, params = nnx.split(model)
     ids, mask = jnp.ones((2, 4), jnp.int32), jnp.ones((2, 4), bool)
     pos = position_ids_from_mask(mask)
-    cache = init_cache(cfg, 2, 4, compute)
+    cache = init_cache(cfg, 2, 4, compute, model.kernels)
 
     def cached(p):
         return jnp.sum(apply_causal_lm(graphdef, p, ids, mask, pos, cache)[0].astype(jnp.float32))

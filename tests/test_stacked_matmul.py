@@ -20,7 +20,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from ppojax import backends
 from ppojax.backends.cpu import capabilities
+from ppojax.backends.cpu.kernels import CpuKernels
 from ppojax.backends.cpu.ffi import build
 from ppojax.models import CausalLM, ModelConfig
 from ppojax.backends.cpu import stacked_matmul
@@ -120,9 +122,24 @@ def test_layer_scan_accumulates_each_layers_gradient_in_its_slot(library):
     assert rel_err(ffi, xla) < 1e-5
 
 
+def cpu_model(hf: dict, matmul_implementation: str, **kwargs) -> CausalLM:
+    """A CausalLM on the CPU's kernels, chosen for its shapes as a run chooses them (the module's constants as
+    patched now)."""
+    model = CausalLM(ModelConfig.from_hf(hf), rngs=nnx.Rngs(0), **kwargs)
+    backends.use_kernels(CpuKernels.for_shapes(matmul_implementation, backends.model_shapes([model]),
+                                               jax.device_count()), model)
+    return model
+
+
+def applies(implementation: str, dtype, kernels, rows: int) -> bool:
+    """Whether the CPU's kernels chosen for one backbone with these stacked kernels ([L, d_in, d_out] shapes)
+    multiply them in place for calls of `rows` rows."""
+    groups = [tuple((int(k.shape[1]), int(k.shape[2])) for k in kernels)]
+    return CpuKernels.for_shapes(implementation, groups, jax.device_count())._in_place(kernels, rows, dtype)
+
+
 def _model(matmul_implementation, **kwargs):
-    cfg = ModelConfig.from_hf(LLAMA)
-    return nnx.split(CausalLM(cfg, rngs=nnx.Rngs(0), matmul_implementation=matmul_implementation, **kwargs))
+    return nnx.split(cpu_model(LLAMA, matmul_implementation, **kwargs))
 
 
 def _batch():
@@ -179,7 +196,7 @@ def test_the_lm_head_reads_its_weight_in_place_from_64_rows(monkeypatch, tied):
     grad = jax.jit(jax.value_and_grad(token_logprob_loss, argnums=1), static_argnums=0)
     results, hlos = {}, {}
     for impl in ("xla", "onednn"):
-        graphdef, params = nnx.split(CausalLM(ModelConfig.from_hf(hf), rngs=nnx.Rngs(0), matmul_implementation=impl))
+        graphdef, params = nnx.split(cpu_model(hf, impl))
         results[impl] = grad(graphdef, params, ids, mask)
         hlos[impl] = grad.lower(graphdef, params, ids, mask).compile().as_text()
     (loss_x, g_x), (loss_o, g_o) = results["xla"], results["onednn"]
@@ -193,7 +210,7 @@ def test_the_lm_head_reads_its_weight_in_place_from_64_rows(monkeypatch, tied):
     assert custom_call_shapes(hlos["onednn"], target["matmul"]).count(f"{rows},{vocab}") == 1
     assert (f"{vocab},64" if tied else f"64,{vocab}") in custom_call_shapes(hlos["onednn"], target["weight_grad"])
     assert not custom_call_shapes(hlos["xla"], target["matmul"])
-    graphdef, params = nnx.split(CausalLM(ModelConfig.from_hf(hf), rngs=nnx.Rngs(0), matmul_implementation="onednn"))
+    graphdef, params = nnx.split(cpu_model(hf, "onednn"))
     decode = jax.jit(lambda p, h: nnx.merge(graphdef, p).logits(h)).lower(params, jnp.ones((2, 1, 64))).as_text()
     assert target["matmul"] not in decode  # 2 rows: XLA's dot
 
@@ -338,14 +355,14 @@ def test_auto_takes_onednn_only_where_it_pays():
     at most `few_rows_limit`; "onednn" whatever the size."""
     big = [jax.ShapeDtypeStruct((3, 1024, 768), jnp.float32), jax.ShapeDtypeStruct((3, 768, 1024), jnp.float32)]
     small = [jax.ShapeDtypeStruct((3, 64, 256), jnp.float32)]
-    assert stacked_matmul.applies("auto", jnp.float32, big, rows=stacked_matmul.AUTO_MIN_ROWS)
-    assert not stacked_matmul.applies("auto", jnp.float32, big, rows=stacked_matmul.AUTO_MIN_ROWS - 1)
+    assert applies("auto", jnp.float32, big, rows=stacked_matmul.AUTO_MIN_ROWS)
+    assert not applies("auto", jnp.float32, big, rows=stacked_matmul.AUTO_MIN_ROWS - 1)
     few = stacked_matmul.few_rows_limit("onednn")  # a decode step's rows, where the CPU has the kernels for them
-    assert stacked_matmul.applies("auto", jnp.float32, big, rows=8) == (few >= 8)
-    assert not stacked_matmul.applies("auto", jnp.float32, big, rows=few + 1)
-    assert not stacked_matmul.applies("auto", jnp.float32, small, rows=384)
-    assert stacked_matmul.applies("onednn", jnp.float32, small, rows=8)
-    assert not stacked_matmul.applies("auto", jnp.bfloat16, big, rows=384)
+    assert applies("auto", jnp.float32, big, rows=8) == (few >= 8)
+    assert not applies("auto", jnp.float32, big, rows=few + 1)
+    assert not applies("auto", jnp.float32, small, rows=384)
+    assert applies("onednn", jnp.float32, small, rows=8)
+    assert not applies("auto", jnp.bfloat16, big, rows=384)
 
 
 def test_auto_chooses_no_library_where_the_products_cannot_run(monkeypatch):
@@ -354,22 +371,22 @@ def test_auto_chooses_no_library_where_the_products_cannot_run(monkeypatch):
     big = [jax.ShapeDtypeStruct((3, 1024, 768), jnp.float32)]
     monkeypatch.setattr(stacked_matmul, "library_of", lambda *args: pytest.fail("a library was chosen"))
     monkeypatch.setattr(jax, "device_count", lambda: 8)
-    assert not stacked_matmul.applies("auto", jnp.float32, big, rows=384)
+    assert not applies("auto", jnp.float32, big, rows=384)
     with pytest.raises(ValueError, match="single CPU device, and here are 8 cpu device"):
-        stacked_matmul.applies("mkl", jnp.float32, big, rows=384)
+        applies("mkl", jnp.float32, big, rows=384)
     monkeypatch.setattr(jax, "device_count", lambda: 1)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert not stacked_matmul.applies("auto", jnp.float32, big, rows=384)
+    assert not applies("auto", jnp.float32, big, rows=384)
 
 
 def test_auto_falls_back_and_onednn_names_why_when_the_handlers_cannot_be_had(monkeypatch):
     monkeypatch.setattr(stacked_matmul, "unavailable_reason", no_compiler)
     kernels = [jax.ShapeDtypeStruct((2, 1024, 1024), jnp.float32)]
-    assert not stacked_matmul.applies("auto", jnp.float32, kernels, rows=128)
+    assert not applies("auto", jnp.float32, kernels, rows=128)
     with pytest.raises(ValueError, match="no C\\+\\+ compiler.*use 'auto' or 'xla'"):
-        stacked_matmul.applies("onednn", jnp.float32, kernels, rows=128)
+        applies("onednn", jnp.float32, kernels, rows=128)
     with pytest.raises(ValueError, match="matmul_implementation='cublas' is not one of"):
-        CausalLM(ModelConfig.from_hf(LLAMA), rngs=nnx.Rngs(0), matmul_implementation="cublas")
+        cpu_model(LLAMA, "cublas")
 
 
 def test_a_failed_build_is_reported_not_raised(monkeypatch, tmp_path):
@@ -456,7 +473,7 @@ def test_mkl_says_where_it_comes_from_and_is_refused_where_it_cannot_run(monkeyp
     with pytest.raises(ConfigError, match="matmul_implementation='mkl' cannot be used: no mkl here"):
         build._check_matmul_implementation(config, sharding.mesh_from_config(config))
     with pytest.raises(ValueError, match="matmul_implementation='mkl' cannot be used here: no mkl here"):
-        stacked_matmul.applies("mkl", jnp.float32, [jax.ShapeDtypeStruct((2, 64, 64), jnp.float32)], rows=8)
+        applies("mkl", jnp.float32, [jax.ShapeDtypeStruct((2, 64, 64), jnp.float32)], rows=8)
 
 
 def _per_product(fwd, dx=None, dw=None) -> dict:
@@ -564,7 +581,7 @@ def test_auto_takes_the_libraries_recorded_fastest_on_this_cpu(monkeypatch, tmp_
         SQUARE: Libraries("onednn", "onednn_primitive", "onednn"), NARROW: Libraries.every("onednn_primitive")}
     _all_available(monkeypatch, unavailable=("onednn",))
     assert stacked_matmul.library_of("auto", (SQUARE,)) == {SQUARE: Libraries.every("onednn")}  # no baseline
-    assert not stacked_matmul.applies("auto", jnp.float32, [jax.ShapeDtypeStruct((3, 1024, 768), jnp.float32)],
+    assert not applies("auto", jnp.float32, [jax.ShapeDtypeStruct((3, 1024, 768), jnp.float32)],
                                       rows=384)  # ... so `applies` keeps XLA's
     _all_available(monkeypatch, unavailable=("mkl",))
     matmul_record.record({SQUARE: Libraries.every("onednn")}, {SQUARE: measured}, libraries)
@@ -688,10 +705,7 @@ def test_a_model_on_auto_calls_the_recorded_librarys_handlers(monkeypatch, tmp_p
 def _model_shapes() -> tuple:
     """The test model's projection shapes (d_in, d_out): q/o (64, 64), k/v (64, 32), gate/up (64, 160), down
     (160, 64)."""
-    from ppojax.models.transformer import stacked_kernel_shapes
-
-    _graphdef, params = _model("xla")
-    return stacked_matmul.kernel_shapes(stacked_kernel_shapes(nnx.to_pure_dict(params)["backbone"]["layers"]))
+    return tuple(dict.fromkeys(backends.model_shapes([cpu_model(LLAMA, "xla")])[0]))
 
 
 def custom_call_shapes(hlo: str, target: str) -> list:

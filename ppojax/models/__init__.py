@@ -30,6 +30,7 @@ from ppojax.models.transformer import (
     logical_axes,
     position_ids_from_mask,
 )
+from ppojax.models.kernels import XLA, Kernels
 from ppojax.models.precision import PRECISIONS, precision_dtypes
 from ppojax.models.remat import REMAT_POLICIES
 
@@ -40,5 +41,6 @@ __all__ = [
     "Backbone", "CausalLM", "CausalLMWithValueHead", "KVCache", "ScoreModel",
     "apply_causal_lm", "apply_causal_lm_with_value", "apply_score_model", "count_params", "init_cache", "last_token_index",
     "last_token_scores", "logical_axes", "position_ids_from_mask",
+    "Kernels", "XLA",
     "ATTENTION_IMPLEMENTATIONS", "PRECISIONS", "REMAT_POLICIES", "precision_dtypes",
 ]

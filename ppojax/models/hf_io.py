@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from ppojax.io.export_dir import check_export_target, write_export_dir
+from ppojax.models.kernels import XLA, Kernels
 from ppojax.models.config import ModelConfig
 from ppojax.models.errors import ModelLoadError
 from ppojax.models.families import family_for, hf_to_params, params_to_hf, tensor_name
@@ -230,7 +231,7 @@ def _stored_head_differs(ckpt: SafetensorsCheckpoint, cfg: ModelConfig, kind: st
 
 def load_pretrained(path: str | os.PathLike, *, kind: str = "causal_lm", dtype=jnp.float32, param_dtype=None,
                     scan_layers: bool = True, remat: str = "none", attention_implementation: str = "auto",
-                    matmul_implementation: str = "auto", seed: int = 0, score_label: int | None = None, mesh=None,
+                    kernels: Kernels = XLA, seed: int = 0, score_label: int | None = None, mesh=None,
                     rules=None):
     """Load a Hugging Face checkpoint directory into a ppojax model.
 
@@ -238,7 +239,7 @@ def load_pretrained(path: str | os.PathLike, *, kind: str = "causal_lm", dtype=j
     "value_head" -> `CausalLMWithValueHead`. A head missing from the checkpoint (`v_head.summary.*`, or
     `score.weight` when a score model starts from a causal-LM checkpoint) is initialised randomly from `seed`,
     with a warning. dtype: compute dtype; param_dtype: storage dtype (default: dtype). remat,
-    attention_implementation, matmul_implementation, scan_layers: as the model classes' (`transformer.Backbone`).
+    attention_implementation, kernels, scan_layers: as the model classes' (`transformer.Backbone`).
     score_label: for a
     classifier with several labels loaded as a "score" model, the label whose logit is the score (None: the
     checkpoint must have one label). mesh, rules: place every weight straight into its sharding on `mesh` by
@@ -256,7 +257,7 @@ def load_pretrained(path: str | os.PathLike, *, kind: str = "causal_lm", dtype=j
     cfg = structure.cfg
     abstract = structure.abstract_model(seed=seed, dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers,
                                         remat=remat, attention_implementation=attention_implementation,
-                                        matmul_implementation=matmul_implementation)
+                                        kernels=kernels)
     graphdef, state = nnx.split(abstract)
     key = jax.random.key(seed)
     if kind == "value_head" and "v_head" not in loaded:
@@ -312,7 +313,7 @@ def read_shard(source, index: tuple, dtype) -> np.ndarray:
 
 def abstract_pretrained(path: str | os.PathLike, *, kind: str = "causal_lm", dtype=jnp.float32, param_dtype=None,
                         scan_layers: bool = True, remat: str = "none", attention_implementation: str = "auto",
-                        matmul_implementation: str = "auto", seed: int = 0, score_label: int | None = None):
+                        kernels: Kernels = XLA, seed: int = 0, score_label: int | None = None):
     """The model :func:`load_pretrained` returns for the same arguments, abstract: the same graphdef with
     `jax.ShapeDtypeStruct` weights (`nnx.eval_shape`), from the checkpoint's config.json and tensor names
     alone (no weight is read; a tied config whose checkpoint stores its own LM head reads those two tensors,
@@ -322,7 +323,7 @@ def abstract_pretrained(path: str | os.PathLike, *, kind: str = "causal_lm", dty
     structure = _open_pretrained(path, kind, score_label, warn=False)
     return structure.abstract_model(seed=seed, dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers,
                                     remat=remat, attention_implementation=attention_implementation,
-                                    matmul_implementation=matmul_implementation), structure.cfg
+                                    kernels=kernels), structure.cfg
 
 
 @dataclasses.dataclass

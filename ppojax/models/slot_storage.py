@@ -1,25 +1,19 @@
-"""16-bit floats that are written into, or read from, a larger array slot by slot travel as their uint16 bits on
-the CPU.
+"""16-bit floats that are written into, or read from, a larger array slot by slot, carried as their uint16 bits.
 
-XLA:CPU has no bfloat16 / float16 dynamic-update-slice: its float normalization rewrites one as a float32
-conversion of the WHOLE array, the update, and a conversion back; and a 16-bit dynamic-slice reads through a
-float32 copy of the whole array. Inside a loop that touches one slot per iteration (the KV cache, written per
-layer and per token; the layer scan's saved activations, stacked per layer; the sampler's weights, read per
-layer and per token) that is a pass over the whole array per iteration instead of one slot. On 16-bit integers
-the same ops stay in place. So on the CPU the places that store or read 16-bit values slot by slot keep bits:
+Whether to carry them so is the backend's choice (`Kernels.stores_bits`; a backend whose compiler has no in-place
+16-bit slot update, or reads a 16-bit slice through a widened copy of the whole array, asks for it: on 16-bit
+integers the same ops stay in place). This module is the mechanics, for every backend that asks:
 
 - the KV cache (`transformer.KVCache`: `init_cache` stores a 16-bit cache as uint16, `_block` writes and reads
   through `to_bits` / `from_bits`);
 - the projections' outputs that `remat: dots` saves for the backward (`saved_as_bits`: the saved value is the
-  uint16 view, named `SAVED_BITS`, and `remat.py`'s policy saves it in place of the float32 product);
+  uint16 view, named `SAVED_BITS`, for the backend's remat policy to save in place of a float32 product);
 - the 16-bit weight stacks a forward with a KV cache (generation) slices per layer (`sliced_as_bits`; no
   gradient flows there, and differentiating through it raises).
 
 The layer scan also saves each layer's input, the residual stream carried from layer to layer: an integer carry
-would stop the gradient, so on the CPU a 16-bit stream travels as float32 holding exactly its 16-bit values
+would stop the gradient, so there a 16-bit stream travels as float32 holding exactly its 16-bit values
 (`float32_holding`; `transformer.Backbone.forward`).
-
-GPU and TPU have native 16-bit slices: nothing changes there, nor for float32 values anywhere.
 """
 
 from __future__ import annotations
@@ -34,13 +28,6 @@ SAVED_BITS = "ppojax_projection_bits"
 BITS = jnp.uint16
 
 
-def stores_bits(dtype) -> bool:
-    """Whether values of `dtype` are kept as uint16 bits when stored slot by slot: 16-bit floats on the CPU."""
-    dtype = jnp.dtype(dtype)
-    return (jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 2
-            and jax.devices()[0].platform == "cpu")
-
-
 def to_bits(x: jax.Array) -> jax.Array:
     """A 16-bit float array -> its uint16 bits (same shape)."""
     return jax.lax.bitcast_convert_type(x, BITS)
@@ -51,9 +38,10 @@ def from_bits(bits: jax.Array, dtype) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.dtype(dtype))
 
 
-def sliced_as_bits(stack):
-    """A pytree of per-layer stacked weights -> (the same with each 16-bit float leaf as its uint16 bits where
-    `stores_bits`, `restore`: one layer's slice of it -> that slice with its 16-bit floats back).
+def sliced_as_bits(stack, stores_bits):
+    """A pytree of per-layer stacked weights -> (the same with each leaf whose dtype `stores_bits` (a predicate on
+    dtypes, the backend's) as its uint16 bits, `restore`: one layer's slice of it -> that slice with its 16-bit
+    floats back).
 
     For loops that only READ a 16-bit stack slice by slice (the sampler's layer scan, once per token): XLA:CPU
     would read it through a float32 copy of the whole stack, twice the bytes. A bitcast to an integer has no
@@ -77,8 +65,8 @@ def _read_only_bits(x):
 
 @_read_only_bits.defjvp
 def _read_only_bits_jvp(primals, tangents):
-    raise TypeError("the model's 16-bit weights were differentiated through a forward with a KV cache, which on "
-                    "the CPU reads them as their uint16 bits (no gradient): that forward is for generation; "
+    raise TypeError("the model's 16-bit weights were differentiated through a forward with a KV cache, which "
+                    "reads them as their uint16 bits here (no gradient): that forward is for generation; "
                     "differentiate a forward without a cache")
 
 
@@ -90,11 +78,9 @@ def float32_holding(x: jax.Array) -> jax.Array:
 
 
 def saved_as_bits(y: jax.Array) -> jax.Array:
-    """`y` unchanged, with its uint16 view marked as the value `remat: dots` saves (CPU, 16-bit `y` only).
+    """`y` (a 16-bit float) unchanged, with its uint16 view marked as the value `remat: dots` saves.
 
     The identity for autodiff (a bitcast to an integer would otherwise stop the gradient)."""
-    if not stores_bits(y.dtype):
-        return y
     return _through_named_bits(y)
 
 

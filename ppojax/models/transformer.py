@@ -20,12 +20,11 @@ gets a finite, meaningless output (never NaN); callers ignore pad positions.
 
 Model options (static, part of the graphdef): `dtype` / `param_dtype` (compute / storage; named pairs in
 `precision.py`), `remat` ("none" | "full" | "dots", `remat.py`), `attention_implementation` ("auto" | "xla" |
-"cudnn"), `matmul_implementation` ("auto" | "xla" | "onednn" | "onednn_primitive" | "mkl": float32 projections on
-one CPU device read their layer's kernel in the stack through oneDNN's (or MKL's) GEMM instead of XLA's
-copy-then-dot, `stacked_matmul.py`), `scan_layers`.
+"cudnn"), `scan_layers`, and `kernels`: the backend's operations (`kernels.py`: XLA's by default; a run chooses
+them once when it is built, `ppojax.backends.kernels_for`).
 
 KV cache (`KVCache`, `init_cache`): keys/values `[L, B, T, K, hd]`, `key_mask bool[B, T]`, `index i32[]` (next write
-slot; on the CPU a 16-bit cache holds the uint16 bits of its keys and values, `slot_storage.py`). A call with a
+slot; a 16-bit cache may hold the uint16 bits of its keys and values where the kernels say so, `slot_storage.py`). A call with a
 cache writes its S tokens at slots `[index, index + S)`, marks them valid where
 `attention_mask`, lets query slot `index + s` attend to valid slots `<= index + s`, and returns `index + S`.
 Prefill = the whole left-padded prompt on an empty cache; decode = S = 1 calls. Static shapes, jit-friendly.
@@ -45,9 +44,9 @@ from jax.experimental.layout import Layout, with_layout_constraint
 
 from ppojax.models.attention import attention, check_attention_implementation
 from ppojax.models.config import ModelConfig
+from ppojax.models.kernels import XLA, Kernels, check_kernels
 from ppojax.models.remat import check_remat, remat_layer
 from ppojax.models import slot_storage
-from ppojax.backends.cpu import stacked_matmul
 from ppojax.models.slot_storage import BITS, float32_holding, from_bits, saved_as_bits, to_bits
 
 Array = jax.Array
@@ -154,7 +153,7 @@ def last_token_scores(scores: Array, attention_mask: Array) -> Array:
 class KVCache:
     """Stacked per-layer key/value cache.
 
-    keys, values: [L, B, T, K, hd] (compute dtype; on the CPU a 16-bit dtype's uint16 bits, named by `bits_of`);
+    keys, values: [L, B, T, K, hd] (compute dtype, or a 16-bit dtype's uint16 bits, named by `bits_of`);
     key_mask: bool[B, T] (True = slot holds a real token);
     index: i32[] (next slot to write; the same for every row, rows are left-padded).
     """
@@ -163,7 +162,7 @@ class KVCache:
     values: Array
     key_mask: Array
     index: Array
-    #: the 16-bit float whose uint16 bits `keys` / `values` hold (`slot_storage`: on the CPU), else None
+    #: the 16-bit float whose uint16 bits `keys` / `values` hold (`Kernels.stores_bits`), else None
     bits_of: str | None = flax.struct.field(pytree_node=False, default=None)
 
     @property
@@ -176,11 +175,12 @@ class KVCache:
         return jnp.dtype(self.bits_of) if self.bits_of else self.keys.dtype
 
 
-def init_cache(cfg: ModelConfig, batch_size: int, max_length: int, dtype=jnp.float32) -> KVCache:
-    """An empty cache for `max_length` slots (prompt + generated tokens) of `dtype` keys and values (on the
-    CPU a 16-bit cache stores their uint16 bits: `slot_storage`)."""
+def init_cache(cfg: ModelConfig, batch_size: int, max_length: int, dtype=jnp.float32,
+               kernels: Kernels = XLA) -> KVCache:
+    """An empty cache for `max_length` slots (prompt + generated tokens) of `dtype` keys and values (a 16-bit
+    cache stores their uint16 bits where `kernels.stores_bits`: `slot_storage`). Pass the model's `kernels`."""
     shape = (cfg.num_layers, batch_size, max_length, cfg.num_kv_heads, cfg.head_dim)
-    bits = slot_storage.stores_bits(dtype)
+    bits = kernels.stores_bits(dtype)
     storage = BITS if bits else dtype
     return KVCache(
         keys=jnp.zeros(shape, storage),
@@ -194,81 +194,20 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_length: int, dtype=jnp.flo
 # ------------------------------------------------------------------------------------------------ one layer
 
 
-def _dense_in(x: Array, kernel: Array, bias: Array | None, dtype) -> Array:
+def _dense_in(x: Array, kernel: Array, bias: Array | None, dtype, kernels: Kernels) -> Array:
     """x [B, S, D] @ kernel [D, *out] (+ bias [*out]).
 
     A 2-D matmul on the flattened tokens [B*S, D]: with 3-D activations XLA:CPU fused the backward's
-    elementwise math with a 3-D transpose into a strided loop ~10x slower than the math (SmolLM2, 2026-11-22).
+    elementwise math with a 3-D transpose into a strided loop far slower than the math.
     """
     lead = x.shape[:-1]
     out_shape = kernel.shape[1:]
     k2 = kernel.astype(dtype).reshape(kernel.shape[0], -1)
-    y = _matmul(x.reshape(-1, x.shape[-1]), k2, dtype).reshape(*lead, *out_shape)
+    y = kernels.matmul(x.reshape(-1, x.shape[-1]).astype(dtype), k2).reshape(*lead, *out_shape)
     return y if bias is None else y + bias.astype(dtype)
 
 
-def _dense_out(o: Array, kernel: Array, dtype) -> Array:
-    """The attention output projection: o [B, S, H, hd] x kernel [H, hd, D] -> [B, S, D] in `dtype`."""
-    if not _float32_accumulated_16_bit(dtype):
-        return jnp.einsum("bshk,hkd->bsd", o, kernel.astype(dtype))
-    w2 = kernel.astype(dtype).reshape(-1, kernel.shape[-1])
-    return _matmul(o.reshape(-1, w2.shape[0]), w2, dtype).reshape(*o.shape[:2], w2.shape[1])
-
-
-def _float32_accumulated_16_bit(dtype) -> bool:
-    """Whether `_matmul` asks XLA for a float32 product of 16-bit operands (see there)."""
-    return jnp.dtype(dtype) != jnp.float32 and jax.devices()[0].platform == "cpu"
-
-
-def _matmul(x: Array, w: Array, dtype) -> Array:
-    """x [N, D] @ w [D, F] -> [N, F] in the compute dtype `dtype` (the operands already in it).
-
-    On the CPU a 16-bit product asks for a float32 result and rounds it to `dtype`: XLA:CPU runs a bf16 x bf16 ->
-    f32 dot in YNNPACK's bf16 kernels (the CPU's bf16 units) but a bf16 -> bf16 dot as a float32 dot after
-    converting its operands (`benchmarks.bf16_dots`). Both accumulate in float32; only the summation order
-    differs. The backward's two products run in the bf16 kernels too (`_matmul_16_bit_cpu`'s custom VJP). The
-    rounded product is what `remat: dots` saves, as its uint16 bits (`slot_storage.saved_as_bits`). GPU and TPU
-    keep the plain dot, whose backward autodiff runs in 16 bits.
-    """
-    if not _float32_accumulated_16_bit(dtype):
-        return jnp.dot(x, w)
-    return saved_as_bits(_matmul_16_bit_cpu(x.astype(dtype), w.astype(dtype)))
-
-
-@jax.custom_vjp
-def _matmul_16_bit_cpu(x: Array, w: Array) -> Array:
-    """x [N, D] @ w [D, F] -> [N, F], 16-bit operands and result, float32 accumulation (see `_matmul`).
-
-    The custom VJP exists for the backward's layouts: XLA:CPU's bf16 kernels take a dot only with row-major
-    operands contracted lhs-minor / rhs-major, and autodiff's two products (`g @ w.T`, `x.T @ g`) contract a
-    minor axis of w and a major axis of x, so XLA would convert them to float32 dots. Here each operand that needs
-    it is transposed physically (a layout constraint), a pass over a weight or an activation, and both products
-    run in the bf16 kernels. The values are autodiff's: float32 products rounded to the operands' dtype."""
-    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
-
-
-def _matmul_16_bit_cpu_fwd(x, w):
-    return _matmul_16_bit_cpu(x, w), (x, w)
-
-
-def _matmul_16_bit_cpu_bwd(residuals, g):
-    x, w = residuals
-    g = g.astype(x.dtype)
-    dx = jnp.dot(g, _row_major_transpose(w), preferred_element_type=jnp.float32).astype(x.dtype)
-    dw = jnp.dot(_row_major_transpose(x), g, preferred_element_type=jnp.float32).astype(w.dtype)
-    return dx, dw
-
-
-_matmul_16_bit_cpu.defvjp(_matmul_16_bit_cpu_fwd, _matmul_16_bit_cpu_bwd)
-
-
-def _row_major_transpose(a: Array) -> Array:
-    """a [M, K] -> a.T [K, M] stored row-major (without the constraint XLA folds a transpose into the consumer's
-    operand layout, which is what its bf16 kernels refuse)."""
-    return with_layout_constraint(a.T, Layout(major_to_minor=(0, 1)))
-
-
-def _with_lora(y: Array, x: Array, d: dict, n_in: int, dtype, scale: float | None) -> Array:
+def _with_lora(y: Array, x: Array, d: dict, n_in: int, dtype, scale: float | None, kernels: Kernels) -> Array:
     """`y + scale * (x @ lora_a) @ lora_b` when the projection `d` carries LoRA adapters, else `y`.
 
     x: [B, S, *in] (`n_in` input axes), `lora_a [*in, r]`, `lora_b [r, *out]`, y: [B, S, *out]. The rank-r path
@@ -279,90 +218,49 @@ def _with_lora(y: Array, x: Array, d: dict, n_in: int, dtype, scale: float | Non
     a, b = d["lora_a"], d["lora_b"]
     r = a.shape[-1]
     lead = x.shape[:x.ndim - n_in]
-    xa = _matmul(x.reshape(math.prod(lead), -1).astype(dtype), a.astype(dtype).reshape(-1, r), dtype)
-    delta = _matmul((xa * scale).astype(dtype), b.astype(dtype).reshape(r, -1), dtype)
+    xa = kernels.matmul(x.reshape(math.prod(lead), -1).astype(dtype), a.astype(dtype).reshape(-1, r))
+    delta = kernels.matmul((xa * scale).astype(dtype), b.astype(dtype).reshape(r, -1))
     return y + delta.reshape(*lead, *b.shape[1:]).astype(y.dtype)
 
 
-def _project(x: Array, d: dict, dtype, lora_scale: float | None) -> Array:
-    """A one-input-axis projection `x [B, S, D] -> [B, S, *out]`: kernel, optional bias, optional LoRA."""
-    if "stacked" in d:
-        y = _stacked_dense(x.reshape(-1, x.shape[-1]), d, x.shape[:-1])
-        return _with_lora(y, x, d, 1, dtype, lora_scale)
-    return _with_lora(_dense_in(x, d["kernel"], d.get("bias"), dtype), x, d, 1, dtype, lora_scale)
-
-
-def _stacked_dense(x2: Array, d: dict, lead: tuple) -> Array:
-    """x2 [N, in] times this layer's kernel read in the stack (`d["stacked"]`: (stack [L, in, prod(out)], layer,
-    out shape, GEMM libraries)) -> [*lead, *out], plus this layer's bias when `d` has one (float32 models only reach
-    here)."""
-    stack, layer, out_shape, library = d["stacked"]
-    y = stacked_matmul.matmul(x2, stack, layer, library).reshape(*lead, *out_shape)
-    return y if "bias" not in d else y + d["bias"]
-
-
-# (group, projection) -> how many leading kernel axes (after `layers`) are its input: q [L, D, H, hd] has one,
-# o [L, H, hd, D] two
-_STACKED_PROJECTIONS = {("attn", "q"): 1, ("attn", "k"): 1, ("attn", "v"): 1, ("attn", "o"): 2,
-                        ("mlp", "up"): 1, ("mlp", "gate"): 1, ("mlp", "down"): 1}
-
-
-def stacked_kernel_shapes(layers: dict) -> list:
-    """The projection kernels of the layer scan's weights as the 3-D stacks `[L, in, prod(out)]` `stacked_matmul`
-    reads (shapes and dtypes only)."""
-    found = []
-    for (group, name), n_in in _STACKED_PROJECTIONS.items():
-        d = layers.get(group, {}).get(name)
-        if d is not None:
-            kernel = d["kernel"]
-            n_layers, shape = kernel.shape[0], kernel.shape[1:]
-            found.append(jax.ShapeDtypeStruct((n_layers, math.prod(shape[:n_in]), math.prod(shape[n_in:])),
-                                              kernel.dtype))
-    return found
-
-
-def _split_stacked_kernels(layers: dict, libraries: dict) -> tuple[dict, dict]:
-    """The layer scan's weights without the projection kernels, and those kernels as 3-D stacks
-    `[L, in, prod(out)]` (a reshape, no copy) with their output shapes, for `stacked_matmul` to read in place with
-    the GEMMs `libraries` ({(in, prod(out)): Libraries}: one library per product) chose for their shape."""
-    layers = jax.tree.map(lambda a: a, layers)  # a fresh nesting of dicts, the leaves shared
-    stacks = {}
-    for (group, name), n_in in _STACKED_PROJECTIONS.items():
-        d = layers.get(group, {}).get(name)
-        if d is None:
-            continue
-        kernel = d.pop("kernel")
-        n_layers, shape = kernel.shape[0], kernel.shape[1:]
-        d_in, d_out = math.prod(shape[:n_in]), math.prod(shape[n_in:])
-        stacks[(group, name)] = (kernel.reshape(n_layers, d_in, d_out), shape[n_in:], libraries[(d_in, d_out)])
-    return layers, stacks
-
-
-def _with_stacked_kernels(p: dict, stacks: dict, layer_idx) -> dict:
-    """One layer's weights `p` with each split-off kernel named by its stack and this layer's index."""
-    p = jax.tree.map(lambda a: a, p)
-    for (group, name), (stack, out_shape, library) in stacks.items():
-        p[group][name]["stacked"] = (stack, layer_idx, out_shape, library)
-    return p
+def _project(x: Array, d: dict, dtype, lora_scale: float | None, kernels: Kernels, product=None) -> Array:
+    """A one-input-axis projection `x [B, S, D] -> [B, S, *out]`: kernel, optional bias, optional LoRA.
+    product: the backend's `x2 [N, D] -> [N, prod(out)]` where it took this kernel out of the layer's weights
+    (`Kernels.layer_products`; float32 only), else None."""
+    if product is not None:
+        y = product(x.reshape(-1, x.shape[-1]))
+        y = y.reshape(*x.shape[:-1], *y.shape[1:])
+    else:
+        y = _dense_in(x, d["kernel"], None, dtype, kernels)
+    if "bias" in d:
+        y = y + d["bias"].astype(dtype)
+    return _with_lora(y, x, d, 1, dtype, lora_scale, kernels)
 
 
 def _block(cfg: ModelConfig, dtype, inv_freq, p: dict, x: Array, positions: Array, mask: Array,
            layer_idx, kv: tuple | None, cache_index, attn_kwargs: dict, lora_scale: float | None = None,
-           cache_bits_of: str | None = None):
+           cache_bits_of: str | None = None, kernels: Kernels = XLA, products: dict | None = None):
     """One transformer layer on `x: [B, S, D]` with this layer's weights `p` (no `layers` axis).
 
     `mask: bool[B, S, T]`. With `kv = (keys, values)` (the whole stacked cache `[L, B, T, K, hd]`), the new keys and
     values are written at `[layer_idx, :, cache_index:cache_index+S]` and attention reads that layer's slots.
     `attn_kwargs`: the static implementation and the mask hints of `attention.attention`. `lora_scale`: alpha / r
     of the LoRA adapters some projections carry (`lora.py`; None without adapters). `cache_bits_of`: the
-    cache's `bits_of` (its keys and values are that 16-bit dtype's uint16 bits), else None.
+    cache's `bits_of` (its keys and values are that 16-bit dtype's uint16 bits), else None. `kernels`: the
+    model's backend operations; `products`: this layer's `kernels.layer_products` (projections whose kernels the
+    backend reads where they lie in the stack; absent from `p`).
     Returns `(x, kv)`.
     """
+    products = products or {}
+
+    def project(x_in, group, name):
+        return _project(x_in, p[group][name], dtype, lora_scale, kernels, products.get((group, name)))
+
     a = p["attn"]
     h = _norm(cfg, x, p["attn_norm"])
-    q = _project(h, a["q"], dtype, lora_scale)  # [B, S, H, hd]
-    k = _project(h, a["k"], dtype, lora_scale)  # [B, S, K, hd]
-    v = _project(h, a["v"], dtype, lora_scale)
+    q = project(h, "attn", "q")  # [B, S, H, hd]
+    k = project(h, "attn", "k")  # [B, S, K, hd]
+    v = project(h, "attn", "v")
     if cfg.qk_norm:
         q = rms_norm(q, a["q_norm"]["scale"], cfg.norm_eps)
         k = rms_norm(k, a["k_norm"]["scale"], cfg.norm_eps)
@@ -389,24 +287,23 @@ def _block(cfg: ModelConfig, dtype, inv_freq, p: dict, x: Array, positions: Arra
         # a constant, so the per-layer factor is folded into q
         q = q * (1.0 / (layer_idx + 1).astype(jnp.float32)).astype(q.dtype)
     o = attention(q, k, v, mask, scale=cfg.head_dim ** -0.5, **attn_kwargs)
-    if "stacked" in a["o"]:
-        attn_out = _stacked_dense(o.reshape(o.shape[0] * o.shape[1], -1), {"stacked": a["o"]["stacked"]},
-                                  o.shape[:2])
+    if ("attn", "o") in products:
+        attn_out = products["attn", "o"](o.reshape(o.shape[0] * o.shape[1], -1)).reshape(*o.shape[:2], -1)
     else:
-        attn_out = _dense_out(o, a["o"]["kernel"], dtype)
+        attn_out = kernels.output_projection(o, a["o"]["kernel"].astype(dtype))
     if "bias" in a["o"]:
         attn_out = attn_out + a["o"]["bias"].astype(dtype)
-    attn_out = _with_lora(attn_out, o, a["o"], 2, dtype, lora_scale)
+    attn_out = _with_lora(attn_out, o, a["o"], 2, dtype, lora_scale, kernels)
 
     def mlp(hm):
         m = p["mlp"]
         act = activation_fn(cfg.activation)
-        up = _project(hm, m["up"], dtype, lora_scale)
+        up = project(hm, "mlp", "up")
         if cfg.gated_mlp:
-            up = act(_project(hm, m["gate"], dtype, lora_scale)) * up
+            up = act(project(hm, "mlp", "gate")) * up
         else:
             up = act(up)
-        return _project(up, m["down"], dtype, lora_scale)
+        return project(up, "mlp", "down")
 
     if cfg.parallel_residual:
         x = x + attn_out + mlp(_norm(cfg, x, p["mlp_norm"]))
@@ -503,16 +400,16 @@ class Backbone(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
                  scan_layers: bool = True, remat: str = "none", attention_implementation: str = "auto",
-                 matmul_implementation: str = "auto"):
+                 kernels: Kernels = XLA):
         check_remat(remat)
         check_attention_implementation(attention_implementation, dtype, cfg.head_dim)
-        stacked_matmul.check_implementation(matmul_implementation)
+        check_kernels(kernels)
         self.cfg = cfg
         self.dtype = dtype
         self.scan_layers = scan_layers
         self.remat = remat
         self.attention_implementation = attention_implementation
-        self.matmul_implementation = matmul_implementation
+        self.kernels = kernels  # the backend's operations (`kernels.py`; static: part of the graphdef)
         self.lora_scale = None  # alpha / r once `lora.add_lora` attaches adapters (static: part of the graphdef)
         init = _Init(rngs, cfg.initializer_range, param_dtype)
         L, D, H, K, hd, F = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
@@ -562,8 +459,8 @@ class Backbone(nnx.Module):
                 cache: KVCache | None = None) -> tuple[Array, KVCache | None]:
         """As `__call__`, with an optional KV cache -> (hidden [B, S, D], updated cache or None).
 
-        With a cache (generation) on the CPU, 16-bit weights and cache entries are read as their bits
-        (`slot_storage`): differentiate a forward without one."""
+        With a cache (generation), 16-bit weights and cache entries may be read as their bits (where
+        `kernels.stores_bits`: `slot_storage`): differentiate a forward without one."""
         cfg = self.cfg
         attention_mask = attention_mask.astype(bool)
         if position_ids is None:
@@ -596,39 +493,36 @@ class Backbone(nnx.Module):
 
         inv_freq = rope_inv_freq(cfg) if cfg.position_embedding == "rope" else None
         layers = nnx.to_pure_dict(nnx.state(self.layers))
-        stacks = {}
-        kernels = stacked_kernel_shapes(layers)
-        if self.scan_layers and stacked_matmul.applies(self.matmul_implementation, self.dtype, kernels, rows=b * s):
-            # float32 on one CPU device: each layer's projections read their kernels in the stack (stacked_matmul)
-            # instead of the scan copying them out per layer (a decode step's too, where "auto" has a kernel for
-            # its few rows)
-            libraries = stacked_matmul.library_of(self.matmul_implementation, stacked_matmul.kernel_shapes(kernels))
-            layers, stacks = _split_stacked_kernels(layers, libraries)
+        kernels = self.kernels
+        if self.scan_layers:
+            # the backend may read some projection kernels where they lie in the stack (`Kernels.layer_products`)
+            layers, split = kernels.split_layer_kernels(layers, b * s, self.dtype)
+        else:
+            split = None
         restore = lambda layer: layer  # noqa: E731
         if cache is not None:
             # generation reads every layer's weights once per token; a 16-bit stack (the sampler's weights, cast
-            # once to the compute dtype) is sliced as its bits on the CPU (slot_storage.sliced_as_bits)
-            layers, restore = slot_storage.sliced_as_bits(layers)
+            # once to the compute dtype) is sliced as its bits where the backend stores bits
+            layers, restore = slot_storage.sliced_as_bits(layers, kernels.stores_bits)
 
-        # Each layer's input is saved for the backward, stacked over the layers: on the CPU a 16-bit residual
-        # stream travels between layers as float32 holding exactly its 16-bit values (slot_storage: a 16-bit
-        # stack would be rewritten whole per layer). The layers see the compute dtype, as everywhere else.
+        # Each layer's input is saved for the backward, stacked over the layers: where the backend stores 16-bit
+        # values as bits, a 16-bit residual stream travels between layers as float32 holding exactly its 16-bit
+        # values (slot_storage: an integer carry would stop the gradient). The layers see the compute dtype.
         layer_dtype = x.dtype
-        to_stream = float32_holding if slot_storage.stores_bits(layer_dtype) else (lambda y: y)
+        to_stream = float32_holding if kernels.stores_bits(layer_dtype) else (lambda y: y)
 
         def body(carry, xs):
             x, kv = carry
             p, layer_idx, is_sliding = xs
             p = restore(p)
-            if stacks:
-                p = _with_stacked_kernels(p, stacks, layer_idx)
             m = jnp.where(is_sliding, window_mask, mask) if sliding.any() else mask
             x, kv = _block(cfg, self.dtype, inv_freq, p, x.astype(layer_dtype), position_ids, m, layer_idx, kv,
-                           index, attn_kwargs, self.lora_scale, None if cache is None else cache.bits_of)
+                           index, attn_kwargs, self.lora_scale, None if cache is None else cache.bits_of,
+                           kernels, kernels.layer_products(split, layer_idx))
             return (to_stream(x), kv), None
 
         # under scan, XLA cannot merge the recomputation into the forward anyway (jax.checkpoint's docs)
-        body = remat_layer(body, self.remat, prevent_cse=not self.scan_layers)
+        body = remat_layer(body, self.remat, kernels.dots_policy(), prevent_cse=not self.scan_layers)
         kv = None if cache is None else (cache.keys, cache.values)
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         x = to_stream(x)
@@ -658,12 +552,12 @@ class CausalLM(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
                  scan_layers: bool = True, remat: str = "none", attention_implementation: str = "auto",
-                 matmul_implementation: str = "auto"):
+                 kernels: Kernels = XLA):
         self.cfg = cfg
         self.dtype = dtype
         self.backbone = Backbone(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers,
                                  remat=remat, attention_implementation=attention_implementation,
-                                 matmul_implementation=matmul_implementation)
+                                 kernels=kernels)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -674,35 +568,20 @@ class CausalLM(nnx.Module):
                  cache: KVCache | None = None) -> tuple[Array, KVCache | None]:
         return self.backbone.forward(input_ids, attention_mask, position_ids, cache)
 
+    @property
+    def kernels(self) -> Kernels:
+        """The backend operations the model runs (`kernels.py`)."""
+        return self.backbone.kernels
+
     def logits(self, hidden: Array) -> Array:
         """hidden [..., D] -> logits f32[..., V] (matmul in the compute dtype, float32 accumulation)."""
-        in_place = self._logits_in_place(hidden)
-        if in_place is not None:
-            return in_place
-        if self.lm_head is None:
-            w = self.backbone.embed["embedding"][...].astype(self.dtype).T  # the transpose folds into the dot
-        else:
-            w = self.lm_head["kernel"][...].astype(self.dtype)
-        return matmul_float32_out(hidden.astype(self.dtype), w)
-
-    def _logits_in_place(self, hidden: Array) -> Array | None:
-        """The head's product by the in-place GEMM handlers, where the layers' projections take them
-        (`stacked_matmul.applies`: float32 on one CPU device, "auto" from its sizes) and for at least
-        `AUTO_MIN_ROWS` rows (a decode step's few rows keep XLA's dot: the handlers' few-row kernels do not read a
-        weight transposed, as a tied head's is), on the libraries chosen for the head's own shape; else None. The
-        weight is read where it lies: the embedding [V, D] transposed (tied), or the head's kernel [D, V]."""
-        rows, implementation = math.prod(hidden.shape[:-1]), self.backbone.matmul_implementation
         tied = self.lm_head is None
         weight = self.backbone.embed["embedding"][...] if tied else self.lm_head["kernel"][...]
-        as_stack = jax.ShapeDtypeStruct((1, *weight.shape), weight.dtype)
-        if rows < stacked_matmul.AUTO_MIN_ROWS or not stacked_matmul.applies(implementation, self.dtype, [as_stack],
-                                                                              rows):
-            return None
-        shape = tuple(weight.shape)
-        libraries = stacked_matmul.library_of(implementation, (shape,))[shape]
-        product = stacked_matmul.matmul_transposed if tied else stacked_matmul.matmul
-        x = hidden.reshape(rows, hidden.shape[-1]).astype(jnp.float32)
-        return product(x, weight[None], jnp.int32(0), libraries).reshape(*hidden.shape[:-1], -1)
+        by_backend = self.kernels.head_logits(hidden, weight, tied)
+        if by_backend is not None:
+            return by_backend
+        w = weight.astype(self.dtype)
+        return matmul_float32_out(hidden.astype(self.dtype), w.T if tied else w)  # the transpose folds into the dot
 
 
 def init_value_head(cfg: ModelConfig, key: Array, param_dtype=jnp.float32) -> dict:
@@ -723,10 +602,9 @@ class CausalLMWithValueHead(CausalLM):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
                  scan_layers: bool = True, remat: str = "none", attention_implementation: str = "auto",
-                 matmul_implementation: str = "auto"):
+                 kernels: Kernels = XLA):
         super().__init__(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers,
-                         remat=remat, attention_implementation=attention_implementation,
-                                 matmul_implementation=matmul_implementation)
+                         remat=remat, attention_implementation=attention_implementation, kernels=kernels)
         init = init_value_head(cfg, rngs.params(), param_dtype)
         self.v_head = nnx.Dict(kernel=_param(init["kernel"], ("embed", None)), bias=_param(init["bias"], (None,)))
 
@@ -746,12 +624,12 @@ class ScoreModel(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
                  bias: bool = False, scan_layers: bool = True, remat: str = "none",
-                 attention_implementation: str = "auto", matmul_implementation: str = "auto"):
+                 attention_implementation: str = "auto", kernels: Kernels = XLA):
         self.cfg = cfg
         self.dtype = dtype
         self.backbone = Backbone(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers,
                                  remat=remat, attention_implementation=attention_implementation,
-                                 matmul_implementation=matmul_implementation)
+                                 kernels=kernels)
         init = _Init(rngs, cfg.initializer_range, param_dtype)
         self.score = nnx.Dict(kernel=init.normal((cfg.hidden_size, 1), ("embed", None)))
         if bias:

@@ -1,25 +1,50 @@
 """ppojax's optimizer: AdamW without the learning rate (TRL's ``adamw_torch``; optax's transformations), optional
 global-norm clipping first, and its step.
 
-`AdamW` is an optax transformation (``init``, ``update``) that also says what it is, so :func:`apply` can run its
-step in one pass over each parameter where it can (`ppojax.backends.cpu.adam_in_place`: float32 on a single CPU device) and
-optax's ``update`` then ``p - lr * u`` elsewhere. The learning rate stays outside (the update multiplies by
+`AdamW` is an optax transformation (``init``, ``update``) that also says what it is and carries its step
+implementation: an object chosen once when a run is built (the seam to the backends, as the models' `Kernels`):
+`OptaxStep`, optax's ``update`` then ``p - lr * u`` (the default, every backend), or a backend's own
+(``ppojax.backends.optimizer_step_for``). The learning rate stays outside (the update multiplies by
 ``learning_rate_at``), so the schedule is a traced function of the update index.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from ppojax.backends.cpu import adam_in_place
 
-#: "auto": the step in one pass where `ppojax.backends.cpu.adam_in_place` applies, optax's elsewhere; "optax": always optax's
-IMPLEMENTATIONS = ("auto", "optax")
+
+@dataclasses.dataclass(frozen=True)
+class OptaxStep:
+    """An optimizer step as optax computes it: ``optimizer.update`` then ``p - lr * u`` (a 16-bit parameter stays
+    16-bit). Works for any optax transformation.
+
+    The interface of every step implementation (a backend's too; frozen and hashable, it is part of the program):
+    ``name``; ``applies(optimizer, params, opt_state) -> bool`` (read at trace time, from shapes and dtypes only:
+    where False, :func:`apply` runs optax's step instead); ``__call__(optimizer, grads, opt_state, params, lr,
+    kept, frozen) -> (params, opt_state)``."""
+
+    name: str = dataclasses.field(default="optax", init=False)
+
+    def applies(self, optimizer, params, opt_state) -> bool:
+        return True
+
+    def __call__(self, optimizer, grads, opt_state, params, lr, kept=None, frozen=None):
+        updates, new_opt_state = optimizer.update(grads, opt_state, params)
+        new_params = jax.tree.map(lambda p, u: p - (lr * u).astype(p.dtype), params, updates)
+        if kept is not None:
+            new_params = _keep(kept, frozen, new_params, params)
+            new_opt_state = _keep(kept, frozen, new_opt_state, opt_state)
+        return new_params, new_opt_state
+
+
+#: the default step of every optimizer
+OPTAX_STEP = OptaxStep()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,11 +57,12 @@ class AdamW:
     eps: float = 1e-8
     weight_decay: float = 0.0
     max_grad_norm: Optional[float] = None
-    implementation: str = "auto"
+    step: Any = None  # None: `OPTAX_STEP`; else a backend's (`ppojax.backends.optimizer_step_for`)
 
     def __post_init__(self):
-        if self.implementation not in IMPLEMENTATIONS:
-            raise ValueError(f"optimizer implementation {self.implementation!r} is not one of {IMPLEMENTATIONS}")
+        if self.step is not None and not (callable(self.step) and hasattr(self.step, "applies")):
+            raise TypeError(f"step={self.step!r} is not an optimizer step (ppojax.rl.optimizer.OptaxStep or a "
+                            f"backend's, ppojax.backends.optimizer_step_for)")
 
     @functools.cached_property
     def transformation(self) -> optax.GradientTransformation:
@@ -54,41 +80,30 @@ class AdamW:
 
 
 def make_optimizer(*, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, weight_decay=0.0,
-                   max_grad_norm=None, implementation="auto") -> AdamW:
+                   max_grad_norm=None, step=None) -> AdamW:
     """AdamW WITHOUT the learning rate (the update multiplies by ``learning_rate_at``), so the schedule is
-    a traced function of the update index. Optional global-norm clipping first."""
-    return AdamW(adam_beta1, adam_beta2, adam_epsilon, weight_decay, max_grad_norm, implementation)
+    a traced function of the update index. Optional global-norm clipping first. step: how the step runs (optax's,
+    or the backend's chosen when the run is built)."""
+    return AdamW(adam_beta1, adam_beta2, adam_epsilon, weight_decay, max_grad_norm, step)
 
 
-def optimizer_from_config(config) -> AdamW:
+def optimizer_from_config(config, step=None) -> AdamW:
     return make_optimizer(adam_beta1=config.adam_beta1, adam_beta2=config.adam_beta2,
                           adam_epsilon=config.adam_epsilon, weight_decay=config.weight_decay,
-                          max_grad_norm=config.max_grad_norm, implementation=config.optimizer_implementation)
-
-
-def in_place(optimizer, params, opt_state) -> bool:
-    """Whether :func:`apply` runs `optimizer`'s step on these in one pass (`ppojax.backends.cpu.adam_in_place`)."""
-    return (isinstance(optimizer, AdamW) and optimizer.implementation == "auto"
-            and adam_in_place.applies(params, opt_state))
+                          max_grad_norm=config.max_grad_norm, step=step)
 
 
 def apply(optimizer, grads, opt_state, params, lr, kept=None, frozen=None):
-    """One optimizer step -> (new params, new opt_state): ``optimizer.update`` then ``p - lr * u`` (a 16-bit
-    parameter stays 16-bit), in one pass where :func:`in_place`. optimizer: any optax transformation.
+    """One optimizer step -> (new params, new opt_state), by the optimizer's step implementation (`AdamW.step`;
+    `OPTAX_STEP` for any other optax transformation).
 
     kept: a function of a parameter's tree path, True for a leaf (and its moments, which mirror the parameters)
     kept as it is while `frozen` (a traced bool[]): the policy's during the critic's warm-up. Leaves of neither
     (Adam's step count) follow the step."""
-    if in_place(optimizer, params, opt_state):
-        frozen_leaves = None if kept is None else \
-            tuple(bool(kept(path)) for path, _ in jax.tree_util.tree_leaves_with_path(params))
-        return adam_in_place.step(optimizer, grads, opt_state, params, lr, frozen_leaves, frozen)
-    updates, new_opt_state = optimizer.update(grads, opt_state, params)
-    new_params = jax.tree.map(lambda p, u: p - (lr * u).astype(p.dtype), params, updates)
-    if kept is not None:
-        new_params = _keep(kept, frozen, new_params, params)
-        new_opt_state = _keep(kept, frozen, new_opt_state, opt_state)
-    return new_params, new_opt_state
+    step = (optimizer.step if isinstance(optimizer, AdamW) else None) or OPTAX_STEP
+    if not step.applies(optimizer, params, opt_state):
+        step = OPTAX_STEP
+    return step(optimizer, grads, opt_state, params, lr, kept, frozen)
 
 
 def _keep(kept, frozen, new, old):

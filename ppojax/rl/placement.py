@@ -37,7 +37,7 @@ def make_init_cache_fn(mesh: Mesh, rules: Mapping[str, Any] = sharding.GENERATE_
     :func:`ppojax.parallel.sharding.kv_cache_shardings` (inside jit: ``with_sharding_constraint``)."""
 
     def init_cache_fn(model, batch_size, max_length, dtype):
-        cache = init_cache(model.cfg, batch_size, max_length, dtype)
+        cache = init_cache(model.cfg, batch_size, max_length, dtype, model.kernels)
         return jax.lax.with_sharding_constraint(cache, sharding.kv_cache_shardings(cache, mesh, rules))
 
     return init_cache_fn

@@ -133,9 +133,9 @@ def _cache_dtype(model, params, cache_dtype):
 
 
 def _init_cache(model, batch_size, max_length, dtype):
-    from ppojax.models import init_cache  # noqa: PLC0415 (models import nothing from here)
+    from ppojax.models import XLA, init_cache  # noqa: PLC0415 (models import nothing from here)
 
-    return init_cache(_model_config(model), batch_size, max_length, dtype)
+    return init_cache(_model_config(model), batch_size, max_length, dtype, getattr(model, "kernels", XLA))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -403,7 +403,24 @@ def _model_inputs(load, *, config, model_path, model, ref_model, reward_model, v
     if uses_critic and config.value_head == "separate" and value_model is None \
             and config.value_model_path is not None:
         value_model, _ = load("value model", config.value_model_path, kind="score", **model_options)
+    _use_backend_kernels(config, model, ref_model, reward_model, value_model)
     return dict(policy=model, ref_model=ref_model, reward_module=reward_model, value_module=value_model)
+
+
+def _use_backend_kernels(config, *modules) -> None:
+    """Choose the backend's kernels for the run's models (once, from their shapes: abstract models get the same
+    choice as loaded ones) and set them on every backbone. The modules are the run's own (copies of the caller's)."""
+    from ppojax import backends
+
+    present = [m for m in modules if m is not None]
+    kernels = as_config_error(backends.kernels_for, present, matmul_implementation=config.matmul_implementation,
+                              devices=_run_devices(config))
+    backends.use_kernels(kernels, *present)
+
+
+def _run_devices(config) -> list:
+    """The devices a run computes on (its mesh's; every device jax sees)."""
+    return list(jax.devices())
 
 
 def _assemble(config, *, policy, ref_model, reward_module, value_module, uses_critic) -> _Models:
@@ -416,7 +433,7 @@ def _assemble(config, *, policy, ref_model, reward_module, value_module, uses_cr
     if uses_critic and config.value_head == "separate":
         value = value_module if value_module is not None else reward_module
         if value is None:
-            value = _new_value_model(config, policy, model_kwargs(config))
+            value = _new_value_model(config, policy, dict(model_kwargs(config), kernels=policy.kernels))
         value_graphdef, params["value"] = nnx.split(value)
         if value_module is None and reward_module is not None:
             # the value model trains; the reward model must not
@@ -503,7 +520,11 @@ def make_program(config: PPOConfig, mesh, graphdefs, reward, *, pad_token_id: in
                                ref_graphdef=ref_graphdef,
                                has_critic=advantage_estimator(config.advantage_estimator).uses_critic,
                                base_graphdef=base_graphdef, lora_scale=lora_scale)
-    return PPOProgram(actor_critic, reward, settings, optimizer_from_config(config), mesh)
+    from ppojax import backends
+
+    step = backends.optimizer_step_for(config.optimizer_implementation,
+                                       list(mesh.devices.flat) if mesh is not None else None)
+    return PPOProgram(actor_critic, reward, settings, optimizer_from_config(config, step), mesh)
 
 
 def _dataset_source(config):
@@ -533,18 +554,19 @@ def _check_matmul_implementation(config, mesh) -> None:
 
 def model_kwargs(config) -> dict:
     """The model constructor arguments the config sets: precision (compute and parameter dtypes),
-    rematerialisation, attention and matmul implementations."""
+    rematerialisation, attention implementation. The backend's kernels are chosen for the loaded models
+    (:func:`_use_backend_kernels`)."""
     from ppojax.models import precision_dtypes
     compute, params = precision_dtypes(config.precision)
     return dict(dtype=compute, param_dtype=params, remat=config.remat,
-                attention_implementation=config.attention_implementation,
-                matmul_implementation=config.matmul_implementation)
+                attention_implementation=config.attention_implementation)
 
 
 def follow_config(module, config: PPOConfig, role: str) -> None:
     """A model the caller built (PPOTrainer's ``model``, ``ref_model``, ``reward_model``, ``value_model``) runs
-    with the config's compute choices, as a model ppojax loads does: ``remat``, ``attention_implementation`` and
-    ``matmul_implementation`` are set on its backbones (static choices: the weights are the same). Its
+    with the config's compute choices, as a model ppojax loads does: ``remat`` and ``attention_implementation``
+    are set on its backbones (static choices: the weights are the same; the backend's kernels are set on the
+    run's copy, :func:`_use_backend_kernels`). Its
     precision cannot be changed without recasting the weights, so one that differs from ``precision`` is
     refused, naming how to build the model. Modules that are not ppojax's transformers are left alone."""
     from ppojax.models import precision_dtypes
@@ -556,7 +578,6 @@ def follow_config(module, config: PPOConfig, role: str) -> None:
     for backbone in backbones:
         backbone.remat = config.remat
         backbone.attention_implementation = config.attention_implementation
-        backbone.matmul_implementation = config.matmul_implementation
     if backbones:
         compute, weights = (jnp.dtype(d) for d in precision_dtypes(config.precision))
         computes = {jnp.dtype(m.dtype) for _, m in nnx.iter_modules(module) if hasattr(m, "dtype")}

@@ -143,9 +143,9 @@ def abstract_run(config: PPOConfig, model_cfg, mesh) -> AbstractRun:
     from ppojax.trainer.build import assemble_abstractly, make_program, model_kwargs
     from ppojax.rl.types import init_train_state
 
-    # XLA's dots, as on the accelerators the CPU devices stand in for (oneDNN's custom calls would hide their FLOPs
-    # from the cost analysis)
-    options = dict(model_kwargs(config), matmul_implementation="xla")
+    # the models' default kernels, XLA's, as on the accelerators the CPU devices stand in for (a backend's custom
+    # calls would hide their FLOPs from the cost analysis)
+    options = model_kwargs(config)
     rngs = lambda: nnx.Rngs(0)  # noqa: E731 - eval_shape: no random numbers are drawn
     uses_critic = advantage_estimator(config.advantage_estimator).uses_critic
     policy_class = CausalLMWithValueHead if config.value_head == "policy" and uses_critic else CausalLM

@@ -10,12 +10,14 @@ Values: optax's arithmetic operation by operation, each rounded to float32; XLA 
 two agree to a few units in the last place. The scalars of the step (the learning rate, the bias corrections, the
 gradients' global norm and whether it clips) are computed by optax's own expressions before the call.
 
-Where it runs (:func:`applies`): an `AdamW` with ``implementation="auto"`` whose parameters and moments are all
-float32, on a single CPU device (XLA cannot partition a custom call), where the handler could be built (Linux
-x86-64 with `g++`, or built before: `ppojax.backends.cpu.ffi.build`). Elsewhere the step is optax's.
+Where it runs: `InPlaceAdamStep` is an `AdamW`'s step implementation (`ppojax.rl.optimizer`), chosen when a run is
+built (`ppojax.backends.optimizer_step_for`: a single CPU device, as XLA cannot partition a custom call, and the
+handler built: Linux x86-64 with `g++`, or built before, `ppojax.backends.cpu.ffi.build`); at trace time it runs
+where every parameter and moment is float32 (:meth:`InPlaceAdamStep.applies`), optax's step elsewhere.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import platform
 import threading
@@ -84,17 +86,31 @@ def adam_state_index(opt_state) -> int | None:
     return found[0] if len(found) == 1 else None
 
 
-def applies(params, opt_state) -> bool:
-    """Whether an `AdamW` step on `params` (and its `opt_state`) runs here in place: every parameter and moment
-    float32, on a single CPU device, the handler built."""
+def float32_adam(params, opt_state) -> bool:
+    """Whether `opt_state` is an `AdamW`'s chained state whose parameters and moments are all float32 (shapes and
+    dtypes only: read at trace time)."""
     index = adam_state_index(opt_state)
-    if index is None or jax.default_backend() != "cpu" or jax.device_count() != 1:
+    if index is None:
         return False
     adam = opt_state[index]
     leaves = jax.tree.leaves((params, adam.mu, adam.nu))
-    if not leaves or any(jnp.dtype(x.dtype) != jnp.float32 for x in leaves):
-        return False
-    return not unavailable_reason()
+    return bool(leaves) and all(jnp.dtype(x.dtype) == jnp.float32 for x in leaves)
+
+
+@dataclasses.dataclass(frozen=True)
+class InPlaceAdamStep:
+    """AdamW's step by the handler (`ppojax.rl.optimizer.OptaxStep`'s interface). Make it only where the handler
+    is registered on a single CPU device (`ppojax.backends.optimizer_step_for` checks)."""
+
+    name: str = dataclasses.field(default="adam_in_place", init=False)
+
+    def applies(self, optimizer, params, opt_state) -> bool:
+        return float32_adam(params, opt_state)
+
+    def __call__(self, optimizer, grads, opt_state, params, lr, kept=None, frozen=None):
+        frozen_leaves = None if kept is None else \
+            tuple(bool(kept(path)) for path, _ in jax.tree_util.tree_leaves_with_path(params))
+        return step(optimizer, grads, opt_state, params, lr, frozen_leaves, frozen)
 
 
 def step(optimizer, grads, opt_state, params, lr, frozen_leaves=None, frozen=None):
@@ -103,7 +119,7 @@ def step(optimizer, grads, opt_state, params, lr, frozen_leaves=None, frozen=Non
     optimizer: `ppojax.rl.optimizer.AdamW`; grads, params: trees of float32 leaves alike; opt_state: its chained
     state; lr: f32[]. frozen_leaves: a tuple of bools, one per leaf of `params` in tree order, True for a leaf (and its
     moments) kept as it is while `frozen` (a traced bool[]): the policy's during the critic's warm-up. Adam's step
-    count advances either way, as optax's does. Call only where :func:`applies`."""
+    count advances either way, as optax's does. Call only where :func:`float32_adam` and the handler is registered."""
     index = adam_state_index(opt_state)
     adam = opt_state[index]
     count = optax.safe_increment(adam.count)

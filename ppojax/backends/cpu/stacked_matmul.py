@@ -106,7 +106,7 @@ def library_of(implementation: str, shapes=None) -> dict:
     `matmul_tuning.SHAPES`, SmolLM2-135M's) as an implementation's handlers run them: its own for a library's name
     ("onednn", "onednn_primitive", "mkl"); for "auto" per shape and product the one measured fastest on this CPU
     among those whose handlers can be had (`matmul_record`; measured now, once per CPU and shape, where no record
-    covers them all: `matmul_tuning`); oneDNN's sgemm where it cannot be had itself (then `applies` keeps XLA's
+    covers them all: `matmul_tuning`); oneDNN's sgemm where it cannot be had itself (then `CpuKernels.for_shapes` keeps XLA's
     dots: oneDNN's in-place products are the ones measured faster than XLA's copy-then-dot, the others are
     measured against them)."""
     from ppojax.backends.cpu.matmul_tuning import SHAPES
@@ -119,7 +119,7 @@ def library_of(implementation: str, shapes=None) -> dict:
     onednn = {shape: Libraries.every("onednn") for shape in shapes}
     candidates = buildable_libraries()
     if "onednn" not in candidates:  # the baseline the others must beat, itself measured against XLA's dots
-        return onednn  # (not to be had: `applies` keeps XLA's dots)
+        return onednn  # (not to be had: `CpuKernels.for_shapes` keeps XLA's dots)
     chosen = recorded_choice(candidates, shapes)
     missing = tuple(shape for shape in shapes if shape not in chosen)
     if missing:
@@ -295,33 +295,6 @@ def check_implementation(implementation: str) -> None:
                          f"multiplies float32 layer kernels in place with oneDNN on a single CPU device where it can "
                          f"be had, 'xla' keeps XLA's dots, 'onednn' insists on oneDNN's sgemm, 'onednn_primitive' "
                          f"takes oneDNN's matmul primitive, 'mkl' MKL's sgemm (torch's)")
-
-
-def applies(implementation: str, dtype, kernels, rows: int) -> bool:
-    """Whether a model traced now multiplies its stacked layer kernels (`kernels`, [L, d_in, d_out] each, arrays or
-    shapes) here, for calls of `rows` token rows (static, at trace time), with the handlers of
-    `library_of(implementation, their shapes)`.
-
-    Only float32 on a single CPU device: XLA cannot partition a custom call (on a mesh it would gather the whole
-    stack per call), other platforms have their own kernels, and XLA's bf16 kernels serve the 16-bit policies.
-    "auto" also wants the sizes where it pays (`AUTO_MIN_LAYER_ELEMENTS`, `AUTO_MIN_ROWS` or `few_rows_limit`) and
-    keeps XLA's dots where the handlers cannot be had; a library's name raises where it cannot run, naming why."""
-    check_implementation(implementation)
-    if implementation == "xla":
-        return False
-    layer_elements = sum(k.size // k.shape[0] for k in kernels)
-    if implementation == "auto" and layer_elements < AUTO_MIN_LAYER_ELEMENTS:
-        return False
-    float32 = jnp.dtype(dtype) == jnp.float32 and all(jnp.dtype(k.dtype) == jnp.float32 for k in kernels)
-    why = "" if float32 else "it runs float32 models on a single CPU device only"
-    shapes = kernel_shapes(kernels)
-    why = why or unavailable_on(jax.device_count(), implementation, shapes)
-    if why and implementation != "auto":
-        raise ValueError(f"matmul_implementation={implementation!r} cannot be used here: {why}; use 'auto' or 'xla'")
-    if implementation == "auto" and rows < AUTO_MIN_ROWS and not why:
-        # a decode step's products are forwards
-        return rows <= min(few_rows_limit(libraries.fwd) for libraries in library_of(implementation, shapes).values())
-    return not why
 
 
 def kernel_shapes(kernels) -> tuple:
