@@ -85,7 +85,7 @@ def run_case(name: str, precision: str, peaks: dict, fused: bool) -> dict:
            "setup_s": time.perf_counter() - t0}
     key = jax.random.key(0)
 
-    sample = jax.jit(lambda s, q, k: rollout.sample(program, s, q, k))
+    sample = jax.jit(lambda s, q, k: rollout.sample(program, s, q, k)[0])
     prefill = jax.jit(lambda s, q, k: generate(program.actor_critic.policy_graphdef,
                                                 rollout._in_compute_dtype(program.actor_critic.policy_graphdef,
                                                                           s.params["policy"]),

@@ -43,7 +43,7 @@ def phase(name: str, model_dir: str, overrides: list) -> dict:
     from ppojax.models import CausalLM, ScoreModel, load_pretrained, load_tokenizer
     from ppojax.trainer.plan import PRESETS, model_config_for
     from ppojax.trainer.build import build_run, model_kwargs
-    from ppojax.rl.program import make_rollout, make_update, rollout_part
+    from ppojax.rl.program import collect_experience, make_rollout, make_update
 
     config = PPOConfig.from_yaml(REPO / "configs/plan.yaml", overrides)
     runtime_mb = status_mb("VmRSS")
@@ -60,14 +60,14 @@ def phase(name: str, model_dir: str, overrides: list) -> dict:
     run = build_run(config, processing_class=tokenizer, model=policy, reward_model=reward)
     del policy, reward
     jax.block_until_ready(run.state)  # the state's initialisation runs asynchronously
-    prompts = jnp.full((run.settings.batch_size, config.max_prompt_length), 5, jnp.int32)
+    prompts = jnp.full((run.settings.batch.batch_size, config.max_prompt_length), 5, jnp.int32)
     key = jax.random.key(0)
     built_mb = status_mb("VmRSS")
     if name == "rollout":
         program = make_rollout(run.program).jitted
         args = (run.state, prompts, key)
     else:
-        shapes, _ = jax.eval_shape(lambda s, p, k: rollout_part(run.program, s, p, k), run.state, prompts, key)
+        shapes, _ = jax.eval_shape(lambda s, p, k: collect_experience(run.program, s, p, k), run.state, prompts, key)
         experience = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
         program = make_update(run.program, run.state_shardings)
         args = (run.state, experience, key)

@@ -83,7 +83,7 @@ def build_compiling_ahead(config: dict, compile_ahead: bool = True):
     from ppojax.trainer.config import PPOConfig
     from ppojax.core import advantage_estimator
     from ppojax.rl.rewards import ModelScores
-    from ppojax.rl.settings import StepSettings
+    from ppojax.rl.settings import Hyperparams, StepSettings
     from ppojax.trainer.compile_ahead import start_train_step
     from ppojax.rl.program import PPOProgram
 
@@ -118,15 +118,16 @@ def build_compiling_ahead(config: dict, compile_ahead: bool = True):
     ahead = None
     if compile_ahead:
         params, frozen = trees(nnx.state(abstract_policy), nnx.state(abstract_reward), lambda tree: tree)
-        ahead = start_train_step(program, params, frozen, kl_coef=0.05,
-                                 prompts_shape=(config["batch_size"] // settings.num_generations,
+        ahead = start_train_step(program, params, frozen, hyperparams=Hyperparams.from_config(ppo_config),
+                                 kl_coef=0.05, prompts_shape=(config["batch_size"] // settings.sampling.num_generations,
                                                 config["prompt_length"]))
     policy, reward, _ = _models(config)
     if (nnx.graphdef(policy), nnx.graphdef(reward)) != (policy_graphdef, reward_graphdef):
         raise AssertionError("the loaded models' structure differs from abstract_pretrained's")
     params, frozen = trees(nnx.state(policy), nnx.state(reward), sharding.copy_arrays)
-    state, shardings = placement.init_sharded_train_state(params, optimizer, mesh, frozen=frozen, kl_coef=0.05,
-                                                         donate=True)  # the models are this function's
+    state, shardings = placement.init_sharded_train_state(params, optimizer, mesh,
+                                                         hyperparams=Hyperparams.from_config(ppo_config),
+                                                         frozen=frozen, kl_coef=0.05, donate=True)  # the models are this function's
     return program, state, shardings, ahead
 
 
@@ -139,7 +140,7 @@ def run(config: dict) -> dict:
     program, state, shardings, ahead = build_compiling_ahead(
         config, scan == 1 and config.get("compile_ahead", DEFAULT_COMPILE_AHEAD))
     prompts = np.asarray(config["prompts"], np.int32)
-    B = config["batch_size"] // program.settings.num_generations  # prompts per update
+    B = config["batch_size"] // program.settings.sampling.num_generations  # prompts per update
     seed_key = jax.random.key(config["seed"])
     jax.block_until_ready(state)
     setup_s = time.perf_counter() - t_setup
@@ -198,7 +199,7 @@ def run(config: dict) -> dict:
     if ahead is not None:  # the background thread's trace, lowering and compile of train_step
         out["compile_ahead_s"] = ahead.seconds
         out["compile_ahead_error"] = None if ahead.error is None else repr(ahead.error)
-    out["advantage_estimator"] = program.settings.advantage_estimator
+    out["advantage_estimator"] = program.settings.algorithm.advantage_estimator
     out["precision"] = config.get("precision", "float32")
     out["allocator"] = "mimalloc" if host_memory.mimalloc_preloaded() else "glibc"
     out["matmul_implementation"] = _matmul_used(config, program, state.params)
@@ -250,7 +251,7 @@ def measure_phases(program, state, prompts, key, repeats: int = 2) -> dict:
     from ppojax.rl.program import make_rollout
     from ppojax.rl.update import learn
 
-    sample = jax.jit(lambda s, q, k: rollout.sample(program, s, q, k))
+    sample = jax.jit(lambda s, q, k: rollout.sample(program, s, q, k)[0])
     run_rollout = make_rollout(program)
     update = jax.jit(lambda s, e, k: learn(program, s, e, k)[0], donate_argnums=0)
     state = jax.tree.map(jnp.copy, state)  # the caller's state stays valid

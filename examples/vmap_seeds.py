@@ -19,7 +19,7 @@ from ppojax.rl.actor_critic import ActorCritic
 from ppojax.trainer.config import PPOConfig
 from ppojax.models import CausalLM, ModelConfig, ScoreModel
 from ppojax.rl.rewards import TracedScores
-from ppojax.rl.settings import StepSettings
+from ppojax.rl.settings import Hyperparams, StepSettings
 from ppojax.rl.program import PPOProgram, ppo_iteration
 from ppojax.rl.types import init_train_state
 from ppojax.rl.optimizer import make_optimizer
@@ -57,6 +57,7 @@ def run(seed, prompts):
     policy = nnx.state(CausalLM(model_config, rngs=nnx.Rngs(params=key)))
     value = nnx.state(ScoreModel(model_config, rngs=nnx.Rngs(params=jax.random.fold_in(key, 1))))
     state = init_train_state({"policy": policy, "value": value}, program.optimizer,
+                             hyperparams=Hyperparams.from_config(config),
                              frozen={"ref": jax.tree.map(jnp.copy, policy), "reward": None}, kl_coef=0.05)
     keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(ITERATIONS))
     _, metrics = jax.lax.scan(lambda s, xs: ppo_iteration(program, s, *xs), state, (prompts, keys))

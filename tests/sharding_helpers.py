@@ -7,6 +7,7 @@ Import-time side effects: none (the multi-device tests set XLA_FLAGS before JAX 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 
@@ -33,7 +34,7 @@ from ppojax.models import CausalLM, ModelConfig, ScoreModel, load_pretrained, sa
 from ppojax.models import hf_io  # noqa: E402
 from ppojax.trainer.config import PPOConfig  # noqa: E402
 from ppojax.rl.rewards import ModelScores  # noqa: E402
-from ppojax.rl.settings import StepSettings  # noqa: E402
+from ppojax.rl.settings import Hyperparams, StepSettings  # noqa: E402
 from ppojax.rl.program import PPOProgram, make_rollout  # noqa: E402
 from ppojax.rl.types import Experience  # noqa: E402
 from ppojax.rl.optimizer import make_optimizer  # noqa: E402
@@ -42,10 +43,18 @@ from ppojax.rl.update import learn  # noqa: E402
 PAD, STOP, VOCAB, P, R, B = 0, 2, 128, 6, 8, 16
 CFG = ModelConfig(model_type="llama", vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, intermediate_size=64)
-SETTINGS = StepSettings.from_config(
-    PPOConfig(num_ppo_epochs=2, num_mini_batches=2, gradient_accumulation_steps=1, learning_rate=1e-3,
-              batch_size=B, response_length=R, temperature=0.7, stop_token_id=STOP, missing_eos_penalty=1.0),
-    pad_token_id=PAD, stop_token_id=STOP, num_updates=4)
+CONFIG = PPOConfig(num_ppo_epochs=2, num_mini_batches=2, gradient_accumulation_steps=1, learning_rate=1e-3,
+                   batch_size=B, response_length=R, temperature=0.7, stop_token_id=STOP, missing_eos_penalty=1.0)
+
+
+def settings_of(**changes):
+    """(StepSettings, Hyperparams) of CONFIG with ``changes`` (PPOConfig field names)."""
+    config = dataclasses.replace(CONFIG, **changes)
+    return (StepSettings.from_config(config, pad_token_id=PAD, stop_token_id=STOP, num_updates=4),
+            Hyperparams.from_config(config))
+
+
+SETTINGS, HYPERPARAMS = settings_of()
 NUM_MULTIHOST_UPDATES = 2
 
 
@@ -74,7 +83,8 @@ def rollout(mesh, params, frozen, graphdefs, queries, key):
     policy_def, value_def = graphdefs
     ac = ActorCritic(policy_def, value_def, PAD, temperature=0.7)
     program = PPOProgram(ac, ModelScores(value_def, PAD), SETTINGS, make_optimizer(), mesh)
-    state, _ = placement.init_sharded_train_state(params, program.optimizer, mesh, frozen=frozen)
+    state, _ = placement.init_sharded_train_state(params, program.optimizer, mesh, hyperparams=HYPERPARAMS,
+                                                  frozen=frozen)
     experience, failures = make_rollout(program)(state, jnp.asarray(queries), key)
     assert int(failures) == 0
     return experience
@@ -96,7 +106,7 @@ def lora_rollout_and_update(mesh, experience=None):
     ac = ActorCritic(lora_def, value_def, PAD, temperature=0.7, base_graphdef=base_def, lora_scale=spec.scale)
     program = PPOProgram(ac, ModelScores(value_def, PAD), SETTINGS, make_optimizer(), mesh)
     state, shardings = placement.init_sharded_train_state(
-        {"policy": adapters, "value": params["value"]}, program.optimizer, mesh,
+        {"policy": adapters, "value": params["value"]}, program.optimizer, mesh, hyperparams=HYPERPARAMS,
         frozen={"base": base, "ref": None, "reward": frozen["reward"]})
     rolled, failures = make_rollout(program)(state, jnp.asarray(prompts()), jax.random.key(0))
     assert int(failures) == 0
@@ -107,12 +117,13 @@ def lora_rollout_and_update(mesh, experience=None):
     return rolled, state, {k: float(v) for k, v in sh.to_host(metrics).items()}
 
 
-def run_updates(mesh, ac, params, experience, num_updates, settings=SETTINGS):
+def run_updates(mesh, ac, params, experience, num_updates, settings=SETTINGS, hyperparams=HYPERPARAMS):
     """``num_updates`` sharded PPO updates (``ppojax.rl.update.learn``) on the same experience.
     -> (state, list of metric dicts)."""
     optimizer = make_optimizer()
     program = PPOProgram(ac, None, settings, optimizer, mesh)
-    state, shardings = placement.init_sharded_train_state(params, optimizer, mesh, kl_coef=0.05)
+    state, shardings = placement.init_sharded_train_state(params, optimizer, mesh, hyperparams=hyperparams,
+                                                         kl_coef=0.05)
     update = jax.jit(lambda s, e, k: learn(program, s, e, k), donate_argnums=(0,),
                      out_shardings=(shardings, sh.replicated(mesh)))
     experience = sh.shard_batch(experience, mesh)

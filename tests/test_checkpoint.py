@@ -28,6 +28,7 @@ from ppojax.io import file_manifest
 from ppojax.trainer.config import PPOConfig
 from ppojax.trainer.data import PromptBatches
 from ppojax.core.controllers import RunningMoments
+from ppojax.rl.settings import Hyperparams
 from ppojax.rl.types import init_train_state
 from ppojax.rl.optimizer import make_optimizer
 
@@ -61,7 +62,7 @@ def _train(seed, steps):
     params = {"dense": {"kernel": jax.random.normal(k1, (4, 3)), "bias": jnp.zeros((3,))},
               "head": jax.random.normal(k2, (3,)).astype(jnp.bfloat16)}
     optimizer = make_optimizer()
-    state = init_train_state(params, optimizer)
+    state = init_train_state(params, optimizer, hyperparams=Hyperparams.create())
     for i in range(steps):
         grads = jax.tree.map(lambda p: jnp.sin(p.astype(jnp.float32) * (i + 1)).astype(p.dtype), state.params)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)

@@ -165,16 +165,16 @@ def test_static_settings_is_a_jit_static_argument():
 
     def run(settings, x):
         traces.append(settings)
-        return x * settings.cliprange
+        return x * settings.lam
 
     run_jit = jax.jit(run, static_argnums=0)
     base = PPOConfig(batch_size=16)
     same = dataclasses.replace(base, output_dir="elsewhere", kl_coef=0.3, seed=7, save_steps=2)
     assert base.static_settings() == same.static_settings()
     assert hash(base.static_settings()) == hash(same.static_settings())
-    other = dataclasses.replace(base, cliprange=0.1)
+    other = dataclasses.replace(base, lam=0.1)
     assert other.static_settings() != base.static_settings()
-    assert float(run_jit(base.static_settings(), jnp.float32(1))) == pytest.approx(0.2)
+    assert float(run_jit(base.static_settings(), jnp.float32(1))) == pytest.approx(0.95)
     run_jit(same.static_settings(), jnp.float32(2))
     assert len(traces) == 1  # equal views: no new trace
     assert float(run_jit(other.static_settings(), jnp.float32(1))) == pytest.approx(0.1)

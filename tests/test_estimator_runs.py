@@ -73,7 +73,7 @@ def test_critic_warmup_trains_only_the_value_function(tmp_path):
     assert max(jax.tree.leaves(moved)) > 1e-4
     counts = [int(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(trainer.state.opt_state)
               if "count" in jax.tree_util.keystr(path)]
-    assert counts == [2 * trainer.run.settings.steps_per_update]  # Adam's step count (the critic's) advanced
+    assert counts == [2 * trainer.run.settings.optim.steps_per_update]  # Adam's step count (the critic's) advanced
     trainer.train(progress=False)  # update 3: the policy moves too
     moved = jax.tree.map(lambda a, b: np.abs(a - np.asarray(b)).max(), policy_before, trainer.state.params["policy"])
     assert max(jax.tree.leaves(moved)) > 1e-4

@@ -19,7 +19,7 @@ from ppojax.trainer.config import PPOConfig  # noqa: E402
 from ppojax.models import load_pretrained  # noqa: E402
 from ppojax.core.masks import INVALID_LOGPROB  # noqa: E402
 from ppojax.rl.rewards import GivenScores, FunctionScores, ModelScores  # noqa: E402
-from ppojax.rl.settings import StepSettings  # noqa: E402
+from ppojax.rl.settings import Hyperparams, StepSettings  # noqa: E402
 from ppojax.rl.program import PPOProgram, make_rollout  # noqa: E402
 from ppojax.rl.types import init_train_state  # noqa: E402
 from ppojax.rl.optimizer import make_optimizer  # noqa: E402
@@ -55,9 +55,10 @@ def program_and_state(models, settings, reward=None):
     """A PPOProgram over the tiny torch-twin models (reward: a ModelScores on models['reward'] by default)
     and a TrainState holding their parameters."""
     actor_critic = ActorCritic(models["policy"][1], models["value"][1], PAD, T)
-    reward = reward or ModelScores(models["reward"][1], PAD, settings.local_rollout_forward_batch_size)
+    reward = reward or ModelScores(models["reward"][1], PAD, settings.batch.local_rollout_forward_batch_size)
     program = PPOProgram(actor_critic, reward, settings, make_optimizer())
     state = init_train_state({"policy": models["policy"][2], "value": models["value"][2]}, program.optimizer,
+                             hyperparams=Hyperparams.create(),
                              frozen={"ref": models["ref"][2], "reward": models["reward"][2]})
     return program, state
 
@@ -86,7 +87,7 @@ def torch_scores(hf, query_responses):
 
 def check_against_spec(exp, models, settings):
     """Every field of the experience, recomputed independently (docs/algorithm.md, "Rollout", steps 2-8)."""
-    stop = settings.stop_token_id
+    stop = settings.sampling.stop_token_id
     queries, qr = np.asarray(exp.queries), np.asarray(exp.query_responses)
     np.testing.assert_array_equal(queries, PROMPTS)
     raw = qr[:, P:]
@@ -115,8 +116,9 @@ def check_against_spec(exp, models, settings):
     postprocessed = np.concatenate([queries, truncated], axis=1)
     scores = torch_scores(models["reward"][0], postprocessed)[np.arange(len(qr)), seq + P]
     has_stop = (truncated == stop).any(-1) if stop is not None else np.zeros(len(qr), bool)
-    if settings.missing_eos_penalty is not None:
-        scores = scores - settings.missing_eos_penalty * ~has_stop
+    penalty = settings.algorithm.missing_eos_penalty
+    if penalty is not None:
+        scores = scores - penalty * ~has_stop
     np.testing.assert_allclose(exp.scores, scores, atol=3e-5, rtol=1e-5)
     np.testing.assert_array_equal(exp.contains_stop, has_stop)
 
@@ -161,7 +163,7 @@ def test_num_eos_tokens_counts_the_sampled_eos_tokens(models, rollouts):
     values, counts = np.unique(raw, return_counts=True)
     eos = int(values[np.argmax(counts)])  # the most sampled token: several occurrences
     assert counts.max() > 1
-    settings = dataclasses.replace(free_settings, eos_token_id=eos)
+    settings = dataclasses.replace(free_settings, sampling=dataclasses.replace(free_settings.sampling, eos_token_id=eos))
     exp = make_experience(models, settings, key)
     np.testing.assert_array_equal(np.asarray(exp.query_responses), np.asarray(free.query_responses))
     assert int(exp.num_eos_tokens) == int(np.sum(raw == eos)) == counts.max()
@@ -172,7 +174,8 @@ def test_sampler_logprobs_equal_the_forwards_and_skip_the_policy_forward(models,
     """behaviour_logprobs: sampler (TRL's way): the decode loop's log-probs pass the same check against
     torch as the forward's, the samples are the same, and the compiled rollout runs one model forward fewer."""
     key, _, (settings, exp) = rollouts
-    sampler = settings.replace(behaviour_logprobs="sampler", local_rollout_forward_batch_size=forward_batch_size)
+    sampler = settings_for(stop=settings.sampling.stop_token_id, penalty=PENALTY, forward_batch_size=forward_batch_size,
+                           behaviour_logprobs="sampler")
     program, state = program_and_state(models, sampler)
     run = make_rollout(program)
     got, failures = run(state, PROMPTS, key)
@@ -187,12 +190,13 @@ def test_sampler_logprobs_equal_the_forwards_and_skip_the_policy_forward(models,
     def flops(jitted, *args):  # XLA's count (a loop body counted once), the same way for every program
         return jitted.lower(*args).compile().cost_analysis()["flops"]
 
-    forward_program, _ = program_and_state(models, sampler.replace(behaviour_logprobs="forward"))
+    forward_program, _ = program_and_state(models, settings_for(stop=settings.sampling.stop_token_id, penalty=PENALTY,
+                                                                forward_batch_size=forward_batch_size))
     saved = (flops(make_rollout(forward_program).jitted, state, jnp.asarray(PROMPTS), key)
              - flops(run.jitted, state, jnp.asarray(PROMPTS), key))
     policy_graphdef = models["policy"][1]
     one_forward = flops(jax.jit(lambda params, qr: forward.response_logprobs(
-        nnx.merge(policy_graphdef, params), qr, P, PAD, T, chunk_size=settings.rollout_logits_chunk)[0]),
+        nnx.merge(policy_graphdef, params), qr, P, PAD, T, chunk_size=settings.batch.rollout_logits_chunk)[0]),
         state.params["policy"], exp.query_responses)
     assert one_forward > 0 and saved == pytest.approx(one_forward, rel=0.1), (saved, one_forward)
 
@@ -210,7 +214,7 @@ def test_forward_batch_size_chunking_and_full_kl(models, rollouts):
     """Micro-batched, differently chunked forwards give the same experience; the legacy `full` KL matches."""
     _, _, (settings, exp) = rollouts
     assert exp.full_kl is None
-    small = settings_for(stop=settings.stop_token_id, penalty=PENALTY, chunk=3, forward_batch_size=1,
+    small = settings_for(stop=settings.sampling.stop_token_id, penalty=PENALTY, chunk=3, forward_batch_size=1,
                          kl_estimator="full")
     program, state = program_and_state(models, small)
     again = jax.jit(lambda s, qr: rollout.experience(program, s, qr, P)[0])(state, exp.query_responses)
@@ -268,7 +272,8 @@ def test_caller_scores_and_value_head_hook(tmp_path):
     settings = settings_for(response_length=4)
     scores = np.array([0.5, -1.0, 2.0], np.float32)
     program = PPOProgram(ActorCritic(graphdef, None, PAD, T), GivenScores(scores), settings, make_optimizer())
-    state = init_train_state({"policy": params}, program.optimizer, frozen={"ref": params, "reward": None})
+    state = init_train_state({"policy": params}, program.optimizer, hyperparams=Hyperparams.create(),
+                             frozen={"ref": params, "reward": None})
     exp, _ = make_rollout(program)(state, PROMPTS, jax.random.key(0))
     np.testing.assert_allclose(exp.scores, scores)
     np.testing.assert_allclose(exp.ref_logprobs, exp.logprobs, atol=1e-6)
@@ -302,7 +307,7 @@ def test_no_recompilation_across_rollouts(models, rollouts):
         for i, temperature in enumerate([T, 0.01]):
             graphdef = nnx.graphdef(nnx.merge(policy_def, policy_params))
             jax.block_until_ready(rollout.sample_jit(graphdef, policy_params, PROMPTS, jax.random.key(i),
-                                                     temperature, settings=settings))
+                                                     temperature, sampling=settings.sampling))
             counts.append(len(compiles))
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)

@@ -19,6 +19,7 @@ import pytest
 from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
 
 from ppojax.parallel import sharding as sh
+from ppojax.rl.settings import Hyperparams
 from ppojax.rl import placement
 from tests.sharding_helpers import FAST_COMPILE_FLAGS
 
@@ -138,7 +139,8 @@ def test_a_donated_init_holds_the_given_buffers_and_copies_a_shared_one():
 
     params, frozen = trees()
     given = pointer(params["policy"]["w"]), pointer(params["value"]["w"])
-    state, _ = placement.init_sharded_train_state(params, make_optimizer(), mesh, frozen=frozen, donate=True)
+    state, _ = placement.init_sharded_train_state(params, make_optimizer(), mesh, hyperparams=Hyperparams.create(),
+                                                  frozen=frozen, donate=True)
     held = [pointer(state.params["policy"]["w"]), pointer(state.params["value"]["w"]),
             pointer(state.frozen["ref"]["w"])]
     assert held[:2] == list(given) and held[2] not in given
@@ -147,7 +149,8 @@ def test_a_donated_init_holds_the_given_buffers_and_copies_a_shared_one():
     np.testing.assert_array_equal(state.params["policy"]["w"], state.frozen["ref"]["w"])
 
     params, frozen = trees()
-    state, _ = placement.init_sharded_train_state(params, make_optimizer(), mesh, frozen=frozen)
+    state, _ = placement.init_sharded_train_state(params, make_optimizer(), mesh, hyperparams=Hyperparams.create(),
+                                                  frozen=frozen)
     assert not params["policy"]["w"].is_deleted()
     assert pointer(state.params["policy"]["w"]) != pointer(params["policy"]["w"])
 
@@ -224,7 +227,8 @@ if CHILD:
         mesh = sh.make_mesh(data=1, fsdp=8)
         from ppojax.rl.optimizer import make_optimizer
 
-        state, _ = placement.init_sharded_train_state(reference["params"], make_optimizer(), mesh)
+        state, _ = placement.init_sharded_train_state(reference["params"], make_optimizer(), mesh,
+                                                      hyperparams=Hyperparams.create())
         total_params = sum(x.nbytes for x in jax.tree.leaves(state.params))
         total_opt = sum(x.nbytes for x in jax.tree.leaves(state.opt_state))
         for device in jax.devices():
@@ -316,9 +320,10 @@ if CHILD:
         synthetic experience: no value model, params {"policy"} only."""
         ac, params, _, (policy_def, _) = H.build_models()
         ac = ActorCritic(policy_def, None, H.PAD, temperature=0.7, has_critic=False)
-        settings = H.SETTINGS.replace(advantage_estimator=estimator, num_generations=4, kl_loss_coef=0.04,
-                                      loss_agg_mode="seq-mean-token-mean", cliprange_high=0.28)
-        return H.run_updates(mesh, ac, {"policy": params["policy"]}, H.synthetic_experience(), 1, settings)
+        settings, hyperparams = H.settings_of(advantage_estimator=estimator, num_generations=4, kl_loss_coef=0.04,
+                                              loss_agg_mode="seq-mean-token-mean", cliprange_high=0.28)
+        return H.run_updates(mesh, ac, {"policy": params["policy"]}, H.synthetic_experience(), 1, settings,
+                             hyperparams)
 
     @pytest.mark.parametrize("estimator, shape", [("grpo", (8, 1, 1)), ("grpo", (2, 4, 1)), ("grpo", (4, 2, 1)),
                                                   ("rloo", (2, 4, 1)), ("reinforce_pp", (2, 4, 1))])

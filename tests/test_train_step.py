@@ -1,7 +1,7 @@
 """``train_step``: the whole PPO iteration as one compiled program.
 
-- equals the two-program path (rollout program, reward, update program: the layout before the single
-  program) on the same seed, for (a) a reward model + separate value model, (b) a Python reward function
+- equals a two-program path written here (rollout program, reward on the host, update program: the layout
+  before the single program) on the same seed, for (a) a reward model + separate value model, (b) a Python reward function
   (host callback inside the program vs. a host call between programs), (c) the legacy value head;
 - K calls of ``train_step`` equal one ``train_steps`` scan of K;
 - a vmapped batch of whole tiny runs (one per seed) equals the same seeds run one by one;
@@ -18,9 +18,11 @@ from ppojax.rl.actor_critic import ActorCritic
 from ppojax.trainer.config import PPOConfig
 from ppojax.models import CausalLM, ScoreModel
 from ppojax.rl.rewards import TracedScores
-from ppojax.rl.settings import StepSettings
+from ppojax.rl import rollout
+from ppojax.rl.settings import Hyperparams, StepSettings
+from ppojax.rl.update import learn
 from ppojax.trainer.loop import step_key
-from ppojax.rl.program import PPOProgram, make_train_step, make_train_steps, ppo_iteration
+from ppojax.rl.program import PPOProgram, iteration_keys, make_train_step, make_train_steps, ppo_iteration
 from ppojax.trainer.ppo_trainer import PPOTrainer
 from ppojax.rl.types import init_train_state
 from ppojax.rl.optimizer import make_optimizer
@@ -46,9 +48,47 @@ def trainer_for(tmp_path, case, split):
         reward = ScoreModel(tiny_config(), rngs=nnx.Rngs(7))
     if case == "value_head":
         config["value_head"] = "policy"
-    return PPOTrainer(PPOConfig.from_dict(config), processing_class=tiny_tokenizer(),
-                      model=tiny_policy(value_head=case == "value_head"), reward_model=reward, train_dataset=PROMPTS,
-                      split_train_step=split)
+    trainer = PPOTrainer(PPOConfig.from_dict(config), processing_class=tiny_tokenizer(),
+                         model=tiny_policy(value_head=case == "value_head"), reward_model=reward,
+                         train_dataset=PROMPTS)
+    if split:
+        trainer.train_step = two_program_step(trainer.run.program)
+    return trainer
+
+
+def two_program_step(program):
+    """``train_step`` as two compiled programs, a Python reward function called on the host between them (any
+    other reward source is evaluated at the end of the rollout program): the reference the single program
+    (host callback inside it) must equal."""
+    reward = program.reward
+    on_host = hasattr(reward, "host_scores")
+
+    def rollout_program(state, prompts, key):
+        sample_key, update_key = iteration_keys(key)
+        query_responses, sampler_logprobs = rollout.sample(program, state, prompts, sample_key)
+        if on_host:
+            return rollout.experience_forwards(program, state, query_responses, prompts.shape[1],
+                                               sampler_logprobs), update_key
+        return rollout.experience(program, state, query_responses, prompts.shape[1],
+                                  sampler_logprobs=sampler_logprobs)[0], update_key
+
+    def update_program(state, experience, scores, update_key):
+        if on_host:
+            experience = rollout.with_scores(experience, scores, program.settings)
+        state, metrics = learn(program, state, experience, update_key)
+        metrics["reward/failures"] = jnp.zeros((), jnp.int32)
+        return state, metrics
+
+    rollout_jit, update_jit = jax.jit(rollout_program), jax.jit(update_program, donate_argnums=(0,))
+
+    def train_step(state, prompts, key):
+        experience, update_key = rollout_jit(state, jnp.asarray(prompts, jnp.int32), key)
+        scores = None
+        if on_host:
+            scores = jnp.asarray(reward.host_scores(*sharding.to_host((experience.queries, experience.responses))))
+        return update_jit(state, experience, scores, update_key)
+
+    return train_step
 
 
 @pytest.mark.parametrize("case", ["reward_model", "reward_function", "value_head"])
@@ -86,10 +126,13 @@ def good_token_fraction(queries, responses):
     return jnp.sum((responses == GOOD) & live, axis=1) / jnp.maximum(jnp.sum(live, axis=1), 1)
 
 
+def tiny_config_ppo():
+    return PPOConfig(batch_size=16, response_length=6, max_prompt_length=6, learning_rate=1e-2,
+                     temperature=1.0, num_ppo_epochs=2, num_mini_batches=2, kl_coef=0.05)
+
+
 def tiny_program(num_updates=NUM_STEPS):
-    config = PPOConfig(batch_size=16, response_length=6, max_prompt_length=6, learning_rate=1e-2,
-                       temperature=1.0, num_ppo_epochs=2, num_mini_batches=2, kl_coef=0.05)
-    settings = StepSettings.from_config(config, pad_token_id=0, stop_token_id=1, eos_token_id=1,
+    settings = StepSettings.from_config(tiny_config_ppo(), pad_token_id=0, stop_token_id=1, eos_token_id=1,
                                         num_updates=num_updates)
     policy_def = nnx.graphdef(nnx.eval_shape(lambda: CausalLM(tiny_config(), rngs=nnx.Rngs(0))))
     value_def = nnx.graphdef(nnx.eval_shape(lambda: ScoreModel(tiny_config(), rngs=nnx.Rngs(0))))
@@ -97,12 +140,14 @@ def tiny_program(num_updates=NUM_STEPS):
     return PPOProgram(actor_critic, TracedScores(good_token_fraction), settings, make_optimizer())
 
 
-def init_state(program, seed):
-    """A fresh state for a (possibly traced) integer seed: policy, value model and reference from it."""
+def init_state(program, seed, hyperparams=None):
+    """A fresh state for a (possibly traced) integer seed: policy, value model and reference from it; the
+    hyperparameters of ``tiny_config_ppo`` unless given."""
     key = jax.random.key(seed)
     policy = nnx.state(CausalLM(tiny_config(), rngs=nnx.Rngs(params=key)))
     value = nnx.state(ScoreModel(tiny_config(), rngs=nnx.Rngs(params=jax.random.fold_in(key, 1))))
-    return init_train_state({"policy": policy, "value": value}, program.optimizer,
+    hyperparams = Hyperparams.from_config(tiny_config_ppo()) if hyperparams is None else hyperparams
+    return init_train_state({"policy": policy, "value": value}, program.optimizer, hyperparams=hyperparams,
                             frozen={"ref": jax.tree.map(jnp.copy, policy), "reward": None}, kl_coef=0.05)
 
 
@@ -203,3 +248,77 @@ def test_the_vmap_seeds_example_runs_and_every_seed_learns():
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = re.findall(r"seed \d: mean score ([\d.]+) \(first 3 iterations\) -> ([\d.]+)", proc.stdout)
     assert len(runs) == 4 and all(float(last) > float(first) + 0.15 for first, last in runs), proc.stdout
+
+
+def _load_example(name):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_vmapped_learning_rate_by_seed_grid_equals_the_runs_one_by_one():
+    """examples/vmap_lr_sweep.py: a 2 x 2 learning-rate x seed grid, its states stacked on a leading axis and
+    advanced by ONE vmapped train step (compiled once for all iterations), equals each run stepped alone, to the
+    tolerances of test_vmapped_seeds_equal_seeds_run_one_by_one; the learning rates really differ."""
+    sweep = _load_example("vmap_lr_sweep")
+    iterations = NUM_STEPS
+    program = sweep.make_program(iterations)
+    learning_rates, seeds = sweep.grid((1e-3, 3e-3), (0, 1))
+    prompts = sweep.prompt_blocks(iterations)
+    fast = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}  # as the seed test
+
+    states = jax.jit(jax.vmap(lambda s, lr: sweep.init_state(program, s, lr)))(seeds, learning_rates)
+    np.testing.assert_allclose(states.hyperparams.learning_rate, [1e-3, 1e-3, 3e-3, 3e-3])
+    initial = jax.tree.map(jnp.copy, states)
+    all_keys = [jax.vmap(lambda s: sweep.iteration_key(s, i))(seeds) for i in range(iterations)]
+    step = jax.jit(sweep.sweep_step(program)).lower(states, prompts[0], all_keys[0]).compile(compiler_options=fast)
+    grid_metrics = []
+    for i in range(iterations):
+        states, metrics = step(states, prompts[i], all_keys[i])
+        grid_metrics.append(metrics)
+
+    state0 = sweep.init_state(program, seeds[0], learning_rates[0])
+    single = jax.jit(lambda s, p, k: ppo_iteration(program, s, p, k)).lower(
+        state0, prompts[0], all_keys[0][0]).compile(compiler_options=fast)
+    for run in range(len(seeds)):
+        state = sweep.init_state(program, seeds[run], learning_rates[run])
+        for i in range(iterations):
+            state, metrics = single(state, prompts[i], all_keys[i][run])
+            for name, value in metrics.items():
+                np.testing.assert_allclose(value, grid_metrics[i][name][run], rtol=1e-3, atol=1e-4,
+                                           err_msg=f"run {run}, iteration {i}: {name}")
+        diffs = np.concatenate([np.abs(np.asarray(a) - np.asarray(b[run])).ravel()
+                                for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(states.params))])
+        assert np.mean(diffs <= 1e-5) > 0.95 and diffs.max() < 1e-3, (run, np.mean(diffs <= 1e-5), diffs.max())
+    np.testing.assert_allclose(grid_metrics[-1]["lr"], [1e-3, 1e-3, 3e-3, 3e-3], rtol=1e-6)  # constant schedule
+    # the same seed at the two learning rates: different runs, the larger rate moving the weights further
+    moved = [np.mean([float(jnp.mean(jnp.abs(a[run] - b[run]))) for a, b in
+                      zip(jax.tree.leaves(states.params["policy"]), jax.tree.leaves(initial.params["policy"]))])
+             for run in range(4)]
+    assert moved[2] > 2 * moved[0] and moved[3] > 2 * moved[1], moved
+
+
+def test_the_vmap_lr_sweep_example_runs_and_learns():
+    """examples/vmap_lr_sweep.py as a user runs it: every learning rate's line is printed, and the largest one
+    raises the score."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.sharding_helpers import FAST_COMPILE_FLAGS
+
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(__import__("os").environ, PYTHONPATH=str(repo))
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}"
+    proc = subprocess.run([sys.executable, str(repo / "examples" / "vmap_lr_sweep.py")], cwd=repo,
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = re.findall(r"learning rate ([\d.e-]+): mean score ([\d.]+) \(first 3 iterations\) -> ([\d.]+)", proc.stdout)
+    assert len(runs) == 3, proc.stdout
+    assert float(runs[-1][2]) > float(runs[-1][1]) + 0.1, proc.stdout

@@ -121,7 +121,7 @@ def test_logits_chunk_size_is_sized_from_the_memory_budget(tmp_path, monkeypatch
 
     trainer = make_trainer(tmp_path, num_mini_batches=2, gradient_accumulation_steps=2)
     # tiny vocabulary: a micro-batch's logits fit easily, so no chunking in the update or the rollout
-    settings = trainer.run.settings
+    settings = trainer.run.settings.batch
     assert settings.update_logits_chunk is None and settings.rollout_logits_chunk is None
     vocab = trainer.run.model_config.vocab_size
     # a budget of 3 response steps of one micro-batch (4 rows) -> chunks of 3 in the update;
@@ -129,10 +129,10 @@ def test_logits_chunk_size_is_sized_from_the_memory_budget(tmp_path, monkeypatch
     monkeypatch.setattr(forward, "LOGITS_MEMORY_BUDGET", 4 * 4 * 3 * vocab)
     monkeypatch.setattr(forward.auto_chunk_size, "__defaults__", (forward.LOGITS_MEMORY_BUDGET,))
     small = make_trainer(tmp_path / "small", num_mini_batches=2, gradient_accumulation_steps=2)
-    assert small.run.settings.micro_batch_size == 4
-    assert small.run.settings.update_logits_chunk == 3 and small.run.settings.rollout_logits_chunk == 1
+    assert small.run.settings.batch.micro_batch_size == 4
+    assert small.run.settings.batch.update_logits_chunk == 3 and small.run.settings.batch.rollout_logits_chunk == 1
     fixed = make_trainer(tmp_path / "fixed", logits_chunk_size=5)
-    assert fixed.run.settings.update_logits_chunk == 5 and fixed.run.settings.rollout_logits_chunk == 5
+    assert fixed.run.settings.batch.update_logits_chunk == 5 and fixed.run.settings.batch.rollout_logits_chunk == 5
 
 
 def test_precision_and_remat_policies_reach_every_model(tmp_path):

@@ -1,4 +1,5 @@
 """The jitted PPO update (``ppojax.rl.update.learn``) against a plain Python loop of jax.grad + optax steps."""
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -11,7 +12,7 @@ from flax import nnx
 from ppojax import core as ppo
 from ppojax.rl.actor_critic import ActorCritic
 from ppojax.trainer.config import PPOConfig
-from ppojax.rl.settings import StepSettings
+from ppojax.rl.settings import Hyperparams, StepSettings
 from ppojax.rl.program import PPOProgram
 from ppojax.rl.types import init_train_state
 from ppojax.rl.optimizer import make_optimizer
@@ -36,9 +37,10 @@ class Exp(NamedTuple):
 
 
 def settings_for(num_updates=1, **config):
-    """StepSettings of a PPOConfig with the toy shapes (logits in chunks of 4, as before)."""
+    """(StepSettings, Hyperparams) of a PPOConfig with the toy shapes (logits in chunks of 4, as before)."""
     config = PPOConfig(batch_size=B, response_length=R, logits_chunk_size=4, **config)
-    return StepSettings.from_config(config, pad_token_id=PAD, stop_token_id=STOP, num_updates=num_updates)
+    return (StepSettings.from_config(config, pad_token_id=PAD, stop_token_id=STOP, num_updates=num_updates),
+            Hyperparams.from_config(config))
 
 
 def make_update(ac, settings, optimizer):
@@ -77,17 +79,18 @@ def build(value_head=False, seed=0):
     return ac, params, exp
 
 
-def reference_update(ac, settings, params, exp, key, kl_coef, update_index):
+def reference_update(ac, settings, hyperparams, params, exp, key, kl_coef, update_index):
     """Plain loops: epochs x mini-batches, one jax.grad per mini-batch (big batch), optax.adamw."""
-    batch, _, _ = shaped_rewards_and_advantages(settings, exp, exp.scores, kl_coef)
-    lr = settings.learning_rate * (1 - update_index / settings.num_updates)
+    batch, _, _ = shaped_rewards_and_advantages(settings.algorithm, exp, exp.scores, kl_coef)
+    optim = settings.optim
+    lr = float(hyperparams.learning_rate) * (1 - update_index / optim.num_updates)
     opt = optax.adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0)
     opt_state = opt.init(params)
-    mini = B // settings.num_mini_batches
+    mini = B // optim.num_mini_batches
     all_stats, steps = [], 0
-    for epoch_key in jax.random.split(key, settings.num_ppo_epochs):
+    for epoch_key in jax.random.split(key, optim.num_ppo_epochs):
         order = np.asarray(jax.random.permutation(epoch_key, B))
-        for m in range(settings.num_mini_batches):
+        for m in range(optim.num_mini_batches):
             rows = order[m * mini:(m + 1) * mini]
             mb = jax.tree.map(lambda x: x[rows], batch)
 
@@ -107,14 +110,14 @@ def reference_update(ac, settings, params, exp, key, kl_coef, update_index):
 @pytest.mark.parametrize("num_mini_batches,grad_accum,value_head", [(1, 1, False), (2, 2, False), (4, 2, True)])
 def test_update_matches_python_loop(num_mini_batches, grad_accum, value_head):
     ac, params, exp = build(value_head=value_head)
-    settings = settings_for(num_ppo_epochs=2, num_mini_batches=num_mini_batches,
-                            gradient_accumulation_steps=grad_accum, learning_rate=1e-2, num_updates=4)
+    settings, hp = settings_for(num_ppo_epochs=2, num_mini_batches=num_mini_batches,
+                                gradient_accumulation_steps=grad_accum, learning_rate=1e-2, num_updates=4)
     key, kl_coef = jax.random.key(3), jnp.float32(0.05)
-    expected, expected_steps, all_stats = reference_update(ac, settings, params, exp, key, 0.05, 0)
+    expected, expected_steps, all_stats = reference_update(ac, settings, hp, params, exp, key, 0.05, 0)
     first = all_stats[0]
     optimizer = make_optimizer()
     update = make_update(ac, settings, optimizer)
-    state = init_train_state(jax.tree.map(jnp.copy, params), optimizer)
+    state = init_train_state(jax.tree.map(jnp.copy, params), optimizer, hyperparams=hp)
     state, metrics = update(state, exp, key, kl_coef)
     assert int(state.optimizer_steps) == expected_steps == 2 * num_mini_batches
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), state.params, expected)
@@ -137,13 +140,14 @@ def test_loss_metrics_are_the_loss_optimised_whatever_the_accumulation():
     key, kl_coef = jax.random.key(5), jnp.float32(0.05)
     by_accumulation = {}
     for grad_accum in (1, 2):
-        settings = settings_for(num_ppo_epochs=2, num_mini_batches=2, gradient_accumulation_steps=grad_accum,
-                                learning_rate=1e-2)
+        settings, hp = settings_for(num_ppo_epochs=2, num_mini_batches=2, gradient_accumulation_steps=grad_accum,
+                                    learning_rate=1e-2)
         optimizer = make_optimizer()
         update = make_update(ac, settings, optimizer)
-        _, metrics = update(init_train_state(jax.tree.map(jnp.copy, params), optimizer), exp, key, kl_coef)
+        _, metrics = update(init_train_state(jax.tree.map(jnp.copy, params), optimizer, hyperparams=hp), exp, key,
+                            kl_coef)
         by_accumulation[grad_accum] = metrics
-    _, _, all_stats = reference_update(ac, settings, params, exp, key, 0.05, 0)
+    _, _, all_stats = reference_update(ac, settings, hp, params, exp, key, 0.05, 0)
     # TRL's val/ratio and val/ratio_var: mean and unbiased variance of the optimizer steps' mean ratios (here one
     # micro-batch per step)
     ratios = [float(stats["ratio"]) for stats in all_stats]
@@ -160,23 +164,24 @@ def test_loss_metrics_are_the_loss_optimised_whatever_the_accumulation():
 
 def test_accumulated_gradients_equal_big_batch_gradient():
     ac, params, exp = build()
-    settings = settings_for()
-    batch, _, _ = shaped_rewards_and_advantages(settings, exp, exp.scores, 0.05)
+    settings, hp = settings_for()
+    batch, _, _ = shaped_rewards_and_advantages(settings.algorithm, exp, exp.scores, 0.05)
     from ppojax.rl.update import micro_batch_loss
     tokens = (jnp.sum(~batch.padding_mask), jnp.sum(~batch.padding_mask_p1))
-    big = jax.grad(lambda p: micro_batch_loss(ac, settings, p, batch, *tokens)[0])(params)
-    halves = [jax.grad(lambda p: micro_batch_loss(ac, settings, p, jax.tree.map(lambda x: x[s], batch),
-                                                  *tokens)[0])(params) for s in (slice(0, 3), slice(3, B))]
+    chunk = dict(logits_chunk_size=settings.batch.update_logits_chunk)
+    big = jax.grad(lambda p: micro_batch_loss(ac, settings.algorithm, hp, p, batch, *tokens, **chunk)[0])(params)
+    halves = [jax.grad(lambda p: micro_batch_loss(ac, settings.algorithm, hp, p, jax.tree.map(lambda x: x[s], batch),
+                                                  *tokens, **chunk)[0])(params) for s in (slice(0, 3), slice(3, B))]
     summed = jax.tree.map(jnp.add, *halves)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), summed, big)
 
 
 def test_no_recompilation_and_linear_lr_decay():
     ac, params, exp = build()
-    settings = settings_for(num_ppo_epochs=1, learning_rate=1e-3, num_updates=4)
+    settings, hp = settings_for(num_ppo_epochs=1, learning_rate=1e-3, num_updates=4)
     optimizer = make_optimizer()
     update = make_update(ac, settings, optimizer)
-    state = init_train_state(params, optimizer)
+    state = init_train_state(params, optimizer, hyperparams=hp)
     lrs = []
     for i in range(3):
         state, metrics = update(state, exp, jax.random.key(i), jnp.float32(0.05 + i))
@@ -185,12 +190,65 @@ def test_no_recompilation_and_linear_lr_decay():
     np.testing.assert_allclose(lrs, [1e-3, 7.5e-4, 5e-4], rtol=1e-6)
 
 
-def test_nonfinite_gradient_skips_the_step_and_is_counted():
+def test_learning_rate_and_clip_range_changes_do_not_recompile():
+    """The state's hyperparameters are traced: a new learning rate and clip ranges between two calls reuse the
+    compiled update (compilations counted), and the second call uses them (its lr is the new base times the
+    schedule; its clip fraction is the new clip range's, not the old one's)."""
     ac, params, exp = build()
-    settings = settings_for(num_ppo_epochs=2, num_mini_batches=2, learning_rate=1e-2)
+    settings, hp = settings_for(num_ppo_epochs=1, learning_rate=1e-3, num_updates=4)
     optimizer = make_optimizer()
     update = make_update(ac, settings, optimizer)
-    state = init_train_state(jax.tree.map(jnp.copy, params), optimizer)
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    tight = hp.replace(learning_rate=jnp.float32(1e-2), cliprange_low=jnp.float32(1e-4),
+                       cliprange_high=jnp.float32(1e-4))
+    state = init_train_state(jax.tree.map(jnp.copy, params), optimizer, hyperparams=hp)
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        state, _ = update(state, exp, jax.random.key(0), jnp.float32(0.05))
+        after_first = len(compiles)
+        copies = [jax.tree.map(jnp.copy, state) for _ in range(2)]  # the state is donated
+        copies[1] = copies[1].replace(hyperparams=tight)
+        before = len(compiles)  # (copying may compile its own small programs)
+        _, same = update(copies[0], exp, jax.random.key(1), jnp.float32(0.05))
+        _, changed = update(copies[1], exp, jax.random.key(1), jnp.float32(0.05))
+        after = len(compiles)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert after_first > 0 and after == before, (after_first, before, after)
+    assert update._cache_size() == 1
+    np.testing.assert_allclose([float(same["lr"]), float(changed["lr"])], [1e-3 * 0.75, 1e-2 * 0.75], rtol=1e-6)
+    # after one update the ratios are off 1 by far more than 1e-4 (a clip range of 0.2 clips none of them)
+    assert float(same["policy/clipfrac_avg"]) == 0.0 and float(changed["policy/clipfrac_avg"]) > 0.2, (same["policy/clipfrac_avg"], changed["policy/clipfrac_avg"])
+
+
+@pytest.mark.parametrize("kind", ["linear", "constant"])
+def test_learning_rate_schedule_is_hf_schedule_with_warmup(kind):
+    """``OptimSettings.lr_schedule`` (optax's schedules) against transformers' ``get_linear_schedule_with_warmup``
+    / ``get_constant_schedule_with_warmup`` lambdas, written out here, for every update of a run."""
+    from ppojax.rl.settings import OptimSettings
+    for warmup, total in ((0, 5), (2, 6), (3, 3)):
+        schedule = OptimSettings(num_updates=total, warmup_steps=warmup, lr_scheduler_type=kind).lr_schedule()
+        for u in range(total):
+            if u < warmup:
+                expected = u / max(1, warmup)
+            elif kind == "constant":
+                expected = 1.0
+            else:
+                expected = max(0.0, (total - u) / max(1, total - warmup))
+            assert float(schedule(jnp.int32(u))) == pytest.approx(expected, rel=1e-6, abs=1e-7), (warmup, total, u)
+
+
+def test_nonfinite_gradient_skips_the_step_and_is_counted():
+    ac, params, exp = build()
+    settings, hp = settings_for(num_ppo_epochs=2, num_mini_batches=2, learning_rate=1e-2)
+    optimizer = make_optimizer()
+    update = make_update(ac, settings, optimizer)
+    state = init_train_state(jax.tree.map(jnp.copy, params), optimizer, hyperparams=hp)
     bad = exp._replace(scores=exp.scores.at[0].set(jnp.nan))
     state, metrics = update(state, bad, jax.random.key(0), jnp.float32(0.05))
     assert int(state.optimizer_steps) == 0 and int(state.nonfinite_total) == 4
@@ -203,14 +261,14 @@ def test_nonfinite_gradient_skips_the_step_and_is_counted():
 def test_legacy_ratio_threshold_and_early_stopping_skip_steps():
     ac, params, exp = build()
     optimizer = make_optimizer()
-    settings = settings_for(num_ppo_epochs=2, num_mini_batches=2, ratio_threshold=0.5)  # ratio ~1 > 0.5
-    fresh = lambda: init_train_state(jax.tree.map(jnp.copy, params), optimizer)  # noqa: E731 (donated)
-    state, _ = make_update(ac, settings, optimizer)(fresh(), exp, jax.random.key(0), jnp.float32(0.05))
+    settings, hp = settings_for(num_ppo_epochs=2, num_mini_batches=2, ratio_threshold=0.5)  # ratio ~1 > 0.5
+    fresh = lambda hp: init_train_state(jax.tree.map(jnp.copy, params), optimizer, hyperparams=hp)  # noqa: E731
+    state, _ = make_update(ac, settings, optimizer)(fresh(hp), exp, jax.random.key(0), jnp.float32(0.05))
     assert int(state.optimizer_steps) == 0
     # early stopping at a (config-invalid) negative target: any KL after the first step exceeds it
-    settings = settings_for(num_ppo_epochs=3, num_mini_batches=2, early_stopping=True, learning_rate=1e-2)
-    settings = settings.replace(target_kl=-1.0)
-    state, metrics = make_update(ac, settings, optimizer)(fresh(), exp, jax.random.key(0), jnp.float32(0.05))
+    settings, hp = settings_for(num_ppo_epochs=3, num_mini_batches=2, early_stopping=True, learning_rate=1e-2)
+    settings = dataclasses.replace(settings, optim=dataclasses.replace(settings.optim, target_kl=-1.0))
+    state, metrics = make_update(ac, settings, optimizer)(fresh(hp), exp, jax.random.key(0), jnp.float32(0.05))
     assert int(state.optimizer_steps) == 1  # the first step runs, then the KL check stops the rest
 
 

@@ -7,8 +7,9 @@ and value targets. A new one is one function and one registration::
     def my_estimator(batch: AdvantageInputs, settings) -> Advantages:
         ...
 
-``settings`` is the run's static settings (``gamma``, ``lam``, ``num_generations``, ...). Estimators with
-``uses_critic=False`` build no value model: the rollout computes no values and the loss has no value term.
+``settings`` is the run's ``ppojax.rl.settings.AlgorithmSettings`` (``gamma``, ``lam``, ``num_generations``,
+``scale_rewards``, ``normalize_advantages``, ...). Estimators with ``uses_critic=False`` build no value model: the
+rollout computes no values and the loss has no value term.
 
 Group estimators (``grpo``, ``rloo``) read the rollout rows as ``B / G`` groups of ``G = num_generations``
 CONSECUTIVE rows, each group the samples of one prompt (``ppojax.rl.rollout.sample`` repeats each prompt ``G``

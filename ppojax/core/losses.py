@@ -5,7 +5,6 @@ whole MINI-batch (live tokens ``policy_tokens`` / ``value_tokens``, or ``rows`` 
 aggregation modes), so summing micro-batch gradients gives exactly the big-batch gradient. With one
 micro-batch per mini-batch and ``loss_agg_mode='token-mean'`` this is TRL's ``masked_mean``.
 """
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,12 +22,6 @@ def entropy_from_logits(logits):
 def mask_policy_and_value(new_logprobs, vpred, padding_mask, padding_mask_p1):
     """Mask a fresh forward as the rollout was masked: INVALID_LOGPROB and zero values on padding."""
     return (jnp.where(padding_mask, INVALID_LOGPROB, new_logprobs), jnp.where(padding_mask_p1, 0.0, vpred))
-
-
-class LossTerms(NamedTuple):
-    pg_loss: jnp.ndarray
-    vf_loss: jnp.ndarray
-    entropy_loss: jnp.ndarray
 
 
 #: How per-token losses become one number (verl's ``loss_agg_mode``; TRL's GRPO ``loss_type`` in brackets):
@@ -126,7 +119,7 @@ def ppo_loss(new_logprobs, vpred, entropy, batch, *, cliprange, cliprange_value,
                                          value_tokens)
         loss = loss + vf_coef * vf_loss
         stats.update(vf_loss=vf_loss, vf_clipfrac=masked_mean(vf_clipped.astype(jnp.float32), ~padding_mask_p1))
-    if kl_loss_coef:
+    if kl_loss_fn is not None and not (isinstance(kl_loss_coef, (int, float)) and kl_loss_coef == 0):
         kl_loss = aggregate(kl_loss_fn(new_logprobs, batch.ref_logprobs), padding_mask, loss_agg_mode,
                             tokens=policy_tokens, rows=rows)
         loss = loss + kl_loss_coef * kl_loss

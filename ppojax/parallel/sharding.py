@@ -297,7 +297,8 @@ def train_state_shardings(state, mesh: Mesh, rules: Mapping[str, Any] = TRAIN_RU
     opt_sh = jax.tree.map(opt_leaf, state.opt_state, is_leaf=mirrors_params)
     frozen_sh = None if state.frozen is None else param_shardings(state.frozen, mesh, rules)
     return state.replace(params=params_sh, opt_state=opt_sh, frozen=frozen_sh,
-                         kl_coef=rep, score_moments=jax.tree.map(lambda _: rep, state.score_moments),
+                         kl_coef=rep, hyperparams=jax.tree.map(lambda _: rep, state.hyperparams),
+                         score_moments=jax.tree.map(lambda _: rep, state.score_moments),
                          update_count=rep, optimizer_steps=rep, nonfinite_streak=rep, nonfinite_total=rep,
                          episode=rep)
 

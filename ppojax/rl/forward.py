@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-TEMPERATURE_EPS = 1e-7
+TEMPERATURE_EPS = 1e-7  # logits / (temperature + TEMPERATURE_EPS): the forwards' and the sampler's
 LOGITS_MEMORY_BUDGET = 256 * 2**20  # bytes of float32 logits per device that auto chunking allows
 
 
@@ -149,7 +149,7 @@ def response_values(score_model, query_responses, prompt_length, pad_id):
     return scores[:, prompt_length - 1:-1].astype(jnp.float32)
 
 
-def last_token_index(tokens, pad_id, prompt_length=None):
+def sequence_score_index(tokens, pad_id, prompt_length=None):
     """i32[B]: where a sequence's scalar score is read.
 
     With ``prompt_length`` (TRL's ``get_reward``): one before the first pad after the prompt, i.e.
@@ -167,14 +167,14 @@ def last_token_index(tokens, pad_id, prompt_length=None):
 
 
 def sequence_scores(score_model, tokens, pad_id, prompt_length=None):
-    """Scalar score per sequence: the score head at :func:`last_token_index`.
+    """Scalar score per sequence: the score head at :func:`sequence_score_index`.
 
     score_model: a merged ``ScoreModel``; tokens: i32[B, S] (for rewards: prompts + TRUNCATED responses)
     -> f32[B]. Pass ``prompt_length`` for TRL's exact semantics (docs/algorithm.md, "Rollout", step 7).
     """
     input_ids, attention_mask, position_ids = sequence_inputs(tokens, pad_id)
     scores = score_model(input_ids, attention_mask, position_ids).astype(jnp.float32)
-    index = last_token_index(tokens, pad_id, prompt_length)
+    index = sequence_score_index(tokens, pad_id, prompt_length)
     return jnp.take_along_axis(scores, index[:, None], axis=-1)[:, 0]
 
 

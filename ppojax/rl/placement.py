@@ -13,7 +13,7 @@ from ppojax.rl.types import init_train_state
 
 
 def init_sharded_train_state(params, optimizer, mesh: Mesh, rules: Mapping[str, Any] = sharding.TRAIN_RULES, *,
-                             frozen=None, kl_coef=0.05, logical_axes=None, donate: bool = False):
+                             hyperparams, frozen=None, kl_coef=0.05, logical_axes=None, donate: bool = False):
     """``ppojax.rl.types.init_train_state`` with params, frozen models and optimizer state created directly in
     their shardings (the optimizer state is never materialised whole on one device).
 
@@ -21,7 +21,7 @@ def init_sharded_train_state(params, optimizer, mesh: Mesh, rules: Mapping[str, 
     so building it never holds the weights twice; the caller's arrays are deleted. Without it the state holds
     copies (the state is donated at every step, so it may not share the caller's buffers).
     -> (state, state_shardings)."""
-    init = lambda p, f: init_train_state(p, optimizer, frozen=f, kl_coef=kl_coef)  # noqa: E731
+    init = lambda p, f: init_train_state(p, optimizer, hyperparams=hyperparams, frozen=f, kl_coef=kl_coef)  # noqa: E731
     shardings = sharding.train_state_shardings(jax.eval_shape(init, params, frozen), mesh, rules,
                                                logical_axes=logical_axes)
     params = sharding.shard_params(params, mesh, rules, logical_axes=logical_axes)

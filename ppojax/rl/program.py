@@ -1,6 +1,6 @@
 """One PPO iteration as ONE compiled program: ``train_step(state, prompts, key) -> (state, metrics)``.
 
-    sample_key, update_key = split(key)
+    sample_key, update_key = iteration_keys(key)
     query_responses = sample(policy, prompts, sample_key)                 # KV-cache decode loop
     experience      = forwards(policy, reference, value) + reward scores  # rollout.experience
     state, metrics  = learn(state, experience, update_key)                # rewards, advantages, epochs x
@@ -11,10 +11,8 @@ coefficient, score moments, counters) is donated. With a reward model nothing le
 reward function is reached through a host callback inside the program (``ppojax.rl.rewards.FunctionScores``).
 
 ``train_steps(state, prompts[K, B, P], keys[K])`` runs K iterations as one ``lax.scan``; a whole tiny run can
-be ``jax.vmap``-ed over seeds (``examples/vmap_seeds.py``).
-
-``split=True`` builds the same API from two programs with the Python reward function called between them
-on the host (the layout before the single program; kept as a reference to measure the single program against).
+be ``jax.vmap``-ed over seeds (``examples/vmap_seeds.py``), or over seeds and learning rates
+(``examples/vmap_lr_sweep.py``: the state's traced ``Hyperparams`` stacked on a leading axis).
 """
 from __future__ import annotations
 
@@ -38,8 +36,9 @@ class PPOProgram:
     """Everything static that the PPO programs are traced from (hashable by identity: build it once).
 
     actor_critic: the model forwards; reward: a reward source (``ppojax.rl.rewards``); settings: the static
-    settings; optimizer: an optax transformation (without the learning rate); mesh: the device mesh, or
-    None for a single device.
+    settings (``ppojax.rl.settings.StepSettings``); optimizer: an optax transformation (without the learning
+    rate: the state's traced ``hyperparams.learning_rate`` scales it); mesh: the device mesh, or None for a
+    single device.
     """
 
     actor_critic: ActorCritic
@@ -50,16 +49,22 @@ class PPOProgram:
 
     @property
     def kl_estimator(self) -> ppo.KLEstimator:
-        return ppo.kl_estimator(self.settings.kl_estimator)
+        return ppo.kl_estimator(self.settings.algorithm.kl_estimator)
 
 
 # --------------------------------------------------------------------------------------------------
 # The iteration, pure
 # --------------------------------------------------------------------------------------------------
+def iteration_keys(key):
+    """An iteration's key -> (sample_key, update_key): the sampler's and the update's (epoch permutations)."""
+    sample_key, update_key = jax.random.split(key)
+    return sample_key, update_key
+
+
 def ppo_iteration(program: PPOProgram, state, prompts, key):
     """One PPO iteration on left-padded ``prompts`` i32[B, P]. Pure: trace it under jit/scan/vmap."""
-    _, update_key = jax.random.split(key)
-    experience, failures = rollout_part(program, state, prompts, key)
+    sample_key, update_key = iteration_keys(key)
+    experience, failures = collect_experience(program, state, prompts, sample_key)
     return learn_unless_reward_failed(program, state, experience, update_key, failures)
 
 
@@ -106,15 +111,13 @@ def _jit(program: PPOProgram, fn, state_shardings):
     return jax.jit(fn, donate_argnums=(0,), out_shardings=(state_shardings, sharding.replicated(program.mesh)))
 
 
-def make_train_step(program: PPOProgram, state_shardings=None, *, split: bool = False):
+def make_train_step(program: PPOProgram, state_shardings=None):
     """``train_step(state, prompts, key) -> (state, metrics)``, one compiled program with the state donated.
 
-    prompts: i32[B, P] (placed with rows over the mesh's batch axes); key: a PRNG key.
-    ``split=True``: two programs with the reward function between them on the host (same results, see
-    the module docstring). The returned function's ``.jitted`` is the jit object (for cache counts).
+    prompts: i32[B, P] (placed with rows over the mesh's batch axes); key: a PRNG key. The state's
+    ``hyperparams`` are traced: ``state.replace(hyperparams=...)`` between calls does not recompile. The
+    returned function's ``.jitted`` is the jit object (for cache counts).
     """
-    if split:
-        return _make_split_train_step(program, state_shardings)
     jitted = _jit(program, lambda state, prompts, key: ppo_iteration(program, state, prompts, key),
                   state_shardings)
 
@@ -144,17 +147,18 @@ def make_train_steps(program: PPOProgram, state_shardings=None):
     return train_steps
 
 
-def rollout_part(program: PPOProgram, state, prompts, key):
-    """The rollout half of :func:`ppo_iteration` (same key use): -> (Experience, reward failures i32[])."""
-    sample_key, _ = jax.random.split(key)
-    query_responses, sampler_logprobs = rollout.sample_episodes(program, state, prompts, sample_key)
+def collect_experience(program: PPOProgram, state, prompts, sample_key):
+    """The rollout half of :func:`ppo_iteration`: sample with ``sample_key`` (the first of
+    :func:`iteration_keys`), forwards, scores. -> (Experience, reward failures i32[])."""
+    query_responses, sampler_logprobs = rollout.sample(program, state, prompts, sample_key)
     return rollout.experience(program, state, query_responses, prompts.shape[1], sampler_logprobs=sampler_logprobs)
 
 
 def make_rollout(program: PPOProgram):
     """``rollout(state, prompts, key) -> (Experience, failures)`` compiled: the experience ``train_step``
     would learn from with the same key (for notebooks, tests and the legacy API). Nothing is donated."""
-    jitted = jax.jit(lambda state, prompts, key: rollout_part(program, state, prompts, key))
+    jitted = jax.jit(lambda state, prompts, key: collect_experience(program, state, prompts,
+                                                                    iteration_keys(key)[0]))
 
     def run(state, prompts, key):
         prompts, key = _place(program, prompts, key)
@@ -193,44 +197,3 @@ def _place(program, prompts, key):
         prompts = sharding.shard_batch(prompts, program.mesh)
         key = sharding.put_replicated(key, program.mesh)
     return prompts, key
-
-
-def _make_split_train_step(program: PPOProgram, state_shardings):
-    """Rollout program -> (a Python reward function on the host) -> update program: the layout before the
-    single program. Any other reward source is evaluated at the end of the rollout program."""
-    reward = program.reward
-    on_host = hasattr(reward, "host_scores")
-
-    def rollout_part_(state, prompts, key):
-        sample_key, update_key = jax.random.split(key)
-        query_responses, sampler_logprobs = rollout.sample_episodes(program, state, prompts, sample_key)
-        if on_host:
-            return rollout.experience_forwards(program, state, query_responses, prompts.shape[1],
-                                               sampler_logprobs), update_key
-        return rollout.experience(program, state, query_responses, prompts.shape[1],
-                                  sampler_logprobs=sampler_logprobs)[0], update_key
-
-    def learn_part(state, experience, scores, update_key):
-        if on_host:
-            experience = rollout.with_scores(experience, scores, program.settings)
-        state, metrics = learn(program, state, experience, update_key)
-        metrics["reward/failures"] = jnp.zeros((), jnp.int32)
-        return state, metrics
-
-    rollout_jit = jax.jit(rollout_part_)
-    learn_jit = _jit(program, learn_part, state_shardings)
-
-    def train_step(state, prompts, key):
-        prompts, key = _place(program, prompts, key)
-        experience, update_key = rollout_jit(state, prompts, key)
-        scores = None
-        if on_host:
-            host = sharding.to_host((experience.queries, experience.responses))  # every process takes part
-            scores = jnp.asarray(reward.host_scores(*host))
-            if program.mesh is not None:
-                scores = sharding.shard_batch(scores, program.mesh)
-        return learn_jit(state, experience, scores, update_key)
-
-    train_step.jitted = learn_jit
-    train_step.rollout_jitted = rollout_jit
-    return train_step

@@ -1,7 +1,7 @@
 """The rollout: prompts -> the ``Experience`` PPO learns from (docs/algorithm.md, "Rollout", steps 1-8),
 as pure functions.
 
-    query_responses = sample(program, state, prompts, key)           # 1. generate R tokens per prompt
+    query_responses, _ = sample(program, state, prompts, key)        # 1. generate R tokens per prompt
     experience      = experience(program, state, query_responses)    # 2-8. truncate, masks, forwards, scores
 
 Step 2-6 (truncation, masks, behaviour/reference log-probs, values) are :func:`experience_forwards`, the
@@ -31,26 +31,40 @@ from ppojax.rl.types import Experience
 # --------------------------------------------------------------------------------------------------
 # Step 1: sampling
 # --------------------------------------------------------------------------------------------------
-def sample_with(policy_graphdef, policy_params, queries, key, settings, *, temperature=None, greedy=False,
-                mesh=None, return_logprobs=False):
-    """queries i32[B, P] -> query_responses i32[B, P+R] (untruncated responses; pad after the stop token).
+def sample(program, state, prompts, key):
+    """Step 1 inside the PPO program: the current policy samples at the configured temperature.
 
-    temperature: traced scalar (default: settings.temperature). On a mesh, the weights are read under
-    ``GENERATE_RULES`` (gathered over fsdp once for the whole decode loop) and the KV cache is sharded by rows.
-    return_logprobs: also return the sampler's log-prob of each response token, f32[B, R].
+    prompts: i32[B / G, P] -> (query_responses i32[B, P+R] (untruncated responses; pad after the stop token),
+    the sampler's log-probs f32[B, R] when ``behaviour_logprobs: sampler`` takes them from the decode loop, else
+    None). Each prompt is sampled ``G = num_generations`` times, its samples on consecutive rows (the groups of
+    ``ppojax.core.advantages``). On a mesh the rows stay split over the batch axes in order, so a group never
+    straddles two data-parallel shards when each shard's prompt count is whole (``PPOConfig.derived`` checks it).
     """
+    sampling = program.settings.sampling
+    if sampling.num_generations > 1:
+        prompts = jnp.repeat(prompts, sampling.num_generations, axis=0)
+    graphdef, weights = program.actor_critic.sampling_policy(state.params, state.frozen)
+    keep_logprobs = sampling.behaviour_logprobs == "sampler"
+    out = _sample_policy(graphdef, weights, prompts, key, sampling, sampling.temperature, mesh=program.mesh,
+                         return_logprobs=keep_logprobs)
+    return out if keep_logprobs else (out, None)
+
+
+def _sample_policy(policy_graphdef, policy_params, queries, key, sampling, temperature, *, greedy=False, mesh=None,
+                   return_logprobs=False):
+    """queries i32[B, P] -> query_responses i32[B, P+R] (and the sampled tokens' log-probs f32[B, R] with
+    ``return_logprobs``). On a mesh, the weights are read under ``GENERATE_RULES`` (gathered over fsdp once for
+    the whole decode loop) and the KV cache is sharded by rows."""
     init_cache_fn = None
     policy_params = _in_compute_dtype(policy_graphdef, policy_params)
     if mesh is not None:
         policy_params = jax.lax.with_sharding_constraint(
             policy_params, sharding.param_shardings(policy_params, mesh, sharding.GENERATE_RULES))
         init_cache_fn = placement.make_init_cache_fn(mesh)
-    responses = generate(policy_graphdef, policy_params, queries, key, response_length=settings.response_length,
-                         pad_token_id=settings.pad_token_id,
-                         temperature=settings.temperature if temperature is None else temperature,
-                         top_k=settings.top_k, top_p=settings.top_p, greedy=greedy,
-                         stop_token_id=settings.stop_token_id, init_cache_fn=init_cache_fn,
-                         return_logprobs=return_logprobs)
+    responses = generate(policy_graphdef, policy_params, queries, key, response_length=sampling.response_length,
+                         pad_token_id=sampling.pad_token_id, temperature=temperature, top_k=sampling.top_k,
+                         top_p=sampling.top_p, greedy=greedy, stop_token_id=sampling.stop_token_id,
+                         init_cache_fn=init_cache_fn, return_logprobs=return_logprobs)
     if return_logprobs:
         responses, logprobs = responses
         return jnp.concatenate([queries.astype(jnp.int32), responses], axis=1), logprobs
@@ -69,33 +83,13 @@ def _in_compute_dtype(graphdef, params):
                         and jnp.finfo(x.dtype).bits > jnp.finfo(compute).bits else x, params)
 
 
-def sample(program, state, prompts, key):
-    """Step 1 inside the PPO program: the current policy samples at the configured temperature.
-
-    prompts: i32[B / G, P] -> query_responses i32[B, P+R]: each prompt is sampled ``G = num_generations``
-    times, its samples on consecutive rows (the groups of ``ppojax.core.advantages``). On a mesh the rows stay
-    split over the batch axes in order, so a group never straddles two data-parallel shards when each
-    shard's prompt count is whole (``PPOConfig.derived`` checks it)."""
-    return sample_episodes(program, state, prompts, key)[0]
-
-
-def sample_episodes(program, state, prompts, key):
-    """:func:`sample`, and the behaviour log-probs when ``behaviour_logprobs: sampler`` takes them from the
-    decode loop: -> (query_responses i32[B, P+R], sampler log-probs f32[B, R] or None)."""
-    if program.settings.num_generations > 1:
-        prompts = jnp.repeat(prompts, program.settings.num_generations, axis=0)
-    graphdef, weights = program.actor_critic.sampling_policy(state.params, state.frozen)
-    keep_logprobs = program.settings.behaviour_logprobs == "sampler"
-    out = sample_with(graphdef, weights, prompts, key, program.settings, mesh=program.mesh,
-                      return_logprobs=keep_logprobs)
-    return out if keep_logprobs else (out, None)
-
-
-@functools.partial(jax.jit, static_argnames=("policy_graphdef", "settings", "greedy", "mesh"))
-def sample_jit(policy_graphdef, policy_params, queries, key, temperature, *, settings, greedy=False, mesh=None):
-    """:func:`sample_with` compiled (one program per graph and static settings; the temperature is traced)."""
-    return sample_with(policy_graphdef, policy_params, queries, key, settings, temperature=temperature,
-                       greedy=greedy, mesh=mesh)
+@functools.partial(jax.jit, static_argnames=("policy_graphdef", "sampling", "greedy", "mesh"))
+def sample_jit(policy_graphdef, policy_params, queries, key, temperature, *, sampling, greedy=False, mesh=None):
+    """The policy's completions outside the PPO program (sample tables, evaluation, the legacy ``generate()``):
+    queries i32[B, P] -> query_responses i32[B, P+R], one prompt one sample. One compiled program per graph and
+    ``sampling`` (``SamplingSettings``); the temperature is traced (near-greedy samples reuse the program)."""
+    return _sample_policy(policy_graphdef, policy_params, queries, key, sampling, temperature, greedy=greedy,
+                          mesh=mesh)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -104,22 +98,22 @@ def sample_jit(policy_graphdef, policy_params, queries, key, temperature, *, set
 def experience_forwards(program, state, query_responses, prompt_length, sampler_logprobs=None) -> Experience:
     """Truncate, masks, behaviour/reference log-probs, values (and the full KL when the estimator needs it).
 
-    query_responses: i32[B, P+R]. sampler_logprobs: f32[B, R] from :func:`sample_episodes`, used as the
+    query_responses: i32[B, P+R]. sampler_logprobs: f32[B, R] from :func:`sample`, used as the
     behaviour log-probs (None: the policy forward computes them). The returned Experience's ``scores`` are
     zeros: :func:`with_scores` sets them.
     """
-    settings, P = program.settings, prompt_length
-    pad = settings.pad_token_id
+    sampling, batch, P = program.settings.sampling, program.settings.batch, prompt_length
+    pad = sampling.pad_token_id
     queries, raw_responses = query_responses[:, :P], query_responses[:, P:]
-    responses = truncate_response(raw_responses, settings.stop_token_id, pad)
+    responses = truncate_response(raw_responses, sampling.stop_token_id, pad)
     masks = response_masks(responses, pad)
     logprobs, ref_logprobs, values, full_kl = program.actor_critic.rollout_forwards(
         state.params, state.frozen, query_responses, P,
-        logits_chunk_size=settings.rollout_logits_chunk,
-        forward_batch_size=settings.local_rollout_forward_batch_size,
+        logits_chunk_size=batch.rollout_logits_chunk,
+        forward_batch_size=batch.local_rollout_forward_batch_size,
         with_full_kl=program.kl_estimator.needs_full_distribution, behaviour_logprobs=sampler_logprobs)
-    num_eos = (jnp.sum(raw_responses == settings.eos_token_id).astype(jnp.int32)
-               if settings.eos_token_id is not None else jnp.zeros((), jnp.int32))
+    num_eos = (jnp.sum(raw_responses == sampling.eos_token_id).astype(jnp.int32)
+               if sampling.eos_token_id is not None else jnp.zeros((), jnp.int32))
     return Experience(
         queries=queries,
         query_responses=query_responses,
@@ -131,7 +125,7 @@ def experience_forwards(program, state, query_responses, prompt_length, sampler_
         last_index=masks.last_index,
         padding_mask=masks.padding_mask,
         padding_mask_p1=masks.padding_mask_p1,
-        contains_stop=contains_stop_token(responses, settings.stop_token_id),
+        contains_stop=contains_stop_token(responses, sampling.stop_token_id),
         num_eos_tokens=num_eos,
         full_kl=None if full_kl is None else jnp.where(masks.padding_mask, 0.0, full_kl),
     )
@@ -141,9 +135,10 @@ def experience_forwards(program, state, query_responses, prompt_length, sampler_
 # Steps 7-8: scores
 # --------------------------------------------------------------------------------------------------
 def with_scores(experience: Experience, scores, settings) -> Experience:
-    """Set ``scores`` f32[B] and apply ``missing_eos_penalty`` (docs/algorithm.md, "Rollout", step 8)."""
+    """Set ``scores`` f32[B] and apply ``missing_eos_penalty`` (docs/algorithm.md, "Rollout", step 8).
+    settings: the program's ``StepSettings`` (the stop token and the penalty)."""
     scores = apply_missing_eos_penalty(jnp.asarray(scores, jnp.float32), experience.responses,
-                                       settings.stop_token_id, settings.missing_eos_penalty)
+                                       settings.sampling.stop_token_id, settings.algorithm.missing_eos_penalty)
     return experience.replace(scores=scores)
 
 

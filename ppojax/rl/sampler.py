@@ -27,9 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ppojax.rl.forward import sequence_inputs
-
-TEMPERATURE_EPS = 1e-7
+from ppojax.rl.forward import TEMPERATURE_EPS, sequence_inputs
 
 
 # --------------------------------------------------------------------------------------------------

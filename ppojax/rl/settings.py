@@ -1,58 +1,156 @@
-"""``StepSettings``: the static description the compiled PPO programs are traced from.
+"""What the compiled PPO programs are traced from (static) and the hyperparameters they read as values (traced).
 
-It is the config's static fields (``PPOConfig.static_settings()``: every field whose value shapes a
-program, read as attributes: ``settings.gamma``, ``settings.response_length``) plus the few values the build
-derives from the models, the tokenizer and the mesh (token ids, the number of updates, batch sizes, logits
-chunk sizes). Hashable, so it is a ``jax.jit`` static argument: equal settings reuse a compiled program.
+Static settings, one small frozen dataclass per concern, each function taking the one(s) it reads:
+
+    SamplingSettings   the sampler and the rollout's token conventions (lengths, token ids, temperature, top-k/p)
+    AlgorithmSettings  rewards, advantages, the form of the loss and the legacy controllers
+    OptimSettings      the update's structure (epochs, mini-batches, accumulation) and the learning-rate schedule
+    BatchSettings      the global batch sizes over the mesh and the forwards' row and logits chunks
+
+:class:`StepSettings` bundles the four (a ``PPOProgram`` holds one); :meth:`StepSettings.from_config` is the one
+place they are built from a ``PPOConfig`` and the values the build derives from the models, the tokenizer and
+the mesh. All are hashable: equal settings reuse a compiled program.
+
+:class:`Hyperparams` is the other half: the learning rate, the clip ranges and the loss coefficients as float32
+scalars in the ``TrainState`` (the KL-in-reward coefficient is the state's ``kl_coef``, which the adaptive
+controller moves). Changing them between two calls of a compiled step does not recompile, and a stack of them
+(one per run) can be ``jax.vmap``-ed over.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
 
 from ppojax.rl import forward
 
 
 @dataclass(frozen=True)
-class StepSettings:
-    """config: the config's static view; the other fields are derived (see the module docstring).
+class SamplingSettings:
+    """The sampler's options and the token conventions of the rollout (docs/algorithm.md, "Rollout").
 
-    batch_size / mini_batch_size / micro_batch_size: global rows per rollout / optimizer step / forward-
-    backward (``PPOConfig.derived``). update_logits_chunk / rollout_logits_chunk: response positions per
-    float32 logits chunk in the loss and in the rollout forwards (None = all at once).
-    """
+    response_length: tokens sampled per prompt; temperature / top_k / top_p: the sampling distribution (0 and
+    1.0 are off); num_generations: samples per prompt (consecutive rows); behaviour_logprobs: 'forward' (a
+    policy forward computes them) or 'sampler' (the decode loop's). stop_token_id: a response ends after it
+    (None: never); eos_token_id: counted in the metrics."""
 
-    config: Any
-    num_updates: int
+    response_length: int
     pad_token_id: int
-    stop_token_id: Optional[int]
-    eos_token_id: Optional[int]
-    batch_size: int
-    mini_batch_size: int
-    micro_batch_size: int
-    update_logits_chunk: Optional[int] = None
-    rollout_logits_chunk: Optional[int] = None
+    stop_token_id: Optional[int] = None
+    eos_token_id: Optional[int] = None
+    temperature: float = 0.7
+    top_k: int = 0
+    top_p: float = 1.0
+    num_generations: int = 1
+    behaviour_logprobs: str = "forward"
 
-    def __getattr__(self, name):
-        # Only reached when the dataclass has no such field: read the config's static field.
-        if name == "config":
-            raise AttributeError(name)
-        return getattr(self.config, name)
+
+@dataclass(frozen=True)
+class AlgorithmSettings:
+    """Shaped rewards, advantages, the loss's form and the legacy controllers (docs/algorithm.md).
+
+    An advantage estimator (``ppojax.core.advantages``) receives this object and reads ``gamma``, ``lam``,
+    ``num_generations``, ``scale_rewards`` and ``normalize_advantages``. kl_in_loss / entropy_bonus: whether the
+    loss has a KL-to-the-reference term / an entropy bonus (``kl_loss_coef`` / ``entropy_coef`` > 0 in the config;
+    their weights are the traced ``Hyperparams.kl_loss_coef`` / ``entropy_coef``). Without an entropy bonus the
+    entropy is a statistic only: no gradient flows through it."""
+
+    advantage_estimator: str = "gae"
+    gamma: float = 1.0
+    lam: float = 0.95
+    num_generations: int = 1
+    scale_rewards: str = "group"
+    normalize_advantages: bool = False
+    kl_estimator: str = "k1"
+    score_position: str = "trl"
+    whiten_rewards: bool = False
+    missing_eos_penalty: Optional[float] = None
+    use_score_scaling: bool = False
+    use_score_norm: bool = False
+    score_clip: Optional[float] = None
+    kl_in_loss: bool = False
+    entropy_bonus: bool = False
+    kl_loss_type: str = "low_var_kl"
+    dual_clip_c: Optional[float] = None
+    loss_agg_mode: str = "token-mean"
+    adaptive_kl: bool = False
+    target_kl_for_adaptive: float = 6.0
+    horizon: int = 10000
+
+    @property
+    def processes_scores(self) -> bool:
+        """Whether the legacy score scaling / clipping runs."""
+        return self.use_score_scaling or self.score_clip is not None
+
+
+@dataclass(frozen=True)
+class OptimSettings:
+    """The update's structure and the learning-rate schedule's shape (its base value is traced).
+
+    num_updates: PPO iterations of the run (the linear schedule decays to 0 over them); warmup_steps, critic_warmup:
+    in updates. ratio_threshold / early_stopping with target_kl: legacy mini-batch skipping (None / False: off)."""
+
+    num_ppo_epochs: int = 4
+    num_mini_batches: int = 1
+    gradient_accumulation_steps: int = 1
+    num_updates: int = 1
+    lr_scheduler_type: str = "linear"
+    warmup_steps: int = 0
+    critic_warmup: int = 0
+    ratio_threshold: Optional[float] = None
+    early_stopping: bool = False
+    target_kl: float = 1.0
 
     @property
     def steps_per_update(self) -> int:
         """Optimizer steps of one PPO iteration."""
         return self.num_ppo_epochs * self.num_mini_batches
 
-    def replace(self, **changes) -> "StepSettings":
-        """New settings with derived fields and/or config fields changed (e.g. ``temperature=0.01``)."""
-        own = {f.name for f in dataclasses.fields(self)}
-        config_changes = {k: v for k, v in changes.items() if k not in own}
-        derived = {k: v for k, v in changes.items() if k in own}
-        if config_changes:
-            derived["config"] = dataclasses.replace(self.config, **config_changes)
-        return dataclasses.replace(self, **derived)
+    def lr_schedule(self) -> optax.Schedule:
+        """The learning-rate multiplier by update index (HF's ``get_linear_schedule_with_warmup`` /
+        ``get_constant_schedule_with_warmup``, stepped once per update as TRL's PPO steps its scheduler), from
+        optax's schedules: linear warmup from 0 to 1 over ``warmup_steps``, then 1 ('constant') or a linear decay
+        to 0 at ``num_updates`` ('linear')."""
+        warmup = max(self.warmup_steps, 0)
+        if self.lr_scheduler_type == "constant":
+            after = optax.constant_schedule(1.0)
+        else:
+            after = optax.linear_schedule(1.0, 0.0, max(self.num_updates - warmup, 1))
+        if warmup == 0:
+            return after
+        return optax.join_schedules([optax.linear_schedule(0.0, 1.0, warmup), after], [warmup])
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    """Global batch sizes over the mesh (``PPOConfig.derived``) and how the forwards chunk them.
+
+    batch_size / mini_batch_size / micro_batch_size: rows per rollout / optimizer step / forward-backward.
+    local_rollout_forward_batch_size: rows per rollout forward (None: all). update_logits_chunk /
+    rollout_logits_chunk: response positions per float32 logits chunk in the loss and in the rollout forwards
+    (None: all at once)."""
+
+    batch_size: int
+    mini_batch_size: int
+    micro_batch_size: int
+    data_parallel_size: int = 1
+    local_rollout_forward_batch_size: Optional[int] = None
+    update_logits_chunk: Optional[int] = None
+    rollout_logits_chunk: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """The four static settings of a PPO program, built by :meth:`from_config`."""
+
+    sampling: SamplingSettings
+    algorithm: AlgorithmSettings
+    optim: OptimSettings
+    batch: BatchSettings
 
     @classmethod
     def from_config(cls, config, *, pad_token_id: int, num_updates: int = 1, stop_token_id: Optional[int] = None,
@@ -60,14 +158,76 @@ class StepSettings:
                     vocab_size: Optional[int] = None) -> "StepSettings":
         """Settings for ``config`` (a PPOConfig). ``vocab_size`` sizes the logits chunks when the config's
         ``logits_chunk_size`` is None (see :func:`ppojax.rl.forward.auto_chunk_size`)."""
-        sizes = config.derived(data_parallel_size)
-        update_chunk = rollout_chunk = config.logits_chunk_size
+        c = config
+        sizes = c.derived(data_parallel_size)
+        update_chunk = rollout_chunk = c.logits_chunk_size
         if update_chunk is None and vocab_size is not None:
             micro_rows = -(-sizes.micro_batch_size // data_parallel_size)
-            forward_rows = -(-(config.local_rollout_forward_batch_size or sizes.batch_size) // data_parallel_size)
-            update_chunk = forward.auto_chunk_size(micro_rows, config.response_length, vocab_size)
-            rollout_chunk = forward.auto_chunk_size(forward_rows, config.response_length, vocab_size)
-        return cls(config=config.static_settings(), num_updates=num_updates, pad_token_id=pad_token_id,
-                   stop_token_id=stop_token_id, eos_token_id=eos_token_id, batch_size=sizes.batch_size,
-                   mini_batch_size=sizes.mini_batch_size, micro_batch_size=sizes.micro_batch_size,
-                   update_logits_chunk=update_chunk, rollout_logits_chunk=rollout_chunk)
+            forward_rows = -(-(c.local_rollout_forward_batch_size or sizes.batch_size) // data_parallel_size)
+            update_chunk = forward.auto_chunk_size(micro_rows, c.response_length, vocab_size)
+            rollout_chunk = forward.auto_chunk_size(forward_rows, c.response_length, vocab_size)
+        sampling = SamplingSettings(
+            response_length=c.response_length, pad_token_id=pad_token_id, stop_token_id=stop_token_id,
+            eos_token_id=eos_token_id, temperature=c.temperature, top_k=c.top_k, top_p=c.top_p,
+            num_generations=c.num_generations, behaviour_logprobs=c.behaviour_logprobs)
+        algorithm = AlgorithmSettings(
+            advantage_estimator=c.advantage_estimator, gamma=c.gamma, lam=c.lam, num_generations=c.num_generations,
+            scale_rewards=c.scale_rewards, normalize_advantages=c.normalize_advantages, kl_estimator=c.kl_estimator,
+            score_position=c.score_position, whiten_rewards=c.whiten_rewards,
+            missing_eos_penalty=c.missing_eos_penalty, use_score_scaling=c.use_score_scaling,
+            use_score_norm=c.use_score_norm, score_clip=c.score_clip, kl_in_loss=bool(c.kl_loss_coef),
+            entropy_bonus=bool(c.entropy_coef),
+            kl_loss_type=c.kl_loss_type, dual_clip_c=c.dual_clip_c, loss_agg_mode=c.loss_agg_mode,
+            adaptive_kl=c.adaptive_kl, target_kl_for_adaptive=c.target_kl_for_adaptive, horizon=c.horizon)
+        optim = OptimSettings(
+            num_ppo_epochs=c.num_ppo_epochs, num_mini_batches=c.num_mini_batches,
+            gradient_accumulation_steps=c.gradient_accumulation_steps, num_updates=num_updates,
+            lr_scheduler_type=c.lr_scheduler_type, warmup_steps=c.warmup_steps, critic_warmup=c.critic_warmup,
+            ratio_threshold=c.ratio_threshold, early_stopping=c.early_stopping, target_kl=c.target_kl)
+        batch = BatchSettings(
+            batch_size=sizes.batch_size, mini_batch_size=sizes.mini_batch_size,
+            micro_batch_size=sizes.micro_batch_size, data_parallel_size=data_parallel_size,
+            local_rollout_forward_batch_size=c.local_rollout_forward_batch_size,
+            update_logits_chunk=update_chunk, rollout_logits_chunk=rollout_chunk)
+        return cls(sampling, algorithm, optim, batch)
+
+
+@struct.dataclass
+class Hyperparams:
+    """The traced hyperparameters (float32 scalars in the ``TrainState``; a leading axis when runs are vmapped).
+
+    learning_rate: the schedule's base value (``OptimSettings.lr_schedule`` multiplies it).
+    cliprange_low / cliprange_high: the policy ratio is clipped to [1 - low, 1 + high].
+    cliprange_value, vf_coef, entropy_coef: the value clip range and the loss weights.
+    kl_loss_coef: the weight of the KL-in-the-loss term.
+    ``entropy_coef`` and ``kl_loss_coef`` weigh their terms only where the static ``AlgorithmSettings`` has them
+    (``entropy_bonus``, ``kl_in_loss``: the config's value > 0).
+    """
+
+    learning_rate: jax.Array
+    cliprange_low: jax.Array
+    cliprange_high: jax.Array
+    cliprange_value: jax.Array
+    vf_coef: jax.Array
+    entropy_coef: jax.Array
+    kl_loss_coef: jax.Array
+
+    @classmethod
+    def create(cls, *, learning_rate=3e-6, cliprange=0.2, cliprange_low=None, cliprange_high=None,
+               cliprange_value=0.2, vf_coef=0.1, entropy_coef=0.0, kl_loss_coef=0.0) -> "Hyperparams":
+        """From PPOConfig's names and defaults: cliprange_low defaults to cliprange, cliprange_high to
+        cliprange_low."""
+        low = cliprange if cliprange_low is None else cliprange_low
+        high = low if cliprange_high is None else cliprange_high
+        f32 = lambda v: jnp.asarray(v, jnp.float32)  # noqa: E731
+        return cls(learning_rate=f32(learning_rate), cliprange_low=f32(low), cliprange_high=f32(high),
+                   cliprange_value=f32(cliprange_value), vf_coef=f32(vf_coef), entropy_coef=f32(entropy_coef),
+                   kl_loss_coef=f32(kl_loss_coef))
+
+    @classmethod
+    def from_config(cls, config) -> "Hyperparams":
+        """The config's values (a PPOConfig)."""
+        return cls.create(learning_rate=config.learning_rate, cliprange=config.cliprange,
+                          cliprange_low=config.cliprange_low, cliprange_high=config.cliprange_high,
+                          cliprange_value=config.cliprange_value, vf_coef=config.vf_coef,
+                          entropy_coef=config.entropy_coef, kl_loss_coef=config.kl_loss_coef)

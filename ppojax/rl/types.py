@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from ppojax.core.controllers import RunningMoments
+from ppojax.rl.settings import Hyperparams
 
 
 @struct.dataclass
@@ -84,6 +85,9 @@ class TrainState:
                     through every step unchanged (donated and aliased, never copied), and left out of
                     checkpoints (they are rebuilt from the config).
     kl_coef:        f32[] the KL penalty coefficient (the adaptive controller moves it in the program).
+    hyperparams:    the traced learning rate, clip ranges and loss coefficients
+                    (:class:`ppojax.rl.settings.Hyperparams`): set them with ``state.replace(hyperparams=...)``
+                    between steps, no recompilation.
     score_moments:  running mean/std of the scores (legacy ``use_score_scaling``).
     update_count:   i32[] PPO iterations done (drives the learning-rate schedule).
     optimizer_steps: i32[] optimizer steps applied.
@@ -95,6 +99,7 @@ class TrainState:
     opt_state: Any
     frozen: Any
     kl_coef: jax.Array
+    hyperparams: Hyperparams
     score_moments: RunningMoments
     update_count: jax.Array
     optimizer_steps: jax.Array
@@ -107,12 +112,16 @@ class TrainState:
         return self.replace(frozen=None)
 
 
-def init_train_state(params, optimizer, *, frozen=None, kl_coef=0.05) -> TrainState:
-    """A fresh state: optimizer initialised on ``params``, counters at 0, score moments at mean 0 / std 1."""
+def init_train_state(params, optimizer, *, hyperparams: Hyperparams, frozen=None, kl_coef=0.05) -> TrainState:
+    """A fresh state: optimizer initialised on ``params``, counters at 0, score moments at mean 0 / std 1.
+
+    hyperparams: the traced hyperparameters (``Hyperparams.from_config(config)`` or ``Hyperparams.create(...)``)."""
     def zero():  # distinct buffers: the state is donated, and one buffer may not be donated twice
         return jnp.zeros((), jnp.int32)
 
     return TrainState(params=params, opt_state=optimizer.init(params), frozen=frozen,
-                      kl_coef=jnp.asarray(kl_coef, jnp.float32), score_moments=RunningMoments.create(),
+                      kl_coef=jnp.asarray(kl_coef, jnp.float32),
+                      hyperparams=jax.tree.map(lambda x: jnp.array(x, jnp.float32), hyperparams),
+                      score_moments=RunningMoments.create(),
                       update_count=zero(), optimizer_steps=zero(), nonfinite_streak=zero(),
                       nonfinite_total=zero(), episode=zero())

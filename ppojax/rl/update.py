@@ -27,85 +27,80 @@ from ppojax.rl.optimizer import apply as apply_optimizer
 from ppojax.rl.types import UpdateBatch
 
 
-def learning_rate_at(settings, update_index):
-    """HF's linear schedule with warmup, stepped once per update (as TRL's PPO steps its scheduler)."""
-    u = jnp.asarray(update_index, jnp.float32)
-    base = jnp.float32(settings.learning_rate)
-    warmup = jnp.float32(max(settings.warmup_steps, 0))
-    if settings.lr_scheduler_type == "constant":
-        factor = jnp.where(u < warmup, u / jnp.maximum(warmup, 1.0), 1.0)
-    else:
-        total = jnp.float32(settings.num_updates)
-        decay = jnp.maximum(0.0, (total - u) / jnp.maximum(total - warmup, 1.0))
-        factor = jnp.where(u < warmup, u / jnp.maximum(warmup, 1.0), decay)
-    return base * factor
+def learning_rate_at(optim, learning_rate, update_index):
+    """The learning rate of update ``update_index``: the traced base ``learning_rate`` times the schedule
+    (``OptimSettings.lr_schedule``: optax's linear warmup, then constant or linear decay, stepped once per update
+    as TRL's PPO steps its scheduler)."""
+    return jnp.asarray(learning_rate, jnp.float32) * optim.lr_schedule()(update_index)
 
 
 # --------------------------------------------------------------------------------------------------
 # Rewards and advantages on the whole (global) rollout batch
 # --------------------------------------------------------------------------------------------------
-def process_scores(settings, experience, moments):
+def process_scores(algorithm, experience, moments):
     """Legacy score scaling / normalisation / clipping (off by default). -> (scores f32[B], new moments).
 
     A NaN/inf score leaves the running moments as they were: that update is skipped anyway, and the moments
     must stay usable for the next one."""
-    if not (settings.use_score_scaling or settings.score_clip is not None):
+    if not algorithm.processes_scores:
         return experience.scores, moments
-    scores, new = ppo.process_scores(experience.scores, moments, use_score_scaling=settings.use_score_scaling,
-                                     use_score_norm=settings.use_score_norm, score_clip=settings.score_clip)
+    scores, new = ppo.process_scores(experience.scores, moments, use_score_scaling=algorithm.use_score_scaling,
+                                     use_score_norm=algorithm.use_score_norm, score_clip=algorithm.score_clip)
     finite = jnp.all(jnp.isfinite(experience.scores))
     return scores, jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, moments)
 
 
-def per_token_kl(settings, experience):
+def per_token_kl(algorithm, experience):
     """The configured KL estimator's f32[B, R] (0 on padding)."""
-    if ppo.kl_estimator(settings.kl_estimator).needs_full_distribution:
+    if ppo.kl_estimator(algorithm.kl_estimator).needs_full_distribution:
         return experience.full_kl  # computed in the rollout from both full distributions
-    return ppo.kl_per_token(experience.logprobs, experience.ref_logprobs, settings.kl_estimator)
+    return ppo.kl_per_token(experience.logprobs, experience.ref_logprobs, algorithm.kl_estimator)
 
 
-def shaped_rewards_and_advantages(settings, experience, scores, kl_coef):
+def shaped_rewards_and_advantages(algorithm, experience, scores, kl_coef):
     """The KL-shaped rewards (docs/algorithm.md, "Shaped rewards") and the configured advantage estimator on the whole
     rollout batch.
 
     scores: f32[B] (after legacy processing); kl_coef: f32[]. Returns (UpdateBatch, rollout metrics, kl f32[B, R]).
     """
-    kl = per_token_kl(settings, experience)
+    kl = per_token_kl(algorithm, experience)
     shaped = ppo.shaped_rewards(scores, kl, experience.last_index, kl_coef, experience.padding_mask_p1,
-                                score_position=settings.score_position, whiten_rewards=settings.whiten_rewards)
-    estimator = ppo.advantage_estimator(settings.advantage_estimator)
+                                score_position=algorithm.score_position, whiten_rewards=algorithm.whiten_rewards)
+    estimator = ppo.advantage_estimator(algorithm.advantage_estimator)
     adv = estimator.fn(ppo.AdvantageInputs(shaped.rewards, scores, experience.values, experience.padding_mask,
-                                           experience.padding_mask_p1), settings)
+                                           experience.padding_mask_p1), algorithm)
     metrics = ppo.rollout_metrics(experience.scores, kl, shaped.non_score_reward, experience.logprobs,
                                   experience.padding_mask, experience.num_eos_tokens)
-    if settings.use_score_scaling or settings.score_clip is not None:
+    if algorithm.processes_scores:
         metrics["objective/scores_processed"] = jnp.mean(scores)
     batch = UpdateBatch(experience.query_responses, experience.logprobs, experience.values, adv.advantages,
                         adv.returns, experience.padding_mask, experience.padding_mask_p1,
-                        ref_logprobs=experience.ref_logprobs if settings.kl_loss_coef else None)
+                        ref_logprobs=experience.ref_logprobs if algorithm.kl_in_loss else None)
     return batch, metrics, kl
 
 
 # --------------------------------------------------------------------------------------------------
 # The loss of one micro-batch
 # --------------------------------------------------------------------------------------------------
-def micro_batch_loss(actor_critic, settings, params, batch: UpdateBatch, policy_tokens, value_tokens, rows=None,
-                     frozen=None):
+def micro_batch_loss(actor_critic, algorithm, hyperparams, params, batch: UpdateBatch, policy_tokens, value_tokens,
+                     rows=None, frozen=None, logits_chunk_size=None):
     """PPO loss of one micro-batch on the current parameters, normalised by its mini-batch's live-token and
     row counts (None: its own), so micro-batch gradients sum to the mini-batch's (``frozen``: the state's
-    frozen models, read by the policy under LoRA). Returns (loss, stats)."""
+    frozen models, read by the policy under LoRA). algorithm: the static ``AlgorithmSettings``; hyperparams:
+    the traced ``Hyperparams`` (clip ranges, coefficients). Returns (loss, stats)."""
     response_length = batch.logprobs.shape[1]
     prompt_length = batch.query_responses.shape[1] - response_length
     logprobs, entropy, vpred = actor_critic.evaluate(params, batch.query_responses, prompt_length, frozen=frozen,
-                                                     logits_chunk_size=settings.update_logits_chunk)
-    kl_loss_fn = ppo.kl_estimator(settings.kl_loss_type).fn if settings.kl_loss_coef else None
-    loss, stats = ppo.ppo_loss(logprobs, vpred, entropy, batch, cliprange=settings.cliprange_low or settings.cliprange,
-                               cliprange_value=settings.cliprange_value, vf_coef=settings.vf_coef,
-                               entropy_coef=settings.entropy_coef, policy_tokens=policy_tokens,
-                               value_tokens=value_tokens, rows=rows, cliprange_high=settings.cliprange_high,
-                               dual_clip_c=settings.dual_clip_c, loss_agg_mode=settings.loss_agg_mode,
-                               kl_loss_coef=settings.kl_loss_coef, kl_loss_fn=kl_loss_fn,
-                               with_value=actor_critic.has_critic)
+                                                     logits_chunk_size=logits_chunk_size)
+    kl_loss_fn = ppo.kl_estimator(algorithm.kl_loss_type).fn if algorithm.kl_in_loss else None
+    hp = hyperparams
+    loss, stats = ppo.ppo_loss(logprobs, vpred, entropy, batch, cliprange=hp.cliprange_low,
+                               cliprange_value=hp.cliprange_value, vf_coef=hp.vf_coef,
+                               entropy_coef=hp.entropy_coef if algorithm.entropy_bonus else 0.0, policy_tokens=policy_tokens,
+                               value_tokens=value_tokens, rows=rows, cliprange_high=hp.cliprange_high,
+                               dual_clip_c=algorithm.dual_clip_c, loss_agg_mode=algorithm.loss_agg_mode,
+                               kl_loss_coef=hp.kl_loss_coef if algorithm.kl_in_loss else 0.0,
+                               kl_loss_fn=kl_loss_fn, with_value=actor_critic.has_critic)
     masked_new = jnp.where(batch.padding_mask, ppo.INVALID_LOGPROB, logprobs)
     stats["policykl"] = ppo.masked_mean(batch.logprobs - masked_new, ~batch.padding_mask)  # legacy early stop
     return loss, stats
@@ -151,20 +146,24 @@ def learn(program, state, experience, key):
     program: a ``ppojax.rl.program.PPOProgram`` (actor_critic, settings, optimizer). key: PRNG key for the
     epoch permutations. Returns (new state, metrics dict of f32/i32 scalars under TRL's names).
     """
-    actor_critic, settings, optimizer = program.actor_critic, program.settings, program.optimizer
-    scores, moments = process_scores(settings, experience, state.score_moments)
-    batch, rollout_stats, kl = shaped_rewards_and_advantages(settings, experience, scores, state.kl_coef)
+    actor_critic, optimizer = program.actor_critic, program.optimizer
+    algorithm, optim = program.settings.algorithm, program.settings.optim
+    logits_chunk = program.settings.batch.update_logits_chunk
+    hyperparams = state.hyperparams
+    scores, moments = process_scores(algorithm, experience, state.score_moments)
+    batch, rollout_stats, kl = shaped_rewards_and_advantages(algorithm, experience, scores, state.kl_coef)
     batch_size = batch.logprobs.shape[0]
-    mini_size = batch_size // settings.num_mini_batches
+    mini_size = batch_size // optim.num_mini_batches
     grad_fn = jax.value_and_grad(
-        lambda p, mb, pt, vt: micro_batch_loss(actor_critic, settings, p, mb, pt, vt, mini_size, state.frozen),
+        lambda p, mb, pt, vt: micro_batch_loss(actor_critic, algorithm, hyperparams, p, mb, pt, vt, mini_size,
+                                               state.frozen, logits_chunk),
         has_aux=True)
-    lr = learning_rate_at(settings, state.update_count)
+    lr = learning_rate_at(optim, hyperparams.learning_rate, state.update_count)
     nonfinite_before = state.nonfinite_total
     # Critic warm-up: during the first ``critic_warmup`` updates only the critic's parameters (and their
     # optimizer moments) change; the policy's are kept as they were.
-    policy_frozen = state.update_count < settings.critic_warmup if settings.critic_warmup else None
-    policy_leaf = (lambda path: actor_critic.owner(path) == "policy") if settings.critic_warmup else None
+    policy_frozen = state.update_count < optim.critic_warmup if optim.critic_warmup else None
+    policy_leaf = (lambda path: actor_critic.owner(path) == "policy") if optim.critic_warmup else None
 
     def mini_batch_step(carry, rows):
         state, stopped = carry
@@ -176,18 +175,18 @@ def learn(program, state, experience, key):
             (loss, stats), grads = grad_fn(state.params, micro, policy_tokens, value_tokens)
             return jax.tree.map(jnp.add, grad_sum, grads), stats
 
-        if settings.gradient_accumulation_steps == 1:
+        if optim.gradient_accumulation_steps == 1:
             # No accumulator: zero-filling and adding a parameter-sized buffer costs ~3 % of a SmolLM2 update.
             (_, stats), grads = grad_fn(state.params, mini, policy_tokens, value_tokens)
             stats = jax.tree.map(lambda s: s[None], stats)  # [micro_batches=1, ...] like the scan's
         else:
             zeros = jax.tree.map(jnp.zeros_like, state.params)
             grads, stats = jax.lax.scan(micro_step, zeros,
-                                        _split_leading(mini, settings.gradient_accumulation_steps))
+                                        _split_leading(mini, optim.gradient_accumulation_steps))
         finite = all_finite(grads) & jnp.all(jnp.isfinite(stats["loss"]))
         skip = stopped
-        if settings.ratio_threshold is not None:  # legacy: drop a mini-batch whose ratio blew up
-            skip = skip | (jnp.mean(stats["ratio"]) > settings.ratio_threshold)
+        if optim.ratio_threshold is not None:  # legacy: drop a mini-batch whose ratio blew up
+            skip = skip | (jnp.mean(stats["ratio"]) > optim.ratio_threshold)
         apply = finite & ~skip
 
         def optimizer_step(params, opt_state):
@@ -203,16 +202,16 @@ def learn(program, state, experience, key):
             optimizer_steps=state.optimizer_steps + apply.astype(jnp.int32),
             nonfinite_streak=jnp.where(finite, 0, state.nonfinite_streak + (~skip).astype(jnp.int32)),
             nonfinite_total=state.nonfinite_total + (~finite & ~skip).astype(jnp.int32))
-        if settings.early_stopping:  # legacy: stop the epochs once the policy KL is too large
-            stopped = stopped | (jnp.mean(stats["policykl"]) > 1.5 * settings.target_kl)
+        if optim.early_stopping:  # legacy: stop the epochs once the policy KL is too large
+            stopped = stopped | (jnp.mean(stats["policykl"]) > 1.5 * optim.target_kl)
         stats["skipped"] = jnp.broadcast_to(~apply, stats["loss"].shape).astype(jnp.float32)
         return (new_state, stopped), stats
 
     def epoch_step(carry, epoch_key):
-        order = jax.random.permutation(epoch_key, batch_size).reshape(settings.num_mini_batches, mini_size)
+        order = jax.random.permutation(epoch_key, batch_size).reshape(optim.num_mini_batches, mini_size)
         return jax.lax.scan(mini_batch_step, carry, order)
 
-    epoch_keys = jax.random.split(key, settings.num_ppo_epochs)
+    epoch_keys = jax.random.split(key, optim.num_ppo_epochs)
     (state, _), stats = jax.lax.scan(epoch_step, (state, jnp.bool_(False)), epoch_keys)
     # stats leaves: [epochs, mini_batches, micro_batches]
     metrics = dict(rollout_stats)
@@ -233,12 +232,12 @@ def learn(program, state, experience, key):
 
     # ---- controllers: the KL coefficient and the score moments move unless every step was skipped ----
     nonfinite_steps = state.nonfinite_total - nonfinite_before
-    all_skipped = (nonfinite_steps > 0) & (metrics["ppo/skipped_steps"] >= settings.steps_per_update)
+    all_skipped = (nonfinite_steps > 0) & (metrics["ppo/skipped_steps"] >= optim.steps_per_update)
     kl_coef = state.kl_coef
-    if settings.adaptive_kl:
+    if algorithm.adaptive_kl:
         mean_kl = rollout_stats["objective/kl"]
-        moved = ppo.adaptive_kl_update(kl_coef, mean_kl, batch_size, settings.target_kl_for_adaptive,
-                                       settings.horizon)
+        moved = ppo.adaptive_kl_update(kl_coef, mean_kl, batch_size, algorithm.target_kl_for_adaptive,
+                                       algorithm.horizon)
         kl_coef = jnp.where(jnp.isfinite(mean_kl) & ~all_skipped, moved, kl_coef)
     metrics["objective/kl_coef"] = state.kl_coef  # the coefficient this update's rewards used
     moments = _select(all_skipped, state.score_moments, moments)

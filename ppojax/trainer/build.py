@@ -1,7 +1,7 @@
 """Build: a validated config (and optional user objects) -> everything a run needs, as one ``Run``.
 
     config -> mesh -> policy (+ tokenizer) -> reward source -> value function -> reference -> prompts
-           -> StepSettings -> optimizer -> sharded TrainState -> PPOProgram
+           -> StepSettings (static) + Hyperparams (traced) -> optimizer -> sharded TrainState -> PPOProgram
 
 Every user mistake found here is a ``ConfigError`` (``ppojax train`` prints it without a traceback and exits
 with 2); the checks that need only ``config.json`` files and the device count run before any weights are
@@ -33,7 +33,7 @@ from ppojax.models.lora import LoraSpec, resolve_target_modules, with_lora
 from ppojax.core.advantages import advantage_estimator
 from ppojax.trainer.data import BUILTIN_MOVIE_REVIEWS, PromptBatches, check_tokenizer, load_prompt_dataset, prepare_prompts
 from ppojax.rl.rewards import FunctionScores, ModelScores
-from ppojax.rl.settings import StepSettings
+from ppojax.rl.settings import Hyperparams, StepSettings
 from ppojax.rl.program import PPOProgram
 from ppojax.rl.types import TrainState
 from ppojax.rl.optimizer import optimizer_from_config
@@ -329,7 +329,8 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
             abstract = _abstract_models(**sources)
             if abstract is not None:
                 ahead = start_train_step(program_for(abstract), abstract.params, abstract.frozen,
-                                         kl_coef=config.kl_coef, prompts_shape=(
+                                         hyperparams=Hyperparams.from_config(config), kl_coef=config.kl_coef,
+                                         prompts_shape=(
                                              batches.batch_size // batches.process_count, batches.input_ids.shape[1]))
         except Exception as err:  # noqa: BLE001 - a head start only: the real build below reports real problems
             log.info("train_step not compiled ahead: %s: %s", type(err).__name__, err)
@@ -341,6 +342,7 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
     else:  # no compile ahead, or its structure guess differs from the loaded models' (the step compiles later)
         program, train_step = program_for(models), None
     state, state_shardings = placement.init_sharded_train_state(models.params, program.optimizer, mesh,
+                                                               hyperparams=Hyperparams.from_config(config),
                                                                frozen=models.frozen, kl_coef=config.kl_coef,
                                                                donate=True)
     return Run(config=config, tokenizer=processing_class, model_config=models.policy_cfg, mesh=mesh,

@@ -89,7 +89,7 @@ def _train_and_report(config: PPOConfig, claim) -> dict:
         trainer = PPOTrainer(config, claim=claim)
     print(f"ppojax: {len(trainer.train_queries)} training prompts, "
           f"{0 if trainer.eval_queries is None else len(trainer.eval_queries)} held out; "
-          f"{trainer.num_updates} updates of {trainer.run.settings.batch_size} prompts x {config.response_length} "
+          f"{trainer.num_updates} updates of {trainer.run.settings.batch.batch_size} prompts x {config.response_length} "
           "tokens")
     if trainer.run.compilation_cache_dir is not None:
         print(f"ppojax: compiled programs are cached in {trainer.run.compilation_cache_dir} (a re-run with the same "
@@ -146,8 +146,8 @@ def _train_and_report(config: PPOConfig, claim) -> dict:
             with stage("checking the export: transformers must write ppojax's greedy continuations"):
                 export_check = greedy_continuations_agree(
                     out / "policy", trainer.policy_graphdef, trainer.policy_params, trainer.eval_queries[:4],
-                    config.response_length, pad_token_id=trainer.run.settings.pad_token_id,
-                    stop_token_id=trainer.run.settings.stop_token_id)
+                    config.response_length, pad_token_id=trainer.run.settings.sampling.pad_token_id,
+                    stop_token_id=trainer.run.settings.sampling.stop_token_id)
             if sharding.is_main_process():
                 print(f"ppojax: transformers reproduces ppojax's greedy continuations: {export_check['agree']}")
         plot = logger.plot(out / "training_curves.png", held_out_before=before and before["mean_score"],

@@ -45,7 +45,7 @@ class CompileAhead:
         return self
 
 
-def start_train_step(program, params, frozen, *, kl_coef: float, prompts_shape: tuple) -> CompileAhead:
+def start_train_step(program, params, frozen, *, hyperparams, kl_coef: float, prompts_shape: tuple) -> CompileAhead:
     """``make_train_step(program, shardings)`` with its compile started on a background thread, for the
     ``TrainState`` of ``params`` / ``frozen`` (``jax.ShapeDtypeStruct`` trees, e.g. the states of
     ``abstract_pretrained`` models; the state ``init_sharded_train_state`` makes from their arrays) and prompts
@@ -54,8 +54,8 @@ def start_train_step(program, params, frozen, *, kl_coef: float, prompts_shape: 
     from ppojax.rl.program import _place, make_train_step
     from ppojax.rl.types import init_train_state
 
-    state = jax.eval_shape(lambda p, f: init_train_state(p, program.optimizer, frozen=f, kl_coef=kl_coef),
-                           params, frozen)
+    state = jax.eval_shape(lambda p, f: init_train_state(p, program.optimizer, hyperparams=hyperparams, frozen=f,
+                                                         kl_coef=kl_coef), params, frozen)
     state_shardings = sharding.train_state_shardings(state, program.mesh)
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s, weak_type=x.weak_type),
                          state, state_shardings)

@@ -280,8 +280,8 @@ class PPOConfig:
     # ---- PPO ----
     num_ppo_epochs: int = setting(4, static=True, on_resume=MAY_CHANGE, rule=at_least(1))
     """Passes over each rollout batch per update."""
-    learning_rate: float = setting(3e-6, static=True, on_resume=MAY_CHANGE, rule=at_least(0))
-    """Peak learning rate of AdamW (policy and value model)."""
+    learning_rate: float = setting(3e-6, static=False, on_resume=MAY_CHANGE, rule=at_least(0))
+    """Peak learning rate of AdamW (policy and value model); a traced value of the state (``Hyperparams``)."""
     lr_scheduler_type: str = setting("linear", static=True, on_resume=MAY_CHANGE, rule=one_of("linear", "constant"))
     """'linear' (to 0 over the updates, as TRL) or 'constant'."""
     warmup_steps: int = setting(0, static=True, on_resume=MAY_CHANGE, rule=at_least(0))
@@ -302,14 +302,15 @@ class PPOConfig:
     for float32 parameters on a single CPU device; optax's elsewhere) or 'optax' (optax's transformations, which
     XLA:CPU runs as three passes). The same arithmetic; XLA fuses some multiply-adds, so the two agree to a few
     units in the last place."""
-    cliprange: float = setting(0.2, static=True, on_resume=MAY_CHANGE, rule=above(0))
+    cliprange: float = setting(0.2, static=False, on_resume=MAY_CHANGE, rule=above(0))
     """PPO's policy ratio clip range epsilon: the ratio is clipped to [1 - cliprange, 1 + cliprange]."""
-    cliprange_value: float = setting(0.2, static=True, on_resume=MAY_CHANGE, rule=above(0))
+    cliprange_value: float = setting(0.2, static=False, on_resume=MAY_CHANGE, rule=above(0))
     """Clip range of the value prediction around the rollout's values."""
-    vf_coef: float = setting(0.1, static=True, on_resume=MAY_CHANGE, rule=at_least(0))
+    vf_coef: float = setting(0.1, static=False, on_resume=MAY_CHANGE, rule=at_least(0))
     """Weight of the value loss in the total loss."""
     entropy_coef: float = setting(0.0, static=True, on_resume=MAY_CHANGE, rule=at_least(0))
-    """Weight of the entropy bonus subtracted from the loss (0: off, as TRL)."""
+    """Weight of the entropy bonus subtracted from the loss (0: off, as TRL). Its value is traced; turning the
+    bonus on or off (0 <-> > 0) compiles anew."""
     gamma: float = setting(1.0, static=True, on_resume=MAY_CHANGE, rule=between(0, 1))
     """Discount factor of the returns."""
     lam: float = setting(0.95, static=True, on_resume=MAY_CHANGE, rule=between(0, 1))
@@ -341,15 +342,16 @@ class PPOConfig:
     policy's parameters stay as they are. Needs a critic (advantage_estimator: gae)."""
     kl_loss_coef: float = setting(0.0, static=True, on_resume=MAY_CHANGE, rule=at_least(0))
     """Weight of a KL-to-the-reference term IN THE LOSS (GRPO-style; TRL's GRPO beta, verl's kl_loss_coef);
-    0: off. kl_coef is the KL in the REWARD (PPO-style): set it to 0 to keep the KL in the loss only."""
+    0: off. kl_coef is the KL in the REWARD (PPO-style): set it to 0 to keep the KL in the loss only. Its value is
+    traced; turning the term on or off (0 <-> > 0) compiles anew."""
     kl_loss_type: str = setting("low_var_kl", static=True, on_resume=MAY_CHANGE,
                                 rule=KL_ESTIMATOR_NAME)
     """The per-token KL estimator of the loss term: 'low_var_kl' (k3 clamped to [-10, 10], verl), 'k3'
     (TRL's GRPO), 'k2', 'k1', ... ('full' is for the reward only)."""
-    cliprange_low: Optional[float] = setting(None, static=True, on_resume=MAY_CHANGE, rule=above(0))
+    cliprange_low: Optional[float] = setting(None, static=False, on_resume=MAY_CHANGE, rule=above(0))
     """Lower policy clip range: the ratio is clipped below at 1 - cliprange_low (None: cliprange; TRL's
     GRPO epsilon, verl's clip_ratio_low)."""
-    cliprange_high: Optional[float] = setting(None, static=True, on_resume=MAY_CHANGE, rule=above(0))
+    cliprange_high: Optional[float] = setting(None, static=False, on_resume=MAY_CHANGE, rule=above(0))
     """Upper policy clip range ("clip-higher", DAPO recommends 0.28): clipped above at 1 + cliprange_high
     (None: cliprange_low where it is set, else cliprange, as TRL's epsilon_high defaults to its epsilon; TRL's
     epsilon_high, verl's clip_ratio_high)."""

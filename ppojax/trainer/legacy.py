@@ -34,27 +34,27 @@ class LegacyAPI:
         if too_long:
             raise ConfigError(f"query {too_long[0]} has {len(queries[too_long[0]])} tokens, more than "
                               f"max_prompt_length={P}; raise max_prompt_length or shorten it.")
-        return left_pad([list(map(int, q)) for q in queries], P, self.run.settings.pad_token_id)
+        return left_pad([list(map(int, q)) for q in queries], P, self.run.settings.sampling.pad_token_id)
 
     def generate(self, queries: Sequence[Sequence[int]], *, temperature=None, greedy=False,
                  key=None) -> list[np.ndarray]:
         """Sample a response for each query (token ids). Returns the responses cut after the stop token
         (no padding). temperature: default the config's; greedy: argmax decoding; key: PRNG key (default:
         derived from the seed and the number of calls so far)."""
-        settings = self.run.settings
+        sampling = self.run.settings.sampling
         padded = self._pad_queries(queries)
         if key is None:
             self._generate_calls = getattr(self, "_generate_calls", 0) + 1
             key = jax.random.fold_in(jax.random.key(self.run.config.seed + 2), self._generate_calls)
         query_responses = rollout.sample_jit(
             self.policy_graphdef, self.policy_params, jnp.asarray(padded),
-            key, jnp.float32(settings.temperature if temperature is None else temperature), settings=settings,
+            key, jnp.float32(sampling.temperature if temperature is None else temperature), sampling=sampling,
             greedy=greedy, mesh=self.run.mesh)
         responses = sharding.to_host(ppo.truncate_response(  # a collective on a multi-process mesh
-            query_responses[:, padded.shape[1]:], settings.stop_token_id, settings.pad_token_id))
+            query_responses[:, padded.shape[1]:], sampling.stop_token_id, sampling.pad_token_id))
         completions = []
         for row in responses:
-            pads = np.flatnonzero(row == settings.pad_token_id)
+            pads = np.flatnonzero(row == sampling.pad_token_id)
             completions.append(row[:pads[0]] if pads.size else row)
         return completions
 
@@ -66,13 +66,13 @@ class LegacyAPI:
         if not (len(responses) == len(scores) == n):
             raise ConfigError(f"step() got {n} queries, {len(responses)} responses and {len(scores)} scores; "
                               "they must have the same length.")
-        if n != run.settings.batch_size:
-            raise ConfigError(f"step() got {n} queries; expected batch_size={run.settings.batch_size} (the "
+        if n != run.settings.batch.batch_size:
+            raise ConfigError(f"step() got {n} queries; expected batch_size={run.settings.batch.batch_size} (the "
                               "update's static shape). Set batch_size in the config to your batch.")
         scores_np = check_scores(np.asarray(scores, np.float32).reshape(-1), n, name="step() scores",
                                  allow_nonfinite=run.config.on_nonfinite_reward == "skip")
         R = run.config.response_length
-        padded_responses = np.full((n, R), run.settings.pad_token_id, np.int32)
+        padded_responses = np.full((n, R), run.settings.sampling.pad_token_id, np.int32)
         for i, response in enumerate(responses):
             if len(response) > R:
                 raise ConfigError(f"response {i} has {len(response)} tokens, more than response_length={R}; "

@@ -64,7 +64,7 @@ def run_updates(run, train_step, total: int, hooks: list[Hook], *, should_stop: 
         run.state, metrics = train_step(run.state, prompts, step_key(run.config.seed, update_index))
         metrics = {name: float(value) for name, value in sharding.to_host(metrics).items()}
         seconds = time.perf_counter() - t0
-        metrics["eps"] = run.settings.batch_size / seconds
+        metrics["eps"] = run.settings.batch.batch_size / seconds
         metrics["time/step_s"] = seconds
         history.append(metrics)
         end = StepEnd(step=update_index + 1, total=total, run=run, metrics=metrics, seconds=seconds)
@@ -100,7 +100,7 @@ def nonfinite_check(checkpoint_dir: Optional[Callable[[], Any]] = None):
         streak = int(run.state.nonfinite_streak)
         if skipped:
             from ppojax.io.run_logging import stage
-            stage(f"update {end.step}: {skipped} of {run.settings.steps_per_update} optimizer steps skipped "
+            stage(f"update {end.step}: {skipped} of {run.settings.optim.steps_per_update} optimizer steps skipped "
                   f"for a non-finite loss or gradient (mean score {end.metrics['objective/scores']}); {streak} "
                   f"in a row, the run stops at max_nonfinite_steps={run.config.max_nonfinite_steps}.")
         if streak >= run.config.max_nonfinite_steps:

@@ -141,6 +141,7 @@ def abstract_run(config: PPOConfig, model_cfg, mesh) -> AbstractRun:
     from ppojax.core.advantages import advantage_estimator
     from ppojax.rl.rewards import ModelScores
     from ppojax.trainer.build import assemble_abstractly, make_program, model_kwargs
+    from ppojax.rl.settings import Hyperparams
     from ppojax.rl.types import init_train_state
 
     # the models' default kernels, XLA's, as on the accelerators the CPU devices stand in for (a backend's custom
@@ -162,10 +163,12 @@ def abstract_run(config: PPOConfig, model_cfg, mesh) -> AbstractRun:
                            reward, pad_token_id=pad, stop_token_id=stop, eos_token_id=eos, num_updates=1,
                            vocab_size=model_cfg.vocab_size, base_graphdef=models.base_graphdef,
                            lora_scale=None if models.lora_spec is None else models.lora_spec.scale)
-    state = jax.eval_shape(lambda p, f: init_train_state(p, program.optimizer, frozen=f, kl_coef=config.kl_coef),
+    hyperparams = Hyperparams.from_config(config)
+    state = jax.eval_shape(lambda p, f: init_train_state(p, program.optimizer, hyperparams=hyperparams, frozen=f,
+                                                         kl_coef=config.kl_coef),
                            models.params, models.frozen)
     state_shardings = sharding.train_state_shardings(state, mesh)
-    batch = program.settings.batch_size
+    batch = program.settings.batch.batch_size
     prompts = jax.ShapeDtypeStruct((batch, config.max_prompt_length), jnp.int32,
                                    sharding=sharding.batch_sharding(mesh))
     key = jax.eval_shape(lambda: jax.random.key(0))
@@ -198,8 +201,8 @@ class ProgramPlan:
 
 def _abstract_experience(run: AbstractRun):
     from ppojax.parallel import sharding
-    from ppojax.rl.program import rollout_part
-    experience, _ = jax.eval_shape(lambda s, p, k: rollout_part(run.program, s, p, k), run.state, run.prompts,
+    from ppojax.rl.program import collect_experience
+    experience, _ = jax.eval_shape(lambda s, p, k: collect_experience(run.program, s, p, k), run.state, run.prompts,
                                    run.key)
     return _with_shardings(experience, sharding.batch_shardings(experience, run.program.mesh))
 

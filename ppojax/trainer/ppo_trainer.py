@@ -46,13 +46,12 @@ class PPOTrainer(LegacyAPI):
     """
 
     def __init__(self, args: PPOConfig, processing_class=None, model=None, ref_model=None, reward_model=None,
-                 train_dataset=None, value_model=None, *, logger=None, claim=None, split_train_step: bool = False):
+                 train_dataset=None, value_model=None, *, logger=None, claim=None):
         self.args = args
         # compile_ahead: the one-program step compiles on a background thread while the weights load
         self.run = build_run(args, processing_class, model, ref_model, reward_model, train_dataset, value_model,
-                             compile_ahead=args.compile_ahead and not split_train_step)
-        self.train_step = self.run.train_step or make_train_step(self.run.program, self.run.state_shardings,
-                                                                 split=split_train_step)
+                             compile_ahead=args.compile_ahead)
+        self.train_step = self.run.train_step or make_train_step(self.run.program, self.run.state_shardings)
         self.logger = logger
         self.claim = claim  # the run's hold on output_dir (ppojax.io.run_dir); train() takes one if None
 
@@ -236,8 +235,10 @@ class PPOTrainer(LegacyAPI):
             print(f"ppojax: resuming {path} with changed settings: {', '.join(changed)}")
         frozen = self.run.state.frozen
         # the fresh trainable state is only the restore's target: released first, never held twice
+        # the config's hyperparameters (a resumed run may change them), kept apart from the restore's target
+        hyperparams = jax.tree.map(jnp.copy, self.run.state.hyperparams)
         state, host, _ = restore_checkpoint(path, self.run.state.without_frozen(), release_target=True)
-        self.run.state = state.replace(frozen=frozen)
+        self.run.state = state.replace(frozen=frozen, hyperparams=hyperparams)
         if self.run.batches is not None and host.get("data") is not None:
             self.run.batches.load_state_dict(host["data"])
         return path
@@ -255,17 +256,17 @@ class PPOTrainer(LegacyAPI):
 
     def _sample(self, queries, temperature: float = SAMPLE_TEMPERATURE, step: int = 0):
         """(prompts, completions, responses i32[B, R] truncated, on the host) for queries i32[B, P]."""
-        settings = self.run.settings
+        sampling = self.run.settings.sampling
         key = jax.random.fold_in(jax.random.key(self.args.seed + 1), step)
         query_responses = rollout.sample_jit(self.policy_graphdef, self.policy_params,
                                              jnp.asarray(queries, jnp.int32), key, jnp.float32(temperature),
-                                             settings=settings, mesh=self.run.mesh)
+                                             sampling=sampling, mesh=self.run.mesh)
         P = queries.shape[1]
         responses = sharding.to_host(
-            ppo.truncate_response(query_responses[:, P:], settings.stop_token_id, settings.pad_token_id))
+            ppo.truncate_response(query_responses[:, P:], sampling.stop_token_id, sampling.pad_token_id))
         from ppojax.rl.rewards import decode_rollout_text
         prompts, completions = decode_rollout_text(self.tokenizer, np.asarray(queries), responses,
-                                                   settings.pad_token_id)
+                                                   sampling.pad_token_id)
         return prompts, completions, responses
 
     def log_samples(self, step: int, num: int = 4):
@@ -273,7 +274,7 @@ class PPOTrainer(LegacyAPI):
             return
         # a whole batch, of which the first `num` are shown: the sampler compiled for evaluation is reused
         queries = _whole_batch((self.eval_queries if self.eval_queries is not None else self.train_queries)[:num],
-                               self.run.settings.batch_size)
+                               self.run.settings.batch.batch_size)
         prompts, completions, responses = self._sample(queries, step=step)
         scores = self.score_samples(queries, responses, prompts, completions, rows=num)
         self.logger.log_samples(step, prompts[:num], completions[:num], scores)
@@ -284,7 +285,7 @@ class PPOTrainer(LegacyAPI):
         "scores"}."""
         if self.eval_queries is None or self.run.reward is None:
             return None
-        batch = self.run.settings.batch_size
+        batch = self.run.settings.batch.batch_size
         prompts, completions, scores = [], [], []
         for start in range(0, len(self.eval_queries), batch):
             queries = _whole_batch(self.eval_queries[start:start + batch], batch)
