@@ -78,6 +78,7 @@ def learn_unless_reward_failed(program: PPOProgram, state, experience, key, fail
         state, metrics = jax.lax.cond(failures > 0, skip, lambda s, e, k: learn(program, s, e, k),
                                       state, experience, key)
     metrics["reward/failures"] = failures
+    metrics["ppo/nonfinite_streak"] = state.nonfinite_streak  # for the host, which reads metrics an update late
     return state, metrics
 
 
@@ -215,6 +216,7 @@ def _make_split_train_step(program: PPOProgram, state_shardings):
             experience = rollout.with_scores(experience, scores, program.settings)
         state, metrics = learn(program, state, experience, update_key)
         metrics["reward/failures"] = jnp.zeros((), jnp.int32)
+        metrics["ppo/nonfinite_streak"] = state.nonfinite_streak
         return state, metrics
 
     rollout_jit = jax.jit(rollout_part_)
