@@ -1,6 +1,7 @@
 """Checkpoints: bit-exact round trip, keep-last-K, crash safety (leftovers and a real SIGKILL mid-save),
 config compatibility and structure-mismatch messages; manifests and damage (each damaged checkpoint skipped
-with one line, the older one restored), save_total_limit after real crashes, a full disk (ulimit -f)."""
+with one line, the older one restored), save_total_limit after real crashes, a full disk (ulimit -f); asynchronous saves (the caller
+goes on while orbax writes)."""
 from __future__ import annotations
 
 import errno
@@ -750,3 +751,46 @@ def test_no_space_left_message(tmp_path, monkeypatch):
     with pytest.raises(ckpt.CheckpointError, match="; the previous checkpoint step_2 is intact; free space"):
         ckpt.save_checkpoint(tmp_path, 3, small_tree(3), {}, config_dict())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2"]
+
+
+def test_an_asynchronous_save_returns_before_its_files_and_restores_bit_exact(tmp_path, monkeypatch):
+    """wait=False returns once orbax holds the state in host memory, before any file is final: the caller may
+    delete (donate) its arrays at once, and the checkpoint written in the background restores bit for bit.
+    The write is held (the manifest cannot be written) until the test lets it go, so the order is certain."""
+    import threading
+
+    written, real_seal = threading.Event(), ckpt._seal
+    monkeypatch.setattr(ckpt, "_seal", lambda path, step: (written.wait(60), real_seal(path, step)))
+    rng = np.random.default_rng(11)
+    want = {"w": rng.standard_normal((1000, 1000), np.float32), "b": rng.standard_normal(7).astype(jnp.bfloat16)}
+    state = {k: jnp.asarray(v) for k, v in want.items()}
+    saved: list[int] = []
+    path = ckpt.save_checkpoint(tmp_path, 1, state, {"update": 1}, config_dict(), wait=False, on_saved=saved.append)
+    assert not path.exists() and saved == []  # returned while orbax's thread writes
+    for leaf in state.values():
+        leaf.delete()  # as the next update's donation does
+    written.set()
+    assert ckpt.latest_checkpoint(tmp_path) == path  # readers wait for the save in flight
+    assert saved == [1] and ckpt.verify_checkpoint(path)[0]
+    target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in want.items()}
+    restored, host, _ = ckpt.restore_checkpoint(path, target)
+    assert {k: bits(v) for k, v in restored.items()} == {k: bits(v) for k, v in want.items()}
+    assert host == {"update": 1}
+
+
+def test_asynchronous_saves_keep_save_total_limit(tmp_path):
+    """Saves in a row, none waited for by the caller: each waits for the one before; once they are done exactly
+    the newest save_total_limit checkpoints are left (intact), each reported on disk once, in order."""
+    saved: list[int] = []
+    for step in range(1, 6):
+        ckpt.save_checkpoint(tmp_path, step, small_tree(step), {"update": step}, config_dict(), save_total_limit=2,
+                             wait=False, on_saved=saved.append)
+        assert saved == list(range(1, step))  # the previous save is finished when the next one starts
+    ckpt.wait_for_saves(tmp_path)
+    assert saved == [1, 2, 3, 4, 5]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_4", "step_5"]
+    assert all(ckpt.verify_checkpoint(tmp_path / f"step_{s}")[0] for s in (4, 5))
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), small_tree(0))
+    restored, host, _ = ckpt.restore_checkpoint(tmp_path, target)
+    assert_bit_equal(restored, small_tree(5))
+    assert host == {"update": 5}
