@@ -1,7 +1,7 @@
 """Checkpoints: bit-exact round trip, keep-last-K, crash safety (leftovers and a real SIGKILL mid-save),
 config compatibility and structure-mismatch messages; manifests and damage (each damaged checkpoint skipped
-with one line, the older one restored), save_total_limit after real crashes, a full disk (ulimit -f); asynchronous saves (the caller
-goes on while orbax writes)."""
+with one line, the older one restored), save_total_limit after real crashes, a full disk (ulimit -f); asynchronous
+saves (the caller goes on while orbax writes)."""
 from __future__ import annotations
 
 import errno
