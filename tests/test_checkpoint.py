@@ -1,6 +1,7 @@
 """Checkpoints: bit-exact round trip, keep-last-K, crash safety (leftovers and a real SIGKILL mid-save),
 config compatibility and structure-mismatch messages; manifests and damage (each damaged checkpoint skipped
-with one line, the older one restored), save_total_limit after real crashes, a full disk (ulimit -f)."""
+with one line, the older one restored), save_total_limit after real crashes, a full disk (ulimit -f); asynchronous
+saves (the caller goes on while orbax writes)."""
 from __future__ import annotations
 
 import errno
@@ -33,6 +34,7 @@ from ppojax.rl.types import init_train_state
 from ppojax.rl.optimizer import make_optimizer
 
 REPO = Path(__file__).resolve().parents[1]
+UNFINISHED = "step_{}.orbax-checkpoint-tmp"  # where orbax writes a step until it renames it
 
 
 def bits(x) -> tuple:
@@ -230,6 +232,9 @@ CRASH_SCRIPT = textwrap.dedent("""
         return {f"w{i}": jnp.asarray(rng.standard_normal((1000, 2000), np.float32) + offset) for i in range(3)}
 
     directory = sys.argv[1]
+    if sys.argv[2] != "orbax_writing":
+        from tests.save_faults import pause_at
+        pause_at(sys.argv[2], 2)
     ckpt.save_checkpoint(directory, 1, tree(0.0), {"update": 1}, {"m": "x"}, save_total_limit=1)
     print("SAVED 1", flush=True)
     big = tree(1.0)
@@ -249,10 +254,7 @@ def _start_saver(tmp_path, kill_at):
     script = tmp_path / "crash.py"
     script.write_text(CRASH_SCRIPT)
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
-    env.pop(ckpt.PAUSE_ENV, None)
-    if kill_at != "orbax_writing":
-        env[ckpt.PAUSE_ENV] = f"{kill_at}@2"
-    proc = subprocess.Popen([sys.executable, str(script), str(directory)], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, str(script), str(directory), kill_at], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True, env=env)
     return proc, directory
 
@@ -277,7 +279,7 @@ def _kill_when_reached(proc, directory, kill_at):
     else:
         pytest.fail(f"the saving process ended before {wanted!r}")
     if kill_at == "orbax_writing":  # kill once orbax has written some (not all) of step 2's array bytes
-        tmp = directory / "step_2.tmp"
+        tmp = directory / UNFINISHED.format(2)
         while _bytes_under(tmp) < 1_000_000 and time.time() < deadline:
             time.sleep(0.0005)
     proc.send_signal(signal.SIGKILL)
@@ -300,7 +302,7 @@ def test_sigkill_during_save_keeps_the_previous_checkpoint(tmp_path):
                 proc.wait()
     target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in expected_tree(0).items()}
     for kill_at, (_, directory) in procs.items():
-        assert (directory / "step_2.tmp").is_dir() and not (directory / "step_2").exists(), kill_at
+        assert (directory / UNFINISHED.format(2)).is_dir() and not (directory / "step_2").exists(), kill_at
         latest = ckpt.latest_checkpoint(directory)
         assert latest == directory / "step_1", kill_at
         restored, host, _ = ckpt.restore_checkpoint(latest, target)
@@ -404,8 +406,8 @@ def test_manifest_lists_every_file_with_size_and_checksum(tmp_path, monkeypatch)
     manifest = json.loads(raw)
     assert json.loads((path / ckpt.COMPLETE).read_text())["manifest_crc32"] == f"{zlib.crc32(raw):08x}"
     assert manifest["block_size"] == 4096 and manifest["checksum"] == "crc32"
-    assert set(manifest["files"]) == set(on_disk) - {ckpt.COMPLETE, ckpt.MANIFEST_FILE}
-    assert {"config.json", "host_state.json"} < set(manifest["files"])
+    assert set(manifest["files"]) == set(on_disk) - {ckpt.COMPLETE, ckpt.MANIFEST_FILE, *ckpt.ORBAX_FILES}
+    assert {ckpt.CONFIG_FILE, ckpt.HOST_STATE_FILE} < set(manifest["files"])
     for name, entry in manifest["files"].items():
         assert entry["size"] == on_disk[name], name
         assert entry["crc32"] == block_crcs(path / name, 4096), name
@@ -440,14 +442,14 @@ def _delete_state_file(path: Path, rel: str):
 
 
 def _delete_config(path: Path, rel: str):
-    (path / "config.json").unlink()
-    return "config file config.json is missing"
+    (path / ckpt.CONFIG_FILE).unlink()
+    return f"config file {ckpt.CONFIG_FILE} is missing"
 
 
 def _config_not_json(path: Path, rel: str):  # rewritten, same size, not JSON
-    size = (path / "config.json").stat().st_size
-    (path / "config.json").write_bytes(b"{" * size)
-    return ("config file config.json is not valid JSON (Expecting property name enclosed in double quotes: "
+    size = (path / ckpt.CONFIG_FILE).stat().st_size
+    (path / ckpt.CONFIG_FILE).write_bytes(b"{" * size)
+    return (f"config file {ckpt.CONFIG_FILE} is not valid JSON (Expecting property name enclosed in double quotes: "
             "line 1 column 2 (char 1))")
 
 
@@ -526,21 +528,13 @@ def test_changed_bytes_name_their_block(tmp_path, monkeypatch):
 def test_edited_manifest_is_damage(tmp_path):
     path = ckpt.save_checkpoint(tmp_path, 1, small_tree(1), {}, config_dict())
     manifest = json.loads((path / ckpt.MANIFEST_FILE).read_text())
-    manifest["files"]["config.json"]["size"] += 1
+    manifest["files"][ckpt.CONFIG_FILE]["size"] += 1
     (path / ckpt.MANIFEST_FILE).write_text(json.dumps(manifest))
     assert ckpt.verify_checkpoint(path) == (False, "MANIFEST.json does not match the checksum recorded in COMPLETE")
 
 
-def make_legacy(path: Path) -> None:
-    """What a checkpoint of the previous format looks like: no manifest, COMPLETE without its checksum."""
-    (path / ckpt.MANIFEST_FILE).unlink()
-    marker = json.loads((path / ckpt.COMPLETE).read_text())
-    del marker["manifest_crc32"]
-    (path / ckpt.COMPLETE).write_text(json.dumps(marker))
-
-
-LEGACY_SCRIPT = textwrap.dedent("""
-    import json, sys
+UNREADABLE_SCRIPT = textwrap.dedent("""
+    import sys
     import numpy as np, jax, jax.numpy as jnp
     from ppojax.io import checkpoint as ckpt
 
@@ -550,17 +544,12 @@ LEGACY_SCRIPT = textwrap.dedent("""
                 "b": jnp.asarray(rng.standard_normal(5), jnp.bfloat16), "n": jnp.int32(step)}
 
     path = ckpt.save_checkpoint(sys.argv[1], 5, tree(5), {"update": 5}, {})
-    (path / ckpt.MANIFEST_FILE).unlink()  # the previous format: no manifest, no checksum in COMPLETE
-    marker = json.loads((path / ckpt.COMPLETE).read_text())
-    del marker["manifest_crc32"]
-    (path / ckpt.COMPLETE).write_text(json.dumps(marker))
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree(0))
-    restored, _, _ = ckpt.restore_checkpoint(path, target)
-    assert all(np.array_equal(np.asarray(restored[k]), np.asarray(v)) for k, v in tree(5).items())
-    print(ckpt.verify_checkpoint(path)[1], flush=True)
     data = max((p for p in (path / "train_state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
     with open(data, "r+b") as f:
         f.truncate(100)
+    ckpt._seal(path, 5)  # damage the manifest vouches for (e.g. the disk returned bad bytes when it was written)
+    print(ckpt.verify_checkpoint(path)[0], flush=True)
     messages = set()
     for attempt in range(5):  # orbax abandons work at a different point each time
         try:
@@ -574,26 +563,21 @@ LEGACY_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_checkpoint_without_manifest_restores_and_damage_is_one_error(tmp_path):
-    """Checkpoints written before manifests still resume; damage orbax meets while reading one is ONE
+def test_damage_orbax_meets_while_reading_is_one_error(tmp_path):
+    """Damage the manifest cannot see (it was checksummed as it is) and orbax meets while reading: ONE
     CheckpointError (the orbax/tensorstore error chained), and nothing else is printed, then or at exit
     (orbax's abandoned coroutines, if collected later, would print tracebacks)."""
-    script = tmp_path / "legacy.py"
-    script.write_text(LEGACY_SCRIPT)
+    script = tmp_path / "unreadable.py"
+    script.write_text(UNREADABLE_SCRIPT)
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
     out = subprocess.run([sys.executable, str(script), str(tmp_path / "checkpoints")], capture_output=True,
                          text=True, env=env, timeout=120)
     assert out.returncode == 1, out.stderr[-3000:]
-    assert out.stdout == "no MANIFEST.json (written by an older ppojax): structure checked, not sizes or checksums\n"
+    assert out.stdout == "True\n"
     lines = out.stderr.splitlines()
     path = tmp_path / "checkpoints" / "step_5"
     assert len(lines) == 1, out.stderr[-3000:]
     assert lines[0].startswith(f"ppojax: error: cannot read the model state in {path} (train_state/): ")
-
-    (path / "config.json").write_text("{not json")
-    assert ckpt.verify_checkpoint(path) == (
-        False, "config file config.json is not valid JSON (Expecting property name enclosed in double quotes: "
-               "line 1 column 2 (char 1))")
 
 
 def test_resolve_checkpoint_paths(tmp_path):
@@ -620,15 +604,15 @@ def test_resolve_checkpoint_paths(tmp_path):
     assert ckpt.read_checkpoint_config(d / "step_2") == json.loads(json.dumps(config_dict()))
     # every checkpoint damaged: resume refuses (rather than silently starting over), one line each
     for step in (2, 4):
-        (d / f"step_{step}" / "config.json").unlink()
+        (d / f"step_{step}" / ckpt.CONFIG_FILE).unlink()
     lines: list[str] = []
     with pytest.raises(ckpt.CheckpointError) as raised:
         ckpt.resolve_checkpoint("auto", d, log=lines.append)
     assert str(raised.value) == (f"none of the 2 checkpoint(s) under {d} is intact (each is named above with what "
                                  "is wrong): restore the missing files, or move them aside to start a fresh run.")
-    assert lines == [f"skipping {d / f'step_{s}'}: config file config.json is missing; no intact checkpoint is left"
-                     for s in (4, 2)]
-    with pytest.raises(ckpt.CheckpointError, match="config file config.json is missing"):
+    assert lines == [f"skipping {d / f'step_{s}'}: config file {ckpt.CONFIG_FILE} is missing; no intact checkpoint "
+                     "is left" for s in (4, 2)]
+    with pytest.raises(ckpt.CheckpointError, match=f"config file {ckpt.CONFIG_FILE} is missing"):
         ckpt.read_checkpoint_config(d / "step_2")
 
 
@@ -641,6 +625,8 @@ LIMIT_SCRIPT = textwrap.dedent("""
         rng = np.random.default_rng(step)
         return {"w": jnp.asarray(rng.standard_normal((256, 256), np.float32))}
 
+    from tests.save_faults import pause_at
+    pause_at(sys.argv[2], 4)
     for step in (1, 2, 3, 4):  # paused (then killed) at a stage of step 4's save
         ckpt.save_checkpoint(sys.argv[1], step, tree(step), {"update": step}, {"m": "x"}, save_total_limit=2)
 """)
@@ -655,8 +641,8 @@ def test_save_total_limit_holds_after_real_crashes(tmp_path):
     stages = ["started", "state_written", "marked", "committed"]
     procs = {}
     for stage in stages:
-        procs[stage] = subprocess.Popen([sys.executable, str(script), str(tmp_path / stage)], text=True, env={
-            **env, ckpt.PAUSE_ENV: f"{stage}@4"}, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        procs[stage] = subprocess.Popen([sys.executable, str(script), str(tmp_path / stage), stage], text=True,
+                                        env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
         for stage, proc in procs.items():
             assert proc.stdout.readline().strip() == f"PPOJAX_PAUSED {stage} 4", stage
@@ -669,8 +655,9 @@ def test_save_total_limit_holds_after_real_crashes(tmp_path):
                 proc.wait()
     # what each crash left: the limit is broken after "committed" (step_2 not yet deleted)
     left = {stage: sorted(p.name for p in (tmp_path / stage).iterdir()) for stage in stages}
-    assert left == {"started": ["step_2", "step_3", "step_4.tmp"], "state_written": ["step_2", "step_3", "step_4.tmp"],
-                    "marked": ["step_2", "step_3", "step_4.tmp"], "committed": ["step_2", "step_3", "step_4"]}
+    unfinished = UNFINISHED.format(4)
+    assert left == {"started": ["step_2", "step_3"], "state_written": ["step_2", "step_3", unfinished],
+                    "marked": ["step_2", "step_3", unfinished], "committed": ["step_2", "step_3", "step_4"]}
 
     def intact(directory):
         return [p.name for p in ckpt.list_checkpoints(directory) if ckpt.verify_checkpoint(p)[0]]
@@ -746,22 +733,65 @@ def test_full_disk_is_one_message_and_keeps_the_previous_checkpoint(tmp_path):
 
 def test_no_space_left_message(tmp_path, monkeypatch):
     """ENOSPC (which needs a small file system to cause for real) words the message for a full disk."""
-    real_write = ckpt._write_json
+    real_write = ckpt._write_bytes
 
-    def full_disk(path, payload):
-        if path.name == ckpt.HOST_STATE_FILE:
+    def full_disk(path, data):
+        if path.name == ckpt.MANIFEST_FILE:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-        real_write(path, payload)
+        real_write(path, data)
 
-    monkeypatch.setattr(ckpt, "_write_json", full_disk)
+    monkeypatch.setattr(ckpt, "_write_bytes", full_disk)
     with pytest.raises(ckpt.CheckpointError) as raised:
         ckpt.save_checkpoint(tmp_path, 2, small_tree(2), {}, config_dict())
     assert str(raised.value) == (f"no space left on device while writing {tmp_path / 'step_2'}; no earlier "
                                  "checkpoint exists; free space or set save_total_limit.")
     assert isinstance(raised.value.__cause__, OSError) and not any(tmp_path.iterdir())
-    monkeypatch.setattr(ckpt, "_write_json", real_write)
+    monkeypatch.setattr(ckpt, "_write_bytes", real_write)
     ckpt.save_checkpoint(tmp_path, 2, small_tree(2), {}, config_dict())
-    monkeypatch.setattr(ckpt, "_write_json", full_disk)
+    monkeypatch.setattr(ckpt, "_write_bytes", full_disk)
     with pytest.raises(ckpt.CheckpointError, match="; the previous checkpoint step_2 is intact; free space"):
         ckpt.save_checkpoint(tmp_path, 3, small_tree(3), {}, config_dict())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2"]
+
+
+def test_an_asynchronous_save_returns_before_its_files_and_restores_bit_exact(tmp_path, monkeypatch):
+    """wait=False returns once orbax holds the state in host memory, before any file is final: the caller may
+    delete (donate) its arrays at once, and the checkpoint written in the background restores bit for bit.
+    The write is held (the manifest cannot be written) until the test lets it go, so the order is certain."""
+    import threading
+
+    written, real_seal = threading.Event(), ckpt._seal
+    monkeypatch.setattr(ckpt, "_seal", lambda path, step: (written.wait(60), real_seal(path, step)))
+    rng = np.random.default_rng(11)
+    want = {"w": rng.standard_normal((1000, 1000), np.float32), "b": rng.standard_normal(7).astype(jnp.bfloat16)}
+    state = {k: jnp.asarray(v) for k, v in want.items()}
+    saved: list[int] = []
+    path = ckpt.save_checkpoint(tmp_path, 1, state, {"update": 1}, config_dict(), wait=False, on_saved=saved.append)
+    assert not path.exists() and saved == []  # returned while orbax's thread writes
+    for leaf in state.values():
+        leaf.delete()  # as the next update's donation does
+    written.set()
+    assert ckpt.latest_checkpoint(tmp_path) == path  # readers wait for the save in flight
+    assert saved == [1] and ckpt.verify_checkpoint(path)[0]
+    target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in want.items()}
+    restored, host, _ = ckpt.restore_checkpoint(path, target)
+    assert {k: bits(v) for k, v in restored.items()} == {k: bits(v) for k, v in want.items()}
+    assert host == {"update": 1}
+
+
+def test_asynchronous_saves_keep_save_total_limit(tmp_path):
+    """Saves in a row, none waited for by the caller: each waits for the one before; once they are done exactly
+    the newest save_total_limit checkpoints are left (intact), each reported on disk once, in order."""
+    saved: list[int] = []
+    for step in range(1, 6):
+        ckpt.save_checkpoint(tmp_path, step, small_tree(step), {"update": step}, config_dict(), save_total_limit=2,
+                             wait=False, on_saved=saved.append)
+        assert saved == list(range(1, step))  # the previous save is finished when the next one starts
+    ckpt.wait_for_saves(tmp_path)
+    assert saved == [1, 2, 3, 4, 5]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_4", "step_5"]
+    assert all(ckpt.verify_checkpoint(tmp_path / f"step_{s}")[0] for s in (4, 5))
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), small_tree(0))
+    restored, host, _ = ckpt.restore_checkpoint(tmp_path, target)
+    assert_bit_equal(restored, small_tree(5))
+    assert host == {"update": 5}

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 import pytest
 
-from ppojax.io.checkpoint import latest_checkpoint, restore_checkpoint
+from ppojax.io.checkpoint import HOST_STATE_FILE, latest_checkpoint, restore_checkpoint
 from ppojax.trainer.cli import main
 from ppojax.trainer.config import ConfigError, PPOConfig
 from ppojax.models import save_pretrained
@@ -36,14 +36,18 @@ from tests.tiny_setup import write_tiny_run_inputs, PROMPTS, WORDS, tiny_config,
 REPO = Path(__file__).resolve().parents[1]
 TINY_YAML = str(REPO / "configs" / "tiny.yaml")
 BLOCK_ENV = "PPOJAX_TEST_BLOCK_AT_REWARD_CALL"
+SAVE_FAULT = "save fault"  # in KILL_POINTS: run `ppojax` through tests/save_faults.py, paused in that save
 _reward_calls = [0]
 
 
 def blocking_good_fraction(prompts, completions):
     """The reward of the kill tests (configs/tiny.yaml's); with PPOJAX_TEST_BLOCK_AT_REWARD_CALL=<n> set, its
-    n-th call prints a marker and blocks until the process is killed (a kill in the middle of a rollout)."""
+    n-th call prints a marker and blocks until the process is killed (a kill in the middle of a rollout, once
+    the checkpoint being written in the background is on disk: a kill during that write is another kill point)."""
     _reward_calls[0] += 1
     if os.environ.get(BLOCK_ENV) == str(_reward_calls[0]):
+        from ppojax.io.checkpoint import wait_for_saves
+        wait_for_saves()
         print(f"PPOJAX_BLOCKED reward call {_reward_calls[0]}", flush=True)
         while True:
             time.sleep(3600)
@@ -293,15 +297,15 @@ def test_too_long_prompts_are_filtered_and_counted(tmp_path, capsys):
 # Each run: `ppojax train configs/tiny.yaml` (4 updates, a checkpoint after each, adaptive KL and score
 # normalisation on, so every piece of host state matters), killed at one point, then resumed with resume=auto.
 # The run killed in its FINAL save is also the uninterrupted reference: it ran all 4 updates without a break,
-# and at its kill point (COMPLETE written, rename not yet done) its step_4.tmp/ holds the final train state and
-# host state in full, and metrics.jsonl all 4 rows; they are copied away before that run is resumed.
+# and at its kill point (COMPLETE written, orbax's rename not yet done) its step_4.orbax-checkpoint-tmp/ holds the
+# final train state and host state in full, and metrics.jsonl all 4 rows; they are copied away before that run is
+# resumed. The kills in a save stop it with tests/save_faults.py.
 REFERENCE_KILL = "in the final save (COMPLETE written, not renamed)"
 KILL_POINTS = {
     # name: (extra environment, what the killed run must have left: latest checkpoint, metrics rows)
-    REFERENCE_KILL: ({"PPOJAX_TEST_PAUSE_IN_SAVE": "marked@4"}, "step_3", 4),
+    REFERENCE_KILL: ({SAVE_FAULT: "marked@4"}, "step_3", 4),
     "in the rollout of update 3 (between checkpoints)": ({BLOCK_ENV: "3"}, "step_2", 2),
-    "in the save of update 3 (state written, no COMPLETE)": ({"PPOJAX_TEST_PAUSE_IN_SAVE": "state_written@3"},
-                                                             "step_2", 3),
+    "in the save of update 3 (state written, no COMPLETE)": ({SAVE_FAULT: "state_written@3"}, "step_2", 3),
 }
 MARKERS = ("PPOJAX_BLOCKED", "PPOJAX_PAUSED")
 TIMEOUT = 300
@@ -323,17 +327,19 @@ def kill_env(tmp_path_factory):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO), "JAX_COMPILATION_CACHE_DIR": str(cache),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
            "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip()}
-    for name in (BLOCK_ENV, "PPOJAX_TEST_PAUSE_IN_SAVE"):
-        env.pop(name, None)
+    env.pop(BLOCK_ENV, None)
     return env
 
 
 def _start_killable(name, dirs: Path, env, root: Path):
     out, log = root / "run", root / "run.log"
     root.mkdir(parents=True, exist_ok=True)
+    extra = dict(KILL_POINTS[name][0])
+    fault = extra.pop(SAVE_FAULT, None)
+    program = ["tests.save_faults", fault] if fault else ["ppojax.trainer.cli"]
     with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "ppojax.trainer.cli", *_run_args(dirs, out)], cwd=REPO,
-                                env={**env, **KILL_POINTS[name][0]}, stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([sys.executable, "-m", *program, *_run_args(dirs, out)], cwd=REPO,
+                                env={**env, **extra}, stdout=f, stderr=subprocess.STDOUT)
     return proc, out, log
 
 
@@ -396,7 +402,7 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tiny_dirs, kill_env, fi
         assert latest_checkpoint(out / "checkpoints") == out / "checkpoints" / latest, name
         assert len((out / "metrics.jsonl").read_text().splitlines()) == rows, name
     reference = tmp_path / "reference"
-    shutil.copytree(runs[REFERENCE_KILL] / "checkpoints" / "step_4.tmp", reference)
+    shutil.copytree(runs[REFERENCE_KILL] / "checkpoints" / "step_4.orbax-checkpoint-tmp", reference)
     shutil.copy(runs[REFERENCE_KILL] / "metrics.jsonl", reference / "metrics.jsonl")
 
     # resume all three with `ppojax train ... resume=auto`, in one process (one startup)
@@ -418,7 +424,7 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tiny_dirs, kill_env, fi
     assert [r["step"] for r in want_rows] == [1, 2, 3, 4]
     with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
         want_state = host_copy(checkpointer.restore(reference / "train_state"))
-        want_host = json.loads((reference / "host_state.json").read_text())["host_state"]
+        want_host = json.loads((reference / HOST_STATE_FILE).read_text())["host_state"]
         policies = set()
         for name, out in runs.items():
             final = out / "checkpoints" / "step_4"
@@ -426,7 +432,7 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tiny_dirs, kill_env, fi
             # parameters, optimizer state and counters, bit for bit
             assert_trees_equal(host_copy(checkpointer.restore(final / "train_state")), want_state)
             # KL coefficient, score moments, PRNG key, data position, episode
-            assert json.loads((final / "host_state.json").read_text())["host_state"] == want_host, name
+            assert json.loads((final / HOST_STATE_FILE).read_text())["host_state"] == want_host, name
             policies.add((out / "policy" / "model.safetensors").read_bytes())
             assert_sinks_hold_every_step_once(out)
         assert len(policies) == 1  # the exported policies are byte-identical

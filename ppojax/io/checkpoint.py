@@ -1,63 +1,47 @@
-"""Atomic, verifiable, resumable checkpoints of a whole training run (orbax for the device state, JSON for the rest).
+"""Checkpoints of a whole training run: orbax's ``CheckpointManager`` writes them (asynchronously, atomically,
+keeping ``save_total_limit``); ppojax adds an integrity manifest, verification on resume and the fallback to
+the newest intact checkpoint.
 
 Layout of ``directory`` (e.g. ``output_dir/checkpoints``)::
 
-    step_120/                 a checkpoint
-        train_state/          orbax pytree of the TrainState (params, optimizer state, counters), any sharding
-        host_state.json       KL coefficient, score moments, PRNG key data, data iterator position, counts ...
-        config.json           the run's config (``PPOConfig.to_dict()``)
-        MANIFEST.json         size and CRC32 checksums of every file above (``file_manifest.py``)
-        COMPLETE              written last: {"step": 120, "time": ..., "manifest_crc32": <CRC32 of MANIFEST.json>}
-    step_130.tmp/             a save in progress, or one killed mid-way: ignored, removed by the next save
-    damaged/step_110/         a damaged checkpoint the next save moved aside (never deleted by ppojax)
+    step_120/                         a checkpoint (orbax's step directory)
+        train_state/                  orbax pytree of the TrainState (params, optimizer state, counters), any sharding
+        host_state/host_state.json    KL coefficient, score moments, PRNG key data, data position, counts ...
+        config/config.json            the run's config (``PPOConfig.to_dict()``)
+        _CHECKPOINT_METADATA, commit_success.txt    orbax's own records
+        MANIFEST.json                 ppojax: size and CRC32 checksums of every file of the three items above
+        COMPLETE                      ppojax, written last: {"step": 120, "time": ..., "manifest_crc32": ...}
+    step_130.orbax-checkpoint-tmp/    a save in progress, or one killed mid-way: ignored, removed by the next save
+    .deleting/                        checkpoints rotated out (one rename each), emptied once the save is done
+    damaged/step_110/                 a damaged checkpoint the next save moved aside (never deleted by ppojax)
 
-Protocol of :func:`save_checkpoint` (all processes call it; process 0 does the file-system bookkeeping):
+A save (:func:`save_checkpoint`, on every process): orbax copies the state to host memory and returns; its
+background thread writes the files into ``step_N.orbax-checkpoint-tmp``. Once they are written, process 0
+checksums them into MANIFEST.json, fsyncs them and writes COMPLETE (orbax's post-finalisation callback); then
+orbax renames the directory to ``step_N`` (atomic) and moves the checkpoints beyond ``save_total_limit`` into
+``.deleting/``. A process killed at any point leaves the new checkpoint complete or absent, and the previous ones
+intact. ``wait=False`` returns during the write: the next save, :func:`wait_for_saves` and every function here
+that reads checkpoints first wait for it (and raise its failure). A failed save (ENOSPC, EDQUOT, or EFBIG under
+``ulimit -f``) removes what it wrote and raises one :class:`CheckpointError` naming the checkpoint, the cause and
+the previous intact checkpoint. ``directory`` must be a POSIX file system that every process sees.
 
-1. process 0 tidies ``directory`` (rules below) and creates ``step_N.tmp``; barrier;
-2. orbax writes ``step_N.tmp/train_state`` (every process writes its shards; orbax finalises it atomically);
-3. process 0 writes host_state.json and config.json, then MANIFEST.json (it reads the files back to checksum
-   them), fsyncs the tree, writes COMPLETE, fsyncs it, then renames ``step_N.tmp`` -> ``step_N`` (one atomic
-   rename) and fsyncs the directory;
-4. only then, older checkpoints beyond ``save_total_limit`` are renamed to ``*.tmp`` (so a crash while
-   deleting never leaves a half-deleted checkpoint looking whole) and deleted.
+Verification (:func:`verify_checkpoint`): intact when COMPLETE is present, MANIFEST.json matches the checksum in
+COMPLETE, every file the manifest lists exists with its size and checksums, the manifest lists the model state
+and both JSON files, and those parse. Resuming (:func:`latest_checkpoint`, :func:`resolve_checkpoint`,
+:func:`restore_checkpoint`) verifies newest step first, skips each damaged checkpoint with one line naming the
+file and what is wrong, and uses the newest intact one.
 
-A process killed at any point therefore leaves either the new complete checkpoint or none, and the previous
-ones intact. A save that fails (a full disk: ENOSPC, EDQUOT, or EFBIG under ``ulimit -f``) removes its
-``.tmp`` directory and raises one :class:`CheckpointError` naming the checkpoint, the cause and the previous
-intact checkpoint. Saves are synchronous: when the call returns the checkpoint is on disk. ``directory`` must
-be a POSIX file system that every process sees (local disk for one host; a shared one for multi-host runs, as
-orbax requires). Crash tests can stop a save at a chosen stage with ``PPOJAX_TEST_PAUSE_IN_SAVE`` (below).
+Before each save, what crashes and damage left is tidied: ``step_N.<anything>`` (an unfinished save) is
+deleted; a ``step_N`` that fails verification is deleted when it holds nothing besides COMPLETE / MANIFEST.json,
+else moved into ``damaged/`` with one line (it no longer counts towards the limit). A save never re-reads older
+checkpoints: it checks their presence and sizes, plus the checksum failures this process found.
 
-Verification (:func:`verify_checkpoint`): a checkpoint is intact when its COMPLETE marker is present, its
-MANIFEST.json matches the checksum in COMPLETE, every file the manifest lists exists with its size and
-checksums, the manifest lists the model state, host_state.json and config.json, and both JSON files parse.
-Checkpoints written before manifests existed (COMPLETE without ``manifest_crc32`` and no MANIFEST.json) pass on
-their structure alone (marker, train_state/, both JSON files parse); damage inside them surfaces when they are
-restored, as a CheckpointError. Resuming (:func:`latest_checkpoint`, :func:`resolve_checkpoint`,
-:func:`restore_checkpoint`) reads every byte once to verify it, newest step first, skips each damaged
-checkpoint with one line naming the file and what is wrong, and uses the newest intact one.
-
-What the next save does with what it finds (the rules that keep ``save_total_limit`` true after crashes):
-
-- ``step_N.<anything>`` (``.tmp``, ``.deleting.tmp``): debris of a crashed save or deletion, never a
-  committed checkpoint: deleted.
-- ``step_N`` that fails verification and holds no file besides COMPLETE / MANIFEST.json (nothing of value):
-  deleted. (A save never re-reads older checkpoints: it checks their presence and sizes, and knows the
-  checksum failures this process found, e.g. those resume skipped.)
-- any other ``step_N`` that fails it (a truncated or missing file, a missing marker or config.json): moved
-  aside into ``directory/damaged/`` with one line saying so, and never deleted by ppojax: it may hold
-  something the user can repair, and it no longer counts towards the limit.
-- ``save_total_limit`` counts the checkpoints that pass; after the new one is committed, the oldest beyond the
-  limit are deleted. A checkpoint is thus deleted only once an intact newer one (the one just written) exists.
-
-Host state is any JSON-able dict; numpy/jax arrays and scalars are stored with their dtype (restored as
-numpy arrays, bit for bit), typed PRNG keys as their uint32 key data plus the implementation name (restored
-as typed keys). Python floats round-trip exactly (JSON keeps float64's shortest repr), so a float32 value
-stored as ``float(x)`` comes back as the same float32.
+Host state is any JSON-able dict; numpy/jax arrays and scalars are stored with their dtype (restored as numpy
+arrays, bit for bit), typed PRNG keys as their uint32 key data plus the implementation name. Python floats
+round-trip exactly, so a float32 stored as ``float(x)`` comes back as the same float32.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import errno
 import gc
@@ -68,6 +52,7 @@ import os
 import re
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
@@ -79,26 +64,19 @@ from ppojax.errors import CheckpointError
 from ppojax.io import file_manifest
 from ppojax.io.durable import fsync_path, fsync_tree
 
-__all__ = [
-    "CheckpointError",
-    "save_checkpoint",
-    "verify_checkpoint",
-    "latest_checkpoint",
-    "resolve_checkpoint",
-    "list_checkpoints",
-    "read_checkpoint_config",
-    "restore_checkpoint",
-    "encode_host_state",
-    "decode_host_state",
-]
+__all__ = ["CheckpointError", "save_checkpoint", "wait_for_saves", "verify_checkpoint", "latest_checkpoint",
+           "resolve_checkpoint", "list_checkpoints", "read_checkpoint_config", "restore_checkpoint",
+           "encode_host_state", "decode_host_state"]
 
 COMPLETE = "COMPLETE"
 MANIFEST_FILE = "MANIFEST.json"
 STATE_DIR = "train_state"
-HOST_STATE_FILE = "host_state.json"
-CONFIG_FILE = "config.json"
+HOST_STATE_FILE = "host_state/host_state.json"
+CONFIG_FILE = "config/config.json"
+ORBAX_FILES = ("_CHECKPOINT_METADATA", "commit_success.txt")  # orbax rewrites these as it commits: not in the manifest
 DAMAGED_DIR = "damaged"
-FORMAT_VERSION = 1
+DELETING_DIR = ".deleting"
+FORMAT_VERSION = 2
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _OURS_RE = re.compile(r"^step_\d+(\..*)?$")  # every name a save may leave behind
 
@@ -106,12 +84,8 @@ Log = Callable[[str], None]
 
 
 def _warn(message: str) -> None:
-    """Default ``log`` of the functions that skip or move damaged checkpoints: one line on stderr."""
+    """Default ``log``: one line on stderr."""
     print(f"ppojax: {message}", file=sys.stderr, flush=True)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# multi-process helpers
 
 
 def _is_primary() -> bool:
@@ -134,19 +108,11 @@ def _step_of(path: Path) -> Optional[int]:
     return int(m.group(1)) if m else None
 
 
-def _is_complete(path: Path) -> bool:
-    return _step_of(path) is not None and (path / COMPLETE).is_file() and (path / STATE_DIR).is_dir()
-
-
 def _describe(name: str) -> str:
     """How a file of a checkpoint is named in messages."""
     if name.startswith(STATE_DIR + "/"):
         return f"model state file {name}"
-    if name == HOST_STATE_FILE:
-        return f"host state file {name}"
-    if name == CONFIG_FILE:
-        return f"config file {name}"
-    return name
+    return {HOST_STATE_FILE: f"host state file {name}", CONFIG_FILE: f"config file {name}"}.get(name, name)
 
 
 def _json_problem(path: Path, name: str) -> Optional[str]:
@@ -161,10 +127,9 @@ def _json_problem(path: Path, name: str) -> Optional[str]:
     return None
 
 
-# Checksum verifications made in this process: resolved path -> (manifest_signature at the time, problem or
-# None). While the files are not rewritten (same signature) the answer stands: restore_checkpoint trusts the
-# check latest_checkpoint just made instead of reading a multi-GB checkpoint again, and the next save (which
-# only stats older checkpoints) still knows which one resume found corrupted.
+# Checksum verifications made in this process: resolved path -> (manifest_signature then, problem or None). While
+# the files are unchanged the answer stands: a restore trusts the check resume just made instead of reading a
+# multi-GB checkpoint again, and the next save (which only stats older checkpoints) knows what resume found.
 _verified: dict[Path, tuple[tuple, Optional[str]]] = {}
 
 
@@ -172,42 +137,21 @@ def verify_checkpoint(path, *, checksums: bool = True) -> tuple[bool, str]:
     """Whether ``path`` is an intact checkpoint: ``(True, what was checked)`` or ``(False, one-line reason)``.
 
     The reason names the file and what is wrong, e.g. "model state file train_state/d/ab12 is 1,234 bytes,
-    the manifest says 5,678 (truncated)". ``checksums=False`` checks presence and sizes only (``stat``,
-    no file is read but the small JSON ones) plus what an earlier check in this process found; True also reads
-    every byte against the manifest's CRC32s (once per process while the files are unchanged).
+    the manifest says 5,678 (truncated)". ``checksums=False`` checks presence and sizes only (``stat``; only the
+    small JSON files are read) plus what an earlier check in this process found; True also reads every byte
+    against the manifest's CRC32s (once per process while the files are unchanged).
     """
-    path = Path(path)
+    wait_for_saves()
+    return _verify(Path(path), checksums)
+
+
+def _verify(path: Path, checksums: bool = True) -> tuple[bool, str]:
     if not path.is_dir():
         return False, "does not exist" if not path.exists() else "is not a directory"
-    if not (path / COMPLETE).is_file():
-        return False, ("not a complete checkpoint: no COMPLETE marker (its save was interrupted, or the marker "
-                       "was deleted)")
-    try:
-        marker = json.loads((path / COMPLETE).read_text())
-        if not isinstance(marker, dict):
-            raise ValueError("not a JSON object")
-    except (OSError, ValueError) as err:
-        return False, f"its {COMPLETE} marker is damaged ({err})"
-    if "manifest_crc32" not in marker and not (path / MANIFEST_FILE).exists():
-        return _verify_structure(path)
-    try:
-        raw = (path / MANIFEST_FILE).read_bytes()
-    except FileNotFoundError:
-        return False, f"{MANIFEST_FILE} is missing"
-    except OSError as err:
-        return False, f"{MANIFEST_FILE} cannot be read ({err})"
-    if file_manifest.crc32_hex(raw) != marker.get("manifest_crc32"):
-        return False, f"{MANIFEST_FILE} does not match the checksum recorded in {COMPLETE}"
-    try:
-        manifest = json.loads(raw)
-        files = manifest["files"]
-    except (ValueError, KeyError, TypeError) as err:
-        return False, f"{MANIFEST_FILE} is malformed ({err})"
-    for name in (HOST_STATE_FILE, CONFIG_FILE):
-        if name not in files:
-            return False, f"{_describe(name)} is not in {MANIFEST_FILE}"
-    if not any(name.startswith(STATE_DIR + "/") for name in files):
-        return False, f"{MANIFEST_FILE} lists no model state file ({STATE_DIR}/)"
+    manifest, problem = _read_manifest(path)
+    if problem:
+        return False, problem
+    files = manifest["files"]
     problem = file_manifest.check_manifest(path, manifest, checksums=False, describe=_describe)
     problem = problem or _json_problem(path, HOST_STATE_FILE) or _json_problem(path, CONFIG_FILE)
     if problem:
@@ -226,14 +170,36 @@ def verify_checkpoint(path, *, checksums: bool = True) -> tuple[bool, str]:
     return True, f"{len(files)} files match their sizes and checksums"
 
 
-def _verify_structure(path: Path) -> tuple[bool, str]:
-    """A checkpoint written before manifests existed: marker present (checked), state dir, both JSON files."""
-    if not (path / STATE_DIR).is_dir() or not any(p.is_file() for p in (path / STATE_DIR).rglob("*")):
-        return False, f"the model state {STATE_DIR}/ is missing"
-    problem = _json_problem(path, HOST_STATE_FILE) or _json_problem(path, CONFIG_FILE)
-    if problem:
-        return False, problem
-    return True, f"no {MANIFEST_FILE} (written by an older ppojax): structure checked, not sizes or checksums"
+def _read_manifest(path: Path) -> tuple[Optional[dict], Optional[str]]:
+    """(the manifest, None) when COMPLETE vouches for it and it lists what a checkpoint needs; else (None, why)."""
+    if not (path / COMPLETE).is_file():
+        return None, ("not a complete checkpoint: no COMPLETE marker (its save was interrupted, or the marker "
+                      "was deleted)")
+    try:
+        marker = json.loads((path / COMPLETE).read_text())
+        if not isinstance(marker, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as err:
+        return None, f"its {COMPLETE} marker is damaged ({err})"
+    try:
+        raw = (path / MANIFEST_FILE).read_bytes()
+    except FileNotFoundError:
+        return None, f"{MANIFEST_FILE} is missing"
+    except OSError as err:
+        return None, f"{MANIFEST_FILE} cannot be read ({err})"
+    if file_manifest.crc32_hex(raw) != marker.get("manifest_crc32"):
+        return None, f"{MANIFEST_FILE} does not match the checksum recorded in {COMPLETE}"
+    try:
+        manifest = json.loads(raw)
+        files = manifest["files"]
+    except (ValueError, KeyError, TypeError) as err:
+        return None, f"{MANIFEST_FILE} is malformed ({err})"
+    for name in (HOST_STATE_FILE, CONFIG_FILE):
+        if name not in files:
+            return None, f"{_describe(name)} is not in {MANIFEST_FILE}"
+    if not any(name.startswith(STATE_DIR + "/") for name in files):
+        return None, f"{MANIFEST_FILE} lists no model state file ({STATE_DIR}/)"
+    return manifest, None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -242,12 +208,13 @@ def _verify_structure(path: Path) -> tuple[bool, str]:
 
 def list_checkpoints(directory) -> list[Path]:
     """The complete checkpoints under ``directory`` (COMPLETE marker and train_state/ present; not verified),
-    oldest step first; tmp / half-written ones excluded."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return []
-    found = [p for p in directory.iterdir() if p.is_dir() and _is_complete(p)]
-    return sorted(found, key=lambda p: _step_of(p))  # type: ignore[arg-type,return-value]
+    oldest step first; unfinished saves excluded."""
+    wait_for_saves()
+    return _list(Path(directory))
+
+
+def _list(directory: Path) -> list[Path]:
+    return [p for p in reversed(_candidates(directory)) if (p / COMPLETE).is_file() and (p / STATE_DIR).is_dir()]
 
 
 def _candidates(directory: Path) -> list[Path]:
@@ -255,24 +222,34 @@ def _candidates(directory: Path) -> list[Path]:
     if not directory.is_dir():
         return []
     found = [p for p in directory.iterdir() if _step_of(p) is not None and p.is_dir()]
-    return sorted(found, key=lambda p: _step_of(p), reverse=True)  # type: ignore[arg-type,return-value]
+    return sorted(found, key=_step_of, reverse=True)  # type: ignore[arg-type]
 
 
 def _newest_intact(directory: Path) -> tuple[Optional[Path], list[tuple[Path, str]]]:
     """(the newest checkpoint that verifies or None, [(skipped newer checkpoint, reason)])."""
     skipped = []
     for path in _candidates(directory):
-        ok, reason = verify_checkpoint(path)
+        ok, reason = _verify(path)
         if ok:
             return path, skipped
         skipped.append((path, reason))
     return None, skipped
 
 
-def _report_skipped(skipped: list[tuple[Path, str]], chosen: Optional[Path], log: Log) -> None:
+def _newest_in(directory: Path, log: Log, none_ok: bool) -> Optional[Path]:
+    chosen, skipped = _newest_intact(directory)
     then = f"using {chosen.name}" if chosen is not None else "no intact checkpoint is left"
     for path, reason in skipped:
         log(f"skipping {path}: {reason}; {then}")
+    if chosen is not None:
+        return chosen
+    if skipped:
+        raise CheckpointError(
+            f"none of the {len(skipped)} checkpoint(s) under {directory} is intact (each is named above with "
+            f"what is wrong): restore the missing files, or move them aside to start a fresh run.")
+    if none_ok:
+        return None
+    raise CheckpointError(f"no checkpoint under {directory} (looked for step_<N>/{COMPLETE}).")
 
 
 def latest_checkpoint(directory, *, log: Log = _warn) -> Optional[Path]:
@@ -281,9 +258,11 @@ def latest_checkpoint(directory, *, log: Log = _warn) -> Optional[Path]:
     Newer damaged ones are skipped, each with ONE line through ``log`` ("skipping <dir>/step_8: model state
     file train_state/... is 1,234 bytes, the manifest says 5,678 (truncated); using step_6").
     """
-    chosen, skipped = _newest_intact(Path(directory))
-    _report_skipped(skipped, chosen, log)
-    return chosen
+    wait_for_saves()
+    try:
+        return _newest_in(Path(directory), log, none_ok=True)
+    except CheckpointError:
+        return None
 
 
 def resolve_checkpoint(where: Union[str, os.PathLike, bool], checkpoint_dir=None, *,
@@ -296,6 +275,7 @@ def resolve_checkpoint(where: Union[str, os.PathLike, bool], checkpoint_dir=None
     newest intact checkpoint. Raises CheckpointError (one line per problem, no traceback) for a path that does
     not exist, a damaged checkpoint, or a directory without an intact one.
     """
+    wait_for_saves()
     if where is True or where == "auto":
         if checkpoint_dir is None:
             raise CheckpointError("resume='auto' needs the checkpoints directory to look in.")
@@ -305,7 +285,7 @@ def resolve_checkpoint(where: Union[str, os.PathLike, bool], checkpoint_dir=None
         raise CheckpointError(f"checkpoint path {path} does not exist; give a step_N checkpoint, a checkpoints "
                               "directory, or resume: auto.")
     if _step_of(path) is not None or (path / COMPLETE).exists():
-        ok, reason = verify_checkpoint(path)
+        ok, reason = _verify(path)
         if ok:
             return path
         alternative, _ = _newest_intact(path.parent)
@@ -314,20 +294,6 @@ def resolve_checkpoint(where: Union[str, os.PathLike, bool], checkpoint_dir=None
     if not _candidates(path) and (path / "checkpoints").is_dir():  # a run's output_dir
         path = path / "checkpoints"
     return _newest_in(path, log, none_ok=False)
-
-
-def _newest_in(directory: Path, log: Log, none_ok: bool) -> Optional[Path]:
-    chosen, skipped = _newest_intact(directory)
-    _report_skipped(skipped, chosen, log)
-    if chosen is not None:
-        return chosen
-    if skipped:
-        raise CheckpointError(
-            f"none of the {len(skipped)} checkpoint(s) under {directory} is intact (each is named above with "
-            f"what is wrong): restore the missing files, or move them aside to start a fresh run.")
-    if none_ok:
-        return None
-    raise CheckpointError(f"no checkpoint under {directory} (looked for step_<N>/{COMPLETE}).")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -366,8 +332,7 @@ def _decode(value: Any) -> Any:
     if not isinstance(value, dict):
         return value
     if "__prng_key__" in value:
-        shape = tuple(value["shape"])
-        data = np.asarray(value["data"], np.uint32).reshape(*shape, -1)
+        data = np.asarray(value["data"], np.uint32).reshape(*value["shape"], -1)
         return jax.random.wrap_key_data(data, impl=value["__prng_key__"])
     if "__ndarray__" in value:
         dtype = jax.numpy.dtype(value["__ndarray__"])  # knows bfloat16 & co. (ml_dtypes)
@@ -387,10 +352,198 @@ def decode_host_state(data: dict) -> dict:
     return _decode(data)
 
 
+def config_as_dict(config) -> dict:
+    """A config as the dict a checkpoint stores: a dict, ``to_dict()`` of a PPOConfig, or a dataclass's fields."""
+    if isinstance(config, dict):
+        return dict(config)
+    if hasattr(config, "to_dict"):
+        return config.to_dict()
+    if dataclasses.is_dataclass(config):
+        return dataclasses.asdict(config)
+    raise CheckpointError(f"config must be a dict or a dataclass, got {type(config).__name__}.")
+
+
 # ----------------------------------------------------------------------------------------------------------
-# durable file-system primitives
+# save: orbax's CheckpointManager, one per directory, with ppojax's seal written before orbax's commit
 
 
+@dataclasses.dataclass
+class _Pending:
+    step: int
+    final: Path
+    on_saved: Optional[Callable[[int], None]]
+
+
+class _Saver:
+    """orbax's manager of one checkpoints directory, and the save it may be writing."""
+
+    def __init__(self, directory: Path, limit: Optional[int]):
+        import orbax.checkpoint as ocp
+
+        _quiet_orbax()
+        self.directory, self.limit, self.pending = directory, limit, None
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=limit, step_prefix="step", enable_async_checkpointing=True, create=True,
+            todelete_subdir=DELETING_DIR,  # rotation renames (atomic), so no crash leaves half a checkpoint
+            cleanup_tmp_directories=False,  # _tidy does it, with the rest of what crashes leave
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._seal_pending))
+        self.manager = ocp.CheckpointManager(directory, options=options, item_handlers=_item_handlers())
+
+    def _seal_pending(self) -> None:
+        """orbax's post-finalisation callback (process 0, orbax's thread): the files are written, not renamed."""
+        step = self.pending.step
+        written = list(self.directory.glob(f"step_{step}.orbax-checkpoint-tmp*"))
+        if len(written) != 1:
+            raise CheckpointError(f"cannot find the directory orbax is writing step {step} into: {written}")
+        _seal(written[0], step)
+
+
+def _item_handlers() -> dict:
+    """orbax's handlers of a checkpoint's three items (their directory names are the keys)."""
+    import orbax.checkpoint as ocp
+
+    return {STATE_DIR: ocp.StandardCheckpointHandler(),
+            "host_state": ocp.JsonCheckpointHandler(filename=Path(HOST_STATE_FILE).name),
+            "config": ocp.JsonCheckpointHandler(filename=Path(CONFIG_FILE).name)}
+
+
+_savers: dict[Path, _Saver] = {}
+_savers_lock = threading.Lock()
+
+
+def _seal(path: Path, step: int) -> None:
+    """Write MANIFEST.json (checksums of the items' files, read back), fsync everything, then COMPLETE."""
+    skip = (COMPLETE, MANIFEST_FILE, *ORBAX_FILES)
+    manifest = _json_bytes(file_manifest.build_manifest(path, skip=skip))
+    _write_bytes(path / MANIFEST_FILE, manifest)
+    fsync_tree(path)
+    _write_bytes(path / COMPLETE, _json_bytes({"step": step, "time": time.time(), "format_version": FORMAT_VERSION,
+                                                "manifest_crc32": file_manifest.crc32_hex(manifest)}))
+    fsync_path(path)
+
+
+def _check_save_args(step, save_total_limit) -> int:
+    try:
+        step = operator.index(step)
+    except TypeError:
+        raise CheckpointError(f"step={step!r}: expected an integer >= 0.") from None
+    if step < 0:
+        raise CheckpointError(f"step={step}: expected an integer >= 0.")
+    if save_total_limit is not None and save_total_limit < 1:
+        raise CheckpointError(f"save_total_limit={save_total_limit}: expected None or an integer >= 1.")
+    return step
+
+
+def save_checkpoint(directory, step: int, train_state, host_state: dict, config_dict: dict, *,
+                    save_total_limit: Optional[int] = None, log: Log = _warn, wait: bool = True,
+                    on_saved: Optional[Callable[[int], None]] = None) -> Path:
+    """Save checkpoint ``directory/step_<step>`` (atomically, with its manifest) and return its path.
+
+    train_state: a pytree of (possibly sharded, multi-host) ``jax.Array``s, e.g. ``update.TrainState``;
+    host_state: JSON-able dict (arrays, numpy scalars and typed PRNG keys allowed, see the module doc);
+    config_dict: the run's config as a dict. Call on EVERY process (orbax writes each process's shards).
+    save_total_limit: keep this many checkpoints (the newest steps, always including this one); None keeps
+    all. Older ones go only once this one is complete. log: where a damaged checkpoint moved aside is reported.
+    wait: False returns once the state is copied to host memory, while the files are written (the caller may
+    donate or change ``train_state``); see :func:`wait_for_saves`. on_saved(step): called once it is on disk.
+    Raises CheckpointError when the storage fails (full disk, file size limit, permissions), for this save or
+    an unfinished earlier one: what it wrote is removed and the message names the checkpoint, the cause and
+    the previous intact checkpoint.
+    """
+    step = _check_save_args(step, save_total_limit)
+    directory = Path(directory).absolute()  # orbax's tensorstore refuses relative paths
+    # Encode first, so a host state that cannot be stored fails before anything is written.
+    host_payload = {"format_version": FORMAT_VERSION, "step": step, "host_state": encode_host_state(host_state)}
+    config_payload = json.loads(json.dumps(config_as_dict(config_dict), default=str))
+    wait_for_saves(directory)
+    final = directory / f"step_{step}"
+    if _is_primary():
+        directory.mkdir(parents=True, exist_ok=True)
+        _tidy(directory, log)
+    _barrier(f"save_start_{step}")
+    saver = _saver_for(directory, save_total_limit)
+    saver.pending = _Pending(step, final, on_saved)
+    try:
+        import orbax.checkpoint as ocp
+
+        if step in saver.manager.all_steps():  # the same step saved again (e.g. after a resume): replace it
+            saver.manager.delete(step)
+        saver.manager.save(step, force=True, args=ocp.args.Composite(
+            train_state=ocp.args.StandardSave(train_state), host_state=ocp.args.JsonSave(host_payload),
+            config=ocp.args.JsonSave(config_payload)))
+    except BaseException as err:
+        _fail(saver, err)
+    if wait:
+        wait_for_saves(directory)
+    return final
+
+
+def _saver_for(directory: Path, limit: Optional[int]) -> _Saver:
+    with _savers_lock:
+        saver = _savers.get(directory)
+        if saver is not None and saver.limit != limit:
+            _close(saver)
+            saver = None
+        if saver is None:
+            saver = _savers[directory] = _Saver(directory, limit)
+        else:  # what _tidy (or anyone) changed since: orbax counts the checkpoints it lists towards the limit
+            saver.manager.reload()
+    return saver
+
+
+def wait_for_saves(directory=None) -> None:
+    """Block until the saves this process started (under ``directory``, or all) are on disk.
+
+    Raises CheckpointError for one that failed (its files are removed first). The training loop calls it before
+    the run ends and when it stops on an error; the functions of this module that read checkpoints call it.
+    """
+    with _savers_lock:
+        savers = [s for d, s in _savers.items() if directory is None or d == Path(directory).absolute()]
+    for saver in savers:
+        if saver.pending is None:
+            continue
+        try:
+            saver.manager.wait_until_finished()
+        except BaseException as err:
+            _fail(saver, err)
+        done, saver.pending = saver.pending, None
+        if _is_primary():
+            _purge(saver.directory / DELETING_DIR)
+            fsync_path(saver.directory)
+        if done.on_saved is not None:
+            done.on_saved(done.step)
+
+
+def _fail(saver: _Saver, err: BaseException):
+    """A save failed: remove what it wrote, drop its manager, raise one CheckpointError (or ``err`` itself when
+    it is not a failure of the storage)."""
+    pending, saver.pending = saver.pending, None
+    with _savers_lock:
+        _savers.pop(saver.directory, None)
+    _close(saver)
+    if _is_primary():
+        for debris in saver.directory.glob(f"step_{pending.step}.*"):
+            _remove_failed_save(debris)
+    code = _errno_of(err)
+    if code is None or not isinstance(err, Exception):
+        raise err
+    _release_abandoned_work(err)
+    intact = [p for p in _list(saver.directory) if _verify(p, checksums=False)[0]]
+    then = f"the previous checkpoint {intact[-1].name} is intact" if intact else "no earlier checkpoint exists"
+    fix = _FIXES.get(code, "check the directory's file system")
+    raise CheckpointError(f"{os.strerror(code).lower()} while writing {pending.final}; {then}; {fix}.") from err
+
+
+def _close(saver: _Saver) -> None:
+    try:
+        saver.manager.close()
+    except Exception:  # a failed save's error, already reported
+        pass
+
+
+def _purge(path: Path) -> None:
+    if path.exists():
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _write_bytes(path: Path, data: bytes) -> None:
@@ -401,39 +554,17 @@ def _write_bytes(path: Path, data: bytes) -> None:
 
 
 def _json_bytes(payload: Any) -> bytes:
-    return json.dumps(payload, indent=1, sort_keys=False, allow_nan=True).encode()
+    return json.dumps(payload, indent=1, allow_nan=True).encode()
 
 
-def _write_json(path: Path, payload: Any) -> None:
-    _write_bytes(path, _json_bytes(payload))
-
-
-def _remove(path: Path) -> None:
-    """Delete a checkpoint entry so that no crash can leave it looking complete: rename first, then delete."""
-    if not path.exists():
-        return
-    doomed = path
-    if not path.name.endswith(".tmp"):
-        doomed = path.with_name(f"{path.name}.deleting.tmp")
-        if doomed.exists():
-            shutil.rmtree(doomed, ignore_errors=True)
-        os.replace(path, doomed)
-        fsync_path(path.parent)
-    if doomed.is_dir():
-        shutil.rmtree(doomed, ignore_errors=True)
-    else:
-        doomed.unlink(missing_ok=True)
-
-
-def _remove_failed_save(tmp: Path, quiet: float = 0.5, deadline: float = 10.0) -> None:
-    """Remove a failed save's ``.tmp`` directory. orbax's writer threads (tensorstore's) may still be finishing
-    files in it when the error surfaces, and a write re-creates the directories it needs: the removal is repeated
-    until the directory has stayed gone for ``quiet`` seconds (at most ``deadline`` seconds in all)."""
-    end = time.monotonic() + deadline
-    gone_since = None
+def _remove_failed_save(path: Path, quiet: float = 0.5, deadline: float = 10.0) -> None:
+    """Remove a failed save's directory. orbax's writer threads (tensorstore's) may still be finishing files in
+    it when the error surfaces, and a write re-creates the directories it needs: the removal is repeated until
+    the directory has stayed gone for ``quiet`` seconds (at most ``deadline`` seconds in all)."""
+    end, gone_since = time.monotonic() + deadline, None
     while time.monotonic() < end:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        if path.exists():
+            shutil.rmtree(path, ignore_errors=True)
             gone_since = None
         elif gone_since is None:
             gone_since = time.monotonic()
@@ -444,8 +575,6 @@ def _remove_failed_save(tmp: Path, quiet: float = 0.5, deadline: float = 10.0) -
 
 def _holds_data(path: Path) -> bool:
     """Whether ``path`` holds any file besides a checkpoint's marker and manifest (i.e. anything of value)."""
-    if not path.is_dir():
-        return False
     return any(p.is_file() and p.relative_to(path).as_posix() not in (COMPLETE, MANIFEST_FILE)
                for p in path.rglob("*"))
 
@@ -460,29 +589,24 @@ def _move_aside(path: Path) -> Path:
         destination = damaged / f"{path.name}.{copy}"
     os.replace(path, destination)
     fsync_path(path.parent)
-    fsync_path(damaged)
     return destination
 
 
 def _tidy(directory: Path, log: Log) -> None:
     """Apply the module doc's rules to what crashed saves and damage left under ``directory``."""
+    _purge(directory / DELETING_DIR)
     for path in sorted(directory.iterdir()):
-        if not _OURS_RE.match(path.name):
+        if not _OURS_RE.match(path.name) or (_step_of(path) is not None and _verify(path, checksums=False)[0]):
             continue
-        if _step_of(path) is None:  # step_N.<suffix>: debris of a crashed save or deletion
-            _remove(path)
-            continue
-        ok, reason = verify_checkpoint(path, checksums=False)
-        if ok:
-            continue
-        if not _holds_data(path):
-            _remove(path)
+        if _step_of(path) is None or not _holds_data(path):  # an unfinished save, or nothing of value
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
         else:
+            reason = _verify(path, checksums=False)[1]
             log(f"moved damaged checkpoint {path} aside to {_move_aside(path)}: {reason}")
 
 
 # ----------------------------------------------------------------------------------------------------------
-# errors of the storage (a full disk) and of orbax
+# errors of the storage (a full disk) and orbax's noise about them
 
 
 _FIXES = {
@@ -513,16 +637,11 @@ def _one_line(exc: BaseException, limit: int = 300) -> str:
 
 
 def _release_abandoned_work(err: BaseException) -> None:
-    """Let go of what a failed orbax call left behind, quietly. Only on the failure path.
+    """Drop the tracebacks of ``err``'s chain and collect now, on the failure path only.
 
     When one array's read or write fails, orbax abandons the coroutines of the others and closes their event
-    loop. Later, Python would print tracebacks through ``sys.unraisablehook``: "Exception ignored in:
-    <coroutine ...>" whenever those coroutines are collected (the frames in ``err``'s tracebacks keep them
-    alive: after the CheckpointError was printed, or at exit), and "RuntimeError: Event loop is closed" when
-    tensorstore reads still in flight complete into the closed loop (from tensorstore's threads, at any time).
-    The second kind can come before orbax's error reaches us, so :func:`_orbax_checkpointer` installs the
-    filter that drops those two kinds of noise before any orbax call. Here: drop the tracebacks of ``err``'s
-    chain (the exceptions and their messages stay chained) and collect now."""
+    loop; while ``err``'s tracebacks keep them alive, Python would print "Exception ignored in: <coroutine ...>"
+    whenever they are collected (after the CheckpointError was printed, or at exit)."""
     stack, seen = [err], set()
     while stack:
         exc = stack.pop()
@@ -541,13 +660,22 @@ def _is_orbax_noise(unraisable) -> bool:
     return isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"
 
 
-def _install_orbax_noise_filter() -> None:
-    """Chain a filter in front of ``sys.unraisablehook`` that drops the noise orbax's abandoned work makes
-    after a failed read or write (see :func:`_release_abandoned_work`); everything else reaches the previous
-    hook. Installed once, at the first orbax call of this module."""
+class _OrbaxErrorLogs(logging.Filter):
+    """Drops the ERROR records orbax logs (through absl) for a failed read or write: each of those failures
+    reaches this module as an exception too, which it reports as ONE CheckpointError."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.ERROR or f"{os.sep}orbax{os.sep}" not in record.pathname
+
+
+def _quiet_orbax() -> None:
+    """Installed once, before the first orbax call: the filter above, and one in front of
+    ``sys.unraisablehook`` for orbax's abandoned work ("Exception ignored in: <coroutine>", "Event loop is
+    closed" from tensorstore reads completing into a closed loop, at any time)."""
     previous = sys.unraisablehook
     if getattr(previous, "ppojax_orbax_noise_filter", False):
         return
+    logging.getLogger("absl").addFilter(_OrbaxErrorLogs())
 
     def hook(unraisable):
         if not _is_orbax_noise(unraisable):
@@ -557,180 +685,15 @@ def _install_orbax_noise_filter() -> None:
     sys.unraisablehook = hook
 
 
-@contextlib.contextmanager
-def _orbax_logs_held():
-    """Hold the ERROR records orbax logs through absl while it runs: replayed if the call succeeds, dropped if
-    it fails. orbax logs an exception of its background writer threads (with its traceback) before re-raising
-    it in the foreground, where this module turns it into ONE CheckpointError."""
-    logger = logging.getLogger("absl")
-    held: list[logging.LogRecord] = []
-
-    class _Hold(logging.Filter):
-        def filter(self, record: logging.LogRecord) -> bool:
-            if record.levelno >= logging.ERROR:
-                held.append(record)
-                return False
-            return True
-
-    hold = _Hold()
-    logger.addFilter(hold)
-    try:
-        yield
-    finally:
-        logger.removeFilter(hold)
-    for record in held:  # only reached when the body succeeded
-        logger.handle(record)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# save
-
-
-def _orbax_checkpointer():
-    import orbax.checkpoint as ocp
-
-    _install_orbax_noise_filter()
-    # Synchronous: save() returns once the data is written and finalised, on every process.
-    return ocp.Checkpointer(ocp.StandardCheckpointHandler())
-
-
-def save_checkpoint(directory, step: int, train_state, host_state: dict, config_dict: dict, *,
-                    save_total_limit: Optional[int] = None, log: Log = _warn) -> Path:
-    """Write checkpoint ``directory/step_<step>`` atomically, with its manifest, and return its path.
-
-    train_state: a pytree of (possibly sharded, multi-host) ``jax.Array``s, e.g. ``update.TrainState``;
-    host_state: JSON-able dict (arrays, numpy scalars and typed PRNG keys allowed, see the module doc);
-    config_dict: the run's config as a dict. Call on EVERY process (orbax writes each process's shards).
-    save_total_limit: keep this many intact checkpoints (the newest steps, always including this one);
-    None keeps all. Older ones are deleted only after this one is complete. log: where a damaged checkpoint
-    moved aside is reported (one line).
-    Raises CheckpointError when the storage fails (full disk, file size limit, permissions): the ``.tmp``
-    directory is removed and the message names the checkpoint, the cause and the previous intact checkpoint.
-    """
-    try:
-        step = operator.index(step)
-    except TypeError:
-        raise CheckpointError(f"step={step!r}: expected an integer >= 0.") from None
-    if step < 0:
-        raise CheckpointError(f"step={step}: expected an integer >= 0.")
-    if save_total_limit is not None and save_total_limit < 1:
-        raise CheckpointError(f"save_total_limit={save_total_limit}: expected None or an integer >= 1.")
-    directory = Path(directory)
-    final = directory / f"step_{step}"
-    tmp = directory / f"step_{step}.tmp"
-    # Encode first, so a host state that cannot be stored fails before anything is written.
-    host_payload = {"format_version": FORMAT_VERSION, "step": step, "host_state": encode_host_state(host_state)}
-    config_payload = json.loads(json.dumps(config_as_dict(config_dict), default=str))
-
-    try:
-        if _is_primary():
-            directory.mkdir(parents=True, exist_ok=True)
-            _tidy(directory, log)
-            tmp.mkdir()
-        _barrier(f"save_start_{step}")
-        _pause_for_tests("started", step)
-        with _orbax_logs_held(), _orbax_checkpointer() as checkpointer:
-            # orbax's tensorstore backend refuses relative paths (e.g. the demo's output_dir "outputs/demo")
-            checkpointer.save((tmp / STATE_DIR).absolute(), args=_standard_save(train_state))
-        _pause_for_tests("state_written", step)
-        if _is_primary():
-            _write_json(tmp / HOST_STATE_FILE, host_payload)
-            _write_json(tmp / CONFIG_FILE, config_payload)
-            manifest = _json_bytes(file_manifest.build_manifest(tmp, skip=(COMPLETE, MANIFEST_FILE)))
-            _write_bytes(tmp / MANIFEST_FILE, manifest)
-            fsync_tree(tmp)
-            _write_json(tmp / COMPLETE, {"step": step, "time": time.time(), "format_version": FORMAT_VERSION,
-                                         "manifest_crc32": file_manifest.crc32_hex(manifest)})
-            fsync_path(tmp)
-            _pause_for_tests("marked", step)
-    except BaseException as err:
-        if _is_primary() and tmp.exists():
-            _remove_failed_save(tmp)
-        code = _errno_of(err)
-        if code is None or not isinstance(err, Exception):
-            raise
-        _release_abandoned_work(err)
-        intact = [p for p in list_checkpoints(directory) if verify_checkpoint(p, checksums=False)[0]]
-        then = f"the previous checkpoint {intact[-1].name} is intact" if intact else "no earlier checkpoint exists"
-        fix = _FIXES.get(code, "check the directory's file system")
-        raise CheckpointError(f"{os.strerror(code).lower()} while writing {final}; {then}; {fix}.") from err
-
-    if _is_primary():
-        if final.exists():  # the same step saved again (e.g. after a resume): replace it
-            _remove(final)
-        os.replace(tmp, final)
-        fsync_path(directory)
-        _pause_for_tests("committed", step)
-        if save_total_limit is not None:
-            older = [p for p in list_checkpoints(directory)
-                     if p != final and verify_checkpoint(p, checksums=False)[0]]
-            for p in older[: max(0, len(older) + 1 - save_total_limit)]:
-                _remove(p)
-    _barrier(f"save_done_{step}")
-    return final
-
-
-PAUSE_ENV = "PPOJAX_TEST_PAUSE_IN_SAVE"
-
-
-def _pause_for_tests(stage: str, step: int) -> None:
-    """Crash tests: with ``PPOJAX_TEST_PAUSE_IN_SAVE=<stage>`` (or ``<stage>@<step>``) set, print
-    ``PPOJAX_PAUSED <stage> <step>`` and block at that stage of a save until the process is killed.
-    Stages, in order: started, state_written, marked (COMPLETE written, not yet renamed), committed."""
-    want = os.environ.get(PAUSE_ENV)
-    if not want:
-        return
-    name, _, at = want.partition("@")
-    if name == stage and (not at or int(at) == step):
-        print(f"PPOJAX_PAUSED {stage} {step}", flush=True)
-        while True:
-            time.sleep(3600)
-
-
-def _standard_save(tree):
-    import orbax.checkpoint as ocp
-
-    return ocp.args.StandardSave(tree)
-
-
-def config_as_dict(config) -> dict:
-    """A config as the dict a checkpoint stores: a dict, ``to_dict()`` of a PPOConfig, or a dataclass's fields."""
-    if isinstance(config, dict):
-        return dict(config)
-    if hasattr(config, "to_dict"):
-        return config.to_dict()
-    if dataclasses.is_dataclass(config):
-        return dataclasses.asdict(config)
-    raise CheckpointError(f"config must be a dict or a dataclass, got {type(config).__name__}.")
-
-
 # ----------------------------------------------------------------------------------------------------------
 # restore
 
 
-def _key_str(entry) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(entry, attr):
-            return str(getattr(entry, attr))
-    return str(entry)
-
-
-def _flat_target(tree) -> dict[tuple[str, ...], Any]:
+def _flat(tree) -> dict[tuple[str, ...], Any]:
+    """{path of names: leaf} of a pytree (a target of arrays, or orbax's nested dicts/lists of metadata)."""
     leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return {tuple(_key_str(k) for k in path): leaf for path, leaf in leaves}
-
-
-def _flat_metadata(tree, prefix=()) -> dict[tuple[str, ...], Any]:
-    out: dict[tuple[str, ...], Any] = {}
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            out.update(_flat_metadata(v, prefix + (str(k),)))
-    elif isinstance(tree, (list, tuple)):
-        for i, v in enumerate(tree):
-            out.update(_flat_metadata(v, prefix + (str(i),)))
-    elif tree is not None:
-        out[prefix] = tree
-    return out
+    return {tuple(str(next((getattr(k, a) for a in ("key", "name", "idx") if hasattr(k, a)), k)) for k in path): leaf
+            for path, leaf in leaves}
 
 
 def _abstract_leaf(leaf):
@@ -788,8 +751,9 @@ def _read_json(path: Path, name: str) -> Any:
 
 
 def read_checkpoint_config(path) -> dict:
-    """The config dict a checkpoint was written with (its config.json); CheckpointError naming the file if it
-    is missing or not JSON. ``path``: a checkpoint, e.g. from :func:`resolve_checkpoint`."""
+    """The config dict a checkpoint was written with; CheckpointError naming the file if it is missing or not
+    JSON. ``path``: a checkpoint, e.g. from :func:`resolve_checkpoint`."""
+    wait_for_saves()
     config = _read_json(Path(path), CONFIG_FILE)
     if not isinstance(config, dict):
         raise CheckpointError(f"cannot resume from {path}: {_describe(CONFIG_FILE)} is not a JSON object.")
@@ -804,11 +768,9 @@ def restore_checkpoint(path, abstract_train_state, *, log: Log = _warn,
     intact checkpoint is used; damaged newer ones are skipped with one line each through ``log``), resolved
     by :func:`resolve_checkpoint`. abstract_train_state: the target pytree: concrete arrays or
     ``jax.ShapeDtypeStruct``s (e.g. from ``jax.eval_shape``), whose ``sharding`` decides where each restored
-    array lives (so a sharded run gets sharded arrays; a leaf without sharding gets the one it was saved
-    with). Call on every process.
+    array lives (a leaf without sharding gets the one it was saved with). Call on every process.
     release_target: delete the target's arrays once the checkpoint is found to match it, before any is read,
-    so a restore never holds the state twice (a run sized to its memory resumes in that memory); if reading
-    then fails, the CheckpointError says that the target is gone.
+    so a restore never holds the state twice; if reading then fails, the CheckpointError says the target is gone.
     Raises CheckpointError: a damaged checkpoint (one line naming the file and what is wrong), an error of
     orbax / tensorstore while reading (chained, so the cause stays inspectable), or every tensor path whose
     presence, shape or dtype differs from the target.
@@ -818,16 +780,21 @@ def restore_checkpoint(path, abstract_train_state, *, log: Log = _warn,
     path = resolve_checkpoint(path, log=log)
     assert path is not None  # an explicit path never resolves to None
     target = jax.tree.map(_abstract_leaf, abstract_train_state)
-    state_dir = (path / STATE_DIR).absolute()  # orbax refuses relative paths
-    with _orbax_logs_held(), _orbax_checkpointer() as checkpointer:
+    _quiet_orbax()
+    host_payload = _read_json(path, HOST_STATE_FILE)  # verified: any problem here is a clear message
+    config_dict = read_checkpoint_config(path)
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**_item_handlers())) as checkpointer:
         try:
-            metadata = checkpointer.metadata(state_dir).item_metadata
+            step_dir = path.absolute()  # orbax refuses relative paths
+            metadata = checkpointer.metadata(step_dir).item_metadata[STATE_DIR]
             stored_tree = getattr(metadata, "tree", metadata)
             if stored_tree is not None:
-                _check_structure(path, _flat_target(target), _flat_metadata(stored_tree))
+                _check_structure(path, _flat(target), _flat(stored_tree))
             if release_target:
                 _delete_arrays(abstract_train_state)
-            train_state = checkpointer.restore(state_dir, args=ocp.args.StandardRestore(target))
+            restore = ocp.args.Composite(**{STATE_DIR: ocp.args.StandardRestore(target)},
+                                         host_state=ocp.args.JsonRestore(), config=ocp.args.JsonRestore())
+            train_state = checkpointer.restore(step_dir, args=restore)[STATE_DIR]
         except CheckpointError:
             raise
         except Exception as err:
@@ -836,8 +803,6 @@ def restore_checkpoint(path, abstract_train_state, *, log: Log = _warn,
                 message += " (the run's own state was released to make room for it: build the run again)"
             _release_abandoned_work(err)
             raise CheckpointError(message) from err
-    host_payload = _read_json(path, HOST_STATE_FILE)
-    config_dict = read_checkpoint_config(path)
     try:
         host_state = decode_host_state(host_payload["host_state"])
     except (KeyError, TypeError, ValueError) as err:

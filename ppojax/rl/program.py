@@ -83,6 +83,7 @@ def learn_unless_reward_failed(program: PPOProgram, state, experience, key, fail
         state, metrics = jax.lax.cond(failures > 0, skip, lambda s, e, k: learn(program, s, e, k),
                                       state, experience, key)
     metrics["reward/failures"] = failures
+    metrics["ppo/nonfinite_streak"] = state.nonfinite_streak  # for the host, which reads metrics an update late
     return state, metrics
 
 

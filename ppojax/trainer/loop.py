@@ -4,9 +4,12 @@
         state, metrics = train_step(state, next(prompt_batches), key(seed, update))
         for hook in hooks: if hook is due at update + 1: hook(StepEnd)
 
-Hooks (Levanter-style, ``Hook(fn, every=N)``) do everything else: the reward-failure and non-finite checks,
-logging, sample completions, evaluation, checkpoints. A hook that raises stops the run; nothing after the
-failing step is saved (the last checkpoint stays the newest).
+The host never waits for an update before dispatching the next: an update's metrics are read (and its hooks
+run) once the following update is queued on the device, so hooks see each step's metrics one update late, in
+order, the last step's at the end. A hook that reads the run's state (``Hook(reads_state=True)``: checkpoints,
+samples) needs its own step's state, which the next update replaces (the state is donated): at the steps it is
+due, the loop reads that step's metrics and runs its hooks before dispatching the next update. A hook that
+raises stops the run; nothing after the failing step is saved (the last checkpoint stays the newest).
 """
 from __future__ import annotations
 
@@ -34,11 +37,13 @@ class StepEnd:
 
 @dataclass
 class Hook:
-    """``fn(StepEnd)`` every ``every`` updates (and at the last one when ``at_end``)."""
+    """``fn(StepEnd)`` every ``every`` updates (and at the last one when ``at_end``). ``reads_state``: ``fn``
+    reads ``run.state`` (or what derives from it), so it runs before the next update is dispatched."""
 
     fn: Callable[[StepEnd], None]
     every: int = 1
     at_end: bool = False
+    reads_state: bool = False
 
     def due(self, step: int, total: int) -> bool:
         return (self.every > 0 and step % self.every == 0) or (self.at_end and step == total)
@@ -54,16 +59,19 @@ def run_updates(run, train_step, total: int, hooks: list[Hook], *, should_stop: 
                 ) -> list[dict]:
     """Run updates ``state.update_count .. total-1``; returns this call's host metrics, one dict per update.
 
-    ``should_stop()`` is asked after every update (after its hooks): True ends the loop early (a signal).
+    ``should_stop()`` is asked after every update's hooks: True ends the loop early (a signal). Each update's
+    ``time/step_s`` is the time from when the device could start it (its dispatch, or the previous update's
+    metrics arriving, whichever is later) to its metrics arriving.
     """
-    history = []
-    start = int(run.state.update_count)
-    for update_index in range(start, total):
-        t0 = time.perf_counter()
-        prompts = next(run.batches).input_ids
-        run.state, metrics = train_step(run.state, prompts, step_key(run.config.seed, update_index))
-        metrics = {name: float(value) for name, value in sharding.to_host(metrics).items()}
-        seconds = time.perf_counter() - t0
+    history: list[dict] = []
+    ready = time.perf_counter()  # when the previous update's metrics reached the host
+    late = None  # (update index, device metrics, dispatch time) of an update whose hooks have not run yet
+
+    def finish(update_index, device_metrics, dispatched) -> bool:
+        nonlocal ready
+        metrics = {name: float(value) for name, value in sharding.to_host(device_metrics).items()}
+        now = time.perf_counter()
+        seconds, ready = now - max(dispatched, ready), now
         metrics["eps"] = run.settings.batch.batch_size / seconds
         metrics["time/step_s"] = seconds
         history.append(metrics)
@@ -71,8 +79,22 @@ def run_updates(run, train_step, total: int, hooks: list[Hook], *, should_stop: 
         for hook in hooks:
             if hook.due(end.step, total):
                 hook.fn(end)
-        if should_stop():
+        return should_stop()
+
+    for update_index in range(int(run.state.update_count), total):
+        dispatched = time.perf_counter()
+        prompts = next(run.batches).input_ids
+        run.state, metrics = train_step(run.state, prompts, step_key(run.config.seed, update_index))
+        stop = late is not None and finish(*late)
+        late = (update_index, metrics, dispatched)
+        if stop:
             break
+        if any(hook.reads_state and hook.due(update_index + 1, total) for hook in hooks):
+            late = None
+            if finish(update_index, metrics, dispatched):
+                break
+    if late is not None:
+        finish(*late)
     return history
 
 
@@ -97,7 +119,7 @@ def nonfinite_check(checkpoint_dir: Optional[Callable[[], Any]] = None):
     def check(end: StepEnd) -> None:
         run = end.run
         skipped = int(end.metrics.get("ppo/nonfinite_steps", 0))
-        streak = int(run.state.nonfinite_streak)
+        streak = int(end.metrics.get("ppo/nonfinite_streak", 0))  # the state is a step ahead (see the module doc)
         if skipped:
             from ppojax.io.run_logging import stage
             stage(f"update {end.step}: {skipped} of {run.settings.optim.steps_per_update} optimizer steps skipped "

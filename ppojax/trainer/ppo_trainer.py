@@ -13,6 +13,7 @@ keeps the run's state (``trainer.state``: a ``ppojax.rl.types.TrainState``).
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -154,16 +155,24 @@ class PPOTrainer(LegacyAPI):
                 bar.set_postfix(score=f"{end.metrics['objective/scores']:.3f}",
                                 kl=f"{end.metrics['objective/kl']:.2f}", eps=f"{end.metrics['eps']:.1f}")
 
+        def save(end):  # written while the next updates run; the final one is saved below
+            if end.step != end.total:
+                self.save_checkpoint(wait=False)
+
         # Order matters: a failed reward stops before the update is logged (its numbers mean nothing); a
         # non-finite streak stops after it is logged (the skipped steps are in the metrics).
         hooks = [Hook(reward_failure_check), Hook(log, every=args.logging_steps, at_end=True),
                  Hook(progress_bar), Hook(nonfinite_check(lambda: self.checkpoint_dir)),
-                 Hook(lambda end: self.log_samples(end.step), every=sample_every, at_end=sample_every > 0),
-                 Hook(lambda end: self.save_checkpoint() if end.step != end.total else None, every=args.save_steps)]
+                 Hook(lambda end: self.log_samples(end.step), every=sample_every, at_end=sample_every > 0,
+                      reads_state=True),
+                 Hook(save, every=args.save_steps, reads_state=True)]
         stop = StopSignals()
         try:
             with stop:
                 history = run_updates(run, self.train_step, total, hooks, should_stop=stop.requested)
+        except BaseException:
+            self._finish_saves_quietly()  # nothing is left half-written; the run's own error is what it reports
+            raise
         finally:
             if bar is not None:
                 bar.close()
@@ -212,14 +221,26 @@ class PPOTrainer(LegacyAPI):
         """Everything outside the TrainState that a resumed run needs to continue exactly."""
         return {"data": self.run.batches.state_dict() if self.run.batches is not None else None}
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self, wait: bool = True) -> Path:
+        """Checkpoint the run's state at its update count. ``wait=False``: return while orbax writes it (the
+        next save, or the end of the run, waits for it)."""
         from ppojax.io.checkpoint import save_checkpoint
         step = int(self.run.state.update_count)
-        path = save_checkpoint(self.checkpoint_dir, step, self.run.state.without_frozen(), self.host_state(),
-                               self.args.to_dict(), save_total_limit=self.args.save_total_limit)
+        return save_checkpoint(self.checkpoint_dir, step, self.run.state.without_frozen(), self.host_state(),
+                               self.args.to_dict(), save_total_limit=self.args.save_total_limit, wait=wait,
+                               on_saved=self._checkpoint_on_disk)
+
+    def _checkpoint_on_disk(self, step: int) -> None:
         if self.logger is not None:
             self.logger.checkpoint_saved(step)  # sinks that cannot rewrite history (wandb) catch up to here
-        return path
+
+    def _finish_saves_quietly(self) -> None:
+        """Wait for the checkpoint being written (on an error or an interrupt); its own failure is one line."""
+        from ppojax.io.checkpoint import CheckpointError, wait_for_saves
+        try:
+            wait_for_saves(self.checkpoint_dir)
+        except CheckpointError as err:
+            print(f"ppojax: {err}", file=sys.stderr, flush=True)
 
     def resume(self, where="auto") -> Optional[Path]:
         """Restore from ``where``: 'auto' (the newest checkpoint in output_dir/checkpoints that verifies; damaged
