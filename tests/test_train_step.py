@@ -77,6 +77,7 @@ def two_program_step(program):
             experience = rollout.with_scores(experience, scores, program.settings)
         state, metrics = learn(program, state, experience, update_key)
         metrics["reward/failures"] = jnp.zeros((), jnp.int32)
+        metrics["ppo/nonfinite_streak"] = state.nonfinite_streak
         return state, metrics
 
     rollout_jit, update_jit = jax.jit(rollout_program), jax.jit(update_program, donate_argnums=(0,))
