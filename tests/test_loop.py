@@ -107,3 +107,21 @@ def test_a_resumed_loop_starts_at_the_state_update_count(events):
     history = loop.run_updates(fake_run(start=3), train_step_into(events), 5, [hook(events, "log")])
     assert [e for e in events if e[0] == "hook"] == [("hook", "log", 4, 0.75), ("hook", "log", 5, 1.0)]
     assert len(history) == 2
+
+
+def test_step_times_follow_the_updates_when_the_dispatch_itself_waits(events):
+    """A step with a host callback (a Python reward function) returns from its dispatch only when it is done:
+    each update's time/step_s is still its own duration (timed against the sleeps), a state-reading hook's
+    update included, never the near-zero gap between two metric reads."""
+    import time
+
+    def blocking_step(state, prompts, key):
+        k = int(state.update_count)
+        time.sleep(0.2)
+        return SimpleNamespace(update_count=jnp.int32(k + 1)), {"update": jnp.int32(k), "loss": jnp.float32(0)}
+
+    history = loop.run_updates(fake_run(), blocking_step, 5, [loop.Hook(lambda end: None, every=2,
+                                                                       reads_state=True)])
+    seconds = [m["time/step_s"] for m in history]
+    assert all(0.18 < s < 0.5 for s in seconds), seconds
+    assert all(abs(m["eps"] - 2 / m["time/step_s"]) < 1e-9 for m in history)

@@ -60,18 +60,19 @@ def run_updates(run, train_step, total: int, hooks: list[Hook], *, should_stop: 
     """Run updates ``state.update_count .. total-1``; returns this call's host metrics, one dict per update.
 
     ``should_stop()`` is asked after every update's hooks: True ends the loop early (a signal). Each update's
-    ``time/step_s`` is the time from when the device could start it (its dispatch, or the previous update's
-    metrics arriving, whichever is later) to its metrics arriving.
+    ``time/step_s`` runs from when the device could start it (its dispatch, or the previous update's end,
+    whichever is later) to its end: its metrics arriving, or, where they were ready by the time the next
+    update's dispatch returned (a step with a host callback dispatches synchronously), that dispatch's start.
     """
     history: list[dict] = []
-    ready = time.perf_counter()  # when the previous update's metrics reached the host
+    ready = time.perf_counter()  # when the previous update ended
     late = None  # (update index, device metrics, dispatch time) of an update whose hooks have not run yet
 
-    def finish(update_index, device_metrics, dispatched) -> bool:
+    def finish(update_index, device_metrics, dispatched, ended=None) -> bool:
         nonlocal ready
         metrics = {name: float(value) for name, value in sharding.to_host(device_metrics).items()}
-        now = time.perf_counter()
-        seconds, ready = now - max(dispatched, ready), now
+        end = time.perf_counter() if ended is None else ended
+        seconds, ready = end - max(dispatched, ready), end
         metrics["eps"] = run.settings.batch.batch_size / seconds
         metrics["time/step_s"] = seconds
         history.append(metrics)
@@ -85,7 +86,8 @@ def run_updates(run, train_step, total: int, hooks: list[Hook], *, should_stop: 
         dispatched = time.perf_counter()
         prompts = next(run.batches).input_ids
         run.state, metrics = train_step(run.state, prompts, step_key(run.config.seed, update_index))
-        stop = late is not None and finish(*late)
+        # the previous update ended before this dispatch started where its metrics are ready now
+        stop = late is not None and finish(*late, dispatched if _ready(late[1]) else None)
         late = (update_index, metrics, dispatched)
         if stop:
             break
@@ -96,6 +98,11 @@ def run_updates(run, train_step, total: int, hooks: list[Hook], *, should_stop: 
     if late is not None:
         finish(*late)
     return history
+
+
+def _ready(device_metrics) -> bool:
+    """Whether every metric array is computed (never blocks)."""
+    return all(getattr(x, "is_ready", lambda: True)() for x in jax.tree.leaves(device_metrics))
 
 
 # --------------------------------------------------------------------------------------------------
