@@ -111,18 +111,22 @@ class OptimSettings:
         return self.num_ppo_epochs * self.num_mini_batches
 
     def lr_schedule(self) -> optax.Schedule:
-        """The learning-rate multiplier by update index (HF's ``get_linear_schedule_with_warmup`` /
-        ``get_constant_schedule_with_warmup``, stepped once per update as TRL's PPO steps its scheduler), from
-        optax's schedules: linear warmup from 0 to 1 over ``warmup_steps``, then 1 ('constant') or a linear decay
-        to 0 at ``num_updates`` ('linear')."""
+        """The learning-rate multiplier by update index: HF's ``get_linear_schedule_with_warmup`` /
+        ``get_constant_schedule_with_warmup`` (stepped once per update, as TRL's PPO steps its scheduler), as optax
+        schedules (``optax.join_schedules``): HF's warmup ``u / warmup_steps`` joined to 1 ('constant') or to HF's
+        linear decay ``(num_updates - u) / max(num_updates - warmup_steps, 1)``, each computed in HF's order
+        (optax's own linear schedules round differently in the last bit, which a long run's sampling magnifies)."""
         warmup = max(self.warmup_steps, 0)
         if self.lr_scheduler_type == "constant":
             after = optax.constant_schedule(1.0)
         else:
-            after = optax.linear_schedule(1.0, 0.0, max(self.num_updates - warmup, 1))
+            remaining, span = self.num_updates - warmup, max(self.num_updates - warmup, 1)
+
+            def after(steps_after_warmup):  # u - warmup: (N - W) - (u - W) is N - u exactly (small integers)
+                return jnp.maximum(0.0, (jnp.float32(remaining) - steps_after_warmup) / jnp.float32(span))
         if warmup == 0:
             return after
-        return optax.join_schedules([optax.linear_schedule(0.0, 1.0, warmup), after], [warmup])
+        return optax.join_schedules([lambda u: u / jnp.float32(warmup), after], [warmup])
 
 
 @dataclass(frozen=True)
