@@ -24,7 +24,8 @@ install: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
-# The development lane (not CI's): the pure-XLA / optax path, no subprocesses, no C++ builds (tests/conftest.py).
+# The development lane (not CI's): the unit tests on the pure-XLA / optax path, no subprocesses, no C++ builds
+# (tests/conftest.py: END_TO_END_TESTS and the slow marks go to `make test`).
 test-fast: $(STAMP)
 	PPOJAX_TESTS_FAST=1 $(PY) -m pytest -q -n 2 --dist loadfile tests
 

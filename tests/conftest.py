@@ -16,9 +16,9 @@ from tests.xla_test_flags import use_cheap_compiles
 apply_cap()
 
 # The fast lane for development (`make test-fast`, PPOJAX_TESTS_FAST=1): the pure-XLA / optax path that
-# accelerator users run (ppojax's CPU backend off: no C++ is built), no test marked slow, and a test that starts a
-# subprocess (the CLI runs, the multi-device and multi-process suites) is skipped where it starts one. `make test`
-# runs everything.
+# accelerator users run (ppojax's CPU backend off and its test files left out: no C++ is built), the unit tests
+# only (no test marked slow, no whole-run file: END_TO_END_TESTS), and a test that starts a subprocess (the multi-device and multi-process
+# suites) is skipped where it starts one. `make test` runs everything.
 FAST_LANE = os.environ.get("PPOJAX_TESTS_FAST", "").strip().lower() in ("1", "true", "yes", "on")
 if FAST_LANE:
     os.environ.setdefault("PPOJAX_CPU_BACKEND", "0")
@@ -72,6 +72,15 @@ def _fast_lane_starts_no_subprocess(monkeypatch):
     yield
 
 
+#: whole-run files (a run's directory, resume, signals, logging, the CLI, every estimator, LoRA, the benchmarks, the
+#: notebook): `make test` runs them; the fast lane keeps the unit tests of every layer (math, models, sampler,
+#: rollout, update, one train_step, sharding, config, checkpoints)
+END_TO_END_TESTS = {"test_trust", "test_reliability", "test_trainer", "test_cli", "test_estimator_runs", "test_lora",
+                    "test_compile_ahead", "test_benchmarks", "test_quiet_runs", "test_logging", "test_notebook",
+                    "test_export_dir", "test_multihost", "test_smollm2_export", "test_assets", "test_plan"}
+
+
 def pytest_collection_modifyitems(config, items):
     if FAST_LANE:
-        items[:] = [item for item in items if item.get_closest_marker("slow") is None]
+        items[:] = [item for item in items if item.get_closest_marker("slow") is None
+                    and Path(str(item.fspath)).stem not in END_TO_END_TESTS | CPU_BACKEND_TESTS]

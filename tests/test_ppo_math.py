@@ -42,6 +42,7 @@ def test_gae_matches_python_loop(gamma, lam):
 finite = st.floats(-5, 5, allow_nan=False, width=32)
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None)
 @given(st.integers(2, 6), st.integers(2, 9), st.integers(0, 10_000))
 def test_whitened_advantages_have_zero_mean_unit_variance(batch, length, seed):

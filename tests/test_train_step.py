@@ -92,7 +92,8 @@ def two_program_step(program):
     return train_step
 
 
-@pytest.mark.parametrize("case", ["reward_model", "reward_function", "value_head"])
+@pytest.mark.parametrize("case", [pytest.param("reward_model", marks=pytest.mark.slow), "reward_function",
+                                  pytest.param("value_head", marks=pytest.mark.slow)])
 def test_one_program_equals_rollout_then_update(tmp_path, case):
     histories, states = [], []
     for split in (False, True):
@@ -179,6 +180,7 @@ def test_train_steps_scan_equals_k_train_steps():
     assert float(scanned["objective/scores"][-1]) != float(scanned["objective/scores"][0])
 
 
+@pytest.mark.slow
 def test_vmapped_seeds_equal_seeds_run_one_by_one():
     """A whole tiny PPO run (init from the seed, NUM_STEPS iterations) vmapped over 3 seeds in ONE program."""
     program = tiny_program()
@@ -262,6 +264,7 @@ def _load_example(name):
     return module
 
 
+@pytest.mark.slow
 def test_vmapped_learning_rate_by_seed_grid_equals_the_runs_one_by_one():
     """examples/vmap_lr_sweep.py: a 2 x 2 learning-rate x seed grid, its states stacked on a leading axis and
     advanced by ONE vmapped train step (compiled once for all iterations), equals each run stepped alone, to the
