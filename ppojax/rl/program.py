@@ -119,15 +119,8 @@ def make_train_step(program: PPOProgram, state_shardings=None):
     ``hyperparams`` are traced: ``state.replace(hyperparams=...)`` between calls does not recompile. The
     returned function's ``.jitted`` is the jit object (for cache counts).
     """
-    jitted = _jit(program, lambda state, prompts, key: ppo_iteration(program, state, prompts, key),
-                  state_shardings)
-
-    def train_step(state, prompts, key):
-        prompts, key = _place(program, prompts, key)
-        return jitted(state, prompts, key)
-
-    train_step.jitted = jitted
-    return train_step
+    return _placed(program, _jit(program, lambda state, prompts, key: ppo_iteration(program, state, prompts, key),
+                                 state_shardings))
 
 
 def make_train_steps(program: PPOProgram, state_shardings=None):
@@ -158,15 +151,19 @@ def collect_experience(program: PPOProgram, state, prompts, sample_key):
 def make_rollout(program: PPOProgram):
     """``rollout(state, prompts, key) -> (Experience, failures)`` compiled: the experience ``train_step``
     would learn from with the same key (for notebooks, tests and the legacy API). Nothing is donated."""
-    jitted = jax.jit(lambda state, prompts, key: collect_experience(program, state, prompts,
-                                                                    iteration_keys(key)[0]))
+    return _placed(program, jax.jit(lambda state, prompts, key: collect_experience(program, state, prompts,
+                                                                                   iteration_keys(key)[0])))
 
-    def run(state, prompts, key):
+
+def _placed(program: PPOProgram, jitted):
+    """``jitted(state, prompts, key)`` called with the prompts and key placed on the program's mesh; its
+    ``.jitted`` is the jit object (for cache counts)."""
+    def call(state, prompts, key):
         prompts, key = _place(program, prompts, key)
         return jitted(state, prompts, key)
 
-    run.jitted = jitted
-    return run
+    call.jitted = jitted
+    return call
 
 
 def make_update(program: PPOProgram, state_shardings=None):
