@@ -16,10 +16,11 @@ ALLOWED = {
     "core": {"errors"},
     "models": {"core", "io", "parallel", "errors"},
     "rl": {"core", "models", "parallel", "errors"},
-    "trainer": {"core", "models", "rl", "parallel", "io", "assets", "backends", "errors"},
+    "trainer": {"core", "models", "rl", "parallel", "io", "assets", "backends", "tasks", "errors"},
     "io": {"errors"},
     "parallel": {"errors"},
     "assets": {"errors"},
+    "tasks": {"errors"},
     # a backend implements the models' seam (`ppojax.models.kernels.Kernels`); nothing below imports a backend
     "backends": {"models", "io", "errors"},
 }

@@ -126,7 +126,8 @@ def test_derived_sets_are_what_the_fields_declare():
     # the same classification as the hand-written lists they replace
     assert C.MUST_MATCH_FIELDS == OLD_STRICT | {"num_eval_prompts", "advantage_estimator",  # + new fields
                                                 "num_generations", "lora_r", "lora_alpha", "lora_target_modules",
-                                                "reward_model_label"}
+                                                "reward_model_label", "reward_funcs", "reward_weights",
+                                                "eval_dataset"}
     # fields added since those lists, each classified deliberately
     assert C.IGNORED_ON_RESUME_FIELDS == OLD_HARMLESS | {"overwrite_output_dir", "resume_with_changes",
                                                          "compile_ahead", "export_check"}

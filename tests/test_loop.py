@@ -16,7 +16,7 @@ from ppojax.trainer import loop
 
 class Batches:
     def __next__(self):
-        return SimpleNamespace(input_ids=np.zeros((2, 3), np.int32))
+        return SimpleNamespace(input_ids=np.zeros((2, 3), np.int32), indices=np.arange(2))
 
 
 def fake_run(start=0):

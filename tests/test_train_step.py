@@ -22,7 +22,8 @@ from ppojax.rl import rollout
 from ppojax.rl.settings import Hyperparams, StepSettings
 from ppojax.rl.update import learn
 from ppojax.trainer.loop import step_key
-from ppojax.rl.program import PPOProgram, iteration_keys, make_train_step, make_train_steps, ppo_iteration
+from ppojax.rl.program import (PPOProgram, iteration_keys, make_train_step, make_train_steps, ppo_iteration,
+                               reward_component_metrics)
 from ppojax.trainer.ppo_trainer import PPOTrainer
 from ppojax.rl.types import init_train_state
 from ppojax.rl.optimizer import make_optimizer
@@ -61,7 +62,7 @@ def two_program_step(program):
     other reward source is evaluated at the end of the rollout program): the reference the single program
     (host callback inside it) must equal."""
     reward = program.reward
-    on_host = hasattr(reward, "host_scores")
+    on_host = hasattr(reward, "host_components")
 
     def rollout_program(state, prompts, key):
         sample_key, update_key = iteration_keys(key)
@@ -72,22 +73,26 @@ def two_program_step(program):
         return rollout.experience(program, state, query_responses, prompts.shape[1],
                                   sampler_logprobs=sampler_logprobs)[0], update_key
 
-    def update_program(state, experience, scores, update_key):
-        if on_host:
-            experience = rollout.with_scores(experience, scores, program.settings)
+    def update_program(state, experience, components, update_key):
+        if on_host:  # one function: its values are the scores
+            experience = rollout.with_scores(experience, components[0], program.settings).replace(
+                reward_components=dict(zip(reward.names, components)))
         state, metrics = learn(program, state, experience, update_key)
         metrics["reward/failures"] = jnp.zeros((), jnp.int32)
         metrics["ppo/nonfinite_streak"] = state.nonfinite_streak
+        metrics.update(reward_component_metrics(experience.reward_components))
         return state, metrics
 
     rollout_jit, update_jit = jax.jit(rollout_program), jax.jit(update_program, donate_argnums=(0,))
 
     def train_step(state, prompts, key):
-        experience, update_key = rollout_jit(state, jnp.asarray(prompts, jnp.int32), key)
-        scores = None
+        experience, update_key = rollout_jit(state, jnp.asarray(prompts.input_ids, jnp.int32), key)
+        components = None
         if on_host:
-            scores = jnp.asarray(reward.host_scores(*sharding.to_host((experience.queries, experience.responses))))
-        return update_jit(state, experience, scores, update_key)
+            rows = np.repeat(np.asarray(prompts.rows), program.settings.sampling.num_generations)
+            components = jnp.asarray(reward.host_components(
+                *sharding.to_host((experience.queries, experience.responses)), rows))
+        return update_jit(state, experience, components, update_key)
 
     return train_step
 

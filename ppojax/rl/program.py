@@ -27,6 +27,7 @@ from ppojax.rl import rollout
 from ppojax.parallel import sharding
 from ppojax.rl.actor_critic import ActorCritic
 from ppojax.rl.rewards import GivenScores
+from ppojax.rl.types import Prompts, as_prompts
 from ppojax.rl.settings import StepSettings
 from ppojax.rl.update import learn
 
@@ -62,7 +63,8 @@ def iteration_keys(key):
 
 
 def ppo_iteration(program: PPOProgram, state, prompts, key):
-    """One PPO iteration on left-padded ``prompts`` i32[B, P]. Pure: trace it under jit/scan/vmap."""
+    """One PPO iteration on left-padded ``prompts`` (``Prompts``, or token ids i32[B, P]). Pure: trace it under
+    jit/scan/vmap."""
     sample_key, update_key = iteration_keys(key)
     experience, failures = collect_experience(program, state, prompts, sample_key)
     return learn_unless_reward_failed(program, state, experience, update_key, failures)
@@ -84,7 +86,21 @@ def learn_unless_reward_failed(program: PPOProgram, state, experience, key, fail
                                       state, experience, key)
     metrics["reward/failures"] = failures
     metrics["ppo/nonfinite_streak"] = state.nonfinite_streak  # for the host, which reads metrics an update late
+    metrics.update(reward_component_metrics(experience.reward_components))
     return state, metrics
+
+
+def reward_component_metrics(components) -> dict:
+    """``rewards/<name>/mean`` and ``/std`` of each reward (TRL's GRPO metrics): over the rows it applies to
+    (NaN entries skipped), std with Bessel's correction."""
+    out = {}
+    for name, values in (components or {}).items():
+        applies = ~jnp.isnan(values)
+        count = jnp.sum(applies)
+        mean = jnp.sum(jnp.where(applies, values, 0.0)) / count
+        variance = jnp.sum(jnp.where(applies, (values - mean) ** 2, 0.0)) / (count - 1)
+        out[f"rewards/{name}/mean"], out[f"rewards/{name}/std"] = mean, jnp.sqrt(variance)
+    return out
 
 
 def _nan_like(shape):
@@ -115,7 +131,7 @@ def _jit(program: PPOProgram, fn, state_shardings):
 def make_train_step(program: PPOProgram, state_shardings=None):
     """``train_step(state, prompts, key) -> (state, metrics)``, one compiled program with the state donated.
 
-    prompts: i32[B, P] (placed with rows over the mesh's batch axes); key: a PRNG key. The state's
+    prompts: ``Prompts`` (token ids and prompt-table rows) or token ids i32[B, P] (placed with rows over the mesh's batch axes); key: a PRNG key. The state's
     ``hyperparams`` are traced: ``state.replace(hyperparams=...)`` between calls does not recompile. The
     returned function's ``.jitted`` is the jit object (for cache counts).
     """
@@ -124,16 +140,17 @@ def make_train_step(program: PPOProgram, state_shardings=None):
 
 
 def make_train_steps(program: PPOProgram, state_shardings=None):
-    """``train_steps(state, prompts i32[K, B, P], keys[K]) -> (state, metrics with a leading [K] axis)``:
-    K iterations as one ``lax.scan`` (no Python between them)."""
+    """``train_steps(state, prompts [K, B, P], keys[K]) -> (state, metrics with a leading [K] axis)``:
+    K iterations as one ``lax.scan`` (no Python between them); prompts as ``make_train_step``'s, with a [K] axis."""
     def steps(state, prompts, keys):
         return jax.lax.scan(lambda s, xs: ppo_iteration(program, s, *xs), state, (prompts, keys))
 
     jitted = _jit(program, steps, state_shardings)
 
     def train_steps(state, prompts, keys):
+        prompts = as_prompts(prompts)
         if program.mesh is not None:
-            prompts = sharding.shard_batch_axis(jnp.asarray(prompts, jnp.int32), program.mesh, axis=1)
+            prompts = jax.tree.map(lambda x: sharding.shard_batch_axis(x, program.mesh, axis=1), prompts)
             keys = sharding.put_replicated(keys, program.mesh)
         return jitted(state, prompts, keys)
 
@@ -143,9 +160,13 @@ def make_train_steps(program: PPOProgram, state_shardings=None):
 
 def collect_experience(program: PPOProgram, state, prompts, sample_key):
     """The rollout half of :func:`ppo_iteration`: sample with ``sample_key`` (the first of
-    :func:`iteration_keys`), forwards, scores. -> (Experience, reward failures i32[])."""
-    query_responses, sampler_logprobs = rollout.sample(program, state, prompts, sample_key)
-    return rollout.experience(program, state, query_responses, prompts.shape[1], sampler_logprobs=sampler_logprobs)
+    :func:`iteration_keys`), forwards, scores. prompts: ``Prompts`` or token ids i32[B, P].
+    -> (Experience, reward failures i32[])."""
+    prompts = as_prompts(prompts)
+    query_responses, sampler_logprobs = rollout.sample(program, state, prompts.input_ids, sample_key)
+    rows = jnp.repeat(prompts.rows, program.settings.sampling.num_generations, axis=0)  # as sample() repeats
+    return rollout.experience(program, state, query_responses, prompts.input_ids.shape[1],
+                              sampler_logprobs=sampler_logprobs, rows=rows)
 
 
 def make_rollout(program: PPOProgram):
@@ -190,8 +211,8 @@ def make_legacy_step(program: PPOProgram, prompt_length: int, state_shardings=No
 
 
 def _place(program, prompts, key):
-    prompts = jnp.asarray(prompts, jnp.int32) if not isinstance(prompts, jax.Array) else prompts
+    prompts = as_prompts(prompts)
     if program.mesh is not None:
-        prompts = sharding.shard_batch(prompts, program.mesh)
+        prompts = Prompts(*sharding.shard_batch(tuple(prompts), program.mesh))
         key = sharding.put_replicated(key, program.mesh)
     return prompts, key

@@ -8,22 +8,28 @@ that names the function and the offending row, before any of it reaches the jitt
 Built in: `vader_sentiment_reward()`, VADER's compound sentiment score in [-1, 1] (the movie-review demo).
 
 Reward SOURCES (one class per kind) give a rollout's scores inside the compiled PPO program:
-`ModelScores` (a reward ScoreModel's forward, nothing leaves the device), `FunctionScores` (a Python function of
-the texts, reached through a host callback, the tokenizer's decode on the host), `TracedScores` (a reward written
-in JAX on the token ids, traced into the program) and `GivenScores` (the legacy
-`step()`: scores computed by the caller). Each has `scores(frozen, queries, responses) -> (scores f32[B],
-failures i32[])`; `failures` counts rows whose reward could not be computed (the function raised or returned
-something invalid), which the training loop turns back into the function's own error after the step.
+`ModelScores` (a reward ScoreModel's forward, nothing leaves the device), `FunctionScores` (Python functions of
+the texts and the dataset's columns, reached through one host callback; ``ppojax.rl.reward_calls`` calls them),
+`TracedScores` (a reward written in JAX on the token ids, traced into the program) and `GivenScores` (the legacy
+`step()`: scores computed by the caller). `WeightedRewards` combines several (TRL's ``reward_funcs`` with
+``reward_weights``). Each has ``scores(frozen, queries, responses, rows=None) -> RewardOutput``: the scores
+f32[B], ``failures`` i32[] (rows whose reward could not be computed: the function raised or returned something
+invalid, which the training loop turns back into the function's own error after the step) and ``components``
+(each reward's own values, f32[B] by name, NaN where it returned None; logged as ``rewards/<name>/mean``).
+``rows`` i32[B] are the rows' places in the run's prompt table (``ColumnTable``), through which a Python reward
+receives the dataset's columns; ``NO_ROW`` where unknown, ``PADDING_ROW`` for batch padding (not scored).
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, NamedTuple, Optional, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
 from ppojax.errors import RewardFunctionError
+from ppojax.rl.reward_calls import RewardBatch, RewardCall, call_all, none_to_nan, reward_function_name
+from ppojax.rl.types import NO_ROW
 
 __all__ = [
     "RewardFunction",
@@ -37,6 +43,11 @@ __all__ = [
     "FunctionScores",
     "TracedScores",
     "GivenScores",
+    "WeightedRewards",
+    "RewardOutput",
+    "ColumnTable",
+    "NO_ROW",
+    "PADDING_ROW",
 ]
 
 
@@ -51,18 +62,6 @@ class RewardFunction(Protocol):
     """
 
     def __call__(self, prompts: list[str], completions: list[str]) -> Sequence[float]: ...
-
-
-def reward_function_name(fn) -> str:
-    """A readable name for error messages: `module.qualname`, or the repr for other callables."""
-    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
-    if name is None:  # a callable object, or a functools.partial
-        inner = getattr(fn, "func", None)
-        if inner is not None:
-            return f"partial({reward_function_name(inner)})"
-        return type(fn).__qualname__ + " instance"
-    module = getattr(fn, "__module__", None)
-    return f"{module}.{name}" if module and module not in ("__main__", "builtins") else name
 
 
 def vader_sentiment_reward(*, include_prompt: bool = False) -> RewardFunction:
@@ -91,14 +90,21 @@ def vader_sentiment_reward(*, include_prompt: bool = False) -> RewardFunction:
 
 
 def check_scores(scores, n: int, *, name: str = "reward function", prompts: Sequence[str] | None = None,
-                 allow_nonfinite: bool = False) -> np.ndarray:
+                 allow_nonfinite: bool = False, allow_none: bool = False,
+                 returned_nan_as_inf: bool = False) -> np.ndarray:
     """Validate what a reward function returned → float32[n].
 
     Errors (RewardFunctionError): not a 1-D sequence of numbers; a length other than `n` (naming both);
     any NaN/inf, before or after the cast to float32 (naming the prompt index, its value and, when `prompts`
     is given, the prompt text), unless `allow_nonfinite` (PPOConfig ``on_nonfinite_reward='skip'``: the
     NaN/inf goes through, and the update's non-finite guard skips that update's optimizer steps).
+    `allow_none`: None entries (the reward does not apply to that row) come back as NaN; with
+    `returned_nan_as_inf` a NaN the function itself returned comes back as +inf, so that summing rewards cannot
+    mistake it for "does not apply".
     """
+    missing = np.zeros(0, bool)
+    if allow_none:
+        scores, missing = none_to_nan(scores)
     text = _first_text(scores)
     if text is not None:
         i, value = text
@@ -128,9 +134,10 @@ def check_scores(scores, n: int, *, name: str = "reward function", prompts: Sequ
         )
     with np.errstate(over="ignore", invalid="ignore"):
         out = values.astype(np.float32)
+    given = ~missing if missing.size else np.ones(n, bool)
     if allow_nonfinite:
-        return out
-    bad = np.flatnonzero(~np.isfinite(out))
+        return np.where(given & np.isnan(out), np.float32(np.inf), out) if returned_nan_as_inf else out
+    bad = np.flatnonzero(given & ~np.isfinite(out))
     if bad.size:
         i = int(bad[0])
         where = f"prompt index {i}" + (f" ({prompts[i]!r})" if prompts is not None else "")
@@ -194,14 +201,79 @@ def _preview(value, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+
+
 # ------------------------------------------------------------------------------------------ reward sources
+PADDING_ROW = -2  # a row that only fills the batch to its compiled shape: not scored
 
 
-def decode_rollout_text(tokenizer, queries, responses, pad_token_id):
+class RewardOutput(NamedTuple):
+    """What a reward source gives for B rows.
+
+    scores: f32[B] (the weighted sum of the components); failures: i32[] rows that could not be scored;
+    components: {reward name: f32[B]} each reward's own values (NaN where it does not apply).
+    """
+
+    scores: Any
+    failures: Any
+    components: dict
+
+
+class ColumnTable:
+    """The dataset's columns for the run's prompt table, row by row: what a Python reward receives as keyword
+    arguments. columns: {name: N values}, row i of each belonging to prompt i of the prompt table."""
+
+    def __init__(self, columns: dict):
+        lengths = {len(v) for v in columns.values()}
+        if len(lengths) > 1:
+            raise ValueError(f"columns of different lengths: { {k: len(v) for k, v in columns.items()} }")
+        self.columns = {name: list(values) for name, values in columns.items()}
+
+    @property
+    def names(self) -> list:
+        return list(self.columns)
+
+    def rows(self, indices: Sequence[int]) -> dict:
+        """{name: values of the given rows}, or {} when any row is unknown (``NO_ROW``)."""
+        indices = [int(i) for i in indices]
+        if any(i < 0 for i in indices):
+            return {}
+        return {name: [values[i] for i in indices] for name, values in self.columns.items()}
+
+
+def weighted_total(components, weights):
+    """components f32[F, B] (NaN: does not apply), weights f32[F] -> f32[B]: sum over the components that apply
+    (TRL's ``nansum``); NaN where none does. One component with weight 1 gives its values unchanged."""
+    import jax.numpy as jnp
+
+    applies = ~jnp.isnan(components)
+    total = jnp.sum(jnp.where(applies, weights[:, None] * components, 0.0), axis=0)
+    return jnp.where(jnp.any(applies, axis=0), total, jnp.nan)
+
+
+class _Source:
+    """A reward source's ``scores`` from its ``components`` (one reward, or several weighted 1)."""
+
+    names: list
+
+    def components(self, frozen, queries, responses, rows=None):
+        """-> (f32[F, B] one row per name, failures i32[])."""
+        raise NotImplementedError
+
+    def scores(self, frozen, queries, responses, rows=None) -> RewardOutput:
+        import jax.numpy as jnp
+
+        values, failures = self.components(frozen, queries, responses, rows)
+        total = weighted_total(values, jnp.ones((values.shape[0],), jnp.float32))
+        return RewardOutput(total, failures, dict(zip(self.names, values)))
+
+
+def decode_rollout_text(tokenizer, queries, responses, pad_token_id, *, with_ids: bool = False):
     """Prompt and completion strings for a reward function (host side).
 
     queries: int[B, P], responses: int[B, R] TRUNCATED. Pad ids are dropped, and the completion stops at
-    its first pad; special tokens (the stop token included) are skipped. -> (prompts, completions).
+    its first pad; special tokens (the stop token included) are skipped. -> (prompts, completions), and the
+    completions' token ids (stop token and padding removed) with ``with_ids``.
     """
     queries, responses = np.asarray(queries), np.asarray(responses)
     prompt_ids = [[int(t) for t in row if t != pad_token_id] for row in queries]
@@ -209,25 +281,30 @@ def decode_rollout_text(tokenizer, queries, responses, pad_token_id):
     for row in responses:
         pads = np.flatnonzero(row == pad_token_id)
         completion_ids.append([int(t) for t in row[:pads[0] if pads.size else len(row)]])
-    prompts = tokenizer.batch_decode(prompt_ids, skip_special_tokens=True)
-    completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    return list(prompts), list(completions)
+    prompts = list(tokenizer.batch_decode(prompt_ids, skip_special_tokens=True))
+    completions = list(tokenizer.batch_decode(completion_ids, skip_special_tokens=True))
+    if not with_ids:
+        return prompts, completions
+    special = set(getattr(tokenizer, "all_special_ids", None) or ())
+    return prompts, completions, [[t for t in ids if t not in special] for ids in completion_ids]
 
 
-class ModelScores:
+class ModelScores(_Source):
     """Scores from a reward ScoreModel (TRL's ``get_reward``): its head at the last non-pad token of the
     prompt + TRUNCATED response. The parameters are ``frozen["reward"]`` of the train state.
 
-    graphdef: the ScoreModel's graphdef; forward_batch_size: rows per forward (None = all at once).
+    graphdef: the ScoreModel's graphdef; forward_batch_size: rows per forward (None = all at once);
+    name: the reward's name in metrics.
     """
 
     in_program = True
 
-    def __init__(self, graphdef, pad_token_id: int, forward_batch_size=None):
+    def __init__(self, graphdef, pad_token_id: int, forward_batch_size=None, name: str = "reward_model"):
         self.graphdef, self.pad_token_id, self.forward_batch_size = graphdef, pad_token_id, forward_batch_size
+        self.names = [name]
 
-    def scores(self, frozen, queries, responses):
-        """queries i32[B, P], responses i32[B, R] (truncated) -> (scores f32[B], failures i32[] = 0)."""
+    def components(self, frozen, queries, responses, rows=None):
+        """queries i32[B, P], responses i32[B, R] (truncated) -> (f32[1, B], failures i32[] = 0)."""
         import jax.numpy as jnp
         from flax import nnx
 
@@ -239,95 +316,164 @@ class ModelScores:
             lambda t: forward.sequence_scores(nnx.merge(self.graphdef, frozen["reward"]), t, self.pad_token_id,
                                               prompt_length=P),
             self.forward_batch_size, tokens)
-        return scores, jnp.zeros((), jnp.int32)
+        return scores[None].astype(jnp.float32), jnp.zeros((), jnp.int32)
 
 
-class TracedScores:
+class TracedScores(_Source):
     """A reward written in JAX: ``fn(queries i32[B, P], responses i32[B, R]) -> f32[B]``, traced into the
     program like a reward model (nothing leaves the device), so whole runs can be ``lax.scan``-ed and
     ``jax.vmap``-ed. ``responses`` are truncated (pad after the stop token)."""
 
     in_program = True
 
-    def __init__(self, fn):
+    def __init__(self, fn, name: Optional[str] = None):
         self.fn = fn
+        self.names = [name or getattr(fn, "__name__", None) or reward_function_name(fn)]
 
-    def scores(self, frozen, queries, responses):
+    def components(self, frozen, queries, responses, rows=None):
         import jax.numpy as jnp
 
-        return jnp.asarray(self.fn(queries, responses), jnp.float32), jnp.zeros((), jnp.int32)
+        return jnp.asarray(self.fn(queries, responses), jnp.float32)[None], jnp.zeros((), jnp.int32)
 
 
-class GivenScores:
+class GivenScores(_Source):
     """The caller's scores (legacy ``step(queries, responses, scores)``): ``scores`` f32[B], traced."""
 
     in_program = True
+    names = ["given"]
 
     def __init__(self, scores):
         self.given = scores
 
-    def scores(self, frozen, queries, responses):
+    def components(self, frozen, queries, responses, rows=None):
         import jax.numpy as jnp
 
-        return jnp.asarray(self.given, jnp.float32), jnp.zeros((), jnp.int32)
+        return jnp.asarray(self.given, jnp.float32)[None], jnp.zeros((), jnp.int32)
 
 
-class FunctionScores:
-    """A Python reward function ``fn(prompts, completions) -> floats`` inside the compiled program.
+class FunctionScores(_Source):
+    """Python reward functions inside the compiled program (TRL's ``reward_funcs`` that are callables).
 
-    ``scores()`` reaches the host through ``jax.pure_callback``: the tokenizer decodes the prompt and
-    completion ids there, :func:`call_reward_function` calls and validates ``fn``. On a mesh the callback runs
-    once per device on that device's rows (``shard_map``), so every process scores its own rows, as TRL's
-    processes do. A failure (``fn`` raised, returned the wrong number of scores or, unless
-    ``allow_nonfinite``, a NaN/inf) never raises inside the program: those rows get NaN (so the update's
-    non-finite guard skips every optimizer step of the iteration), ``failures`` counts them, and the error is
+    ``components()`` reaches the host through ONE ``jax.pure_callback`` for all the functions: the tokenizer
+    decodes the prompt and completion ids there, the rows' dataset columns come from ``table``, and
+    ``ppojax.rl.reward_calls.call_all`` runs the functions at the same time. On a mesh the callback runs once per
+    device on that device's rows (``shard_map``), so every process scores its own rows, as TRL's processes do.
+    A failure (a function raised, returned the wrong number of values or, unless ``allow_nonfinite``, a
+    NaN/inf; or, when ``sole``, every function returned None for a row) never raises inside the program: those
+    rows get NaN (so no optimizer step of the iteration is applied), ``failures`` counts them, and the error is
     kept; :meth:`raise_pending` re-raises it after the step.
 
-    mesh: the device mesh of the program (None: one device). Host-side use: :meth:`host_scores`.
+    functions: a callable or a list of them (or ``RewardCall``s); table: a ``ColumnTable`` or None;
+    sole: no other reward source is summed with these (a row none of them scores has no reward at all);
+    mesh: the device mesh of the program (None: one device). Host-side use: :meth:`host_components`.
     """
 
     in_program = True
     may_fail = True  # the program skips its update when failures > 0
 
-    def __init__(self, fn, tokenizer, pad_token_id: int, *, allow_nonfinite: bool = False, mesh=None):
-        self.fn, self.tokenizer, self.pad_token_id = fn, tokenizer, pad_token_id
-        self.allow_nonfinite, self.mesh = allow_nonfinite, mesh
+    def __init__(self, functions, tokenizer, pad_token_id: int, *, allow_nonfinite: bool = False, mesh=None,
+                 table: Optional[ColumnTable] = None, sole: bool = True):
+        functions = list(functions) if isinstance(functions, (list, tuple)) else [functions]
+        self.calls = [f if isinstance(f, RewardCall) else RewardCall.of(f) for f in functions]
+        self.names = [call.name for call in self.calls]
+        self._qualified = [call.qualified for call in self.calls]
+        self.tokenizer, self.pad_token_id = tokenizer, pad_token_id
+        self.allow_nonfinite, self.mesh, self.table, self.sole = allow_nonfinite, mesh, table, sole
         self._errors: list[BaseException] = []
         self._lock = threading.Lock()
 
     @property
+    def fn(self):
+        """The function, when there is one (None for several); assignable (it keeps the compiled program's name)."""
+        return self.calls[0].fn if len(self.calls) == 1 else None
+
+    @fn.setter
+    def fn(self, fn):
+        if len(self.calls) != 1:
+            raise ValueError(f"this reward has {len(self.calls)} functions ({', '.join(self.names)}); replace one "
+                             "by building the run with the new list")
+        self.calls = [RewardCall.of(fn, self.names[0])]
+        self._qualified = [self.calls[0].qualified]
+
+    @property
     def name(self) -> str:
-        return f"reward function {reward_function_name(self.fn)}"
+        return "reward function" + ("s " if len(self.names) > 1 else " ") + ", ".join(self._qualified)
 
-    def host_scores(self, queries, responses) -> np.ndarray:
-        """Host side: decode, call ``fn``, validate -> float32[B]. Raises ``RewardFunctionError``."""
-        prompts, completions = decode_rollout_text(self.tokenizer, queries, responses, self.pad_token_id)
-        return call_reward_function(self.fn, prompts, completions, allow_nonfinite=self.allow_nonfinite)
+    def batch(self, queries, responses, rows=None) -> RewardBatch:
+        """The texts, ids and dataset columns of the rows (host side)."""
+        prompts, completions, ids = decode_rollout_text(self.tokenizer, queries, responses, self.pad_token_id,
+                                                        with_ids=True)
+        columns = {} if self.table is None or rows is None else self.table.rows(rows)
+        return RewardBatch(prompts, completions, ids, columns)
 
-    def _callback(self, queries, responses):
+    def host_components(self, queries, responses, rows=None) -> np.ndarray:
+        """Host side: call every function on the rows that are not ``PADDING_ROW`` -> float32[F, B] (NaN where a
+        function returned None, 0 on padding rows). Raises ``RewardFunctionError``."""
+        queries, responses = np.asarray(queries), np.asarray(responses)
+        live = np.ones(len(queries), bool) if rows is None else np.asarray(rows) != PADDING_ROW
+        out = np.zeros((len(self.calls), len(queries)), np.float32)
+        if not live.any():
+            return out
+        kept_rows = None if rows is None else np.asarray(rows)[live]
+        batch = self.batch(queries[live], responses[live], kept_rows)
+        for call in self.calls:
+            call.check_arguments(batch.columns)
+        alone = self.sole and len(self.calls) == 1  # its values are the scores, NaN included
+        applies = np.zeros((len(self.calls), len(batch)), bool)
+        for i, (call, values) in enumerate(zip(self.calls, call_all(self.calls, batch))):
+            out[i, live] = check_scores(values, len(batch), name=f"reward function {call.qualified}",
+                                        prompts=batch.prompts, allow_nonfinite=self.allow_nonfinite,
+                                        allow_none=True, returned_nan_as_inf=not alone)
+            missing = none_to_nan(values)[1]
+            applies[i] = ~missing if missing.size == len(batch) else True
+        if self.sole:
+            self._check_some_apply(applies, batch)
+        return out
+
+    def _check_some_apply(self, applies: np.ndarray, batch: RewardBatch) -> None:
+        """applies: bool[F, B] whether function f returned a value (not None) for row b."""
+        unscored = np.flatnonzero(~np.any(applies, axis=0))
+        if unscored.size:
+            i = int(unscored[0])
+            raise RewardFunctionError(
+                f"{self.name} returned None for row {i} (prompt {batch.prompts[i]!r:.80}"
+                + (f" and {unscored.size - 1} more rows" if unscored.size > 1 else "")
+                + "): no reward applies to it. Return a number for every row from at least one reward function.")
+
+    def _callback(self, queries, responses, rows):
         try:
-            return self.host_scores(queries, responses), np.zeros(len(queries), np.int32)
+            return self.host_components(queries, responses, rows), np.zeros(len(queries), np.int32)
         except Exception as err:  # noqa: BLE001 - kept and re-raised by raise_pending() after the step
             with self._lock:
                 self._errors.append(err)
-            return np.full(len(queries), np.nan, np.float32), np.ones(len(queries), np.int32)
+            return (np.full((len(self.calls), len(queries)), np.nan, np.float32),
+                    np.ones(len(queries), np.int32))
 
-    def scores(self, frozen, queries, responses):
-        """queries i32[B, P], responses i32[B, R] (truncated) -> (scores f32[B], failures i32[])."""
+    def components(self, frozen, queries, responses, rows=None):
+        """queries i32[B, P], responses i32[B, R] (truncated), rows i32[B] or None -> (f32[F, B], failures i32[])."""
         import jax
         import jax.numpy as jnp
 
-        def call(q, r):
-            shapes = (jax.ShapeDtypeStruct(q.shape[:1], jnp.float32), jax.ShapeDtypeStruct(q.shape[:1], jnp.int32))
-            return jax.pure_callback(self._callback, shapes, q, r, vmap_method="sequential")
+        if rows is None:
+            rows = jnp.full(queries.shape[:1], NO_ROW, jnp.int32)
+        F = len(self.calls)
+
+        def call(q, r, k):
+            shapes = (jax.ShapeDtypeStruct((F,) + q.shape[:1], jnp.float32),
+                      jax.ShapeDtypeStruct(q.shape[:1], jnp.int32))
+            return jax.pure_callback(self._callback, shapes, q, r, k, vmap_method="sequential")
 
         if self.mesh is not None and self.mesh.size > 1:
+            from jax.sharding import PartitionSpec
+
             from ppojax.parallel.sharding import batch_partition_spec
 
-            rows = batch_partition_spec(self.mesh)
-            call = jax.shard_map(call, mesh=self.mesh, in_specs=(rows, rows), out_specs=(rows, rows))
-        scores, failed = call(queries, responses)
-        return scores, jnp.sum(failed)
+            rows_spec = batch_partition_spec(self.mesh)
+            columns_spec = PartitionSpec(None, *rows_spec)
+            call = jax.shard_map(call, mesh=self.mesh, in_specs=(rows_spec, rows_spec, rows_spec),
+                                 out_specs=(columns_spec, rows_spec))
+        values, failed = call(queries, responses, rows)
+        return values, jnp.sum(failed)
 
     def raise_pending(self) -> None:
         """Re-raise the first kept failure (and forget them all); a no-op when there is none."""
@@ -335,3 +481,41 @@ class FunctionScores:
             errors, self._errors = self._errors, []
         if errors:
             raise errors[0]
+
+
+class WeightedRewards(_Source):
+    """Several reward sources as one (TRL's ``reward_funcs`` + ``reward_weights``): the score is the weighted
+    sum of every component that applies to a row.
+
+    parts: reward sources whose ``names`` together are the components, in order; weights: one per component
+    (None: all 1)."""
+
+    in_program = True
+
+    def __init__(self, parts: Sequence[_Source], weights: Optional[Sequence[float]] = None):
+        self.parts = list(parts)
+        self.names = [name for part in self.parts for name in part.names]
+        if len(set(self.names)) != len(self.names):
+            raise ValueError(f"reward names must differ, got {self.names}")
+        self.weights = tuple(float(w) for w in (weights if weights is not None else [1.0] * len(self.names)))
+        if len(self.weights) != len(self.names):
+            raise ValueError(f"{len(self.weights)} reward weights for {len(self.names)} rewards {self.names}")
+        self.may_fail = any(getattr(part, "may_fail", False) for part in self.parts)
+
+    def raise_pending(self) -> None:
+        for part in self.parts:
+            if hasattr(part, "raise_pending"):
+                part.raise_pending()
+
+    def components(self, frozen, queries, responses, rows=None):
+        import jax.numpy as jnp
+
+        values, failures = zip(*(part.components(frozen, queries, responses, rows) for part in self.parts))
+        return jnp.concatenate(values, axis=0), sum(failures)
+
+    def scores(self, frozen, queries, responses, rows=None) -> RewardOutput:
+        import jax.numpy as jnp
+
+        values, failures = self.components(frozen, queries, responses, rows)
+        total = weighted_total(values, jnp.asarray(self.weights, jnp.float32))
+        return RewardOutput(total, failures, dict(zip(self.names, values)))

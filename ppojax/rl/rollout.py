@@ -34,7 +34,7 @@ from ppojax.rl.types import Experience
 def sample(program, state, prompts, key):
     """Step 1 inside the PPO program: the current policy samples at the configured temperature.
 
-    prompts: i32[B / G, P] -> (query_responses i32[B, P+R] (untruncated responses; pad after the stop token),
+    prompts: i32[B / G, P] (token ids) -> (query_responses i32[B, P+R] (untruncated responses; pad after the stop token),
     the sampler's log-probs f32[B, R] when ``behaviour_logprobs: sampler`` takes them from the decode loop, else
     None). Each prompt is sampled ``G = num_generations`` times, its samples on consecutive rows (the groups of
     ``ppojax.core.advantages``). On a mesh the rows stay split over the batch axes in order, so a group never
@@ -142,11 +142,13 @@ def with_scores(experience: Experience, scores, settings) -> Experience:
     return experience.replace(scores=scores)
 
 
-def experience(program, state, query_responses, prompt_length, reward=None, sampler_logprobs=None):
+def experience(program, state, query_responses, prompt_length, reward=None, sampler_logprobs=None, rows=None):
     """Steps 2-8: the forwards, then the reward source's scores (default: the program's).
 
+    rows: i32[B] each row's place in the run's prompt table (a Python reward's dataset columns), or None.
     Returns (Experience, reward failures i32[]) (see ``ppojax.rl.rewards.FunctionScores``).
     """
     exp = experience_forwards(program, state, query_responses, prompt_length, sampler_logprobs)
-    scores, failures = (reward or program.reward).scores(state.frozen, exp.queries, exp.responses)
-    return with_scores(exp, scores, program.settings), failures
+    rewarded = (reward or program.reward).scores(state.frozen, exp.queries, exp.responses, rows)
+    exp = with_scores(exp, rewarded.scores, program.settings).replace(reward_components=rewarded.components)
+    return exp, rewarded.failures

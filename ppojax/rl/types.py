@@ -17,6 +17,25 @@ from flax import struct
 from ppojax.core.controllers import RunningMoments
 from ppojax.rl.settings import Hyperparams
 
+NO_ROW = -1
+"""A prompt's row in the run's prompt table is unknown: a Python reward sees no dataset columns for it."""
+
+
+class Prompts(NamedTuple):
+    """A batch of prompts with their rows in the run's prompt table (through which Python rewards receive the
+    dataset's columns). input_ids: i32[B, P] left-padded; rows: i32[B] (``NO_ROW`` where unknown)."""
+
+    input_ids: Any
+    rows: Any
+
+
+def as_prompts(prompts) -> Prompts:
+    """Prompts as given to a train step: ``Prompts``, or bare token ids i32[..., B, P] (rows unknown)."""
+    if isinstance(prompts, Prompts):
+        return Prompts(jnp.asarray(prompts.input_ids, jnp.int32), jnp.asarray(prompts.rows, jnp.int32))
+    ids = jnp.asarray(prompts, jnp.int32)
+    return Prompts(ids, jnp.full(ids.shape[:-1], NO_ROW, jnp.int32))
+
 
 @struct.dataclass
 class Experience:
@@ -39,6 +58,8 @@ class Experience:
     num_eos_tokens:  i32[]        eos tokens in the UNtruncated responses (TRL's ``val/num_eos_tokens``).
     full_kl:         f32[B, R]    sum_v pi (log pi - log pi_ref) over the vocabulary, 0 on padding_mask;
                                   None unless the KL estimator needs it.
+    reward_components: {name: f32[B]}  each reward's own values before weighting (NaN where it does not apply),
+                                  for the ``rewards/<name>/*`` metrics; None for caller-given scores.
     """
 
     queries: jax.Array
@@ -54,6 +75,7 @@ class Experience:
     contains_stop: jax.Array
     num_eos_tokens: jax.Array | None = None
     full_kl: jax.Array | None = None
+    reward_components: dict | None = None
 
     @property
     def num_stop_tokens(self):

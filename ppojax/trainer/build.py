@@ -27,12 +27,14 @@ from ppojax.parallel import sharding
 from ppojax.rl import placement
 from ppojax.rl.actor_critic import ActorCritic
 from ppojax.trainer.compile_cache import enable_compilation_cache
-from ppojax.trainer.config import IN_PLACE_MATMULS, ConfigError, PPOConfig
+from ppojax.trainer.config import BUILTIN_REWARDS, IN_PLACE_MATMULS, ConfigError, PPOConfig
 from ppojax.models.families.keys import hf_num_labels
 from ppojax.models.lora import LoraSpec, resolve_target_modules, with_lora
 from ppojax.core.advantages import advantage_estimator
-from ppojax.trainer.data import BUILTIN_MOVIE_REVIEWS, PromptBatches, check_tokenizer, load_prompt_dataset, prepare_prompts
-from ppojax.rl.rewards import FunctionScores, ModelScores
+from ppojax.trainer.data import (BUILTIN_ARITHMETIC, BUILTIN_MOVIE_REVIEWS, PromptBatches, arithmetic_split,
+                                 check_tokenizer, load_prompt_dataset, load_prompt_table, prepare_prompts)
+from ppojax.rl.reward_calls import RewardCall
+from ppojax.rl.rewards import ColumnTable, FunctionScores, ModelScores, WeightedRewards
 from ppojax.rl.settings import Hyperparams, StepSettings
 from ppojax.rl.program import PPOProgram
 from ppojax.rl.types import TrainState
@@ -78,16 +80,26 @@ class Run:
 # --------------------------------------------------------------------------------------------------
 # Resolving names to objects
 # --------------------------------------------------------------------------------------------------
+def _builtin_reward(name: str) -> Callable:
+    """The reward function a built-in name (``config.BUILTIN_REWARDS``) stands for."""
+    if name == "vader":
+        from ppojax.rl.rewards import vader_sentiment_reward
+        fn = vader_sentiment_reward()
+        fn.__name__ = "vader"
+        return fn
+    from ppojax.tasks import math_answers
+    return getattr(math_answers, name)
+
+
 def resolve_reward_function(spec) -> Callable:
-    """'vader', 'module:function', or a callable -> a reward function f(prompts, completions)."""
+    """A built-in name ('vader', 'gsm8k_strict', ...), 'module:function', or a callable -> a reward function."""
     if callable(spec):
         return spec
-    if spec == "vader":
-        from ppojax.rl.rewards import vader_sentiment_reward
-        return vader_sentiment_reward()
+    if spec in BUILTIN_REWARDS:
+        return _builtin_reward(spec)
     module_name, sep, attr = str(spec).partition(":")
     if not sep:
-        raise ConfigError(f"reward_function={spec!r}: expected 'vader' or 'module:function' "
+        raise ConfigError(f"reward function {spec!r}: expected one of {BUILTIN_REWARDS} or 'module:function' "
                           "(e.g. 'my_rewards:length_reward').")
     try:
         fn = getattr(importlib.import_module(module_name), attr)
@@ -133,8 +145,8 @@ def as_config_error(fn, *args, **kwargs):
 # --------------------------------------------------------------------------------------------------
 # The build
 # --------------------------------------------------------------------------------------------------
-NO_REWARD = ("No reward: set reward_function (e.g. 'vader' or 'my_module:my_reward') or reward_model_path (a "
-             "sequence-classification checkpoint), or pass reward_model to PPOTrainer.")
+NO_REWARD = ("No reward: set reward_funcs (e.g. [vader] or [my_module:my_reward]) or reward_model_path (a "
+             "sequence-classification checkpoint), or pass reward_funcs / reward_model to PPOTrainer.")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -157,10 +169,10 @@ def _hf_config(path) -> dict:
 
 
 def preflight(config: PPOConfig, *, policy_given: bool = False, reward_given: bool = False,
-              dataset_given: bool = False) -> None:
+              dataset_given: bool = False, functions_given: bool = False) -> None:
     """Everything about ``config`` that the models' ``config.json`` files, the prompt file and the device count
     can refute, before any weights are loaded (``ppojax train`` calls it before claiming output_dir).
-    ``*_given``: the caller passed that model as an object (its path in the config is not used);
+    ``*_given``: the caller passed that model (or the reward functions) as an object (the config's is not used);
     ``dataset_given``: the caller has the prompts, or reads them itself next (``build_run`` does)."""
     import jax
 
@@ -194,8 +206,9 @@ def preflight(config: PPOConfig, *, policy_given: bool = False, reward_given: bo
             raise ConfigError(f"stop_token_id={config.stop_token_id} is outside the policy's vocabulary "
                               f"(vocab_size={policy.vocab_size}): it can never be sampled, so no response would "
                               "ever stop. Use a token id of the tokenizer (e.g. stop_token: eos).")
-    if config.reward_function is not None and not reward_given:
-        resolve_reward_function(config.reward_function)  # importable, and a function
+    if not reward_given and not functions_given:
+        for spec in config.reward_function_specs:
+            resolve_reward_function(spec)  # importable, and a function
     if config.reward_model_path is not None and not reward_given:
         hf = _hf_config(config.reward_model_path)
         _model_config("reward model", config.reward_model_path)  # exists, parses, supported architecture
@@ -227,10 +240,12 @@ def preflight(config: PPOConfig, *, policy_given: bool = False, reward_given: bo
 
 
 def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=None, reward_model=None,
-              train_dataset=None, value_model=None, *, compile_ahead: bool = False) -> Run:
+              train_dataset=None, value_model=None, *, reward_funcs=None, compile_ahead: bool = False) -> Run:
     """Everything a run needs, from a validated config and (optionally) user-made objects (TRL's
     ``PPOTrainer`` arguments; see ``ppojax.trainer.ppo_trainer.PPOTrainer``).
 
+    reward_funcs: Python reward functions (callables, or specs as in ``config.reward_funcs``), which replace
+    the config's; summed with a reward model when there is one (TRL's GRPOTrainer ``reward_funcs``).
     Order: checks, prompts, tokenizer and prompt ids (no weights yet), then the models, then the state.
     compile_ahead: when the run has prompts and a reward source, the models are first formed abstractly
     (``abstract_pretrained``: shapes from the checkpoints' configs) and ``train_step`` is compiled for them
@@ -239,12 +254,15 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
     config = config.validate()
     sharding.initialize_distributed()  # a no-op on one process; must precede other device work
     # the prompt texts are read here, once, before any model (the preflight leaves them to this)
-    preflight(config, policy_given=model is not None, reward_given=reward_model is not None, dataset_given=True)
-    texts = None
+    preflight(config, policy_given=model is not None, reward_given=reward_model is not None,
+              functions_given=reward_funcs is not None, dataset_given=True)
+    texts, columns, n_train_texts = None, {}, None
     if train_dataset is not None or config.dataset:
-        texts = as_config_error(load_prompt_dataset,
-                                train_dataset if train_dataset is not None else _dataset_source(config),
-                                column=config.dataset_text_field)
+        texts, columns = as_config_error(load_prompt_table,
+                                         train_dataset if train_dataset is not None else _dataset_source(config),
+                                         column=config.dataset_text_field)
+        if config.eval_dataset is not None:
+            texts, columns, n_train_texts = _with_eval_dataset(config, texts, columns)
     cache_dir = enable_compilation_cache(config.compilation_cache_dir)
     mesh = as_config_error(sharding.mesh_from_config, config)
     uses_critic = advantage_estimator(config.advantage_estimator).uses_critic
@@ -276,19 +294,27 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
     if config.missing_eos_penalty is not None and stop_token_id is None:
         raise ConfigError("missing_eos_penalty is set but there is no stop token: every response would be "
                           "penalised. Set stop_token: eos (or stop_token_id).")
-    reward_function = None
+    reward_calls = _reward_calls(config, reward_model, reward_funcs)
     if callable(reward_model) and not isinstance(reward_model, nnx.Module):
-        reward_function, reward_model = reward_model, None
-    elif reward_model is None and config.reward_function is not None:
-        reward_function = resolve_reward_function(config.reward_function)
+        reward_model = None
 
     # ---- data ----
-    train_queries = eval_queries = batches = None
+    train_queries = eval_queries = batches = table = None
     if texts is not None:
         prompts = as_config_error(prepare_prompts, texts, processing_class, config.max_prompt_length,
                                   chat_template=config.chat_template, stop_token_id=stop_token_id,
                                   pad_token_id=pad_token_id)
-        train_queries, eval_queries = _split_eval(prompts.input_ids, config.num_eval_prompts)
+        num_eval = config.num_eval_prompts
+        if n_train_texts is not None:  # held-out prompts from eval_dataset: those that survived the length filter
+            num_eval = sum(i >= n_train_texts for i in prompts.indices)
+            if num_eval == 0:
+                raise ConfigError(f"eval_dataset={config.eval_dataset!r}: none of its prompts fits "
+                                  f"max_prompt_length={config.max_prompt_length}; raise it.")
+        train_queries, eval_queries = _split_eval(prompts.input_ids, num_eval)
+        if columns:  # the kept prompts' rows, in prompt-table order (training rows first, then held-out ones)
+            table = ColumnTable({name: [values[i] for i in prompts.indices] for name, values in columns.items()})
+    for call in reward_calls:  # a function that needs a column the dataset lacks: said before any model loads
+        as_config_error(call.check_arguments, table.names if table is not None else [])
     sizes = config.derived(data_parallel)
     dataset_size = len(train_queries) if train_queries is not None else sizes.prompts_per_batch
     num_updates = config.num_updates(dataset_size)
@@ -304,16 +330,22 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
                                 process_index=jax.process_index(), process_count=jax.process_count())
 
     # ---- the models: abstract first (compiling ahead), then their weights ----
+    has_model_reward = reward_model is not None or config.reward_model_path is not None
     function_scores = None
-    if reward_function is not None:
-        function_scores = FunctionScores(reward_function, processing_class, pad_token_id,
-                                         allow_nonfinite=config.on_nonfinite_reward == "skip", mesh=mesh)
-    has_reward = function_scores is not None or reward_model is not None or config.reward_model_path is not None
+    if reward_calls:
+        function_scores = FunctionScores(reward_calls, processing_class, pad_token_id, table=table,
+                                         allow_nonfinite=config.on_nonfinite_reward == "skip", mesh=mesh,
+                                         sole=not has_model_reward)
+    has_reward = function_scores is not None or has_model_reward
+    model_reward_name = (Path(config.reward_model_path).name if config.reward_model_path is not None
+                         else "reward_model")
 
     def program_for(models: "_Models") -> PPOProgram:
-        reward = function_scores
+        parts = [] if function_scores is None else [function_scores]
         if models.reward_graphdef is not None:
-            reward = ModelScores(models.reward_graphdef, pad_token_id, config.local_rollout_forward_batch_size)
+            parts.append(ModelScores(models.reward_graphdef, pad_token_id, config.local_rollout_forward_batch_size,
+                                     name=model_reward_name))
+        reward = as_config_error(_combined_reward, parts, config.reward_weights)
         return make_program(config, mesh, (models.policy_graphdef, models.value_graphdef, models.ref_graphdef),
                             reward, pad_token_id=pad_token_id, stop_token_id=stop_token_id,
                             eos_token_id=processing_class.eos_token_id, num_updates=num_updates,
@@ -321,7 +353,7 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
                             lora_scale=None if models.lora_spec is None else models.lora_spec.scale)
 
     sources = dict(config=config, model_path=model_path, model=model, ref_model=ref_model, reward_model=reward_model,
-                   value_model=value_model, uses_critic=uses_critic, has_reward_function=reward_function is not None)
+                   value_model=value_model, uses_critic=uses_critic, has_reward_function=bool(reward_calls))
     ahead = abstract = None
     if compile_ahead and batches is not None and has_reward:
         from ppojax.trainer.compile_ahead import start_train_step
@@ -399,7 +431,7 @@ def _model_inputs(load, *, config, model_path, model, ref_model, reward_model, v
     if model is None:
         kind = "value_head" if config.value_head == "policy" and uses_critic else "causal_lm"
         model, _ = load("policy", model_path, kind=kind, seed=config.seed, **model_options)
-    if reward_model is None and not has_reward_function and config.reward_model_path is not None:
+    if reward_model is None and config.reward_model_path is not None:
         reward_model, _ = load("reward model", config.reward_model_path, kind="score",
                                score_label=config.reward_model_label, **model_options)
     if uses_critic and config.value_head == "separate" and value_model is None \
@@ -529,8 +561,51 @@ def make_program(config: PPOConfig, mesh, graphdefs, reward, *, pad_token_id: in
     return PPOProgram(actor_critic, reward, settings, optimizer_from_config(config, step), mesh)
 
 
-def _dataset_source(config):
-    return BUILTIN_MOVIE_REVIEWS if config.dataset == "movie_reviews" else config.dataset
+def _reward_calls(config: PPOConfig, reward_model, reward_funcs) -> list:
+    """The run's Python reward functions as ``RewardCall``s: ``reward_funcs`` given to the trainer (callables or
+    specs), a callable passed as ``reward_model``, or the config's reward_funcs / reward_function."""
+    if reward_funcs is not None:
+        given = [reward_funcs] if callable(reward_funcs) or isinstance(reward_funcs, str) else list(reward_funcs)
+        return [RewardCall.of(resolve_reward_function(f), f.rpartition(":")[2] if isinstance(f, str) else None)
+                for f in given]
+    if callable(reward_model) and not isinstance(reward_model, nnx.Module):
+        return [RewardCall.of(reward_model)]
+    if reward_model is not None and config.reward_funcs is None:
+        return []  # a reward model given: reward_function does not add to it (reward_funcs does)
+    return [RewardCall.of(resolve_reward_function(spec), spec.rpartition(":")[2])
+            for spec in config.reward_function_specs]
+
+
+def _combined_reward(parts, weights):
+    """One reward source from the run's parts (None without any): a part alone as it is, several (or any
+    weights) summed by ``WeightedRewards``."""
+    if not parts:
+        return None
+    if len(parts) == 1 and weights is None:
+        return parts[0]
+    return WeightedRewards(parts, weights)
+
+
+def _dataset_source(config, name=None):
+    """A dataset field's value -> what ``load_prompt_table`` reads (built-in names resolved)."""
+    name = config.dataset if name is None else name
+    if name == "movie_reviews":
+        return BUILTIN_MOVIE_REVIEWS
+    if name in BUILTIN_ARITHMETIC:
+        return arithmetic_split(name)
+    return name
+
+
+def _with_eval_dataset(config, texts: list, columns: dict) -> tuple[list, dict, int]:
+    """The training prompts followed by eval_dataset's first num_eval_prompts ones (and their columns, None where
+    a dataset lacks a column) -> (texts, columns, number of training prompts)."""
+    eval_texts, eval_columns = as_config_error(load_prompt_table, _dataset_source(config, config.eval_dataset),
+                                               column=config.dataset_text_field)
+    eval_texts = eval_texts[:config.num_eval_prompts]
+    n_train, n_eval = len(texts), len(eval_texts)
+    merged = {name: list(columns.get(name, [None] * n_train)) + list(eval_columns.get(name, [None] * n_eval))[:n_eval]
+              for name in dict.fromkeys([*columns, *eval_columns])}
+    return texts + eval_texts, merged, n_train
 
 
 def _split_eval(ids, num_eval):

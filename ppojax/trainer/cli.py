@@ -111,7 +111,8 @@ def _train_and_report(config: PPOConfig, claim) -> dict:
             if before is not None:
                 if sharding.is_main_process():
                     write_json(before_path, before)
-                print(f"ppojax: held-out mean score before training: {before['mean_score']:.4f}")
+                print(f"ppojax: held-out mean score before training: {before['mean_score']:.4f}"
+                      + _per_reward(before))
                 logger.log_samples(0, before["prompts"][:4], before["completions"][:4], before["scores"][:4])
         compiled_ahead = trainer.run.train_step is not None and trainer.train_step is trainer.run.train_step
         with stage("training (the first update " + ("waits for the training step's compile, started while the "
@@ -129,7 +130,8 @@ def _train_and_report(config: PPOConfig, claim) -> dict:
                     write_json(out / "eval_after.json", after)
                 # not logged as samples: the sample hook logged the last update's completions of the same
                 # held-out prompts at this step; eval_after.json holds them all
-                print(f"ppojax: held-out mean score after training: {after['mean_score']:.4f} (completions: "
+                print(f"ppojax: held-out mean score after training: {after['mean_score']:.4f}{_per_reward(after)} "
+                      f"(completions: "
                       f"{out / 'eval_after.json'})")
         what = f" (merged) and its LoRA adapter to {out / 'policy_adapter'} (PEFT)" if config.lora_r else ""
         with stage(f"saving the trained policy to {out / 'policy'} (Hugging Face format){what}"):
@@ -150,7 +152,10 @@ def _train_and_report(config: PPOConfig, claim) -> dict:
                     stop_token_id=trainer.run.settings.sampling.stop_token_id)
             if sharding.is_main_process():
                 print(f"ppojax: transformers reproduces ppojax's greedy continuations: {export_check['agree']}")
-        plot = logger.plot(out / "training_curves.png", held_out_before=before and before["mean_score"],
+        from ppojax.io.run_logging import PLOT_KEYS
+        reward_names = list((before or after or {}).get("rewards") or {})
+        keys = list(PLOT_KEYS) + ([f"rewards/{name}/mean" for name in reward_names] if len(reward_names) > 1 else [])
+        plot = logger.plot(out / "training_curves.png", keys, held_out_before=before and before["mean_score"],
                            held_out_after=after and after["mean_score"])
         from ppojax.io.run_logging import read_jsonl
         rows = read_jsonl(out / "metrics.jsonl")  # the whole run's, a resumed run's earlier updates included
@@ -162,6 +167,9 @@ def _train_and_report(config: PPOConfig, claim) -> dict:
             "held_out_prompts": 0 if trainer.eval_queries is None else len(trainer.eval_queries),
             "held_out_mean_score_before": None if before is None else before["mean_score"],
             "held_out_mean_score_after": None if after is None else after["mean_score"],
+            # each reward's mean over the held-out completions it applies to (accuracy and format apart)
+            "held_out_rewards_before": None if before is None else before.get("rewards"),
+            "held_out_rewards_after": None if after is None else after.get("rewards"),
             "final_kl": rows[-1].get("objective/kl") if rows else None,
             "final_mean_score": rows[-1].get("objective/scores") if rows else None,
             "kl_coef": trainer.kl_coef,
@@ -184,6 +192,14 @@ def _train_and_report(config: PPOConfig, claim) -> dict:
     if claim is not None:
         claim.mark_finished()
     return summary
+
+
+def _per_reward(result: dict) -> str:
+    """' (gsm8k_strict 0.09, answer_format 0.44)' for a run with several rewards, else ''."""
+    rewards = result.get("rewards") or {}
+    if len(rewards) < 2:
+        return ""
+    return " (" + ", ".join(f"{name} {'n/a' if v is None else f'{v:.4f}'}" for name, v in rewards.items()) + ")"
 
 
 def _torch_available() -> bool:

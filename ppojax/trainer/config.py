@@ -132,9 +132,18 @@ def _advantage_estimator_traits(name: str) -> tuple[bool, bool]:
     return estimator.uses_critic, estimator.needs_groups
 
 
+BUILTIN_REWARDS = ("vader", "gsm8k_strict", "gsm8k_flexible", "boxed_answer", "answer_format")
+"""Reward functions named without a module (``ppojax.trainer.build.BUILTIN_REWARD_FUNCTIONS`` maps them)."""
+
+
 def _is_reward_function_spec(v: str) -> bool:
     module, sep, function = v.partition(":")
-    return v == "vader" or (bool(sep) and bool(module.strip()) and bool(function.strip()))
+    return v in BUILTIN_REWARDS or (bool(sep) and bool(module.strip()) and bool(function.strip()))
+
+
+def _are_reward_function_specs(v) -> bool:
+    names = [v] if isinstance(v, str) else list(v)
+    return bool(names) and all(isinstance(n, str) and _is_reward_function_spec(n) for n in names)
 
 
 REPORT_SINKS = ("tensorboard", "wandb")
@@ -168,7 +177,20 @@ class PPOConfig:
         _is_reward_function_spec, "'vader' or 'module:function'",
         "Fix: name a function f(prompts, completions) -> floats as 'my_rewards:length_reward' (its module on "
         "PYTHONPATH), or use the built-in 'vader'."))
-    """A Python reward 'module:function' taking (prompts, completions) -> floats, or 'vader' (sentiment)."""
+    """A Python reward 'module:function' taking (prompts, completions) -> floats, or 'vader' (sentiment).
+    One function; reward_funcs takes several."""
+    reward_funcs: Optional[Union[str, list[str]]] = setting(None, static=True, on_resume=MUST_MATCH, rule=Rule(
+        _are_reward_function_specs, f"a list of reward functions: 'module:function' or one of {BUILTIN_REWARDS}",
+        "Fix: list them as [my_rewards:correctness, answer_format] (modules on PYTHONPATH); each is called with "
+        "prompts, completions, completion_ids and the dataset's columns as keyword arguments."))
+    """Reward functions as TRL's GRPOTrainer takes them: each 'module:function' or built-in name is called with
+    ``prompts``, ``completions``, ``completion_ids`` and every dataset column as keyword arguments (those its
+    signature names) and returns a float per completion, or None where it does not apply. The score is their
+    weighted sum (with reward_model_path's score, when set, as the last term); each is logged as
+    ``rewards/<name>/mean`` and ``/std``. Built in: vader, gsm8k_strict, gsm8k_flexible, boxed_answer,
+    answer_format (docs/rewards.md)."""
+    reward_weights: Optional[list[float]] = setting(None, static=True, on_resume=MUST_MATCH)
+    """One weight per reward (reward_funcs in order, then the reward model); None: all 1.0."""
     value_model_path: Optional[str] = setting(None, static=False, on_resume=MUST_MATCH, rule=NON_EMPTY)
     """Value model checkpoint. None: TRL's choice (the reward model), or the policy backbone + a new head."""
     value_head: str = setting("separate", static=True, on_resume=MUST_MATCH, rule=one_of("separate", "policy"))
@@ -225,7 +247,11 @@ class PPOConfig:
 
     # ---- data ----
     dataset: str = setting("movie_reviews", static=False, on_resume=MUST_MATCH, rule=NON_EMPTY)
-    """Prompts: 'movie_reviews' (bundled), or a local json/jsonl/csv/parquet file or HF datasets directory."""
+    """Prompts: 'movie_reviews' (bundled), 'arithmetic' (generated word problems with an answer column), or a
+    local json/jsonl/csv/parquet file or HF datasets directory. Its other columns reach reward_funcs."""
+    eval_dataset: Optional[str] = setting(None, static=False, on_resume=MUST_MATCH, rule=NON_EMPTY)
+    """Held-out prompts from another dataset (e.g. 'arithmetic:test', or a test.jsonl): its first
+    num_eval_prompts prompts. None: num_eval_prompts are taken off the end of dataset."""
     dataset_text_field: str = setting("prompt", static=False, on_resume=MUST_MATCH, rule=NON_EMPTY)
     """Column holding the prompt text."""
     max_prompt_length: int = setting(32, static=True, on_resume=MUST_MATCH, rule=at_least(1))
@@ -554,13 +580,28 @@ class PPOConfig:
                               + "\n".join("  - " + p.replace("\n", "\n    ") for p in problems))
         return self
 
+    @property
+    def reward_function_specs(self) -> list[str]:
+        """reward_funcs (or reward_function) as a list of specs."""
+        specs = self.reward_funcs if self.reward_funcs is not None else self.reward_function
+        return [] if specs is None else [specs] if isinstance(specs, str) else list(specs)
+
+    @property
+    def reward_names(self) -> list[str]:
+        """The rewards' names, in reward_weights' order: the functions, then the reward model's folder name."""
+        names = [spec.rpartition(":")[2] for spec in self.reward_function_specs]
+        if self.reward_model_path is not None:
+            names.append(Path(self.reward_model_path).name or "reward_model")
+        return names
+
     def check_reward_source(self) -> "PPOConfig":
         """For a training run (the CLI): one reward source must be set. (The legacy ``step()`` API takes
         scores from the caller, so a config without one is valid in itself.)"""
-        if self.reward_model_path is None and self.reward_function is None:
+        if self.reward_model_path is None and self.reward_function is None and self.reward_funcs is None:
             raise ConfigError(
-                "No reward source: set reward_function ('vader', or 'module:function' taking (prompts, "
-                "completions) -> floats) or reward_model_path (a sequence-classification checkpoint).")
+                "No reward source: set reward_funcs (a list of 'module:function' or built-in reward functions), "
+                "reward_function ('vader', or 'module:function' taking (prompts, completions) -> floats) or "
+                "reward_model_path (a sequence-classification checkpoint).")
         return self
 
     # ---- (de)serialisation ----
@@ -674,6 +715,21 @@ def _typed(name: str, value: Any) -> Any:
     types = [a for a in args if a is not type(None)] or [hint]
     if list[str] in types and isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
         return list(value)
+    if list[float] in types:
+        if not isinstance(value, (list, tuple)):
+            raise _bad(name, value, f", got {_kind(value)}")
+        numbers = []
+        for v in value:
+            if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+                raise _bad(name, value, f", got an entry that is {_kind(v)}")
+            try:
+                number = float(v)
+            except ValueError:
+                raise _bad(name, value, f", got {v!r}, which is not a number") from None
+            if not math.isfinite(number):
+                raise _bad(name, value, ", got a non-finite number")
+            numbers.append(number)
+        return numbers
     target = types[0]
     if target in (int, float) and (isinstance(value, bool) or not isinstance(value, (int, float, str))):
         raise _bad(name, value, f", got {_kind(value)}")
@@ -737,7 +793,19 @@ def _problems_together(c: PPOConfig) -> list[str]:
     out = []
     if c.reward_model_path is not None and c.reward_function is not None:
         out.append(f"Both reward_model_path={c.reward_model_path!r} and reward_function={c.reward_function!r} "
-                   "are set; keep one of them.")
+                   "are set; keep one of them, or list the function in reward_funcs to sum both.")
+    if c.eval_dataset is not None and c.num_eval_prompts == 0:
+        out.append(f"eval_dataset={c.eval_dataset!r} is set but num_eval_prompts=0 takes none of its prompts; set "
+                   "num_eval_prompts (e.g. 200) or remove eval_dataset.")
+    if c.reward_funcs is not None and c.reward_function is not None:
+        out.append(f"Both reward_funcs={c.reward_funcs!r} and reward_function={c.reward_function!r} are set; "
+                   "list every function in reward_funcs and remove reward_function.")
+    if c.reward_weights is not None:
+        names = c.reward_names
+        if len(c.reward_weights) != len(names):
+            out.append(f"reward_weights={c.reward_weights!r} has {len(c.reward_weights)} weights for "
+                       f"{len(names)} rewards ({', '.join(names) or 'none'}); give one weight per reward, in that "
+                       "order.")
     if c.reward_model_label is not None and c.reward_model_path is None:
         out.append(f"reward_model_label={c.reward_model_label} is set but there is no reward_model_path (the label "
                    "picks one output of a classifier reward model); set reward_model_path or remove "

@@ -19,12 +19,13 @@ import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
 __all__ = [
     "load_prompt_dataset",
+    "load_prompt_table",
     "check_tokenizer",
     "tokenize_prompts",
     "left_pad",
@@ -35,6 +36,27 @@ __all__ = [
 ]
 
 BUILTIN_MOVIE_REVIEWS = "builtin:movie_reviews"
+BUILTIN_ARITHMETIC = {"arithmetic": "train", "arithmetic:test": "test"}
+"""Dataset names of the generated arithmetic word problems (``ppojax.tasks.arithmetic``) -> their split."""
+ARITHMETIC_SETTINGS = {"seed": 0, "train": 2000, "test": 200, "max_number": 20}
+"""The built-in arithmetic task's problems (the cache folder's name changes with them)."""
+
+
+def arithmetic_split(name: str, *, log: Optional[Callable[..., None]] = None) -> Path:
+    """The JSONL file of a built-in arithmetic split ('arithmetic' or 'arithmetic:test'), written into the
+    asset cache the first time (seeded: every machine writes the same problems)."""
+    from ppojax.assets import cache_dir
+    from ppojax.tasks.arithmetic import write_splits
+
+    log = log or _log
+    settings = ARITHMETIC_SETTINGS
+    folder = cache_dir() / ("arithmetic-" + "-".join(f"{k}{v}" for k, v in settings.items()))
+    path = folder / f"{BUILTIN_ARITHMETIC[name]}.jsonl"
+    if not path.is_file():
+        log(f"[ppojax] writing the arithmetic word problems ({settings['train']} train, {settings['test']} test, "
+            f"seed {settings['seed']}) to {folder}")
+        write_splits(folder, **settings)
+    return path
 
 
 def _log(*args, **kwargs):
@@ -44,9 +66,11 @@ def _log(*args, **kwargs):
 # ---------------------------------------------------------------------------------------------- loading
 
 
-def _records_column(records: list, column: str, where: str) -> list:
+def _records_table(records: list, column: str, where: str) -> dict:
+    """Records (dicts) -> {column: values}; every record must hold the prompt ``column`` (others may be absent:
+    None there)."""
     if not records:
-        return []
+        return {column: []}
     if not isinstance(records[0], dict):
         raise ValueError(f"{where}: expected records (objects with a {column!r} field), got {type(records[0]).__name__}")
     if column not in records[0]:
@@ -54,10 +78,11 @@ def _records_column(records: list, column: str, where: str) -> list:
             f"{where} has no column {column!r}; available columns: {sorted(records[0])}. "
             f"Pass column=<name> (config: dataset_text_field / prompt column)."
         )
-    missing = next((i for i, r in enumerate(records) if column not in r), None)
+    missing = next((i for i, r in enumerate(records) if not isinstance(r, dict) or column not in r), None)
     if missing is not None:
-        raise ValueError(f"{where}: row {missing} has no {column!r} field (it has {sorted(records[missing])})")
-    return [r[column] for r in records]
+        raise ValueError(f"{where}: row {missing} has no {column!r} field (it is {records[missing]!r:.80})")
+    names = list(dict.fromkeys(name for r in records for name in r))
+    return {name: [r.get(name) for r in records] for name in names}
 
 
 def _table_column(columns: Sequence[str], column: str, where: str) -> None:
@@ -100,35 +125,38 @@ def _parse_jsonl(text: str, where: str) -> list:
     return records
 
 
-def _load_file(path: Path, column: str) -> list:
+def _load_file(path: Path, column: str) -> dict:
+    """A local file -> {column: values} (every column of the file)."""
     suffix = "".join(path.suffixes[-2:]) if path.suffix in (".gz", ".bz2") else path.suffix
     where = str(path)
     if suffix in (".jsonl", ".ndjson", ".json", ".csv", ".tsv"):
         text = _read_text(path)
     if suffix in (".jsonl", ".ndjson") or (suffix == ".json" and _looks_like_jsonl(text)):
-        return _records_column(_parse_jsonl(text, where), column, where)
+        return _records_table(_parse_jsonl(text, where), column, where)
     if suffix == ".json":
         data = _parse_json(text, where)
         if isinstance(data, dict):
             if column in data and isinstance(data[column], list):  # column-oriented {"prompt": [...]}
-                return list(data[column])
+                return {k: list(v) for k, v in data.items()
+                        if isinstance(v, list) and len(v) == len(data[column])}
             for key in ("data", "rows", "train"):
                 if isinstance(data.get(key), list):
-                    return _records_column(data[key], column, f"{where}[{key!r}]")
+                    return _records_table(data[key], column, f"{where}[{key!r}]")
             _table_column(list(data), column, where)
         if not isinstance(data, list):
             raise ValueError(f"{where}: expected a JSON list of records, got {type(data).__name__}")
-        return _records_column(data, column, where)
+        return _records_table(data, column, where)
     if suffix in (".csv", ".tsv"):
         reader = csv.DictReader(io.StringIO(text, newline=""), delimiter="\t" if suffix == ".tsv" else ",")
         _table_column(reader.fieldnames or [], column, where)
-        return [row[column] for row in reader]
+        rows = list(reader)
+        return {name: [row[name] for row in rows] for name in reader.fieldnames}
     if suffix == ".parquet":
         import pyarrow.parquet as pq
 
         schema_names = pq.read_schema(path).names
         _table_column(schema_names, column, where)
-        return pq.read_table(path, columns=[column]).column(column).to_pylist()
+        return pq.read_table(path).to_pydict()
     raise ValueError(f"{where}: unsupported file type {suffix!r}; use .json, .jsonl, .csv, .tsv or .parquet")
 
 
@@ -138,24 +166,33 @@ def _looks_like_jsonl(text: str) -> bool:
     return first.startswith("{") and first.endswith("}") and second.startswith("{")
 
 
-def _from_hf_dataset(ds, column: str, split: str) -> list:
+def _from_hf_dataset(ds, column: str, split: str) -> dict:
     if hasattr(ds, "column_names") and isinstance(ds.column_names, dict):  # DatasetDict
         if split not in ds:
             raise ValueError(f"dataset has no split {split!r}; available splits: {list(ds)}. Pass split=<name>.")
         ds = ds[split]
     _table_column(ds.column_names, column, f"dataset ({len(ds)} rows)")
-    return list(ds[column])
+    return {name: list(ds[name]) for name in ds.column_names}
 
 
 def load_prompt_dataset(source: Any, column: str = "prompt", *, split: str = "train") -> list:
     """The prompts of a dataset, as a list (each a string, or a conversation: a list of
     `{"role", "content"}` messages, which `tokenize_prompts` renders with the chat template).
+    ``load_prompt_table`` gives the dataset's other columns too."""
+    return load_prompt_table(source, column, split=split)[0]
+
+
+def load_prompt_table(source: Any, column: str = "prompt", *, split: str = "train") -> tuple[list, dict]:
+    """(prompts, columns): the prompts as ``load_prompt_dataset`` gives them, and every column of the dataset
+    ({name: one value per prompt}, the prompt column included; {} for a plain list of prompts or the bundled
+    movie reviews). The columns reach Python reward functions as keyword arguments.
 
     source: a python list (of strings, or of records holding `column`); a Hugging Face `datasets.Dataset` or
       `DatasetDict` (uses `split`); a local .json / .jsonl / .csv / .tsv / .parquet file; a folder written by
       `Dataset.save_to_disk`; or "builtin:movie_reviews" (`ppojax.assets.movie_review_prompts()`).
     Errors: a missing column (the message lists the available ones); an empty dataset; a non-text prompt.
     """
+    table = None
     if isinstance(source, str) and source == BUILTIN_MOVIE_REVIEWS:
         from ppojax.assets import movie_review_prompts
 
@@ -165,9 +202,9 @@ def load_prompt_dataset(source: Any, column: str = "prompt", *, split: str = "tr
         if path.is_dir():
             import datasets
 
-            prompts = _from_hf_dataset(datasets.load_from_disk(str(path)), column, split)
+            table = _from_hf_dataset(datasets.load_from_disk(str(path)), column, split)
         elif path.is_file():
-            prompts = _load_file(path, column)
+            table = _load_file(path, column)
         else:
             raise FileNotFoundError(
                 f"prompt dataset {str(source)!r} is not a local file or folder (nor {BUILTIN_MOVIE_REVIEWS!r}). "
@@ -175,15 +212,17 @@ def load_prompt_dataset(source: Any, column: str = "prompt", *, split: str = "tr
                 "and pass the Dataset, or give a .json/.jsonl/.csv/.parquet path."
             )
     elif hasattr(source, "column_names"):
-        prompts = _from_hf_dataset(source, column, split)
+        table = _from_hf_dataset(source, column, split)
     elif isinstance(source, (list, tuple)):
         prompts = list(source)
         if prompts and isinstance(prompts[0], dict):
-            prompts = _records_column(prompts, column, "prompt list")
+            table = _records_table(prompts, column, "prompt list")
     else:
         raise TypeError(
             f"cannot load prompts from a {type(source).__name__}; pass a list, a datasets.Dataset or a file path"
         )
+    if table is not None:
+        prompts = list(table[column])
     if not prompts:
         raise ValueError(f"prompt dataset {_describe(source)} is empty; it needs at least one prompt")
     for i, p in enumerate(prompts):
@@ -192,7 +231,7 @@ def load_prompt_dataset(source: Any, column: str = "prompt", *, split: str = "tr
                 f"prompt {i} of {_describe(source)} is a {type(p).__name__} ({p!r:.60}); prompts must be strings "
                 "or conversations (lists of {'role', 'content'} messages)"
             )
-    return prompts
+    return prompts, table or {}
 
 
 def _is_conversation(p) -> bool:

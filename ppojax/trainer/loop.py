@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 import jax
 
 from ppojax.parallel import sharding
+from ppojax.rl.types import Prompts
 
 
 @dataclass
@@ -84,7 +85,8 @@ def run_updates(run, train_step, total: int, hooks: list[Hook], *, should_stop: 
 
     for update_index in range(int(run.state.update_count), total):
         dispatched = time.perf_counter()
-        prompts = next(run.batches).input_ids
+        batch = next(run.batches)
+        prompts = Prompts(batch.input_ids, batch.indices)  # the rows: the dataset columns of Python rewards
         run.state, metrics = train_step(run.state, prompts, step_key(run.config.seed, update_index))
         # the previous update ended before this dispatch started where its metrics are ready now
         stop = late is not None and finish(*late, dispatched if _ready(late[1]) else None)

@@ -47,11 +47,11 @@ class PPOTrainer(LegacyAPI):
     """
 
     def __init__(self, args: PPOConfig, processing_class=None, model=None, ref_model=None, reward_model=None,
-                 train_dataset=None, value_model=None, *, logger=None, claim=None):
+                 train_dataset=None, value_model=None, *, reward_funcs=None, logger=None, claim=None):
         self.args = args
         # compile_ahead: the one-program step compiles on a background thread while the weights load
         self.run = build_run(args, processing_class, model, ref_model, reward_model, train_dataset, value_model,
-                             compile_ahead=args.compile_ahead)
+                             reward_funcs=reward_funcs, compile_ahead=args.compile_ahead)
         self.train_step = self.run.train_step or make_train_step(self.run.program, self.run.state_shardings)
         self.logger = logger
         self.claim = claim  # the run's hold on output_dir (ppojax.io.run_dir); train() takes one if None
@@ -103,7 +103,8 @@ class PPOTrainer(LegacyAPI):
 
     @property
     def reward_fn(self):
-        """The Python reward function f(prompts, completions) (None with a reward model); assignable."""
+        """The Python reward function f(prompts, completions) when the run has exactly one (None with a reward
+        model or several functions); assignable."""
         from ppojax.rl.rewards import FunctionScores
         return self.run.reward.fn if isinstance(self.run.reward, FunctionScores) else None
 
@@ -294,50 +295,66 @@ class PPOTrainer(LegacyAPI):
         if self.run.train_queries is None or self.logger is None:
             return
         # a whole batch, of which the first `num` are shown: the sampler compiled for evaluation is reused
-        queries = _whole_batch((self.eval_queries if self.eval_queries is not None else self.train_queries)[:num],
+        held_out = self.eval_queries is not None
+        queries = _whole_batch((self.eval_queries if held_out else self.train_queries)[:num],
                                self.run.settings.batch.batch_size)
+        first_row = len(self.train_queries) if held_out else 0
         prompts, completions, responses = self._sample(queries, step=step)
-        scores = self.score_samples(queries, responses, prompts, completions, rows=num)
-        self.logger.log_samples(step, prompts[:num], completions[:num], scores)
+        scored = self.score_samples(queries, responses, rows=num, first_row=first_row)
+        self.logger.log_samples(step, prompts[:num], completions[:num], None if scored is None else scored[0])
 
     def evaluate(self, step: int = 0) -> Optional[dict[str, Any]]:
-        """Mean reward of near-greedy completions of the held-out prompts, scored by the run's reward (function
-        or model); None without held-out prompts or a reward. Returns {"mean_score", "prompts", "completions",
-        "scores"}."""
+        """Mean reward of near-greedy completions of the held-out prompts, scored by the run's reward (functions
+        and/or model, with their dataset columns); None without held-out prompts or a reward. Returns
+        {"mean_score", "rewards": {name: mean over the rows it applies to}, "prompts", "completions", "scores",
+        "reward_values": {name: per-prompt values, None where it does not apply}}."""
         if self.eval_queries is None or self.run.reward is None:
             return None
         batch = self.run.settings.batch.batch_size
-        prompts, completions, scores = [], [], []
+        prompts, completions, scores, components = [], [], [], {}
         for start in range(0, len(self.eval_queries), batch):
             queries = _whole_batch(self.eval_queries[start:start + batch], batch)
             p, c, responses = self._sample(queries, step=step)
             keep = min(batch, len(self.eval_queries) - start)
             prompts += p[:keep]
             completions += c[:keep]
-            scores += self.score_samples(queries, responses, p, c, rows=keep)
-        return {"mean_score": float(np.mean(scores)), "prompts": prompts, "completions": completions,
-                "scores": scores}
+            batch_scores, batch_components = self.score_samples(
+                queries, responses, rows=keep, first_row=len(self.train_queries) + start)
+            scores += batch_scores
+            for name, values in batch_components.items():
+                components.setdefault(name, []).extend(values)
+        means = {name: (float(np.mean([v for v in values if v is not None]))
+                        if any(v is not None for v in values) else None) for name, values in components.items()}
+        return {"mean_score": float(np.mean(scores)), "rewards": means, "prompts": prompts,
+                "completions": completions, "scores": scores, "reward_values": components}
 
-    def score_samples(self, queries, responses, prompts: list[str], completions: list[str],
-                      rows: Optional[int] = None) -> Optional[list]:
-        """The run's reward of the first ``rows`` (default: all) sampled completions: the reward function on
-        their texts, or the reward model (or a traced reward) on the tokens, as the rollout scores them (the whole
-        batch: one compiled shape). queries i32[B, P], responses i32[B, R] (truncated). None when the run has no
-        reward source (the legacy step() API)."""
+    def score_samples(self, queries, responses, rows: Optional[int] = None,
+                      first_row: Optional[int] = None) -> Optional[tuple[list, dict]]:
+        """The run's reward of the first ``rows`` (default: all) sampled completions, as the rollout scores
+        them: one compiled program for every evaluation and sample table, the whole batch (padding rows are not
+        shown to Python reward functions). queries i32[B, P], responses i32[B, R] (truncated); first_row: the
+        prompt-table row of ``queries[0]`` (its dataset columns reach the reward functions; None: unknown).
+        -> (scores, {reward name: values, None where it does not apply}), or None when the run has no reward
+        source (the legacy step() API)."""
+        from ppojax.rl.rewards import NO_ROW, PADDING_ROW
+
         reward = self.run.reward
-        rows = len(prompts) if rows is None else rows
         if reward is None:
             return None
-        if self.reward_fn is not None:  # only the rows that count: a user's function never sees batch padding
-            from ppojax.rl.rewards import call_reward_function
-            return [float(s) for s in call_reward_function(
-                self.reward_fn, prompts[:rows], completions[:rows],
-                allow_nonfinite=self.args.on_nonfinite_reward == "skip")]
-        if not hasattr(self, "_score_tokens"):  # one compiled program for every evaluation and sample table
-            self._score_tokens = jax.jit(lambda frozen, q, r: reward.scores(frozen, q, r)[0])
-        scores = self._score_tokens(self.run.state.frozen, jnp.asarray(queries, jnp.int32),
-                                    jnp.asarray(responses, jnp.int32))
-        return [float(s) for s in sharding.to_host(scores)[:rows]]
+        B = len(queries)
+        rows = B if rows is None else rows
+        table_rows = np.full(B, PADDING_ROW, np.int32)
+        table_rows[:rows] = NO_ROW if first_row is None else np.arange(first_row, first_row + rows)
+        if not hasattr(self, "_score_tokens"):
+            self._score_tokens = jax.jit(lambda frozen, q, r, k: reward.scores(frozen, q, r, k))
+        out = self._score_tokens(self.run.state.frozen, jnp.asarray(queries, jnp.int32),
+                                 jnp.asarray(responses, jnp.int32), jnp.asarray(table_rows))
+        if hasattr(reward, "raise_pending") and int(sharding.to_host(out.failures)):
+            reward.raise_pending()
+        scores = [float(s) for s in sharding.to_host(out.scores)[:rows]]
+        components = {name: [None if np.isnan(v) else float(v) for v in sharding.to_host(values)[:rows]]
+                      for name, values in out.components.items()}
+        return scores, components
 
     # ------------------------------------------------------------------------------------------------
     def save_model(self, output_dir) -> Path:
