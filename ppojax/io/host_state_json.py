@@ -36,9 +36,10 @@ def _encode(value: Any, where: str) -> Any:
         "strings, lists, dicts, numpy/jax arrays or PRNG keys (put device pytrees in the train state).")
 
 
-def _decode(value: Any) -> Any:
+def decode_host_state(value: Any) -> Any:
+    """Inverse of :func:`encode_host_state`: arrays come back as numpy arrays, keys as typed PRNG keys."""
     if isinstance(value, list):
-        return [_decode(v) for v in value]
+        return [decode_host_state(v) for v in value]
     if not isinstance(value, dict):
         return value
     if "__prng_key__" in value:
@@ -47,7 +48,7 @@ def _decode(value: Any) -> Any:
     if "__ndarray__" in value:
         dtype = jax.numpy.dtype(value["__ndarray__"])  # knows bfloat16 & co. (ml_dtypes)
         return np.asarray(value["data"], dtype=dtype).reshape(value["shape"])
-    return {k: _decode(v) for k, v in value.items()}
+    return {k: decode_host_state(v) for k, v in value.items()}
 
 
 def encode_host_state(host_state: dict) -> dict:
@@ -55,11 +56,6 @@ def encode_host_state(host_state: dict) -> dict:
     if not isinstance(host_state, dict):
         raise CheckpointError(f"host_state must be a dict, got {type(host_state).__name__}.")
     return _encode(host_state, "")
-
-
-def decode_host_state(data: dict) -> dict:
-    """Inverse of :func:`encode_host_state`: arrays come back as numpy arrays, keys as typed PRNG keys."""
-    return _decode(data)
 
 
 def config_as_dict(config) -> dict:

@@ -1,9 +1,8 @@
 """Keep orbax's own reports of a failed read or write off the terminal: ppojax reports each such failure as one
-CheckpointError, while orbax logs it (with a traceback, through absl) and leaves abandoned coroutines behind,
-which Python would print as "Exception ignored in: <coroutine ...>" whenever they are collected."""
+CheckpointError, while orbax logs it (with a traceback, through absl) and abandons the work of the other arrays,
+which Python would report as "Exception ignored in: <coroutine ...>" whenever it is collected."""
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import sys
@@ -38,16 +37,3 @@ def quiet_orbax() -> None:
     hook.ppojax_orbax_noise_filter = True  # type: ignore[attr-defined]
     sys.unraisablehook = hook
 
-
-def release_abandoned_work(err: BaseException) -> None:
-    """Drop the tracebacks of ``err``'s chain and collect now, on the failure path only: while they keep orbax's
-    abandoned coroutines alive, Python would report those whenever they are collected (after the CheckpointError
-    was printed, or at exit)."""
-    stack, seen = [err], set()
-    while stack:
-        exc = stack.pop()
-        if exc is not None and id(exc) not in seen:
-            seen.add(id(exc))
-            exc.__traceback__ = None
-            stack += [exc.__cause__, exc.__context__]
-    gc.collect()
