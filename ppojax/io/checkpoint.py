@@ -66,7 +66,7 @@ UNFINISHED = ".orbax-checkpoint-tmp"  # orbax writes step_N into step_N + this, 
 DAMAGED_DIR = "damaged"
 DELETING_DIR = ".deleting"
 FORMAT_VERSION = 2
-_STEP_RE = re.compile(r"^step_(\d+)$")
+_STEP_RE = re.compile(r"^step_\d+$")
 _OURS_RE = re.compile(r"^step_\d+(\..*)?$")  # every name a save may leave behind
 _ERRNO_IN_TEXT = re.compile(r"os_error_code='?(\d+)")  # how tensorstore reports the errno of a failed write
 _FIXES = {
@@ -168,15 +168,10 @@ def _read_manifest(path: Path) -> tuple[Optional[dict], Optional[str]]:
 # --- listing and choosing --------------------------------------------------------------------------------
 
 
-def _step_of(path: Path) -> Optional[int]:
-    m = _STEP_RE.match(path.name)
-    return int(m.group(1)) if m else None
-
-
 def _candidates(directory: Path) -> list[Path]:
     """Every ``step_N`` directory under ``directory``, newest step first."""
-    found = [p for p in directory.iterdir() if _step_of(p) is not None and p.is_dir()] if directory.is_dir() else []
-    return sorted(found, key=_step_of, reverse=True)  # type: ignore[arg-type]
+    found = [p for p in directory.glob("step_*") if _STEP_RE.match(p.name) and p.is_dir()]
+    return sorted(found, key=lambda p: int(p.name[len("step_"):]), reverse=True)
 
 
 def list_checkpoints(directory) -> list[Path]:
@@ -233,7 +228,7 @@ def resolve_checkpoint(where: Union[str, os.PathLike, bool], checkpoint_dir=None
     if not path.exists():
         raise CheckpointError(f"checkpoint path {path} does not exist; give a step_N checkpoint, a checkpoints "
                               "directory, or resume: auto.")
-    if _step_of(path) is not None or (path / COMPLETE).exists():
+    if _STEP_RE.match(path.name) or (path / COMPLETE).exists():
         ok, reason = _verify(path)
         if not ok:
             alternative, _ = _newest_intact(path.parent)
@@ -414,10 +409,11 @@ def _tidy(directory: Path, log: Log) -> None:
     """Apply the module doc's rules to what crashed saves and damage left under ``directory``."""
     shutil.rmtree(directory / DELETING_DIR, ignore_errors=True)
     for path in sorted(p for p in directory.iterdir() if _OURS_RE.match(p.name)):
-        ok, reason = _verify(path, checksums=False) if _step_of(path) is not None else (False, "")
+        is_step = _STEP_RE.match(path.name)
+        ok, reason = _verify(path, checksums=False) if is_step else (False, "")
         if ok:
             continue
-        if _step_of(path) is None or not _holds_data(path):  # an unfinished save, or nothing of value
+        if not is_step or not _holds_data(path):  # an unfinished save, or nothing of value
             shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
         else:
             log(f"moved damaged checkpoint {path} aside to {_move_aside(path)}: {reason}")
