@@ -321,3 +321,34 @@ def test_the_arithmetic_task_is_seeded_split_and_answered_right(tmp_path):
         assert r["answer"].endswith(f"#### {expected}") and expected >= 0
         assert gsm8k_strict([f"#### {expected}"], answer=[r["answer"]]) == [1.0]
         assert r["prompt"].endswith(arithmetic.INSTRUCTION)
+
+
+def test_a_traced_reward_sums_with_python_functions_in_the_users_order(tmp_path):
+    """reward_funcs=[traced, python] with weights in that order: the JAX reward stays in the program, and the score
+    is the weighted sum of both (recomputed from the completions the Python function saw)."""
+    import jax.numpy as jnp
+
+    from ppojax.rl.rewards import TracedScores
+    from ppojax.trainer.ppo_trainer import PPOTrainer
+    from tests.tiny_setup import PROMPTS, tiny_policy, tiny_tokenizer
+
+    seen = []
+
+    def words(completions):
+        seen.append(list(completions))
+        return [float(len(c.split())) for c in completions]
+
+    def good_tokens(queries, responses):  # id 2 is "good"
+        return jnp.sum(responses == 2, axis=1).astype(jnp.float32)
+
+    config = PPOConfig.from_dict(dict(output_dir=str(tmp_path / "run"), report_to="none", batch_size=8,
+                                      response_length=5, max_prompt_length=6, total_episodes=8, reward_weights=[3.0, 0.5],
+                                      num_sample_generations=0, stop_token="eos", seed=0))
+    trainer = PPOTrainer(config, processing_class=tiny_tokenizer(), model=tiny_policy(), train_dataset=PROMPTS,
+                         reward_funcs=[TracedScores(good_tokens), words])
+    metrics = trainer.train(num_updates=1, progress=False)[0]
+    (completions,) = seen
+    good = np.array([c.split().count("good") for c in completions], float)
+    n_words = np.array([len(c.split()) for c in completions], float)
+    np.testing.assert_allclose(metrics["rewards/good_tokens/mean"], good.mean(), rtol=1e-6)
+    np.testing.assert_allclose(metrics["objective/scores"], (3.0 * good + 0.5 * n_words).mean(), rtol=1e-5)

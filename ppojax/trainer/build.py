@@ -34,7 +34,7 @@ from ppojax.core.advantages import advantage_estimator
 from ppojax.trainer.data import (BUILTIN_ARITHMETIC, BUILTIN_MOVIE_REVIEWS, PromptBatches, arithmetic_split,
                                  check_tokenizer, load_prompt_dataset, load_prompt_table, prepare_prompts)
 from ppojax.rl.reward_calls import RewardCall
-from ppojax.rl.rewards import ColumnTable, FunctionScores, ModelScores, WeightedRewards
+from ppojax.rl.rewards import ColumnTable, FunctionScores, ModelScores, TracedScores, WeightedRewards
 from ppojax.rl.settings import Hyperparams, StepSettings
 from ppojax.rl.program import PPOProgram
 from ppojax.rl.types import TrainState
@@ -294,7 +294,7 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
     if config.missing_eos_penalty is not None and stop_token_id is None:
         raise ConfigError("missing_eos_penalty is set but there is no stop token: every response would be "
                           "penalised. Set stop_token: eos (or stop_token_id).")
-    reward_calls = _reward_calls(config, reward_model, reward_funcs)
+    reward_calls, traced, order = _reward_calls(config, reward_model, reward_funcs)
     if callable(reward_model) and not isinstance(reward_model, nnx.Module):
         reward_model = None
 
@@ -335,17 +335,17 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
     if reward_calls:
         function_scores = FunctionScores(reward_calls, processing_class, pad_token_id, table=table,
                                          allow_nonfinite=config.on_nonfinite_reward == "skip", mesh=mesh,
-                                         sole=not has_model_reward)
-    has_reward = function_scores is not None or has_model_reward
+                                         sole=not has_model_reward and not traced)
+    has_reward = function_scores is not None or bool(traced) or has_model_reward
     model_reward_name = (Path(config.reward_model_path).name if config.reward_model_path is not None
                          else "reward_model")
 
     def program_for(models: "_Models") -> PPOProgram:
-        parts = [] if function_scores is None else [function_scores]
+        parts = ([] if function_scores is None else [function_scores]) + traced
         if models.reward_graphdef is not None:
             parts.append(ModelScores(models.reward_graphdef, pad_token_id, config.local_rollout_forward_batch_size,
                                      name=model_reward_name))
-        reward = as_config_error(_combined_reward, parts, config.reward_weights)
+        reward = as_config_error(_combined_reward, parts, _weights_in_part_order(config.reward_weights, order))
         return make_program(config, mesh, (models.policy_graphdef, models.value_graphdef, models.ref_graphdef),
                             reward, pad_token_id=pad_token_id, stop_token_id=stop_token_id,
                             eos_token_id=processing_class.eos_token_id, num_updates=num_updates,
@@ -561,19 +561,31 @@ def make_program(config: PPOConfig, mesh, graphdefs, reward, *, pad_token_id: in
     return PPOProgram(actor_critic, reward, settings, optimizer_from_config(config, step), mesh)
 
 
-def _reward_calls(config: PPOConfig, reward_model, reward_funcs) -> list:
-    """The run's Python reward functions as ``RewardCall``s: ``reward_funcs`` given to the trainer (callables or
-    specs), a callable passed as ``reward_model``, or the config's reward_funcs / reward_function."""
+def _reward_calls(config: PPOConfig, reward_model, reward_funcs) -> tuple[list, list, list]:
+    """The run's reward functions: (Python ones as ``RewardCall``s, JAX ones as ``TracedScores``, the place of
+    each in the user's list, Python ones first). From ``reward_funcs`` given to the trainer (callables, specs or
+    ``TracedScores``), a callable passed as ``reward_model``, or the config's reward_funcs / reward_function."""
     if reward_funcs is not None:
         given = [reward_funcs] if callable(reward_funcs) or isinstance(reward_funcs, str) else list(reward_funcs)
-        return [RewardCall.of(resolve_reward_function(f), f.rpartition(":")[2] if isinstance(f, str) else None)
-                for f in given]
-    if callable(reward_model) and not isinstance(reward_model, nnx.Module):
-        return [RewardCall.of(reward_model)]
-    if reward_model is not None and config.reward_funcs is None:
-        return []  # a reward model given: reward_function does not add to it (reward_funcs does)
-    return [RewardCall.of(resolve_reward_function(spec), spec.rpartition(":")[2])
-            for spec in config.reward_function_specs]
+    elif callable(reward_model) and not isinstance(reward_model, nnx.Module):
+        given = [reward_model]
+    elif reward_model is not None and config.reward_funcs is None:
+        given = []  # a reward model given: reward_function does not add to it (reward_funcs does)
+    else:
+        given = config.reward_function_specs
+    python = [i for i, f in enumerate(given) if not isinstance(f, TracedScores)]
+    calls = [RewardCall.of(resolve_reward_function(given[i]),
+                           given[i].rpartition(":")[2] if isinstance(given[i], str) else None) for i in python]
+    traced = [f for f in given if isinstance(f, TracedScores)]
+    return calls, traced, python + [i for i, f in enumerate(given) if isinstance(f, TracedScores)]
+
+
+def _weights_in_part_order(weights, order: list):
+    """reward_weights (the user's order: reward_funcs, then the model) in the parts' order (Python functions,
+    traced ones, the model)."""
+    if weights is None or len(weights) != len(order) + 1 and len(weights) != len(order):
+        return weights  # None, or a count WeightedRewards refuses with both numbers
+    return [weights[i] for i in order] + list(weights[len(order):])
 
 
 def _combined_reward(parts, weights):

@@ -800,7 +800,7 @@ def _problems_together(c: PPOConfig) -> list[str]:
     if c.reward_funcs is not None and c.reward_function is not None:
         out.append(f"Both reward_funcs={c.reward_funcs!r} and reward_function={c.reward_function!r} are set; "
                    "list every function in reward_funcs and remove reward_function.")
-    if c.reward_weights is not None:
+    if c.reward_weights is not None and c.reward_names:  # (functions passed in Python are counted at the build)
         names = c.reward_names
         if len(c.reward_weights) != len(names):
             out.append(f"reward_weights={c.reward_weights!r} has {len(c.reward_weights)} weights for "
