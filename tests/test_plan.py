@@ -112,11 +112,26 @@ def test_presets_read_through_the_family_code():
     (["--model", "llama-3.2-1b", "--devices", "8", "--mesh", "2,2,1"], "make data * fsdp * tensor == 8"),
     (["--model", "llama-3.2-1b", "--mesh", "2,x,1"], "expected three sizes"),
     (["--model", "llama-3.2-1b", "--programs", "sample"], "--programs"),
+    (["--model", "llama-3.2-1b", "--target", "gpu:h100"], "expected 'cpu' or 'tpu:<chip>:<topology>"),
+    (["--model", "llama-3.2-1b", "--target", "tpu:v7:2x2"], "unknown TPU chip 'v7'; expected one of v5e, v5p, v6e"),
+    (["--model", "llama-3.2-1b", "--target", "tpu:v5p:2x2"], "a v5p topology has 3 sizes"),
+    (["--model", "llama-3.2-1b", "--target", "tpu:v5e:32x32"], "at most 256 chips"),
+    (["--model", "llama-3.2-1b", "--target", "tpu:v5e:4x4", "--devices", "8"], "its 16 chips; leave --devices out"),
+    (["--model", "llama-3.2-1b", "--target", "tpu:v5e:4x4", "--hbm-gb", "16"], "leave --hbm-gb out"),
+    (["--model", "llama-3.2-1b", "--target", "tpu:v5e:4x4", "--mesh", "1,8,1"], "the target has 16"),
 ])
 def test_bad_inputs_exit_2_with_a_message(args, message, capsys):
     code = main(["plan", str(REPO / "configs/plan.yaml"), *args])
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err, err
+
+
+def test_a_tpu_target_without_libtpu_names_the_fix(monkeypatch, capsys):
+    from ppojax.trainer import plan_targets
+    monkeypatch.setattr(plan_targets, "tpu_compiler_installed", lambda: False)
+    code = main(["plan", str(REPO / "configs/plan.yaml"), "--model", "llama-3.2-1b", "--target", "tpu:v5e:4x4"])
+    err = capsys.readouterr().err
+    assert code == 2 and "needs libtpu" in err and "pip install 'ppojax[tpu]'" in err and "Traceback" not in err, err
 
 
 def test_parse_mesh():
