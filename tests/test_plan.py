@@ -112,7 +112,9 @@ def test_presets_read_through_the_family_code():
     (["--model", "llama-3.2-1b", "--devices", "8", "--mesh", "2,2,1"], "make data * fsdp * tensor == 8"),
     (["--model", "llama-3.2-1b", "--mesh", "2,x,1"], "expected three sizes"),
     (["--model", "llama-3.2-1b", "--programs", "sample"], "--programs"),
-    (["--model", "llama-3.2-1b", "--target", "gpu:h100"], "expected 'cpu' or 'tpu:<chip>:<topology>"),
+    (["--model", "llama-3.2-1b", "--target", "gpu:h100"], "expected 'cpu', 'tpu:<chip>:<topology>[:slices=K]' or"),
+    (["--model", "llama-3.2-1b", "--target", "gpu:a100x8"], "unknown GPU 'a100'; expected one of h100, h200"),
+    (["--model", "llama-3.2-1b", "--target", "gpu:h100x16"], "1 to 8 GPUs per host"),
     (["--model", "llama-3.2-1b", "--target", "tpu:v7:2x2"], "unknown TPU chip 'v7'; expected one of v5e, v5p, v6e"),
     (["--model", "llama-3.2-1b", "--target", "tpu:v5p:2x2"], "a v5p topology has 3 sizes"),
     (["--model", "llama-3.2-1b", "--target", "tpu:v5e:32x32"], "at most 256 chips"),
@@ -132,6 +134,14 @@ def test_a_tpu_target_without_libtpu_names_the_fix(monkeypatch, capsys):
     code = main(["plan", str(REPO / "configs/plan.yaml"), "--model", "llama-3.2-1b", "--target", "tpu:v5e:4x4"])
     err = capsys.readouterr().err
     assert code == 2 and "needs libtpu" in err and "pip install 'ppojax[tpu]'" in err and "Traceback" not in err, err
+
+
+def test_a_gpu_target_without_the_cuda_plugin_names_the_fix(monkeypatch, capsys):
+    from ppojax.trainer import plan_targets
+    monkeypatch.setattr(plan_targets, "cuda_plugin", lambda: None)
+    code = main(["plan", str(REPO / "configs/plan.yaml"), "--model", "llama-3.2-1b", "--target", "gpu:h100x8"])
+    err = capsys.readouterr().err
+    assert code == 2 and "needs JAX's CUDA plugin" in err and "pip install 'ppojax[cuda]'" in err, err
 
 
 def test_parse_mesh():

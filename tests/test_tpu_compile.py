@@ -99,13 +99,13 @@ def test_the_chip_memory_table_is_the_compilers(target):
 
 
 def test_the_attention_a_tpu_user_gets_is_the_one_compiled(tiny_model, target, config, monkeypatch):
-    """The plan traces on this host's CPU; a user traces on the TPU itself. Whatever the models choose by the
-    device they run on (attention's "auto": cuDNN only on an NVIDIA GPU, XLA's elsewhere), the program lowered
-    with the TPU as the default device is the one the plan compiled."""
+    """The plan traces on this host's CPU for the target's chips (``traced_for_target``); a user traces on the TPU
+    itself, JAX's default device there. Whatever the models choose by the device (attention's "auto": cuDNN only on
+    an NVIDIA GPU, XLA's elsewhere), both lower the same program."""
     from ppojax.models import attention
     from ppojax.parallel import sharding
     from ppojax.rl.program import make_train_step
-    from ppojax.trainer.plan import abstract_run, model_config_for
+    from ppojax.trainer.plan import abstract_run, model_config_for, traced_for_target
 
     model_cfg, _, _ = model_config_for(tiny_model)
     mesh = sharding.make_mesh(*MESH, devices=target.devices)
@@ -115,13 +115,15 @@ def test_the_attention_a_tpu_user_gets_is_the_one_compiled(tiny_model, target, c
         return make_train_step(run.program, run.state_shardings).jitted.lower(run.state, run.prompts,
                                                                               run.key).as_text()
 
-    on_this_host = lowered_text()
-    assert attention.resolve_implementation("auto", jnp.bfloat16, 8, 12, 12) == "xla"
+    run = abstract_run(config, model_cfg, mesh)
+    with traced_for_target(run):
+        as_planned = lowered_text()
+        assert attention.resolve_implementation("auto", jnp.bfloat16, 8, 12, 12) == "xla"
     monkeypatch.setattr(jax, "devices", lambda *args, **kwargs: list(target.devices))
     assert jax.devices()[0].platform == "tpu"
     assert attention.resolve_implementation("auto", jnp.bfloat16, 8, 12, 12) == "xla"
-    assert lowered_text() == on_this_host
-    assert "cudnn" not in on_this_host
+    assert lowered_text() == as_planned
+    assert "cudnn" not in as_planned and "CustomSPMDPartitioning" not in as_planned
 
 
 def test_several_slices_put_data_across_the_slices():

@@ -227,12 +227,13 @@ def run_plan(args) -> None:
     from ppojax.trainer import plan, plan_targets
     target = plan_targets.parse_target(args.target)
     mesh = plan.parse_mesh(args.mesh) if args.mesh else None
+    noun = target.device_noun
     if not target.is_cpu and args.devices is not None and args.devices != target.chips:
-        raise ConfigError(f"--devices {args.devices} with --target {target.text}: a TPU target's devices are its "
-                          f"{target.chips} chips; leave --devices out.")
+        raise ConfigError(f"--devices {args.devices} with --target {target.text}: the target's devices are its "
+                          f"{target.chips} {noun}s; leave --devices out.")
     if not target.is_cpu and args.hbm_gb is not None:
-        raise ConfigError(f"--hbm-gb with --target {target.text}: a TPU target's memory is its chip's "
-                          f"({target.chip.hbm_gib:g} GiB for {target.chip.name}); leave --hbm-gb out.")
+        raise ConfigError(f"--hbm-gb with --target {target.text}: the target's memory is its {noun}'s; leave "
+                          "--hbm-gb out.")
     devices = target.chips if not target.is_cpu else args.devices or (mesh[0] * mesh[1] * mesh[2] if mesh else 1)
     if mesh and mesh[0] * mesh[1] * mesh[2] != devices:
         raise ConfigError(f"--mesh {args.mesh} has {mesh[0] * mesh[1] * mesh[2]} devices but the target has "
@@ -250,7 +251,7 @@ def run_plan(args) -> None:
     plan_targets.check_available(target)
     if target.is_cpu:
         plan.use_virtual_devices(devices, config.precision)
-    else:  # the host only traces: one CPU device; the TPU compiler reads the program
+    else:  # the host only traces: one CPU device; the target's compiler reads the program
         plan.use_host_for_tracing()
     result = plan.plan(config, model, mesh_shape=mesh, programs=programs,
                        target=plan_targets.load_target(target, hbm_gb=args.hbm_gb))
@@ -288,8 +289,9 @@ def main(argv=None) -> int:
     plan.add_argument("--target", default="cpu",
                       help="what to compile for: cpu (XLA:CPU on --devices virtual devices: an estimate; the default) "
                       "or a TPU slice, tpu:<chip>:<topology>[:slices=K] with chip v5e, v5p or v6e, e.g. tpu:v5e:4x4 "
-                      "(v5e-16), tpu:v5p:2x2x2 (v5p-16), tpu:v6e:8x8:slices=2; needs libtpu (pip install "
-                      "'ppojax[tpu]'), no TPU")
+                      "(v5e-16), tpu:v5p:2x2x2 (v5p-16), tpu:v6e:8x8:slices=2 (needs libtpu: pip install "
+                      "'ppojax[tpu]'; no TPU), or NVIDIA GPUs, gpu:h100x8, gpu:h200x8:hosts=2 (needs the CUDA plugin: "
+                      "pip install 'ppojax[cuda]'; no GPU)")
     plan.add_argument("--devices", type=int, help="virtual CPU devices (default: the --mesh product, else 1)")
     plan.add_argument("--mesh", help="data,fsdp,tensor (default: the config's mesh_* fields)")
     plan.add_argument("--hbm-gb", type=float, help="--target cpu: memory per device in GB (1e9 bytes; default 80)")

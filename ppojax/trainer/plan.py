@@ -207,11 +207,19 @@ class ProgramPlan:
         return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
 
 
+def traced_for_target(run: AbstractRun):
+    """Trace as on the target: the models' per-device choices (attention's "auto": cuDNN's kernel on an NVIDIA GPU)
+    made for the mesh's devices, not for this host's CPU."""
+    from ppojax.models.attention import traced_for
+    return traced_for(run.program.mesh.devices.flat[0])
+
+
 def _abstract_experience(run: AbstractRun):
     from ppojax.parallel import sharding
     from ppojax.rl.program import collect_experience
-    experience, _ = jax.eval_shape(lambda s, p, k: collect_experience(run.program, s, p, k), run.state, run.prompts,
-                                   run.key)
+    with traced_for_target(run):
+        experience, _ = jax.eval_shape(lambda s, p, k: collect_experience(run.program, s, p, k), run.state,
+                                       run.prompts, run.key)
     return _with_shardings(experience, sharding.batch_shardings(experience, run.program.mesh))
 
 
@@ -228,7 +236,9 @@ def compile_program(run: AbstractRun, name: str) -> ProgramPlan:
         raise ConfigError(f"program {name!r}: expected one of {', '.join(PROGRAMS)}.")
     start = time.perf_counter()
     try:
-        compiled = jitted.lower(*args).compile()
+        with traced_for_target(run):
+            lowered = jitted.lower(*args)
+        compiled = lowered.compile()
     except Exception as err:  # noqa: BLE001 - the compiler's own error type; only its out-of-memory verdict is ours
         needed = out_of_memory(err)
         if needed is None:
@@ -291,6 +301,7 @@ class Plan:
     target: str = "cpu"       # the --target text
     target_description: str = ""
     compiler: str = "XLA:CPU"
+    device_noun: str = "device"  # chip (TPU), GPU, device (the CPU estimate)
 
     def peak(self, program: ProgramPlan) -> int:
         """Per-device peak: every input resident (XLA leaves unused arguments out of its count, but the
@@ -313,6 +324,7 @@ class Plan:
     def to_dict(self) -> dict:
         return {"model": self.model, "source": self.source, "num_params": self.num_params, "mesh": self.mesh,
                 "devices": self.devices, "target": self.target, "compiler": self.compiler,
+                "device_noun": self.device_noun,
                 "state_bytes": self.state_bytes, "hbm_bytes": self.hbm_bytes,
                 "programs": [{**dataclasses.asdict(p), "resident_bytes": self.resident_bytes[p.name],
                               "peak_bytes": self.peak(p)} for p in self.programs],
@@ -365,7 +377,8 @@ def plan(config: PPOConfig, model: str, *, mesh_shape=None, hbm_gb: float = 80.0
                   config=config, state_bytes=device_bytes(run.state), programs=compiled, resident_bytes=resident,
                   model_flops=_model_flops(hf, sizes, config), hbm_bytes=target.hbm_bytes,
                   trainable_bytes=device_bytes(run.state.params) + device_bytes(run.state.opt_state),
-                  target=target.spec.text, target_description=target.description, compiler=target.compiler)
+                  target=target.spec.text, target_description=target.description, compiler=target.compiler,
+                  device_noun=target.spec.device_noun)
     return result
 
 
@@ -379,6 +392,13 @@ def _causal_lm(model_cfg):
 # --------------------------------------------------------------------------------------------------
 def _gb(n) -> str:
     return f"{n / GB:.2f}"
+
+
+def _critic(config: PPOConfig) -> str:
+    from ppojax.core.advantages import advantage_estimator
+    if not advantage_estimator(config.advantage_estimator).uses_critic:
+        return f"no value model ({config.advantage_estimator}: no critic)"
+    return "trainable value model" if config.value_head == "separate" else "value head on it"
 
 
 def format_plan(p: Plan) -> str:
@@ -398,7 +418,7 @@ def format_plan(p: Plan) -> str:
         f"  mesh ({mesh}) on {p.target_description or f'{p.devices} device(s)'}; rollout batch {sizes.batch_size} x (prompt "
         f"{c.max_prompt_length} + response {c.response_length}), micro-batch {sizes.micro_batch_size}, "
         f"{c.num_ppo_epochs} epoch(s)",
-        f"  models: {policy}, {'trainable value model' if c.value_head == 'separate' else 'value head on it'}, "
+        f"  models: {policy}, {_critic(c)}, "
         f"{reference}, and a reward ScoreModel of the policy's shape (in the program: a Python reward function "
         "would be a host callback)",
         f"  state {_gb(p.state_bytes)} GB per device, of which trained weights + optimizer moments "
@@ -438,8 +458,9 @@ def format_plan(p: Plan) -> str:
     else:
         refused = [q.name for q in p.programs if q.out_of_memory]
         why = f" ({p.compiler} refused {', '.join(refused)} for want of memory)" if refused else ""
-        lines.append(f"  peak {_gb(p.peak_bytes)} GB ({p.peak_bytes / 2 ** 30:.2f} GiB) per chip: {verdict} its "
-                     f"{p.hbm_bytes / 2 ** 30:g} GiB of HBM{why}")
+        memory = "HBM" if p.device_noun == "chip" else "memory"
+        lines.append(f"  peak {_gb(p.peak_bytes)} GB ({p.peak_bytes / 2 ** 30:.2f} GiB) per {p.device_noun}: {verdict} "
+                     f"its {p.hbm_bytes / 2 ** 30:.2f} GiB of {memory}{why}")
     return "\n".join(lines)
 
 

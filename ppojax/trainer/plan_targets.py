@@ -4,6 +4,8 @@
     tpu:<chip>:<topology>         a TPU slice, compiled by the TPU compiler itself (libtpu) without its chips:
                                   tpu:v5e:4x4 (v5e-16), tpu:v5p:2x2x2 (v5p-16), tpu:v6e:8x8 (v6e-64)
     tpu:<chip>:<topology>:slices=K  K such slices joined by the data-center network (multi-slice)
+    gpu:<gpu>x<N>[:hosts=K]       K hosts (default 1) of N NVIDIA GPUs each (h100, h200), compiled by XLA's GPU
+                                  compiler (the CUDA plugin) without the GPUs: gpu:h100x8, gpu:h200x8:hosts=2
 
 A TPU target's topology is its chip grid as libtpu names it: two sizes for v5e and v6e (a 2-D torus), three for
 v5p; the Cloud accelerator type counts chips for v5e/v6e (v5e-16 = 4x4) and TensorCores for v5p (v5p-16 = 8
@@ -56,20 +58,68 @@ CHIPS_PER_HOST_BOUNDS = (2, 2, 1)
 
 
 @dataclasses.dataclass(frozen=True)
+class GpuModel:
+    """One NVIDIA GPU as a target: what XLA's GPU compiler needs to know of it (its target config: SM count,
+    memories, bandwidth, compute capability), and the memory a program may use (all of it: a run must then let JAX
+    take more than its default 75 %, docs/scaling.md)."""
+
+    name: str
+    device_kind: str
+    memory_bytes: int
+    memory_bandwidth: int  # bytes/s
+    core_count: int
+    clock_ghz: float
+    l2_cache_bytes: int
+    compute_capability: tuple
+
+    def target_config(self, cuda_major: int, cudnn: tuple) -> str:
+        """The GPU's description in XLA's text format (stream_executor's GpuTargetConfigProto)."""
+        major, minor = self.compute_capability
+        return f"""gpu_device_info {{
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: {self.core_count} fpus_per_core: 128
+  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
+  memory_bandwidth: {self.memory_bandwidth} l2_cache_size: {self.l2_cache_bytes} clock_rate_ghz: {self.clock_ghz}
+  device_memory_size: {self.memory_bytes} shared_memory_per_block_optin: 232448
+  cuda_compute_capability {{ major: {major} minor: {minor} }}
+  registers_per_core_limit: 65536 registers_per_block_limit: 65536
+}}
+runtime_version {{ major: {cuda_major} minor: 0 }}
+platform_name: "CUDA"
+dnn_version_info {{ major: {cudnn[0]} minor: {cudnn[1]} }}
+device_description_str: "{self.device_kind}"
+"""
+
+
+#: Hopper GPUs: 132 SMs at 1.98 GHz, 50 MiB of L2; memory as CUDA reports it
+GPUS = {
+    "h100": GpuModel("h100", "NVIDIA H100 80GB HBM3", 84_929_347_584, 3_352_320_000_000, 132, 1.98, 52_428_800, (9, 0)),
+    "h200": GpuModel("h200", "NVIDIA H200", 150_754_820_096, 4_800_000_000_000, 132, 1.98, 52_428_800, (9, 0)),
+}
+
+
+@dataclasses.dataclass(frozen=True)
 class TargetSpec:
-    """A parsed ``--target``: nothing loaded yet. chip None: the CPU estimate."""
+    """A parsed ``--target``: nothing loaded yet. chip and gpu None: the CPU estimate. topology: a TPU slice's
+    chip grid, or for GPUs ``1x<hosts>x<GPUs per host>``."""
 
     text: str
     chip: Optional[TpuChip] = None
     topology: str = ""
     slices: int = 1
+    gpu: Optional[GpuModel] = None
 
     @property
     def is_cpu(self) -> bool:
-        return self.chip is None
+        return self.chip is None and self.gpu is None
+
+    @property
+    def device_noun(self) -> str:
+        return "chip" if self.chip is not None else "GPU" if self.gpu is not None else "device"
 
     @property
     def chips(self) -> int:
+        """The target's devices (TPU chips or GPUs)."""
         sizes = [int(x) for x in self.topology.split("x")] if self.topology else [0]
         product = 1
         for size in sizes:
@@ -98,6 +148,19 @@ class Target:
 
 
 _TPU_PATTERN = re.compile(r"^tpu:(?P<chip>[a-z0-9]+):(?P<topology>[0-9x]+)(?::slices=(?P<slices>[0-9]+))?$")
+_GPU_PATTERN = re.compile(r"^gpu:(?P<gpu>[a-z0-9]+)x(?P<count>[0-9]+)(?::hosts=(?P<hosts>[0-9]+))?$")
+_EXAMPLE = "e.g. --target tpu:v5e:4x4, tpu:v5p:2x2x2, tpu:v6e:8x8:slices=2, gpu:h100x8, gpu:h200x8:hosts=2, or cpu"
+
+
+def _parse_gpu(text: str, found) -> TargetSpec:
+    gpu = GPUS.get(found["gpu"])
+    if gpu is None:
+        raise ConfigError(f"--target {text!r}: unknown GPU {found['gpu']!r}; expected one of {', '.join(GPUS)} "
+                          f"({_EXAMPLE}).")
+    count, hosts = int(found["count"]), int(found["hosts"] or 1)
+    if not 1 <= count <= 8 or hosts < 1:
+        raise ConfigError(f"--target {text!r}: expected 1 to 8 GPUs per host and hosts >= 1 ({_EXAMPLE}).")
+    return TargetSpec(text, topology=f"1x{hosts}x{count}", gpu=gpu)
 
 
 def parse_target(text: str) -> TargetSpec:
@@ -105,10 +168,13 @@ def parse_target(text: str) -> TargetSpec:
     text = (text or "cpu").strip()
     if text == "cpu":
         return TargetSpec("cpu")
-    example = "e.g. --target tpu:v5e:4x4, tpu:v5p:2x2x2, tpu:v6e:8x8:slices=2, or cpu"
+    example = _EXAMPLE
+    if _GPU_PATTERN.match(text):
+        return _parse_gpu(text, _GPU_PATTERN.match(text))
     found = _TPU_PATTERN.match(text)
     if not found:
-        raise ConfigError(f"--target {text!r}: expected 'cpu' or 'tpu:<chip>:<topology>[:slices=K]' ({example}).")
+        raise ConfigError(f"--target {text!r}: expected 'cpu', 'tpu:<chip>:<topology>[:slices=K]' or "
+                          f"'gpu:<gpu>x<N>[:hosts=K]' ({example}).")
     chip = TPU_CHIPS.get(found["chip"])
     if chip is None:
         raise ConfigError(f"--target {text!r}: unknown TPU chip {found['chip']!r}; expected one of "
@@ -136,8 +202,23 @@ def tpu_compiler_installed() -> bool:
     return importlib.util.find_spec("libtpu") is not None
 
 
+def cuda_plugin() -> Optional[str]:
+    """The installed CUDA plugin of JAX (jax_cuda13_plugin or jax_cuda12_plugin), else None."""
+    import importlib.util
+
+    return next((name for name in ("jax_cuda13_plugin", "jax_cuda12_plugin")
+                 if importlib.util.find_spec(name) is not None), None)
+
+
 def check_available(spec: TargetSpec) -> None:
-    """A TPU target needs libtpu, the TPU compiler: a ConfigError naming the fix where it is missing."""
+    """A TPU target needs libtpu, the TPU compiler; a GPU target JAX's CUDA plugin: a ConfigError naming the fix
+    where it is missing."""
+    if spec.gpu is not None:
+        if cuda_plugin() is None:
+            raise ConfigError(f"--target {spec.text}: compiling for NVIDIA GPUs needs JAX's CUDA plugin and CUDA's "
+                              "libraries, which are not installed in this Python environment; install them with "
+                              "pip install 'ppojax[cuda]' (about 3.8 GB; or use --target cpu for XLA:CPU's estimate).")
+        return
     if not spec.is_cpu and not tpu_compiler_installed():
         raise ConfigError(f"--target {spec.text}: compiling for a TPU needs libtpu, the TPU compiler, which is not "
                           "installed in this Python environment; install it with pip install 'ppojax[tpu]' (or use "
@@ -191,6 +272,43 @@ def tpu_devices(spec: TargetSpec) -> list:
     return devices
 
 
+def _cudnn_version(plugin: str) -> tuple:
+    for name in (f"nvidia-cudnn-cu{plugin[len('jax_cuda'):len('jax_cuda') + 2]}",):
+        try:
+            major, minor = importlib.metadata.version(name).split(".")[:2]
+            return int(major), int(minor)
+        except (importlib.metadata.PackageNotFoundError, ValueError):
+            pass
+    return 9, 0
+
+
+def gpu_devices(spec: TargetSpec) -> list:
+    """The compile-only devices of ``spec``'s GPU hosts (XLA's GPU compiler, no GPU needed)."""
+    check_available(spec)
+    plugin = cuda_plugin()
+    # Without a GPU (and its driver) the plugin's check of the CUDA libraries' versions fails and JAX would not
+    # register the cuda platform at all; a compile without GPUs does not load those libraries' kernels.
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+    from jax.experimental import topologies
+
+    config = spec.gpu.target_config(int(plugin[len("jax_cuda"):len("jax_cuda") + 2]), _cudnn_version(plugin))
+    try:
+        topology = topologies.get_topology_desc(spec.gpu.name, "cuda", target_config=config,
+                                                topology=spec.topology)
+    except Exception as err:  # noqa: BLE001 - the plugin's own error types
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"--target {spec.text}: JAX's CUDA plugin ({plugin}) made no GPU topology ({reason}); "
+                          "reinstall it with pip install 'ppojax[cuda]'.") from None
+    return list(topology.devices)
+
+
+def plugin_version(plugin: str) -> str:
+    try:
+        return importlib.metadata.version(plugin.replace("_", "-"))
+    except importlib.metadata.PackageNotFoundError:
+        return "?"
+
+
 def libtpu_version() -> str:
     try:
         return importlib.metadata.version("libtpu")
@@ -210,8 +328,14 @@ def load_target(spec: TargetSpec, cpu_devices: Optional[Sequence] = None, hbm_gb
         return Target(spec, devices, memory, "XLA:CPU",
                       f"{len(devices)} virtual CPU device(s) (XLA:CPU's buffers: an estimate of an accelerator's)")
     if hbm_gb is not None:
-        raise ConfigError(f"--hbm-gb with --target {spec.text}: a TPU target's memory is its chip's "
-                          f"({spec.chip.hbm_gib:g} GiB for {spec.chip.name}); leave --hbm-gb out.")
+        raise ConfigError(f"--hbm-gb with --target {spec.text}: the target's memory is its {spec.device_noun}'s; "
+                          "leave --hbm-gb out.")
+    if spec.gpu is not None:
+        devices, plugin = gpu_devices(spec), cuda_plugin()
+        compiler = f"XLA:GPU ({plugin.replace('_', '-')} {plugin_version(plugin)})"
+        hosts = spec.topology.split("x")[1]
+        return Target(spec, devices, spec.gpu.memory_bytes, compiler,
+                      f"{len(devices)} {spec.gpu.device_kind} GPUs ({hosts} host(s)), compiled by {compiler}")
     devices = tpu_devices(spec)
     slices = f" x {spec.slices} slices" if spec.slices > 1 else ""
     return Target(spec, devices, spec.chip.hbm_gib * GIB, f"libtpu {libtpu_version()}",
