@@ -149,3 +149,14 @@ def test_a_topology_libtpu_refuses_is_a_one_line_error(capsys):
     err = capsys.readouterr().err
     assert code == 2 and "libtpu refused the topology 'v5e:3x3'" in err and "e.g. tpu:v5e:4x4" in err, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_mesh_axis_across_two_torus_sides_still_makes_a_mesh():
+    """tensor=8 on a 4x4x4 v5p is no product of the torus sides: the axis spans parts of two (a warning), not a
+    crash of jax.make_mesh."""
+    from ppojax.parallel import sharding
+    from ppojax.trainer import plan_targets
+
+    devices = plan_targets.tpu_devices(plan_targets.parse_target("tpu:v5p:4x4x4"))
+    mesh = sharding.make_mesh(1, 8, 8, devices=devices)
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 8, "tensor": 8} and len(set(mesh.devices.flat)) == 64

@@ -118,13 +118,28 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices: Optional[
     shape = mesh_shape(data, fsdp, tensor, len(devices))
     slices = slice_count(devices)
     if slices == 1:
-        return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+        try:
+            return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+        except NotImplementedError:
+            return _mesh_across_torus_sides(shape, devices)
     if shape[0] % slices:
         raise ValueError(f"mesh (data={shape[0]}, fsdp={shape[1]}, tensor={shape[2]}) over {slices} TPU slices: "
                          f"data spans the slices, so it must be a multiple of {slices}; e.g. data={slices}.")
     from jax.experimental import mesh_utils
 
     grid = mesh_utils.create_hybrid_device_mesh((shape[0] // slices, shape[1], shape[2]), (slices, 1, 1), devices)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def _mesh_across_torus_sides(shape, devices) -> Mesh:
+    """A TPU slice whose torus sides do not multiply into each mesh axis (tensor=8 on a 4x4x4 v5p): an axis then
+    spans parts of two sides (JAX's ``allow_split_physical_axes``), its ring no longer the torus' own."""
+    from jax.experimental import mesh_utils
+
+    logger.warning("mesh (data=%d, fsdp=%d, tensor=%d): an axis is not a product of the TPU slice's torus sides; "
+                   "it spans parts of two sides, so its collectives cross more links than on a torus-aligned mesh",
+                   *shape)
+    grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
 
 

@@ -317,9 +317,19 @@ class Plan:
     def peak_bytes(self) -> int:
         return max(self.peak(p) for p in self.programs)
 
+    def fits_program(self, program: ProgramPlan) -> bool:
+        """The TPU compiler refuses a program that does not fit its chip (out_of_memory) and accepts one that
+        does: its own count of what is live at once, which can be below the sum of the totals above. Where it read
+        every resident byte, its acceptance is the verdict; elsewhere (XLA:CPU, XLA:GPU, which check nothing; a
+        program that leaves part of the state unread) the peak against the device's memory is."""
+        if program.out_of_memory:
+            return False
+        compiler_checked = self.device_noun == "chip" and self.resident_bytes[program.name] <= program.argument_bytes
+        return compiler_checked or self.peak(program) <= self.hbm_bytes
+
     @property
     def fits(self) -> bool:
-        return not any(p.out_of_memory for p in self.programs) and self.peak_bytes <= self.hbm_bytes
+        return all(self.fits_program(p) for p in self.programs)
 
     def to_dict(self) -> dict:
         return {"model": self.model, "source": self.source, "num_params": self.num_params, "mesh": self.mesh,
@@ -457,7 +467,10 @@ def format_plan(p: Plan) -> str:
         lines.append(f"  peak {_gb(p.peak_bytes)} GB per device: {verdict} a {p.hbm_bytes / GB:g} GB device")
     else:
         refused = [q.name for q in p.programs if q.out_of_memory]
-        why = f" ({p.compiler} refused {', '.join(refused)} for want of memory)" if refused else ""
+        accepted = [q.name for q in p.programs if p.fits_program(q) and p.peak(q) > p.hbm_bytes]
+        why = (f" ({p.compiler} refused {', '.join(refused)} for want of memory)" if refused else
+               f" ({p.compiler} accepted {', '.join(accepted)}: what it holds at once is below this sum)"
+               if accepted else "")
         memory = "HBM" if p.device_noun == "chip" else "memory"
         lines.append(f"  peak {_gb(p.peak_bytes)} GB ({p.peak_bytes / 2 ** 30:.2f} GiB) per {p.device_noun}: {verdict} "
                      f"its {p.hbm_bytes / 2 ** 30:.2f} GiB of {memory}{why}")
