@@ -97,6 +97,22 @@ def test_lora_plan_compiles_adapters_as_the_only_trained_weights(tiny_model, one
     assert lora["lora_r"] == r and "rank-4 LoRA adapters" in done.stdout and "frozen base" in done.stdout
 
 
+def test_a_grouped_estimators_program_gets_one_prompt_per_group(tiny_model):
+    """GRPO samples each prompt num_generations times inside the program: the plan feeds batch / G prompts (it fed
+    the whole batch, planning G times the rows)."""
+    import jax
+
+    from ppojax.parallel import sharding
+    from ppojax.trainer.config import PPOConfig
+    from ppojax.trainer.plan import abstract_run
+
+    config = PPOConfig.from_yaml(REPO / "configs/plan.yaml", [*SETTINGS, "advantage_estimator=grpo",
+                                                             "num_generations=4"])
+    model_cfg, _, _ = model_config_for(str(tiny_model))
+    run = abstract_run(config, model_cfg, sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    assert run.prompts.shape == (16 // 4, 8)
+
+
 def test_presets_read_through_the_family_code():
     cfg, _, _ = model_config_for("meta-llama/Llama-3.1-8B")
     assert (cfg.hidden_size, cfg.num_layers, cfg.num_kv_heads, cfg.vocab_size) == (4096, 32, 8, 128256)

@@ -121,7 +121,7 @@ class AbstractRun:
     """What the programs are traced from: the PPO program and abstract (shape + sharding) arguments.
 
     state: the TrainState as ``jax.ShapeDtypeStruct`` leaves carrying their NamedShardings; prompts:
-    i32[B, P] rows over (data, fsdp); key: a replicated PRNG key.
+    i32[B / num_generations, P] rows over (data, fsdp); key: a replicated PRNG key.
     """
 
     program: Any
@@ -172,8 +172,9 @@ def abstract_run(config: PPOConfig, model_cfg, mesh) -> AbstractRun:
                                                          kl_coef=config.kl_coef),
                            models.params, models.frozen)
     state_shardings = sharding.train_state_shardings(state, mesh)
-    batch = program.settings.batch.batch_size
-    prompts = jax.ShapeDtypeStruct((batch, config.max_prompt_length), jnp.int32,
+    # the prompts of one update: batch_size / num_generations rows (the program samples each num_generations times)
+    prompt_rows = program.settings.batch.batch_size // program.settings.sampling.num_generations
+    prompts = jax.ShapeDtypeStruct((prompt_rows, config.max_prompt_length), jnp.int32,
                                    sharding=sharding.batch_sharding(mesh))
     key = jax.eval_shape(lambda: jax.random.key(0))
     key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=sharding.replicated(mesh))
