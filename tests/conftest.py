@@ -8,12 +8,16 @@ from pathlib import Path
 
 import pytest
 
+from ppojax.backends.cpu.absent_tpu import skip_absent_tpu
 from ppojax.backends.cpu.capabilities import apply_cap
 from tests.xla_test_flags import use_cheap_compiles
 
 # PPOJAX_CPU_ISA=avx2 runs the suite as an AVX2-only host would: the probe and the libraries (XLA, oneDNN, MKL,
 # torch) capped before any of them starts; subprocesses inherit the environment.
 apply_cap()
+# libtpu installed (the tpu extra, tests/test_tpu_compile.py) on a host without TPU chips: every test process would
+# load it and take its machine-wide lock file; the suite runs on the CPU (subprocesses inherit the variable).
+skip_absent_tpu()
 
 # The fast lane for development (`make test-fast`, PPOJAX_TESTS_FAST=1): the pure-XLA / optax path that
 # accelerator users run (ppojax's CPU backend off and its test files left out: no C++ is built), the unit tests

@@ -118,7 +118,7 @@ def test_implementation_choice_and_errors():
     if not ON_CUDA:
         assert resolve_implementation("auto", jnp.bfloat16, 64, 8, 8) == "xla"
         model = CausalLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, attention_implementation="cudnn")
-        with pytest.raises(ValueError, match="'cudnn' needs an NVIDIA GPU, but the default device is 'cpu'"):
+        with pytest.raises(ValueError, match="'cudnn' needs an NVIDIA GPU, but the device traced for is 'cpu'"):
             model(jnp.ones((1, 4), jnp.int32), jnp.ones((1, 4), bool))
     # "auto" and "xla" are the same program off cuDNN
     ids, mask = jnp.ones((2, 6), jnp.int32), jnp.asarray(left_padded_mask([6, 3], 6))

@@ -97,6 +97,22 @@ def test_lora_plan_compiles_adapters_as_the_only_trained_weights(tiny_model, one
     assert lora["lora_r"] == r and "rank-4 LoRA adapters" in done.stdout and "frozen base" in done.stdout
 
 
+def test_a_grouped_estimators_program_gets_one_prompt_per_group(tiny_model):
+    """GRPO samples each prompt num_generations times inside the program: the plan feeds batch / G prompts (it fed
+    the whole batch, planning G times the rows)."""
+    import jax
+
+    from ppojax.parallel import sharding
+    from ppojax.trainer.config import PPOConfig
+    from ppojax.trainer.plan import abstract_run
+
+    config = PPOConfig.from_yaml(REPO / "configs/plan.yaml", [*SETTINGS, "advantage_estimator=grpo",
+                                                             "num_generations=4"])
+    model_cfg, _, _ = model_config_for(str(tiny_model))
+    run = abstract_run(config, model_cfg, sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    assert run.prompts.shape == (16 // 4, 8)
+
+
 def test_presets_read_through_the_family_code():
     cfg, _, _ = model_config_for("meta-llama/Llama-3.1-8B")
     assert (cfg.hidden_size, cfg.num_layers, cfg.num_kv_heads, cfg.vocab_size) == (4096, 32, 8, 128256)
@@ -112,11 +128,36 @@ def test_presets_read_through_the_family_code():
     (["--model", "llama-3.2-1b", "--devices", "8", "--mesh", "2,2,1"], "make data * fsdp * tensor == 8"),
     (["--model", "llama-3.2-1b", "--mesh", "2,x,1"], "expected three sizes"),
     (["--model", "llama-3.2-1b", "--programs", "sample"], "--programs"),
+    (["--model", "llama-3.2-1b", "--target", "gpu:h100"], "expected 'cpu', 'tpu:<chip>:<topology>[:slices=K]' or"),
+    (["--model", "llama-3.2-1b", "--target", "gpu:a100x8"], "unknown GPU 'a100'; expected one of h100, h200"),
+    (["--model", "llama-3.2-1b", "--target", "gpu:h100x16"], "1 to 8 GPUs per host"),
+    (["--model", "llama-3.2-1b", "--target", "tpu:v7:2x2"], "unknown TPU chip 'v7'; expected one of v5e, v5p, v6e"),
+    (["--model", "llama-3.2-1b", "--target", "tpu:v5p:2x2"], "a v5p topology has 3 sizes"),
+    (["--model", "llama-3.2-1b", "--target", "tpu:v5e:32x32"], "at most 256 chips"),
+    (["--model", "llama-3.2-1b", "--target", "tpu:v5e:4x4", "--devices", "8"], "its 16 chips; leave --devices out"),
+    (["--model", "llama-3.2-1b", "--target", "tpu:v5e:4x4", "--hbm-gb", "16"], "leave --hbm-gb out"),
+    (["--model", "llama-3.2-1b", "--target", "tpu:v5e:4x4", "--mesh", "1,8,1"], "the target has 16"),
 ])
 def test_bad_inputs_exit_2_with_a_message(args, message, capsys):
     code = main(["plan", str(REPO / "configs/plan.yaml"), *args])
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err, err
+
+
+def test_a_tpu_target_without_libtpu_names_the_fix(monkeypatch, capsys):
+    from ppojax.trainer import plan_targets
+    monkeypatch.setattr(plan_targets, "tpu_compiler_installed", lambda: False)
+    code = main(["plan", str(REPO / "configs/plan.yaml"), "--model", "llama-3.2-1b", "--target", "tpu:v5e:4x4"])
+    err = capsys.readouterr().err
+    assert code == 2 and "needs libtpu" in err and "pip install 'ppojax[tpu]'" in err and "Traceback" not in err, err
+
+
+def test_a_gpu_target_without_the_cuda_plugin_names_the_fix(monkeypatch, capsys):
+    from ppojax.trainer import plan_targets
+    monkeypatch.setattr(plan_targets, "cuda_plugin", lambda: None)
+    code = main(["plan", str(REPO / "configs/plan.yaml"), "--model", "llama-3.2-1b", "--target", "gpu:h100x8"])
+    err = capsys.readouterr().err
+    assert code == 2 and "needs JAX's CUDA plugin" in err and "pip install 'ppojax[cuda]'" in err, err
 
 
 def test_parse_mesh():

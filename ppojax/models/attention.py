@@ -32,6 +32,9 @@ kernel did not skip), never NaN; callers ignore such positions.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 import jax.numpy as jnp
 
@@ -60,9 +63,30 @@ def check_attention_implementation(implementation: str, dtype, head_dim: int) ->
                              f"(<= 128 before Hopper), got {head_dim}; use attention_implementation='auto' or 'xla'")
 
 
+#: the device a program is traced for, where that is not JAX's default device: an ahead-of-time compile for
+#: another machine (`ppojax plan --target`) traces on the host's CPU for a target's GPUs or TPUs
+_TRACED_FOR = contextvars.ContextVar("ppojax_attention_traced_for", default=None)
+
+
+@contextlib.contextmanager
+def traced_for(device):
+    """Choose each attention call's implementation for `device` (e.g. a compile-only device of another machine)
+    instead of JAX's default device, while tracing inside this block."""
+    token = _TRACED_FOR.set(device)
+    try:
+        yield
+    finally:
+        _TRACED_FOR.reset(token)
+
+
+def _target_device():
+    return _TRACED_FOR.get() or jax.devices()[0]
+
+
 def _cuda_compute_capability() -> tuple[int, int] | None:
-    """(major, minor) of the default device when it is an NVIDIA GPU, else None."""
-    device = jax.devices()[0]
+    """(major, minor) of the device traced for (`traced_for`; by default JAX's default device) when it is an
+    NVIDIA GPU, else None."""
+    device = _target_device()
     capability = getattr(device, "compute_capability", None)
     if device.platform != "gpu" or not capability:
         return None
@@ -82,8 +106,8 @@ def resolve_implementation(implementation: str, dtype, head_dim: int, q_len: int
     capability = _cuda_compute_capability()
     if implementation == "cudnn":
         if capability is None:
-            raise ValueError(f"attention_implementation='cudnn' needs an NVIDIA GPU, but the default device is "
-                             f"{jax.devices()[0].platform!r}; use attention_implementation='auto' or 'xla'")
+            raise ValueError(f"attention_implementation='cudnn' needs an NVIDIA GPU, but the device traced for is "
+                             f"{_target_device().platform!r}; use attention_implementation='auto' or 'xla'")
         return "cudnn"
     max_head_dim = 256 if capability is not None and capability >= (9, 0) else 128
     fits = (capability is not None and capability >= (8, 0)

@@ -188,11 +188,7 @@ def generate(graphdef, params, prompt_ids, key, *, response_length, pad_token_id
     def body(carry):
         step, cache, responses, logprobs, token, done, next_position = carry
         # Feed the token sampled at step-1, get the distribution of step `step`.
-        live = token != pad
-        model = nnx.merge(graphdef, params)
-        hidden, cache = model(jnp.where(live, token, 0)[:, None], live[:, None], next_position[:, None],
-                              cache=cache)
-        logits = model.logits(hidden)[:, 0]
+        logits, cache, live = decode_step(graphdef, params, cache, token, next_position, pad_token_id)
         new = sample(logits, jax.random.fold_in(key, step))
         new = jnp.where(done, pad, new)
         if stop_token_id is not None:
@@ -206,6 +202,19 @@ def generate(graphdef, params, prompt_ids, key, *, response_length, pad_token_id
     carry = (jnp.int32(1), cache, responses, logprobs, token, done, next_position)
     _, _, responses, logprobs, _, _, _ = jax.lax.while_loop(cond, body, carry)
     return (responses, logprobs) if return_logprobs else responses
+
+
+def decode_step(graphdef, params, cache, token, position, pad_token_id):
+    """One step of the decode loop: each row's last token through the model against its KV cache.
+
+    token: i32[B], the token sampled last (a pad id is a masked key, as the later forward sees it);
+    position: i32[B], its position (real tokens before it). Returns (logits f32[B, V] of the next token, the
+    cache with the token's keys and values written, live bool[B]: token != pad).
+    """
+    live = token != jnp.asarray(pad_token_id, jnp.int32)
+    model = nnx.merge(graphdef, params)
+    hidden, cache = model(jnp.where(live, token, 0)[:, None], live[:, None], position[:, None], cache=cache)
+    return model.logits(hidden)[:, 0], cache, live
 
 
 GENERATE_STATIC = ("graphdef", "response_length", "pad_token_id", "top_k", "top_p", "greedy", "stop_token_id",

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ppojax.trainer.config import ConfigError, PPOConfig, field_help
 from ppojax.backends.cpu import xla_options as xla_cpu_options
+from ppojax.backends.cpu.absent_tpu import skip_absent_tpu
 from ppojax.backends.cpu.host_memory import reexec_with_huge_pages
 from ppojax.io.library_logs import LOG_FILE as LIBRARY_LOG_FILE, library_output_to
 
@@ -237,12 +238,21 @@ def export_checkpoint(checkpoint: str, out_dir: str, adapter: bool = False) -> P
 
 
 def run_plan(args) -> None:
-    """``ppojax plan``: set up the virtual devices BEFORE JAX starts, then compile and print the plan."""
-    from ppojax.trainer import plan
+    """``ppojax plan``: check the inputs, set up the target's devices (virtual CPU devices BEFORE JAX starts, or a
+    TPU slice's compile-only devices), then compile and print the plan."""
+    from ppojax.trainer import plan, plan_targets
+    target = plan_targets.parse_target(args.target)
     mesh = plan.parse_mesh(args.mesh) if args.mesh else None
-    devices = args.devices or (mesh[0] * mesh[1] * mesh[2] if mesh else 1)
+    noun = target.device_noun
+    if not target.is_cpu and args.devices is not None and args.devices != target.chips:
+        raise ConfigError(f"--devices {args.devices} with --target {target.text}: the target's devices are its "
+                          f"{target.chips} {noun}s; leave --devices out.")
+    if not target.is_cpu and args.hbm_gb is not None:
+        raise ConfigError(f"--hbm-gb with --target {target.text}: the target's memory is its {noun}'s; leave "
+                          "--hbm-gb out.")
+    devices = target.chips if not target.is_cpu else args.devices or (mesh[0] * mesh[1] * mesh[2] if mesh else 1)
     if mesh and mesh[0] * mesh[1] * mesh[2] != devices:
-        raise ConfigError(f"--mesh {args.mesh} has {mesh[0] * mesh[1] * mesh[2]} devices but --devices is "
+        raise ConfigError(f"--mesh {args.mesh} has {mesh[0] * mesh[1] * mesh[2]} devices but the target has "
                           f"{devices}; make data * fsdp * tensor == {devices}.")
     if args.lora_rank is not None and args.lora_rank < 1:
         raise ConfigError(f"--lora-rank {args.lora_rank}: expected a rank >= 1.")
@@ -254,8 +264,13 @@ def run_plan(args) -> None:
     config = PPOConfig.from_yaml(args.config, overrides)
     model = args.model or config.model_name_or_path
     plan.model_config_for(model)  # a bad model name fails before the devices are set up
-    plan.use_virtual_devices(devices, config.precision)
-    result = plan.plan(config, model, mesh_shape=mesh, hbm_gb=args.hbm_gb, programs=programs)
+    plan_targets.check_available(target)
+    if target.is_cpu:
+        plan.use_virtual_devices(devices, config.precision)
+    else:  # the host only traces: one CPU device; the target's compiler reads the program
+        plan.use_host_for_tracing()
+    result = plan.plan(config, model, mesh_shape=mesh, programs=programs,
+                       target=plan_targets.load_target(target, hbm_gb=args.hbm_gb))
     print(plan.format_plan(result))
     if args.json:
         from ppojax.io.strict_json import write_json
@@ -264,6 +279,7 @@ def run_plan(args) -> None:
 
 def main(argv=None) -> int:
     if argv is None:  # run as the `ppojax` program (not main([...]) from Python): huge pages for XLA's buffers
+        skip_absent_tpu()  # before the re-exec, which inherits it (ppojax/backends/cpu/absent_tpu.py)
         reexec_with_huge_pages()  # (ppojax/backends/cpu/program_start.py; the XLA:CPU options follow once the config is read)
     # Past `ulimit -f`, a write fails with EFBIG (reported below) instead of the kernel killing the process.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -279,15 +295,22 @@ def main(argv=None) -> int:
     export.add_argument("--adapter", action="store_true",
                         help="a LoRA run: write the PEFT adapter directory (adapter_config.json, "
                              "adapter_model.safetensors) instead of the merged model")
-    plan = commands.add_parser("plan", help="compile the PPO programs ahead of time against abstract shapes on N "
-                               "virtual CPU devices and print the per-device memory, FLOPs and whether it fits")
+    plan = commands.add_parser("plan", help="compile the PPO programs ahead of time against abstract shapes for a "
+                               "target (N virtual CPU devices, or a TPU slice through the TPU compiler) and print the "
+                               "per-device memory, FLOPs and whether it fits")
     plan.add_argument("config", help="YAML config (batch sizes, lengths, precision, remat; see configs/plan.yaml)")
     plan.add_argument("overrides", nargs="*", help="key=value overrides of config fields")
     plan.add_argument("--model", help="a preset (smollm2-135m, llama-3.2-1b, llama-3.1-8b, qwen2.5-7b, "
                       "llama-3.1-70b) or a checkpoint directory's config.json (default: model_name_or_path)")
-    plan.add_argument("--devices", type=int, help="virtual devices (default: the --mesh product, else 1)")
+    plan.add_argument("--target", default="cpu",
+                      help="what to compile for: cpu (XLA:CPU on --devices virtual devices: an estimate; the default) "
+                      "or a TPU slice, tpu:<chip>:<topology>[:slices=K] with chip v5e, v5p or v6e, e.g. tpu:v5e:4x4 "
+                      "(v5e-16), tpu:v5p:2x2x2 (v5p-16), tpu:v6e:8x8:slices=2 (needs libtpu: pip install "
+                      "'ppojax[tpu]'; no TPU), or NVIDIA GPUs, gpu:h100x8, gpu:h200x8:hosts=2 (needs the CUDA plugin: "
+                      "pip install 'ppojax[cuda]'; no GPU)")
+    plan.add_argument("--devices", type=int, help="virtual CPU devices (default: the --mesh product, else 1)")
     plan.add_argument("--mesh", help="data,fsdp,tensor (default: the config's mesh_* fields)")
-    plan.add_argument("--hbm-gb", type=float, default=80.0, help="memory per device in GB (1e9 bytes)")
+    plan.add_argument("--hbm-gb", type=float, help="--target cpu: memory per device in GB (1e9 bytes; default 80)")
     plan.add_argument("--lora-rank", type=int, help="LoRA adapters of rank r on the policy (= the override "
                       "lora_r=r; lora_target_modules chooses the projections, all-linear by default)")
     plan.add_argument("--programs", default="train_step,rollout,update",

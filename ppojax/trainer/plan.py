@@ -9,9 +9,12 @@ program), and its two halves ``rollout`` (sample + forwards + reward) and ``upda
 breakdown. The reward source is a reward MODEL (a ``ScoreModel`` of the policy's shape) so the whole program
 is in the graph; a Python reward function would be a host callback whose memory XLA cannot see.
 
-The plan compiles for the CPU backend (``N`` virtual CPU devices stand in for the accelerators), so its
-numbers are XLA:CPU's buffer assignment of the same sharded program: fusion and the attention kernel differ
-on GPU/TPU (cuDNN's fused attention needs less scratch), so read them as an estimate with those caveats.
+Where the devices come from is the target (``plan_targets``): by default the CPU backend (``N`` virtual CPU
+devices stand in for the accelerators), whose numbers are XLA:CPU's buffer assignment of the same sharded
+program: fusion and the attention kernel differ on GPU/TPU (cuDNN's fused attention needs less scratch), so read
+them as an estimate with those caveats. A TPU target (``--target tpu:v5e:4x4``) compiles the same program with the
+TPU compiler (libtpu) for the slice's chips, without the chips: its memory analysis is what a run on that slice
+holds, and a program that does not fit is refused by the compiler itself (reported with the bytes it needed).
 
 LoRA (``lora_r`` > 0, or ``--lora-rank``): compiled as a run builds it (``train.build``): the policy's base
 weights frozen and shared with the reference (adapters off), rank-r adapters (and a legacy value head) the only
@@ -23,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -117,7 +121,7 @@ class AbstractRun:
     """What the programs are traced from: the PPO program and abstract (shape + sharding) arguments.
 
     state: the TrainState as ``jax.ShapeDtypeStruct`` leaves carrying their NamedShardings; prompts:
-    i32[B, P] rows over (data, fsdp); key: a replicated PRNG key.
+    i32[B / num_generations, P] rows over (data, fsdp); key: a replicated PRNG key.
     """
 
     program: Any
@@ -168,8 +172,9 @@ def abstract_run(config: PPOConfig, model_cfg, mesh) -> AbstractRun:
                                                          kl_coef=config.kl_coef),
                            models.params, models.frozen)
     state_shardings = sharding.train_state_shardings(state, mesh)
-    batch = program.settings.batch.batch_size
-    prompts = jax.ShapeDtypeStruct((batch, config.max_prompt_length), jnp.int32,
+    # the prompts of one update: batch_size / num_generations rows (the program samples each num_generations times)
+    prompt_rows = program.settings.batch.batch_size // program.settings.sampling.num_generations
+    prompts = jax.ShapeDtypeStruct((prompt_rows, config.max_prompt_length), jnp.int32,
                                    sharding=sharding.batch_sharding(mesh))
     key = jax.eval_shape(lambda: jax.random.key(0))
     key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=sharding.replicated(mesh))
@@ -193,17 +198,29 @@ class ProgramPlan:
     code_bytes: int
     flops: Optional[float]
     compile_seconds: float
+    bytes_accessed: Optional[float] = None  # XLA's cost analysis: bytes read and written (per device)
+    #: the compiler refused the program for want of memory: (bytes it needed, bytes the device has); the
+    #: buffer fields are then 0
+    out_of_memory: Optional[tuple] = None
 
     @property
     def peak_bytes(self) -> int:
         return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
 
 
+def traced_for_target(run: AbstractRun):
+    """Trace as on the target: the models' per-device choices (attention's "auto": cuDNN's kernel on an NVIDIA GPU)
+    made for the mesh's devices, not for this host's CPU."""
+    from ppojax.models.attention import traced_for
+    return traced_for(run.program.mesh.devices.flat[0])
+
+
 def _abstract_experience(run: AbstractRun):
     from ppojax.parallel import sharding
     from ppojax.rl.program import collect_experience
-    experience, _ = jax.eval_shape(lambda s, p, k: collect_experience(run.program, s, p, k), run.state, run.prompts,
-                                   run.key)
+    with traced_for_target(run):
+        experience, _ = jax.eval_shape(lambda s, p, k: collect_experience(run.program, s, p, k), run.state,
+                                       run.prompts, run.key)
     return _with_shardings(experience, sharding.batch_shardings(experience, run.program.mesh))
 
 
@@ -219,14 +236,38 @@ def compile_program(run: AbstractRun, name: str) -> ProgramPlan:
     else:
         raise ConfigError(f"program {name!r}: expected one of {', '.join(PROGRAMS)}.")
     start = time.perf_counter()
-    compiled = jitted.lower(*args).compile()
+    try:
+        with traced_for_target(run):
+            lowered = jitted.lower(*args)
+        compiled = lowered.compile()
+    except Exception as err:  # noqa: BLE001 - the compiler's own error type; only its out-of-memory verdict is ours
+        needed = out_of_memory(err)
+        if needed is None:
+            raise
+        return ProgramPlan(name, 0, 0, 0, 0, 0, None, time.perf_counter() - start, out_of_memory=needed)
     seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     return ProgramPlan(name, int(memory.argument_size_in_bytes), int(memory.output_size_in_bytes),
                        int(memory.alias_size_in_bytes), int(memory.temp_size_in_bytes),
-                       int(memory.generated_code_size_in_bytes), (cost or {}).get("flops"), seconds)
+                       int(memory.generated_code_size_in_bytes), (cost or {}).get("flops"), seconds,
+                       bytes_accessed=(cost or {}).get("bytes accessed"))
+
+
+#: the TPU compiler's refusal of a program that does not fit: "... required for HLO temporaries (22.00G) exceeds
+#: available HBM (15.75G)" (G: GiB)
+_OUT_OF_MEMORY = re.compile(r"RESOURCE_EXHAUSTED.*?\(([0-9.]+)([KMGT])\) exceeds available HBM \(([0-9.]+)([KMGT])\)",
+                            re.DOTALL)
+
+
+def out_of_memory(err: BaseException) -> Optional[tuple]:
+    """(bytes needed, bytes available) from a compiler's out-of-memory refusal, else None."""
+    found = _OUT_OF_MEMORY.search(str(err))
+    if not found:
+        return None
+    unit = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+    return (int(float(found[1]) * unit[found[2]]), int(float(found[3]) * unit[found[4]]))
 
 
 def device_bytes(tree) -> int:
@@ -258,23 +299,44 @@ class Plan:
     model_flops: Optional[dict]
     hbm_bytes: float
     trainable_bytes: int = 0  # per device: the trained weights + their optimizer moments (adapters only under LoRA)
+    target: str = "cpu"       # the --target text
+    target_description: str = ""
+    compiler: str = "XLA:CPU"
+    device_noun: str = "device"  # chip (TPU), GPU, device (the CPU estimate)
 
     def peak(self, program: ProgramPlan) -> int:
         """Per-device peak: every input resident (XLA leaves unused arguments out of its count, but the
-        state is in memory anyway) + outputs not written into donated inputs + temporaries."""
-        return self.resident_bytes[program.name] + program.output_bytes - program.alias_bytes + program.temp_bytes
+        state is in memory anyway; the TPU compiler counts the inputs it reads padded to its memory tiles, more
+        than their shards' bytes for small arrays: the larger of the two) + outputs not written into donated
+        inputs + temporaries. A program the compiler refused for want of memory: the bytes it said it needed."""
+        resident = max(self.resident_bytes[program.name], program.argument_bytes)
+        if program.out_of_memory:
+            return max(program.out_of_memory[0], resident)
+        return resident + program.output_bytes - program.alias_bytes + program.temp_bytes
 
     @property
     def peak_bytes(self) -> int:
         return max(self.peak(p) for p in self.programs)
 
+    def fits_program(self, program: ProgramPlan) -> bool:
+        """The TPU compiler refuses a program that does not fit its chip (out_of_memory) and accepts one that
+        does: its own count of what is live at once, which can be below the sum of the totals above. Where it read
+        every resident byte, its acceptance is the verdict; elsewhere (XLA:CPU, XLA:GPU, which check nothing; a
+        program that leaves part of the state unread) the peak against the device's memory is."""
+        if program.out_of_memory:
+            return False
+        compiler_checked = self.device_noun == "chip" and self.resident_bytes[program.name] <= program.argument_bytes
+        return compiler_checked or self.peak(program) <= self.hbm_bytes
+
     @property
     def fits(self) -> bool:
-        return self.peak_bytes <= self.hbm_bytes
+        return all(self.fits_program(p) for p in self.programs)
 
     def to_dict(self) -> dict:
         return {"model": self.model, "source": self.source, "num_params": self.num_params, "mesh": self.mesh,
-                "devices": self.devices, "state_bytes": self.state_bytes, "hbm_bytes": self.hbm_bytes,
+                "devices": self.devices, "target": self.target, "compiler": self.compiler,
+                "device_noun": self.device_noun,
+                "state_bytes": self.state_bytes, "hbm_bytes": self.hbm_bytes,
                 "programs": [{**dataclasses.asdict(p), "resident_bytes": self.resident_bytes[p.name],
                               "peak_bytes": self.peak(p)} for p in self.programs],
                 "model_flops": self.model_flops, "lora_r": self.config.lora_r,
@@ -294,16 +356,20 @@ def _model_flops(hf: dict, sizes, config: PPOConfig) -> Optional[dict]:
 
 
 def plan(config: PPOConfig, model: str, *, mesh_shape=None, hbm_gb: float = 80.0,
-         programs=PROGRAMS) -> Plan:
-    """Compile ``programs`` for ``model`` (preset name or checkpoint directory) on a mesh of the devices JAX
-    sees (``mesh_shape`` (data, fsdp, tensor), default: the config's mesh fields) and read their memory."""
+         programs=PROGRAMS, target=None) -> Plan:
+    """Compile ``programs`` for ``model`` (preset name or checkpoint directory) on a mesh of the target's devices
+    (``plan_targets.Target``; default: the devices JAX sees, each of ``hbm_gb`` GB) (``mesh_shape`` (data, fsdp,
+    tensor), default: the config's mesh fields) and read their memory."""
     from ppojax.parallel import sharding
     from ppojax.models import count_params
+    from ppojax.trainer import plan_targets
     model_cfg, hf, source = model_config_for(model)
-    devices = jax.device_count()
+    if target is None:
+        target = plan_targets.load_target(plan_targets.parse_target("cpu"), hbm_gb=hbm_gb)
+    devices = len(target.devices)
     data, fsdp, tensor = mesh_shape or (config.mesh_data, config.mesh_fsdp, config.mesh_tensor)
     try:
-        mesh = sharding.make_mesh(data, fsdp, tensor)
+        mesh = sharding.make_mesh(data, fsdp, tensor, devices=target.devices)
     except ValueError as err:
         raise ConfigError(f"--mesh: {err}") from err
     length = config.max_prompt_length + config.response_length
@@ -320,8 +386,10 @@ def plan(config: PPOConfig, model: str, *, mesh_shape=None, hbm_gb: float = 80.0
     num_params = count_params(nnx.eval_shape(lambda: _causal_lm(model_cfg)))
     result = Plan(model=model, source=source, num_params=num_params, mesh=dict(mesh.shape), devices=devices,
                   config=config, state_bytes=device_bytes(run.state), programs=compiled, resident_bytes=resident,
-                  model_flops=_model_flops(hf, sizes, config), hbm_bytes=hbm_gb * GB,
-                  trainable_bytes=device_bytes(run.state.params) + device_bytes(run.state.opt_state))
+                  model_flops=_model_flops(hf, sizes, config), hbm_bytes=target.hbm_bytes,
+                  trainable_bytes=device_bytes(run.state.params) + device_bytes(run.state.opt_state),
+                  target=target.spec.text, target_description=target.description, compiler=target.compiler,
+                  device_noun=target.spec.device_noun)
     return result
 
 
@@ -335,6 +403,13 @@ def _causal_lm(model_cfg):
 # --------------------------------------------------------------------------------------------------
 def _gb(n) -> str:
     return f"{n / GB:.2f}"
+
+
+def _critic(config: PPOConfig) -> str:
+    from ppojax.core.advantages import advantage_estimator
+    if not advantage_estimator(config.advantage_estimator).uses_critic:
+        return f"no value model ({config.advantage_estimator}: no critic)"
+    return "trainable value model" if config.value_head == "separate" else "value head on it"
 
 
 def format_plan(p: Plan) -> str:
@@ -351,10 +426,10 @@ def format_plan(p: Plan) -> str:
     lines = [
         f"ppojax plan: {p.model} ({p.source}), {p.num_params / 1e9:.2f} B parameters per model, precision "
         f"{c.precision}, remat {c.remat}",
-        f"  mesh ({mesh}) on {p.devices} virtual CPU device(s); rollout batch {sizes.batch_size} x (prompt "
+        f"  mesh ({mesh}) on {p.target_description or f'{p.devices} device(s)'}; rollout batch {sizes.batch_size} x (prompt "
         f"{c.max_prompt_length} + response {c.response_length}), micro-batch {sizes.micro_batch_size}, "
         f"{c.num_ppo_epochs} epoch(s)",
-        f"  models: {policy}, {'trainable value model' if c.value_head == 'separate' else 'value head on it'}, "
+        f"  models: {policy}, {_critic(c)}, "
         f"{reference}, and a reward ScoreModel of the policy's shape (in the program: a Python reward function "
         "would be a host callback)",
         f"  state {_gb(p.state_bytes)} GB per device, of which trained weights + optimizer moments "
@@ -364,25 +439,42 @@ def format_plan(p: Plan) -> str:
         f"{'peak':>8}{'compile s':>11}",
     ]
     for prog in p.programs:
+        if prog.out_of_memory:
+            needed, available = prog.out_of_memory
+            lines.append(f"  {prog.name:<16}{'refused by ' + p.compiler + ': needs ' + _gb(needed) + ' of ' + _gb(available):>60}"
+                         f"{prog.compile_seconds:>11.1f}")
+            continue
         lines.append(f"  {prog.name:<16}{_gb(prog.argument_bytes):>11}{_gb(p.resident_bytes[prog.name]):>10}"
                      f"{_gb(prog.output_bytes):>9}{_gb(prog.alias_bytes):>9}{_gb(prog.temp_bytes):>13}"
                      f"{_gb(p.peak(prog)):>8}{prog.compile_seconds:>11.1f}")
     lines.append("  (resident: every input incl. the whole TrainState, which stays in memory even where a program "
                  "does not read it; peak = resident + outputs - aliased + temporaries)")
-    if c.precision == "bfloat16":
+    if c.precision == "bfloat16" and p.compiler == "XLA:CPU":
         lines.append("  (bfloat16: compiled without hoisting XLA:CPU's float32 copies of the weights out of the loops, "
                      "copies an accelerator never makes; see NO_HOISTED_UPCASTS in ppojax/trainer/plan.py)")
     lines.append("")
     step = next((q for q in p.programs if q.name == "train_step"), None)
     if step is not None and step.flops is not None:
-        text = (f"  FLOPs per update: XLA's cost analysis {step.flops * p.devices / 1e12:.4g} TFLOP (all devices; "
+        moved = (f", {step.bytes_accessed / GB:.4g} GB read and written per device"
+                 if step.bytes_accessed is not None else "")
+        text = (f"  FLOPs per update: XLA's cost analysis {step.flops * p.devices / 1e12:.4g} TFLOP (all devices{moved}; "
                 "XLA counts each loop body once: layers scan, decode loop, epochs)")
         if p.model_flops:
             text += (f"; model-shape count (benchmarks/flops.py) {p.model_flops['total'] / 1e12:.4g} TFLOP "
                      f"(rollout {p.model_flops['rollout'] / 1e12:.4g}, update {p.model_flops['update'] / 1e12:.4g})")
         lines.append(text)
     verdict = "fits" if p.fits else "does NOT fit"
-    lines.append(f"  peak {_gb(p.peak_bytes)} GB per device: {verdict} a {p.hbm_bytes / GB:g} GB device")
+    if p.compiler == "XLA:CPU":
+        lines.append(f"  peak {_gb(p.peak_bytes)} GB per device: {verdict} a {p.hbm_bytes / GB:g} GB device")
+    else:
+        refused = [q.name for q in p.programs if q.out_of_memory]
+        accepted = [q.name for q in p.programs if p.fits_program(q) and p.peak(q) > p.hbm_bytes]
+        why = (f" ({p.compiler} refused {', '.join(refused)} for want of memory)" if refused else
+               f" ({p.compiler} accepted {', '.join(accepted)}: what it holds at once is below this sum)"
+               if accepted else "")
+        memory = "HBM" if p.device_noun == "chip" else "memory"
+        lines.append(f"  peak {_gb(p.peak_bytes)} GB ({p.peak_bytes / 2 ** 30:.2f} GiB) per {p.device_noun}: {verdict} "
+                     f"its {p.hbm_bytes / 2 ** 30:.2f} GiB of {memory}{why}")
     return "\n".join(lines)
 
 
@@ -411,6 +503,12 @@ def use_virtual_devices(n: int, precision: str = "float32") -> None:
     os.environ["XLA_FLAGS"] = flags.strip()
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", n)
+
+
+def use_host_for_tracing() -> None:
+    """A TPU target: JAX's own backend is one CPU device that traces the program (the target's compiler
+    compiles it), started before JAX starts anything else."""
+    jax.config.update("jax_platforms", "cpu")
 
 
 def parse_mesh(text: str) -> tuple[int, int, int]:

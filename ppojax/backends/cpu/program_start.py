@@ -1,5 +1,7 @@
 """What a ppojax program (the ``ppojax`` command, the benchmarks) does first, before JAX starts its backend.
 
+0. On a host without accelerators, name the CPU as JAX's platform where libtpu is installed (``absent_tpu``):
+   JAX would otherwise load libtpu and try to start a TPU backend in every process.
 1. Re-execute once with mimalloc preloaded and glibc's huge-page tunable (``host_memory``): XLA:CPU's
    per-step buffers are reused from one step to the next instead of faulted in afresh.
 2. Add the XLA:CPU options recorded as fastest for this CPU and the run's kind of matmul, if any
@@ -12,10 +14,13 @@ first JAX operation, or start Python with the environment it would set.
 from __future__ import annotations
 
 from ppojax.backends.cpu import xla_options as xla_cpu_options
+from ppojax.backends.cpu.absent_tpu import skip_absent_tpu
 from ppojax.backends.cpu.host_memory import reexec_with_huge_pages
 
 
 def start_program(precision: str = "float32") -> None:
-    """Both steps; ``precision``: the run's (``float32``, ``mixed`` or ``bfloat16``), which picks the record."""
+    """The steps in order; ``precision``: the run's (``float32``, ``mixed`` or ``bfloat16``), which picks the
+    record."""
+    skip_absent_tpu()  # first: the re-executed process inherits it
     reexec_with_huge_pages()
     xla_cpu_options.apply(precision=precision)

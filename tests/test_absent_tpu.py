@@ -1,0 +1,50 @@
+"""libtpu installed on a host without TPU chips (ppojax/backends/cpu/absent_tpu.py): JAX is told to start the CPU
+only, and only there."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ppojax.backends.cpu import absent_tpu, capabilities
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def cpu_host(monkeypatch, tmp_path):
+    monkeypatch.setattr(capabilities, "ACCELERATOR_DEVICE_FILES", (str(tmp_path / "accel[0-9]*"),))
+    monkeypatch.setattr(absent_tpu, "tpu_plugin_installed", lambda: True)
+    return tmp_path
+
+
+def test_the_cpu_is_named_only_where_libtpu_is_installed_and_no_accelerator_is_attached(cpu_host, monkeypatch):
+    environ = {}
+    assert absent_tpu.skip_absent_tpu(environ) and environ == {"JAX_PLATFORMS": "cpu"}
+    for chosen in ("tpu", "cuda", "cpu"):  # the user's choice stands
+        environ = {"JAX_PLATFORMS": chosen}
+        assert not absent_tpu.skip_absent_tpu(environ) and environ == {"JAX_PLATFORMS": chosen}
+    (cpu_host / "accel0").touch()  # a TPU VM: JAX starts the chips
+    environ = {}
+    assert not absent_tpu.skip_absent_tpu(environ) and environ == {}
+    (cpu_host / "accel0").unlink()
+    monkeypatch.setattr(absent_tpu, "tpu_plugin_installed", lambda: False)  # nothing to skip: leave JAX's default
+    environ = {}
+    assert not absent_tpu.skip_absent_tpu(environ) and environ == {}
+
+
+@pytest.mark.skipif(not absent_tpu.tpu_plugin_installed(), reason="libtpu is not installed (pip install 'ppojax[tpu]')")
+def test_a_cpu_process_does_not_load_libtpu():
+    """The suite's own processes (tests/conftest.py) and the ppojax command run JAX without libtpu mapped in."""
+    if capabilities.accelerator_host():
+        pytest.skip(f"an accelerator host: {capabilities.accelerator_host()}")
+    code = ("from ppojax.backends.cpu.absent_tpu import skip_absent_tpu\n"
+            "import jax\n"
+            "skip_absent_tpu()\n"
+            "jax.numpy.ones(2).block_until_ready()\n"
+            "print(jax.default_backend(), any('libtpu' in line for line in open('/proc/self/maps')))\n")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
+                          env={**env, "PYTHONPATH": str(REPO)})
+    assert done.stdout.split() == ["cpu", "False"], done.stderr[-2000:]

@@ -1,0 +1,162 @@
+"""Lowering bugs found before users find them: a tiny Llama's whole ``train_step`` (rollout with the KV-cache sampler,
+the reward model, the update) compiled by the TPU compiler (libtpu) for a TPU v5e slice on a data x fsdp x tensor
+mesh, without any TPU (``ppojax plan --target tpu:...``, ppojax/trainer/plan_targets.py).
+
+Skipped where libtpu is not installed (pip install 'ppojax[tpu]').
+"""
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ppojax.trainer.plan_targets import TPU_CHIPS, tpu_compiler_installed
+
+pytestmark = pytest.mark.skipif(not tpu_compiler_installed(),
+                                reason="libtpu, the TPU compiler, is not installed: pip install 'ppojax[tpu]'")
+
+#: GQA (8 query heads over 4 kv heads) with every split axis divisible by 2, so the mesh splits every weight
+TINY = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+            num_key_value_heads=4, vocab_size=256, max_position_embeddings=64, eos_token_id=2, pad_token_id=0)
+SETTINGS = dict(batch_size=16, max_prompt_length=8, response_length=4, num_ppo_epochs=1, precision="bfloat16",
+                remat="full", stop_token="eos", gradient_accumulation_steps=2, logits_chunk_size=None)
+MESH = (2, 2, 2)  # data, fsdp, tensor over the 8 chips of a v5e-8
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_tpu")
+    (path / "config.json").write_text(json.dumps(TINY))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def target():
+    from ppojax.trainer import plan_targets
+    return plan_targets.load_target(plan_targets.parse_target("tpu:v5e:2x4"))
+
+
+@pytest.fixture(scope="module")
+def config():
+    from ppojax.trainer.config import PPOConfig
+    return PPOConfig.from_dict({**SETTINGS, "model_name_or_path": "tiny"})
+
+
+@pytest.fixture(scope="module")
+def compiled(tiny_model, target, config):
+    from ppojax.trainer import plan
+    return plan.plan(config, tiny_model, mesh_shape=MESH, target=target, programs=("train_step",))
+
+
+def test_the_slice_is_what_the_target_names(target):
+    assert len(target.devices) == 8 and {d.device_kind for d in target.devices} == {"TPU v5 lite"}
+    assert target.hbm_bytes == TPU_CHIPS["v5e"].hbm_gib * 2 ** 30 and target.compiler.startswith("libtpu")
+
+
+def test_train_step_compiles_on_a_data_fsdp_tensor_mesh(compiled):
+    (step,) = compiled.programs
+    assert step.name == "train_step" and step.out_of_memory is None
+    assert compiled.mesh == {"data": 2, "fsdp": 2, "tensor": 2} and compiled.devices == 8
+    assert step.flops > 0 and step.bytes_accessed > 0
+    assert compiled.fits and compiled.peak_bytes < compiled.hbm_bytes
+    # the state is donated: the new state is written over the old one
+    assert step.alias_bytes > 0.9 * compiled.state_bytes
+
+
+def test_memory_analysis_against_an_independent_count(compiled, tiny_model, config):
+    """The compiler's per-chip argument bytes against the state counted from the model's shapes: at least the
+    whole state over the 8 chips (no chip holds less than its share), at most the whole state (tensor and fsdp
+    split every large weight), beyond the shards' own bytes only by the TPU's tile padding."""
+    from flax import nnx
+
+    from ppojax.models import CausalLM, count_params
+    from ppojax.trainer.plan import model_config_for
+
+    model_cfg, _, _ = model_config_for(tiny_model)
+    n = count_params(nnx.eval_shape(lambda: CausalLM(model_cfg, rngs=nnx.Rngs(0))))
+    bf16 = 2
+    # TRL's layout: policy and value model (score head: D + 1 instead of the LM head, tied here) with Adam's mu
+    # and nu in the parameters' dtype, frozen reference and reward model: 8 model-sized arrays
+    whole_state = 8 * n * bf16
+    (step,) = compiled.programs
+    assert whole_state / 8 * 0.9 <= compiled.state_bytes <= whole_state * 1.1
+    assert compiled.state_bytes * 0.99 <= step.argument_bytes <= 4 * compiled.state_bytes
+
+
+def test_the_chip_memory_table_is_the_compilers(target):
+    """TPU_CHIPS' HBM is what the TPU compiler allows a program: its refusal of a larger one names it."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from ppojax.trainer.plan import out_of_memory
+
+    mesh = Mesh(np.array(target.devices[:1]), ("x",))
+    too_big = jax.ShapeDtypeStruct((20 * 2 ** 30,), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))
+    with pytest.raises(Exception) as refused:
+        jax.jit(lambda x: x * 2).lower(too_big).compile()
+    needed, available = out_of_memory(refused.value)
+    assert needed >= 80 * 2 ** 30 and available == pytest.approx(TPU_CHIPS["v5e"].hbm_gib * 2 ** 30, rel=1e-3)
+
+
+def test_the_attention_a_tpu_user_gets_is_the_one_compiled(tiny_model, target, config, monkeypatch):
+    """The plan traces on this host's CPU for the target's chips (``traced_for_target``); a user traces on the TPU
+    itself, JAX's default device there. Whatever the models choose by the device (attention's "auto": cuDNN only on
+    an NVIDIA GPU, XLA's elsewhere), both lower the same program."""
+    from ppojax.models import attention
+    from ppojax.parallel import sharding
+    from ppojax.rl.program import make_train_step
+    from ppojax.trainer.plan import abstract_run, model_config_for, traced_for_target
+
+    model_cfg, _, _ = model_config_for(tiny_model)
+    mesh = sharding.make_mesh(*MESH, devices=target.devices)
+
+    def lowered_text():
+        run = abstract_run(config, model_cfg, mesh)
+        return make_train_step(run.program, run.state_shardings).jitted.lower(run.state, run.prompts,
+                                                                              run.key).as_text()
+
+    run = abstract_run(config, model_cfg, mesh)
+    with traced_for_target(run):
+        as_planned = lowered_text()
+        assert attention.resolve_implementation("auto", jnp.bfloat16, 8, 12, 12) == "xla"
+    monkeypatch.setattr(jax, "devices", lambda *args, **kwargs: list(target.devices))
+    assert jax.devices()[0].platform == "tpu"
+    assert attention.resolve_implementation("auto", jnp.bfloat16, 8, 12, 12) == "xla"
+    assert lowered_text() == as_planned
+    assert "cudnn" not in as_planned and "CustomSPMDPartitioning" not in as_planned
+
+
+def test_several_slices_put_data_across_the_slices():
+    """Multi-slice: data spans the slices (their data-center network carries only the gradients' reduction)."""
+    from ppojax.parallel import sharding
+    from ppojax.trainer import plan_targets
+
+    devices = plan_targets.tpu_devices(plan_targets.parse_target("tpu:v5e:2x2:slices=2"))
+    assert len(devices) == 8 and sharding.slice_count(devices) == 2
+    mesh = sharding.make_mesh(2, 2, 2, devices=devices)
+    assert [{d.slice_index for d in mesh.devices[i].flat} for i in range(2)] == [{0}, {1}]
+    with pytest.raises(ValueError, match="must be a multiple of 2"):
+        sharding.make_mesh(1, 4, 2, devices=devices)
+
+
+def test_a_topology_libtpu_refuses_is_a_one_line_error(capsys):
+    from pathlib import Path
+
+    from ppojax.trainer.cli import main
+
+    config = Path(__file__).resolve().parents[1] / "configs/plan.yaml"
+    code = main(["plan", str(config), "--model", "llama-3.2-1b", "--target", "tpu:v5e:3x3"])
+    err = capsys.readouterr().err
+    assert code == 2 and "libtpu refused the topology 'v5e:3x3'" in err and "e.g. tpu:v5e:4x4" in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_mesh_axis_across_two_torus_sides_still_makes_a_mesh():
+    """tensor=8 on a 4x4x4 v5p is no product of the torus sides: the axis spans parts of two (a warning), not a
+    crash of jax.make_mesh."""
+    from ppojax.parallel import sharding
+    from ppojax.trainer import plan_targets
+
+    devices = plan_targets.tpu_devices(plan_targets.parse_target("tpu:v5p:4x4x4"))
+    mesh = sharding.make_mesh(1, 8, 8, devices=devices)
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 8, "tensor": 8} and len(set(mesh.devices.flat)) == 64
