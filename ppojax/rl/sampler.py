@@ -17,7 +17,10 @@ Conventions (docs/algorithm.md, "Conventions" and "Rollout" step 1):
   then top-p (1.0 = off); ``greedy`` takes the argmax.
 - with a stop token, a sequence is done after it emits it; later positions hold ``pad_token_id``. The
   decode loop exits as soon as every sequence is done (the output keeps its static shape ``[B, R]``).
-- step ``t`` (0 = the token sampled from the prefill) draws with ``jax.random.fold_in(key, t)``.
+- row ``b``'s token ``t`` (0 = the token sampled from the prefill) draws with the key
+  ``fold_in(fold_in(key, t), b)`` (:func:`row_keys`): its noise depends on the sequence and the token's place
+  only, never on the batch shape, so a sampler that decodes the rows in another schedule
+  (``ppojax.rl.continuous``) draws the same tokens.
 """
 from __future__ import annotations
 
@@ -108,6 +111,27 @@ def sample_logits(logits, key, *, temperature=1.0, top_k=0, top_p=1.0, greedy=Fa
     return first_argmax(jax.random.gumbel(key, weights.shape, weights.dtype) + weights)
 
 
+def sample_rows(logits, keys, *, temperature=1.0, top_k=0, top_p=1.0, greedy=False):
+    """Draw one token per row, each row with its own key. logits: f[B, V], keys: PRNG keys [B] -> i32[B].
+
+    Row b's token is ``jax.random.categorical(keys[b], weights[b])`` (weights: :func:`process_logits`), so it
+    does not depend on the other rows. Only the noise is drawn row by row (vmapped); the argmax stays one
+    :func:`first_argmax` over [B, V] (vmapping it would turn its fallback's ``lax.cond`` into a select that
+    always runs the slow argmax)."""
+    if greedy:
+        return first_argmax(logits)
+    weights = process_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    noise = jax.vmap(lambda k: jax.random.gumbel(k, weights.shape[-1:], weights.dtype))(keys)
+    return first_argmax(noise + weights)
+
+
+def row_keys(key, step, rows):
+    """key: a PRNG key, step: i32[] or i32[B], rows: i32[B] -> keys [B]: ``fold_in(fold_in(key, t), b)`` for
+    each row's token index t and sequence index b (the samplers' key of a sequence's t-th token)."""
+    step = jnp.broadcast_to(jnp.asarray(step, jnp.int32), jnp.shape(rows))
+    return jax.vmap(lambda t, b: jax.random.fold_in(jax.random.fold_in(key, t), b))(step, rows)
+
+
 # --------------------------------------------------------------------------------------------------
 # The model's KV cache
 # --------------------------------------------------------------------------------------------------
@@ -146,7 +170,7 @@ def generate(graphdef, params, prompt_ids, key, *, response_length, pad_token_id
 
     graphdef, params: ``nnx.split(causal_lm)``; the model is merged inside, so ``params`` may be traced.
     prompt_ids:  i32[B, P] left padded with ``pad_token_id``.
-    key:         PRNG key; step t draws with ``fold_in(key, t)`` (unused when ``greedy``).
+    key:         PRNG key; row b's token t draws with ``fold_in(fold_in(key, t), b)`` (unused when ``greedy``).
     temperature: float or f32 scalar (may be traced).
     Static options: response_length R, pad_token_id, top_k (0 = off), top_p (1.0 = off), greedy,
     stop_token_id (None = never stop), cache_dtype (default: the model's compute dtype),
@@ -158,8 +182,9 @@ def generate(graphdef, params, prompt_ids, key, *, response_length, pad_token_id
     batch, prompt_length = prompt_ids.shape
     if response_length < 1:
         raise ValueError(f"response_length={response_length}; expected >= 1")
-    sample = functools.partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p,
+    sample = functools.partial(sample_rows, temperature=temperature, top_k=top_k, top_p=top_p,
                                greedy=greedy)
+    rows = jnp.arange(batch, dtype=jnp.int32)
     init_cache_fn = init_cache_fn or _init_cache
     pad = jnp.asarray(pad_token_id, jnp.int32)
 
@@ -170,7 +195,7 @@ def generate(graphdef, params, prompt_ids, key, *, response_length, pad_token_id
     input_ids, attention_mask, position_ids = sequence_inputs(prompt_ids, pad_token_id)
     hidden, cache = model(input_ids, attention_mask, position_ids, cache=cache)
     logits = model.logits(hidden[:, -1:])[:, 0]
-    token = sample(logits, jax.random.fold_in(key, 0))
+    token = sample(logits, row_keys(key, 0, rows))
     done = jnp.zeros((batch,), bool)
     if stop_token_id is not None:
         done = token == stop_token_id
@@ -189,7 +214,7 @@ def generate(graphdef, params, prompt_ids, key, *, response_length, pad_token_id
         step, cache, responses, logprobs, token, done, next_position = carry
         # Feed the token sampled at step-1, get the distribution of step `step`.
         logits, cache, live = decode_step(graphdef, params, cache, token, next_position, pad_token_id)
-        new = sample(logits, jax.random.fold_in(key, step))
+        new = sample(logits, row_keys(key, step, rows))
         new = jnp.where(done, pad, new)
         if stop_token_id is not None:
             done = done | (new == stop_token_id)
