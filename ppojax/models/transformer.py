@@ -28,6 +28,7 @@ slot; a 16-bit cache may hold the uint16 bits of its keys and values where the k
 cache writes its S tokens at slots `[index, index + S)`, marks them valid where
 `attention_mask`, lets query slot `index + s` attend to valid slots `<= index + s`, and returns `index + S`.
 Prefill = the whole left-padded prompt on an empty cache; decode = S = 1 calls. Static shapes, jit-friendly.
+`index` may also be i32[B], one per row (each row writes at its own slot; `write_slots`).
 """
 
 from __future__ import annotations
@@ -155,7 +156,8 @@ class KVCache:
 
     keys, values: [L, B, T, K, hd] (compute dtype, or a 16-bit dtype's uint16 bits, named by `bits_of`);
     key_mask: bool[B, T] (True = slot holds a real token);
-    index: i32[] (next slot to write; the same for every row, rows are left-padded).
+    index: i32[] (next slot to write; the same for every row, rows are left-padded), or i32[B] (each row's
+    own next slot: rows holding sequences started at different times, `ppojax.rl.continuous`).
     """
 
     keys: Array
@@ -189,6 +191,24 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_length: int, dtype=jnp.flo
         index=jnp.zeros((), jnp.int32),
         bits_of=jnp.dtype(dtype).name if bits else None,
     )
+
+
+def write_slots(stack: Array, new: Array, layer_idx, index: Array) -> Array:
+    """`stack` with `new` written at slot `index` of its length axis, in layer `layer_idx` when not None.
+
+    With a layer: stack [L, B, T, ...], new [1, B, S, ...]; without: stack [B, T, ...], new [B, S, ...] (the key
+    mask). index: i32[] (every row writes at the same slot: one dynamic_update_slice) or i32[B] (each row at
+    its own slot, as the continuous-batching sampler's slots, each at its own point of its sequence)."""
+    lead = () if layer_idx is None else (layer_idx,)
+    axis = len(lead)  # the batch axis
+    tail = (0,) * (stack.ndim - axis - 2)
+    if jnp.ndim(index) == 0:
+        return jax.lax.dynamic_update_slice(stack, new, (*lead, 0, index, *tail))
+
+    def write_row(row_stack, row_new, row_index):
+        return jax.lax.dynamic_update_slice(row_stack, row_new, (*lead, row_index, *tail))
+
+    return jax.vmap(write_row, in_axes=(axis, axis, 0), out_axes=axis)(stack, new, index)
 
 
 # ------------------------------------------------------------------------------------------------ one layer
@@ -243,7 +263,8 @@ def _block(cfg: ModelConfig, dtype, inv_freq, p: dict, x: Array, positions: Arra
     """One transformer layer on `x: [B, S, D]` with this layer's weights `p` (no `layers` axis).
 
     `mask: bool[B, S, T]`. With `kv = (keys, values)` (the whole stacked cache `[L, B, T, K, hd]`), the new keys and
-    values are written at `[layer_idx, :, cache_index:cache_index+S]` and attention reads that layer's slots.
+    values are written at `[layer_idx, :, cache_index:cache_index+S]` (`cache_index` i32[] or, one per row,
+    i32[B]: `write_slots`) and attention reads that layer's slots.
     `attn_kwargs`: the static implementation and the mask hints of `attention.attention`. `lora_scale`: alpha / r
     of the LoRA adapters some projections carry (`lora.py`; None without adapters). `cache_bits_of`: the
     cache's `bits_of` (its keys and values are that 16-bit dtype's uint16 bits), else None. `kernels`: the
@@ -269,11 +290,10 @@ def _block(cfg: ModelConfig, dtype, inv_freq, p: dict, x: Array, positions: Arra
         k = apply_rope(k, positions, inv_freq)
     if kv is not None:
         all_k, all_v = kv
-        start = (layer_idx, 0, cache_index, 0, 0)
 
         def write(stack, new):
             new = new[None].astype(cache_bits_of or stack.dtype)
-            return jax.lax.dynamic_update_slice(stack, to_bits(new) if cache_bits_of else new, start)
+            return write_slots(stack, to_bits(new) if cache_bits_of else new, layer_idx, cache_index)
 
         def read(stack):
             layer = jax.lax.dynamic_index_in_dim(stack, layer_idx, 0, keepdims=False)
@@ -484,12 +504,13 @@ class Backbone(nnx.Module):
                 attn_kwargs["window"] = cfg.sliding_window
         else:
             index = cache.index
-            key_mask = jax.lax.dynamic_update_slice(cache.key_mask, attention_mask, (0, index))
-            q_slot = index + jnp.arange(s)
+            key_mask = write_slots(cache.key_mask, attention_mask, None, index)
+            q_slot = index[..., None] + jnp.arange(s)  # [S], or [B, S] with one index per row
             k_slot = jnp.arange(cache.max_length)
-        mask = key_mask[:, None, :] & (k_slot[None, None, :] <= q_slot[None, :, None])
+        q_slot = q_slot.reshape(-1, s)[:, :, None]  # [1 or B, S, 1]
+        mask = key_mask[:, None, :] & (k_slot[None, None, :] <= q_slot)
         if sliding.any():
-            window_mask = mask & (k_slot[None, None, :] > q_slot[None, :, None] - cfg.sliding_window)
+            window_mask = mask & (k_slot[None, None, :] > q_slot - cfg.sliding_window)
 
         inv_freq = rope_inv_freq(cfg) if cfg.position_embedding == "rope" else None
         layers = nnx.to_pure_dict(nnx.state(self.layers))

@@ -1,0 +1,164 @@
+"""Continuous batching inside the compiled decode loop: ``S`` slots decode the ``B`` sequences of a batch.
+
+:func:`ppojax.rl.sampler.generate` decodes every row until the LAST row is done: its decode work is
+``B x (longest response)``. :func:`generate_continuous` keeps ``S < B`` slots, each holding one sequence at a
+time: when a slot's sequence ends (its stop token, or ``response_length`` tokens), the next waiting prompt of
+the batch (in order) is prefilled into that slot. The decode work follows the SUM of the response lengths
+(about ``sum(lengths) / S`` steps of ``S`` rows) instead of ``B x max(lengths)``: it pays when the lengths are
+long-tailed (a few long responses, many short ones).
+
+One jitted program with static shapes: an outer ``lax.while_loop`` whose body decodes one token in every slot,
+then an inner ``lax.while_loop`` that prefills waiting prompts into the freed slots, one ``[1, P]`` forward
+each (zero iterations when no slot is free). The loop ends when every sequence is done.
+
+The cache. The slots share one ``KVCache`` of ``S`` rows whose ``index`` is i32[S], one write position per
+row (``ppojax.models.transformer.write_slots``): a slot's sequence starts at slot position 0 whatever the
+others are doing, so each row of the cache is laid out exactly as the padded sampler lays out that sequence's
+row (the prompt in ``[0, P)``, token ``t`` at ``P + t - 1``), the cache needs ``P + R`` positions like the
+padded sampler's, and sliding windows (counted in cache positions) see what they see there. A refill prefills
+the prompt on a fresh one-row cache and copies that row over the slot's (keys, values, key mask: nothing of
+the previous sequence survives) and sets the slot's index to ``P``. A shared index would need every new
+sequence to start at the current wall step: a cache as long as the whole schedule.
+
+Same tokens as the padded sampler. Row ``b``'s token ``t`` draws with ``fold_in(fold_in(key, t), b)``
+(``ppojax.rl.sampler.row_keys``) in both samplers, and every other input of a sequence's step (its tokens,
+positions, cache row) is the same, so each sequence gets the padded sampler's tokens, up to the float
+rounding of computing a row in a batch of another shape (one-row prefills, ``S``-row decode steps).
+
+Output: the padded sampler's layout, responses i32[B, R] in the prompts' order (pad after the stop token) and
+with ``return_logprobs`` the f32[B, R] log-probs, so everything downstream is unchanged.
+
+Sharding. Under a mesh the slot cache is sharded by rows like the padded sampler's (``init_cache_fn``), but a
+refill reads the prompt and writes the row of whichever slot is free, across shards: XLA inserts the
+communication, and a refill runs one prompt at a time for the whole mesh. Shard-local slots (each
+data-parallel shard refilling from its own rows) are not implemented.
+"""
+from __future__ import annotations
+
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ppojax.rl.forward import sequence_inputs
+from ppojax.rl.sampler import (_cache_dtype, _init_cache, decode_step, row_keys, sample_rows,
+                               token_logprobs)
+
+
+@flax.struct.dataclass
+class _Slots:
+    """The decode loop's carry. S slots, B sequences, R response tokens.
+
+    cache: KVCache of S rows, index i32[S]; row: i32[S] the sequence each slot holds (B: none left);
+    t: i32[S] the index of the token the slot samples next; token: i32[S] its last sampled token (fed next);
+    position: i32[S] that token's position (real tokens before it); live: bool[S] the slot holds an unfinished
+    sequence; next_row: i32[] the first prompt not started; responses: i32[B, R]; logprobs: f32[B, R] (f32[B, 0]
+    when not asked for); steps: i32[] decode steps run."""
+
+    cache: object
+    row: jax.Array
+    t: jax.Array
+    token: jax.Array
+    position: jax.Array
+    live: jax.Array
+    next_row: jax.Array
+    responses: jax.Array
+    logprobs: jax.Array
+    steps: jax.Array
+
+
+def generate_continuous(graphdef, params, prompt_ids, key, *, slots, response_length, pad_token_id,
+                        temperature=1.0, top_k=0, top_p=1.0, greedy=False, stop_token_id=None, cache_dtype=None,
+                        init_cache_fn=None, return_logprobs=False, return_steps=False):
+    """:func:`ppojax.rl.sampler.generate` with ``slots`` sequences decoded at a time. Pure; call it under jit.
+
+    prompt_ids: i32[B, P] left padded; key, temperature and the static options as ``generate``'s (row b's token
+    t draws with ``fold_in(fold_in(key, t), b)``). slots: S, static; more slots than rows are not needed (S is
+    capped at B). init_cache_fn builds the S-row slot cache (its index is replaced by one per row); refills use
+    a plain one-row cache. Returns what ``generate`` returns (responses i32[B, R] in the prompts' order, and
+    f32[B, R] log-probs with ``return_logprobs``); with ``return_steps`` also the decode steps the loop ran
+    (i32[], the prefills not counted): ``(out, steps)``.
+    """
+    batch, prompt_length = prompt_ids.shape
+    if response_length < 1:
+        raise ValueError(f"response_length={response_length}; expected >= 1")
+    if slots < 1:
+        raise ValueError(f"slots={slots}; expected >= 1 (or use ppojax.rl.sampler.generate)")
+    num_slots = min(slots, batch)
+    sample = functools.partial(sample_rows, temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy)
+    pad = jnp.asarray(pad_token_id, jnp.int32)
+    model = nnx.merge(graphdef, params)
+    dtype = _cache_dtype(model, params, cache_dtype)
+    max_length = prompt_length + response_length
+    cache = (init_cache_fn or _init_cache)(model, num_slots, max_length, dtype)
+    empty = jnp.zeros((num_slots,), jnp.int32)
+    state = _Slots(cache=cache.replace(index=empty), row=empty + batch, t=empty, token=empty + pad,
+                   position=empty, live=jnp.zeros((num_slots,), bool), next_row=jnp.int32(0),
+                   responses=jnp.full((batch, response_length), pad, jnp.int32),
+                   logprobs=jnp.zeros((batch, response_length if return_logprobs else 0), jnp.float32),
+                   steps=jnp.int32(0))
+
+    def finished(token, t):
+        """bool[S]: the sequence is done after sampling `token` as its token `t - 1`."""
+        done = t >= response_length
+        return done if stop_token_id is None else done | (token == stop_token_id)
+
+    def record(state, rows, t, token, logits):
+        """Write each slot's token t into its sequence's row (rows == B: dropped)."""
+        responses = state.responses.at[rows, t].set(token, mode="drop")
+        logprobs = state.logprobs
+        if return_logprobs:
+            logprobs = logprobs.at[rows, t].set(token_logprobs(logits, token, temperature), mode="drop")
+        return state.replace(responses=responses, logprobs=logprobs)
+
+    def refill_one(state):
+        """Prefill the next waiting prompt into the first free slot and sample its token 0."""
+        slot = jnp.argmax(~state.live).astype(jnp.int32)
+        b = state.next_row
+        prompt = jax.lax.dynamic_slice_in_dim(prompt_ids, b, 1, axis=0)  # [1, P]
+        one = _init_cache(model, 1, max_length, dtype)
+        input_ids, attention_mask, position_ids = sequence_inputs(prompt, pad_token_id)
+        hidden, one = model(input_ids, attention_mask, position_ids, cache=one)
+        logits = model.logits(hidden[:, -1:])[:, 0]  # [1, V]
+        token = sample(logits, row_keys(key, 0, b[None]))  # [1]
+        state = record(state, b[None], jnp.zeros((1,), jnp.int32), token, logits)
+        c = state.cache
+        cache = c.replace(
+            keys=jax.lax.dynamic_update_slice_in_dim(c.keys, one.keys.astype(c.keys.dtype), slot, axis=1),
+            values=jax.lax.dynamic_update_slice_in_dim(c.values, one.values.astype(c.values.dtype), slot, axis=1),
+            key_mask=jax.lax.dynamic_update_slice_in_dim(c.key_mask, one.key_mask, slot, axis=0),
+            index=c.index.at[slot].set(prompt_length))
+        one_t = jnp.ones((1,), jnp.int32)
+        return state.replace(
+            cache=cache, row=state.row.at[slot].set(b), t=state.t.at[slot].set(1),
+            token=state.token.at[slot].set(token[0]),
+            position=state.position.at[slot].set(jnp.sum(attention_mask, dtype=jnp.int32)),
+            live=state.live.at[slot].set(~finished(token, one_t)[0]), next_row=b + 1)
+
+    def refill(state):
+        """Fill the free slots with waiting prompts (a sequence done at its token 0 frees its slot again)."""
+        return jax.lax.while_loop(lambda s: jnp.any(~s.live) & (s.next_row < batch), refill_one, state)
+
+    def decode(state):
+        """One token in every slot (a free slot's row is computed and thrown away), then refill."""
+        fed = jnp.where(state.live, state.token, pad)
+        logits, cache, fed_live = decode_step(graphdef, params, state.cache, fed, state.position, pad_token_id)
+        token = jnp.where(state.live, sample(logits, row_keys(key, state.t, state.row)), pad)
+        state = record(state, jnp.where(state.live, state.row, batch), state.t, token, logits)
+        t = state.t + 1
+        state = state.replace(cache=cache, t=t, token=token, position=state.position + fed_live.astype(jnp.int32),
+                              live=state.live & ~finished(token, t), steps=state.steps + 1)
+        return refill(state)
+
+    state = jax.lax.while_loop(lambda s: jnp.any(s.live), decode, refill(state))
+    out = (state.responses, state.logprobs) if return_logprobs else state.responses
+    return (out, state.steps) if return_steps else out
+
+
+CONTINUOUS_STATIC = ("graphdef", "slots", "response_length", "pad_token_id", "top_k", "top_p", "greedy",
+                     "stop_token_id", "cache_dtype", "init_cache_fn", "return_logprobs", "return_steps")
+
+#: ``generate_continuous`` compiled: one program per (graphdef, prompt shape, static options).
+generate_continuous_jit = jax.jit(generate_continuous, static_argnames=CONTINUOUS_STATIC)
