@@ -185,3 +185,52 @@ def test_no_recompilation_for_other_prompts_and_keys(policy):
     second, _ = run_jit(params, jnp.asarray(other_prompts), jax.random.key(11))
     assert not np.array_equal(np.asarray(first), np.asarray(second))
     assert len(traces) == 1 and run_jit._cache_size() == 1
+
+
+# ------------------------------------------------------------------------------------------ in the program
+def test_a_train_step_with_rollout_slots_equals_the_padded_one(monkeypatch):
+    """Two PPO iterations of the tiny program (stop token: responses of several lengths): the same metrics and
+    parameters with 5 slots as with the padded sampler, and the slots' sampler really ran."""
+    import dataclasses
+
+    from ppojax.rl import rollout
+    from ppojax.rl.program import PPOProgram, make_train_steps
+    from ppojax.trainer.loop import step_key
+    from tests.test_train_step import init_state, prompt_blocks, tiny_program
+
+    calls = []
+    original = rollout.generate_continuous
+    monkeypatch.setattr(rollout, "generate_continuous", lambda *a, **k: calls.append(k["slots"]) or original(*a, **k))
+    padded = tiny_program(num_updates=2)
+    settings = padded.settings
+    sampling = dataclasses.replace(settings.sampling, rollout_slots=5)
+    slotted = PPOProgram(padded.actor_critic, padded.reward, dataclasses.replace(settings, sampling=sampling),
+                         padded.optimizer)
+    prompts, keys = prompt_blocks(2), jnp.stack([step_key(0, i) for i in range(2)])
+    runs = [make_train_steps(program)(init_state(program, 0), prompts, keys) for program in (padded, slotted)]
+    assert calls == [5]
+    (state_a, metrics_a), (state_b, metrics_b) = runs
+    assert (np.asarray(metrics_a["val/num_eos_tokens"]) > 0).all(), "test precondition: some responses stop early"
+    for name, value in metrics_a.items():
+        np.testing.assert_allclose(value, metrics_b[name], rtol=1e-6, atol=1e-6, err_msg=name)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), state_a.params,
+                 state_b.params)
+
+
+def test_rollout_slots_in_the_config():
+    from ppojax.errors import ConfigError
+    from ppojax.rl.settings import StepSettings
+    from ppojax.trainer.config import PPOConfig
+
+    config = PPOConfig(batch_size=8, rollout_slots=3)
+    assert StepSettings.from_config(config, pad_token_id=0).sampling.rollout_slots == 3
+    assert StepSettings.from_config(PPOConfig(batch_size=8), pad_token_id=0).sampling.rollout_slots == 0
+    with pytest.raises(ConfigError, match=r"rollout_slots=9 is more than the 8 rows.*at most 8"):
+        PPOConfig(batch_size=8, rollout_slots=9)
+    with pytest.raises(ConfigError, match=r"rollout_slots=-1.*>= 0"):
+        PPOConfig(rollout_slots=-1)
+    # a batch that grows with the mesh is checked when the mesh is known
+    grows = PPOConfig(per_device_train_batch_size=4, rollout_slots=8)
+    assert grows.derived(2).batch_size == 8
+    with pytest.raises(ConfigError, match="rollout_slots=8"):
+        grows.derived(1)

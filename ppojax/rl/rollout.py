@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from ppojax.parallel import sharding
 from ppojax.rl import placement
+from ppojax.rl.continuous import generate_continuous
 from ppojax.rl.sampler import generate
 from ppojax.core.masks import INVALID_LOGPROB, contains_stop_token, response_masks, truncate_response
 from ppojax.core.shaping import apply_missing_eos_penalty
@@ -53,18 +54,22 @@ def sample(program, state, prompts, key):
 def _sample_policy(policy_graphdef, policy_params, queries, key, sampling, temperature, *, greedy=False, mesh=None,
                    return_logprobs=False):
     """queries i32[B, P] -> query_responses i32[B, P+R] (and the sampled tokens' log-probs f32[B, R] with
-    ``return_logprobs``). On a mesh, the weights are read under ``GENERATE_RULES`` (gathered over fsdp once for
-    the whole decode loop) and the KV cache is sharded by rows."""
+    ``return_logprobs``). ``sampling.rollout_slots`` > 0 decodes with continuous batching (the same tokens). On a
+    mesh, the weights are read under ``GENERATE_RULES`` (gathered over fsdp once for the whole decode loop) and
+    the KV cache is sharded by rows."""
     init_cache_fn = None
     policy_params = _in_compute_dtype(policy_graphdef, policy_params)
     if mesh is not None:
         policy_params = jax.lax.with_sharding_constraint(
             policy_params, sharding.param_shardings(policy_params, mesh, sharding.GENERATE_RULES))
         init_cache_fn = placement.make_init_cache_fn(mesh)
-    responses = generate(policy_graphdef, policy_params, queries, key, response_length=sampling.response_length,
-                         pad_token_id=sampling.pad_token_id, temperature=temperature, top_k=sampling.top_k,
-                         top_p=sampling.top_p, greedy=greedy, stop_token_id=sampling.stop_token_id,
-                         init_cache_fn=init_cache_fn, return_logprobs=return_logprobs)
+    decode = generate
+    if sampling.rollout_slots:  # continuous batching: S slots refilled from the waiting rows
+        decode = functools.partial(generate_continuous, slots=sampling.rollout_slots)
+    responses = decode(policy_graphdef, policy_params, queries, key, response_length=sampling.response_length,
+                       pad_token_id=sampling.pad_token_id, temperature=temperature, top_k=sampling.top_k,
+                       top_p=sampling.top_p, greedy=greedy, stop_token_id=sampling.stop_token_id,
+                       init_cache_fn=init_cache_fn, return_logprobs=return_logprobs)
     if return_logprobs:
         responses, logprobs = responses
         return jnp.concatenate([queries.astype(jnp.int32), responses], axis=1), logprobs

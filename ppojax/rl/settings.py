@@ -36,7 +36,8 @@ class SamplingSettings:
     response_length: tokens sampled per prompt; temperature / top_k / top_p: the sampling distribution (0 and
     1.0 are off); num_generations: samples per prompt (consecutive rows); behaviour_logprobs: 'forward' (a
     policy forward computes them) or 'sampler' (the decode loop's). stop_token_id: a response ends after it
-    (None: never); eos_token_id: counted in the metrics."""
+    (None: never); eos_token_id: counted in the metrics. rollout_slots: 0 decodes all rows together
+    (``ppojax.rl.sampler.generate``), S > 0 S sequences at a time (``ppojax.rl.continuous``)."""
 
     response_length: int
     pad_token_id: int
@@ -47,6 +48,7 @@ class SamplingSettings:
     top_p: float = 1.0
     num_generations: int = 1
     behaviour_logprobs: str = "forward"
+    rollout_slots: int = 0
 
 
 @dataclass(frozen=True)
@@ -173,7 +175,8 @@ class StepSettings:
         sampling = SamplingSettings(
             response_length=c.response_length, pad_token_id=pad_token_id, stop_token_id=stop_token_id,
             eos_token_id=eos_token_id, temperature=c.temperature, top_k=c.top_k, top_p=c.top_p,
-            num_generations=c.num_generations, behaviour_logprobs=c.behaviour_logprobs)
+            num_generations=c.num_generations, behaviour_logprobs=c.behaviour_logprobs,
+            rollout_slots=c.rollout_slots)
         algorithm = AlgorithmSettings(
             advantage_estimator=c.advantage_estimator, gamma=c.gamma, lam=c.lam, num_generations=c.num_generations,
             scale_rewards=c.scale_rewards, normalize_advantages=c.normalize_advantages, kl_estimator=c.kl_estimator,

@@ -429,6 +429,11 @@ class PPOConfig:
     """'eos': stop at the tokenizer's eos token; None: no stop token unless stop_token_id is set."""
     stop_token_id: Optional[int] = setting(None, static=True, on_resume=MAY_CHANGE, rule=at_least(0))
     """Token id that ends a response (instead of stop_token; must be in the vocabulary, not the pad id)."""
+    rollout_slots: int = setting(0, static=True, on_resume=MAY_CHANGE, rule=at_least(0))
+    """0: the rollout decodes all rows together until the longest response is done. S >= 1 (at most the
+    batch_size): continuous batching, S sequences decoded at a time, each finished one replaced by the next
+    waiting prompt, so the decode work follows the sum of the response lengths instead of batch x the longest.
+    Same tokens for the same seed; pays when a few responses run much longer than most (docs/algorithm.md)."""
 
     # ---- logging, samples, checkpoints ----
     logging_steps: int = setting(1, static=False, on_resume=IGNORED, rule=Rule(
@@ -519,8 +524,11 @@ class PPOConfig:
 
         return StaticSettings(**{name: hashable(getattr(self, name)) for name in STATIC_FIELDS})
 
-    def derived(self, data_parallel_size: int = 1) -> "DerivedSizes":
-        """The global batch sizes of the update structure (docs/algorithm.md, "Update structure"), checked to divide."""
+    def derived(self, data_parallel_size: int = 1, *, mesh_known: bool = True) -> "DerivedSizes":
+        """The global batch sizes of the update structure (docs/algorithm.md, "Update structure"), checked to divide.
+
+        mesh_known=False (a config checked before the devices are known): a batch_size derived from
+        per_device_train_batch_size may grow with the mesh, so rollout_slots is checked against it later."""
         batch = self.batch_size
         if batch is None:
             batch = (self.per_device_train_batch_size * self.gradient_accumulation_steps
@@ -547,6 +555,10 @@ class PPOConfig:
                 f"batch_size={batch} (samples) does not split into num_generations={groups} samples of each "
                 f"prompt{f' with the same number of prompts on each of {data_parallel_size} data-parallel devices' if data_parallel_size > 1 else ''}; "
                 f"make batch_size a multiple of {groups * data_parallel_size}.")
+        if self.rollout_slots > batch and (mesh_known or self.batch_size is not None):
+            raise ConfigError(
+                f"rollout_slots={self.rollout_slots} is more than the {batch} rows (batch_size) a rollout samples; "
+                f"set rollout_slots to at most {batch} (0: decode all rows together).")
         return DerivedSizes(batch_size=batch, mini_batch_size=mini, micro_batch_size=micro,
                             prompts_per_batch=batch // groups)
 
@@ -838,7 +850,7 @@ def _problems_together(c: PPOConfig) -> list[str]:
             f"steps, so the first one would stop the run. Set max_nonfinite_steps to more than "
             f"{steps_per_update} (e.g. {2 * steps_per_update + 1} to stop after 3 bad updates in a row).")
     try:
-        sizes = c.derived()  # divisibility on one device; the trainer re-checks with the real mesh
+        sizes = c.derived(mesh_known=False)  # divisibility on one device; the trainer re-checks with the real mesh
     except ConfigError as err:
         out.append(str(err))
         sizes = None
