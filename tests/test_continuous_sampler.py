@@ -6,7 +6,8 @@ prompts in order, inside one compiled loop.
 - the decode steps the loop runs are those of a plain Python simulation of the slot schedule;
 - a second call with other prompts and another key does not recompile;
 - the pieces: the model's per-row cache index (``write_slots``), per-row sampling keys (``sample_rows``);
-- ``rollout_slots`` in a whole train_step equals the padded sampler's step; the config refuses bad values.
+- ``rollout_slots`` in a whole train_step equals the padded sampler's step; the config refuses bad values;
+- sharded over a mesh of 8 virtual CPU devices, the slots give the one-device tokens.
 """
 import jax
 import jax.numpy as jnp
@@ -234,3 +235,43 @@ def test_rollout_slots_in_the_config():
     assert grows.derived(2).batch_size == 8
     with pytest.raises(ConfigError, match="rollout_slots=8"):
         grows.derived(1)
+
+
+SHARDED = """
+import jax, jax.numpy as jnp, numpy as np
+from ppojax.parallel import sharding as sh
+from ppojax.rl import placement
+from ppojax.rl.continuous import generate_continuous
+from ppojax.rl.sampler import generate
+import tests.sharding_helpers as H
+ac, params, _, _ = H.build_models()
+prompts = jnp.asarray(H.prompts()[:8])
+kwargs = dict(response_length=6, pad_token_id=H.PAD, temperature=1.0)
+one_device = jax.jit(lambda p, q, k: generate(ac.policy_graphdef, p, q, k, **kwargs))(
+    params["policy"], prompts, jax.random.key(0))
+mesh = sh.make_mesh(data=2, fsdp=2, tensor=2)
+sharded = jax.jit(lambda p, q, k: generate_continuous(ac.policy_graphdef, p, q, k, slots=4, **kwargs,
+                  init_cache_fn=placement.make_init_cache_fn(mesh)))(
+    sh.shard_params(params["policy"], mesh, sh.GENERATE_RULES), sh.shard_batch(prompts, mesh), jax.random.key(0))
+np.testing.assert_array_equal(np.asarray(sharded), np.asarray(one_device))
+print("SHARDED-OK")
+"""
+
+
+@pytest.mark.slow
+def test_the_slots_decode_sharded_over_a_mesh():
+    """On 8 virtual CPU devices (data 2, fsdp 2, tensor 2: the slot cache split by rows and kv heads), the slots
+    give the one-device padded sampler's tokens (the refills cross shards: XLA adds the communication)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.sharding_helpers import FAST_COMPILE_FLAGS
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(root),
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {FAST_COMPILE_FLAGS}"}
+    done = subprocess.run([sys.executable, "-c", SHARDED], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0 and "SHARDED-OK" in done.stdout, done.stderr[-3000:]
