@@ -136,7 +136,8 @@ def test_each_sequence_gets_the_padded_samplers_tokens(policy, name, slots):
     stop = OPTIONS[name].get("stop_token_id")
     lengths = lengths_of(padded, stop) if stop is not None else np.full(B, R)
     if stop is not None:
-        assert len(set(lengths.tolist())) > 2 and lengths.min() < R - 2, "test precondition: the stop token makes the lengths vary"
+        assert len(set(lengths.tolist())) > 2 and lengths.min() < R - 2, \
+            "test precondition: the stop token makes the lengths vary"
     valid = np.arange(R)[None, :] < lengths[:, None]
     np.testing.assert_allclose(np.asarray(logprobs)[valid], np.asarray(padded_logprobs)[valid], rtol=0, atol=1e-5)
     assert int(steps) == simulated_steps(lengths.tolist(), slots)
