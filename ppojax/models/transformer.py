@@ -12,8 +12,9 @@ matmuls themselves run on flattened 2-D operands (see `_dense_in`).
 
 Forward contract (docs/algorithm.md, "Conventions"):
 `input_ids i32[B, S]`, `attention_mask bool[B, S]` (True = real token, False = pad),
-`position_ids i32[B, S]` (exclusive cumulative sum of the mask for left-padded rows; `position_ids_from_mask`).
-Pad ids are replaced by 0 before the embedding. Attention is causal AND ignores pad keys; it runs through
+`position_ids i32[B, S]` (exclusive cumulative sum of the mask for left-padded rows; `position_ids_from_mask`),
+and optionally `segment_ids i32[B, S]` for PACKED rows (several sequences side by side in one row, each with its
+own positions): a query then attends only to keys of its own segment (no cache). Pad ids are replaced by 0 before the embedding. Attention is causal AND ignores pad keys; it runs through
 `jax.nn.dot_product_attention` (`attention.py`: cuDNN's fused kernel or XLA, `attention_implementation`). Softmax
 and norm statistics are float32 whatever the compute dtype. A query that sees no valid key (a left-pad position)
 gets a finite, meaningless output (never NaN); callers ignore pad positions.
@@ -470,19 +471,23 @@ class Backbone(nnx.Module):
             x = x + jnp.take(self.pos_embed["embedding"][...], position_ids, axis=0, mode="clip").astype(self.dtype)
         return x
 
-    def __call__(self, input_ids: Array, attention_mask: Array, position_ids: Array | None = None) -> Array:
+    def __call__(self, input_ids: Array, attention_mask: Array, position_ids: Array | None = None,
+                 segment_ids: Array | None = None) -> Array:
         """input_ids i32[B, S], attention_mask bool[B, S], position_ids i32[B, S] (default: exclusive cumsum of
-        the mask) -> hidden [B, S, D] after the final norm, in the compute dtype."""
-        return self.forward(input_ids, attention_mask, position_ids, None)[0]
+        the mask), segment_ids i32[B, S] (packed rows; None = one sequence per row) -> hidden [B, S, D] after the
+        final norm, in the compute dtype."""
+        return self.forward(input_ids, attention_mask, position_ids, None, segment_ids)[0]
 
     def forward(self, input_ids: Array, attention_mask: Array, position_ids: Array | None = None,
-                cache: KVCache | None = None) -> tuple[Array, KVCache | None]:
+                cache: KVCache | None = None, segment_ids: Array | None = None) -> tuple[Array, KVCache | None]:
         """As `__call__`, with an optional KV cache -> (hidden [B, S, D], updated cache or None).
 
         With a cache (generation), 16-bit weights and cache entries may be read as their bits (where
         `kernels.stores_bits`: `slot_storage`): differentiate a forward without one."""
         cfg = self.cfg
         attention_mask = attention_mask.astype(bool)
+        if segment_ids is not None and cache is not None:
+            raise ValueError("segment_ids (packed rows) are for forwards without a KV cache")
         if position_ids is None:
             if cache is not None:
                 raise ValueError("position_ids are required when calling the model with a KV cache")
@@ -509,6 +514,8 @@ class Backbone(nnx.Module):
             k_slot = jnp.arange(cache.max_length)
         q_slot = q_slot.reshape(-1, s)[:, :, None]  # [1 or B, S, 1]
         mask = key_mask[:, None, :] & (k_slot[None, None, :] <= q_slot)
+        if segment_ids is not None:  # packed rows: a query sees its own sequence only
+            mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
         if sliding.any():
             window_mask = mask & (k_slot[None, None, :] > q_slot - cfg.sliding_window)
 
@@ -586,8 +593,8 @@ class CausalLM(nnx.Module):
             self.lm_head = nnx.Dict(kernel=init.normal((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab")))
 
     def __call__(self, input_ids: Array, attention_mask: Array, position_ids: Array | None = None,
-                 cache: KVCache | None = None) -> tuple[Array, KVCache | None]:
-        return self.backbone.forward(input_ids, attention_mask, position_ids, cache)
+                 cache: KVCache | None = None, segment_ids: Array | None = None) -> tuple[Array, KVCache | None]:
+        return self.backbone.forward(input_ids, attention_mask, position_ids, cache, segment_ids)
 
     @property
     def kernels(self) -> Kernels:
@@ -663,8 +670,9 @@ class ScoreModel(nnx.Module):
             out = out + self.score["bias"][...].astype(jnp.float32)[0]
         return out
 
-    def __call__(self, input_ids: Array, attention_mask: Array, position_ids: Array | None = None) -> Array:
-        return self.scores(self.backbone(input_ids, attention_mask, position_ids))
+    def __call__(self, input_ids: Array, attention_mask: Array, position_ids: Array | None = None,
+                 segment_ids: Array | None = None) -> Array:
+        return self.scores(self.backbone(input_ids, attention_mask, position_ids, segment_ids))
 
 
 # ---------------------------------------------------------------------------------------- functional helpers

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ppojax.rl import forward
+from ppojax.rl.packing import next_tokens
 from ppojax.models.lora import heads, merge_lora
 
 
@@ -115,6 +116,24 @@ class ActorCritic:
         logprobs, entropy = forward.logprobs_from_hidden(policy, hidden, tokens, self.temperature,
                                                          chunk_size=logits_chunk_size, with_entropy=with_entropy)
         return logprobs, entropy, self._values_from(policy, hidden, params, query_responses, prompt_length)
+
+    def evaluate_packed(self, params, rows, *, frozen=None, logits_chunk_size=None, with_entropy=True):
+        """:meth:`evaluate` at every position of packed rows (``ppojax.rl.packing.PackedRows`` [N, S]): each
+        position's log-prob of the next token, entropy and value, f32[N, S] each (entropy None without
+        ``with_entropy``); ``packing.unpack_responses`` puts them back in the padded response layout."""
+        policy = self.policy(params, frozen)
+        hidden, _ = policy(rows.input_ids, rows.attention_mask, rows.position_ids, segment_ids=rows.segment_ids)
+        logprobs, entropy = forward.logprobs_from_hidden(policy, hidden, next_tokens(rows), self.temperature,
+                                                         chunk_size=logits_chunk_size, with_entropy=with_entropy)
+        if not self.has_critic:
+            values = jnp.zeros(hidden.shape[:2], jnp.float32)
+        elif self.has_value_head:
+            values = policy.value(hidden).astype(jnp.float32)
+        else:
+            value_model = nnx.merge(self.value_graphdef, params["value"])
+            values = value_model(rows.input_ids, rows.attention_mask, rows.position_ids,
+                                 segment_ids=rows.segment_ids).astype(jnp.float32)
+        return logprobs, entropy, values
 
     # ---- the rollout ----
     def rollout_forwards(self, params, frozen, query_responses, prompt_length, *, logits_chunk_size=None,

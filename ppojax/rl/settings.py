@@ -138,7 +138,9 @@ class BatchSettings:
     batch_size / mini_batch_size / micro_batch_size: rows per rollout / optimizer step / forward-backward.
     local_rollout_forward_batch_size: rows per rollout forward (None: all). update_logits_chunk /
     rollout_logits_chunk: response positions per float32 logits chunk in the loss and in the rollout forwards
-    (None: all at once)."""
+    (None: all at once). padding_free: the update's forwards run on packed rows (``ppojax.rl.packed_update``),
+    ``max_tokens_per_micro_batch`` tokens per device each (None: a padded micro-batch's rows); vocab_size sizes
+    their logits chunks when ``logits_chunk_size`` is None (None: ``update_logits_chunk``)."""
 
     batch_size: int
     mini_batch_size: int
@@ -147,6 +149,10 @@ class BatchSettings:
     local_rollout_forward_batch_size: Optional[int] = None
     update_logits_chunk: Optional[int] = None
     rollout_logits_chunk: Optional[int] = None
+    padding_free: bool = False
+    max_tokens_per_micro_batch: Optional[int] = None
+    logits_chunk_size: Optional[int] = None
+    vocab_size: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -195,7 +201,9 @@ class StepSettings:
             batch_size=sizes.batch_size, mini_batch_size=sizes.mini_batch_size,
             micro_batch_size=sizes.micro_batch_size, data_parallel_size=data_parallel_size,
             local_rollout_forward_batch_size=c.local_rollout_forward_batch_size,
-            update_logits_chunk=update_chunk, rollout_logits_chunk=rollout_chunk)
+            update_logits_chunk=update_chunk, rollout_logits_chunk=rollout_chunk, padding_free=c.padding_free,
+            max_tokens_per_micro_batch=c.max_tokens_per_micro_batch, logits_chunk_size=c.logits_chunk_size,
+            vocab_size=vocab_size)
         return cls(sampling, algorithm, optim, batch)
 
 

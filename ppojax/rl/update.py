@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from ppojax import core as ppo
 from ppojax.rl.optimizer import apply as apply_optimizer
+from ppojax.rl.packed_update import packed_gradients, packed_micro_batch_shape
 from ppojax.rl.types import UpdateBatch
 
 
@@ -79,6 +80,17 @@ def shaped_rewards_and_advantages(algorithm, experience, scores, kl_coef):
     return batch, metrics, kl
 
 
+def padding_metrics(batch: UpdateBatch, pad_token_id: int) -> dict:
+    """``perf/real_tokens`` (prompt and response tokens the rollout holds, i32[]) and ``perf/padding_fraction``
+    (the share of the padded [B, P+R] slots that are not: what a padded forward computes for nothing)."""
+    response_length = batch.logprobs.shape[1]
+    prompt_length = batch.query_responses.shape[1] - response_length
+    real = (jnp.sum(batch.query_responses[:, :prompt_length] != pad_token_id, dtype=jnp.int32)
+            + jnp.sum(~batch.padding_mask, dtype=jnp.int32))
+    return {"perf/real_tokens": real,
+            "perf/padding_fraction": 1.0 - real.astype(jnp.float32) / batch.query_responses.size}
+
+
 # --------------------------------------------------------------------------------------------------
 # The loss of one micro-batch
 # --------------------------------------------------------------------------------------------------
@@ -92,6 +104,14 @@ def micro_batch_loss(actor_critic, algorithm, hyperparams, params, batch: Update
     prompt_length = batch.query_responses.shape[1] - response_length
     logprobs, entropy, vpred = actor_critic.evaluate(params, batch.query_responses, prompt_length, frozen=frozen,
                                                      logits_chunk_size=logits_chunk_size)
+    return loss_of_outputs(actor_critic, algorithm, hyperparams, logprobs, entropy, vpred, batch, policy_tokens,
+                           value_tokens, rows)
+
+
+def loss_of_outputs(actor_critic, algorithm, hyperparams, logprobs, entropy, vpred, batch: UpdateBatch,
+                    policy_tokens, value_tokens, rows):
+    """The PPO loss and its diagnostics from the current parameters' outputs on ``batch``'s rows (logprobs,
+    entropy, vpred: f32[b, R], unmasked), normalised by the mini-batch's counts. Returns (loss, stats)."""
     kl_loss_fn = ppo.kl_estimator(algorithm.kl_loss_type).fn if algorithm.kl_in_loss else None
     hp = hyperparams
     loss, stats = ppo.ppo_loss(logprobs, vpred, entropy, batch, cliprange=hp.cliprange_low,
@@ -158,6 +178,8 @@ def learn(program, state, experience, key):
         lambda p, mb, pt, vt: micro_batch_loss(actor_critic, algorithm, hyperparams, p, mb, pt, vt, mini_size,
                                                state.frozen, logits_chunk),
         has_aux=True)
+    if program.settings.batch.padding_free:
+        packed_rows, packed_chunk = packed_micro_batch_shape(program.settings.batch, batch.query_responses.shape[1])
     lr = learning_rate_at(optim, hyperparams.learning_rate, state.update_count)
     nonfinite_before = state.nonfinite_total
     # Critic warm-up: during the first ``critic_warmup`` updates only the critic's parameters (and their
@@ -175,7 +197,13 @@ def learn(program, state, experience, key):
             (loss, stats), grads = grad_fn(state.params, micro, policy_tokens, value_tokens)
             return jax.tree.map(jnp.add, grad_sum, grads), stats
 
-        if optim.gradient_accumulation_steps == 1:
+        if program.settings.batch.padding_free:
+            grads, stats = packed_gradients(
+                lambda p, part, lp, ent, v: loss_of_outputs(actor_critic, algorithm, hyperparams, lp, ent, v, part,
+                                                            policy_tokens, value_tokens, mini_size),
+                actor_critic, state.params, state.frozen, mini, groups=optim.gradient_accumulation_steps,
+                rows_per_micro=packed_rows, logits_chunk_size=packed_chunk)
+        elif optim.gradient_accumulation_steps == 1:
             # No accumulator: zero-filling and adding a parameter-sized buffer costs ~3 % of a SmolLM2 update.
             (_, stats), grads = grad_fn(state.params, mini, policy_tokens, value_tokens)
             stats = jax.tree.map(lambda s: s[None], stats)  # [micro_batches=1, ...] like the scan's
@@ -215,6 +243,7 @@ def learn(program, state, experience, key):
     (state, _), stats = jax.lax.scan(epoch_step, (state, jnp.bool_(False)), epoch_keys)
     # stats leaves: [epochs, mini_batches, micro_batches]
     metrics = dict(rollout_stats)
+    metrics.update(padding_metrics(batch, actor_critic.pad_token_id))
     for short, name in ppo.UPDATE_METRIC_NAMES.items():
         if short in stats:
             metrics[name] = jnp.mean(stats[short])
@@ -224,6 +253,8 @@ def learn(program, state, experience, key):
     # TRL's val/ratio_var: the (unbiased) variance of the micro-batches' mean ratios (NaN with one).
     metrics["val/ratio_var"] = jnp.var(stats["ratio"], ddof=1) if stats["ratio"].size > 1 else jnp.float32(jnp.nan)
     metrics["policy/policykl_avg"] = jnp.mean(stats["policykl"])
+    if "packed_micro_batches" in stats:
+        metrics["perf/packed_micro_batches"] = jnp.mean(stats["packed_micro_batches"])
     metrics["ppo/skipped_steps"] = jnp.sum(stats["skipped"][..., 0])
     metrics["ppo/nonfinite_total"] = state.nonfinite_total
     metrics["lr"] = lr

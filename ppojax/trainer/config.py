@@ -298,6 +298,14 @@ class PPOConfig:
     forward over the sampled sequences, the same computation as the loss's, so the first epoch's ratio is 1)
     or 'sampler' (each token's log-prob taken from the decode loop's logits, as TRL does: no policy forward
     in the rollout when the value model is separate or there is none; the two agree to float rounding)."""
+    padding_free: bool = setting(False, static=True, on_resume=MAY_CHANGE)
+    """Run the update's forwards and backward on packed rows: each sequence's real tokens (prompt and response,
+    no padding) side by side in rows of max_prompt_length + response_length slots, attention kept within each
+    sequence, and only as many packed micro-batches as the real tokens fill. Losses, gradients and metrics are
+    the padded update's (to float rounding); only the time changes (docs/packing.md)."""
+    max_tokens_per_micro_batch: Optional[int] = setting(None, static=True, on_resume=MAY_CHANGE, rule=at_least(1))
+    """With padding_free: token slots per device per packed micro-batch (a multiple of max_prompt_length +
+    response_length; the rows it holds bound the activation memory). None: a padded micro-batch's rows."""
     logits_chunk_size: Optional[int] = setting(None, static=True, on_resume=MAY_CHANGE, rule=at_least(1))
     """Response positions per float32 logits chunk in log-prob computations (bounds [rows, chunk, vocab]
     memory). None: all positions at once when a micro-batch's logits fit in 256 MB per device, else the
@@ -826,6 +834,14 @@ def _problems_together(c: PPOConfig) -> list[str]:
         out.append(f"value_model_path={c.value_model_path!r} is set but value_head='policy' puts the value head "
                    "on the policy (the value model would be ignored); remove value_model_path or set "
                    "value_head: separate.")
+    row = c.max_prompt_length + c.response_length
+    if c.max_tokens_per_micro_batch is not None and not c.padding_free:
+        out.append(f"max_tokens_per_micro_batch={c.max_tokens_per_micro_batch} is set but padding_free is off (the "
+                   "budget sizes packed micro-batches); set padding_free: true or remove max_tokens_per_micro_batch.")
+    elif c.max_tokens_per_micro_batch is not None and c.max_tokens_per_micro_batch < row:
+        out.append(f"max_tokens_per_micro_batch={c.max_tokens_per_micro_batch} is below one packed row "
+                   f"(max_prompt_length {c.max_prompt_length} + response_length {c.response_length} = {row} slots, "
+                   f"which a single sequence may fill); set it to at least {row}, e.g. {4 * row}.")
     lora_set = [f"{n}={getattr(c, n)!r}" for n in ("lora_alpha", "lora_dropout", "lora_target_modules")
                 if getattr(c, n) != _FIELDS[n].default]
     if c.lora_r == 0 and lora_set:

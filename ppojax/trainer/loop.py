@@ -76,6 +76,8 @@ def run_updates(run, train_step, total: int, hooks: list[Hook], *, should_stop: 
         seconds, ready = end - max(dispatched, ready), end
         metrics["eps"] = run.settings.batch.batch_size / seconds
         metrics["time/step_s"] = seconds
+        if "perf/real_tokens" in metrics:  # prompt and response tokens, padding left out
+            metrics["time/real_tokens_per_s"] = metrics["perf/real_tokens"] / seconds
         history.append(metrics)
         end = StepEnd(step=update_index + 1, total=total, run=run, metrics=metrics, seconds=seconds)
         for hook in hooks:

@@ -1,0 +1,170 @@
+"""The update padded vs packed (``padding_free``) on realistic response lengths, in one run on one host.
+
+    python -m benchmarks.padding_free [--json benchmarks/runs_X/padding_free.json] [--repeats 3]
+
+For each length distribution, one rollout batch of B rows (prompt P, response limit R) is built with those
+lengths (random tokens, left-padded prompts, a stop token at each response's end) and ONE PPO update (``learn``:
+GAE with a value model, 1 epoch, 1 mini-batch of B rows, 2 micro-batches) is compiled and timed, padded and
+packed, alternating, ``--repeats`` times each; the median is reported with the padding fraction, the real tokens
+per second of the update and the compiler's temporaries (XLA:CPU's memory analysis). Distributions:
+
+- ``lognormal``: responses drawn lognormally (median R/8) with a long tail, clipped to R (so some hit it);
+- ``math_run``: the response lengths of a math run's held-out answers (``configs/math_grpo.yaml``), the
+  SmolLM2 policy's own stop-token distribution, scaled from its 64-token limit to R;
+- ``half``: every response exactly half the limit (a padding fraction near 50 %);
+- ``full``: every response at the limit (no response padding: the packing's overhead).
+
+The model is a small Llama (the tiny benchmark shape made deeper and wider) in float32, random weights.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+
+#: response lengths (tokens, the stop token included; limit 64) of SmolLM2-135M-Instruct's answers to 100 held-out
+#: arithmetic problems after a math run (configs/math_grpo.yaml, seed 0): the policy's own stop-token distribution
+MATH_RUN_LENGTHS = (
+    64, 46, 35, 36, 37, 64, 63, 64, 36, 21, 37, 64, 29, 33, 38, 64, 64, 31, 49, 31, 64, 36, 41, 35, 64, 64, 40,
+    53, 64, 19, 64, 25, 30, 64, 34, 37, 29, 36, 64, 46, 64, 28, 51, 64, 64, 28, 47, 39, 39, 37, 64, 34, 59, 64,
+    29, 32, 43, 64, 35, 38, 64, 64, 38, 38, 31, 33, 29, 24, 39, 50, 27, 32, 64, 19, 27, 49, 63, 39, 64, 33, 64,
+    29, 64, 64, 64, 34, 26, 32, 36, 19, 64, 35, 45, 64, 35, 30, 37, 44, 32, 39)
+
+P, R, B = 64, 512, 16
+MODEL = dict(model_type="llama", vocab_size=8192, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
+             num_attention_heads=6, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
+             rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+             pad_token_id=0)
+PAD, STOP = 0, 2
+
+
+def response_lengths(name: str, rng) -> np.ndarray:
+    if name == "lognormal":
+        return np.clip(rng.lognormal(np.log(R / 8), 1.0, size=B).astype(int), 1, R)
+    if name == "math_run":
+        source = np.asarray(MATH_RUN_LENGTHS)
+        return np.clip((rng.choice(source, size=B) * (R / 64)).astype(int), 1, R)
+    if name == "half":
+        return np.full(B, R // 2)
+    if name == "full":
+        return np.full(B, R)
+    raise ValueError(name)
+
+
+def experience(lengths, rng):
+    import jax.numpy as jnp
+
+    from ppojax.core.masks import INVALID_LOGPROB
+    from ppojax.rl.types import Experience
+
+    qr = rng.integers(3, MODEL["vocab_size"], size=(B, P + R))
+    pads = rng.integers(0, P // 2, size=B)
+    for i in range(B):
+        qr[i, :pads[i]] = PAD
+        qr[i, P + lengths[i] - 1] = STOP
+        qr[i, P + lengths[i]:] = PAD
+    t = np.arange(R)[None, :]
+    padding_mask = jnp.asarray(t >= lengths[:, None])
+    padding_mask_p1 = jnp.asarray(t > lengths[:, None])
+    near = -np.log(MODEL["vocab_size"]) + 0.3 * rng.normal(size=(B, R))
+    logprobs = jnp.where(padding_mask, INVALID_LOGPROB, jnp.asarray(near, jnp.float32))
+    qr = jnp.asarray(qr, jnp.int32)
+    return Experience(queries=qr[:, :P], query_responses=qr, responses=qr[:, P:], logprobs=logprobs,
+                      ref_logprobs=logprobs, values=jnp.where(padding_mask_p1, 0.0, 0.1),
+                      scores=jnp.asarray(rng.normal(size=B), jnp.float32),
+                      last_index=jnp.asarray(lengths - 1, jnp.int32), padding_mask=padding_mask,
+                      padding_mask_p1=padding_mask_p1, contains_stop=jnp.ones(B, bool),
+                      num_eos_tokens=jnp.int32(B))
+
+
+def programs():
+    from flax import nnx
+
+    from ppojax.models import CausalLM, ModelConfig, ScoreModel
+    from ppojax.rl.actor_critic import ActorCritic
+    from ppojax.rl.optimizer import make_optimizer
+    from ppojax.rl.program import PPOProgram
+    from ppojax.rl.rewards import GivenScores
+    from ppojax.rl.settings import Hyperparams, StepSettings
+    from ppojax.rl.types import init_train_state
+    from ppojax.trainer.config import PPOConfig
+
+    cfg = ModelConfig.from_hf(MODEL)
+    policy = CausalLM(cfg, rngs=nnx.Rngs(0))
+    value = ScoreModel(cfg, rngs=nnx.Rngs(1))
+    actor_critic = ActorCritic(nnx.graphdef(policy), nnx.graphdef(value), PAD, 0.7)
+    out = {}
+    for free in (False, True):
+        config = PPOConfig(batch_size=B, max_prompt_length=P, response_length=R, num_ppo_epochs=1,
+                           num_mini_batches=1, gradient_accumulation_steps=2, padding_free=free)
+        settings = StepSettings.from_config(config, pad_token_id=PAD, stop_token_id=STOP, eos_token_id=STOP,
+                                            vocab_size=cfg.vocab_size)
+        program = PPOProgram(actor_critic, GivenScores(), settings, make_optimizer())
+        params = {"policy": nnx.state(policy), "value": nnx.state(value)}
+        state = init_train_state(params, program.optimizer, hyperparams=Hyperparams.from_config(config),
+                                 frozen={"ref": nnx.state(policy), "reward": None})
+        out[free] = (program, state)
+    return out
+
+
+def measure(repeats: int) -> list:
+    import jax
+
+    from ppojax.rl.update import learn
+
+    rng = np.random.default_rng(0)
+    built = programs()
+    rows = []
+    for name in ("lognormal", "math_run", "half", "full"):
+        lengths = response_lengths(name, rng)
+        exp = experience(lengths, rng)
+        result = {"distribution": name, "response_lengths": lengths.tolist()}
+        compiled, times = {}, {False: [], True: []}
+        for free, (program, state) in built.items():
+            step = jax.jit(lambda s, e, k, program=program: learn(program, s, e, k))
+            compiled[free] = step.lower(state, exp, jax.random.key(0)).compile()
+            memory = compiled[free].memory_analysis()
+            result[f"{'packed' if free else 'padded'}_temp_bytes"] = int(memory.temp_size_in_bytes)
+        for _ in range(repeats):
+            for free, (program, state) in built.items():
+                start = time.perf_counter()
+                _, metrics = compiled[free](state, exp, jax.random.key(0))
+                jax.block_until_ready(metrics)
+                times[free].append(time.perf_counter() - start)
+        padded, packed = statistics.median(times[False]), statistics.median(times[True])
+        real = float(metrics["perf/real_tokens"])
+        result.update(padding_fraction=float(metrics["perf/padding_fraction"]), real_tokens=real,
+                      packed_micro_batches=float(metrics["perf/packed_micro_batches"]), padded_micro_batches=2,
+                      padded_s=padded, packed_s=packed, speedup=padded / packed,
+                      padded_real_tokens_per_s=real / padded, packed_real_tokens_per_s=real / packed,
+                      padded_times=times[False], packed_times=times[True])
+        print(f"{name:>10}: padding {result['padding_fraction']:.2f}  padded {padded:.2f} s  packed {packed:.2f} s "
+              f"({padded / packed:.2f}x; {result['packed_micro_batches']:.0f} packed micro-batches vs 2)", flush=True)
+        rows.append(result)
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    from ppojax.backends.cpu.program_start import start_program
+
+    start_program()
+    from benchmarks.common import machine_info
+
+    rows = measure(args.repeats)
+    out = {"machine": machine_info(), "shape": dict(prompt=P, response_limit=R, batch=B, model=MODEL),
+           "update": "learn: GAE + value model, 1 epoch, 1 mini-batch, 2 micro-batches, float32", "rows": rows}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+            f.write("\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""Packing sequences into rows without padding, for the update's forwards and backward (``padding_free``).
+
+A padded mini-batch row is ``P + R`` slots: left padding, the prompt, the response, then padding after its last
+real token. The loss reads, per response position ``t``, the hidden state at padded position ``P - 1 + t`` for
+``t <= last + 1`` (the log-prob of response token ``t`` for ``t <= last``, the value one slot further), so a
+sequence's useful SPAN is the padded positions ``[start, P + last + 1)``: from its first real prompt token to its
+last real response token. Packing copies each span, unchanged, into packed rows of the same ``P + R`` slots, several
+spans per row side by side (first-fit over the spans sorted by length), with a segment id per span: attention
+never crosses a segment, and every token keeps the input id, mask and position the padded row gave it, so each
+sequence's forward is the padded one's.
+
+    plan = plan_packing(query_responses, live_tokens, P, pad)         # where each sequence goes
+    rows = pack_rows(query_responses, plan, num_rows, pad)             # PackedRows [num_rows, P+R]
+    out  = per-position outputs of rows[j*n:(j+1)*n]                   # f32[n, P+R]
+    x    = unpack_responses(out, plan, j*n, P, R)                      # f32[M, R], 0 outside the micro-batch
+
+Shapes stay static (``num_rows`` packed rows, the worst case of one span per row); what the real lengths change
+is how many of those rows are used (``plan.num_rows``), and so how many packed micro-batches run.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from ppojax.rl.forward import sequence_inputs
+
+NO_SEGMENT = -1  # a packed slot no sequence uses
+
+
+class PackingPlan(NamedTuple):
+    """Where each of M sequences lies in the padded rows and in the packed ones.
+
+    start:    i32[M]  first padded position of its span (its first real prompt token; at most ``P - 1``).
+    length:   i32[M]  span length, ``P + live - start`` (``live`` real response tokens).
+    row:      i32[M]  the packed row holding the span.
+    offset:   i32[M]  the span's first slot in that row.
+    num_rows: i32[]   packed rows in use (rows ``[0, num_rows)``).
+    """
+
+    start: jax.Array
+    length: jax.Array
+    row: jax.Array
+    offset: jax.Array
+    num_rows: jax.Array
+
+
+class PackedRows(NamedTuple):
+    """Packed model inputs, all [N, S]: the raw tokens (log-prob targets), the model's ``input_ids``,
+    ``attention_mask`` and ``position_ids`` exactly as the padded rows gave them, and ``segment_ids`` (the
+    sequence's index in the mini-batch; ``NO_SEGMENT`` on unused slots)."""
+
+    tokens: jax.Array
+    input_ids: jax.Array
+    attention_mask: jax.Array
+    position_ids: jax.Array
+    segment_ids: jax.Array
+
+    def slice_rows(self, first, count: int) -> "PackedRows":
+        """Rows ``[first, first + count)`` (``first`` may be traced; ``count`` static)."""
+        return PackedRows(*(jax.lax.dynamic_slice_in_dim(x, first, count, axis=0) for x in self))
+
+
+def sequence_spans(query_responses, live_tokens, prompt_length: int, pad_id: int):
+    """(start i32[M], length i32[M]) of each row's span.
+
+    query_responses: i32[M, P+R]; live_tokens: i32[M], real response tokens (``last + 1``, 0 for an empty
+    response). The span always holds position ``P - 1``, whose hidden state predicts the first response token.
+    """
+    real = query_responses[:, :prompt_length] != pad_id
+    positions = jnp.arange(prompt_length, dtype=jnp.int32)
+    first_real = jnp.min(jnp.where(real, positions, prompt_length - 1), axis=-1)
+    start = first_real.astype(jnp.int32)
+    return start, (prompt_length + live_tokens.astype(jnp.int32) - start)
+
+
+def first_fit(lengths, capacity: int):
+    """First-fit decreasing: spans of ``lengths`` i32[M] (each <= ``capacity``) into rows of ``capacity`` slots.
+
+    Returns (row i32[M], offset i32[M], num_rows i32[]). Longest span first; each goes into the lowest-numbered
+    row it fits in (M rows always suffice). Ties keep the mini-batch order, so the plan is deterministic.
+    """
+    m = lengths.shape[0]
+    order = jnp.argsort(-lengths, stable=True)
+
+    def place(fill, index):
+        length = lengths[index]
+        row = jnp.argmax(fill + length <= capacity).astype(jnp.int32)  # the first row with room
+        return fill.at[row].add(length), (row, fill[row])
+
+    fill, (rows, offsets) = jax.lax.scan(place, jnp.zeros((m,), jnp.int32), order)
+    row = jnp.zeros((m,), jnp.int32).at[order].set(rows)
+    offset = jnp.zeros((m,), jnp.int32).at[order].set(offsets)
+    return row, offset, jnp.sum(fill > 0).astype(jnp.int32)
+
+
+def plan_packing(query_responses, live_tokens, prompt_length: int, pad_id: int) -> PackingPlan:
+    """The packing of M padded rows i32[M, P+R] with ``live_tokens`` i32[M] real response tokens each."""
+    start, length = sequence_spans(query_responses, live_tokens, prompt_length, pad_id)
+    row, offset, num_rows = first_fit(length, query_responses.shape[1])
+    return PackingPlan(start, length, row, offset, num_rows)
+
+
+def _span_slots(plan: PackingPlan, width: int):
+    """For every padded slot [M, S]: its packed (row, column), and whether it lies in its row's span."""
+    columns = jnp.arange(width, dtype=jnp.int32)[None, :]
+    inside = (columns >= plan.start[:, None]) & (columns < (plan.start + plan.length)[:, None])
+    packed_column = plan.offset[:, None] + columns - plan.start[:, None]
+    packed_row = jnp.broadcast_to(plan.row[:, None], inside.shape)
+    return packed_row, packed_column, inside
+
+
+def pack_rows(query_responses, plan: PackingPlan, num_rows: int, pad_id: int) -> PackedRows:
+    """The packed inputs [num_rows, S] of padded rows i32[M, S] under ``plan`` (``num_rows`` static, >= the
+    plan's rows in use)."""
+    m, width = query_responses.shape
+    input_ids, attention_mask, position_ids = sequence_inputs(query_responses, pad_id)
+    packed_row, packed_column, inside = _span_slots(plan, width)
+    target_row = jnp.where(inside, packed_row, num_rows)  # out of bounds: dropped
+
+    def scatter(values, fill):
+        empty = jnp.full((num_rows, width), fill, values.dtype)
+        return empty.at[target_row, packed_column].set(values, mode="drop", unique_indices=True)
+
+    segments = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32)[:, None], (m, width))
+    return PackedRows(tokens=scatter(query_responses.astype(jnp.int32), pad_id),
+                      input_ids=scatter(input_ids, 0), attention_mask=scatter(attention_mask, False),
+                      position_ids=scatter(position_ids, 0), segment_ids=scatter(segments, NO_SEGMENT))
+
+
+def next_tokens(rows: PackedRows):
+    """i32[N, S]: the token each packed position predicts (the next slot's; what follows a span is never read)."""
+    return jnp.concatenate([rows.tokens[:, 1:], rows.tokens[:, -1:]], axis=1)
+
+
+def unpack_responses(values, plan: PackingPlan, first_row, prompt_length: int, response_length: int):
+    """Per-position outputs of packed rows ``[first_row, first_row + n)`` -> the padded response layout.
+
+    values: f32[n, S] (position c's output: what it predicts, i.e. the log-prob of the next token, or the value
+    of the sequence so far). Returns (f32[M, R], bool[M, R]): response position t of sequence i reads packed
+    position ``P - 1 + t`` of its span; 0 and False where the span holds no such position (t > last + 1) or
+    the sequence lies in another micro-batch.
+    """
+    n = values.shape[0]
+    t = jnp.arange(response_length, dtype=jnp.int32)[None, :]
+    padded_position = prompt_length - 1 + t
+    local_row = plan.row - first_row
+    in_rows = (local_row >= 0) & (local_row < n)
+    valid = in_rows[:, None] & (padded_position < (plan.start + plan.length)[:, None])
+    column = plan.offset[:, None] + padded_position - plan.start[:, None]
+    row = jnp.broadcast_to(jnp.clip(local_row, 0, n - 1)[:, None], valid.shape)
+    gathered = values[row, jnp.clip(column, 0, values.shape[1] - 1)]
+    return jnp.where(valid, gathered, jnp.zeros((), values.dtype)), valid

@@ -1,0 +1,282 @@
+"""Packed update (``padding_free``) against the padded one.
+
+- first-fit packing against a plain Python first-fit-decreasing, and every span copied unchanged;
+- the packed forward's log-probs, entropy and values, put back in the padded layout, equal the padded forward's;
+- one whole PPO update (``learn``): every metric, the gradients (an SGD step) and the parameters after several
+  Adam steps equal the padded update's, for several length distributions, one and two micro-batches per
+  mini-batch, GAE with a value model, a value head, and GRPO without a critic (SGD steps: see below);
+- a whole ``train_step`` (sampling included) with ``padding_free`` equals the padded one on the same seed;
+- the number of packed micro-batches follows the real tokens.
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from ppojax.core.masks import INVALID_LOGPROB
+from ppojax.models import CausalLM, CausalLMWithValueHead, ScoreModel
+from ppojax.rl.actor_critic import ActorCritic
+from ppojax.rl.packing import NO_SEGMENT, first_fit, pack_rows, plan_packing, unpack_responses
+from ppojax.rl.program import PPOProgram, make_train_step
+from ppojax.rl.rewards import TracedScores
+from ppojax.rl.settings import Hyperparams, StepSettings
+from ppojax.rl.types import Experience, init_train_state
+from ppojax.rl.update import learn
+from ppojax.trainer.config import PPOConfig
+from tests.test_train_step import good_token_fraction, prompt_blocks
+from tests.tiny_setup import tiny_config
+
+P, R, B = 6, 10, 16
+PAD, STOP = 0, 1
+VOCAB = tiny_config().vocab_size
+TIGHT = dict(rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- the packing
+def python_first_fit(lengths, capacity):
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # stable: ties keep their order
+    fill, row, offset = [], [0] * len(lengths), [0] * len(lengths)
+    for i in order:
+        r = next((k for k, f in enumerate(fill) if f + lengths[i] <= capacity), None)
+        if r is None:
+            fill.append(0)
+            r = len(fill) - 1
+        row[i], offset[i] = r, fill[r]
+        fill[r] += lengths[i]
+    return row, offset, len(fill)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_first_fit_is_first_fit_decreasing(seed):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 17, size=24).tolist()
+    row, offset, num_rows = first_fit(jnp.asarray(lengths, jnp.int32), 16)
+    expected = python_first_fit(lengths, 16)
+    assert (row.tolist(), offset.tolist(), int(num_rows)) == expected
+
+
+def lengths_case(name, rng):
+    """(left pads i32[B], live response tokens i32[B]) of a named length distribution."""
+    pads = rng.integers(0, P - 1, size=B)
+    if name == "full":  # no padding at all
+        return np.zeros(B, int), np.full(B, R)
+    if name == "uniform":
+        return pads, rng.integers(0, R + 1, size=B)
+    if name == "long_tail":  # most responses short, one at the limit
+        live = np.minimum(rng.lognormal(0.5, 0.8, size=B).astype(int) + 1, R)
+        live[3] = R
+        return pads, live
+    if name == "empty_responses":
+        live = rng.integers(0, 3, size=B)
+        live[::4] = 0
+        return pads, live
+    raise ValueError(name)
+
+
+def synthetic_rows(pads, live, rng):
+    """query_responses i32[B, P+R]: left-padded prompts, responses of ``live`` tokens ending in the stop token,
+    then (untruncated, as the sampler leaves them) more tokens, some of them pad ids."""
+    qr = rng.integers(2, VOCAB, size=(B, P + R))
+    for i in range(B):
+        qr[i, :pads[i]] = PAD
+        if live[i] > 0:
+            qr[i, P + live[i] - 1] = STOP
+    qr[rng.random((B, P + R)) < 0.05] = PAD  # holes: a pad id inside a row is a masked key, as the model sees it
+    return jnp.asarray(qr, jnp.int32)
+
+
+def test_packing_copies_every_span_and_nothing_else():
+    rng = np.random.default_rng(0)
+    pads, live = lengths_case("uniform", rng)
+    qr = synthetic_rows(pads, live, rng)
+    plan = plan_packing(qr, jnp.asarray(live), P, PAD)
+    packed = pack_rows(qr, plan, B, PAD)
+    qr, seg, tokens = np.asarray(qr), np.asarray(packed.segment_ids), np.asarray(packed.tokens)
+    for i in range(B):
+        start = min(next((c for c in range(P) if qr[i, c] != PAD), P - 1), P - 1)
+        end = P + live[i]
+        r, o = int(plan.row[i]), int(plan.offset[i])
+        np.testing.assert_array_equal(tokens[r, o:o + end - start], qr[i, start:end])
+        assert (seg[r, o:o + end - start] == i).all()
+    assert (seg >= 0).sum() == sum(int(x) for x in plan.length)  # no slot written twice or left over
+    assert (seg[int(plan.num_rows):] == NO_SEGMENT).all()
+    assert int(plan.num_rows) < B  # real lengths fill fewer rows than one per sequence
+
+
+# ------------------------------------------------------------------------------------------ forwards packed
+def actor_critic_for(kind):
+    cfg = tiny_config()
+    policy_cls = CausalLMWithValueHead if kind == "value_head" else CausalLM
+    policy_def = nnx.graphdef(nnx.eval_shape(lambda: policy_cls(cfg, rngs=nnx.Rngs(0))))
+    value_def = None
+    if kind == "value_model":
+        value_def = nnx.graphdef(nnx.eval_shape(lambda: ScoreModel(cfg, rngs=nnx.Rngs(0))))
+    return ActorCritic(policy_def, value_def, PAD, 0.7, has_critic=kind != "grpo")
+
+
+def params_for(kind, seed=0):
+    cfg = tiny_config()
+    key = jax.random.key(seed)
+    policy_cls = CausalLMWithValueHead if kind == "value_head" else CausalLM
+    policy = nnx.state(policy_cls(cfg, rngs=nnx.Rngs(params=key)))
+    params = {"policy": policy}
+    if kind == "value_model":
+        params["value"] = nnx.state(ScoreModel(cfg, rngs=nnx.Rngs(params=jax.random.fold_in(key, 1))))
+    return params
+
+
+@pytest.mark.parametrize("kind", ["value_model", "value_head"])
+def test_packed_forward_equals_padded_forward(kind):
+    rng = np.random.default_rng(1)
+    pads, live = lengths_case("uniform", rng)
+    qr = synthetic_rows(pads, live, rng)
+    ac, params = actor_critic_for(kind), params_for(kind)
+    logprobs, entropy, values = jax.jit(lambda p: ac.evaluate(p, qr, P))(params)
+    plan = plan_packing(qr, jnp.asarray(live), P, PAD)
+    packed = pack_rows(qr, plan, B, PAD)
+    outputs = jax.jit(lambda p: ac.evaluate_packed(p, packed))(params)
+    (lp, valid), (ent, _), (val, _) = (unpack_responses(x, plan, 0, P, R) for x in outputs)
+    t = np.arange(R)[None, :]
+    policy_live, value_live = t < live[:, None], t <= live[:, None]
+    np.testing.assert_array_equal(np.asarray(valid), value_live)
+    np.testing.assert_allclose(np.where(policy_live, lp, 0), np.where(policy_live, logprobs, 0), **TIGHT)
+    np.testing.assert_allclose(np.where(policy_live, ent, 0), np.where(policy_live, entropy, 0), **TIGHT)
+    np.testing.assert_allclose(np.where(value_live, val, 0), np.where(value_live, values, 0), **TIGHT)
+
+
+# -------------------------------------------------------------------------------------------- the update
+def config_for(kind, accumulation, **extra):
+    options = dict(batch_size=B, response_length=R, max_prompt_length=P, learning_rate=1e-2, temperature=0.7,
+                   num_ppo_epochs=2, num_mini_batches=2, gradient_accumulation_steps=accumulation, kl_coef=0.05,
+                   cliprange_value=0.2)
+    if kind == "grpo":
+        options.update(advantage_estimator="grpo", num_generations=4, kl_coef=0.0, kl_loss_coef=0.04,
+                       loss_agg_mode="seq-mean-token-mean")
+    return PPOConfig(**{**options, **extra})
+
+
+def program_for(kind, accumulation, padding_free, optimizer, **extra):
+    config = config_for(kind, accumulation, padding_free=padding_free, **extra)
+    settings = StepSettings.from_config(config, pad_token_id=PAD, stop_token_id=STOP, eos_token_id=STOP,
+                                        vocab_size=VOCAB)
+    return PPOProgram(actor_critic_for(kind), TracedScores(good_token_fraction), settings, optimizer), config
+
+
+def experience_for(qr, live, rng, kind):
+    t = np.arange(R)[None, :]
+    padding_mask = jnp.asarray(t > live[:, None] - 1)
+    padding_mask_p1 = jnp.asarray(t > live[:, None])
+
+    def logprobs():  # near the tiny random model's own (about -log V): ratios near 1, as in a real update
+        near = -np.log(VOCAB) + 0.3 * rng.normal(size=(B, R))
+        return jnp.where(padding_mask, INVALID_LOGPROB, jnp.asarray(near, jnp.float32))
+
+    values = 0.0 if kind == "grpo" else jnp.where(padding_mask_p1, 0.0, jnp.asarray(rng.normal(size=(B, R))))
+    return Experience(
+        queries=qr[:, :P], query_responses=qr, responses=qr[:, P:], logprobs=logprobs(), ref_logprobs=logprobs(),
+        values=jnp.broadcast_to(jnp.asarray(values, jnp.float32), (B, R)),
+        scores=jnp.asarray(rng.normal(size=B), jnp.float32), last_index=jnp.asarray(live - 1, jnp.int32),
+        padding_mask=padding_mask, padding_mask_p1=padding_mask_p1, contains_stop=jnp.asarray(live > 0),
+        num_eos_tokens=jnp.int32(int((live > 0).sum())))
+
+
+def state_for(program, config, kind):
+    params = params_for(kind)
+    return init_train_state(params, program.optimizer, hyperparams=Hyperparams.from_config(config),
+                            frozen={"ref": jax.tree.map(jnp.copy, params["policy"]), "reward": None}, kl_coef=0.05)
+
+
+def run_learn(kind, accumulation, padding_free, case, optimizer, **extra):
+    rng = np.random.default_rng(7)
+    pads, live = lengths_case(case, rng)
+    qr = synthetic_rows(pads, live, rng)
+    experience = experience_for(qr, live, rng, kind)
+    program, config = program_for(kind, accumulation, padding_free, optimizer, **extra)
+    state = state_for(program, config, kind)
+    new_state, metrics = jax.jit(lambda s, e, k: learn(program, s, e, k))(state, experience, jax.random.key(3))
+    return state, new_state, metrics
+
+
+def assert_same_update(padded, packed, param_atol=1e-6):
+    (_, state_a, metrics_a), (_, state_b, metrics_b) = padded, packed
+    assert set(metrics_b) - set(metrics_a) == {"perf/packed_micro_batches"}
+    for name, value in metrics_a.items():
+        np.testing.assert_allclose(metrics_b[name], value, err_msg=name, **TIGHT)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, rtol=1e-6, atol=param_atol), state_a.params,
+                 state_b.params)
+
+
+CASES = ["full", "uniform", "long_tail", "empty_responses"]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_packed_gradient_equals_padded_gradient(case, accumulation):
+    """One SGD step (learning rate 1): the parameter change IS the gradient."""
+    sgd = optax.sgd(1.0)
+    runs = [run_learn("value_model", accumulation, free, case, sgd, num_ppo_epochs=1, num_mini_batches=1,
+                      learning_rate=1.0) for free in (False, True)]
+    (before, padded, _), (_, packed, _) = runs
+    assert_same_update(runs[0], runs[1])
+    grads = jax.tree.map(lambda a, b: b - a, before.params, padded.params)
+    assert max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(grads)) > 1e-3  # a real step was taken
+
+
+@pytest.mark.parametrize("kind,case,accumulation", [
+    ("value_model", "long_tail", 2), ("value_head", "uniform", 1), ("grpo", "long_tail", 1),
+    ("grpo", "empty_responses", 2)])
+def test_packed_update_equals_padded_update(kind, case, accumulation):
+    """Two epochs x two mini-batches of optimizer steps: every metric and the parameters. SGD, not Adam: Adam
+    divides by each gradient's own size, so float rounding of a near-zero gradient (which any change of shapes
+    brings, packed or not) may move a parameter by up to the learning rate, and the later steps then differ
+    by more than rounding."""
+    runs = [run_learn(kind, accumulation, free, case, optax.sgd(1.0)) for free in (False, True)]
+    assert_same_update(runs[0], runs[1])
+
+
+def test_packed_micro_batches_follow_the_real_tokens():
+    """Rows of P+R = 16 slots; a micro-batch of 8 rows. All full: a row per sequence, 8 rows a mini-batch (one
+    micro-batch); mostly short sequences pack into far fewer rows (still one); a budget of 2 rows runs
+    ceil(rows in use / 2)."""
+    _, _, full = run_learn("value_model", 1, True, "full", optax.sgd(1.0), max_tokens_per_micro_batch=32)
+    _, _, short = run_learn("value_model", 1, True, "empty_responses", optax.sgd(1.0),
+                            max_tokens_per_micro_batch=32)
+    assert float(full["perf/packed_micro_batches"]) == 4.0  # 8 sequences of 16 tokens: 8 rows, 2 per micro-batch
+    assert float(short["perf/packed_micro_batches"]) < 4.0
+    assert float(short["perf/padding_fraction"]) > 0.5 > float(full["perf/padding_fraction"])
+
+
+def test_config_refuses_a_budget_below_one_row():
+    with pytest.raises(Exception, match="max_tokens_per_micro_batch=10 is below one packed row"):
+        PPOConfig(max_prompt_length=6, response_length=10, padding_free=True, max_tokens_per_micro_batch=10)
+    with pytest.raises(Exception, match="padding_free is off"):
+        PPOConfig(max_tokens_per_micro_batch=1000)
+
+
+# ------------------------------------------------------------------------------------- a whole train_step
+def test_train_step_packed_equals_padded():
+    from tests.test_train_step import init_state, tiny_config_ppo  # the padded program's own fixtures
+
+    def program(padding_free):
+        settings = StepSettings.from_config(tiny_config_ppo(), pad_token_id=0, stop_token_id=1, eos_token_id=1,
+                                            num_updates=1, vocab_size=VOCAB)
+        settings = dataclasses.replace(settings, batch=dataclasses.replace(settings.batch,
+                                                                           padding_free=padding_free))
+        actor_critic = dataclasses.replace(actor_critic_for("value_model"), temperature=1.0)
+        return PPOProgram(actor_critic, TracedScores(good_token_fraction), settings, optax.sgd(1.0))
+
+    prompts = prompt_blocks(1)[0]
+    results = []
+    for free in (False, True):
+        p = program(free)
+        state = init_state(p, 0)
+        results.append(make_train_step(p)(state, prompts, jax.random.key(11)))
+    (state_a, metrics_a), (state_b, metrics_b) = results
+    assert float(metrics_a["perf/padding_fraction"]) > 0.2  # the sampled lengths vary: there is padding to skip
+    for name, value in metrics_a.items():
+        np.testing.assert_allclose(metrics_b[name], value, err_msg=name, **TIGHT)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, **TIGHT), state_a.params, state_b.params)
