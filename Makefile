@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.ppojax-installed
 
-.PHONY: demo test test-fast install bench bench-quick
+.PHONY: demo test test-fast test-plan-table install bench bench-quick
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -19,15 +19,26 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# The tests also compile for a TPU slice without one (tests/test_tpu_compile.py): libtpu, the TPU compiler (the tpu
+# extra: a 0.2 GB wheel, 0.7 GB installed).
+TPU_STAMP := $(VENV)/.ppojax-tpu-installed
+$(TPU_STAMP): $(STAMP)
+	$(PIP) install -q -e '.[tpu]'
+	touch $(TPU_STAMP)
+
 # Two workers, one test file each at a time (module fixtures are built once): XLA's compiles are single-threaded,
 # so the second core would otherwise idle through most of the suite.
-test: $(STAMP)
+test: $(TPU_STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 # The development lane (not CI's): the unit tests on the pure-XLA / optax path, no subprocesses, no C++ builds
 # (tests/conftest.py: END_TO_END_TESTS and the slow marks go to `make test`).
 test-fast: $(STAMP)
 	PPOJAX_TESTS_FAST=1 $(PY) -m pytest -q -n 2 --dist loadfile tests
+
+# docs/scaling.md's TPU plan table, its 1B rows recompiled by the TPU compiler (minutes per row; not in `make test`)
+test-plan-table: $(TPU_STAMP)
+	PPOJAX_TESTS_PLAN_TABLE=1 $(PY) -m pytest -q tests/test_plan_table.py
 
 demo: $(STAMP)
 	$(VENV)/bin/ppojax train configs/demo.yaml

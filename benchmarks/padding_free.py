@@ -1,4 +1,5 @@
-"""The update padded vs packed (``padding_free``) on realistic response lengths, in one run on one host.
+"""Padding left out: the update padded vs packed (``padding_free``) and the rollout's decode loop padded vs
+continuous batching (``rollout_slots``), on realistic response lengths, in one run on one host.
 
     python -m benchmarks.padding_free [--json benchmarks/runs_X/padding_free.json] [--repeats 3]
 
@@ -13,6 +14,12 @@ per second of the update and the compiler's temporaries (XLA:CPU's memory analys
   SmolLM2 policy's own stop-token distribution, scaled from its 64-token limit to R;
 - ``half``: every response exactly half the limit (a padding fraction near 50 %);
 - ``full``: every response at the limit (no response padding: the packing's overhead).
+
+The rollout: the sampler's decode loop (``generate``, all B rows until the longest is done) against continuous
+batching (``generate_continuous`` with B/4 slots) on the same model, whose stop token is made likely after
+any of k chosen tokens (its LM-head column is the sum of their embeddings, scaled): sampling then stops after
+each token with a fixed probability, geometric lengths with a long tail clipped at R. Both give the same tokens
+(tests/test_continuous_sampler.py); timed are the whole compiled sampler calls, and the decode steps each ran.
 
 The model is a small Llama (the tiny benchmark shape made deeper and wider) in float32, random weights.
 """
@@ -147,9 +154,71 @@ def measure(repeats: int) -> list:
     return rows
 
 
+def stop_after(policy, tokens, scale: float):
+    """``policy`` with its stop token's LM-head column set to ``scale`` x the sum of ``tokens``' embeddings: after
+    one of them the stop token is the likeliest next token."""
+    embedding = policy.backbone.embed["embedding"][...]
+    kernel = policy.lm_head["kernel"]
+    kernel.value = kernel[...].at[:, STOP].set(scale * embedding[np.asarray(tokens)].sum(axis=0))
+    return policy
+
+
+def measure_rollout(repeats: int, scale: float, chosen: int) -> dict:
+    import jax
+    from flax import nnx
+
+    from ppojax.models import CausalLM, ModelConfig
+    from ppojax.rl.continuous import generate_continuous_jit
+    from ppojax.rl.sampler import generate_jit
+
+    cfg = ModelConfig.from_hf(MODEL)
+    rng = np.random.default_rng(1)
+    policy = stop_after(CausalLM(cfg, rngs=nnx.Rngs(0)), rng.choice(np.arange(3, cfg.vocab_size), chosen,
+                                                                   replace=False), scale)
+    graphdef, params = nnx.split(policy)
+    prompts = np.asarray(rng.integers(3, cfg.vocab_size, size=(B, P)), np.int32)
+    prompts[:, :4] = PAD
+    options = dict(response_length=R, pad_token_id=PAD, stop_token_id=STOP, temperature=1.0)
+    slots = B // 4
+
+    def padded(key):
+        return generate_jit(graphdef, params, prompts, key, **options)
+
+    def continuous(key):
+        return generate_continuous_jit(graphdef, params, prompts, key, slots=slots, return_steps=True, **options)
+
+    times = {"padded": [], "continuous": []}
+    key = jax.random.key(5)
+    responses = jax.block_until_ready(padded(key))
+    (same, steps) = jax.block_until_ready(continuous(key))  # compiles both
+    for _ in range(repeats):
+        for name, fn in (("padded", padded), ("continuous", continuous)):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(key))
+            times[name].append(time.perf_counter() - start)
+    responses = np.asarray(responses)
+    stopped = responses == STOP
+    lengths = np.where(stopped.any(1), stopped.argmax(1) + 1, R)
+    padded_s, continuous_s = statistics.median(times["padded"]), statistics.median(times["continuous"])
+    result = dict(slots=slots, response_lengths=lengths.tolist(), same_tokens=bool((np.asarray(same) ==
+                  responses).all()), padded_decode_steps=int(lengths.max()), continuous_decode_steps=int(steps),
+                  response_padding_fraction=float(1 - lengths.sum() / (B * R)), padded_s=padded_s,
+                  continuous_s=continuous_s, speedup=padded_s / continuous_s,
+                  padded_tokens_per_s=float(lengths.sum() / padded_s),
+                  continuous_tokens_per_s=float(lengths.sum() / continuous_s), times=times)
+    print(f"rollout: lengths mean {lengths.mean():.0f} max {lengths.max()}; padded {padded_s:.2f} s "
+          f"({result['padded_decode_steps']} steps of {B} rows), continuous {continuous_s:.2f} s "
+          f"({result['continuous_decode_steps']} steps of {slots} rows): {padded_s / continuous_s:.2f}x", flush=True)
+    return result
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--stop-scale", type=float, default=40.0, help="how likely the stop token is made after "
+                        "its chosen tokens (the LM-head column's scale)")
+    parser.add_argument("--stop-tokens", type=int, default=128, help="tokens after which the stop token is likely")
+    parser.add_argument("--only", choices=("update", "rollout"))
     parser.add_argument("--json")
     args = parser.parse_args()
     from ppojax.backends.cpu.program_start import start_program
@@ -157,9 +226,12 @@ def main():
     start_program()
     from benchmarks.common import machine_info
 
-    rows = measure(args.repeats)
     out = {"machine": machine_info(), "shape": dict(prompt=P, response_limit=R, batch=B, model=MODEL),
-           "update": "learn: GAE + value model, 1 epoch, 1 mini-batch, 2 micro-batches, float32", "rows": rows}
+           "update": "learn: GAE + value model, 1 epoch, 1 mini-batch, 2 micro-batches, float32"}
+    if args.only != "rollout":
+        out["rows"] = measure(args.repeats)
+    if args.only != "update":
+        out["rollout"] = measure_rollout(args.repeats, args.stop_scale, args.stop_tokens)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

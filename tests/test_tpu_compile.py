@@ -60,6 +60,9 @@ def test_train_step_compiles_on_a_data_fsdp_tensor_mesh(compiled):
     assert compiled.mesh == {"data": 2, "fsdp": 2, "tensor": 2} and compiled.devices == 8
     assert step.flops > 0 and step.bytes_accessed > 0
     assert compiled.fits and compiled.peak_bytes < compiled.hbm_bytes
+    # the compiler's own peak of what is live at once: the inputs at least
+    assert step.compiler_peak_bytes >= step.argument_bytes
+    assert compiled.peak_bytes == step.compiler_peak_bytes  # train_step reads the whole state
     # the state is donated: the new state is written over the old one
     assert step.alias_bytes > 0.9 * compiled.state_bytes
 

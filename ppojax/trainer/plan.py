@@ -202,6 +202,8 @@ class ProgramPlan:
     #: the compiler refused the program for want of memory: (bytes it needed, bytes the device has); the
     #: buffer fields are then 0
     out_of_memory: Optional[tuple] = None
+    #: the compiler's own peak of the bytes live at once (None where it gives none)
+    compiler_peak_bytes: Optional[int] = None
 
     @property
     def peak_bytes(self) -> int:
@@ -252,7 +254,8 @@ def compile_program(run: AbstractRun, name: str) -> ProgramPlan:
     return ProgramPlan(name, int(memory.argument_size_in_bytes), int(memory.output_size_in_bytes),
                        int(memory.alias_size_in_bytes), int(memory.temp_size_in_bytes),
                        int(memory.generated_code_size_in_bytes), (cost or {}).get("flops"), seconds,
-                       bytes_accessed=(cost or {}).get("bytes accessed"))
+                       bytes_accessed=(cost or {}).get("bytes accessed"),
+                       compiler_peak_bytes=int(getattr(memory, "peak_memory_in_bytes", 0) or 0) or None)
 
 
 #: the TPU compiler's refusal of a program that does not fit: "... required for HLO temporaries (22.00G) exceeds
@@ -305,32 +308,26 @@ class Plan:
     device_noun: str = "device"  # chip (TPU), GPU, device (the CPU estimate)
 
     def peak(self, program: ProgramPlan) -> int:
-        """Per-device peak: every input resident (XLA leaves unused arguments out of its count, but the
-        state is in memory anyway; the TPU compiler counts the inputs it reads padded to its memory tiles, more
-        than their shards' bytes for small arrays: the larger of the two) + outputs not written into donated
-        inputs + temporaries. A program the compiler refused for want of memory: the bytes it said it needed."""
+        """Per-device peak. Where the TPU compiler gives its own peak (the bytes live at once in its buffer
+        assignment: donated inputs and temporaries share memory as their lifetimes allow), that, plus the state the
+        program does not read (in memory anyway). Elsewhere every input resident (XLA leaves unused arguments out
+        of its count; the TPU compiler counts the inputs it reads padded to its memory tiles: the larger of the two)
+        + outputs not written into donated inputs + temporaries, a bound from above. A program the compiler
+        refused for want of memory: the bytes it said it needed."""
         resident = max(self.resident_bytes[program.name], program.argument_bytes)
         if program.out_of_memory:
             return max(program.out_of_memory[0], resident)
+        if program.compiler_peak_bytes and self.device_noun == "chip":
+            return program.compiler_peak_bytes + max(0, self.resident_bytes[program.name] - program.argument_bytes)
         return resident + program.output_bytes - program.alias_bytes + program.temp_bytes
 
     @property
     def peak_bytes(self) -> int:
         return max(self.peak(p) for p in self.programs)
 
-    def fits_program(self, program: ProgramPlan) -> bool:
-        """The TPU compiler refuses a program that does not fit its chip (out_of_memory) and accepts one that
-        does: its own count of what is live at once, which can be below the sum of the totals above. Where it read
-        every resident byte, its acceptance is the verdict; elsewhere (XLA:CPU, XLA:GPU, which check nothing; a
-        program that leaves part of the state unread) the peak against the device's memory is."""
-        if program.out_of_memory:
-            return False
-        compiler_checked = self.device_noun == "chip" and self.resident_bytes[program.name] <= program.argument_bytes
-        return compiler_checked or self.peak(program) <= self.hbm_bytes
-
     @property
     def fits(self) -> bool:
-        return all(self.fits_program(p) for p in self.programs)
+        return not any(p.out_of_memory for p in self.programs) and self.peak_bytes <= self.hbm_bytes
 
     def to_dict(self) -> dict:
         return {"model": self.model, "source": self.source, "num_params": self.num_params, "mesh": self.mesh,
@@ -447,8 +444,13 @@ def format_plan(p: Plan) -> str:
         lines.append(f"  {prog.name:<16}{_gb(prog.argument_bytes):>11}{_gb(p.resident_bytes[prog.name]):>10}"
                      f"{_gb(prog.output_bytes):>9}{_gb(prog.alias_bytes):>9}{_gb(prog.temp_bytes):>13}"
                      f"{_gb(p.peak(prog)):>8}{prog.compile_seconds:>11.1f}")
-    lines.append("  (resident: every input incl. the whole TrainState, which stays in memory even where a program "
-                 "does not read it; peak = resident + outputs - aliased + temporaries)")
+    if p.device_noun == "chip":
+        lines.append("  (resident: every input incl. the whole TrainState, which stays in memory even where a program "
+                     "does not read it; peak: the TPU compiler's own peak of the bytes live at once, below resident + "
+                     "outputs - aliased + temporaries where donated inputs and temporaries share memory)")
+    else:
+        lines.append("  (resident: every input incl. the whole TrainState, which stays in memory even where a program "
+                     "does not read it; peak = resident + outputs - aliased + temporaries)")
     if c.precision == "bfloat16" and p.compiler == "XLA:CPU":
         lines.append("  (bfloat16: compiled without hoisting XLA:CPU's float32 copies of the weights out of the loops, "
                      "copies an accelerator never makes; see NO_HOISTED_UPCASTS in ppojax/trainer/plan.py)")
@@ -468,10 +470,7 @@ def format_plan(p: Plan) -> str:
         lines.append(f"  peak {_gb(p.peak_bytes)} GB per device: {verdict} a {p.hbm_bytes / GB:g} GB device")
     else:
         refused = [q.name for q in p.programs if q.out_of_memory]
-        accepted = [q.name for q in p.programs if p.fits_program(q) and p.peak(q) > p.hbm_bytes]
-        why = (f" ({p.compiler} refused {', '.join(refused)} for want of memory)" if refused else
-               f" ({p.compiler} accepted {', '.join(accepted)}: what it holds at once is below this sum)"
-               if accepted else "")
+        why = f" ({p.compiler} refused {', '.join(refused)} for want of memory)" if refused else ""
         memory = "HBM" if p.device_noun == "chip" else "memory"
         lines.append(f"  peak {_gb(p.peak_bytes)} GB ({p.peak_bytes / 2 ** 30:.2f} GiB) per {p.device_noun}: {verdict} "
                      f"its {p.hbm_bytes / 2 ** 30:.2f} GiB of {memory}{why}")

@@ -310,6 +310,15 @@ def plugin_version(plugin: str) -> str:
 
 
 def libtpu_version() -> str:
+    """The installed libtpu's version, or the library JAX loads instead (``TPU_LIBRARY_PATH`` naming another file;
+    the libtpu package itself sets the variable to its own library when imported)."""
+    import importlib.util
+
+    chosen = os.environ.get("TPU_LIBRARY_PATH")
+    package = importlib.util.find_spec("libtpu")
+    own = os.path.join(os.path.dirname(package.origin), "libtpu.so") if package and package.origin else None
+    if chosen and os.path.isfile(chosen) and (own is None or not os.path.samefile(chosen, own)):
+        return f"from {chosen}"
     try:
         return importlib.metadata.version("libtpu")
     except importlib.metadata.PackageNotFoundError:

@@ -1,0 +1,104 @@
+"""Bytes one decode step moves, as the TPU compiler counts them, against the floor: every weight read once plus
+the whole KV cache (a measurement without a TPU: run it by hand, not in the tests).
+
+    python -m benchmarks.decode_bytes [--model llama-3.2-1b] [--target tpu:v5e:1x1] [--batch 8]
+        [--prompt 512 --response 1024] [--json out.json]
+
+Compiles ONE step of the sampler's decode loop (``ppojax.rl.sampler.decode_step`` and the sampling of the next
+token), as the rollout runs it, for one chip with the config's batch rows on it: the policy in bfloat16 with its
+KV cache of ``prompt + response`` slots (donated, so written in place). Reported: XLA's cost analysis ("bytes
+accessed": reads and writes of every HLO op, fused ops counted once), the memory analysis, and the floor: the
+policy's weights (a decode step reads each one once; tied embeddings are the LM head) plus the KV cache's keys
+and values (the attention reads every slot: shapes are static). The time at the chip's HBM bandwidth follows for
+both.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+
+def measure(model: str, target_text: str, batch: int, prompt: int, response: int) -> dict:
+    from ppojax.trainer import plan, plan_targets
+
+    spec = plan_targets.parse_target(target_text)
+    if spec.is_cpu:
+        raise SystemExit("--target: a TPU target (tpu:<chip>:<topology>); the CPU's cost analysis is not the floor's")
+    plan.use_host_for_tracing()
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from ppojax.models import XLA, CausalLM, init_cache, precision_dtypes
+    from ppojax.rl.sampler import decode_step, sample_logits
+
+    target = plan_targets.load_target(spec)
+    model_cfg, _, _ = plan.model_config_for(model)
+    compute, weights = precision_dtypes("bfloat16")
+    policy = nnx.eval_shape(lambda: CausalLM(model_cfg, rngs=nnx.Rngs(0), dtype=compute, param_dtype=weights))
+    graphdef, params = nnx.split(policy)
+    length = prompt + response
+    cache = jax.eval_shape(lambda: init_cache(model_cfg, batch, length, compute, XLA))
+    mesh = Mesh(np.array(target.devices[:1]), ("chip",))
+    on_chip = NamedSharding(mesh, PartitionSpec())
+
+    def placed(tree):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on_chip), tree)
+
+    pad = model_cfg.pad_token_id if model_cfg.pad_token_id is not None else 0
+
+    def step(params, cache, token, position, key):
+        logits, cache, live = decode_step(graphdef, params, cache, token, position, pad)
+        return sample_logits(logits, key, temperature=1.0), cache, position + live.astype(jnp.int32)
+
+    rows = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=on_chip)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=on_chip)
+    jitted = jax.jit(step, donate_argnums=(1,))
+    compiled = jitted.lower(placed(params), placed(cache), rows, rows, key).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    memory = compiled.memory_analysis()
+    weight_bytes = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
+    kv_bytes = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in (cache.keys, cache.values))
+    floor = weight_bytes + kv_bytes
+    moved = float(cost["bytes accessed"])
+    bandwidth = spec.chip.hbm_gb_per_s * 1e9
+    return {"model": model, "target": spec.text, "compiler": target.compiler, "batch": batch,
+            "cache_slots": length, "bytes_accessed": moved, "weight_bytes": weight_bytes, "kv_cache_bytes": kv_bytes,
+            "floor_bytes": floor, "bytes_over_floor": moved / floor, "flops": cost.get("flops"),
+            "argument_bytes": int(memory.argument_size_in_bytes), "temp_bytes": int(memory.temp_size_in_bytes),
+            "hbm_gb_per_s": spec.chip.hbm_gb_per_s, "floor_ms": floor / bandwidth * 1e3,
+            "compiler_bytes_ms": moved / bandwidth * 1e3}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama-3.2-1b")
+    parser.add_argument("--target", default="tpu:v5e:1x1")
+    parser.add_argument("--batch", type=int, default=8, help="rows on the chip (configs/plan.yaml: 8 per device)")
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--response", type=int, default=1024)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    result = measure(args.model, args.target, args.batch, args.prompt, args.response)
+    gb = 1e9
+    print(f"{result['model']} decode step on {result['target']} ({result['compiler']}), {result['batch']} rows x "
+          f"{result['cache_slots']} cache slots:\n"
+          f"  bytes accessed (the compiler's count) {result['bytes_accessed'] / gb:.3f} GB\n"
+          f"  floor: weights {result['weight_bytes'] / gb:.3f} GB + KV cache {result['kv_cache_bytes'] / gb:.3f} GB "
+          f"= {result['floor_bytes'] / gb:.3f} GB\n"
+          f"  ratio {result['bytes_over_floor']:.3f}; at {result['hbm_gb_per_s']:g} GB/s: "
+          f"{result['compiler_bytes_ms']:.2f} ms vs the floor's {result['floor_ms']:.2f} ms")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
