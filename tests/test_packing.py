@@ -210,11 +210,8 @@ def assert_same_update(padded, packed, param_atol=1e-6):
                  state_b.params)
 
 
-CASES = ["full", "uniform", "long_tail", "empty_responses"]
-
-
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("accumulation", [1, 2])
+@pytest.mark.parametrize("case,accumulation", [("full", 2), ("uniform", 1), ("long_tail", 2),
+                                               ("empty_responses", 1)])
 def test_packed_gradient_equals_padded_gradient(case, accumulation):
     """One SGD step (learning rate 1): the parameter change IS the gradient."""
     sgd = optax.sgd(1.0)
@@ -227,8 +224,7 @@ def test_packed_gradient_equals_padded_gradient(case, accumulation):
 
 
 @pytest.mark.parametrize("kind,case,accumulation", [
-    ("value_model", "long_tail", 2), ("value_head", "uniform", 1), ("grpo", "long_tail", 1),
-    ("grpo", "empty_responses", 2)])
+    ("value_model", "long_tail", 2), ("value_head", "uniform", 1), ("grpo", "empty_responses", 2)])
 def test_packed_update_equals_padded_update(kind, case, accumulation):
     """Two epochs x two mini-batches of optimizer steps: every metric and the parameters. SGD, not Adam: Adam
     divides by each gradient's own size, so float rounding of a near-zero gradient (which any change of shapes
