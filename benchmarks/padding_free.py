@@ -5,9 +5,11 @@ continuous batching (``rollout_slots``), on realistic response lengths, in one r
 
 For each length distribution, one rollout batch of B rows (prompt P, response limit R) is built with those
 lengths (random tokens, left-padded prompts, a stop token at each response's end) and ONE PPO update (``learn``:
-GAE with a value model, 1 epoch, 1 mini-batch of B rows, 2 micro-batches) is compiled and timed, padded and
-packed, alternating, ``--repeats`` times each; the median is reported with the padding fraction, the real tokens
-per second of the update and the compiler's temporaries (XLA:CPU's memory analysis). Distributions:
+GAE with a value model, 1 epoch, 1 mini-batch of B rows, 2 padded micro-batches of B/2 rows) is compiled and
+timed: padded, packed with the default budget (micro-batches of B/2 packed rows), and packed in micro-batches of
+2 rows (``max_tokens_per_micro_batch`` = 2 rows: finer steps), in turn, ``--repeats`` times each; the median is
+reported with the padding fraction, the real tokens per second and the compiler's temporaries (XLA:CPU's memory
+analysis). Distributions:
 
 - ``lognormal``: responses drawn lognormally (median R/8) with a long tail, clipped to R (so some hit it);
 - ``math_run``: the response lengths of a math run's held-out answers (``configs/math_grpo.yaml``), the
@@ -104,16 +106,18 @@ def programs():
     value = ScoreModel(cfg, rngs=nnx.Rngs(1))
     actor_critic = ActorCritic(nnx.graphdef(policy), nnx.graphdef(value), PAD, 0.7)
     out = {}
-    for free in (False, True):
+    variants = {"padded": dict(padding_free=False), "packed": dict(padding_free=True),
+                "packed_2_rows": dict(padding_free=True, max_tokens_per_micro_batch=2 * (P + R))}
+    for variant, options in variants.items():
         config = PPOConfig(batch_size=B, max_prompt_length=P, response_length=R, num_ppo_epochs=1,
-                           num_mini_batches=1, gradient_accumulation_steps=2, padding_free=free)
+                           num_mini_batches=1, gradient_accumulation_steps=2, **options)
         settings = StepSettings.from_config(config, pad_token_id=PAD, stop_token_id=STOP, eos_token_id=STOP,
                                             vocab_size=cfg.vocab_size)
-        program = PPOProgram(actor_critic, GivenScores(), settings, make_optimizer())
+        program = PPOProgram(actor_critic, GivenScores(None), settings, make_optimizer())  # learn() reads no reward
         params = {"policy": nnx.state(policy), "value": nnx.state(value)}
         state = init_train_state(params, program.optimizer, hyperparams=Hyperparams.from_config(config),
                                  frozen={"ref": nnx.state(policy), "reward": None})
-        out[free] = (program, state)
+        out[variant] = (program, state)
     return out
 
 
@@ -129,27 +133,31 @@ def measure(repeats: int) -> list:
         lengths = response_lengths(name, rng)
         exp = experience(lengths, rng)
         result = {"distribution": name, "response_lengths": lengths.tolist()}
-        compiled, times = {}, {False: [], True: []}
-        for free, (program, state) in built.items():
+        compiled, times, metrics = {}, {variant: [] for variant in built}, {}
+        for variant, (program, state) in built.items():
             step = jax.jit(lambda s, e, k, program=program: learn(program, s, e, k))
-            compiled[free] = step.lower(state, exp, jax.random.key(0)).compile()
-            memory = compiled[free].memory_analysis()
-            result[f"{'packed' if free else 'padded'}_temp_bytes"] = int(memory.temp_size_in_bytes)
+            compiled[variant] = step.lower(state, exp, jax.random.key(0)).compile()
+            result[f"{variant}_temp_bytes"] = int(compiled[variant].memory_analysis().temp_size_in_bytes)
         for _ in range(repeats):
-            for free, (program, state) in built.items():
+            for variant, (program, state) in built.items():
                 start = time.perf_counter()
-                _, metrics = compiled[free](state, exp, jax.random.key(0))
-                jax.block_until_ready(metrics)
-                times[free].append(time.perf_counter() - start)
-        padded, packed = statistics.median(times[False]), statistics.median(times[True])
-        real = float(metrics["perf/real_tokens"])
-        result.update(padding_fraction=float(metrics["perf/padding_fraction"]), real_tokens=real,
-                      packed_micro_batches=float(metrics["perf/packed_micro_batches"]), padded_micro_batches=2,
-                      padded_s=padded, packed_s=packed, speedup=padded / packed,
-                      padded_real_tokens_per_s=real / padded, packed_real_tokens_per_s=real / packed,
-                      padded_times=times[False], packed_times=times[True])
-        print(f"{name:>10}: padding {result['padding_fraction']:.2f}  padded {padded:.2f} s  packed {packed:.2f} s "
-              f"({padded / packed:.2f}x; {result['packed_micro_batches']:.0f} packed micro-batches vs 2)", flush=True)
+                _, metrics[variant] = jax.block_until_ready(compiled[variant](state, exp, jax.random.key(0)))
+                times[variant].append(time.perf_counter() - start)
+        real = float(metrics["padded"]["perf/real_tokens"])
+        result.update(padding_fraction=float(metrics["padded"]["perf/padding_fraction"]), real_tokens=real,
+                      padded_micro_batches=2, times=times)
+        line = f"{name:>10}: padding {result['padding_fraction']:.2f}"
+        for variant in built:
+            seconds = statistics.median(times[variant])
+            result[f"{variant}_s"] = seconds
+            result[f"{variant}_real_tokens_per_s"] = real / seconds
+            line += f"  {variant} {seconds:.2f} s"
+            if variant != "padded":
+                micro = float(metrics[variant]["perf/packed_micro_batches"])
+                result[f"{variant}_micro_batches"] = micro
+                result[f"{variant}_speedup"] = result["padded_s"] / seconds
+                line += f" ({result['padded_s'] / seconds:.2f}x, {micro:.0f} micro-batches)"
+        print(line, flush=True)
         rows.append(result)
     return rows
 
