@@ -6,7 +6,9 @@
   Adam steps equal the padded update's, for several length distributions, one and two micro-batches per
   mini-batch, GAE with a value model, a value head, and GRPO without a critic (SGD steps: see below);
 - a whole ``train_step`` (sampling included) with ``padding_free`` equals the padded one on the same seed;
-- the number of packed micro-batches follows the real tokens.
+- the number of packed micro-batches follows the real tokens;
+- the rollout's forwards (behaviour and reference log-probs, values, full KL) and a reward model's scores on
+  packed rows equal the padded ones wherever the rollout keeps them, and so does a whole ``rollout.experience``.
 """
 import dataclasses
 
@@ -20,9 +22,11 @@ from flax import nnx
 from ppojax.core.masks import INVALID_LOGPROB
 from ppojax.models import CausalLM, CausalLMWithValueHead, ScoreModel
 from ppojax.rl.actor_critic import ActorCritic
-from ppojax.rl.packing import NO_SEGMENT, first_fit, pack_rows, plan_packing, unpack_responses
+from ppojax.rl.packing import NO_SEGMENT, first_fit, pack_rows, packed_layout, plan_packing, unpack_responses
+from ppojax.rl import rollout
+from ppojax.rl.packed_rollout import packed_rollout_forwards
 from ppojax.rl.program import PPOProgram, make_train_step
-from ppojax.rl.rewards import TracedScores
+from ppojax.rl.rewards import ModelScores, TracedScores
 from ppojax.rl.settings import Hyperparams, StepSettings
 from ppojax.rl.types import Experience, init_train_state
 from ppojax.rl.update import learn
@@ -138,7 +142,7 @@ def test_packed_forward_equals_padded_forward(kind):
     logprobs, entropy, values = jax.jit(lambda p: ac.evaluate(p, qr, P))(params)
     plan = plan_packing(qr, jnp.asarray(live), P, PAD)
     packed = pack_rows(qr, plan, B, PAD)
-    outputs = jax.jit(lambda p: ac.evaluate_packed(p, packed))(params)
+    outputs = jax.jit(lambda p: ac.evaluate_layout(p, packed_layout(packed)))(params)
     (lp, valid), (ent, _), (val, _) = (unpack_responses(x, plan, 0, P, R) for x in outputs)
     t = np.arange(R)[None, :]
     policy_live, value_live = t < live[:, None], t <= live[:, None]
@@ -146,6 +150,78 @@ def test_packed_forward_equals_padded_forward(kind):
     np.testing.assert_allclose(np.where(policy_live, lp, 0), np.where(policy_live, logprobs, 0), **TIGHT)
     np.testing.assert_allclose(np.where(policy_live, ent, 0), np.where(policy_live, entropy, 0), **TIGHT)
     np.testing.assert_allclose(np.where(value_live, val, 0), np.where(value_live, values, 0), **TIGHT)
+
+
+# ------------------------------------------------------------------------------------- rollout forwards packed
+def truncated(qr, live):
+    """The rollout's view: responses cut after their stop token (pad after it), as ``truncate_response`` does."""
+    t = np.arange(R)[None, :]
+    return jnp.where(jnp.asarray(np.concatenate([np.zeros((B, P), bool), t >= live[:, None]], axis=1)), PAD, qr)
+
+
+@pytest.mark.parametrize("kind,with_full_kl,sampler_logprobs,rows_per_micro", [
+    ("value_model", True, False, 4), ("value_head", False, True, 2), ("grpo", False, True, 16),
+    ("grpo", True, False, 3)])
+def test_packed_rollout_forwards_equal_padded(kind, with_full_kl, sampler_logprobs, rows_per_micro):
+    """Behaviour and reference log-probs, values and the full KL on every position the rollout keeps, with a
+    reference that differs from the policy, 1 to 8 packed micro-batches."""
+    rng = np.random.default_rng(2)
+    pads, live = lengths_case("long_tail", rng)
+    qr = synthetic_rows(pads, live, rng)
+    ac, params = actor_critic_for(kind), params_for(kind)
+    frozen = {"ref": params_for(kind, seed=5)["policy"]}
+    given = jnp.asarray(rng.normal(size=(B, R)), jnp.float32) if sampler_logprobs else None
+    padded = jax.jit(lambda p, f: ac.rollout_forwards(p, f, qr, P, with_full_kl=with_full_kl,
+                                                      behaviour_logprobs=given, logits_chunk_size=4))(params, frozen)
+    packed = jax.jit(lambda p, f: packed_rollout_forwards(
+        ac, p, f, qr, P, jnp.asarray(live), rows_per_micro=rows_per_micro, with_full_kl=with_full_kl,
+        behaviour_logprobs=given))(params, frozen)
+    t = np.arange(R)[None, :]
+    keep = {"logprobs": t < live[:, None], "ref_logprobs": t < live[:, None], "values": t <= live[:, None],
+            "full_kl": t < live[:, None]}
+    for name, a, b in zip(keep, padded, packed):
+        assert (a is None) == (b is None) == (name == "full_kl" and not with_full_kl), name
+        if a is not None:
+            np.testing.assert_allclose(np.where(keep[name], b, 0), np.where(keep[name], a, 0), err_msg=name,
+                                       **TIGHT)
+    assert float(jnp.max(jnp.abs(padded[1] - padded[0]))) > 1e-2  # the reference is not the policy
+
+
+@pytest.mark.parametrize("rows_per_micro", [1, 5, 16])
+def test_packed_reward_model_scores_equal_padded(rows_per_micro):
+    """A reward model's score of prompt + truncated response (TRL's get_reward: one before the first pad)."""
+    rng = np.random.default_rng(3)
+    pads, live = lengths_case("empty_responses", rng)
+    qr = truncated(synthetic_rows(pads, live, rng), live)
+    score_def, weights = nnx.split(ScoreModel(tiny_config(), rngs=nnx.Rngs(4)))
+    reward = ModelScores(score_def, PAD)
+    frozen = {"reward": weights}
+    padded = jax.jit(lambda f: reward.scores(f, qr[:, :P], qr[:, P:]).scores)(frozen)
+    packed = jax.jit(lambda f: reward.scores(f, qr[:, :P], qr[:, P:], packed_rows=rows_per_micro).scores)(frozen)
+    np.testing.assert_allclose(packed, padded, **TIGHT)
+    assert float(jnp.std(padded)) > 1e-3  # the scores differ from row to row
+
+
+def test_packed_experience_equals_padded_experience():
+    """``rollout.experience`` with ``padding_free`` (forwards and a reward model on packed rows, 2-row micro-batches)
+    equals the padded one, every field."""
+    rng = np.random.default_rng(4)
+    pads, live = lengths_case("uniform", rng)
+    qr = synthetic_rows(pads, live, rng)
+    score_def, weights = nnx.split(ScoreModel(tiny_config(), rngs=nnx.Rngs(6)))
+    results = []
+    for free in (False, True):
+        program, config = program_for("value_model", 1, free, optax.sgd(1.0), local_rollout_forward_batch_size=2)
+        program = dataclasses.replace(program, reward=ModelScores(score_def, PAD, 2))
+        state = state_for(program, config, "value_model")
+        state = state.replace(frozen={**state.frozen, "reward": weights})
+        results.append(jax.jit(lambda s: rollout.experience(program, s, qr, P)[0])(state))
+    padded, packed = results
+    flat_a, flat_b = jax.tree_util.tree_flatten_with_path(padded)[0], jax.tree_util.tree_flatten_with_path(packed)[0]
+    assert [path for path, _ in flat_a] == [path for path, _ in flat_b]
+    for (path, a), (_, b) in zip(flat_a, flat_b):
+        np.testing.assert_allclose(np.asarray(b, np.float64), np.asarray(a, np.float64), err_msg=str(path), **TIGHT)
+    assert float(jnp.std(padded.scores)) > 1e-3
 
 
 # -------------------------------------------------------------------------------------------- the update

@@ -34,7 +34,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ppojax.rl import forward
-from ppojax.rl.packing import next_tokens
 from ppojax.models.lora import heads, merge_lora
 
 
@@ -94,13 +93,14 @@ class ActorCritic:
             return self.policy_graphdef, params["policy"]
         return self.base_graphdef, merge_lora(frozen["base"], params["policy"], self.lora_scale)
 
-    def _values_from(self, policy, hidden, params, query_responses, prompt_length):
+    def _values_at(self, policy, hidden, params, layout):
+        """Values at ``layout``'s read positions f32[b, T]: zeros without a critic, the policy's head on its
+        ``hidden`` states, or the separate value model's own forward."""
         if not self.has_critic:
             return jnp.zeros(hidden.shape[:2], jnp.float32)
         if self.has_value_head:
             return policy.value(hidden).astype(jnp.float32)
-        value_model = nnx.merge(self.value_graphdef, params["value"])
-        return forward.response_values(value_model, query_responses, prompt_length, self.pad_token_id)
+        return layout.scores(nnx.merge(self.value_graphdef, params["value"]))
 
     # ---- the loss ----
     def evaluate(self, params, query_responses, prompt_length, *, frozen=None, logits_chunk_size=None,
@@ -110,30 +110,19 @@ class ActorCritic:
 
         query_responses: i32[B, P+R] -> (logprobs f32[B, R], entropy f32[B, R] or None, values f32[B, R]).
         """
-        policy = self.policy(params, frozen)
-        hidden = forward.response_hidden(policy, query_responses, prompt_length, self.pad_token_id)
-        tokens = query_responses[:, prompt_length:]
-        logprobs, entropy = forward.logprobs_from_hidden(policy, hidden, tokens, self.temperature,
-                                                         chunk_size=logits_chunk_size, with_entropy=with_entropy)
-        return logprobs, entropy, self._values_from(policy, hidden, params, query_responses, prompt_length)
+        layout = forward.padded_layout(query_responses, prompt_length, self.pad_token_id)
+        return self.evaluate_layout(params, layout, frozen=frozen, logits_chunk_size=logits_chunk_size,
+                                    with_entropy=with_entropy)
 
-    def evaluate_packed(self, params, rows, *, frozen=None, logits_chunk_size=None, with_entropy=True):
-        """:meth:`evaluate` at every position of packed rows (``ppojax.rl.packing.PackedRows`` [N, S]): each
-        position's log-prob of the next token, entropy and value, f32[N, S] each (entropy None without
-        ``with_entropy``); ``packing.unpack_responses`` puts them back in the padded response layout."""
+    def evaluate_layout(self, params, layout, *, frozen=None, logits_chunk_size=None, with_entropy=True):
+        """:meth:`evaluate` at the read positions of a ``forward.Layout`` (padded rows, or packed ones
+        [N, S] from ``ppojax.rl.packing.packed_layout``, whose outputs ``packing.unpack_responses`` puts back in
+        the padded response layout). -> (logprobs, entropy or None, values), f32[b, T] each."""
         policy = self.policy(params, frozen)
-        hidden, _ = policy(rows.input_ids, rows.attention_mask, rows.position_ids, segment_ids=rows.segment_ids)
-        logprobs, entropy = forward.logprobs_from_hidden(policy, hidden, next_tokens(rows), self.temperature,
+        hidden = layout.hidden(policy)
+        logprobs, entropy = forward.logprobs_from_hidden(policy, hidden, layout.tokens, self.temperature,
                                                          chunk_size=logits_chunk_size, with_entropy=with_entropy)
-        if not self.has_critic:
-            values = jnp.zeros(hidden.shape[:2], jnp.float32)
-        elif self.has_value_head:
-            values = policy.value(hidden).astype(jnp.float32)
-        else:
-            value_model = nnx.merge(self.value_graphdef, params["value"])
-            values = value_model(rows.input_ids, rows.attention_mask, rows.position_ids,
-                                 segment_ids=rows.segment_ids).astype(jnp.float32)
-        return logprobs, entropy, values
+        return logprobs, entropy, self._values_at(policy, hidden, params, layout)
 
     # ---- the rollout ----
     def rollout_forwards(self, params, frozen, query_responses, prompt_length, *, logits_chunk_size=None,
@@ -147,38 +136,40 @@ class ActorCritic:
         forward then runs only when the value head or the full KL needs its hidden states.
         Returns (logprobs, ref_logprobs, values, full_kl or None), each f32[B, R].
         """
-        P, pad, temperature = prompt_length, self.pad_token_id, self.temperature
-        needs_policy_forward = behaviour_logprobs is None or self.has_value_head or with_full_kl
+        def outputs(qr):
+            layout = forward.padded_layout(qr, prompt_length, self.pad_token_id)
+            return self.rollout_outputs(params, frozen, layout, logits_chunk_size=logits_chunk_size,
+                                        with_full_kl=with_full_kl,
+                                        with_logprobs=behaviour_logprobs is None)
 
-        def policy_and_ref(qr):
-            policy, ref = self.policy(params, frozen), self.reference(frozen, params)
-            ref_hidden = forward.response_hidden(ref, qr, P, pad)
-            ref_logprobs, _ = forward.logprobs_from_hidden(ref, ref_hidden, qr[:, P:], temperature,
-                                                           chunk_size=logits_chunk_size)
-            if not needs_policy_forward:
-                return None, ref_logprobs, None, None
-            hidden = forward.response_hidden(policy, qr, P, pad)
-            logprobs = None
-            if behaviour_logprobs is None:
-                logprobs, _ = forward.logprobs_from_hidden(policy, hidden, qr[:, P:], temperature,
-                                                           chunk_size=logits_chunk_size)
-            values = policy.value(hidden).astype(jnp.float32) if self.has_value_head else None
-            full_kl = None
-            if with_full_kl:
-                full_kl = forward.full_kl_from_hidden(policy, hidden, ref, ref_hidden, temperature,
-                                                      chunk_size=logits_chunk_size)
-            return logprobs, ref_logprobs, values, full_kl
-
-        logprobs, ref_logprobs, values, full_kl = forward.map_batch(policy_and_ref, forward_batch_size,
-                                                                    query_responses)
+        logprobs, ref_logprobs, values, full_kl = forward.map_batch(outputs, forward_batch_size, query_responses)
         if behaviour_logprobs is not None:
             logprobs = behaviour_logprobs.astype(jnp.float32)
-        if not self.has_critic:
-            values = jnp.zeros_like(ref_logprobs)
-        elif not self.has_value_head:
-            value_model = lambda: nnx.merge(self.value_graphdef, params["value"])  # noqa: E731
-            values = forward.map_batch(lambda qr: forward.response_values(value_model(), qr, P, pad),
-                                       forward_batch_size, query_responses)
+        return logprobs, ref_logprobs, values, full_kl
+
+    def rollout_outputs(self, params, frozen, layout, *, logits_chunk_size=None, with_full_kl=False,
+                        with_logprobs=True):
+        """The rollout's forwards at a ``forward.Layout``'s read positions: (logprobs or None without
+        ``with_logprobs``, ref_logprobs, values, full_kl or None), f32[b, T] each, unmasked. The policy's forward
+        runs only when the log-probs, the value head or the full KL need it."""
+        policy, ref = self.policy(params, frozen), self.reference(frozen, params)
+        ref_hidden = layout.hidden(ref)
+        ref_logprobs, _ = forward.logprobs_from_hidden(ref, ref_hidden, layout.tokens, self.temperature,
+                                                       chunk_size=logits_chunk_size)
+        logprobs = values = full_kl = None
+        if with_logprobs or self.has_value_head or with_full_kl:
+            hidden = layout.hidden(policy)
+            if with_logprobs:
+                logprobs, _ = forward.logprobs_from_hidden(policy, hidden, layout.tokens, self.temperature,
+                                                           chunk_size=logits_chunk_size)
+            if with_full_kl:
+                full_kl = forward.full_kl_from_hidden(policy, hidden, ref, ref_hidden, self.temperature,
+                                                      chunk_size=logits_chunk_size)
+            if self.has_value_head:
+                values = policy.value(hidden).astype(jnp.float32)
+        if values is None:
+            values = (layout.scores(nnx.merge(self.value_graphdef, params["value"])) if self.has_critic
+                      else jnp.zeros_like(ref_logprobs))
         return logprobs, ref_logprobs, values, full_kl
 
 

@@ -16,6 +16,8 @@ instead of storing all of them: peak logits memory is ``B * chunk_size * V`` flo
 """
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 import jax
 import jax.numpy as jnp
 
@@ -46,15 +48,57 @@ def sequence_inputs(tokens, pad_id):
     return input_ids, attention_mask, position_ids
 
 
+class Layout(NamedTuple):
+    """A forward's inputs and the positions whose outputs are read: padded rows, read at the positions that predict
+    the response (:func:`padded_layout`), or packed rows, read everywhere (``ppojax.rl.packing.packed_layout``).
+
+    input_ids, attention_mask, position_ids: [b, S]; segment_ids: i32[b, S] or None (one sequence per row);
+    tokens: i32[b, T], the token each read position predicts; first, stop: the read positions ``[first, stop)``
+    (``stop`` None: to the end), T of them.
+    """
+
+    input_ids: jax.Array
+    attention_mask: jax.Array
+    position_ids: jax.Array
+    segment_ids: Optional[jax.Array]
+    tokens: jax.Array
+    first: int = 0
+    stop: Optional[int] = None
+
+    @property
+    def _inputs(self):
+        return self.input_ids, self.attention_mask, self.position_ids
+
+    @property
+    def _segments(self) -> dict:
+        # only packed rows pass segment ids: a padded forward calls the model as any (lm, ids, mask, positions) model
+        return {} if self.segment_ids is None else {"segment_ids": self.segment_ids}
+
+    def hidden(self, lm):
+        """A ``CausalLM``'s final hidden states at the read positions: f[b, T, D]."""
+        hidden, _ = lm(*self._inputs, **self._segments)
+        return hidden[:, self.first:self.stop]
+
+    def scores(self, score_model):
+        """A ``ScoreModel``'s head at the read positions: f32[b, T] (values, or a reward read at one of them)."""
+        scores = score_model(*self._inputs, **self._segments)
+        return scores[:, self.first:self.stop].astype(jnp.float32)
+
+
+def padded_layout(query_responses, prompt_length, pad_id) -> Layout:
+    """The padded rows i32[B, P+R], read at positions ``P-1 ... P+R-2`` (those that predict the R response tokens)."""
+    input_ids, attention_mask, position_ids = sequence_inputs(query_responses, pad_id)
+    return Layout(input_ids, attention_mask, position_ids, None, query_responses[:, prompt_length:],
+                  prompt_length - 1, -1)
+
+
 def response_hidden(lm, query_responses, prompt_length, pad_id):
     """Final hidden states that predict the response tokens.
 
     query_responses: i32[B, P+R] -> f[B, R, D] (positions ``P-1 ... P+R-2``). Also the hook for a value
     head on the policy backbone: one backbone pass gives both the log-probs and the values.
     """
-    input_ids, attention_mask, position_ids = sequence_inputs(query_responses, pad_id)
-    hidden, _ = lm(input_ids, attention_mask, position_ids)
-    return hidden[:, prompt_length - 1:-1]
+    return padded_layout(query_responses, prompt_length, pad_id).hidden(lm)
 
 
 def _chunked_over_time(fn, chunk_size, *arrays):
@@ -144,9 +188,7 @@ def response_values(score_model, query_responses, prompt_length, pad_id):
     score_model: a merged ``ScoreModel`` (``(ids, mask, positions) -> f32[B, S]``);
     query_responses: i32[B, P+R] -> f32[B, R] (unmasked: the caller zeroes ``padding_mask_p1``).
     """
-    input_ids, attention_mask, position_ids = sequence_inputs(query_responses, pad_id)
-    scores = score_model(input_ids, attention_mask, position_ids)
-    return scores[:, prompt_length - 1:-1].astype(jnp.float32)
+    return padded_layout(query_responses, prompt_length, pad_id).scores(score_model)
 
 
 def sequence_score_index(tokens, pad_id, prompt_length=None):

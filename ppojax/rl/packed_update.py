@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from ppojax.core.masks import INVALID_LOGPROB
 from ppojax.rl import forward
-from ppojax.rl.packing import pack_rows, plan_packing, unpack_responses
+from ppojax.rl.packing import packed_layout, packed_rows_for, unpack_responses
 
 #: the diagnostics that are masked means over a group's live policy tokens
 _POLICY_MEANS = ("approxkl", "pg_clipfrac", "entropy", "ratio", "policykl")
@@ -28,18 +28,19 @@ _POLICY_MEANS = ("approxkl", "pg_clipfrac", "entropy", "ratio", "policykl")
 _SHARES = ("pg_loss", "vf_loss", "kl_loss", "loss")
 
 
-def packed_micro_batch_shape(batch_settings, row_length: int, vocab_size=None):
+def packed_micro_batch_shape(batch_settings, row_length: int, *, rows_without_budget=None, at_most=None):
     """(rows per packed micro-batch over the mesh, logits chunk over its positions) for rows of ``row_length``
-    slots: ``max_tokens_per_micro_batch`` slots per device (None: a padded micro-batch's rows)."""
+    slots: ``max_tokens_per_micro_batch`` slots per device; without a budget ``rows_without_budget`` (None: a
+    padded micro-batch's rows). At most ``at_most`` rows (None: a mini-batch's)."""
     budget = batch_settings.max_tokens_per_micro_batch
     if budget is None:
-        rows = batch_settings.micro_batch_size
+        rows = rows_without_budget or batch_settings.micro_batch_size
     else:
         if budget < row_length:
             raise ValueError(f"max_tokens_per_micro_batch={budget} is below one packed row of {row_length} slots "
                              f"(prompt + response); set it to at least {row_length}")
         rows = (budget // row_length) * batch_settings.data_parallel_size
-    rows = min(rows, batch_settings.mini_batch_size)
+    rows = min(rows, at_most or batch_settings.mini_batch_size)
     chunk = batch_settings.logits_chunk_size
     if chunk is None and batch_settings.vocab_size is not None:
         per_device = -(-rows // batch_settings.data_parallel_size)
@@ -93,7 +94,7 @@ def packed_gradients(loss_of_outputs, actor_critic, params, frozen, mini, *, gro
                      logits_chunk_size=None):
     """The gradient of a mini-batch's loss, and its diagnostics per padded micro-batch, from packed forwards.
 
-    loss_of_outputs: ``(params, part, logprobs, entropy, values) -> (loss, stats)`` on UpdateBatch rows (f32[M, R]
+    loss_of_outputs: ``(part, logprobs, entropy, values) -> (loss, stats)`` on UpdateBatch rows (f32[M, R]
     outputs; ``ppojax.rl.update.loss_of_outputs`` with the mini-batch's counts bound). mini: the UpdateBatch
     [M, ...]; groups: the padded update's micro-batches per mini-batch (its diagnostics' groups of M / groups
     rows). Returns (grads like params, stats {name: f32[groups]} plus ``packed_micro_batches``).
@@ -103,23 +104,21 @@ def packed_gradients(loss_of_outputs, actor_critic, params, frozen, mini, *, gro
     prompt_length = width - response_length
     pad = actor_critic.pad_token_id
     live = jnp.sum(~mini.padding_mask, axis=1)
-    plan = plan_packing(mini.query_responses, live, prompt_length, pad)
-    capacity = -(-m // rows_per_micro)  # packed micro-batches when every sequence needs a row of its own
-    packed = pack_rows(mini.query_responses, plan, capacity * rows_per_micro, pad)
+    plan, packed = packed_rows_for(mini.query_responses, live, prompt_length, pad, rows_per_micro)
     micro_batches = -(-plan.num_rows // rows_per_micro)
     group = jnp.arange(m) // (m // groups)
 
     def loss(params, j):
         first = j * rows_per_micro
-        outputs = actor_critic.evaluate_packed(params, packed.slice_rows(first, rows_per_micro), frozen=frozen,
-                                               logits_chunk_size=logits_chunk_size)
+        layout = packed_layout(packed.slice_rows(first, rows_per_micro))
+        outputs = actor_critic.evaluate_layout(params, layout, frozen=frozen, logits_chunk_size=logits_chunk_size)
         logprobs, entropy, values = (unpack_responses(x, plan, first, prompt_length, response_length)[0]
                                      for x in outputs)
         here = plan.row // rows_per_micro == j
         total, sums = 0.0, []
         for k in range(groups):
             part = rows_only(mini, here & (group == k))
-            share, stats = loss_of_outputs(params, part, logprobs, entropy, values)
+            share, stats = loss_of_outputs(part, logprobs, entropy, values)
             total = total + share
             sums.append(_sums(stats, part))
         return total, jax.tree.map(lambda *x: jnp.stack(x), *sums)

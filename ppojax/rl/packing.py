@@ -24,7 +24,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ppojax.rl.forward import sequence_inputs
+from ppojax.rl.forward import Layout, sequence_inputs
 
 NO_SEGMENT = -1  # a packed slot no sequence uses
 
@@ -134,6 +134,11 @@ def next_tokens(rows: PackedRows):
     return jnp.concatenate([rows.tokens[:, 1:], rows.tokens[:, -1:]], axis=1)
 
 
+def packed_layout(rows: PackedRows) -> Layout:
+    """The forwards' view of packed rows [N, S]: every position read, predicting the next slot's token."""
+    return Layout(rows.input_ids, rows.attention_mask, rows.position_ids, rows.segment_ids, next_tokens(rows))
+
+
 def unpack_responses(values, plan: PackingPlan, first_row, prompt_length: int, response_length: int):
     """Per-position outputs of packed rows ``[first_row, first_row + n)`` -> the padded response layout.
 
@@ -152,3 +157,40 @@ def unpack_responses(values, plan: PackingPlan, first_row, prompt_length: int, r
     row = jnp.broadcast_to(jnp.clip(local_row, 0, n - 1)[:, None], valid.shape)
     gathered = values[row, jnp.clip(column, 0, values.shape[1] - 1)]
     return jnp.where(valid, gathered, jnp.zeros((), values.dtype)), valid
+
+
+def span_ends(plan: PackingPlan):
+    """(row i32[M], column i32[M]): the packed slot of each span's last token (where a sequence's score is read)."""
+    return plan.row, plan.offset + plan.length - 1
+
+
+def packed_map(fn, rows: PackedRows, rows_in_use, rows_per_micro: int):
+    """``fn`` over packed micro-batches of ``rows_per_micro`` rows, only as many as ``rows_in_use`` (traced) needs.
+
+    fn: PackedRows [n, S] -> a pytree of f32[n, S] per-position outputs. rows: [N, S] with N a multiple of
+    ``rows_per_micro``. Returns the pytree with [N, S] leaves, 0 on rows past the last micro-batch run. One
+    compiled program: a ``lax.while_loop`` whose trip count follows the real tokens.
+    """
+    total = rows.tokens.shape[0]
+    if total % rows_per_micro:
+        raise ValueError(f"{total} packed rows are not a whole number of micro-batches of {rows_per_micro}")
+    shapes = jax.eval_shape(fn, rows.slice_rows(0, rows_per_micro))
+    out = jax.tree.map(lambda s: jnp.zeros((total,) + s.shape[1:], s.dtype), shapes)
+    micro_batches = -(-rows_in_use // rows_per_micro)
+
+    def body(carry):
+        j, out = carry
+        first = j * rows_per_micro
+        part = fn(rows.slice_rows(first, rows_per_micro))
+        return j + 1, jax.tree.map(lambda o, p: jax.lax.dynamic_update_slice_in_dim(o, p, first, axis=0), out, part)
+
+    _, out = jax.lax.while_loop(lambda c: c[0] < micro_batches, body, (jnp.int32(0), out))
+    return out
+
+
+def packed_rows_for(query_responses, live_tokens, prompt_length: int, pad_id: int, rows_per_micro: int):
+    """(plan, rows): the packing of M padded rows into ``ceil(M / rows_per_micro)`` micro-batches' worth of packed
+    rows (enough for one span per row)."""
+    plan = plan_packing(query_responses, live_tokens, prompt_length, pad_id)
+    m = query_responses.shape[0]
+    return plan, pack_rows(query_responses, plan, -(-m // rows_per_micro) * rows_per_micro, pad_id)

@@ -256,14 +256,15 @@ class _Source:
 
     names: list
 
-    def components(self, frozen, queries, responses, rows=None):
-        """-> (f32[F, B] one row per name, failures i32[])."""
+    def components(self, frozen, queries, responses, rows=None, packed_rows=None):
+        """-> (f32[F, B] one row per name, failures i32[]). packed_rows: with ``padding_free``, the rows of a
+        packed forward micro-batch (a source that runs a model forward may pack; the others ignore it)."""
         raise NotImplementedError
 
-    def scores(self, frozen, queries, responses, rows=None) -> RewardOutput:
+    def scores(self, frozen, queries, responses, rows=None, packed_rows=None) -> RewardOutput:
         import jax.numpy as jnp
 
-        values, failures = self.components(frozen, queries, responses, rows)
+        values, failures = self.components(frozen, queries, responses, rows, packed_rows)
         total = weighted_total(values, jnp.ones((values.shape[0],), jnp.float32))
         return RewardOutput(total, failures, dict(zip(self.names, values)))
 
@@ -303,7 +304,7 @@ class ModelScores(_Source):
         self.graphdef, self.pad_token_id, self.forward_batch_size = graphdef, pad_token_id, forward_batch_size
         self.names = [name]
 
-    def components(self, frozen, queries, responses, rows=None):
+    def components(self, frozen, queries, responses, rows=None, packed_rows=None):
         """queries i32[B, P], responses i32[B, R] (truncated) -> (f32[1, B], failures i32[] = 0)."""
         import jax.numpy as jnp
         from flax import nnx
@@ -312,6 +313,12 @@ class ModelScores(_Source):
 
         tokens = jnp.concatenate([queries, responses], axis=1)
         P = queries.shape[1]
+        if packed_rows is not None:
+            from ppojax.rl.packed_rollout import packed_sequence_scores
+
+            scores = packed_sequence_scores(lambda: nnx.merge(self.graphdef, frozen["reward"]), tokens, P,
+                                            self.pad_token_id, rows_per_micro=packed_rows)
+            return scores[None].astype(jnp.float32), jnp.zeros((), jnp.int32)
         scores = forward.map_batch(
             lambda t: forward.sequence_scores(nnx.merge(self.graphdef, frozen["reward"]), t, self.pad_token_id,
                                               prompt_length=P),
@@ -330,7 +337,7 @@ class TracedScores(_Source):
         self.fn = fn
         self.names = [name or getattr(fn, "__name__", None) or reward_function_name(fn)]
 
-    def components(self, frozen, queries, responses, rows=None):
+    def components(self, frozen, queries, responses, rows=None, packed_rows=None):
         import jax.numpy as jnp
 
         return jnp.asarray(self.fn(queries, responses), jnp.float32)[None], jnp.zeros((), jnp.int32)
@@ -345,7 +352,7 @@ class GivenScores(_Source):
     def __init__(self, scores):
         self.given = scores
 
-    def components(self, frozen, queries, responses, rows=None):
+    def components(self, frozen, queries, responses, rows=None, packed_rows=None):
         import jax.numpy as jnp
 
         return jnp.asarray(self.given, jnp.float32)[None], jnp.zeros((), jnp.int32)
@@ -449,7 +456,7 @@ class FunctionScores(_Source):
             return (np.full((len(self.calls), len(queries)), np.nan, np.float32),
                     np.ones(len(queries), np.int32))
 
-    def components(self, frozen, queries, responses, rows=None):
+    def components(self, frozen, queries, responses, rows=None, packed_rows=None):
         """queries i32[B, P], responses i32[B, R] (truncated), rows i32[B] or None -> (f32[F, B], failures i32[])."""
         import jax
         import jax.numpy as jnp
@@ -507,15 +514,16 @@ class WeightedRewards(_Source):
             if hasattr(part, "raise_pending"):
                 part.raise_pending()
 
-    def components(self, frozen, queries, responses, rows=None):
+    def components(self, frozen, queries, responses, rows=None, packed_rows=None):
         import jax.numpy as jnp
 
-        values, failures = zip(*(part.components(frozen, queries, responses, rows) for part in self.parts))
+        values, failures = zip(*(part.components(frozen, queries, responses, rows, packed_rows)
+                                  for part in self.parts))
         return jnp.concatenate(values, axis=0), sum(failures)
 
-    def scores(self, frozen, queries, responses, rows=None) -> RewardOutput:
+    def scores(self, frozen, queries, responses, rows=None, packed_rows=None) -> RewardOutput:
         import jax.numpy as jnp
 
-        values, failures = self.components(frozen, queries, responses, rows)
+        values, failures = self.components(frozen, queries, responses, rows, packed_rows)
         total = weighted_total(values, jnp.asarray(self.weights, jnp.float32))
         return RewardOutput(total, failures, dict(zip(self.names, values)))

@@ -5,7 +5,8 @@ as pure functions.
     experience      = experience(program, state, query_responses)    # 2-8. truncate, masks, forwards, scores
 
 Step 2-6 (truncation, masks, behaviour/reference log-probs, values) are :func:`experience_forwards`, the
-model forwards being :class:`~ppojax.rl.actor_critic.ActorCritic`'s; steps 7-8 (the reward source's scores,
+model forwards being :class:`~ppojax.rl.actor_critic.ActorCritic`'s (on packed rows with ``padding_free``:
+``ppojax.rl.packed_rollout``); steps 7-8 (the reward source's scores,
 ``missing_eos_penalty``) are :func:`with_scores`. ``INVALID_LOGPROB`` is written on ``padding_mask``, values 0
 on ``padding_mask_p1``. Every function traces inside ``ppojax.rl.program``'s single program; nothing here
 leaves the device except a Python reward function's host callback.
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 from ppojax.parallel import sharding
 from ppojax.rl import placement
 from ppojax.rl.continuous import generate_continuous
+from ppojax.rl.packed_rollout import packed_rollout_forwards, rollout_packed_shape
 from ppojax.rl.sampler import generate
 from ppojax.core.masks import INVALID_LOGPROB, contains_stop_token, response_masks, truncate_response
 from ppojax.core.shaping import apply_missing_eos_penalty
@@ -112,11 +114,19 @@ def experience_forwards(program, state, query_responses, prompt_length, sampler_
     queries, raw_responses = query_responses[:, :P], query_responses[:, P:]
     responses = truncate_response(raw_responses, sampling.stop_token_id, pad)
     masks = response_masks(responses, pad)
-    logprobs, ref_logprobs, values, full_kl = program.actor_critic.rollout_forwards(
-        state.params, state.frozen, query_responses, P,
-        logits_chunk_size=batch.rollout_logits_chunk,
-        forward_batch_size=batch.local_rollout_forward_batch_size,
-        with_full_kl=program.kl_estimator.needs_full_distribution, behaviour_logprobs=sampler_logprobs)
+    with_full_kl = program.kl_estimator.needs_full_distribution
+    if batch.padding_free:  # the same numbers where the rollout keeps them, on packed rows
+        rows_per_micro, chunk = rollout_packed_shape(batch, query_responses.shape[1])
+        logprobs, ref_logprobs, values, full_kl = packed_rollout_forwards(
+            program.actor_critic, state.params, state.frozen, query_responses, P, masks.last_index + 1,
+            rows_per_micro=rows_per_micro, logits_chunk_size=chunk, with_full_kl=with_full_kl,
+            behaviour_logprobs=sampler_logprobs)
+    else:
+        logprobs, ref_logprobs, values, full_kl = program.actor_critic.rollout_forwards(
+            state.params, state.frozen, query_responses, P,
+            logits_chunk_size=batch.rollout_logits_chunk,
+            forward_batch_size=batch.local_rollout_forward_batch_size,
+            with_full_kl=with_full_kl, behaviour_logprobs=sampler_logprobs)
     num_eos = (jnp.sum(raw_responses == sampling.eos_token_id).astype(jnp.int32)
                if sampling.eos_token_id is not None else jnp.zeros((), jnp.int32))
     return Experience(
@@ -154,6 +164,9 @@ def experience(program, state, query_responses, prompt_length, reward=None, samp
     Returns (Experience, reward failures i32[]) (see ``ppojax.rl.rewards.FunctionScores``).
     """
     exp = experience_forwards(program, state, query_responses, prompt_length, sampler_logprobs)
-    rewarded = (reward or program.reward).scores(state.frozen, exp.queries, exp.responses, rows)
+    batch = program.settings.batch
+    packed_rows = rollout_packed_shape(batch, query_responses.shape[1])[0] if batch.padding_free else None
+    rewarded = (reward or program.reward).scores(state.frozen, exp.queries, exp.responses, rows,
+                                                 packed_rows=packed_rows)
     exp = with_scores(exp, rewarded.scores, program.settings).replace(reward_components=rewarded.components)
     return exp, rewarded.failures

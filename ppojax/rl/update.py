@@ -199,7 +199,7 @@ def learn(program, state, experience, key):
 
         if program.settings.batch.padding_free:
             grads, stats = packed_gradients(
-                lambda p, part, lp, ent, v: loss_of_outputs(actor_critic, algorithm, hyperparams, lp, ent, v, part,
+                lambda part, lp, ent, v: loss_of_outputs(actor_critic, algorithm, hyperparams, lp, ent, v, part,
                                                             policy_tokens, value_tokens, mini_size),
                 actor_critic, state.params, state.frozen, mini, groups=optim.gradient_accumulation_steps,
                 rows_per_micro=packed_rows, logits_chunk_size=packed_chunk)

@@ -299,13 +299,15 @@ class PPOConfig:
     or 'sampler' (each token's log-prob taken from the decode loop's logits, as TRL does: no policy forward
     in the rollout when the value model is separate or there is none; the two agree to float rounding)."""
     padding_free: bool = setting(False, static=True, on_resume=MAY_CHANGE)
-    """Run the update's forwards and backward on packed rows: each sequence's real tokens (prompt and response,
-    no padding) side by side in rows of max_prompt_length + response_length slots, attention kept within each
-    sequence, and only as many packed micro-batches as the real tokens fill. Losses, gradients and metrics are
-    the padded update's (to float rounding); only the time changes (docs/packing.md)."""
+    """Run the rollout's forwards (log-probs, values, a reward model) and the update's forwards and backward on
+    packed rows: each sequence's real tokens (prompt and response, no padding) side by side in rows of
+    max_prompt_length + response_length slots, attention kept within each sequence, and only as many packed
+    micro-batches as the real tokens fill. Losses, gradients and metrics are the padded run's (to float
+    rounding); only the time changes (docs/packing.md)."""
     max_tokens_per_micro_batch: Optional[int] = setting(None, static=True, on_resume=MAY_CHANGE, rule=at_least(1))
     """With padding_free: token slots per device per packed micro-batch (a multiple of max_prompt_length +
-    response_length; the rows it holds bound the activation memory). None: a padded micro-batch's rows."""
+    response_length; the rows it holds bound the activation memory). None: a padded micro-batch's rows (the
+    rollout's forwards: local_rollout_forward_batch_size rows when set)."""
     logits_chunk_size: Optional[int] = setting(None, static=True, on_resume=MAY_CHANGE, rule=at_least(1))
     """Response positions per float32 logits chunk in log-prob computations (bounds [rows, chunk, vocab]
     memory). None: all positions at once when a micro-batch's logits fit in 256 MB per device, else the
