@@ -6,7 +6,12 @@ the whole KV cache (a measurement without a TPU: run it by hand, not in the test
 
 Compiles ONE step of the sampler's decode loop (``ppojax.rl.sampler.decode_step`` and the sampling of the next
 token), as the rollout runs it, for one chip with the config's batch rows on it: the policy in bfloat16 with its
-KV cache of ``prompt + response`` slots (donated, so written in place). Reported: XLA's cost analysis ("bytes
+KV cache of ``prompt + response`` slots (donated), twice: with the layer loop as the models run it (a
+``lax.scan``), and unrolled. The one-step program takes the cache from outside and returns it, so with the scan
+the TPU compiler copies the cache into the loop's own layout and back (cache-sized copies, counted in the bytes);
+inside the sampler the cache never leaves the program and the decode loop writes it in place
+(tests/test_tpu_compile.py checks that no copy of the cache lies inside the loop). The unrolled step has no such
+copies: its bytes are a step's own traffic. Reported: XLA's cost analysis ("bytes
 accessed": reads and writes of every HLO op, fused ops counted once), the memory analysis, and the floor: the
 policy's weights (a decode step reads each one once; tied embeddings are the LM head) plus the KV cache's keys
 and values (the attention reads every slot: shapes are static). The time at the chip's HBM bandwidth follows for
@@ -21,7 +26,7 @@ import sys
 from pathlib import Path
 
 
-def measure(model: str, target_text: str, batch: int, prompt: int, response: int) -> dict:
+def measure(model: str, target_text: str, batch: int, prompt: int, response: int, scan_layers: bool = True) -> dict:
     from ppojax.trainer import plan, plan_targets
 
     spec = plan_targets.parse_target(target_text)
@@ -40,7 +45,8 @@ def measure(model: str, target_text: str, batch: int, prompt: int, response: int
     target = plan_targets.load_target(spec)
     model_cfg, _, _ = plan.model_config_for(model)
     compute, weights = precision_dtypes("bfloat16")
-    policy = nnx.eval_shape(lambda: CausalLM(model_cfg, rngs=nnx.Rngs(0), dtype=compute, param_dtype=weights))
+    policy = nnx.eval_shape(lambda: CausalLM(model_cfg, rngs=nnx.Rngs(0), dtype=compute, param_dtype=weights,
+                                             scan_layers=scan_layers))
     graphdef, params = nnx.split(policy)
     length = prompt + response
     cache = jax.eval_shape(lambda: init_cache(model_cfg, batch, length, compute, XLA))
@@ -69,7 +75,10 @@ def measure(model: str, target_text: str, batch: int, prompt: int, response: int
     floor = weight_bytes + kv_bytes
     moved = float(cost["bytes accessed"])
     bandwidth = spec.chip.hbm_gb_per_s * 1e9
+    cache_copies = sum(1 for line in compiled.as_text().splitlines()
+                       if " copy(" in line and f"[{','.join(map(str, cache.keys.shape))}]" in line.split("copy(")[0])
     return {"model": model, "target": spec.text, "compiler": target.compiler, "batch": batch,
+            "layers": "scan" if scan_layers else "unrolled", "cache_copies": cache_copies,
             "cache_slots": length, "bytes_accessed": moved, "weight_bytes": weight_bytes, "kv_cache_bytes": kv_bytes,
             "floor_bytes": floor, "bytes_over_floor": moved / floor, "flops": cost.get("flops"),
             "argument_bytes": int(memory.argument_size_in_bytes), "temp_bytes": int(memory.temp_size_in_bytes),
@@ -86,17 +95,20 @@ def main(argv=None) -> int:
     parser.add_argument("--response", type=int, default=1024)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    result = measure(args.model, args.target, args.batch, args.prompt, args.response)
+    results = [measure(args.model, args.target, args.batch, args.prompt, args.response, scan_layers=scan)
+               for scan in (True, False)]
     gb = 1e9
-    print(f"{result['model']} decode step on {result['target']} ({result['compiler']}), {result['batch']} rows x "
-          f"{result['cache_slots']} cache slots:\n"
-          f"  bytes accessed (the compiler's count) {result['bytes_accessed'] / gb:.3f} GB\n"
-          f"  floor: weights {result['weight_bytes'] / gb:.3f} GB + KV cache {result['kv_cache_bytes'] / gb:.3f} GB "
-          f"= {result['floor_bytes'] / gb:.3f} GB\n"
-          f"  ratio {result['bytes_over_floor']:.3f}; at {result['hbm_gb_per_s']:g} GB/s: "
-          f"{result['compiler_bytes_ms']:.2f} ms vs the floor's {result['floor_ms']:.2f} ms")
+    for result in results:
+        print(f"{result['model']} decode step on {result['target']} ({result['compiler']}), {result['batch']} rows "
+              f"x {result['cache_slots']} cache slots, layers {result['layers']}:\n"
+              f"  bytes accessed (the compiler's count) {result['bytes_accessed'] / gb:.3f} GB; temporaries "
+              f"{result['temp_bytes'] / gb:.3f} GB; cache-sized copies {result['cache_copies']}\n"
+              f"  floor: weights {result['weight_bytes'] / gb:.3f} GB + KV cache {result['kv_cache_bytes'] / gb:.3f} "
+              f"GB = {result['floor_bytes'] / gb:.3f} GB\n"
+              f"  ratio {result['bytes_over_floor']:.3f}; at {result['hbm_gb_per_s']:g} GB/s: "
+              f"{result['compiler_bytes_ms']:.2f} ms vs the floor's {result['floor_ms']:.2f} ms")
     if args.json:
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
     return 0
 
 

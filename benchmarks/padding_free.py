@@ -1,5 +1,5 @@
-"""Padding left out: the update padded vs packed (``padding_free``) and the rollout's decode loop padded vs
-continuous batching (``rollout_slots``), on realistic response lengths, in one run on one host.
+"""Padding left out: the update and the rollout's forwards padded vs packed (``padding_free``) and the rollout's
+decode loop padded vs continuous batching (``rollout_slots``), on realistic response lengths, in one run on one host.
 
     python -m benchmarks.padding_free [--json benchmarks/runs_X/padding_free.json] [--repeats 3]
 
@@ -9,7 +9,8 @@ GAE with a value model, 1 epoch, 1 mini-batch of B rows, 2 padded micro-batches 
 timed: padded, packed with the default budget (micro-batches of B/2 packed rows), and packed in micro-batches of
 2 rows (``max_tokens_per_micro_batch`` = 2 rows: finer steps), in turn, ``--repeats`` times each; the median is
 reported with the padding fraction, the real tokens per second and the compiler's temporaries (XLA:CPU's memory
-analysis). Distributions:
+analysis). The rollout's forwards on the same batch (``experience_forwards``: policy, reference and value model,
+all rows at once when padded; 8-row and 2-row packed micro-batches) are timed alongside. Distributions:
 
 - ``lognormal``: responses drawn lognormally (median R/8) with a long tail, clipped to R (so some hit it);
 - ``math_run``: the response lengths of a math run's held-out answers (``configs/math_grpo.yaml``), the
@@ -124,6 +125,7 @@ def programs():
 def measure(repeats: int) -> list:
     import jax
 
+    from ppojax.rl.rollout import experience_forwards
     from ppojax.rl.update import learn
 
     rng = np.random.default_rng(0)
@@ -134,15 +136,22 @@ def measure(repeats: int) -> list:
         exp = experience(lengths, rng)
         result = {"distribution": name, "response_lengths": lengths.tolist()}
         compiled, times, metrics = {}, {variant: [] for variant in built}, {}
+        forwards, forward_times = {}, {variant: [] for variant in built}
         for variant, (program, state) in built.items():
             step = jax.jit(lambda s, e, k, program=program: learn(program, s, e, k))
             compiled[variant] = step.lower(state, exp, jax.random.key(0)).compile()
             result[f"{variant}_temp_bytes"] = int(compiled[variant].memory_analysis().temp_size_in_bytes)
+            rollout_forwards = jax.jit(lambda s, qr, program=program: experience_forwards(program, s, qr, P))
+            forwards[variant] = rollout_forwards.lower(state, exp.query_responses).compile()
+            result[f"{variant}_forwards_temp_bytes"] = int(forwards[variant].memory_analysis().temp_size_in_bytes)
         for _ in range(repeats):
             for variant, (program, state) in built.items():
                 start = time.perf_counter()
                 _, metrics[variant] = jax.block_until_ready(compiled[variant](state, exp, jax.random.key(0)))
                 times[variant].append(time.perf_counter() - start)
+                start = time.perf_counter()
+                jax.block_until_ready(forwards[variant](state, exp.query_responses))
+                forward_times[variant].append(time.perf_counter() - start)
         real = float(metrics["padded"]["perf/real_tokens"])
         result.update(padding_fraction=float(metrics["padded"]["perf/padding_fraction"]), real_tokens=real,
                       padded_micro_batches=2, times=times)
@@ -157,6 +166,15 @@ def measure(repeats: int) -> list:
                 result[f"{variant}_micro_batches"] = micro
                 result[f"{variant}_speedup"] = result["padded_s"] / seconds
                 line += f" ({result['padded_s'] / seconds:.2f}x, {micro:.0f} micro-batches)"
+        result["forward_times"] = forward_times
+        line += "\n" + " " * 12 + "rollout forwards:"
+        for variant in built:
+            seconds = statistics.median(forward_times[variant])
+            result[f"{variant}_forwards_s"] = seconds
+            line += f"  {variant} {seconds:.2f} s"
+            if variant != "padded":
+                result[f"{variant}_forwards_speedup"] = result["padded_forwards_s"] / seconds
+                line += f" ({result['padded_forwards_s'] / seconds:.2f}x)"
         print(line, flush=True)
         rows.append(result)
     return rows

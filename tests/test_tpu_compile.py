@@ -163,3 +163,68 @@ def test_a_mesh_axis_across_two_torus_sides_still_makes_a_mesh():
     devices = plan_targets.tpu_devices(plan_targets.parse_target("tpu:v5p:4x4x4"))
     mesh = sharding.make_mesh(1, 8, 8, devices=devices)
     assert dict(mesh.shape) == {"data": 1, "fsdp": 8, "tensor": 8} and len(set(mesh.devices.flat)) == 64
+
+
+def _computations(hlo: str) -> dict:
+    """{computation name: its instruction lines} of an HLO module's text."""
+    import re
+
+    out, name = {}, None
+    for line in hlo.splitlines():
+        header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) \(", line)
+        if header:
+            name = header.group(1)
+            out[name] = []
+        elif name is not None and line.startswith("  "):
+            out[name].append(line)
+    return out
+
+
+def _reachable(computations: dict, roots) -> set:
+    """The computations ``roots`` run, and every computation they call (fusions, nested loops, ...)."""
+    import re
+
+    seen, todo = set(), list(roots)
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in computations:
+            continue
+        seen.add(name)
+        for line in computations[name]:
+            todo += re.findall(r"(?:calls|body|condition|to_apply|branch_computations)=\{?%?([\w.\-]+)", line)
+    return seen
+
+
+def test_the_decode_loop_writes_the_kv_cache_in_place(target):
+    """The whole sampler (prefill, then the decode loop with the layer loop inside) compiled for one v5e chip: no
+    instruction inside the decode loop copies the KV cache; each step writes its new keys and values into the cache
+    it carries. (Outside the loop the cache may be copied once per call: the TPU compiler gives the loop's cache
+    its own layout.)"""
+    import re
+
+    from flax import nnx
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from ppojax.models import CausalLM, ModelConfig
+    from ppojax.rl.sampler import generate
+
+    cfg = ModelConfig.from_hf({**TINY, "num_hidden_layers": 4, "max_position_embeddings": 256})
+    policy = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16))
+    graphdef, params = nnx.split(policy)
+    chip = NamedSharding(Mesh(np.array(target.devices[:1]), ("chip",)), PartitionSpec())
+    placed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=chip), params)
+    prompts = jax.ShapeDtypeStruct((8, 64), jnp.int32, sharding=chip)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=chip)
+    sample = jax.jit(lambda p, q, k: generate(graphdef, p, q, k, response_length=128, pad_token_id=0,
+                                              stop_token_id=2))
+    hlo = sample.lower(placed, prompts, key).compile().as_text()
+    cache_shape = "bf16[4,8,192,4,8]"  # [layers, rows, prompt + response slots, kv heads, head dim]
+    computations = _computations(hlo)
+    bodies = set(re.findall(r"body=%?([\w.\-]+)", hlo))
+    in_loops = _reachable(computations, bodies)
+    assert len(bodies) >= 2  # the decode loop and the layer loop inside it
+    loop_lines = [line for name in in_loops for line in computations[name]]
+    assert any(cache_shape in line and "dynamic-update-slice" in line for line in loop_lines)  # the cache's write
+    copies = [line.strip()[:160] for line in loop_lines if re.search(re.escape(cache_shape) + r"\S* copy\(", line)]
+    assert copies == [], copies
