@@ -49,6 +49,7 @@ def test_convert_once_then_reuse(tmp_path, monkeypatch, capsys):
     second = assets.smollm2_checkpoint()
     assert second == first and len(calls) == 1
     assert "reusing cached SmolLM2-135M-Instruct checkpoint" in capsys.readouterr().out
+    assert assets.smollm2_checkpoint() == first and capsys.readouterr().out == ""  # said once per process
     assert sorted(p.name for p in tmp_path.iterdir()) == [assets.SMOLLM2_DIRNAME]  # no temp leftovers
 
     (first / "model.safetensors").unlink()  # a damaged cache is rebuilt, and the user is told
@@ -146,9 +147,10 @@ def test_smollm2_tokenizer_matches_transformers_gguf(smollm2):
 
 
 @pytest.mark.slow
-def test_smollm2_second_call_reuses_cache(smollm2, capsys):
+def test_smollm2_second_call_reuses_cache(smollm2, capsys, monkeypatch):
     weights = smollm2["folder"] / "model.safetensors"
     before = os.stat(weights).st_mtime_ns
+    monkeypatch.setattr(assets, "_ANNOUNCED", set())  # as in a fresh process
     assert assets.smollm2_checkpoint() == smollm2["folder"]
     assert "reusing cached SmolLM2-135M-Instruct checkpoint" in capsys.readouterr().out
     assert os.stat(weights).st_mtime_ns == before

@@ -190,6 +190,10 @@ def _smollm2_valid(folder: Path) -> bool:
     )
 
 
+#: cached checkpoints this process has already said it reuses
+_ANNOUNCED: set = set()
+
+
 def smollm2_checkpoint(*, log: Log = _log) -> Path:
     """A Hugging Face Llama checkpoint directory of SmolLM2-135M-Instruct, converted once and then reused.
 
@@ -204,8 +208,11 @@ def smollm2_checkpoint(*, log: Log = _log) -> Path:
     """
     target = cache_dir() / SMOLLM2_DIRNAME
     if _smollm2_valid(target):
-        marker = _read_marker(target)
-        log(f"[ppojax] reusing cached SmolLM2-135M-Instruct checkpoint at {target} (converted {marker.get('created')})")
+        if target not in _ANNOUNCED:  # a run reads the checkpoint several times (tokenizer, policy, reference, ...)
+            marker = _read_marker(target)
+            log(f"[ppojax] reusing cached SmolLM2-135M-Instruct checkpoint at {target} "
+                f"(converted {marker.get('created')})")
+            _ANNOUNCED.add(target)
         return target
     if target.exists():
         log(f"[ppojax] cached SmolLM2 checkpoint at {target} is incomplete or outdated; converting it again")

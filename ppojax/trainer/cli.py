@@ -89,10 +89,12 @@ def _train_and_report(config: PPOConfig, claim) -> dict:
     with stage(f"building models, data and the reward for {config.model_name_or_path!r}"
                + (" (the training step compiles alongside: compile_ahead)" if config.compile_ahead else "")):
         trainer = PPOTrainer(config, claim=claim)
+    samples, generations = trainer.run.settings.batch.batch_size, config.num_generations
+    per_update = (f"{samples // generations} prompts x {generations} samples" if generations > 1
+                  else f"{samples} prompts")
     print(f"ppojax: {len(trainer.train_queries)} training prompts, "
           f"{0 if trainer.eval_queries is None else len(trainer.eval_queries)} held out; "
-          f"{trainer.num_updates} updates of {trainer.run.settings.batch.batch_size} prompts x {config.response_length} "
-          "tokens")
+          f"{trainer.num_updates} updates of {per_update} x {config.response_length} tokens")
     if trainer.run.compilation_cache_dir is not None:
         print(f"ppojax: compiled programs are cached in {trainer.run.compilation_cache_dir} (a re-run with the same "
               "shapes skips compiling; compilation_cache_dir=none turns this off)")
