@@ -13,6 +13,7 @@ analysis). The rollout's forwards on the same batch (``experience_forwards``: po
 all rows at once when padded; 8-row and 2-row packed micro-batches) are timed alongside. Distributions:
 
 - ``lognormal``: responses drawn lognormally (median R/8) with a long tail, clipped to R (so some hit it);
+- ``lognormal_half``: the same with median R/3, about half the slots padding;
 - ``math_run``: the response lengths of a math run's held-out answers (``configs/math_grpo.yaml``), the
   SmolLM2 policy's own stop-token distribution, scaled from its 64-token limit to R;
 - ``half``: every response exactly half the limit (a padding fraction near 50 %);
@@ -54,6 +55,8 @@ PAD, STOP = 0, 2
 def response_lengths(name: str, rng) -> np.ndarray:
     if name == "lognormal":
         return np.clip(rng.lognormal(np.log(R / 8), 1.0, size=B).astype(int), 1, R)
+    if name == "lognormal_half":
+        return np.clip(rng.lognormal(np.log(R / 3), 1.0, size=B).astype(int), 1, R)
     if name == "math_run":
         source = np.asarray(MATH_RUN_LENGTHS)
         return np.clip((rng.choice(source, size=B) * (R / 64)).astype(int), 1, R)
@@ -122,7 +125,10 @@ def programs():
     return out
 
 
-def measure(repeats: int) -> list:
+DISTRIBUTIONS = ("lognormal", "lognormal_half", "math_run", "half", "full")
+
+
+def measure(repeats: int, distributions=DISTRIBUTIONS) -> list:
     import jax
 
     from ppojax.rl.rollout import experience_forwards
@@ -130,19 +136,20 @@ def measure(repeats: int) -> list:
 
     rng = np.random.default_rng(0)
     built = programs()
-    rows = []
-    for name in ("lognormal", "math_run", "half", "full"):
-        lengths = response_lengths(name, rng)
+    rows, compiled, forwards = [], {}, {}
+    for name in distributions:
+        lengths = response_lengths(name, np.random.default_rng([0, DISTRIBUTIONS.index(name)]))
         exp = experience(lengths, rng)
         result = {"distribution": name, "response_lengths": lengths.tolist()}
-        compiled, times, metrics = {}, {variant: [] for variant in built}, {}
-        forwards, forward_times = {}, {variant: [] for variant in built}
-        for variant, (program, state) in built.items():
-            step = jax.jit(lambda s, e, k, program=program: learn(program, s, e, k))
-            compiled[variant] = step.lower(state, exp, jax.random.key(0)).compile()
+        if not compiled:  # every distribution has the same shapes: one program per variant and phase
+            for variant, (program, state) in built.items():
+                step = jax.jit(lambda s, e, k, program=program: learn(program, s, e, k))
+                compiled[variant] = step.lower(state, exp, jax.random.key(0)).compile()
+                rollout_forwards = jax.jit(lambda s, qr, program=program: experience_forwards(program, s, qr, P))
+                forwards[variant] = rollout_forwards.lower(state, exp.query_responses).compile()
+        times, metrics, forward_times = {v: [] for v in built}, {}, {v: [] for v in built}
+        for variant in built:
             result[f"{variant}_temp_bytes"] = int(compiled[variant].memory_analysis().temp_size_in_bytes)
-            rollout_forwards = jax.jit(lambda s, qr, program=program: experience_forwards(program, s, qr, P))
-            forwards[variant] = rollout_forwards.lower(state, exp.query_responses).compile()
             result[f"{variant}_forwards_temp_bytes"] = int(forwards[variant].memory_analysis().temp_size_in_bytes)
         for _ in range(repeats):
             for variant, (program, state) in built.items():
@@ -245,6 +252,7 @@ def main():
                         "its chosen tokens (the LM-head column's scale)")
     parser.add_argument("--stop-tokens", type=int, default=128, help="tokens after which the stop token is likely")
     parser.add_argument("--only", choices=("update", "rollout"))
+    parser.add_argument("--distributions", nargs="+", choices=DISTRIBUTIONS, default=DISTRIBUTIONS)
     parser.add_argument("--json")
     args = parser.parse_args()
     from ppojax.backends.cpu.program_start import start_program
@@ -255,7 +263,7 @@ def main():
     out = {"machine": machine_info(), "shape": dict(prompt=P, response_limit=R, batch=B, model=MODEL),
            "update": "learn: GAE + value model, 1 epoch, 1 mini-batch, 2 micro-batches, float32"}
     if args.only != "rollout":
-        out["rows"] = measure(args.repeats)
+        out["rows"] = measure(args.repeats, args.distributions)
     if args.only != "update":
         out["rollout"] = measure_rollout(args.repeats, args.stop_scale, args.stop_tokens)
     if args.json:

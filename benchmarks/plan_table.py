@@ -10,6 +10,8 @@ on request (tests/test_plan_table.py).
     python -m benchmarks.plan_table --rows 1b --force   # compile the 1B rows again
     python -m benchmarks.plan_table --render        # the tables from the stored JSON only
 
+``LONG_ROWS`` (4k responses that do not fit their group's v5e slice, on v5p chips) get a table of their own.
+
 Every row runs ``configs/plan.yaml`` (bfloat16, remat full, prompt 512, 8 gradient-accumulation steps, 4 epochs)
 with the row's own arguments, printed in its command column: a rollout batch of 8 rows per chip of the slice
 (``batch_size``), so every mesh of a slice runs the same batch.
@@ -106,6 +108,13 @@ def _rows() -> list:
 
 
 ROWS = _rows()
+
+#: 4k-response rows that do not fit their group's chosen slice, compiled again on a slice where they do: v5p chips
+#: (95 GiB each) in place of v5e's 16 GiB, the same mesh and 8 rollout rows per chip
+LONG_ROWS = [Row("8b", False, "ppo", 4096, "tpu:v5p:2x2x4", "1,4,4"),
+             Row("8b", False, "grpo", 4096, "tpu:v5p:2x2x4", "1,4,4"),
+             Row("8b", True, "ppo", 4096, "tpu:v5p:2x2x1", "1,1,4")]
+LONG_START, LONG_END = "<!-- plan-long:start -->", "<!-- plan-long:end -->"
 
 
 def candidate_rows() -> list:
@@ -246,7 +255,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-cpu", action="store_true", help="no XLA:CPU estimates")
     args = parser.parse_args(argv)
     if not args.render:
-        rows = candidate_rows() if args.search else ROWS
+        rows = candidate_rows() if args.search else ROWS + LONG_ROWS
         for row in (r for r in rows if r.key.startswith(args.rows)):
             plan, cpu = stored(row)
             if plan is None or args.force or (args.stale and stale(plan)):
@@ -255,6 +264,7 @@ def main(argv=None) -> int:
             if not args.no_cpu and not args.search and (cpu is None or args.force):
                 compile_row(row, target="cpu")
     write_doc(render_table())
+    write_doc(render_table(LONG_ROWS), LONG_START, LONG_END)
     write_doc(render_search(), SEARCH_START, SEARCH_END)
     return 0
 

@@ -21,10 +21,12 @@ def test_the_table_is_its_rows_stored_compiles():
     assert _block(plan_table.START, plan_table.END) == plan_table.render_table(), (
         "docs/scaling.md's plan table differs from benchmarks/plans_tpu/: python -m benchmarks.plan_table --render")
     assert _block(plan_table.SEARCH_START, plan_table.SEARCH_END) == plan_table.render_search()
+    assert all(plan_table.stored(row)[0] is not None for row in plan_table.LONG_ROWS)
+    assert _block(plan_table.LONG_START, plan_table.LONG_END) == plan_table.render_table(plan_table.LONG_ROWS)
 
 
 def test_every_accepted_tpu_compile_has_the_compilers_peak():
-    rows = [*plan_table.ROWS, *plan_table.candidate_rows()]
+    rows = [*plan_table.ROWS, *plan_table.LONG_ROWS, *plan_table.candidate_rows()]
     assert not [row.key for row in rows if plan_table.stale(plan_table.stored(row)[0])]
 
 
