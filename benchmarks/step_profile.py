@@ -35,6 +35,8 @@ import re
 import tempfile
 import time
 
+from benchmarks import hlo_text as hlo_text_reader
+
 #: (kind, name pattern) in the order they are tried; the first match names an op's kind.
 KINDS = (
     ("matmuls", r"ynn_fusion|xnn_fusion|onednn|^dot|^custom-call|^ffi_call"),  # ffi_call: stacked_matmul's
@@ -60,45 +62,14 @@ def kind_of(name: str) -> str:
     return next(kind for kind, pattern in KINDS if re.search(pattern, base))
 
 
-#: HLO text: a computation's header (column 0), an instruction (indented; ROOT marks the result), and the
-#: attributes that name the computations an instruction runs.
-_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) ")
-_INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%?([\w.\-]+) = ")
-_CALLED = re.compile(r"(?:calls|body|condition|to_apply|true_computation|false_computation)=%?([\w.\-]+)"
-                     r"|branch_computations=\{([^}]*)\}")
-
-
 def conditional_branch_ops(hlo_text: str) -> set[str]:
     """The names of the instructions that run inside a conditional's branches: those of every branch computation of
     every ``conditional`` in the (compiled) HLO module ``hlo_text``, and of the computations those call."""
-    computations: dict[str, list[str]] = {}  # computation -> its instruction lines
-    current = None
-    for line in hlo_text.splitlines():
-        if line and not line[0].isspace() and line.rstrip().endswith("{"):
-            match = _COMPUTATION.match(line)
-            current = match.group(1) if match else None
-            computations[current] = []
-        elif current is not None and _INSTRUCTION.match(line):
-            computations[current].append(line)
-
-    def called(line: str) -> list[str]:
-        names = []
-        for single, several in _CALLED.findall(line):
-            names += [single] if single else [n.strip().lstrip("%") for n in several.split(",")]
-        return names
-
-    pending = [name for lines in computations.values() for line in lines if " conditional(" in line
-               for name in called(line)]
-    seen, ops = set(), set()
-    while pending:
-        name = pending.pop()
-        if name in seen or name not in computations:
-            continue
-        seen.add(name)
-        for line in computations[name]:
-            ops.add(_INSTRUCTION.match(line).group(1))
-            pending += called(line)
-    return ops
+    module = hlo_text_reader.computations(hlo_text)
+    branches = [name for lines in module.values() for line in lines if " conditional(" in line
+                for name in hlo_text_reader.called(line)]
+    return {hlo_text_reader.INSTRUCTION.match(line).group(1)
+            for name in hlo_text_reader.reachable(module, branches) for line in module[name]}
 
 
 def summarize_trace(events: list[dict], branch_ops: set[str]) -> dict:

@@ -165,36 +165,6 @@ def test_a_mesh_axis_across_two_torus_sides_still_makes_a_mesh():
     assert dict(mesh.shape) == {"data": 1, "fsdp": 8, "tensor": 8} and len(set(mesh.devices.flat)) == 64
 
 
-def _computations(hlo: str) -> dict:
-    """{computation name: its instruction lines} of an HLO module's text."""
-    import re
-
-    out, name = {}, None
-    for line in hlo.splitlines():
-        header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) \(", line)
-        if header:
-            name = header.group(1)
-            out[name] = []
-        elif name is not None and line.startswith("  "):
-            out[name].append(line)
-    return out
-
-
-def _reachable(computations: dict, roots) -> set:
-    """The computations ``roots`` run, and every computation they call (fusions, nested loops, ...)."""
-    import re
-
-    seen, todo = set(), list(roots)
-    while todo:
-        name = todo.pop()
-        if name in seen or name not in computations:
-            continue
-        seen.add(name)
-        for line in computations[name]:
-            todo += re.findall(r"(?:calls|body|condition|to_apply|branch_computations)=\{?%?([\w.\-]+)", line)
-    return seen
-
-
 def test_the_decode_loop_writes_the_kv_cache_in_place(target):
     """The whole sampler (prefill, then the decode loop with the layer loop inside) compiled for one v5e chip: no
     instruction inside the decode loop copies the KV cache; each step writes its new keys and values into the cache
@@ -205,6 +175,7 @@ def test_the_decode_loop_writes_the_kv_cache_in_place(target):
     from flax import nnx
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+    from benchmarks import hlo_text
     from ppojax.models import CausalLM, ModelConfig
     from ppojax.rl.sampler import generate
 
@@ -220,11 +191,11 @@ def test_the_decode_loop_writes_the_kv_cache_in_place(target):
                                               stop_token_id=2))
     hlo = sample.lower(placed, prompts, key).compile().as_text()
     cache_shape = "bf16[4,8,192,4,8]"  # [layers, rows, prompt + response slots, kv heads, head dim]
-    computations = _computations(hlo)
-    bodies = set(re.findall(r"body=%?([\w.\-]+)", hlo))
-    in_loops = _reachable(computations, bodies)
-    assert len(bodies) >= 2  # the decode loop and the layer loop inside it
-    loop_lines = [line for name in in_loops for line in computations[name]]
+    module = hlo_text.computations(hlo)
+    loops = [name for lines in module.values() for line in lines if " while(" in line
+             for name in hlo_text.called(line)]
+    assert len(loops) >= 4  # the decode loop and the layer loop inside it: a body and a condition each
+    loop_lines = [line for name in hlo_text.reachable(module, loops) for line in module[name]]
     assert any(cache_shape in line and "dynamic-update-slice" in line for line in loop_lines)  # the cache's write
     copies = [line.strip()[:160] for line in loop_lines if re.search(re.escape(cache_shape) + r"\S* copy\(", line)]
     assert copies == [], copies
