@@ -346,9 +346,14 @@ def test_train_step_packed_equals_padded():
     for free in (False, True):
         p = program(free)
         state = init_state(p, 0)
-        results.append(make_train_step(p)(state, prompts, jax.random.key(11)))
+        step = make_train_step(p)
+        results.append(step(state, prompts, jax.random.key(11)))
     (state_a, metrics_a), (state_b, metrics_b) = results
     assert float(metrics_a["perf/padding_fraction"]) > 0.2  # the sampled lengths vary: there is padding to skip
     for name, value in metrics_a.items():
         np.testing.assert_allclose(metrics_b[name], value, err_msg=name, **TIGHT)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, **TIGHT), state_a.params, state_b.params)
+    # other lengths, other packed micro-batch counts: the same compiled program (the loops' trip counts are traced)
+    _, again = step(state_b, prompt_blocks(2)[1], jax.random.key(12))
+    assert float(again["perf/padding_fraction"]) != float(metrics_b["perf/padding_fraction"])
+    assert step.jitted._cache_size() == 1
