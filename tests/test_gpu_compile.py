@@ -5,6 +5,7 @@ fused kernel, chosen by "auto" for the target's GPUs).
 Skipped where JAX's CUDA plugin is not installed (pip install 'ppojax[cuda]', about 3.8 GB: not part of `make test`).
 """
 import json
+import re
 
 import pytest
 
@@ -56,11 +57,21 @@ def test_train_step_compiles_with_cudnn_attention_on_a_data_tensor_mesh(tiny_mod
     assert "__cudnn$fmha" in compiled.as_text()  # "auto" took cuDNN's fused attention, as on the GPUs themselves
 
 
-@pytest.mark.xfail(strict=True, reason="cuDNN attention's partitioner needs q, k and v sharded alike, which an fsdp "
-                   "mesh does not give (docs/scaling.md); attention_implementation=xla compiles")
-def test_train_step_compiles_with_cudnn_attention_on_an_fsdp_mesh(tiny_model, target):
+@pytest.mark.parametrize("mesh_shape", [(1, 8, 1), (2, 2, 2)])
+def test_train_step_compiles_with_cudnn_attention_on_an_fsdp_mesh(tiny_model, target, mesh_shape):
+    # cuDNN's partitioner takes q, k and v only when sharded alike, which XLA's propagation does not give on an fsdp
+    # mesh: without sharding.attention_operand_placement this compile raises "Query, key and value should have
+    # same sharding"
+    from ppojax.parallel import sharding
+    from ppojax.rl.program import make_train_step
     from ppojax.trainer import plan
-    plan.plan(_config(), tiny_model, mesh_shape=(1, 8, 1), target=target, programs=("rollout",))
+
+    model_cfg, _, _ = plan.model_config_for(tiny_model)
+    run = plan.abstract_run(_config(), model_cfg, sharding.make_mesh(*mesh_shape, devices=target.devices))
+    with plan.traced_for_target(run):
+        lowered = make_train_step(run.program, run.state_shardings).jitted.lower(run.state, run.prompts, run.key)
+    kernels = set(re.findall(r'custom_call_target="(__cudnn[^"]*)"', lowered.compile().as_text()))
+    assert kernels == {"__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward"}  # rollout and update
 
 
 def test_xla_attention_compiles_on_an_fsdp_mesh(tiny_model, target):

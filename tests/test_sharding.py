@@ -313,6 +313,24 @@ if CHILD:
         text = lowered.as_text()
         assert "sharding_constraint" in text and '{"tensor"}' in text, text[:2000]
 
+    @pytest.mark.parametrize("mesh_shape, rows, kv_heads, rows_axes, heads_axis", [
+        ((1, 2, 4), 4, 4, "fsdp", "tensor"),
+        ((1, 2, 4), 4, 2, "fsdp", None),  # 2 key heads do not split 4 ways: no operand splits its heads
+        ((2, 2, 2), 6, 4, "data", "tensor"),  # 6 rows split over data only
+        ((2, 2, 2), 3, 4, None, "tensor"),
+    ])
+    def test_attention_operands_are_placed_alike(mesh_shape, rows, kv_heads, rows_axes, heads_axis):
+        from jax.sharding import NamedSharding
+        mesh = sh.make_mesh(*mesh_shape)
+        q = jnp.zeros((rows, 6, 8, 16), jnp.bfloat16)
+        k = v = jnp.zeros((rows, 10, kv_heads, 16), jnp.bfloat16)
+        mask = jnp.ones((rows, 6, 10), bool)
+        placed = jax.jit(sh.attention_operand_placement(mesh))(q, k, v, mask)
+        for x in placed[:3]:  # cuDNN's partitioner takes q, k and v only sharded alike
+            assert x.sharding.is_equivalent_to(NamedSharding(mesh, P(rows_axes, None, heads_axis, None)), 4), \
+                x.sharding
+        assert placed[3].sharding.is_equivalent_to(NamedSharding(mesh, P(rows_axes)), 3), placed[3].sharding
+
     # ---- critic-free estimators: group statistics over a sharded batch ----
     from ppojax.rl.actor_critic import ActorCritic
     def _critic_free_updates(mesh, estimator):

@@ -79,6 +79,26 @@ def traced_for(device):
         _TRACED_FOR.reset(token)
 
 
+#: how the fused kernel's operands are placed where the program is traced on a device mesh (`operands_placed_by`)
+_PLACE_OPERANDS = contextvars.ContextVar("ppojax_attention_place_operands", default=None)
+
+
+@contextlib.contextmanager
+def operands_placed_by(place):
+    """While tracing inside this block, pass cuDNN's operands through ``place(q, k, v, mask) -> (q, k, v, mask)``.
+
+    cuDNN's SPMD partitioner takes only q, k and v sharded alike (batch and heads; never the sequence or
+    head_dim), and the mask's batch like theirs. XLA's propagation gives q and k different shardings on an fsdp
+    mesh (their projections' weights differ), so the program that owns the mesh says how to lay them out
+    (`ppojax.parallel.sharding.attention_operand_placement`); the model itself knows no mesh.
+    """
+    token = _PLACE_OPERANDS.set(place)
+    try:
+        yield
+    finally:
+        _PLACE_OPERANDS.reset(token)
+
+
 def _target_device():
     return _TRACED_FOR.get() or jax.devices()[0]
 
@@ -131,6 +151,9 @@ def attention(q: Array, k: Array, v: Array, mask: Array, *, scale: float, implem
     t = k.shape[1]
     if resolve_implementation(implementation, q.dtype, hd, s, t) == "xla":
         return _grouped_xla(q, k, v, mask, float(scale))  # the hints are implied by the mask
+    place = _PLACE_OPERANDS.get()
+    if place is not None:
+        q, k, v, mask = place(q, k, v, mask)
     return jax.nn.dot_product_attention(
         q, k, v, mask=mask[:, None, :, :], scale=float(scale), is_causal=is_causal,
         local_window_size=None if window is None else (window - 1, 0), implementation="cudnn")

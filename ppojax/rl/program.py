@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from ppojax import core as ppo
-from ppojax.rl import rollout
+from ppojax.rl import placement, rollout
 from ppojax.parallel import sharding
 from ppojax.rl.actor_critic import ActorCritic
 from ppojax.rl.rewards import GivenScores
@@ -125,7 +125,8 @@ def _jit(program: PPOProgram, fn, state_shardings):
     replicated (so ``jax.device_get`` works on every process)."""
     if program.mesh is None:
         return jax.jit(fn, donate_argnums=(0,))
-    return jax.jit(fn, donate_argnums=(0,), out_shardings=(state_shardings, sharding.replicated(program.mesh)))
+    return jax.jit(placement.traced_on(program.mesh, fn), donate_argnums=(0,),
+                   out_shardings=(state_shardings, sharding.replicated(program.mesh)))
 
 
 def make_train_step(program: PPOProgram, state_shardings=None):
@@ -172,8 +173,8 @@ def collect_experience(program: PPOProgram, state, prompts, sample_key):
 def make_rollout(program: PPOProgram):
     """``rollout(state, prompts, key) -> (Experience, failures)`` compiled: the experience ``train_step``
     would learn from with the same key (for notebooks, tests and the legacy API). Nothing is donated."""
-    return _placed(program, jax.jit(lambda state, prompts, key: collect_experience(program, state, prompts,
-                                                                                   iteration_keys(key)[0])))
+    return _placed(program, jax.jit(placement.traced_on(
+        program.mesh, lambda state, prompts, key: collect_experience(program, state, prompts, iteration_keys(key)[0]))))
 
 
 def _placed(program: PPOProgram, jitted):
