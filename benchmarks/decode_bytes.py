@@ -2,7 +2,7 @@
 the whole KV cache (a measurement without a TPU: run it by hand, not in the tests).
 
     python -m benchmarks.decode_bytes [--model llama-3.2-1b] [--target tpu:v5e:1x1] [--batch 8]
-        [--prompt 512 --response 1024] [--json out.json]
+        [--prompt 512 --response 1024] [--segments 4] [--json out.json]
 
 Compiles ONE step of the sampler's decode loop (``ppojax.rl.sampler.decode_step`` and the sampling of the next
 token), as the rollout runs it, for one chip with the config's batch rows on it: the policy in bfloat16 with its
@@ -12,21 +12,31 @@ the TPU compiler copies the cache into the loop's own layout and back (cache-siz
 inside the sampler the cache never leaves the program and the decode loop writes it in place
 (tests/test_tpu_compile.py checks that no copy of the cache lies inside the loop). The unrolled step has no such
 copies: its bytes are a step's own traffic. Reported: XLA's cost analysis ("bytes
-accessed": reads and writes of every HLO op, fused ops counted once), the memory analysis, and the floor: the
+accessed": reads and writes of every HLO op, fused ops counted once), the memory analysis, an estimate of the
+bytes per jax operation from the optimized HLO (``hlo_text.bytes_by_instruction``), and the floor: the
 policy's weights (a decode step reads each one once; tied embeddings are the LM head) plus the KV cache's keys
 and values (the attention reads every slot: shapes are static). The time at the chip's HBM bandwidth follows for
 both.
+
+Then the decode loop as the sampler runs it by default, cut into ``--segments`` loops (``decode_segments``), each
+reading only the cache slots filled by its end: the unrolled step compiled once per segment with the cache's
+``read_length``, and the mean over the loop's steps (each segment weighted by its steps), against the mean floor
+(the weights plus the slots read).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
+from benchmarks import hlo_text
 
-def measure(model: str, target_text: str, batch: int, prompt: int, response: int, scan_layers: bool = True) -> dict:
+
+def measure(model: str, target_text: str, batch: int, prompt: int, response: int, scan_layers: bool = True,
+            read_length: int | None = None) -> dict:
     from ppojax.trainer import plan, plan_targets
 
     spec = plan_targets.parse_target(target_text)
@@ -49,7 +59,7 @@ def measure(model: str, target_text: str, batch: int, prompt: int, response: int
                                              scan_layers=scan_layers))
     graphdef, params = nnx.split(policy)
     length = prompt + response
-    cache = jax.eval_shape(lambda: init_cache(model_cfg, batch, length, compute, XLA))
+    cache = jax.eval_shape(lambda: init_cache(model_cfg, batch, length, compute, XLA)).replace(read_length=read_length)
     mesh = Mesh(np.array(target.devices[:1]), ("chip",))
     on_chip = NamedSharding(mesh, PartitionSpec())
 
@@ -72,18 +82,26 @@ def measure(model: str, target_text: str, batch: int, prompt: int, response: int
     memory = compiled.memory_analysis()
     weight_bytes = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
     kv_bytes = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in (cache.keys, cache.values))
+    kv_read_bytes = kv_bytes * cache.slots_read // length  # the slots the attention reads
     floor = weight_bytes + kv_bytes
     moved = float(cost["bytes accessed"])
     bandwidth = spec.chip.hbm_gb_per_s * 1e9
-    cache_copies = sum(1 for line in compiled.as_text().splitlines()
+    text = compiled.as_text()
+    groups: dict[str, int] = {}
+    for row in hlo_text.bytes_by_instruction(text):  # where the bytes go, by the jax operation that made them
+        group = re.sub(r"\d+", "#", row["op_name"].replace("jit(step)/", "")) or row["op"]
+        groups[group] = groups.get(group, 0) + row["read"] + row["written"]
+    by_op = dict(sorted(groups.items(), key=lambda kv: -kv[1])[:10])
+    cache_copies = sum(1 for line in text.splitlines()
                        if " copy(" in line and f"[{','.join(map(str, cache.keys.shape))}]" in line.split("copy(")[0])
     return {"model": model, "target": spec.text, "compiler": target.compiler, "batch": batch,
             "layers": "scan" if scan_layers else "unrolled", "cache_copies": cache_copies,
-            "cache_slots": length, "bytes_accessed": moved, "weight_bytes": weight_bytes, "kv_cache_bytes": kv_bytes,
+            "cache_slots": length, "slots_read": cache.slots_read, "kv_read_bytes": kv_read_bytes, "bytes_accessed": moved, "weight_bytes": weight_bytes, "kv_cache_bytes": kv_bytes,
             "floor_bytes": floor, "bytes_over_floor": moved / floor, "flops": cost.get("flops"),
             "argument_bytes": int(memory.argument_size_in_bytes), "temp_bytes": int(memory.temp_size_in_bytes),
             "hbm_gb_per_s": spec.chip.hbm_gb_per_s, "floor_ms": floor / bandwidth * 1e3,
-            "compiler_bytes_ms": moved / bandwidth * 1e3}
+            "compiler_bytes_ms": moved / bandwidth * 1e3,
+            "estimated_bytes_by_op": by_op, "estimated_bytes": sum(groups.values())}
 
 
 def main(argv=None) -> int:
@@ -94,9 +112,23 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--response", type=int, default=1024)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--segments", type=int, default=4, help="decode_segments (the config's default: 4)")
     args = parser.parse_args(argv)
+    from ppojax.rl.sampler import decode_segments
+
     results = [measure(args.model, args.target, args.batch, args.prompt, args.response, scan_layers=scan)
                for scan in (True, False)]
+    start, segments = 1, []
+    for end, slots in decode_segments(args.prompt, args.response, args.segments):
+        segments.append({**measure(args.model, args.target, args.batch, args.prompt, args.response,
+                                   scan_layers=False, read_length=slots), "steps": end - start})
+        start = end
+    steps = sum(seg["steps"] for seg in segments)
+    mean = lambda key: sum(seg[key] * seg["steps"] for seg in segments) / steps  # noqa: E731
+    segmented = {"segments": args.segments, "layers": "unrolled", "steps": steps,
+                 "bytes_accessed_mean": mean("bytes_accessed"),
+                 "floor_bytes_mean": segments[0]["weight_bytes"] + mean("kv_read_bytes"),
+                 "per_segment": segments}
     gb = 1e9
     for result in results:
         print(f"{result['model']} decode step on {result['target']} ({result['compiler']}), {result['batch']} rows "
@@ -107,8 +139,21 @@ def main(argv=None) -> int:
               f"GB = {result['floor_bytes'] / gb:.3f} GB\n"
               f"  ratio {result['bytes_over_floor']:.3f}; at {result['hbm_gb_per_s']:g} GB/s: "
               f"{result['compiler_bytes_ms']:.2f} ms vs the floor's {result['floor_ms']:.2f} ms")
+    full = results[1]
+    print("  where the unrolled step's bytes go (an estimate from its HLO, "
+          f"{full['estimated_bytes'] / gb:.3f} GB in all):")
+    for group, moved in full["estimated_bytes_by_op"].items():
+        print(f"    {moved / gb:7.3f} GB  {group}")
+    print(f"the decode loop in {args.segments} segments (unrolled), slots read "
+          f"{[seg['slots_read'] for seg in segments]} over {[seg['steps'] for seg in segments]} steps:\n"
+          f"  mean bytes accessed per step {segmented['bytes_accessed_mean'] / gb:.3f} GB (one loop over all "
+          f"{full['cache_slots']} slots: {full['bytes_accessed'] / gb:.3f} GB, x"
+          f"{segmented['bytes_accessed_mean'] / full['bytes_accessed']:.3f}); mean floor "
+          f"{segmented['floor_bytes_mean'] / gb:.3f} GB, ratio "
+          f"{segmented['bytes_accessed_mean'] / segmented['floor_bytes_mean']:.3f}; against the full cache's floor "
+          f"{segmented['bytes_accessed_mean'] / full['floor_bytes']:.3f}")
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1) + "\n")
+        args.json.write_text(json.dumps(results + [segmented], indent=1) + "\n")
     return 0
 
 

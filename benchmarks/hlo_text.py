@@ -47,3 +47,92 @@ def reachable(module: dict[str, list[str]], roots) -> set[str]:
         for line in module[name]:
             pending += called(line)
     return seen
+
+
+# --------------------------------------------------------------------------------------------------
+# Bytes per instruction (an estimate: each top-level op's operands read and result written)
+# --------------------------------------------------------------------------------------------------
+_ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
+               "f64": 8, "s64": 8, "u64": 8}
+_ARRAY = re.compile(r"\b(" + "|".join(_ITEM_BYTES) + r")\[([0-9,]*)\]")
+_OP = re.compile(r"^\s+(?:ROOT )?%?([\w.\-]+) = (.*?) ([a-z\-]+)\((.*?)\)(?:, |$)")
+_SLICES = ("dynamic-slice", "slice", "gather")
+_FREE = {"parameter", "get-tuple-element", "bitcast", "constant", "tuple", "copy-start", "copy-done"}
+
+
+def _shape_bytes(text: str) -> int:
+    total = 0
+    for dtype, dims in _ARRAY.findall(text):
+        count = 1
+        for d in filter(None, dims.split(",")):
+            count *= int(d)
+        total += _ITEM_BYTES[dtype] * count
+    return total
+
+
+def _ops(lines: list[str]) -> dict[str, dict]:
+    out = {}
+    for line in lines:
+        match = _OP.match(line)
+        if match:
+            name, result, op, args = match.groups()
+            out[name] = {"result": result, "op": op, "line": line,
+                         "args": [a.strip().lstrip("%") for a in args.split(",") if a.strip().startswith("%")]}
+    return out
+
+
+def bytes_by_instruction(hlo_text: str) -> list[dict]:
+    """Each top-level instruction of the ENTRY computation with the bytes it reads and writes: ``[{name, op,
+    op_name, read, written}]``. Reads follow an operand into a fusion: an operand the fusion only slices counts
+    its slices, one it only updates in place counts nothing; a result written in place by a dynamic-update-slice
+    counts the update. Tuples, bitcasts and parameters are free. An estimate to find where bytes go, not the
+    compiler's own count (``cost_analysis()``)."""
+    module = computations(hlo_text)
+    entry = next(line.split()[1].lstrip("%") for line in hlo_text.splitlines() if line.startswith("ENTRY"))
+    parsed = {name: _ops(lines) for name, lines in module.items()}
+
+    def value_reads(comp, name, full):
+        if "ROOT" in comp[name]["line"]:
+            return full  # handed on whole (a bitcast fusion): its reader reads it all
+        total = 0
+        for user in (u for u in comp.values() if name in u["args"]):
+            if user["op"] in _SLICES and user["args"][0] == name:
+                total += _shape_bytes(user["result"])
+            elif user["op"] == "dynamic-update-slice" and user["args"][0] == name:
+                pass
+            elif user["op"] == "bitcast":
+                total += value_reads(comp, next(n for n, u in comp.items() if u is user), full)
+            elif user["op"] == "fusion":
+                total += sum(param_reads(called(user["line"])[0], i, full)
+                             for i, arg in enumerate(user["args"]) if arg == name)
+            else:
+                return full
+        return min(total, full)
+
+    def param_reads(comp_name, index, full):
+        comp = parsed.get(comp_name, {})
+        name = next((n for n, op in comp.items()
+                     if op["op"] == "parameter" and f"parameter({index})" in op["line"]), None)
+        return full if name is None else value_reads(comp, name, full)
+
+    ops, rows = parsed[entry], []
+    for name, op in ops.items():
+        if op["op"] in _FREE:
+            continue
+        fused = called(op["line"])[0] if op["op"] == "fusion" else None
+        read = 0
+        for i, arg in enumerate(op["args"]):
+            full = _shape_bytes(ops[arg]["result"]) if arg in ops else 0
+            if fused:
+                read += param_reads(fused, i, full)
+            elif not (op["op"] == "dynamic-update-slice" and i == 0):
+                read += full
+        written = _shape_bytes(op["result"])
+        root = next((o for o in parsed.get(fused, {}).values() if "ROOT" in o["line"]), None) if fused else op
+        if root is not None and root["op"] == "dynamic-update-slice":
+            scope = parsed[fused] if fused else ops
+            written = _shape_bytes(scope[root["args"][1]]["result"]) if root["args"][1] in scope else written
+        op_name = re.search(r'op_name="([^"]*)"', op["line"])
+        rows.append({"name": name, "op": op["op"], "op_name": op_name.group(1) if op_name else "", "read": read,
+                     "written": written})
+    return rows

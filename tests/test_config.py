@@ -136,7 +136,8 @@ def test_derived_sets_are_what_the_fields_declare():
         "normalize_advantages",
         "critic_warmup",
         "kl_loss_coef", "kl_loss_type", "cliprange_low", "cliprange_high", "dual_clip_c", "loss_agg_mode",
-        "lora_dropout", "behaviour_logprobs", "rollout_slots", "padding_free", "max_tokens_per_micro_batch"}
+        "lora_dropout", "behaviour_logprobs", "rollout_slots", "padding_free", "max_tokens_per_micro_batch",
+        "decode_segments"}
     # the three classes partition the fields (what a resume compares is read from them alone)
     assert not (C.MUST_MATCH_FIELDS & C.IGNORED_ON_RESUME_FIELDS or C.MUST_MATCH_FIELDS & C.MAY_CHANGE_FIELDS
                 or C.IGNORED_ON_RESUME_FIELDS & C.MAY_CHANGE_FIELDS)

@@ -295,3 +295,45 @@ def test_decode_loop_exits_early_when_all_done(tiny_llama):
     jax.effects_barrier()
     assert len(_CountingLM.calls) == end + 1  # prefill + `end` decode steps, then every row is done
     assert (stopped[:, end + 1:] == PAD).all() and (stopped[:, :end + 1] == free[:, :end + 1]).all()
+
+
+def test_decode_segments_read_only_the_filled_slots_and_sample_the_same_tokens(tiny):
+    """The decode loop cut into segments whose attention reads only the cache slots filled so far (fewer than
+    the cache's P + R until the last) gives transformers' greedy tokens, and with a key the same samples and
+    log-probs as one loop; a stop token still ends every segment's loop at once."""
+    from ppojax.rl.sampler import decode_segments
+    kind, hf, _, graphdef, params = tiny
+    long_r = 24
+    plan = decode_segments(PROMPTS.shape[1], long_r, 4)
+    assert [reads for _, reads in plan] == [16, 24, 24, 30] and plan[-1][0] == long_r  # cuts below P + R = 30
+    prompts = jnp.asarray(PROMPTS)
+    expected = hf_greedy(hf, PROMPTS, long_r)
+    got = generate_jit(graphdef, params, prompts, jax.random.key(0), response_length=long_r, pad_token_id=PAD,
+                       greedy=True, segments=4)
+    np.testing.assert_array_equal(np.asarray(got), expected, err_msg=kind)
+
+    kwargs = dict(response_length=long_r, pad_token_id=PAD, temperature=1.0, return_logprobs=True)
+    one, one_logprobs = generate_jit(graphdef, params, prompts, jax.random.key(5), **kwargs)
+    cut, cut_logprobs = generate_jit(graphdef, params, prompts, jax.random.key(5), segments=4, **kwargs)
+    np.testing.assert_array_equal(np.asarray(cut), np.asarray(one))
+    np.testing.assert_allclose(np.asarray(cut_logprobs), np.asarray(one_logprobs), atol=1e-5)
+    stop = int(np.asarray(one)[1, 2])
+    stopped = generate_jit(graphdef, params, prompts, jax.random.key(5), stop_token_id=stop, segments=4, **kwargs)[0]
+    for row_free, row_stopped in zip(np.asarray(one), np.asarray(stopped)):
+        hits = np.flatnonzero(row_free == stop)
+        end = hits[0] + 1 if hits.size else long_r
+        np.testing.assert_array_equal(row_stopped[:end], row_free[:end])
+        assert (row_stopped[end:] == PAD).all()
+
+
+def test_later_decode_segments_run_no_step_once_every_row_is_done(tiny_llama):
+    _, graphdef, params = tiny_llama
+    prompts = jnp.asarray(np.repeat(PROMPTS[1:2], 3, axis=0))
+    kwargs = dict(response_length=R, pad_token_id=PAD, greedy=True, segments=3)
+    free = np.asarray(generate_jit(graphdef, params, prompts, jax.random.key(0), **kwargs))
+    stop = int(free[0, 2])
+    end = int(np.flatnonzero(free[0] == stop)[0])
+    _CountingLM.calls.clear()
+    generate_jit(graphdef, params, prompts, jax.random.key(0), stop_token_id=stop, **kwargs)
+    jax.effects_barrier()
+    assert len(_CountingLM.calls) == end + 1  # prefill + `end` decode steps in the first segment, none after

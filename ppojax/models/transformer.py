@@ -159,6 +159,9 @@ class KVCache:
     key_mask: bool[B, T] (True = slot holds a real token);
     index: i32[] (next slot to write; the same for every row, rows are left-padded), or i32[B] (each row's
     own next slot: rows holding sequences started at different times, `ppojax.rl.continuous`).
+    read_length: attention reads only slots `[0, read_length)` (None: all T). The caller promises that every
+    slot written so far, and those the call writes, lie below it: a sampler that knows how far its cache is
+    filled (`ppojax.rl.sampler`'s decode segments) saves reading, and attending over, the empty slots.
     """
 
     keys: Array
@@ -167,10 +170,16 @@ class KVCache:
     index: Array
     #: the 16-bit float whose uint16 bits `keys` / `values` hold (`Kernels.stores_bits`), else None
     bits_of: str | None = flax.struct.field(pytree_node=False, default=None)
+    read_length: int | None = flax.struct.field(pytree_node=False, default=None)
 
     @property
     def max_length(self) -> int:
         return self.keys.shape[2]
+
+    @property
+    def slots_read(self) -> int:
+        """How many slots, from the first, attention reads (`read_length`, else all)."""
+        return self.max_length if self.read_length is None else self.read_length
 
     @property
     def dtype(self):
@@ -260,12 +269,14 @@ def _project(x: Array, d: dict, dtype, lora_scale: float | None, kernels: Kernel
 
 def _block(cfg: ModelConfig, dtype, inv_freq, p: dict, x: Array, positions: Array, mask: Array,
            layer_idx, kv: tuple | None, cache_index, attn_kwargs: dict, lora_scale: float | None = None,
-           cache_bits_of: str | None = None, kernels: Kernels = XLA, products: dict | None = None):
+           cache_bits_of: str | None = None, kernels: Kernels = XLA, products: dict | None = None,
+           slots_read: int | None = None):
     """One transformer layer on `x: [B, S, D]` with this layer's weights `p` (no `layers` axis).
 
     `mask: bool[B, S, T]`. With `kv = (keys, values)` (the whole stacked cache `[L, B, T, K, hd]`), the new keys and
     values are written at `[layer_idx, :, cache_index:cache_index+S]` (`cache_index` i32[] or, one per row,
-    i32[B]: `write_slots`) and attention reads that layer's slots.
+    i32[B]: `write_slots`) and attention reads that layer's first `slots_read` slots (`mask: bool[B, S,
+    slots_read]`; None: all T).
     `attn_kwargs`: the static implementation and the mask hints of `attention.attention`. `lora_scale`: alpha / r
     of the LoRA adapters some projections carry (`lora.py`; None without adapters). `cache_bits_of`: the
     cache's `bits_of` (its keys and values are that 16-bit dtype's uint16 bits), else None. `kernels`: the
@@ -296,8 +307,9 @@ def _block(cfg: ModelConfig, dtype, inv_freq, p: dict, x: Array, positions: Arra
             new = new[None].astype(cache_bits_of or stack.dtype)
             return write_slots(stack, to_bits(new) if cache_bits_of else new, layer_idx, cache_index)
 
-        def read(stack):
-            layer = jax.lax.dynamic_index_in_dim(stack, layer_idx, 0, keepdims=False)
+        def read(stack):  # this layer's first `slots_read` slots, as ONE slice (fused into its readers)
+            sizes = (1, stack.shape[1], slots_read or stack.shape[2], *stack.shape[3:])
+            layer = jax.lax.dynamic_slice(stack, (layer_idx,) + (0,) * (stack.ndim - 1), sizes)[0]
             return (from_bits(layer, cache_bits_of) if cache_bits_of else layer).astype(dtype)
 
         all_k, all_v = write(all_k, k), write(all_v, v)
@@ -511,9 +523,9 @@ class Backbone(nnx.Module):
             index = cache.index
             key_mask = write_slots(cache.key_mask, attention_mask, None, index)
             q_slot = index[..., None] + jnp.arange(s)  # [S], or [B, S] with one index per row
-            k_slot = jnp.arange(cache.max_length)
+            k_slot = jnp.arange(cache.slots_read)
         q_slot = q_slot.reshape(-1, s)[:, :, None]  # [1 or B, S, 1]
-        mask = key_mask[:, None, :] & (k_slot[None, None, :] <= q_slot)
+        mask = key_mask[:, None, :k_slot.shape[0]] & (k_slot[None, None, :] <= q_slot)
         if segment_ids is not None:  # packed rows: a query sees its own sequence only
             mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
         if sliding.any():
@@ -546,7 +558,8 @@ class Backbone(nnx.Module):
             m = jnp.where(is_sliding, window_mask, mask) if sliding.any() else mask
             x, kv = _block(cfg, self.dtype, inv_freq, p, x.astype(layer_dtype), position_ids, m, layer_idx, kv,
                            index, attn_kwargs, self.lora_scale, None if cache is None else cache.bits_of,
-                           kernels, kernels.layer_products(split, layer_idx))
+                           kernels, kernels.layer_products(split, layer_idx),
+                           None if cache is None else cache.slots_read)
             return (to_stream(x), kv), None
 
         # under scan, XLA cannot merge the recomputation into the forward anyway (jax.checkpoint's docs)

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ppojax.rl.forward import sequence_inputs
-from ppojax.rl.sampler import (_cache_dtype, _init_cache, decode_step, row_keys, sample_rows,
+from ppojax.rl.sampler import (_cache_dtype, _init_cache, decode_step, prefill_slots, row_keys, sample_rows,
                                token_logprobs)
 
 
@@ -118,7 +118,7 @@ def generate_continuous(graphdef, params, prompt_ids, key, *, slots, response_le
         slot = jnp.argmax(~state.live).astype(jnp.int32)
         b = state.next_row
         prompt = jax.lax.dynamic_slice_in_dim(prompt_ids, b, 1, axis=0)  # [1, P]
-        one = _init_cache(model, 1, max_length, dtype)
+        one = _init_cache(model, 1, max_length, dtype).replace(read_length=prefill_slots(prompt_length, max_length))
         input_ids, attention_mask, position_ids = sequence_inputs(prompt, pad_token_id)
         hidden, one = model(input_ids, attention_mask, position_ids, cache=one)
         logits = model.logits(hidden[:, -1:])[:, 0]  # [1, V]

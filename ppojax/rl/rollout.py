@@ -65,7 +65,7 @@ def _sample_policy(policy_graphdef, policy_params, queries, key, sampling, tempe
         policy_params = jax.lax.with_sharding_constraint(
             policy_params, sharding.param_shardings(policy_params, mesh, sharding.GENERATE_RULES))
         init_cache_fn = placement.make_init_cache_fn(mesh)
-    decode = generate
+    decode = functools.partial(generate, segments=sampling.decode_segments)
     if sampling.rollout_slots:  # continuous batching: S slots refilled from the waiting rows
         decode = functools.partial(generate_continuous, slots=sampling.rollout_slots)
     responses = decode(policy_graphdef, policy_params, queries, key, response_length=sampling.response_length,

@@ -163,9 +163,31 @@ def _init_cache(model, batch_size, max_length, dtype):
 # --------------------------------------------------------------------------------------------------
 # generate
 # --------------------------------------------------------------------------------------------------
+#: slots read are rounded up to a multiple of this (a TPU tile's rows), so that a cut never splits one
+SLOT_ALIGNMENT = 8
+
+
+def prefill_slots(prompt_length: int, max_length: int) -> int:
+    """The cache slots a prefill of ``prompt_length`` tokens reads: its own (aligned), not the empty rest."""
+    return min(max_length, -(-prompt_length // SLOT_ALIGNMENT) * SLOT_ALIGNMENT)
+
+
+def decode_segments(prompt_length: int, response_length: int, segments: int) -> list[tuple[int, int]]:
+    """The decode loop cut into ``segments`` loops of about equal steps: ``[(end step, slots read)]``.
+
+    Decode step t (1 <= t < R) writes its token's keys and values at slot P + t - 1, so the loop over the steps
+    before ``end`` needs only the first P + end - 1 slots of the cache (rounded up to ``SLOT_ALIGNMENT``; at
+    most P + R): each loop's attention reads no more (the cache's ``read_length``). The last loop reads all."""
+    if segments < 1:
+        raise ValueError(f"decode_segments={segments}; expected >= 1")
+    steps, slots = response_length - 1, prompt_length + response_length
+    ends = sorted({1 + -(-steps * (k + 1) // segments) for k in range(segments)} - {1})
+    return [(end, min(slots, -(-(prompt_length + end - 1) // SLOT_ALIGNMENT) * SLOT_ALIGNMENT)) for end in ends]
+
+
 def generate(graphdef, params, prompt_ids, key, *, response_length, pad_token_id, temperature=1.0,
              top_k=0, top_p=1.0, greedy=False, stop_token_id=None, cache_dtype=None, init_cache_fn=None,
-             return_logprobs=False):
+             return_logprobs=False, segments=1):
     """Sample ``response_length`` tokens after each left-padded prompt. Pure; call it under jit.
 
     graphdef, params: ``nnx.split(causal_lm)``; the model is merged inside, so ``params`` may be traced.
@@ -175,7 +197,9 @@ def generate(graphdef, params, prompt_ids, key, *, response_length, pad_token_id
     Static options: response_length R, pad_token_id, top_k (0 = off), top_p (1.0 = off), greedy,
     stop_token_id (None = never stop), cache_dtype (default: the model's compute dtype),
     init_cache_fn (``(model, batch, length, dtype) -> cache``; default ``ppojax.models.init_cache``),
-    return_logprobs (also return each sampled token's log-prob, :func:`token_logprobs` of the step's logits).
+    return_logprobs (also return each sampled token's log-prob, :func:`token_logprobs` of the step's logits),
+    segments (the decode loop as that many loops, each reading only the cache slots filled by its end:
+    :func:`decode_segments`; each is its own compiled loop body).
     Returns responses: i32[B, R]; after a stop token every position holds ``pad_token_id``. With
     ``return_logprobs``: (responses, logprobs f32[B, R]); logprobs after a row's stop token are meaningless.
     """
@@ -193,7 +217,9 @@ def generate(graphdef, params, prompt_ids, key, *, response_length, pad_token_id
     cache = init_cache_fn(model, batch, prompt_length + response_length,
                           _cache_dtype(model, params, cache_dtype))
     input_ids, attention_mask, position_ids = sequence_inputs(prompt_ids, pad_token_id)
-    hidden, cache = model(input_ids, attention_mask, position_ids, cache=cache)
+    # the prefill reads (and attends over) the prompt's own slots only
+    prefill_reads = prefill_slots(prompt_length, cache.max_length)
+    hidden, cache = model(input_ids, attention_mask, position_ids, cache=cache.replace(read_length=prefill_reads))
     logits = model.logits(hidden[:, -1:])[:, 0]
     token = sample(logits, row_keys(key, 0, rows))
     done = jnp.zeros((batch,), bool)
@@ -206,9 +232,11 @@ def generate(graphdef, params, prompt_ids, key, *, response_length, pad_token_id
         logprobs = logprobs.at[:, 0].set(token_logprobs(logits, token, temperature))
     next_position = jnp.sum(attention_mask, axis=-1, dtype=jnp.int32)  # real tokens seen so far
 
-    def cond(carry):
-        step, _, _, _, _, done, _ = carry
-        return (step < response_length) & ~jnp.all(done)
+    def cond_until(end):
+        def cond(carry):
+            step, _, _, _, _, done, _ = carry
+            return (step < end) & ~jnp.all(done)
+        return cond
 
     def body(carry):
         step, cache, responses, logprobs, token, done, next_position = carry
@@ -225,7 +253,10 @@ def generate(graphdef, params, prompt_ids, key, *, response_length, pad_token_id
         return step + 1, cache, responses, logprobs, new, done, next_position + live.astype(jnp.int32)
 
     carry = (jnp.int32(1), cache, responses, logprobs, token, done, next_position)
-    _, _, responses, logprobs, _, _, _ = jax.lax.while_loop(cond, body, carry)
+    for end, slots_read in decode_segments(prompt_length, response_length, segments):
+        step, cache, *rest = carry
+        carry = jax.lax.while_loop(cond_until(end), body, (step, cache.replace(read_length=slots_read), *rest))
+    _, _, responses, logprobs, _, _, _ = carry
     return (responses, logprobs) if return_logprobs else responses
 
 
@@ -243,7 +274,7 @@ def decode_step(graphdef, params, cache, token, position, pad_token_id):
 
 
 GENERATE_STATIC = ("graphdef", "response_length", "pad_token_id", "top_k", "top_p", "greedy", "stop_token_id",
-                   "cache_dtype", "init_cache_fn", "return_logprobs")
+                   "cache_dtype", "init_cache_fn", "return_logprobs", "segments")
 
 #: ``generate`` compiled: one program per (graphdef, prompt shape, static options); params, prompts, key and
 #: ``temperature`` are traced (sampling at another temperature does not recompile).

@@ -37,7 +37,8 @@ class SamplingSettings:
     1.0 are off); num_generations: samples per prompt (consecutive rows); behaviour_logprobs: 'forward' (a
     policy forward computes them) or 'sampler' (the decode loop's). stop_token_id: a response ends after it
     (None: never); eos_token_id: counted in the metrics. rollout_slots: 0 decodes all rows together
-    (``ppojax.rl.sampler.generate``), S > 0 S sequences at a time (``ppojax.rl.continuous``)."""
+    (``ppojax.rl.sampler.generate``), S > 0 S sequences at a time (``ppojax.rl.continuous``). decode_segments:
+    the loops ``generate`` cuts its decode into, each reading only the cache slots filled by its end."""
 
     response_length: int
     pad_token_id: int
@@ -49,6 +50,7 @@ class SamplingSettings:
     num_generations: int = 1
     behaviour_logprobs: str = "forward"
     rollout_slots: int = 0
+    decode_segments: int = 4
 
 
 @dataclass(frozen=True)
@@ -182,7 +184,7 @@ class StepSettings:
             response_length=c.response_length, pad_token_id=pad_token_id, stop_token_id=stop_token_id,
             eos_token_id=eos_token_id, temperature=c.temperature, top_k=c.top_k, top_p=c.top_p,
             num_generations=c.num_generations, behaviour_logprobs=c.behaviour_logprobs,
-            rollout_slots=c.rollout_slots)
+            rollout_slots=c.rollout_slots, decode_segments=c.decode_segments)
         algorithm = AlgorithmSettings(
             advantage_estimator=c.advantage_estimator, gamma=c.gamma, lam=c.lam, num_generations=c.num_generations,
             scale_rewards=c.scale_rewards, normalize_advantages=c.normalize_advantages, kl_estimator=c.kl_estimator,
