@@ -8,11 +8,13 @@ The model is the size's config from ``benchmarks.common`` with random weights (f
 default), prompts of ``--prompt`` random tokens, no stop token: every row decodes ``--response`` tokens, so each
 variant does the same steps. One segment reads all prompt + response slots at every step; S segments read, in
 the k-th loop, only the slots filled by its end. Reported per variant: the compile, and the median of
-``--repeats`` calls after a warm-up; the tokens are checked equal to the first variant's.
+``--repeats`` calls after a warm-up, the variants taking turns; the tokens are checked equal to the first
+variant's.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -40,24 +42,29 @@ def measure(size: str, batch: int, prompt: int, response: int, segments: list[in
         model_cfg, _, _ = plan.model_config_for(directory)
     graphdef, params = nnx.split(CausalLM(model_cfg, rngs=nnx.Rngs(0)))
     prompts = jax.random.randint(jax.random.key(1), (batch, prompt), 1, spec["vocab_size"])
-    rows, first = [], None
+    variants = []
     for count in segments:
         kwargs = dict(response_length=response, pad_token_id=0, temperature=1.0, segments=count)
         start = time.perf_counter()
         generate_jit.lower(graphdef, params, prompts, jax.random.key(0), **kwargs).compile()
         compile_s = time.perf_counter() - start
-        call = lambda: generate_jit(graphdef, params, prompts, jax.random.key(0), **kwargs).block_until_ready()  # noqa: E731
-        tokens = np.asarray(call())  # warm-up (and jit's own cache entry)
-        first = tokens if first is None else first
-        times = []
-        for _ in range(repeats):
+        call = functools.partial(generate_jit, graphdef, params, prompts, jax.random.key(0), **kwargs)
+        variants.append({"count": count, "call": call, "compile_s": compile_s, "tokens": np.asarray(call()),
+                         "times": []})  # the first call warms jit's own cache
+    for _ in range(repeats):  # the variants take turns, so a slow spell of the machine hits each alike
+        for variant in variants:
             start = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - start)
-        rows.append({"segments": count, "slots_read": [s for _, s in decode_segments(prompt, response, count)],
-                     "compile_s": round(compile_s, 2), "generate_s": round(statistics.median(times), 3),
-                     "times_s": [round(t, 3) for t in times], "same_tokens": bool((tokens == first).all()),
-                     "tokens_per_s": round(batch * response / statistics.median(times), 1)})
+            variant["call"]().block_until_ready()
+            variant["times"].append(time.perf_counter() - start)
+    rows = []
+    for variant in variants:
+        median = statistics.median(variant["times"])
+        rows.append({"segments": variant["count"],
+                     "slots_read": [s for _, s in decode_segments(prompt, response, variant["count"])],
+                     "compile_s": round(variant["compile_s"], 2), "generate_s": round(median, 3),
+                     "times_s": [round(t, 3) for t in variant["times"]],
+                     "same_tokens": bool((variant["tokens"] == variants[0]["tokens"]).all()),
+                     "tokens_per_s": round(batch * response / median, 1)})
     return {"size": size, "batch": batch, "prompt": prompt, "response": response, "cache_slots": prompt + response,
             "jax": jax.__version__, "backend": jax.default_backend(), "machine": machine_info(), "rows": rows}
 
