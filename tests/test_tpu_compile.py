@@ -165,11 +165,13 @@ def test_a_mesh_axis_across_two_torus_sides_still_makes_a_mesh():
     assert dict(mesh.shape) == {"data": 1, "fsdp": 8, "tensor": 8} and len(set(mesh.devices.flat)) == 64
 
 
-def test_the_decode_loop_writes_the_kv_cache_in_place(target):
+@pytest.mark.parametrize("segments", [1, 4])
+def test_the_decode_loop_writes_the_kv_cache_in_place(target, segments):
     """The whole sampler (prefill, then the decode loop with the layer loop inside) compiled for one v5e chip: no
     instruction inside the decode loop copies the KV cache; each step writes its new keys and values into the cache
     it carries. (Outside the loop the cache may be copied once per call: the TPU compiler gives the loop's cache
-    its own layout.)"""
+    its own layout.) With decode segments, each loop's attention reads its first slots where they lie: no
+    instruction of a loop makes a layer's slots into an array of their own."""
     import re
 
     from flax import nnx
@@ -188,7 +190,7 @@ def test_the_decode_loop_writes_the_kv_cache_in_place(target):
     key = jax.eval_shape(lambda: jax.random.key(0))
     key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=chip)
     sample = jax.jit(lambda p, q, k: generate(graphdef, p, q, k, response_length=128, pad_token_id=0,
-                                              stop_token_id=2))
+                                              stop_token_id=2, segments=segments))
     hlo = sample.lower(placed, prompts, key).compile().as_text()
     cache_shape = "bf16[4,8,192,4,8]"  # [layers, rows, prompt + response slots, kv heads, head dim]
     module = hlo_text.computations(hlo)
@@ -199,3 +201,16 @@ def test_the_decode_loop_writes_the_kv_cache_in_place(target):
     assert any(cache_shape in line and "dynamic-update-slice" in line for line in loop_lines)  # the cache's write
     copies = [line.strip()[:160] for line in loop_lines if re.search(re.escape(cache_shape) + r"\S* copy\(", line)]
     assert copies == [], copies
+    # the decode loops (a loop whose body runs the layer loop) and the layer loops in them, their own instructions:
+    # one token a step, so a [rows, N > 1 slots, kv heads, head dim] result is a layer's slots made an array
+    def body_of(line):
+        return re.search(r"body=%?([\w.\-]+)", line).group(1)
+
+    bodies = {name: [body_of(line) for line in module[name] if " while(" in line] for name in module}
+    decode_bodies = [body_of(line) for lines in module.values() for line in lines
+                     if " while(" in line and bodies.get(body_of(line))]
+    assert len(decode_bodies) == segments
+    decode_lines = [line for body in decode_bodies for name in [body, *bodies[body]] for line in module[name]]
+    layer_slots = [line.strip()[:160] for line in decode_lines
+                   if re.match(r"\s+(ROOT )?%?[\w.\-]+ = bf16\[8,([2-9]|\d\d+),4,8\]", line)]
+    assert layer_slots == [], layer_slots
