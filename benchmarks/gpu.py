@@ -13,9 +13,10 @@ Figures:
 - generation tok/s = B·R / generation_s; update tok/s = epochs·B·(P+R) / update_s;
 - update MFU = model FLOPs of the update (``benchmarks/flops.py``) / update_s / measured bf16 peak;
 - decode roofline fraction: one decode step must read every weight once (in the compute dtype: the sampler
-  casts them once before the loop) and the whole static KV cache (``[L, B, P+R, K, hd]`` keys and values, in
-  the compute dtype); that many bytes at the measured copy bandwidth is the step's lower bound, divided by
-  the measured time of a step ((generation_s - prefill) / (R - 1), the prefill timed alone).
+  casts them once before the loop) and the KV cache slots its attention reads (``[L, B, slots, K, hd]`` keys and
+  values in the compute dtype; with ``decode_segments`` the slots each loop reads, averaged over the steps, else
+  all P+R); that many bytes at the measured copy bandwidth is the step's lower bound, divided by the measured
+  time of a step ((generation_s - prefill) / (R - 1), the prefill timed alone).
 """
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ def measure_peaks() -> dict:
 def run_case(name: str, precision: str, peaks: dict, fused: bool) -> dict:
     from benchmarks.ppojax_ppo import build
     from ppojax.rl import rollout
-    from ppojax.rl.sampler import generate
+    from ppojax.rl.sampler import decode_segments, generate
     from ppojax.rl.program import make_rollout, make_train_step
     from ppojax.rl.update import learn
 
@@ -116,9 +117,16 @@ def run_case(name: str, precision: str, peaks: dict, fused: bool) -> dict:
     generation_flops = B * (backbone_forward(dims, P) + lm_head(dims, 1)) + sum(
         B * (backbone_forward(dims, 1, past=P + t) + lm_head(dims, 1)) for t in range(R - 1))
     out["generation_mfu"] = generation_flops / timings["generation_s"] / peaks["bf16_matmul_flops_per_s"]
-    # decode roofline: weights (compute dtype, 2 bytes) + the whole static KV cache, read once per step
+    # decode roofline: weights (compute dtype, 2 bytes) + the KV cache slots the attention reads, once per step
+    # (with decode segments, each loop reads the slots filled by its end: their mean over the steps)
     params = sum(x.size for x in jax.tree.leaves(state.params["policy"]))
-    kv_bytes = 2 * dims.layers * B * (P + R) * dims.kv_heads * dims.head_dim * 2
+    segments = program.settings.sampling.decode_segments
+    plan, start, slots_read = decode_segments(P, R, segments), 1, 0
+    for end, slots in plan:
+        slots_read, start = slots_read + (end - start) * slots, end
+    mean_slots = slots_read / max(R - 1, 1) if plan else P + R
+    out["decode_segments"], out["decode_mean_slots_read"] = segments, mean_slots
+    kv_bytes = 2 * dims.layers * B * mean_slots * dims.kv_heads * dims.head_dim * 2
     step_bytes = 2 * params + kv_bytes
     step_s = (timings["generation_s"] - timings["prefill_s"]) / max(R - 1, 1)
     out["decode_step_s"] = step_s
