@@ -305,7 +305,8 @@ def test_decode_segments_read_only_the_filled_slots_and_sample_the_same_tokens(t
     kind, hf, _, graphdef, params = tiny
     long_r = 24
     plan = decode_segments(PROMPTS.shape[1], long_r, 4)
-    assert [reads for _, reads in plan] == [16, 24, 24, 30] and plan[-1][0] == long_r  # cuts below P + R = 30
+    assert plan == [(7, 16), (19, 24), (24, 30)]  # 4 cuts, two reading 24 slots as one loop; P + R = 30
+    assert decode_segments(PROMPTS.shape[1], R, 4) == [(R, 16)]  # P + R = 16: nothing to save, one loop
     prompts = jnp.asarray(PROMPTS)
     expected = hf_greedy(hf, PROMPTS, long_r)
     got = generate_jit(graphdef, params, prompts, jax.random.key(0), response_length=long_r, pad_token_id=PAD,
@@ -327,9 +328,11 @@ def test_decode_segments_read_only_the_filled_slots_and_sample_the_same_tokens(t
 
 
 def test_later_decode_segments_run_no_step_once_every_row_is_done(tiny_llama):
+    from ppojax.rl.sampler import decode_segments
     _, graphdef, params = tiny_llama
     prompts = jnp.asarray(np.repeat(PROMPTS[1:2], 3, axis=0))
-    kwargs = dict(response_length=R, pad_token_id=PAD, greedy=True, segments=3)
+    assert len(decode_segments(PROMPTS.shape[1], 24, 3)) == 3
+    kwargs = dict(response_length=24, pad_token_id=PAD, greedy=True, segments=3)
     free = np.asarray(generate_jit(graphdef, params, prompts, jax.random.key(0), **kwargs))
     stop = int(free[0, 2])
     end = int(np.flatnonzero(free[0] == stop)[0])

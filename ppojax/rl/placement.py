@@ -3,9 +3,8 @@ created directly in its shardings, the sampler's KV cache constrained to its sha
 operands laid out alike (`traced_on`)."""
 from __future__ import annotations
 
-from typing import Any, Mapping
-
 import functools
+from typing import Any, Mapping
 
 import jax
 from jax.sharding import Mesh

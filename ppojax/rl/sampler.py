@@ -177,12 +177,14 @@ def decode_segments(prompt_length: int, response_length: int, segments: int) -> 
 
     Decode step t (1 <= t < R) writes its token's keys and values at slot P + t - 1, so the loop over the steps
     before ``end`` needs only the first P + end - 1 slots of the cache (rounded up to ``SLOT_ALIGNMENT``; at
-    most P + R): each loop's attention reads no more (the cache's ``read_length``). The last loop reads all."""
+    most P + R): each loop's attention reads no more (the cache's ``read_length``). The last loop reads all.
+    Neighbours that would read as many slots are one loop (a short cache has fewer segments than asked)."""
     if segments < 1:
         raise ValueError(f"decode_segments={segments}; expected >= 1")
     steps, slots = response_length - 1, prompt_length + response_length
     ends = sorted({1 + -(-steps * (k + 1) // segments) for k in range(segments)} - {1})
-    return [(end, min(slots, -(-(prompt_length + end - 1) // SLOT_ALIGNMENT) * SLOT_ALIGNMENT)) for end in ends]
+    plan = [(end, min(slots, -(-(prompt_length + end - 1) // SLOT_ALIGNMENT) * SLOT_ALIGNMENT)) for end in ends]
+    return [(end, read) for i, (end, read) in enumerate(plan) if i + 1 == len(plan) or plan[i + 1][1] != read]
 
 
 def generate(graphdef, params, prompt_ids, key, *, response_length, pad_token_id, temperature=1.0,
