@@ -304,22 +304,27 @@ def test_decode_segments_read_only_the_filled_slots_and_sample_the_same_tokens(t
     from ppojax.rl.sampler import decode_segments
     kind, hf, _, graphdef, params = tiny
     long_r = 24
-    plan = decode_segments(PROMPTS.shape[1], long_r, 4)
+    # slots read rounded up to 8 here (the default, 128, leaves a cache this short one loop)
+    plan = decode_segments(PROMPTS.shape[1], long_r, 4, alignment=8)
     assert plan == [(7, 16), (19, 24), (24, 30)]  # 4 cuts, two reading 24 slots as one loop; P + R = 30
-    assert decode_segments(PROMPTS.shape[1], R, 4) == [(R, 16)]  # P + R = 16: nothing to save, one loop
+    assert decode_segments(PROMPTS.shape[1], R, 4, alignment=8) == [(R, 16)]  # P + R = 16: nothing to save
+    assert decode_segments(512, 1024, 4) == [(257, 768), (513, 1024), (769, 1280), (1024, 1536)]
+    assert decode_segments(PROMPTS.shape[1], long_r, 4) == [(long_r, 30)]
     prompts = jnp.asarray(PROMPTS)
     expected = hf_greedy(hf, PROMPTS, long_r)
     got = generate_jit(graphdef, params, prompts, jax.random.key(0), response_length=long_r, pad_token_id=PAD,
-                       greedy=True, segments=4)
+                       greedy=True, segments=4, slot_alignment=8)
     np.testing.assert_array_equal(np.asarray(got), expected, err_msg=kind)
 
     kwargs = dict(response_length=long_r, pad_token_id=PAD, temperature=1.0, return_logprobs=True)
     one, one_logprobs = generate_jit(graphdef, params, prompts, jax.random.key(5), **kwargs)
-    cut, cut_logprobs = generate_jit(graphdef, params, prompts, jax.random.key(5), segments=4, **kwargs)
+    cut, cut_logprobs = generate_jit(graphdef, params, prompts, jax.random.key(5), segments=4, slot_alignment=8,
+                                     **kwargs)
     np.testing.assert_array_equal(np.asarray(cut), np.asarray(one))
     np.testing.assert_allclose(np.asarray(cut_logprobs), np.asarray(one_logprobs), atol=1e-5)
     stop = int(np.asarray(one)[1, 2])
-    stopped = generate_jit(graphdef, params, prompts, jax.random.key(5), stop_token_id=stop, segments=4, **kwargs)[0]
+    stopped = generate_jit(graphdef, params, prompts, jax.random.key(5), stop_token_id=stop, segments=4,
+                           slot_alignment=8, **kwargs)[0]
     for row_free, row_stopped in zip(np.asarray(one), np.asarray(stopped)):
         hits = np.flatnonzero(row_free == stop)
         end = hits[0] + 1 if hits.size else long_r
@@ -331,8 +336,8 @@ def test_later_decode_segments_run_no_step_once_every_row_is_done(tiny_llama):
     from ppojax.rl.sampler import decode_segments
     _, graphdef, params = tiny_llama
     prompts = jnp.asarray(np.repeat(PROMPTS[1:2], 3, axis=0))
-    assert len(decode_segments(PROMPTS.shape[1], 24, 3)) == 3
-    kwargs = dict(response_length=24, pad_token_id=PAD, greedy=True, segments=3)
+    assert len(decode_segments(PROMPTS.shape[1], 24, 3, alignment=8)) == 3
+    kwargs = dict(response_length=24, pad_token_id=PAD, greedy=True, segments=3, slot_alignment=8)
     free = np.asarray(generate_jit(graphdef, params, prompts, jax.random.key(0), **kwargs))
     stop = int(free[0, 2])
     end = int(np.flatnonzero(free[0] == stop)[0])

@@ -190,7 +190,8 @@ def test_the_decode_loop_writes_the_kv_cache_in_place(target, segments):
     key = jax.eval_shape(lambda: jax.random.key(0))
     key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=chip)
     sample = jax.jit(lambda p, q, k: generate(graphdef, p, q, k, response_length=128, pad_token_id=0,
-                                              stop_token_id=2, segments=segments))
+                                              stop_token_id=2, segments=segments,
+                                              slot_alignment=8))
     hlo = sample.lower(placed, prompts, key).compile().as_text()
     cache_shape = "bf16[4,8,192,4,8]"  # [layers, rows, prompt + response slots, kv heads, head dim]
     module = hlo_text.computations(hlo)

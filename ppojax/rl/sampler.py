@@ -163,33 +163,39 @@ def _init_cache(model, batch_size, max_length, dtype):
 # --------------------------------------------------------------------------------------------------
 # generate
 # --------------------------------------------------------------------------------------------------
-#: slots read are rounded up to a multiple of this (a TPU tile's rows), so that a cut never splits one
-SLOT_ALIGNMENT = 8
+#: slots read are rounded up to a multiple of this: the slot axis is the minor one of a TPU's cache layout, whose
+#: tiles hold 128 lanes, and a loop body of its own is worth its compile only where it reads that many fewer slots
+SLOT_ALIGNMENT = 128
 
 
-def prefill_slots(prompt_length: int, max_length: int) -> int:
+def _aligned(slots: int, max_length: int, alignment: int) -> int:
+    return min(max_length, -(-slots // alignment) * alignment)
+
+
+def prefill_slots(prompt_length: int, max_length: int, alignment: int = SLOT_ALIGNMENT) -> int:
     """The cache slots a prefill of ``prompt_length`` tokens reads: its own (aligned), not the empty rest."""
-    return min(max_length, -(-prompt_length // SLOT_ALIGNMENT) * SLOT_ALIGNMENT)
+    return _aligned(prompt_length, max_length, alignment)
 
 
-def decode_segments(prompt_length: int, response_length: int, segments: int) -> list[tuple[int, int]]:
+def decode_segments(prompt_length: int, response_length: int, segments: int,
+                    alignment: int = SLOT_ALIGNMENT) -> list[tuple[int, int]]:
     """The decode loop cut into ``segments`` loops of about equal steps: ``[(end step, slots read)]``.
 
     Decode step t (1 <= t < R) writes its token's keys and values at slot P + t - 1, so the loop over the steps
-    before ``end`` needs only the first P + end - 1 slots of the cache (rounded up to ``SLOT_ALIGNMENT``; at
+    before ``end`` needs only the first P + end - 1 slots of the cache (rounded up to ``alignment``; at
     most P + R): each loop's attention reads no more (the cache's ``read_length``). The last loop reads all.
     Neighbours that would read as many slots are one loop (a short cache has fewer segments than asked)."""
     if segments < 1:
         raise ValueError(f"decode_segments={segments}; expected >= 1")
     steps, slots = response_length - 1, prompt_length + response_length
     ends = sorted({1 + -(-steps * (k + 1) // segments) for k in range(segments)} - {1})
-    plan = [(end, min(slots, -(-(prompt_length + end - 1) // SLOT_ALIGNMENT) * SLOT_ALIGNMENT)) for end in ends]
+    plan = [(end, _aligned(prompt_length + end - 1, slots, alignment)) for end in ends]
     return [(end, read) for i, (end, read) in enumerate(plan) if i + 1 == len(plan) or plan[i + 1][1] != read]
 
 
 def generate(graphdef, params, prompt_ids, key, *, response_length, pad_token_id, temperature=1.0,
              top_k=0, top_p=1.0, greedy=False, stop_token_id=None, cache_dtype=None, init_cache_fn=None,
-             return_logprobs=False, segments=1):
+             return_logprobs=False, segments=1, slot_alignment=SLOT_ALIGNMENT):
     """Sample ``response_length`` tokens after each left-padded prompt. Pure; call it under jit.
 
     graphdef, params: ``nnx.split(causal_lm)``; the model is merged inside, so ``params`` may be traced.
@@ -201,7 +207,8 @@ def generate(graphdef, params, prompt_ids, key, *, response_length, pad_token_id
     init_cache_fn (``(model, batch, length, dtype) -> cache``; default ``ppojax.models.init_cache``),
     return_logprobs (also return each sampled token's log-prob, :func:`token_logprobs` of the step's logits),
     segments (the decode loop as that many loops, each reading only the cache slots filled by its end:
-    :func:`decode_segments`; each is its own compiled loop body).
+    :func:`decode_segments`; each is its own compiled loop body), slot_alignment (what the slots read are rounded
+    up to: ``SLOT_ALIGNMENT``).
     Returns responses: i32[B, R]; after a stop token every position holds ``pad_token_id``. With
     ``return_logprobs``: (responses, logprobs f32[B, R]); logprobs after a row's stop token are meaningless.
     """
@@ -220,7 +227,7 @@ def generate(graphdef, params, prompt_ids, key, *, response_length, pad_token_id
                           _cache_dtype(model, params, cache_dtype))
     input_ids, attention_mask, position_ids = sequence_inputs(prompt_ids, pad_token_id)
     # the prefill reads (and attends over) the prompt's own slots only
-    prefill_reads = prefill_slots(prompt_length, cache.max_length)
+    prefill_reads = prefill_slots(prompt_length, cache.max_length, slot_alignment)
     hidden, cache = model(input_ids, attention_mask, position_ids, cache=cache.replace(read_length=prefill_reads))
     logits = model.logits(hidden[:, -1:])[:, 0]
     token = sample(logits, row_keys(key, 0, rows))
@@ -255,7 +262,7 @@ def generate(graphdef, params, prompt_ids, key, *, response_length, pad_token_id
         return step + 1, cache, responses, logprobs, new, done, next_position + live.astype(jnp.int32)
 
     carry = (jnp.int32(1), cache, responses, logprobs, token, done, next_position)
-    for end, slots_read in decode_segments(prompt_length, response_length, segments):
+    for end, slots_read in decode_segments(prompt_length, response_length, segments, slot_alignment):
         step, cache, *rest = carry
         carry = jax.lax.while_loop(cond_until(end), body, (step, cache.replace(read_length=slots_read), *rest))
     _, _, responses, logprobs, _, _, _ = carry
@@ -276,7 +283,7 @@ def decode_step(graphdef, params, cache, token, position, pad_token_id):
 
 
 GENERATE_STATIC = ("graphdef", "response_length", "pad_token_id", "top_k", "top_p", "greedy", "stop_token_id",
-                   "cache_dtype", "init_cache_fn", "return_logprobs", "segments")
+                   "cache_dtype", "init_cache_fn", "return_logprobs", "segments", "slot_alignment")
 
 #: ``generate`` compiled: one program per (graphdef, prompt shape, static options); params, prompts, key and
 #: ``temperature`` are traced (sampling at another temperature does not recompile).

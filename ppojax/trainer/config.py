@@ -447,7 +447,8 @@ class PPOConfig:
     decode_segments: int = setting(4, static=True, on_resume=MAY_CHANGE, rule=at_least(1))
     """The decode loop as this many loops of about equal steps, each one's attention reading only the KV-cache
     slots filled by its end (prompt + tokens so far) instead of all prompt + response_length. Same tokens; each
-    segment is one more compiled loop body. 1: one loop over the whole cache. Not used with rollout_slots."""
+    segment is one more compiled loop body (none where a cut would save fewer than 128 slots a step). 1: one loop
+    over the whole cache. Not used with rollout_slots."""
 
     # ---- logging, samples, checkpoints ----
     logging_steps: int = setting(1, static=False, on_resume=IGNORED, rule=Rule(
