@@ -273,9 +273,15 @@ def test_stop_token_pads_and_matches_unstopped_sampling(tiny_llama):
     assert not (free == PAD).any()
     stop = int(free[1, 2])
     stopped = np.asarray(generate_jit(graphdef, params, prompts, key, stop_token_id=stop, **kwargs))
-    for row_free, row_stopped in zip(free, stopped):
+    assert_stopped_after_the_stop_token(free, stopped, stop)
+
+
+def assert_stopped_after_the_stop_token(free, stopped, stop):
+    """Each row of ``stopped`` is its row of ``free`` (sampled without a stop token, same key) up to and including
+    the first ``stop``, then pads."""
+    for row_free, row_stopped in zip(np.asarray(free), np.asarray(stopped)):
         hits = np.flatnonzero(row_free == stop)
-        end = hits[0] + 1 if hits.size else R
+        end = hits[0] + 1 if hits.size else len(row_free)
         np.testing.assert_array_equal(row_stopped[:end], row_free[:end])
         assert (row_stopped[end:] == PAD).all()
 
@@ -325,11 +331,7 @@ def test_decode_segments_read_only_the_filled_slots_and_sample_the_same_tokens(t
     stop = int(np.asarray(one)[1, 2])
     stopped = generate_jit(graphdef, params, prompts, jax.random.key(5), stop_token_id=stop, segments=4,
                            slot_alignment=8, **kwargs)[0]
-    for row_free, row_stopped in zip(np.asarray(one), np.asarray(stopped)):
-        hits = np.flatnonzero(row_free == stop)
-        end = hits[0] + 1 if hits.size else long_r
-        np.testing.assert_array_equal(row_stopped[:end], row_free[:end])
-        assert (row_stopped[end:] == PAD).all()
+    assert_stopped_after_the_stop_token(one, stopped, stop)
 
 
 def test_later_decode_segments_run_no_step_once_every_row_is_done(tiny_llama):
