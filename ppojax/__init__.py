@@ -1,5 +1,10 @@
 """ppojax: PPO for language models (RLHF) as pure, jitted JAX/Flax functions, with TRL's semantics."""
+from ppojax.backends import skip_absent_tpu
 from ppojax.trainer.config import PPOConfig
+
+# libtpu installed (the tpu extra) on a host without TPU chips: keep JAX from starting it (and printing its
+# initialisation errors) in any program that imports ppojax before its first JAX operation
+skip_absent_tpu()
 
 __all__ = ["PPOConfig", "PPOTrainer"]
 __version__ = "0.1.0"

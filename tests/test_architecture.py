@@ -1,6 +1,8 @@
 """The packages' imports flow one way (docs/architecture.md): core <- models <- rl <- trainer; io, parallel and
-assets are leaves reached from above; backends implement the models' seam and are reached only from the trainer;
-errors is imported by all and imports nothing. Read from the source
+assets are leaves reached from above; backends implement the models' seam and are reached only from the trainer,
+through `ppojax.backends` itself (never a backend's own package); errors is imported by all and imports nothing;
+the library never imports the repository's `benchmarks`. Below the trainer nothing tests the platform or keeps
+per-trace state in context variables: every backend choice is made when a run is built. Read from the source
 (every import, inside functions too), so an import added anywhere is checked."""
 import ast
 import io
@@ -22,7 +24,7 @@ ALLOWED = {
     "assets": {"errors"},
     "tasks": {"errors"},
     # a backend implements the models' seam (`ppojax.models.kernels.Kernels`); nothing below imports a backend
-    "backends": {"models", "io", "errors"},
+    "backends": {"models", "io", "parallel", "errors"},
 }
 #: (module, package it imports) pairs outside ALLOWED that remain; each must still be real, so the list can only
 #: shrink
@@ -101,9 +103,8 @@ BACKEND_FREE = ("core", "models", "rl")
 #: code (not comments or docstrings) that would be backend logic there: a platform test, a custom call, a library
 BACKEND_LOGIC = re.compile(r"\.\s*platform\b|default_backend\s*\(|jax\s*\.\s*ffi|onednn|\bmkl\b|mimalloc|\bcpu\b",
                            re.IGNORECASE)
-#: (module, why) that remain: attention's "auto" asks whether the device is an NVIDIA GPU for JAX's own cuDNN
-#: kernel (jax.nn.dot_product_attention), at trace time
-KNOWN_PLATFORM_TESTS = {"ppojax.models.attention"}
+#: modules below the trainer allowed backend logic: none (attention's choice of cuDNN is the GPU backend's)
+KNOWN_PLATFORM_TESTS = set()
 
 
 def _code_without_comments_or_strings(path: Path) -> str:
@@ -127,3 +128,44 @@ def test_no_backend_logic_below_the_trainer():
     for module in KNOWN_PLATFORM_TESTS:
         path = PACKAGE.parent / (module.replace(".", "/") + ".py")
         assert BACKEND_LOGIC.search(_code_without_comments_or_strings(path)), f"{module}: no longer; remove it"
+
+
+#: what below the trainer would make a choice while tracing: state that no jit cache key holds
+PER_TRACE_STATE = re.compile(r"\bcontextvars\b|\bContextVar\b|\bthreading\s*\.\s*local\b")
+
+
+def test_nothing_below_the_trainer_decides_while_tracing():
+    """No context variable (or thread-local) in the math, the models or the RL programs: a choice read from one
+    while a program is traced is part of no jit cache key. Choices reach the programs as data (the models'
+    `Kernels`, the program's settings)."""
+    found = [module for module, path in _modules() if _package(module) in BACKEND_FREE
+             and PER_TRACE_STATE.search(_code_without_comments_or_strings(path))]
+    assert not found, f"per-trace state below the trainer (pass the choice as data instead): {found}"
+
+
+def test_the_library_never_imports_the_benchmarks():
+    """`benchmarks/` is the repository's harness, not part of the installed package: importing it from ppojax
+    would behave differently from a wheel."""
+    found = []
+    for module, path in _modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            found += [(module, name) for name in names if name.split(".")[0] == "benchmarks"]
+    assert not found, f"ppojax imports the benchmarks: {found}"
+
+
+def test_backend_code_is_reached_only_through_ppojax_backends():
+    """Outside `ppojax/backends/`, a backend's own package (`ppojax.backends.cpu`, `.gpu`) is never imported: the
+    trainer asks `ppojax.backends` (one door), which makes the choice."""
+    found = sorted((module, imported) for module, path in _modules() if _package(module) != "backends"
+                   for imported in _imports(path)
+                   if imported.startswith("ppojax.backends.") or _from_backends_import_a_package(path))
+    assert not found, f"imports of a backend's own package outside ppojax/backends (ask ppojax.backends): {found}"
+
+
+def _from_backends_import_a_package(path: Path) -> bool:
+    """``from ppojax.backends import cpu`` (a backend package by name)."""
+    return any(isinstance(node, ast.ImportFrom) and node.module == "ppojax.backends"
+               and any(alias.name in ("cpu", "gpu") for alias in node.names)
+               for node in ast.walk(ast.parse(path.read_text())))

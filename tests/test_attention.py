@@ -1,6 +1,8 @@
-"""`ppojax.models.attention.attention` (XLA: grouped query rows; cuDNN: jax.nn.dot_product_attention) against the
-plain formula, recomputed here in float64 numpy: GQA, left padding, sliding windows, KV-cache decode, rows with no valid key.
-On an NVIDIA GPU, also cuDNN's fused kernel against the same reference (skipped elsewhere)."""
+"""Attention against the plain formula, recomputed here in float64 numpy: XLA's grouped query rows
+(`ppojax.models.attention.xla_attention`, the models' default `Kernels.attention`) on GQA, left padding, sliding
+windows, KV-cache decode and rows with no valid key; the backend's choice of attention, made when a run is built
+(`ppojax.backends.kernels_for`); on an NVIDIA GPU, also cuDNN's fused kernel (`GpuKernels`) against the same
+reference (skipped elsewhere)."""
 
 import jax
 import jax.numpy as jnp
@@ -8,10 +10,18 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ppojax.models import CausalLM, ModelConfig
-from ppojax.models.attention import attention, check_attention_implementation, resolve_implementation
+from ppojax import backends
+from ppojax.backends.gpu.kernels import GpuKernels, compute_capability
+from ppojax.models import XLA, CausalLM, ModelConfig
+from ppojax.models.attention import xla_attention
 
-ON_CUDA = jax.devices()[0].platform == "gpu" and bool(getattr(jax.devices()[0], "compute_capability", None))
+ON_CUDA = compute_capability(jax.devices()[0]) is not None
+CUDNN = GpuKernels("cudnn", compute_capability(jax.devices()[0]) or (9, 0))
+
+
+def attention(q, k, v, mask, *, scale, is_causal=False, window=None):
+    """The models' default attention, XLA's (the hints are implied by the mask)."""
+    return XLA.attention(q, k, v, mask, scale=scale, is_causal=is_causal, window=window)
 FULL_FLOAT32 = jax.default_matmul_precision("highest")  # GPUs default to TF32 for float32 matmuls
 
 
@@ -66,8 +76,7 @@ def test_full_forward_matches_reference(heads, kv_heads, window):
     q, k, v = qkv(3, 8, 8, heads, kv_heads, 16)
     scale = 16 ** -0.5
     ref = reference_attention(q, k, v, mask, scale)
-    fn = jax.jit(lambda q, k, v, m: attention(q, k, v, m, scale=scale, implementation="xla", is_causal=True,
-                                              window=window))
+    fn = jax.jit(lambda q, k, v, m: attention(q, k, v, m, scale=scale, is_causal=True, window=window))
     with FULL_FLOAT32:
         out = np.asarray(fn(q, k, v, mask))
     assert out.shape == q.shape and out.dtype == np.float32
@@ -77,7 +86,7 @@ def test_full_forward_matches_reference(heads, kv_heads, window):
     np.testing.assert_allclose(out[live], ref[live], atol=2e-6)
     # the hints change nothing: the mask alone gives the same result
     with FULL_FLOAT32:
-        bare = jax.jit(lambda q, k, v, m: attention(q, k, v, m, scale=scale, implementation="xla"))(q, k, v, mask)
+        bare = jax.jit(lambda q, k, v, m: xla_attention(q, k, v, m, scale=scale))(q, k, v, mask)
     np.testing.assert_allclose(np.asarray(bare)[live], ref[live], atol=2e-6)
 
 
@@ -100,31 +109,50 @@ def test_cache_decode_matches_reference():
         np.testing.assert_allclose(out, ref, atol=2e-6)
 
 
-def test_implementation_choice_and_errors():
+class _FakeGpu:
+    """A device as `kernels_for` reads one: an NVIDIA GPU of this compute capability."""
+
+    platform = "gpu"
+
+    def __init__(self, capability: str):
+        self.compute_capability = capability
+
+
+def test_the_attention_is_chosen_when_the_run_is_built_and_errors_name_the_fix():
     cfg = ModelConfig.from_hf(dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48,
                                    num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+    f32, bf16 = CausalLM(cfg, rngs=nnx.Rngs(0)), CausalLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    hopper, ampere = [_FakeGpu("9.0")], [_FakeGpu("8.0")]
     with pytest.raises(ValueError, match=r"attention_implementation='flash' is not one of \('auto', 'xla', 'cudnn'\)"):
-        CausalLM(cfg, rngs=nnx.Rngs(0), attention_implementation="flash")
+        backends.kernels_for([f32], attention_implementation="flash", devices=hopper)
     with pytest.raises(ValueError, match="'cudnn' needs a bfloat16 or float16 compute dtype, got float32"):
-        CausalLM(cfg, rngs=nnx.Rngs(0), attention_implementation="cudnn")
+        backends.kernels_for([f32], attention_implementation="cudnn", devices=hopper)
+    cfg12 = ModelConfig.from_hf(dict(model_type="llama", vocab_size=64, hidden_size=24, intermediate_size=48,
+                                     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
     with pytest.raises(ValueError, match="head_dim a multiple of 8 and <= 256 .* got 12"):
-        check_attention_implementation("cudnn", jnp.bfloat16, 12)
+        backends.kernels_for([CausalLM(cfg12, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)],
+                             attention_implementation="cudnn", devices=hopper)
+    with pytest.raises(ValueError, match="'cudnn' needs an NVIDIA GPU, but the run's devices are 'cpu'"):
+        backends.kernels_for([bf16], attention_implementation="cudnn", devices=jax.devices("cpu"))
+    # on a GPU: cuDNN's kernels, told the device's capability; "xla" keeps XLA's; elsewhere XLA's
+    assert backends.kernels_for([bf16], devices=hopper) == GpuKernels("auto", (9, 0))
+    assert backends.kernels_for([bf16], attention_implementation="xla", devices=hopper) is XLA
+    assert backends.kernels_for([bf16], devices=jax.devices("cpu"), cpu_backend=False) is XLA
     # "auto" never picks cuDNN for what it cannot run
-    assert resolve_implementation("auto", jnp.float32, 64, 8, 8) == "xla"
-    assert resolve_implementation("auto", jnp.bfloat16, 12, 8, 8) == "xla"
-    assert resolve_implementation("auto", jnp.bfloat16, 64, 7, 7) == "xla"
-    assert resolve_implementation("auto", jnp.bfloat16, 64, 1, 64) == "xla"  # decode
-    assert resolve_implementation("xla", jnp.bfloat16, 64, 8, 8) == "xla"
-    if not ON_CUDA:
-        assert resolve_implementation("auto", jnp.bfloat16, 64, 8, 8) == "xla"
-        model = CausalLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, attention_implementation="cudnn")
-        with pytest.raises(ValueError, match="'cudnn' needs an NVIDIA GPU, but the device traced for is 'cpu'"):
-            model(jnp.ones((1, 4), jnp.int32), jnp.ones((1, 4), bool))
-    # "auto" and "xla" are the same program off cuDNN
+    auto, old = GpuKernels("auto", (9, 0)), backends.kernels_for([bf16], devices=ampere)
+    assert old == GpuKernels("auto", (8, 0))
+    assert not auto.takes_cudnn(jnp.float32, 64, 8, 8)
+    assert not auto.takes_cudnn(jnp.bfloat16, 12, 8, 8)
+    assert not auto.takes_cudnn(jnp.bfloat16, 64, 7, 7)
+    assert not auto.takes_cudnn(jnp.bfloat16, 64, 1, 64)  # decode
+    assert auto.takes_cudnn(jnp.bfloat16, 256, 8, 8) and not old.takes_cudnn(jnp.bfloat16, 256, 8, 8)
+    assert not GpuKernels("auto", (7, 5)).takes_cudnn(jnp.bfloat16, 64, 8, 8)
+    assert auto.takes_cudnn(jnp.bfloat16, 64, 8, 8) and CUDNN.takes_cudnn(jnp.bfloat16, 64, 1, 64)
+    # a call cuDNN does not take is XLA's, exactly
     ids, mask = jnp.ones((2, 6), jnp.int32), jnp.asarray(left_padded_mask([6, 3], 6))
-    auto = CausalLM(cfg, rngs=nnx.Rngs(0))(ids, mask)[0]
-    xla = CausalLM(cfg, rngs=nnx.Rngs(0), attention_implementation="xla")(ids, mask)[0]
-    np.testing.assert_array_equal(auto, xla)
+    on_gpu_kernels = CausalLM(cfg, rngs=nnx.Rngs(0), kernels=auto)(ids, mask)[0]  # float32: never cuDNN
+    xla = CausalLM(cfg, rngs=nnx.Rngs(0))(ids, mask)[0]
+    np.testing.assert_array_equal(on_gpu_kernels, xla)
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="cuDNN's fused attention needs an NVIDIA GPU")
@@ -138,8 +166,7 @@ def test_cudnn_matches_reference(window):
     q16, k16, v16 = (jnp.asarray(a, jnp.bfloat16) for a in (q, k, v))
     ref = reference_attention(np.asarray(q16, np.float32), np.asarray(k16, np.float32), np.asarray(v16, np.float32),
                               mask, 0.125)
-    fn = jax.jit(lambda q, k, v, m: attention(q, k, v, m, scale=0.125, implementation="cudnn", is_causal=True,
-                                              window=window))
+    fn = jax.jit(lambda q, k, v, m: CUDNN.attention(q, k, v, m, scale=0.125, is_causal=True, window=window))
     assert "__cudnn$fmha" in fn.lower(q16, k16, v16, mask).compile().as_text()
     out = np.asarray(fn(q16, k16, v16, mask), np.float32)
     assert np.isfinite(out).all()
@@ -150,7 +177,7 @@ def test_cudnn_matches_reference(window):
     dmask = (key_mask & (np.arange(64) < 50))[:, None, :]
     dref = reference_attention(np.asarray(qd, np.float32), np.asarray(k16, np.float32), np.asarray(v16, np.float32),
                                dmask, 0.125)
-    dfn = jax.jit(lambda q, k, v, m: attention(q, k, v, m, scale=0.125, implementation="cudnn"))
+    dfn = jax.jit(lambda q, k, v, m: CUDNN.attention(q, k, v, m, scale=0.125))
     dout = np.asarray(dfn(qd, k16, v16, dmask), np.float32)
     assert np.isfinite(dout).all()
     np.testing.assert_allclose(dout[live_rows(dmask)], dref[live_rows(dmask)], atol=3e-2)
@@ -172,8 +199,9 @@ def test_cudnn_model_matches_xla_model():
 
     results = {}
     for impl in ("auto", "xla"):
+        kernels = backends.kernels_for([], attention_implementation=impl)
         graphdef, params = nnx.split(CausalLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, remat="dots",
-                                              attention_implementation=impl))
+                                              kernels=kernels))
         fn = jax.jit(jax.value_and_grad(loss, argnums=1, has_aux=True), static_argnums=0)
         hlo = fn.lower(graphdef, params).compile().as_text()
         assert ("__cudnn$fmhaScaleBiasSoftmaxBackward" in hlo) == (impl == "auto")

@@ -15,8 +15,9 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from ppojax.rl.forward import sequence_inputs  # noqa: E402
-from ppojax.rl.sampler import (_first_index_of_top, first_argmax, generate_jit, process_logits,  # noqa: E402
-                             sample_logits)
+from ppojax.backends.cpu.kernels import _first_index_of_top, first_argmax  # noqa: E402
+from ppojax.models.kernels import XLA  # noqa: E402
+from ppojax.rl.sampler import generate_jit, process_logits, sample_logits  # noqa: E402
 from ppojax.models import load_pretrained  # noqa: E402
 
 torch.set_num_threads(1)
@@ -177,9 +178,10 @@ def test_truncated_sampling_frequencies(top_k, top_p):
         assert _tv(draws[:, b], probs[b]) < 2 * _expected_tv(probs[b], n)
 
 
-def test_first_argmax_is_numpys_argmax():
-    """Ties go to the lowest index, a NaN counts as the largest (the first NaN wins), an all -inf row gives 0:
-    numpy's answers. (jnp.argmax gives them on the CPU; on a GPU it picked the later of two NaNs.)"""
+@pytest.mark.parametrize("argmax", [first_argmax, XLA.argmax], ids=["cpu", "xla"])
+def test_the_kernels_argmax_is_numpys_argmax(argmax):
+    """The sampler's argmax (``Kernels.argmax``: the CPU's two reductions, XLA's ``jnp.argmax``): ties go to the
+    lowest index, a NaN counts as the largest (the first NaN wins), an all -inf row gives 0: numpy's answers."""
     rng = np.random.default_rng(3)
     x = rng.integers(-3, 4, size=(64, 257)).astype(np.float32)  # many ties
     x[5, 100] = np.nan
@@ -189,7 +191,7 @@ def test_first_argmax_is_numpys_argmax():
     x[8, [30, 31]] = 1.0
     x[9, 256] = np.inf
     for rows in (x, x[:, :1], x.reshape(8, 8, 257)):
-        np.testing.assert_array_equal(np.asarray(jax.jit(first_argmax)(jnp.asarray(rows))),
+        np.testing.assert_array_equal(np.asarray(jax.jit(argmax)(jnp.asarray(rows))),
                                       np.argmax(rows, axis=-1))
 
 

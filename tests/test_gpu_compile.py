@@ -1,6 +1,6 @@
 """A tiny Llama's whole ``train_step`` compiled by XLA's GPU compiler for a host of 8 H100s, without any GPU
 (``ppojax plan --target gpu:h100x8``, ppojax/trainer/plan_targets.py), with the attention a GPU user gets (cuDNN's
-fused kernel, chosen by "auto" for the target's GPUs).
+fused kernel, which `ppojax.backends.kernels_for` chooses for the target's GPUs, as for a run on them).
 
 Skipped where JAX's CUDA plugin is not installed (pip install 'ppojax[cuda]', about 3.8 GB: not part of `make test`).
 """
@@ -50,8 +50,7 @@ def test_train_step_compiles_with_cudnn_attention_on_a_data_tensor_mesh(tiny_mod
 
     model_cfg, _, _ = plan.model_config_for(tiny_model)
     run = plan.abstract_run(_config(), model_cfg, sharding.make_mesh(2, 1, 4, devices=target.devices))
-    with plan.traced_for_target(run):  # as plan.compile_program traces
-        lowered = make_train_step(run.program, run.state_shardings).jitted.lower(run.state, run.prompts, run.key)
+    lowered = make_train_step(run.program, run.state_shardings).jitted.lower(run.state, run.prompts, run.key)
     compiled = lowered.compile()
     assert compiled.memory_analysis().argument_size_in_bytes > 0
     assert "__cudnn$fmha" in compiled.as_text()  # "auto" took cuDNN's fused attention, as on the GPUs themselves
@@ -68,8 +67,7 @@ def test_train_step_compiles_with_cudnn_attention_on_an_fsdp_mesh(tiny_model, ta
 
     model_cfg, _, _ = plan.model_config_for(tiny_model)
     run = plan.abstract_run(_config(), model_cfg, sharding.make_mesh(*mesh_shape, devices=target.devices))
-    with plan.traced_for_target(run):
-        lowered = make_train_step(run.program, run.state_shardings).jitted.lower(run.state, run.prompts, run.key)
+    lowered = make_train_step(run.program, run.state_shardings).jitted.lower(run.state, run.prompts, run.key)
     kernels = set(re.findall(r'custom_call_target="(__cudnn[^"]*)"', lowered.compile().as_text()))
     assert kernels == {"__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward"}  # rollout and update
 

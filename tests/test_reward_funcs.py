@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from ppojax.errors import RewardFunctionError
+from ppojax.errors import ConfigError, RewardFunctionError
 from ppojax.rl.reward_calls import RewardBatch, RewardCall, call_all
 from ppojax.tasks import arithmetic
 from ppojax.tasks.math_answers import answer_format, extract_answer, gsm8k_flexible, gsm8k_strict, boxed_answer
@@ -270,6 +270,19 @@ def test_a_reward_function_needing_a_missing_column_stops_the_build(tmp_path):
         PPOTrainer(config, processing_class=tiny_tokenizer(), model=tiny_policy(), train_dataset=PROMPTS)
 
 
+def test_a_missing_eval_dataset_is_named_by_its_field(tmp_path):
+    """eval_dataset naming no file stops the build before any model is used, as eval_dataset (not "prompt
+    dataset": the training prompts were found)."""
+    from ppojax.trainer.ppo_trainer import PPOTrainer
+    from tests.tiny_setup import PROMPTS, tiny_policy, tiny_tokenizer
+
+    config = PPOConfig.from_dict(dict(output_dir=str(tmp_path / "run"), report_to="none", reward_funcs=["vader"],
+                                      batch_size=8, response_length=4, max_prompt_length=6, total_episodes=8,
+                                      eval_dataset=str(tmp_path / "held_out.jsonl"), num_eval_prompts=2))
+    with pytest.raises(ConfigError, match=r"^eval_dataset '.*held_out.jsonl' is not a local file or folder"):
+        PPOTrainer(config, processing_class=tiny_tokenizer(), model=tiny_policy(), train_dataset=PROMPTS)
+
+
 def test_reward_config_mistakes_are_named():
     with pytest.raises(ConfigError, match=r"reward_weights=\[1.0\] has 1 weights for 2 rewards \(a, b\)"):
         PPOConfig.from_dict(dict(reward_funcs=["m:a", "m:b"], reward_weights=[1.0]))
@@ -352,3 +365,15 @@ def test_a_traced_reward_sums_with_python_functions_in_the_users_order(tmp_path)
     n_words = np.array([len(c.split()) for c in completions], float)
     np.testing.assert_allclose(metrics["rewards/good_tokens/mean"], good.mean(), rtol=1e-6)
     np.testing.assert_allclose(metrics["objective/scores"], (3.0 * good + 0.5 * n_words).mean(), rtol=1e-5)
+
+
+def test_a_reward_function_that_cannot_be_had_is_named_by_its_field():
+    """A function listed in reward_funcs that cannot be imported, or is no function, is reported as that list's
+    entry (the field the user wrote), with the fix; one named by reward_function as that field."""
+    from ppojax.trainer.run_rewards import resolve_reward_function
+
+    with pytest.raises(ConfigError, match=r"reward_funcs entry 'no_such_module_xyz:score' could not be imported "
+                                          r"\(ModuleNotFoundError.*check that the module is on PYTHONPATH"):
+        resolve_reward_function("no_such_module_xyz:score", "reward_funcs")
+    with pytest.raises(ConfigError, match=r"reward_function='math:pi' is a float, not a function"):
+        resolve_reward_function("math:pi", "reward_function")

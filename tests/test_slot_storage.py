@@ -1,5 +1,5 @@
 """16-bit values stored slot by slot (the KV cache, the layer scan's saved activations) by the CPU's kernels
-(`ppojax.backends.cpu.kernels`, `ppojax.models.slot_storage`).
+(`ppojax.backends.cpu.kernels`, `ppojax.backends.cpu.slot_storage`).
 
 XLA:CPU rewrites a bfloat16 dynamic-update-slice as a float32 conversion of the whole array, the update, and a
 conversion back. The checks: the compiled 16-bit programs (a `remat: dots` gradient, a generation) hold no such

@@ -433,7 +433,7 @@ def test_a_run_asking_for_onednn_where_it_cannot_run_stops_before_loading(monkey
     where the handlers cannot be had (and takes it where they can)."""
     from ppojax.parallel import sharding
     from ppojax.trainer.config import ConfigError, PPOConfig
-    from ppojax.trainer import build
+    from ppojax.trainer import preflight
 
     with pytest.raises(ConfigError, match="matmul_implementation='onednn' multiplies float32 models only.*"
                                           "precision='mixed'"):
@@ -442,14 +442,14 @@ def test_a_run_asking_for_onednn_where_it_cannot_run_stops_before_loading(monkey
         PPOConfig(matmul_implementation="cublas")
     config = PPOConfig(matmul_implementation="onednn")
     mesh = sharding.mesh_from_config(config)
-    build._check_matmul_implementation(config, mesh)  # one CPU device, handlers built: fine
+    preflight.check_matmul_implementation(config, mesh)  # one CPU device, handlers built: fine
     two_devices = types.SimpleNamespace(devices=np.empty(2, object))
     with pytest.raises(ConfigError, match="cannot be used: it runs on a single CPU device, and here are 2 cpu"):
-        build._check_matmul_implementation(config, two_devices)
+        preflight.check_matmul_implementation(config, two_devices)
     monkeypatch.setattr(stacked_matmul, "unavailable_reason", no_compiler)
     with pytest.raises(ConfigError, match="cannot be used: no C\\+\\+ compiler.*Set matmul_implementation: auto"):
-        build._check_matmul_implementation(config, mesh)
-    build._check_matmul_implementation(PPOConfig(matmul_implementation="auto"), mesh)
+        preflight.check_matmul_implementation(config, mesh)
+    preflight.check_matmul_implementation(PPOConfig(matmul_implementation="auto"), mesh)
 
 
 def test_mkl_says_where_it_comes_from_and_is_refused_where_it_cannot_run(monkeypatch):
@@ -457,7 +457,7 @@ def test_mkl_says_where_it_comes_from_and_is_refused_where_it_cannot_run(monkeyp
     it as they refuse 'onednn' (a 16-bit precision; handlers that cannot be had), naming 'mkl'."""
     from ppojax.parallel import sharding
     from ppojax.trainer.config import ConfigError, PPOConfig
-    from ppojax.trainer import build
+    from ppojax.trainer import preflight
 
     monkeypatch.setattr(stacked_matmul, "mkl_library", lambda: None)
     stacked_matmul._built.cache_clear()
@@ -471,7 +471,7 @@ def test_mkl_says_where_it_comes_from_and_is_refused_where_it_cannot_run(monkeyp
     monkeypatch.setattr(stacked_matmul, "unavailable_reason", lambda library="onednn": f"no {library} here")
     config = PPOConfig(matmul_implementation="mkl")
     with pytest.raises(ConfigError, match="matmul_implementation='mkl' cannot be used: no mkl here"):
-        build._check_matmul_implementation(config, sharding.mesh_from_config(config))
+        preflight.check_matmul_implementation(config, sharding.mesh_from_config(config))
     with pytest.raises(ValueError, match="matmul_implementation='mkl' cannot be used here: no mkl here"):
         applies("mkl", jnp.float32, [jax.ShapeDtypeStruct((2, 64, 64), jnp.float32)], rows=8)
 

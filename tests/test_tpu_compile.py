@@ -101,31 +101,24 @@ def test_the_chip_memory_table_is_the_compilers(target):
     assert needed >= 80 * 2 ** 30 and available == pytest.approx(TPU_CHIPS["v5e"].hbm_gib * 2 ** 30, rel=1e-3)
 
 
-def test_the_attention_a_tpu_user_gets_is_the_one_compiled(tiny_model, target, config, monkeypatch):
-    """The plan traces on this host's CPU for the target's chips (``traced_for_target``); a user traces on the TPU
-    itself, JAX's default device there. Whatever the models choose by the device (attention's "auto": cuDNN only on
-    an NVIDIA GPU, XLA's elsewhere), both lower the same program."""
-    from ppojax.models import attention
+def test_the_attention_a_tpu_user_gets_is_the_one_compiled(tiny_model, target, config):
+    """The plan chooses the models' kernels for the target's chips (``backends.kernels_for`` on the mesh's
+    devices), as a user's run on the TPU chooses them for its own: XLA's attention (cuDNN is an NVIDIA GPU's), so
+    the program the plan compiles is the one a user runs."""
+    from ppojax import backends
+    from ppojax.models import XLA
     from ppojax.parallel import sharding
     from ppojax.rl.program import make_train_step
-    from ppojax.trainer.plan import abstract_run, model_config_for, traced_for_target
+    from ppojax.trainer.plan import abstract_run, model_config_for
 
     model_cfg, _, _ = model_config_for(tiny_model)
     mesh = sharding.make_mesh(*MESH, devices=target.devices)
-
-    def lowered_text():
-        run = abstract_run(config, model_cfg, mesh)
-        return make_train_step(run.program, run.state_shardings).jitted.lower(run.state, run.prompts,
-                                                                              run.key).as_text()
-
+    assert mesh.devices.flat[0].platform == "tpu"
     run = abstract_run(config, model_cfg, mesh)
-    with traced_for_target(run):
-        as_planned = lowered_text()
-        assert attention.resolve_implementation("auto", jnp.bfloat16, 8, 12, 12) == "xla"
-    monkeypatch.setattr(jax, "devices", lambda *args, **kwargs: list(target.devices))
-    assert jax.devices()[0].platform == "tpu"
-    assert attention.resolve_implementation("auto", jnp.bfloat16, 8, 12, 12) == "xla"
-    assert lowered_text() == as_planned
+    assert run.program.actor_critic.kernels is XLA
+    assert backends.kernels_for([], mesh=mesh) is XLA  # what build_run takes on the slice itself
+    as_planned = make_train_step(run.program, run.state_shardings).jitted.lower(run.state, run.prompts,
+                                                                                run.key).as_text()
     assert "cudnn" not in as_planned and "CustomSPMDPartitioning" not in as_planned
 
 

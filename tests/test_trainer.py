@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from ppojax import core as ppo
+from ppojax.models import XLA
 from ppojax.trainer.config import ConfigError, PPOConfig
 from ppojax.trainer.ppo_trainer import PPOTrainer
 from tests.tiny_setup import PROMPTS, tiny_policy, tiny_tokenizer
@@ -239,13 +240,13 @@ def test_a_mixed_precision_update_moves_the_parameters_as_float32s_does(tmp_path
 
 
 def test_a_given_model_follows_the_configs_compute_choices(tmp_path):
-    """A model passed to PPOTrainer runs with the config's remat and attention implementation (as a loaded one
-    does); a precision it was not built with is refused before anything runs, naming the fix."""
+    """A model passed to PPOTrainer runs with the config's remat and the backend's kernels chosen for the run (as a
+    loaded one does); a precision it was not built with is refused before anything runs, naming the fix."""
     from flax import nnx
 
     trainer = make_trainer(tmp_path, remat="full", attention_implementation="xla", total_episodes=16)
     model = nnx.merge(trainer.run.program.actor_critic.policy_graphdef, trainer.state.params["policy"])
-    assert (model.backbone.remat, model.backbone.attention_implementation) == ("full", "xla")
+    assert (model.backbone.remat, model.backbone.kernels) == ("full", XLA)
     config = PPOConfig.from_dict(dict(output_dir=str(tmp_path / "mixed"), report_to="none", batch_size=16,
                                       response_length=8, max_prompt_length=6, precision="mixed"))
     with pytest.raises(ConfigError, match=r"policy passed to PPOTrainer computes in float32 with float32 weights, "

@@ -9,6 +9,8 @@ import optax
 import pytest
 from flax import nnx
 
+from ppojax.backends.cpu.kernels import CpuKernels
+from ppojax.models.kernels import XLA
 from ppojax import core as ppo
 from ppojax.rl.actor_critic import ActorCritic
 from ppojax.trainer.config import PPOConfig
@@ -280,12 +282,13 @@ def test_legacy_ratio_threshold_and_early_stopping_skip_steps():
     assert int(state.optimizer_steps) == 1  # the first step runs, then the KL check stops the rest
 
 
+@pytest.mark.parametrize("kernels", [XLA, CpuKernels()], ids=["xla", "cpu"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_all_finite_finds_every_inf_and_nan_and_nothing_else(dtype):
-    """The gradient guard's check against numpy's, leaf by leaf: one inf, -inf or NaN anywhere in any leaf
-    (a scalar, 1-D, 2-D and a stacked 4-D leaf) makes it False; the largest finite values (whose sum overflows)
-    and integer leaves do not."""
-    from ppojax.rl.update import all_finite
+def test_all_finite_finds_every_inf_and_nan_and_nothing_else(dtype, kernels):
+    """The gradient guard's check (``Kernels.all_finite``: XLA's plain form, and the CPU's matrix-vector form)
+    against numpy's, leaf by leaf: one inf, -inf or NaN anywhere in any leaf (a scalar, 1-D, 2-D and a stacked 4-D
+    leaf) makes it False; the largest finite values (whose sum overflows) and integer leaves do not."""
+    all_finite = kernels.all_finite
 
     rng = np.random.default_rng(0)
     shapes = [(), (7,), (5, 3), (3, 4, 2, 6)]

@@ -1,28 +1,63 @@
-"""Backend-specific code behind one seam: the choices a run makes ONCE, when it is built.
+"""Backend-specific code behind one door: every choice a run or plan makes about its backend, made ONCE when it
+is built and handed to the programs as data (nothing below the trainer tests the platform while tracing).
 
-- `kernels_for(modules, ...)`: the models' `Kernels` (`ppojax.models.kernels`): XLA's on TPU and GPU (and on the
-  CPU with ppojax's CPU backend off, `PPOJAX_CPU_BACKEND=0`); the CPU's (`cpu.kernels.CpuKernels`) on CPU devices.
-  Building the C++ handlers and measuring GEMM libraries happen here, never while a program is traced.
+- `kernels_for(modules, ...)`: the models' `Kernels` (`ppojax.models.kernels`), attention included: NVIDIA GPUs'
+  (`gpu.kernels.GpuKernels`: cuDNN's fused attention where it fits, laid out for the run's mesh); the CPU's
+  (`cpu.kernels.CpuKernels`) on CPU devices with ppojax's CPU backend on; XLA's everywhere else (TPU, and the CPU
+  with `PPOJAX_CPU_BACKEND=0`). Building C++ handlers and measuring GEMM libraries happen here, never while a
+  program is traced.
 - `use_kernels(kernels, *modules)`: set them on every backbone of the models.
 - `optimizer_step_for(...)`: AdamW's step implementation (`ppojax.rl.optimizer`): optax's, or the CPU's one pass
   over each parameter (`cpu.adam_in_place.InPlaceAdamStep`) on a single CPU device.
+- `matmul_unavailable_reason(...)`: why a GEMM library named in the config cannot run here (checked before any
+  weight loads).
+- A program's start, before JAX starts its backend: `prepare_process` (the platform where libtpu is installed on a
+  host without TPU chips; the CPU's allocator), `prepare_compiler` (XLA:CPU's options for this CPU), or both:
+  `start_program`. `import ppojax` already keeps JAX off an installed libtpu on a host without TPU chips.
 
 The models, the RL programs and the math import nothing from here: a new backend adds a package beside `cpu/` and
-a branch in these functions.
+`gpu/` and a branch in these functions.
 """
 from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-# jax, flax and the models are imported where they are used: `ppojax.backends.cpu`'s start-up modules (the
-# capability probe, the XLA options, the allocator re-exec) run before jax may be imported
+# The start-up modules (the platform choice, the capability probe, the XLA options, the allocator re-exec) run
+# before jax may be imported: jax, flax and the models are imported where the choices are made.
+from ppojax.backends.cpu import xla_options as _xla_cpu_options
+from ppojax.backends.cpu.absent_tpu import skip_absent_tpu
+from ppojax.backends.cpu.capabilities import backend_off as _cpu_backend_off
+from ppojax.backends.cpu.host_memory import reexec_with_huge_pages
+
+__all__ = ["kernels_for", "use_kernels", "optimizer_step_for", "matmul_unavailable_reason", "model_shapes",
+           "prepare_process", "prepare_compiler", "start_program", "skip_absent_tpu"]
+
+
+def prepare_process() -> None:
+    """What a ppojax program does first, before JAX starts (and before anything a re-executed process would lose):
+    name the CPU as JAX's platform where libtpu is installed on a host without accelerators (`skip_absent_tpu`),
+    then re-execute once with mimalloc preloaded and glibc's huge-page tunable on a CPU host (XLA:CPU's per-step
+    buffers are reused from one step to the next instead of faulted in afresh)."""
+    skip_absent_tpu()  # first: the re-executed process inherits it
+    reexec_with_huge_pages()
+
+
+def prepare_compiler(precision: str = "float32") -> None:
+    """Add the XLA:CPU options recorded as fastest for this CPU and the run's `precision` (XLA reads `XLA_FLAGS`
+    once, when its backend starts; a no-op on accelerator hosts)."""
+    _xla_cpu_options.apply(precision=precision)
+
+
+def start_program(precision: str = "float32") -> None:
+    """`prepare_process` then `prepare_compiler`, for a program that knows its precision at once (the benchmarks);
+    from Python (a notebook) call it before the first JAX operation."""
+    prepare_process()
+    prepare_compiler(precision)
 
 
 def _cpu_backend_on(devices: Sequence) -> bool:
     """Whether ppojax's CPU backend serves these devices: CPU devices and the backend not switched off."""
-    from ppojax.backends.cpu import capabilities
-
-    return bool(devices) and devices[0].platform == "cpu" and not capabilities.backend_off()
+    return bool(devices) and devices[0].platform == "cpu" and not _cpu_backend_off()
 
 
 def _backbones(modules: Iterable) -> list:
@@ -59,16 +94,42 @@ def model_shapes(modules: Iterable) -> tuple:
     return tuple(tuple(tuple(int(n) for n in shape) for shape in group) for group in groups if group)
 
 
-def kernels_for(modules: Iterable, *, matmul_implementation: str = "auto", devices: Sequence | None = None):
-    """The `Kernels` for `modules` (ppojax models, arrays or abstract) run on `devices` (default: all of jax's).
-    matmul_implementation: the config's ("auto", "xla", or a GEMM library's name; only the CPU's kernels read it).
-    Raises `ValueError` naming why where a library named explicitly cannot run here."""
+def kernels_for(modules: Iterable, *, matmul_implementation: str = "auto", attention_implementation: str = "auto",
+                devices: Sequence | None = None, mesh=None, cpu_backend: bool = True):
+    """The `Kernels` for `modules` (ppojax models, arrays or abstract) run on `devices` (default: the mesh's, else
+    all of jax's; compile-only devices of another machine too).
+
+    matmul_implementation: the config's ("auto", "xla", or a GEMM library's name; only the CPU's kernels read it);
+    attention_implementation: "auto", "xla" or "cudnn" (`ppojax.models.attention.ATTENTION_IMPLEMENTATIONS`);
+    mesh: the run's device mesh (fused attention lays its operands out for it); cpu_backend: False keeps XLA's
+    kernels on CPU devices (a plan whose virtual CPU devices stand in for accelerators).
+    Raises `ValueError` naming why where an implementation named explicitly cannot run here."""
     import jax
 
+    from ppojax.backends.gpu.kernels import GpuKernels, check_cudnn_fits, compute_capability
+    from ppojax.models.attention import ATTENTION_IMPLEMENTATIONS
     from ppojax.models.kernels import XLA
 
-    devices = list(jax.devices() if devices is None else devices)
-    if not _cpu_backend_on(devices):
+    if attention_implementation not in ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(f"attention_implementation={attention_implementation!r} is not one of "
+                         f"{ATTENTION_IMPLEMENTATIONS}; use 'auto' to let ppojax pick cuDNN's fused kernel where it "
+                         f"applies and XLA elsewhere")
+    modules = list(modules)
+    if devices is None:
+        devices = list(mesh.devices.flat) if mesh is not None else jax.devices()
+    devices = list(devices)
+    capability = compute_capability(devices[0]) if devices else None
+    if attention_implementation == "cudnn":
+        if capability is None:
+            raise ValueError(f"attention_implementation='cudnn' needs an NVIDIA GPU, but the run's devices are "
+                             f"{devices[0].platform!r}; use attention_implementation='auto' or 'xla'")
+        for backbone in _backbones(modules):
+            check_cudnn_fits(backbone.dtype, backbone.cfg.head_dim)
+    if capability is not None:
+        if attention_implementation == "xla":
+            return XLA
+        return GpuKernels(attention_implementation, capability, mesh)
+    if not cpu_backend or not _cpu_backend_on(devices):
         return XLA
     from ppojax.backends.cpu.kernels import CpuKernels
 
@@ -92,3 +153,11 @@ def optimizer_step_for(implementation: str = "auto", devices: Sequence | None = 
     from ppojax.backends.cpu import adam_in_place
 
     return None if adam_in_place.unavailable_reason() else adam_in_place.InPlaceAdamStep()
+
+
+def matmul_unavailable_reason(implementation: str, device_count: int) -> str:
+    """"" where the GEMM library `implementation` names (an in-place one: 'onednn', 'onednn_primitive', 'mkl') can
+    multiply on `device_count` devices of the default backend, else why not (one line)."""
+    from ppojax.backends.cpu import stacked_matmul
+
+    return stacked_matmul.unavailable_on(device_count, implementation)

@@ -230,16 +230,15 @@ def _stored_head_differs(ckpt: SafetensorsCheckpoint, cfg: ModelConfig, kind: st
 
 
 def load_pretrained(path: str | os.PathLike, *, kind: str = "causal_lm", dtype=jnp.float32, param_dtype=None,
-                    scan_layers: bool = True, remat: str = "none", attention_implementation: str = "auto",
-                    kernels: Kernels = XLA, seed: int = 0, score_label: int | None = None, mesh=None,
+                    scan_layers: bool = True, remat: str = "none", kernels: Kernels = XLA, seed: int = 0, score_label: int | None = None, mesh=None,
                     rules=None):
     """Load a Hugging Face checkpoint directory into a ppojax model.
 
     kind: "causal_lm" -> `CausalLM`; "score" -> `ScoreModel` (reward/value models, `XForSequenceClassification`);
     "value_head" -> `CausalLMWithValueHead`. A head missing from the checkpoint (`v_head.summary.*`, or
     `score.weight` when a score model starts from a causal-LM checkpoint) is initialised randomly from `seed`,
-    with a warning. dtype: compute dtype; param_dtype: storage dtype (default: dtype). remat,
-    attention_implementation, kernels, scan_layers: as the model classes' (`transformer.Backbone`).
+    with a warning. dtype: compute dtype; param_dtype: storage dtype (default: dtype). remat, kernels,
+    scan_layers: as the model classes' (`transformer.Backbone`).
     score_label: for a
     classifier with several labels loaded as a "score" model, the label whose logit is the score (None: the
     checkpoint must have one label). mesh, rules: place every weight straight into its sharding on `mesh` by
@@ -256,8 +255,7 @@ def load_pretrained(path: str | os.PathLike, *, kind: str = "causal_lm", dtype=j
         loaded["score"] = _one_score_label(loaded["score"], score_label, path)
     cfg = structure.cfg
     abstract = structure.abstract_model(seed=seed, dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers,
-                                        remat=remat, attention_implementation=attention_implementation,
-                                        kernels=kernels)
+                                        remat=remat, kernels=kernels)
     graphdef, state = nnx.split(abstract)
     key = jax.random.key(seed)
     if kind == "value_head" and "v_head" not in loaded:
@@ -312,8 +310,7 @@ def read_shard(source, index: tuple, dtype) -> np.ndarray:
 
 
 def abstract_pretrained(path: str | os.PathLike, *, kind: str = "causal_lm", dtype=jnp.float32, param_dtype=None,
-                        scan_layers: bool = True, remat: str = "none", attention_implementation: str = "auto",
-                        kernels: Kernels = XLA, seed: int = 0, score_label: int | None = None):
+                        scan_layers: bool = True, remat: str = "none", kernels: Kernels = XLA, seed: int = 0, score_label: int | None = None):
     """The model :func:`load_pretrained` returns for the same arguments, abstract: the same graphdef with
     `jax.ShapeDtypeStruct` weights (`nnx.eval_shape`), from the checkpoint's config.json and tensor names
     alone (no weight is read; a tied config whose checkpoint stores its own LM head reads those two tensors,
@@ -322,8 +319,7 @@ def abstract_pretrained(path: str | os.PathLike, *, kind: str = "causal_lm", dty
     param_dtype = dtype if param_dtype is None else param_dtype
     structure = _open_pretrained(path, kind, score_label, warn=False)
     return structure.abstract_model(seed=seed, dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers,
-                                    remat=remat, attention_implementation=attention_implementation,
-                                    kernels=kernels), structure.cfg
+                                    remat=remat, kernels=kernels), structure.cfg
 
 
 @dataclasses.dataclass

@@ -1,20 +1,24 @@
 """The seam between the models and a backend: `Kernels`, the few operations whose best form differs by backend.
 
 A model holds one `Kernels` object (a static attribute of its backbone, part of the graphdef), chosen ONCE when a
-run is built (`ppojax.backends.kernels_for`) and never while tracing: tracing only reads what it decided. This
-base class is XLA's own operations, which every backend compiles (TPU, GPU and CPU alike); it is the default of
-every model. A backend that does better subclasses it (the CPU's: `ppojax.backends.cpu.kernels.CpuKernels`).
+run or plan is built (`ppojax.backends.kernels_for`) and never while tracing: tracing only reads what it decided.
+This base class is XLA's own operations in their plain `jnp` forms, which every backend compiles (TPU, GPU and CPU
+alike); it is the default of every model. A backend that does better subclasses it (the CPU's:
+`ppojax.backends.cpu.kernels.CpuKernels`; NVIDIA GPUs': `ppojax.backends.gpu.kernels.GpuKernels`).
 
 What a backend may change, and nothing else:
+  - `attention`: masked grouped-query attention (XLA's by default, `attention.xla_attention`);
   - `matmul`: a 2-D product in the compute dtype (the layers' projections and LoRA's thin products);
   - `output_projection`: the attention output projection `[B, S, H, hd] x [H, hd, D]`;
   - `split_layer_kernels` / `layer_products`: projections that read their layer's kernel where it lies in the
     stacked `[L, ...]` weights instead of the layer scan's per-layer slice;
   - `head_logits`: the LM head's product;
-  - `stores_bits`: whether 16-bit values written or read slot by slot (KV cache, saved activations, the sampler's
-    weight stacks) travel as their uint16 bits (`slot_storage`);
-  - `dots_policy`: what `remat: dots` saves (it must recognise the backend's own products).
-Values: every implementation computes the same products; only the summation order may differ.
+  - how values written or read slot by slot are stored (`slot_dtype`, `to_slots`, `from_slots`: the KV cache),
+    how a forward with a KV cache reads its stacked weights (`read_only_layers`) and what the layer scan carries
+    between layers (`residual_carry`);
+  - `dots_policy`: what `remat: dots` saves (it must recognise the backend's own products);
+  - `all_finite` (the update's check of its gradients) and `argmax` (the sampler's draw).
+Values: every implementation computes the same results; only the summation order of products may differ.
 """
 from __future__ import annotations
 
@@ -23,6 +27,8 @@ from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
+
+from ppojax.models.attention import xla_attention
 
 Array = jax.Array
 
@@ -39,9 +45,12 @@ class Kernels:
     #: a short name for logs and reports
     name: str = dataclasses.field(default="xla", init=False)
 
-    def stores_bits(self, dtype) -> bool:
-        """Whether 16-bit values of `dtype` stored slot by slot travel as uint16 bits (`slot_storage`)."""
-        return False
+    def attention(self, q: Array, k: Array, v: Array, mask: Array, *, scale: float, is_causal: bool = False,
+                  window: Optional[int] = None) -> Array:
+        """Grouped-query attention, shapes and hints as `ppojax.models.attention.xla_attention` (whose result
+        every implementation equals): q [B, S, H, hd], k and v [B, T, K, hd], mask bool[B, S, T] -> [B, S, H, hd]."""
+        return xla_attention(q, k, v, mask, scale=scale)
+
 
     def matmul(self, x: Array, w: Array) -> Array:
         """x [N, D] @ w [D, F] -> [N, F], operands and result in the compute dtype."""
@@ -66,9 +75,48 @@ class Kernels:
         the head's kernel [D, V]), or None to leave it to XLA's dot."""
         return None
 
+    # ---- values stored slot by slot (the KV cache) and the layer scan's carries ----
+    def slot_dtype(self, dtype) -> jnp.dtype:
+        """The dtype in which values of `dtype` written and read slot by slot are stored (the cache's arrays)."""
+        return jnp.dtype(dtype)
+
+    def to_slots(self, x: Array, dtype) -> Array:
+        """`x` as values of `dtype` in their stored form (`slot_dtype(dtype)`)."""
+        return x.astype(dtype)
+
+    def from_slots(self, stored: Array, dtype) -> Array:
+        """Stored values (`to_slots`) back as `dtype`."""
+        return stored.astype(dtype)
+
+    def read_only_layers(self, layers) -> tuple[Any, Callable]:
+        """(the stacked layer weights a forward with a KV cache reads once per layer, `restore`: one layer's slice
+        of that -> the weights the layer computes with). No gradient flows through such a forward."""
+        return layers, _unchanged
+
+    def residual_carry(self, dtype) -> Callable[[Array], Array]:
+        """What the layer scan carries (and saves for the backward) between layers, for a residual stream of
+        `dtype`: a function of the stream; the layers see it cast back to `dtype`."""
+        return _unchanged
+
+    # ---- the update's and the sampler's reductions ----
+    def all_finite(self, tree) -> Array:
+        """bool[]: True when no floating leaf of `tree` holds an inf or a NaN."""
+        checks = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+                  if jnp.issubdtype(x.dtype, jnp.inexact) and x.size]
+        return jnp.all(jnp.stack(checks)) if checks else jnp.bool_(True)
+
+    def argmax(self, x: Array) -> Array:
+        """x f[..., V] -> i32[...]: the index of the first largest value along the last axis (a NaN counts as the
+        largest), as `jnp.argmax`."""
+        return jnp.argmax(x, axis=-1).astype(jnp.int32)
+
     def dots_policy(self) -> Callable:
         """The `jax.checkpoint` policy of `remat: dots`: the matmuls without batch dimensions (the projections)."""
         return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+
+
+def _unchanged(x):
+    return x
 
 
 #: the default of every model

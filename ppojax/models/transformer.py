@@ -14,19 +14,18 @@ Forward contract (docs/algorithm.md, "Conventions"):
 `input_ids i32[B, S]`, `attention_mask bool[B, S]` (True = real token, False = pad),
 `position_ids i32[B, S]` (exclusive cumulative sum of the mask for left-padded rows; `position_ids_from_mask`),
 and optionally `segment_ids i32[B, S]` for PACKED rows (several sequences side by side in one row, each with its
-own positions): a query then attends only to keys of its own segment (no cache). Pad ids are replaced by 0 before the embedding. Attention is causal AND ignores pad keys; it runs through
-`jax.nn.dot_product_attention` (`attention.py`: cuDNN's fused kernel or XLA, `attention_implementation`). Softmax
-and norm statistics are float32 whatever the compute dtype. A query that sees no valid key (a left-pad position)
+own positions): a query then attends only to keys of its own segment (no cache). Pad ids are replaced by 0 before
+the embedding. Attention is causal AND ignores pad keys; it runs through the kernels' `attention` (XLA's by default,
+`attention.py`; a backend's fused kernel where the run chose one). Softmax and norm statistics are float32 whatever the compute dtype. A query that sees no valid key (a left-pad position)
 gets a finite, meaningless output (never NaN); callers ignore pad positions.
 
 Model options (static, part of the graphdef): `dtype` / `param_dtype` (compute / storage; named pairs in
-`precision.py`), `remat` ("none" | "full" | "dots", `remat.py`), `attention_implementation` ("auto" | "xla" |
-"cudnn"), `scan_layers`, and `kernels`: the backend's operations (`kernels.py`: XLA's by default; a run chooses
-them once when it is built, `ppojax.backends.kernels_for`).
+`precision.py`), `remat` ("none" | "full" | "dots", `remat.py`), `scan_layers`, and `kernels`: the backend's
+operations, attention included (`kernels.py`: XLA's by default; a run chooses them once when it is built,
+`ppojax.backends.kernels_for`).
 
 KV cache (`KVCache`, `init_cache`): keys/values `[L, B, T, K, hd]`, `key_mask bool[B, T]`, `index i32[]` (next write
-slot; a 16-bit cache may hold the uint16 bits of its keys and values where the kernels say so, `slot_storage.py`). A call with a
-cache writes its S tokens at slots `[index, index + S)`, marks them valid where
+slot; the kernels say how its keys and values are stored, `Kernels.slot_dtype`). A call with a cache writes its S tokens at slots `[index, index + S)`, marks them valid where
 `attention_mask`, lets query slot `index + s` attend to valid slots `<= index + s`, and returns `index + S`.
 Prefill = the whole left-padded prompt on an empty cache; decode = S = 1 calls. Static shapes, jit-friendly.
 `index` may also be i32[B], one per row (each row writes at its own slot; `write_slots`).
@@ -42,14 +41,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental.layout import Layout, with_layout_constraint
 
-from ppojax.models.attention import attention, check_attention_implementation
 from ppojax.models.config import ModelConfig
 from ppojax.models.kernels import XLA, Kernels, check_kernels
 from ppojax.models.remat import check_remat, remat_layer
-from ppojax.models import slot_storage
-from ppojax.models.slot_storage import BITS, float32_holding, from_bits, saved_as_bits, to_bits
 
 Array = jax.Array
 
@@ -155,7 +150,7 @@ def last_token_scores(scores: Array, attention_mask: Array) -> Array:
 class KVCache:
     """Stacked per-layer key/value cache.
 
-    keys, values: [L, B, T, K, hd] (compute dtype, or a 16-bit dtype's uint16 bits, named by `bits_of`);
+    keys, values: [L, B, T, K, hd] (the values' dtype, or the form the kernels store it in: `value_dtype`);
     key_mask: bool[B, T] (True = slot holds a real token);
     index: i32[] (next slot to write; the same for every row, rows are left-padded), or i32[B] (each row's
     own next slot: rows holding sequences started at different times, `ppojax.rl.continuous`).
@@ -168,8 +163,8 @@ class KVCache:
     values: Array
     key_mask: Array
     index: Array
-    #: the 16-bit float whose uint16 bits `keys` / `values` hold (`Kernels.stores_bits`), else None
-    bits_of: str | None = flax.struct.field(pytree_node=False, default=None)
+    #: the dtype of the values `keys` / `values` hold, where their storage differs (`Kernels.slot_dtype`), else None
+    value_dtype: str | None = flax.struct.field(pytree_node=False, default=None)
     read_length: int | None = flax.struct.field(pytree_node=False, default=None)
 
     @property
@@ -184,22 +179,21 @@ class KVCache:
     @property
     def dtype(self):
         """The dtype of the keys and values the cache holds (whatever their storage)."""
-        return jnp.dtype(self.bits_of) if self.bits_of else self.keys.dtype
+        return jnp.dtype(self.value_dtype) if self.value_dtype else self.keys.dtype
 
 
 def init_cache(cfg: ModelConfig, batch_size: int, max_length: int, dtype=jnp.float32,
                kernels: Kernels = XLA) -> KVCache:
-    """An empty cache for `max_length` slots (prompt + generated tokens) of `dtype` keys and values (a 16-bit
-    cache stores their uint16 bits where `kernels.stores_bits`: `slot_storage`). Pass the model's `kernels`."""
+    """An empty cache for `max_length` slots (prompt + generated tokens) of `dtype` keys and values, stored as
+    the model's `kernels` store such values (`Kernels.slot_dtype`). Pass the model's `kernels`."""
     shape = (cfg.num_layers, batch_size, max_length, cfg.num_kv_heads, cfg.head_dim)
-    bits = kernels.stores_bits(dtype)
-    storage = BITS if bits else dtype
+    storage = kernels.slot_dtype(dtype)
     return KVCache(
         keys=jnp.zeros(shape, storage),
         values=jnp.zeros(shape, storage),
         key_mask=jnp.zeros((batch_size, max_length), bool),
         index=jnp.zeros((), jnp.int32),
-        bits_of=jnp.dtype(dtype).name if bits else None,
+        value_dtype=jnp.dtype(dtype).name if storage != jnp.dtype(dtype) else None,
     )
 
 
@@ -269,7 +263,7 @@ def _project(x: Array, d: dict, dtype, lora_scale: float | None, kernels: Kernel
 
 def _block(cfg: ModelConfig, dtype, inv_freq, p: dict, x: Array, positions: Array, mask: Array,
            layer_idx, kv: tuple | None, cache_index, attn_kwargs: dict, lora_scale: float | None = None,
-           cache_bits_of: str | None = None, kernels: Kernels = XLA, products: dict | None = None,
+           cache_dtype=None, kernels: Kernels = XLA, products: dict | None = None,
            slots_read: int | None = None):
     """One transformer layer on `x: [B, S, D]` with this layer's weights `p` (no `layers` axis).
 
@@ -277,10 +271,9 @@ def _block(cfg: ModelConfig, dtype, inv_freq, p: dict, x: Array, positions: Arra
     values are written at `[layer_idx, :, cache_index:cache_index+S]` (`cache_index` i32[] or, one per row,
     i32[B]: `write_slots`) and attention reads that layer's first `slots_read` slots (`mask: bool[B, S,
     slots_read]`; None: all T).
-    `attn_kwargs`: the static implementation and the mask hints of `attention.attention`. `lora_scale`: alpha / r
-    of the LoRA adapters some projections carry (`lora.py`; None without adapters). `cache_bits_of`: the
-    cache's `bits_of` (its keys and values are that 16-bit dtype's uint16 bits), else None. `kernels`: the
-    model's backend operations; `products`: this layer's `kernels.layer_products` (projections whose kernels the
+    `attn_kwargs`: the mask hints of `Kernels.attention`. `lora_scale`: alpha / r of the LoRA adapters some
+    projections carry (`lora.py`; None without adapters). `cache_dtype`: the dtype of the cache's keys and values
+    (`KVCache.dtype`), stored as `kernels` store it. `kernels`: the model's backend operations; `products`: this layer's `kernels.layer_products` (projections whose kernels the
     backend reads where they lie in the stack; absent from `p`).
     Returns `(x, kv)`.
     """
@@ -304,13 +297,12 @@ def _block(cfg: ModelConfig, dtype, inv_freq, p: dict, x: Array, positions: Arra
         all_k, all_v = kv
 
         def write(stack, new):
-            new = new[None].astype(cache_bits_of or stack.dtype)
-            return write_slots(stack, to_bits(new) if cache_bits_of else new, layer_idx, cache_index)
+            return write_slots(stack, kernels.to_slots(new[None], cache_dtype), layer_idx, cache_index)
 
         def read(stack):  # this layer's first `slots_read` slots, as ONE slice (fused into its readers)
             sizes = (1, stack.shape[1], slots_read or stack.shape[2], *stack.shape[3:])
             layer = jax.lax.dynamic_slice(stack, (layer_idx,) + (0,) * (stack.ndim - 1), sizes)[0]
-            return (from_bits(layer, cache_bits_of) if cache_bits_of else layer).astype(dtype)
+            return kernels.from_slots(layer, cache_dtype).astype(dtype)
 
         all_k, all_v = write(all_k, k), write(all_v, v)
         k, v = read(all_k), read(all_v)
@@ -319,7 +311,7 @@ def _block(cfg: ModelConfig, dtype, inv_freq, p: dict, x: Array, positions: Arra
         # GPT-2's scores / (layer_idx + 1): layer_idx is traced under the layer scan and cuDNN takes the scale as
         # a constant, so the per-layer factor is folded into q
         q = q * (1.0 / (layer_idx + 1).astype(jnp.float32)).astype(q.dtype)
-    o = attention(q, k, v, mask, scale=cfg.head_dim ** -0.5, **attn_kwargs)
+    o = kernels.attention(q, k, v, mask, scale=cfg.head_dim ** -0.5, **attn_kwargs)
     if ("attn", "o") in products:
         attn_out = products["attn", "o"](o.reshape(o.shape[0] * o.shape[1], -1)).reshape(*o.shape[:2], -1)
     else:
@@ -432,16 +424,13 @@ class Backbone(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
-                 scan_layers: bool = True, remat: str = "none", attention_implementation: str = "auto",
-                 kernels: Kernels = XLA):
+                 scan_layers: bool = True, remat: str = "none", kernels: Kernels = XLA):
         check_remat(remat)
-        check_attention_implementation(attention_implementation, dtype, cfg.head_dim)
         check_kernels(kernels)
         self.cfg = cfg
         self.dtype = dtype
         self.scan_layers = scan_layers
         self.remat = remat
-        self.attention_implementation = attention_implementation
         self.kernels = kernels  # the backend's operations (`kernels.py`; static: part of the graphdef)
         self.lora_scale = None  # alpha / r once `lora.add_lora` attaches adapters (static: part of the graphdef)
         init = _Init(rngs, cfg.initializer_range, param_dtype)
@@ -494,8 +483,8 @@ class Backbone(nnx.Module):
                 cache: KVCache | None = None, segment_ids: Array | None = None) -> tuple[Array, KVCache | None]:
         """As `__call__`, with an optional KV cache -> (hidden [B, S, D], updated cache or None).
 
-        With a cache (generation), 16-bit weights and cache entries may be read as their bits (where
-        `kernels.stores_bits`: `slot_storage`): differentiate a forward without one."""
+        With a cache (generation) the weights are read as the kernels read them once per token
+        (`Kernels.read_only_layers`): differentiate a forward without one."""
         cfg = self.cfg
         attention_mask = attention_mask.astype(bool)
         if segment_ids is not None and cache is not None:
@@ -510,7 +499,7 @@ class Backbone(nnx.Module):
         # attention masks bool[B, S, T], shared by all layers (True = may attend), and the hints that let a fused
         # kernel skip blocks the mask rules out anyway (see attention.attention)
         sliding = np.asarray(cfg.sliding_layers)
-        attn_kwargs = dict(implementation=self.attention_implementation)
+        attn_kwargs = {}
         if cache is None:
             q_slot = jnp.arange(s)
             k_slot = jnp.arange(s)
@@ -540,16 +529,13 @@ class Backbone(nnx.Module):
         else:
             split = None
         restore = lambda layer: layer  # noqa: E731
-        if cache is not None:
-            # generation reads every layer's weights once per token; a 16-bit stack (the sampler's weights, cast
-            # once to the compute dtype) is sliced as its bits where the backend stores bits
-            layers, restore = slot_storage.sliced_as_bits(layers, kernels.stores_bits)
+        if cache is not None:  # generation reads every layer's weights once per token
+            layers, restore = kernels.read_only_layers(layers)
 
-        # Each layer's input is saved for the backward, stacked over the layers: where the backend stores 16-bit
-        # values as bits, a 16-bit residual stream travels between layers as float32 holding exactly its 16-bit
-        # values (slot_storage: an integer carry would stop the gradient). The layers see the compute dtype.
+        # each layer's input is saved for the backward, stacked over the layers, in the form the kernels carry it
+        # (`Kernels.residual_carry`); the layers see the compute dtype
         layer_dtype = x.dtype
-        to_stream = float32_holding if kernels.stores_bits(layer_dtype) else (lambda y: y)
+        to_stream = kernels.residual_carry(layer_dtype)
 
         def body(carry, xs):
             x, kv = carry
@@ -557,7 +543,7 @@ class Backbone(nnx.Module):
             p = restore(p)
             m = jnp.where(is_sliding, window_mask, mask) if sliding.any() else mask
             x, kv = _block(cfg, self.dtype, inv_freq, p, x.astype(layer_dtype), position_ids, m, layer_idx, kv,
-                           index, attn_kwargs, self.lora_scale, None if cache is None else cache.bits_of,
+                           index, attn_kwargs, self.lora_scale, None if cache is None else cache.dtype,
                            kernels, kernels.layer_products(split, layer_idx),
                            None if cache is None else cache.slots_read)
             return (to_stream(x), kv), None
@@ -592,13 +578,11 @@ class CausalLM(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
-                 scan_layers: bool = True, remat: str = "none", attention_implementation: str = "auto",
-                 kernels: Kernels = XLA):
+                 scan_layers: bool = True, remat: str = "none", kernels: Kernels = XLA):
         self.cfg = cfg
         self.dtype = dtype
         self.backbone = Backbone(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers,
-                                 remat=remat, attention_implementation=attention_implementation,
-                                 kernels=kernels)
+                                 remat=remat, kernels=kernels)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -642,10 +626,9 @@ class CausalLMWithValueHead(CausalLM):
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
-                 scan_layers: bool = True, remat: str = "none", attention_implementation: str = "auto",
-                 kernels: Kernels = XLA):
+                 scan_layers: bool = True, remat: str = "none", kernels: Kernels = XLA):
         super().__init__(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers,
-                         remat=remat, attention_implementation=attention_implementation, kernels=kernels)
+                         remat=remat, kernels=kernels)
         init = init_value_head(cfg, rngs.params(), param_dtype)
         self.v_head = nnx.Dict(kernel=_param(init["kernel"], ("embed", None)), bias=_param(init["bias"], (None,)))
 
@@ -664,13 +647,11 @@ class ScoreModel(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
-                 bias: bool = False, scan_layers: bool = True, remat: str = "none",
-                 attention_implementation: str = "auto", kernels: Kernels = XLA):
+                 bias: bool = False, scan_layers: bool = True, remat: str = "none", kernels: Kernels = XLA):
         self.cfg = cfg
         self.dtype = dtype
         self.backbone = Backbone(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers,
-                                 remat=remat, attention_implementation=attention_implementation,
-                                 kernels=kernels)
+                                 remat=remat, kernels=kernels)
         init = _Init(rngs, cfg.initializer_range, param_dtype)
         self.score = nnx.Dict(kernel=init.normal((cfg.hidden_size, 1), ("embed", None)))
         if bias:

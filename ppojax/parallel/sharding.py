@@ -416,13 +416,14 @@ def kv_cache_shardings(cache, mesh: Mesh, rules: Mapping[str, Any] = GENERATE_RU
     over tensor (replicated where they do not divide), layers / length / head_dim unsplit."""
     fields = {name: NamedSharding(mesh, logical_to_spec(np.shape(getattr(cache, name)), axes, mesh, rules))
               for name, axes in KV_CACHE_AXES.items()}
-    return cache.replace(**fields)  # the static fields (``bits_of``) as the cache's
+    return cache.replace(**fields)  # the static fields (``value_dtype``) as the cache's
 
 
 def attention_operand_placement(mesh: Mesh, rules: Mapping[str, Any] = TRAIN_RULES):
-    """``place(q, k, v, mask) -> (q, k, v, mask)`` for ``ppojax.models.attention.operands_placed_by``: q [B, S, H,
-    hd], k and v [B, T, K, hd] constrained to ONE spec, rows over the ``batch`` rule's axes and heads over the
-    ``heads`` rule's where both H and K divide (cuDNN's partitioner takes nothing else); mask bool[B, S, T] by
+    """``place(q, k, v, mask) -> (q, k, v, mask)`` for a fused attention kernel on ``mesh``
+    (``ppojax.backends.gpu.kernels``): q [B, S, H, hd], k and v [B, T, K, hd] constrained to ONE spec, rows over
+    the ``batch`` rule's axes and heads over the ``heads`` rule's where both H and K divide (cuDNN's partitioner
+    takes nothing else); mask bool[B, S, T] by
     the same rows."""
 
     def axes(size, name):  # the mesh axes one dimension of `size` named `name` is split over (None: unsplit)

@@ -33,8 +33,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ppojax.rl import forward
+from ppojax.models.kernels import XLA, Kernels
 from ppojax.models.lora import heads, merge_lora
+from ppojax.rl import forward
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,8 @@ class ActorCritic:
     reference (None: the policy's). temperature: the sampling temperature the log-probs are taken at.
     has_critic: False for the critic-free estimators (then value_graphdef is None and there is no head).
     base_graphdef, lora_scale: under LoRA, the graphdef of the policy WITHOUT adapters (its weights are
-    ``frozen["base"]``) and the adapters' alpha / r; None otherwise."""
+    ``frozen["base"]``) and the adapters' alpha / r; None otherwise. kernels: the backend's operations the models
+    were built with (``ppojax.models.kernels``), for the update's own reductions (``Kernels.all_finite``)."""
 
     policy_graphdef: Any
     value_graphdef: Optional[Any]
@@ -54,6 +56,7 @@ class ActorCritic:
     has_critic: bool = True
     base_graphdef: Optional[Any] = None
     lora_scale: Optional[float] = None
+    kernels: Kernels = XLA
 
     @property
     def has_value_head(self) -> bool:

@@ -43,8 +43,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ppojax.rl.forward import sequence_inputs
-from ppojax.rl.sampler import (_cache_dtype, _init_cache, decode_step, prefill_slots, row_keys, sample_rows,
-                               token_logprobs)
+from ppojax.rl.sampler import (_cache_dtype, _init_cache, decode_step, model_kernels, prefill_slots, row_keys,
+                               sample_rows, token_logprobs)
 
 
 @flax.struct.dataclass
@@ -87,9 +87,10 @@ def generate_continuous(graphdef, params, prompt_ids, key, *, slots, response_le
     if slots < 1:
         raise ValueError(f"slots={slots}; expected >= 1 (or use ppojax.rl.sampler.generate)")
     num_slots = min(slots, batch)
-    sample = functools.partial(sample_rows, temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy)
-    pad = jnp.asarray(pad_token_id, jnp.int32)
     model = nnx.merge(graphdef, params)
+    sample = functools.partial(sample_rows, temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy,
+                               argmax=model_kernels(model).argmax)
+    pad = jnp.asarray(pad_token_id, jnp.int32)
     dtype = _cache_dtype(model, params, cache_dtype)
     max_length = prompt_length + response_length
     cache = (init_cache_fn or _init_cache)(model, num_slots, max_length, dtype)

@@ -1,16 +1,13 @@
 """The RL program's objects placed on a mesh by the rule tables of `ppojax.parallel.sharding`: the TrainState
-created directly in its shardings, the sampler's KV cache constrained to its shardings, the fused attention's
-operands laid out alike (`traced_on`)."""
+created directly in its shardings, the sampler's KV cache constrained to its shardings."""
 from __future__ import annotations
 
-import functools
 from typing import Any, Mapping
 
 import jax
 from jax.sharding import Mesh
 
 from ppojax.models import init_cache
-from ppojax.models.attention import operands_placed_by
 from ppojax.parallel import sharding
 from ppojax.rl.types import init_train_state
 
@@ -44,19 +41,3 @@ def make_init_cache_fn(mesh: Mesh, rules: Mapping[str, Any] = sharding.GENERATE_
         return jax.lax.with_sharding_constraint(cache, sharding.kv_cache_shardings(cache, mesh, rules))
 
     return init_cache_fn
-
-
-def traced_on(mesh, fn):
-    """``fn`` whose tracing places the models' fused-attention operands for ``mesh``
-    (``ppojax.parallel.sharding.attention_operand_placement``); ``fn`` itself when there is no mesh. Every
-    program that runs a model on a mesh is traced through this."""
-    if mesh is None:
-        return fn
-    place = sharding.attention_operand_placement(mesh)
-
-    @functools.wraps(fn)
-    def traced(*args, **kwargs):
-        with operands_placed_by(place):
-            return fn(*args, **kwargs)
-
-    return traced

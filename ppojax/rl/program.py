@@ -23,10 +23,10 @@ import jax
 import jax.numpy as jnp
 
 from ppojax import core as ppo
-from ppojax.rl import placement, rollout
+from ppojax.rl import rollout
 from ppojax.parallel import sharding
 from ppojax.rl.actor_critic import ActorCritic
-from ppojax.rl.rewards import GivenScores
+from ppojax.rl.rewards import GivenScores, RewardSource
 from ppojax.rl.types import Prompts, as_prompts
 from ppojax.rl.settings import StepSettings
 from ppojax.rl.update import learn
@@ -36,14 +36,14 @@ from ppojax.rl.update import learn
 class PPOProgram:
     """Everything static that the PPO programs are traced from (hashable by identity: build it once).
 
-    actor_critic: the model forwards; reward: a reward source (``ppojax.rl.rewards``); settings: the static
+    actor_critic: the model forwards; reward: a ``ppojax.rl.rewards.RewardSource``; settings: the static
     settings (``ppojax.rl.settings.StepSettings``); optimizer: an optax transformation (without the learning
     rate: the state's traced ``hyperparams.learning_rate`` scales it); mesh: the device mesh, or None for a
     single device.
     """
 
     actor_critic: ActorCritic
-    reward: Any
+    reward: RewardSource
     settings: StepSettings
     optimizer: Any
     mesh: Optional[Any] = None
@@ -71,19 +71,12 @@ def ppo_iteration(program: PPOProgram, state, prompts, key):
 
 
 def learn_unless_reward_failed(program: PPOProgram, state, experience, key, failures):
-    """``learn``, except when the reward source failed on some rows (``failures`` > 0): then the state is
-    returned untouched (no update at all, counters included) and the metrics are NaN. Only a source that can
-    fail (a Python reward function) pays for the ``lax.cond``."""
-    if not getattr(program.reward, "may_fail", False):
-        state, metrics = learn(program, state, experience, key)
-    else:
-        metric_shapes = jax.eval_shape(lambda s, e, k: learn(program, s, e, k)[1], state, experience, key)
-
-        def skip(state, experience, key):
-            return state, jax.tree.map(_nan_like, metric_shapes)
-
-        state, metrics = jax.lax.cond(failures > 0, skip, lambda s, e, k: learn(program, s, e, k),
-                                      state, experience, key)
+    """``learn``, except when the reward source failed on some rows (``failures`` > 0): then no optimizer step is
+    applied, the state's counters and controllers stay as they were and the metrics are NaN (``learn``'s
+    ``reward_failed``; the host then re-raises the failure, ``RewardSource.raise_pending``). A source that cannot
+    fail passes nothing."""
+    state, metrics = learn(program, state, experience, key,
+                           reward_failed=failures > 0 if program.reward.may_fail else None)
     metrics["reward/failures"] = failures
     metrics["ppo/nonfinite_streak"] = state.nonfinite_streak  # for the host, which reads metrics an update late
     metrics.update(reward_component_metrics(experience.reward_components))
@@ -103,11 +96,6 @@ def reward_component_metrics(components) -> dict:
     return out
 
 
-def _nan_like(shape):
-    fill = jnp.nan if jnp.issubdtype(shape.dtype, jnp.floating) else 0
-    return jnp.full(shape.shape, fill, shape.dtype)
-
-
 def legacy_iteration(program: PPOProgram, state, query_responses, prompt_length, scores, key):
     """The legacy ``step()``: forwards on caller-given tokens, the caller's scores, then the update."""
     experience, failures = rollout.experience(program, state, query_responses, prompt_length,
@@ -125,8 +113,7 @@ def _jit(program: PPOProgram, fn, state_shardings):
     replicated (so ``jax.device_get`` works on every process)."""
     if program.mesh is None:
         return jax.jit(fn, donate_argnums=(0,))
-    return jax.jit(placement.traced_on(program.mesh, fn), donate_argnums=(0,),
-                   out_shardings=(state_shardings, sharding.replicated(program.mesh)))
+    return jax.jit(fn, donate_argnums=(0,), out_shardings=(state_shardings, sharding.replicated(program.mesh)))
 
 
 def make_train_step(program: PPOProgram, state_shardings=None):
@@ -173,8 +160,8 @@ def collect_experience(program: PPOProgram, state, prompts, sample_key):
 def make_rollout(program: PPOProgram):
     """``rollout(state, prompts, key) -> (Experience, failures)`` compiled: the experience ``train_step``
     would learn from with the same key (for notebooks, tests and the legacy API). Nothing is donated."""
-    return _placed(program, jax.jit(placement.traced_on(
-        program.mesh, lambda state, prompts, key: collect_experience(program, state, prompts, iteration_keys(key)[0]))))
+    return _placed(program, jax.jit(
+        lambda state, prompts, key: collect_experience(program, state, prompts, iteration_keys(key)[0])))
 
 
 def _placed(program: PPOProgram, jitted):

@@ -7,17 +7,13 @@ that names the function and the offending row, before any of it reaches the jitt
 
 Built in: `vader_sentiment_reward()`, VADER's compound sentiment score in [-1, 1] (the movie-review demo).
 
-Reward SOURCES (one class per kind) give a rollout's scores inside the compiled PPO program:
+Reward SOURCES give a rollout's scores inside the compiled PPO program; each is a `RewardSource` (the protocol
+the program holds: what it computes, whether it can fail, how a failure comes back):
 `ModelScores` (a reward ScoreModel's forward, nothing leaves the device), `FunctionScores` (Python functions of
 the texts and the dataset's columns, reached through one host callback; ``ppojax.rl.reward_calls`` calls them),
 `TracedScores` (a reward written in JAX on the token ids, traced into the program) and `GivenScores` (the legacy
 `step()`: scores computed by the caller). `WeightedRewards` combines several (TRL's ``reward_funcs`` with
-``reward_weights``). Each has ``scores(frozen, queries, responses, rows=None) -> RewardOutput``: the scores
-f32[B], ``failures`` i32[] (rows whose reward could not be computed: the function raised or returned something
-invalid, which the training loop turns back into the function's own error after the step) and ``components``
-(each reward's own values, f32[B] by name, NaN where it returned None; logged as ``rewards/<name>/mean``).
-``rows`` i32[B] are the rows' places in the run's prompt table (``ColumnTable``), through which a Python reward
-receives the dataset's columns; ``NO_ROW`` where unknown, ``PADDING_ROW`` for batch padding (not scored).
+``reward_weights``).
 """
 
 from __future__ import annotations
@@ -25,9 +21,17 @@ from __future__ import annotations
 import threading
 from typing import Any, NamedTuple, Optional, Protocol, Sequence, runtime_checkable
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+from jax.experimental import io_callback
+from jax.sharding import PartitionSpec
 
 from ppojax.errors import RewardFunctionError
+from ppojax.parallel.sharding import batch_partition_spec
+from ppojax.rl import forward
+from ppojax.rl.packed_rollout import packed_sequence_scores
 from ppojax.rl.reward_calls import RewardBatch, RewardCall, call_all, none_to_nan, reward_function_name
 from ppojax.rl.types import NO_ROW
 
@@ -45,6 +49,7 @@ __all__ = [
     "GivenScores",
     "WeightedRewards",
     "RewardOutput",
+    "RewardSource",
     "ColumnTable",
     "NO_ROW",
     "PADDING_ROW",
@@ -244,29 +249,47 @@ class ColumnTable:
 def weighted_total(components, weights):
     """components f32[F, B] (NaN: does not apply), weights f32[F] -> f32[B]: sum over the components that apply
     (TRL's ``nansum``); NaN where none does. One component with weight 1 gives its values unchanged."""
-    import jax.numpy as jnp
-
     applies = ~jnp.isnan(components)
     total = jnp.sum(jnp.where(applies, weights[:, None] * components, 0.0), axis=0)
     return jnp.where(jnp.any(applies, axis=0), total, jnp.nan)
 
 
-class _Source:
-    """A reward source's ``scores`` from its ``components`` (one reward, or several weighted 1)."""
+class RewardSource:
+    """What a compiled PPO program scores its rollouts with (``PPOProgram.reward``): the protocol every source
+    implements.
 
-    names: list
+    - ``names``: its components (one per reward it sums), in order; each is logged as ``rewards/<name>/mean``.
+    - ``components(frozen, queries, responses, rows, packed_rows)`` -> (f32[F, B] one row per name, NaN where that
+      reward does not apply; failures i32[]): traced inside the program. queries i32[B, P], responses i32[B, R]
+      (truncated after the stop token); frozen: the state's frozen models (a reward model reads ``"reward"``);
+      rows i32[B]: the rows' places in the run's prompt table (``ColumnTable``; ``NO_ROW`` where unknown,
+      ``PADDING_ROW`` for batch padding, not scored), through which Python rewards receive the dataset's columns;
+      packed_rows: with ``padding_free``, the rows of a packed forward micro-batch (a source that runs a model
+      may pack; the others ignore it).
+    - ``scores(...)`` -> ``RewardOutput``: the components and their weighted sum (``weights``: all 1 here).
+    - ``may_fail``: whether ``failures`` can be non-zero (rows whose reward could not be computed: a Python
+      function raised or returned something invalid). A program skips the update of an iteration with failures,
+      and the host then calls ``raise_pending()``, which re-raises the kept error (the function's own) once.
+    """
+
+    names: Sequence[str] = ()
+    may_fail: bool = False
+
+    @property
+    def weights(self) -> tuple:
+        return (1.0,) * len(self.names)
 
     def components(self, frozen, queries, responses, rows=None, packed_rows=None):
-        """-> (f32[F, B] one row per name, failures i32[]). packed_rows: with ``padding_free``, the rows of a
-        packed forward micro-batch (a source that runs a model forward may pack; the others ignore it)."""
         raise NotImplementedError
 
     def scores(self, frozen, queries, responses, rows=None, packed_rows=None) -> RewardOutput:
-        import jax.numpy as jnp
-
         values, failures = self.components(frozen, queries, responses, rows, packed_rows)
-        total = weighted_total(values, jnp.ones((values.shape[0],), jnp.float32))
+        total = weighted_total(values, jnp.asarray(self.weights, jnp.float32))
         return RewardOutput(total, failures, dict(zip(self.names, values)))
+
+    def raise_pending(self) -> None:
+        """Re-raise the first error kept by a failed call (and forget them all); nothing for a source that cannot
+        fail."""
 
 
 def decode_rollout_text(tokenizer, queries, responses, pad_token_id, *, with_ids: bool = False):
@@ -290,7 +313,7 @@ def decode_rollout_text(tokenizer, queries, responses, pad_token_id, *, with_ids
     return prompts, completions, [[t for t in ids if t not in special] for ids in completion_ids]
 
 
-class ModelScores(_Source):
+class ModelScores(RewardSource):
     """Scores from a reward ScoreModel (TRL's ``get_reward``): its head at the last non-pad token of the
     prompt + TRUNCATED response. The parameters are ``frozen["reward"]`` of the train state.
 
@@ -298,24 +321,15 @@ class ModelScores(_Source):
     name: the reward's name in metrics.
     """
 
-    in_program = True
-
     def __init__(self, graphdef, pad_token_id: int, forward_batch_size=None, name: str = "reward_model"):
         self.graphdef, self.pad_token_id, self.forward_batch_size = graphdef, pad_token_id, forward_batch_size
         self.names = [name]
 
     def components(self, frozen, queries, responses, rows=None, packed_rows=None):
         """queries i32[B, P], responses i32[B, R] (truncated) -> (f32[1, B], failures i32[] = 0)."""
-        import jax.numpy as jnp
-        from flax import nnx
-
-        from ppojax.rl import forward
-
         tokens = jnp.concatenate([queries, responses], axis=1)
         P = queries.shape[1]
         if packed_rows is not None:
-            from ppojax.rl.packed_rollout import packed_sequence_scores
-
             scores = packed_sequence_scores(lambda: nnx.merge(self.graphdef, frozen["reward"]), tokens, P,
                                             self.pad_token_id, rows_per_micro=packed_rows)
             return scores[None].astype(jnp.float32), jnp.zeros((), jnp.int32)
@@ -326,39 +340,32 @@ class ModelScores(_Source):
         return scores[None].astype(jnp.float32), jnp.zeros((), jnp.int32)
 
 
-class TracedScores(_Source):
+class TracedScores(RewardSource):
     """A reward written in JAX: ``fn(queries i32[B, P], responses i32[B, R]) -> f32[B]``, traced into the
     program like a reward model (nothing leaves the device), so whole runs can be ``lax.scan``-ed and
     ``jax.vmap``-ed. ``responses`` are truncated (pad after the stop token)."""
-
-    in_program = True
 
     def __init__(self, fn, name: Optional[str] = None):
         self.fn = fn
         self.names = [name or getattr(fn, "__name__", None) or reward_function_name(fn)]
 
     def components(self, frozen, queries, responses, rows=None, packed_rows=None):
-        import jax.numpy as jnp
-
         return jnp.asarray(self.fn(queries, responses), jnp.float32)[None], jnp.zeros((), jnp.int32)
 
 
-class GivenScores(_Source):
+class GivenScores(RewardSource):
     """The caller's scores (legacy ``step(queries, responses, scores)``): ``scores`` f32[B], traced."""
 
-    in_program = True
     names = ["given"]
 
     def __init__(self, scores):
         self.given = scores
 
     def components(self, frozen, queries, responses, rows=None, packed_rows=None):
-        import jax.numpy as jnp
-
         return jnp.asarray(self.given, jnp.float32)[None], jnp.zeros((), jnp.int32)
 
 
-class FunctionScores(_Source):
+class FunctionScores(RewardSource):
     """Python reward functions inside the compiled program (TRL's ``reward_funcs`` that are callables).
 
     ``components()`` reaches the host through ONE ``jax.pure_callback`` for all the functions: the tokenizer
@@ -375,8 +382,7 @@ class FunctionScores(_Source):
     mesh: the device mesh of the program (None: one device). Host-side use: :meth:`host_components`.
     """
 
-    in_program = True
-    may_fail = True  # the program skips its update when failures > 0
+    may_fail = True
 
     def __init__(self, functions, tokenizer, pad_token_id: int, *, allow_nonfinite: bool = False, mesh=None,
                  table: Optional[ColumnTable] = None, sole: bool = True):
@@ -457,10 +463,11 @@ class FunctionScores(_Source):
                     np.ones(len(queries), np.int32))
 
     def components(self, frozen, queries, responses, rows=None, packed_rows=None):
-        """queries i32[B, P], responses i32[B, R] (truncated), rows i32[B] or None -> (f32[F, B], failures i32[])."""
-        import jax
-        import jax.numpy as jnp
+        """queries i32[B, P], responses i32[B, R] (truncated), rows i32[B] or None -> (f32[F, B], failures i32[]).
 
+        Through ``jax.experimental.io_callback``: the functions are user code with effects (they may log, count,
+        call a service), so the call is never assumed pure (never deduplicated, dropped or repeated). Unordered:
+        a step makes one call per device, whose order does not matter."""
         if rows is None:
             rows = jnp.full(queries.shape[:1], NO_ROW, jnp.int32)
         F = len(self.calls)
@@ -468,13 +475,9 @@ class FunctionScores(_Source):
         def call(q, r, k):
             shapes = (jax.ShapeDtypeStruct((F,) + q.shape[:1], jnp.float32),
                       jax.ShapeDtypeStruct(q.shape[:1], jnp.int32))
-            return jax.pure_callback(self._callback, shapes, q, r, k, vmap_method="sequential")
+            return io_callback(self._callback, shapes, q, r, k, ordered=False)
 
         if self.mesh is not None and self.mesh.size > 1:
-            from jax.sharding import PartitionSpec
-
-            from ppojax.parallel.sharding import batch_partition_spec
-
             rows_spec = batch_partition_spec(self.mesh)
             columns_spec = PartitionSpec(None, *rows_spec)
             call = jax.shard_map(call, mesh=self.mesh, in_specs=(rows_spec, rows_spec, rows_spec),
@@ -483,47 +486,38 @@ class FunctionScores(_Source):
         return values, jnp.sum(failed)
 
     def raise_pending(self) -> None:
-        """Re-raise the first kept failure (and forget them all); a no-op when there is none."""
         with self._lock:
             errors, self._errors = self._errors, []
         if errors:
             raise errors[0]
 
 
-class WeightedRewards(_Source):
+class WeightedRewards(RewardSource):
     """Several reward sources as one (TRL's ``reward_funcs`` + ``reward_weights``): the score is the weighted
     sum of every component that applies to a row.
 
     parts: reward sources whose ``names`` together are the components, in order; weights: one per component
     (None: all 1)."""
 
-    in_program = True
-
-    def __init__(self, parts: Sequence[_Source], weights: Optional[Sequence[float]] = None):
+    def __init__(self, parts: Sequence[RewardSource], weights: Optional[Sequence[float]] = None):
         self.parts = list(parts)
         self.names = [name for part in self.parts for name in part.names]
         if len(set(self.names)) != len(self.names):
             raise ValueError(f"reward names must differ, got {self.names}")
-        self.weights = tuple(float(w) for w in (weights if weights is not None else [1.0] * len(self.names)))
-        if len(self.weights) != len(self.names):
-            raise ValueError(f"{len(self.weights)} reward weights for {len(self.names)} rewards {self.names}")
-        self.may_fail = any(getattr(part, "may_fail", False) for part in self.parts)
+        self._weights = tuple(float(w) for w in (weights if weights is not None else [1.0] * len(self.names)))
+        if len(self._weights) != len(self.names):
+            raise ValueError(f"{len(self._weights)} reward weights for {len(self.names)} rewards {self.names}")
+        self.may_fail = any(part.may_fail for part in self.parts)
+
+    @property
+    def weights(self) -> tuple:
+        return self._weights
 
     def raise_pending(self) -> None:
         for part in self.parts:
-            if hasattr(part, "raise_pending"):
-                part.raise_pending()
+            part.raise_pending()
 
     def components(self, frozen, queries, responses, rows=None, packed_rows=None):
-        import jax.numpy as jnp
-
         values, failures = zip(*(part.components(frozen, queries, responses, rows, packed_rows)
                                   for part in self.parts))
         return jnp.concatenate(values, axis=0), sum(failures)
-
-    def scores(self, frozen, queries, responses, rows=None, packed_rows=None) -> RewardOutput:
-        import jax.numpy as jnp
-
-        values, failures = self.components(frozen, queries, responses, rows, packed_rows)
-        total = weighted_total(values, jnp.asarray(self.weights, jnp.float32))
-        return RewardOutput(total, failures, dict(zip(self.names, values)))

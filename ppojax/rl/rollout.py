@@ -95,8 +95,7 @@ def sample_jit(policy_graphdef, policy_params, queries, key, temperature, *, sam
     """The policy's completions outside the PPO program (sample tables, evaluation, the legacy ``generate()``):
     queries i32[B, P] -> query_responses i32[B, P+R], one prompt one sample. One compiled program per graph and
     ``sampling`` (``SamplingSettings``); the temperature is traced (near-greedy samples reuse the program)."""
-    sample = placement.traced_on(mesh, _sample_policy)
-    return sample(policy_graphdef, policy_params, queries, key, sampling, temperature, greedy=greedy, mesh=mesh)
+    return _sample_policy(policy_graphdef, policy_params, queries, key, sampling, temperature, greedy=greedy, mesh=mesh)
 
 
 # --------------------------------------------------------------------------------------------------

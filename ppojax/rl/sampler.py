@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ppojax.models import XLA, Kernels, init_cache
 from ppojax.rl.forward import TEMPERATURE_EPS, sequence_inputs
 
 
@@ -69,60 +70,34 @@ def token_logprobs(logits, tokens, temperature):
     return chosen - jax.nn.logsumexp(scaled, axis=-1)
 
 
-def first_argmax(x):
-    """x: f[..., V] -> i32[...]: the index of the first largest value along the last axis, as ``jnp.argmax``
-    gives it (ties go to the lowest index; a NaN counts as the largest).
-
-    Two plain reductions (the maximum, then the lowest index holding it) instead of ``jnp.argmax``'s one
-    (value, index) reduction, which XLA:CPU runs as a slow scalar loop: over a vocabulary that loop cost
-    more than the rest of a categorical draw."""
-    return _first_index_of_top(x, jnp.max(x, axis=-1, keepdims=True))
+def plain_argmax(x):
+    """x: f[..., V] -> i32[...]: ``jnp.argmax`` along the last axis (ties to the lowest index; a NaN counts as the
+    largest); the default of the draws below (a model's kernels may have a faster form, ``Kernels.argmax``)."""
+    return jnp.argmax(x, axis=-1).astype(jnp.int32)
 
 
-def _first_index_of_top(x, top):
-    """x: f[..., V], top: f[..., 1] (x's maximum along the last axis) -> i32[...]: the first index holding
-    ``top`` (or the first NaN), always inside ``[0, V)``.
-
-    XLA may compute an element-wise ``x`` twice, once into the maximum and once into the comparison here,
-    and the two copies need not round alike (seen on the CPU at ``--xla_backend_optimization_level=0``): a
-    row then holds no ``top``. Such rows take jnp.argmax's single reduction, which cannot disagree with
-    itself; that branch runs only when a row missed."""
-    vocab = x.shape[-1]
-    nan = jnp.isnan(x)  # XLA:CPU's max may skip a NaN: NaN rows are told apart
-    hit = jnp.where(jnp.any(nan, axis=-1, keepdims=True), nan, x == top)
-    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-    index = jnp.min(jnp.where(hit, iota, vocab), axis=-1)
-    return jax.lax.cond(jnp.any(index == vocab), _argmax_where_missed, lambda x, index: index, x, index)
-
-
-def _argmax_where_missed(x, index):
-    """x: f[..., V], index: i32[...] -> i32[...]: ``jnp.argmax(x)`` where ``index == V``, else ``index``."""
-    return jnp.where(index == x.shape[-1], jnp.argmax(x, axis=-1).astype(jnp.int32), index)
-
-
-def sample_logits(logits, key, *, temperature=1.0, top_k=0, top_p=1.0, greedy=False):
+def sample_logits(logits, key, *, temperature=1.0, top_k=0, top_p=1.0, greedy=False, argmax=plain_argmax):
     """Draw one token per row. logits: f[B, V], key: a PRNG key -> i32[B].
 
     The draw is ``jax.random.categorical``'s (Gumbel-max with the same noise, so the same token for the same
-    key), its argmax taken by :func:`first_argmax`."""
+    key), its argmax taken by ``argmax`` (the model's ``kernels.argmax``, or :func:`plain_argmax`)."""
     if greedy:
-        return first_argmax(logits)
+        return argmax(logits)
     weights = process_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
-    return first_argmax(jax.random.gumbel(key, weights.shape, weights.dtype) + weights)
+    return argmax(jax.random.gumbel(key, weights.shape, weights.dtype) + weights)
 
 
-def sample_rows(logits, keys, *, temperature=1.0, top_k=0, top_p=1.0, greedy=False):
+def sample_rows(logits, keys, *, temperature=1.0, top_k=0, top_p=1.0, greedy=False, argmax=plain_argmax):
     """Draw one token per row, each row with its own key. logits: f[B, V], keys: PRNG keys [B] -> i32[B].
 
     Row b's token is ``jax.random.categorical(keys[b], weights[b])`` (weights: :func:`process_logits`), so it
     does not depend on the other rows. Only the noise is drawn row by row (vmapped); the argmax stays one
-    :func:`first_argmax` over [B, V] (vmapping it would turn its fallback's ``lax.cond`` into a select that
-    always runs the slow argmax)."""
+    ``argmax`` over [B, V] (as :func:`sample_logits`; a kernel's argmax need not vmap well)."""
     if greedy:
-        return first_argmax(logits)
+        return argmax(logits)
     weights = process_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
     noise = jax.vmap(lambda k: jax.random.gumbel(k, weights.shape[-1:], weights.dtype))(keys)
-    return first_argmax(noise + weights)
+    return argmax(noise + weights)
 
 
 def row_keys(key, step, rows):
@@ -154,10 +129,13 @@ def _cache_dtype(model, params, cache_dtype):
     return floats[0] if floats else jnp.float32
 
 
-def _init_cache(model, batch_size, max_length, dtype):
-    from ppojax.models import XLA, init_cache  # noqa: PLC0415 (models import nothing from here)
+def model_kernels(model) -> Kernels:
+    """The backend operations a model runs (``CausalLM.kernels``; XLA's for a stand-in without them)."""
+    return getattr(model, "kernels", XLA)
 
-    return init_cache(_model_config(model), batch_size, max_length, dtype, getattr(model, "kernels", XLA))
+
+def _init_cache(model, batch_size, max_length, dtype):
+    return init_cache(_model_config(model), batch_size, max_length, dtype, model_kernels(model))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -215,14 +193,14 @@ def generate(graphdef, params, prompt_ids, key, *, response_length, pad_token_id
     batch, prompt_length = prompt_ids.shape
     if response_length < 1:
         raise ValueError(f"response_length={response_length}; expected >= 1")
+    model = nnx.merge(graphdef, params)
     sample = functools.partial(sample_rows, temperature=temperature, top_k=top_k, top_p=top_p,
-                               greedy=greedy)
+                               greedy=greedy, argmax=model_kernels(model).argmax)
     rows = jnp.arange(batch, dtype=jnp.int32)
     init_cache_fn = init_cache_fn or _init_cache
     pad = jnp.asarray(pad_token_id, jnp.int32)
 
     # Prefill: the whole prompt in one call, then the next-token logits of its last position.
-    model = nnx.merge(graphdef, params)
     cache = init_cache_fn(model, batch, prompt_length + response_length,
                           _cache_dtype(model, params, cache_dtype))
     input_ids, attention_mask, position_ids = sequence_inputs(prompt_ids, pad_token_id)

@@ -134,116 +134,128 @@ def _split_leading(batch, parts):
     return jax.tree.map(lambda x: x.reshape(parts, x.shape[0] // parts, *x.shape[1:]), batch)
 
 
-def all_finite(tree) -> jax.Array:
-    """bool[]: True when no floating leaf of ``tree`` holds an inf or a NaN.
-
-    Each leaf ``x`` is multiplied by a zero vector as a matrix-vector product (``x [N, last] @ 0 [last]``):
-    ``x * 0`` is NaN exactly where ``x`` is inf or NaN and 0 elsewhere, so the sum of the products is finite
-    iff the leaf is, and no overflow of large finite values can trip it. Why not ``jnp.isfinite(x).all()``:
-    XLA:CPU writes that as a parameter-sized bool array reduced in a tree of windows, a pass several times slower
-    than the dot, which reads each gradient once at memory speed.
-    """
-    checks = []
-    for x in jax.tree.leaves(tree):
-        if not jnp.issubdtype(x.dtype, jnp.inexact) or x.size == 0:
-            continue
-        rows = x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1)
-        zeros = jnp.zeros((rows.shape[-1],), x.dtype)
-        checks.append(jnp.sum(jnp.dot(rows, zeros, preferred_element_type=jnp.float32)))
-    return jnp.isfinite(sum(checks)) if checks else jnp.bool_(True)
-
-
 def _select(condition, new, old):
     return jax.tree.map(lambda n, o: jnp.where(condition, n, o), new, old)
 
 
 # --------------------------------------------------------------------------------------------------
-# The update
+# One mini-batch: its gradients, then ONE optimizer step
 # --------------------------------------------------------------------------------------------------
-def learn(program, state, experience, key):
-    """One PPO update of ``state`` on ``experience`` (pure; traced inside ``ppojax.rl.program``).
-
-    program: a ``ppojax.rl.program.PPOProgram`` (actor_critic, settings, optimizer). key: PRNG key for the
-    epoch permutations. Returns (new state, metrics dict of f32/i32 scalars under TRL's names).
-    """
-    actor_critic, optimizer = program.actor_critic, program.optimizer
-    algorithm, optim = program.settings.algorithm, program.settings.optim
-    logits_chunk = program.settings.batch.update_logits_chunk
-    hyperparams = state.hyperparams
-    scores, moments = process_scores(algorithm, experience, state.score_moments)
-    batch, rollout_stats, kl = shaped_rewards_and_advantages(algorithm, experience, scores, state.kl_coef)
-    batch_size = batch.logprobs.shape[0]
-    mini_size = batch_size // optim.num_mini_batches
+def mini_batch_gradients(program, params, frozen, hyperparams, mini: UpdateBatch, mini_size: int):
+    """Gradients of the loss over one mini-batch of ``mini_size`` rows, summed over its micro-batches (each
+    token-weighted by the mini-batch's counts, so the sum is the mini-batch's gradient exactly).
+    -> (grads like ``params``, stats: each f32[micro_batches])."""
+    actor_critic, algorithm = program.actor_critic, program.settings.algorithm
+    batch_settings, optim = program.settings.batch, program.settings.optim
+    policy_tokens = jnp.sum(~mini.padding_mask)
+    value_tokens = jnp.sum(~mini.padding_mask_p1)
+    if batch_settings.padding_free:
+        packed_rows, packed_chunk = packed_micro_batch_shape(batch_settings, mini.query_responses.shape[1])
+        return packed_gradients(
+            lambda part, lp, ent, v: loss_of_outputs(actor_critic, algorithm, hyperparams, lp, ent, v, part,
+                                                     policy_tokens, value_tokens, mini_size),
+            actor_critic, params, frozen, mini, groups=optim.gradient_accumulation_steps,
+            rows_per_micro=packed_rows, logits_chunk_size=packed_chunk)
     grad_fn = jax.value_and_grad(
-        lambda p, mb, pt, vt: micro_batch_loss(actor_critic, algorithm, hyperparams, p, mb, pt, vt, mini_size,
-                                               state.frozen, logits_chunk),
+        lambda p, micro: micro_batch_loss(actor_critic, algorithm, hyperparams, p, micro, policy_tokens,
+                                          value_tokens, mini_size, frozen, batch_settings.update_logits_chunk),
         has_aux=True)
-    if program.settings.batch.padding_free:
-        packed_rows, packed_chunk = packed_micro_batch_shape(program.settings.batch, batch.query_responses.shape[1])
-    lr = learning_rate_at(optim, hyperparams.learning_rate, state.update_count)
-    nonfinite_before = state.nonfinite_total
+    if optim.gradient_accumulation_steps == 1:
+        # No accumulator: zero-filling and adding a parameter-sized buffer costs ~3 % of a SmolLM2 update.
+        (_, stats), grads = grad_fn(params, mini)
+        return grads, jax.tree.map(lambda s: s[None], stats)  # [micro_batches=1, ...] like the scan's
+
+    def micro_step(grad_sum, micro):
+        (_, stats), grads = grad_fn(params, micro)
+        return jax.tree.map(jnp.add, grad_sum, grads), stats
+
+    return jax.lax.scan(micro_step, jax.tree.map(jnp.zeros_like, params),
+                        _split_leading(mini, optim.gradient_accumulation_steps))
+
+
+def optimizer_step(program, state, grads, stats, stopped, lr, reward_failed=None):
+    """ONE optimizer step of ``state`` on a mini-batch's ``grads`` — skipped when they or the loss are not
+    finite (counted), when the legacy ratio threshold or early stop says so, or when the reward failed.
+    -> (state, stopped: bool[] the legacy early stop of the remaining epochs, stats with ``skipped``)."""
+    actor_critic, optim = program.actor_critic, program.settings.optim
+    finite = actor_critic.kernels.all_finite(grads) & jnp.all(jnp.isfinite(stats["loss"]))
+    skip = stopped
+    if optim.ratio_threshold is not None:  # legacy: drop a mini-batch whose ratio blew up
+        skip = skip | (jnp.mean(stats["ratio"]) > optim.ratio_threshold)
+    apply = finite & ~skip
+    if reward_failed is not None:
+        apply = apply & ~reward_failed
     # Critic warm-up: during the first ``critic_warmup`` updates only the critic's parameters (and their
     # optimizer moments) change; the policy's are kept as they were.
     policy_frozen = state.update_count < optim.critic_warmup if optim.critic_warmup else None
     policy_leaf = (lambda path: actor_critic.owner(path) == "policy") if optim.critic_warmup else None
 
+    def step(params, opt_state):
+        return apply_optimizer(program.optimizer, grads, opt_state, params, lr, kept=policy_leaf,
+                               frozen=policy_frozen)
+
+    # A branch, not where(apply, new, old): with both values live XLA copies every carried parameter and
+    # Adam moment at each step; the branch updates them in place.
+    params, opt_state = jax.lax.cond(apply, step, lambda p, o: (p, o), state.params, state.opt_state)
+    state = state.replace(
+        params=params,
+        opt_state=opt_state,
+        optimizer_steps=state.optimizer_steps + apply.astype(jnp.int32),
+        nonfinite_streak=jnp.where(finite, 0, state.nonfinite_streak + (~skip).astype(jnp.int32)),
+        nonfinite_total=state.nonfinite_total + (~finite & ~skip).astype(jnp.int32))
+    if optim.early_stopping:  # legacy: stop the epochs once the policy KL is too large
+        stopped = stopped | (jnp.mean(stats["policykl"]) > 1.5 * optim.target_kl)
+    stats["skipped"] = jnp.broadcast_to(~apply, stats["loss"].shape).astype(jnp.float32)
+    return state, stopped, stats
+
+
+# --------------------------------------------------------------------------------------------------
+# The update
+# --------------------------------------------------------------------------------------------------
+def learn(program, state, experience, key, reward_failed=None):
+    """One PPO update of ``state`` on ``experience`` (pure; traced inside ``ppojax.rl.program``).
+
+    program: a ``ppojax.rl.program.PPOProgram`` (actor_critic, settings, optimizer). key: PRNG key for the
+    epoch permutations. reward_failed: bool[] (None: the reward cannot fail): when True, no optimizer step is
+    applied, every other field of the state is returned as it came and the metrics are NaN (0 for integers): the
+    update's work is traced once and its result discarded, as a failed reward ends the run anyway.
+    Returns (new state, metrics dict of f32/i32 scalars under TRL's names).
+    """
+    algorithm, optim = program.settings.algorithm, program.settings.optim
+    scores, moments = process_scores(algorithm, experience, state.score_moments)
+    batch, rollout_stats, _ = shaped_rewards_and_advantages(algorithm, experience, scores, state.kl_coef)
+    batch_size = batch.logprobs.shape[0]
+    mini_size = batch_size // optim.num_mini_batches
+    lr = learning_rate_at(optim, state.hyperparams.learning_rate, state.update_count)
+
     def mini_batch_step(carry, rows):
-        state, stopped = carry
-        mini = _take_rows(batch, rows)
-        policy_tokens = jnp.sum(~mini.padding_mask)
-        value_tokens = jnp.sum(~mini.padding_mask_p1)
-
-        def micro_step(grad_sum, micro):
-            (loss, stats), grads = grad_fn(state.params, micro, policy_tokens, value_tokens)
-            return jax.tree.map(jnp.add, grad_sum, grads), stats
-
-        if program.settings.batch.padding_free:
-            grads, stats = packed_gradients(
-                lambda part, lp, ent, v: loss_of_outputs(actor_critic, algorithm, hyperparams, lp, ent, v, part,
-                                                            policy_tokens, value_tokens, mini_size),
-                actor_critic, state.params, state.frozen, mini, groups=optim.gradient_accumulation_steps,
-                rows_per_micro=packed_rows, logits_chunk_size=packed_chunk)
-        elif optim.gradient_accumulation_steps == 1:
-            # No accumulator: zero-filling and adding a parameter-sized buffer costs ~3 % of a SmolLM2 update.
-            (_, stats), grads = grad_fn(state.params, mini, policy_tokens, value_tokens)
-            stats = jax.tree.map(lambda s: s[None], stats)  # [micro_batches=1, ...] like the scan's
-        else:
-            zeros = jax.tree.map(jnp.zeros_like, state.params)
-            grads, stats = jax.lax.scan(micro_step, zeros,
-                                        _split_leading(mini, optim.gradient_accumulation_steps))
-        finite = all_finite(grads) & jnp.all(jnp.isfinite(stats["loss"]))
-        skip = stopped
-        if optim.ratio_threshold is not None:  # legacy: drop a mini-batch whose ratio blew up
-            skip = skip | (jnp.mean(stats["ratio"]) > optim.ratio_threshold)
-        apply = finite & ~skip
-
-        def optimizer_step(params, opt_state):
-            return apply_optimizer(optimizer, grads, opt_state, params, lr, kept=policy_leaf, frozen=policy_frozen)
-
-        # A branch, not where(apply, new, old): with both values live XLA copies every carried parameter and
-        # Adam moment at each step; the branch updates them in place.
-        params, opt_state = jax.lax.cond(apply, optimizer_step, lambda p, o: (p, o), state.params,
-                                         state.opt_state)
-        new_state = state.replace(
-            params=params,
-            opt_state=opt_state,
-            optimizer_steps=state.optimizer_steps + apply.astype(jnp.int32),
-            nonfinite_streak=jnp.where(finite, 0, state.nonfinite_streak + (~skip).astype(jnp.int32)),
-            nonfinite_total=state.nonfinite_total + (~finite & ~skip).astype(jnp.int32))
-        if optim.early_stopping:  # legacy: stop the epochs once the policy KL is too large
-            stopped = stopped | (jnp.mean(stats["policykl"]) > 1.5 * optim.target_kl)
-        stats["skipped"] = jnp.broadcast_to(~apply, stats["loss"].shape).astype(jnp.float32)
-        return (new_state, stopped), stats
+        new, stopped = carry
+        grads, stats = mini_batch_gradients(program, new.params, new.frozen, new.hyperparams,
+                                            _take_rows(batch, rows), mini_size)
+        new, stopped, stats = optimizer_step(program, new, grads, stats, stopped, lr, reward_failed)
+        return (new, stopped), stats
 
     def epoch_step(carry, epoch_key):
         order = jax.random.permutation(epoch_key, batch_size).reshape(optim.num_mini_batches, mini_size)
         return jax.lax.scan(mini_batch_step, carry, order)
 
     epoch_keys = jax.random.split(key, optim.num_ppo_epochs)
-    (state, _), stats = jax.lax.scan(epoch_step, (state, jnp.bool_(False)), epoch_keys)
-    # stats leaves: [epochs, mini_batches, micro_batches]
-    metrics = dict(rollout_stats)
-    metrics.update(padding_metrics(batch, actor_critic.pad_token_id))
+    (new, _), stats = jax.lax.scan(epoch_step, (state, jnp.bool_(False)), epoch_keys)
+    metrics = {**rollout_stats, **padding_metrics(batch, program.actor_critic.pad_token_id),
+               **step_metrics(stats), "lr": lr}
+    new, metrics = after_the_steps(program, state, new, moments, metrics, batch_size)
+    if reward_failed is not None:
+        # params and opt_state were never stepped (``apply``): only the state's scalars are chosen between
+        kept = state.replace(params=new.params, opt_state=new.opt_state)
+        new = jax.tree.map(lambda old, now: now if old is now else jnp.where(reward_failed, old, now), kept, new)
+        metrics = {name: jnp.where(reward_failed, _nan_of(value), value) for name, value in metrics.items()}
+    return new, metrics
+
+
+def step_metrics(stats) -> dict:
+    """The update's diagnostics under TRL's names from the mini-batch steps' ``stats`` (leaves f32[epochs,
+    mini_batches, micro_batches])."""
+    metrics = {}
     for short, name in ppo.UPDATE_METRIC_NAMES.items():
         if short in stats:
             metrics[name] = jnp.mean(stats[short])
@@ -256,24 +268,33 @@ def learn(program, state, experience, key):
     if "packed_micro_batches" in stats:
         metrics["perf/packed_micro_batches"] = jnp.mean(stats["packed_micro_batches"])
     metrics["ppo/skipped_steps"] = jnp.sum(stats["skipped"][..., 0])
-    metrics["ppo/nonfinite_total"] = state.nonfinite_total
-    metrics["lr"] = lr
     metrics["first_micro_batch/ratio"] = stats["ratio"][0, 0, 0]
     metrics["first_micro_batch/approxkl"] = stats["approxkl"][0, 0, 0]
+    return metrics
 
-    # ---- controllers: the KL coefficient and the score moments move unless every step was skipped ----
-    nonfinite_steps = state.nonfinite_total - nonfinite_before
+
+def after_the_steps(program, before, state, moments, metrics: dict, batch_size: int):
+    """The controllers and counters once an update's optimizer steps are done: the KL coefficient (adaptive
+    controller) and the score moments move unless every step was skipped for non-finite values; the update and
+    episode counts advance. ``before``: the state the update started from. -> (state, metrics)."""
+    algorithm, optim = program.settings.algorithm, program.settings.optim
+    nonfinite_steps = state.nonfinite_total - before.nonfinite_total
     all_skipped = (nonfinite_steps > 0) & (metrics["ppo/skipped_steps"] >= optim.steps_per_update)
     kl_coef = state.kl_coef
     if algorithm.adaptive_kl:
-        mean_kl = rollout_stats["objective/kl"]
+        mean_kl = metrics["objective/kl"]
         moved = ppo.adaptive_kl_update(kl_coef, mean_kl, batch_size, algorithm.target_kl_for_adaptive,
                                        algorithm.horizon)
         kl_coef = jnp.where(jnp.isfinite(mean_kl) & ~all_skipped, moved, kl_coef)
-    metrics["objective/kl_coef"] = state.kl_coef  # the coefficient this update's rewards used
     moments = _select(all_skipped, state.score_moments, moments)
     state = state.replace(kl_coef=kl_coef, score_moments=moments, update_count=state.update_count + 1,
                           episode=state.episode + batch_size)
-    metrics["episode"] = state.episode
-    metrics["ppo/nonfinite_steps"] = nonfinite_steps
+    metrics = {**metrics, "ppo/nonfinite_total": state.nonfinite_total, "ppo/nonfinite_steps": nonfinite_steps,
+               "objective/kl_coef": before.kl_coef,  # the coefficient this update's rewards used
+               "episode": state.episode}
     return state, metrics
+
+
+def _nan_of(value):
+    """NaN of a floating metric's dtype, 0 of an integer one."""
+    return jnp.nan if jnp.issubdtype(jnp.result_type(value), jnp.floating) else 0

@@ -16,10 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from ppojax import backends
 from ppojax.trainer.config import ConfigError, PPOConfig, field_help
-from ppojax.backends.cpu import xla_options as xla_cpu_options
-from ppojax.backends.cpu.absent_tpu import skip_absent_tpu
-from ppojax.backends.cpu.host_memory import reexec_with_huge_pages
 from ppojax.io.library_logs import LOG_FILE as LIBRARY_LOG_FILE, library_output_to
 
 
@@ -282,8 +280,7 @@ def run_plan(args) -> None:
 
 def main(argv=None) -> int:
     if argv is None:  # run as the `ppojax` program (not main([...]) from Python): huge pages for XLA's buffers
-        skip_absent_tpu()  # before the re-exec, which inherits it (ppojax/backends/cpu/absent_tpu.py)
-        reexec_with_huge_pages()  # (ppojax/backends/cpu/program_start.py; the XLA:CPU options follow once the config is read)
+        backends.prepare_process()  # the XLA:CPU options follow once the config is read
     # Past `ulimit -f`, a write fails with EFBIG (reported below) instead of the kernel killing the process.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     parser = argparse.ArgumentParser(prog="ppojax", description="PPO for language models in JAX.")
@@ -328,7 +325,7 @@ def main(argv=None) -> int:
     try:
         config = PPOConfig.from_yaml(args.config, args.overrides) if args.command == "train" else None
         if argv is None:  # before JAX starts its backend: the options recorded for this CPU and these matmuls
-            xla_cpu_options.apply(precision=config.precision if config is not None else "float32")
+            backends.prepare_compiler(config.precision if config is not None else "float32")
         if args.command == "train":
             output_dir = Path(config.output_dir)
             run_training(config)

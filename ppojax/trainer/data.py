@@ -175,14 +175,16 @@ def _from_hf_dataset(ds, column: str, split: str) -> dict:
     return {name: list(ds[name]) for name in ds.column_names}
 
 
-def load_prompt_dataset(source: Any, column: str = "prompt", *, split: str = "train") -> list:
+def load_prompt_dataset(source: Any, column: str = "prompt", *, split: str = "train",
+                        name: str = "prompt dataset") -> list:
     """The prompts of a dataset, as a list (each a string, or a conversation: a list of
     `{"role", "content"}` messages, which `tokenize_prompts` renders with the chat template).
     ``load_prompt_table`` gives the dataset's other columns too."""
-    return load_prompt_table(source, column, split=split)[0]
+    return load_prompt_table(source, column, split=split, name=name)[0]
 
 
-def load_prompt_table(source: Any, column: str = "prompt", *, split: str = "train") -> tuple[list, dict]:
+def load_prompt_table(source: Any, column: str = "prompt", *, split: str = "train",
+                      name: str = "prompt dataset") -> tuple[list, dict]:
     """(prompts, columns): the prompts as ``load_prompt_dataset`` gives them, and every column of the dataset
     ({name: one value per prompt}, the prompt column included; {} for a plain list of prompts or the bundled
     movie reviews). The columns reach Python reward functions as keyword arguments.
@@ -190,7 +192,8 @@ def load_prompt_table(source: Any, column: str = "prompt", *, split: str = "trai
     source: a python list (of strings, or of records holding `column`); a Hugging Face `datasets.Dataset` or
       `DatasetDict` (uses `split`); a local .json / .jsonl / .csv / .tsv / .parquet file; a folder written by
       `Dataset.save_to_disk`; or "builtin:movie_reviews" (`ppojax.assets.movie_review_prompts()`).
-    Errors: a missing column (the message lists the available ones); an empty dataset; a non-text prompt.
+    Errors: a missing column (the message lists the available ones); an empty dataset; a non-text prompt. name:
+    what the messages call the source (e.g. the config field that named it, ``eval_dataset``).
     """
     table = None
     if isinstance(source, str) and source == BUILTIN_MOVIE_REVIEWS:
@@ -207,7 +210,7 @@ def load_prompt_table(source: Any, column: str = "prompt", *, split: str = "trai
             table = _load_file(path, column)
         else:
             raise FileNotFoundError(
-                f"prompt dataset {str(source)!r} is not a local file or folder (nor {BUILTIN_MOVIE_REVIEWS!r}). "
+                f"{name} {str(source)!r} is not a local file or folder (nor {BUILTIN_MOVIE_REVIEWS!r}). "
                 "ppojax does not download datasets: load a hub dataset yourself with datasets.load_dataset(...) "
                 "and pass the Dataset, or give a .json/.jsonl/.csv/.parquet path."
             )
@@ -224,7 +227,7 @@ def load_prompt_table(source: Any, column: str = "prompt", *, split: str = "trai
     if table is not None:
         prompts = list(table[column])
     if not prompts:
-        raise ValueError(f"prompt dataset {_describe(source)} is empty; it needs at least one prompt")
+        raise ValueError(f"{name} {_describe(source)} is empty; it needs at least one prompt")
     for i, p in enumerate(prompts):
         if not (isinstance(p, str) or _is_conversation(p)):
             raise ValueError(

@@ -8,6 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ppojax import backends
+from ppojax.models.kernels import XLA
+
 
 def float32_compute(graphdef, params):
     """The same model (`nnx.split` parts) computing in float32: every module's compute `dtype` set to float32 on a
@@ -20,8 +23,7 @@ def float32_compute(graphdef, params):
     for _, module in nnx.iter_modules(model):
         if getattr(module, "dtype", None) is not None and jnp.dtype(module.dtype) != jnp.float32:
             module.dtype = jnp.float32
-        if getattr(module, "attention_implementation", None) == "cudnn":  # cuDNN's kernel takes 16-bit only
-            module.attention_implementation = "auto"
+    backends.use_kernels(XLA, model)  # XLA's float32 operations: the values transformers is held against
     return nnx.split(model)
 
 

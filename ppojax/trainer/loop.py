@@ -116,9 +116,7 @@ def reward_failure_check(end: StepEnd) -> None:
     """A reward function failed inside the step (its rows got NaN, so no optimizer step was applied):
     re-raise its own error (``RewardFunctionError`` naming the function and the cause)."""
     if end.metrics.get("reward/failures", 0) > 0:
-        reward = end.run.reward
-        if hasattr(reward, "raise_pending"):
-            reward.raise_pending()
+        end.run.reward.raise_pending()
         from ppojax.rl.rewards import RewardFunctionError
         raise RewardFunctionError(f"the reward function failed on another process at update {end.step} "
                                   "(see that process's log); no optimizer step was applied.")

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ppojax import backends
 from ppojax.trainer.config import ConfigError, PPOConfig
 
 GB = 1e9
@@ -144,18 +145,22 @@ def abstract_run(config: PPOConfig, model_cfg, mesh) -> AbstractRun:
     from ppojax.models import CausalLM, CausalLMWithValueHead, ScoreModel
     from ppojax.core.advantages import advantage_estimator
     from ppojax.rl.rewards import ModelScores
-    from ppojax.trainer.build import assemble_abstractly, make_program, model_kwargs
+    from ppojax.trainer.build import as_config_error, make_program, model_kwargs
+    from ppojax.trainer.run_models import assemble_abstractly
     from ppojax.rl.settings import Hyperparams
     from ppojax.rl.types import init_train_state
 
-    # the models' default kernels, XLA's, as on the accelerators the CPU devices stand in for (a backend's custom
-    # calls would hide their FLOPs from the cost analysis)
     options = model_kwargs(config)
     rngs = lambda: nnx.Rngs(0)  # noqa: E731 - eval_shape: no random numbers are drawn
     uses_critic = advantage_estimator(config.advantage_estimator).uses_critic
     policy_class = CausalLMWithValueHead if config.value_head == "policy" and uses_critic else CausalLM
     policy = nnx.eval_shape(lambda: policy_class(model_cfg, rngs=rngs(), **options))
     score = nnx.eval_shape(lambda: ScoreModel(model_cfg, rngs=rngs(), **options))
+    # the target's kernels, chosen for the mesh's devices (a GPU's fused attention); virtual CPU devices stand in
+    # for accelerators with XLA's (a CPU backend's custom calls would hide their FLOPs from the cost analysis)
+    kernels = as_config_error(backends.kernels_for, [policy, score], matmul_implementation="xla", mesh=mesh,
+                              cpu_backend=False, attention_implementation=config.attention_implementation)
+    backends.use_kernels(kernels, policy, score)
     # the run's assembly (value model = the reward model's copy, LoRA, reference), as build_run makes it
     models = assemble_abstractly(config, dict(policy=policy, ref_model=None, reward_module=score, value_module=None),
                                  uses_critic=uses_critic)
@@ -166,7 +171,8 @@ def abstract_run(config: PPOConfig, model_cfg, mesh) -> AbstractRun:
     program = make_program(config, mesh, (models.policy_graphdef, models.value_graphdef, models.ref_graphdef),
                            reward, pad_token_id=pad, stop_token_id=stop, eos_token_id=eos, num_updates=1,
                            vocab_size=model_cfg.vocab_size, base_graphdef=models.base_graphdef,
-                           lora_scale=None if models.lora_spec is None else models.lora_spec.scale)
+                           lora_scale=None if models.lora_spec is None else models.lora_spec.scale,
+                           kernels=kernels)
     hyperparams = Hyperparams.from_config(config)
     state = jax.eval_shape(lambda p, f: init_train_state(p, program.optimizer, hyperparams=hyperparams, frozen=f,
                                                          kl_coef=config.kl_coef),
@@ -210,19 +216,11 @@ class ProgramPlan:
         return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
 
 
-def traced_for_target(run: AbstractRun):
-    """Trace as on the target: the models' per-device choices (attention's "auto": cuDNN's kernel on an NVIDIA GPU)
-    made for the mesh's devices, not for this host's CPU."""
-    from ppojax.models.attention import traced_for
-    return traced_for(run.program.mesh.devices.flat[0])
-
-
 def _abstract_experience(run: AbstractRun):
     from ppojax.parallel import sharding
     from ppojax.rl.program import collect_experience
-    with traced_for_target(run):
-        experience, _ = jax.eval_shape(lambda s, p, k: collect_experience(run.program, s, p, k), run.state,
-                                       run.prompts, run.key)
+    experience, _ = jax.eval_shape(lambda s, p, k: collect_experience(run.program, s, p, k), run.state,
+                                   run.prompts, run.key)
     return _with_shardings(experience, sharding.batch_shardings(experience, run.program.mesh))
 
 
@@ -239,9 +237,7 @@ def compile_program(run: AbstractRun, name: str) -> ProgramPlan:
         raise ConfigError(f"program {name!r}: expected one of {', '.join(PROGRAMS)}.")
     start = time.perf_counter()
     try:
-        with traced_for_target(run):
-            lowered = jitted.lower(*args)
-        compiled = lowered.compile()
+        compiled = jitted.lower(*args).compile()
     except Exception as err:  # noqa: BLE001 - the compiler's own error type; only its out-of-memory verdict is ours
         needed = out_of_memory(err)
         if needed is None:

@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from ppojax import core as ppo
-from ppojax.rl import placement, rollout
+from ppojax.rl import rollout
 from ppojax.parallel import sharding
 from ppojax.trainer.config import ConfigError, PPOConfig
 from ppojax.trainer.build import NO_REWARD, build_run
@@ -346,11 +346,10 @@ class PPOTrainer(LegacyAPI):
         table_rows = np.full(B, PADDING_ROW, np.int32)
         table_rows[:rows] = NO_ROW if first_row is None else np.arange(first_row, first_row + rows)
         if not hasattr(self, "_score_tokens"):
-            self._score_tokens = jax.jit(placement.traced_on(self.run.mesh,
-                                                             lambda frozen, q, r, k: reward.scores(frozen, q, r, k)))
+            self._score_tokens = jax.jit(lambda frozen, q, r, k: reward.scores(frozen, q, r, k))
         out = self._score_tokens(self.run.state.frozen, jnp.asarray(queries, jnp.int32),
                                  jnp.asarray(responses, jnp.int32), jnp.asarray(table_rows))
-        if hasattr(reward, "raise_pending") and int(sharding.to_host(out.failures)):
+        if int(sharding.to_host(out.failures)):
             reward.raise_pending()
         scores = [float(s) for s in sharding.to_host(out.scores)[:rows]]
         components = {name: [None if np.isnan(v) else float(v) for v in sharding.to_host(values)[:rows]]

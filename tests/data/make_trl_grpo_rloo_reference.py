@@ -2,7 +2,7 @@
 
 Run once (CPU only, a few seconds, no network / hub access) with the benchmark venv that has TRL 1.12.0:
 
-    cd /work/main && .venv-bench/bin/python tests/data/make_trl_grpo_rloo_reference.py
+    .venv-bench/bin/python tests/data/make_trl_grpo_rloo_reference.py  (from the repository root)
 
 It writes ``tests/data/trl_grpo_rloo_reference.json`` next to this file.
 
@@ -543,7 +543,7 @@ def main():
     doc = {
         "header": {
             "generator": "tests/data/make_trl_grpo_rloo_reference.py",
-            "command": "cd /work/main && .venv-bench/bin/python tests/data/make_trl_grpo_rloo_reference.py",
+            "command": ".venv-bench/bin/python tests/data/make_trl_grpo_rloo_reference.py  (from the repository root)",
             "trl_version": trl.__version__,
             "torch_version": torch.__version__,
             "transformers_version": transformers.__version__,

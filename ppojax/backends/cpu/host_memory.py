@@ -72,7 +72,7 @@ def transparent_huge_pages_usable() -> bool:
 
 def switched_off(name: str, environ=os.environ) -> bool:
     """Whether the environment variable ``name`` turns a start-up behaviour off: 0, false, off or no (any
-    case). Shared by the switches of the ``ppojax`` command's start-up (``program_start``)."""
+    case). Shared by the switches of the ``ppojax`` command's start-up (``ppojax.backends.prepare_process``)."""
     return environ.get(name, "").strip().lower() in ("0", "false", "off", "no")
 
 

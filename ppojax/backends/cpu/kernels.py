@@ -5,7 +5,10 @@
   operands (`benchmarks.bf16_dots`). Both accumulate in float32; only the summation order differs. The backward's
   two products run in the bf16 kernels too (`_matmul_16_bit`'s custom VJP). The rounded product is what
   `remat: dots` saves, as its uint16 bits (`slot_storage.saved_as_bits`).
-- 16-bit values written or read slot by slot travel as uint16 bits (`stores_bits`; `slot_storage` says why).
+- 16-bit values written or read slot by slot travel as uint16 bits (`stores_bits`; `slot_storage` says why): the
+  KV cache, the weight stacks a forward with a cache reads, the residual stream the layer scan carries.
+- The update's finiteness check is a matrix-vector product per gradient (`all_finite`) and the sampler's argmax
+  two plain reductions (`argmax`): XLA:CPU's forms of both are slow loops.
 - float32 projections on one CPU device read their layer's kernel where it lies in the stacked weights, through
   the in-place GEMM handlers (`stacked_matmul`), instead of XLA's per-layer copy then dot; the LM head's product
   too, at an update's rows.
@@ -25,7 +28,7 @@ from jax.experimental.layout import Layout, with_layout_constraint
 
 from ppojax.backends.cpu import stacked_matmul
 from ppojax.backends.cpu.matmul_record import Libraries
-from ppojax.models import slot_storage
+from ppojax.backends.cpu import slot_storage
 from ppojax.models.kernels import LAYER_PROJECTIONS, Kernels
 
 Array = jax.Array
@@ -36,8 +39,7 @@ class CpuKernels(Kernels):
     """implementation: the models' `matmul_implementation` ("auto", "xla", or a GEMM library's name).
     libraries: ((d_in, d_out), Libraries) for each projection shape the in-place handlers multiply (empty: XLA's
     dots for float32 projections). few_rows: the most rows the handlers' few-rows kernels take (a decode step's).
-    bits: whether 16-bit values stored slot by slot travel as their bits (off only to measure what that saves,
-    `benchmarks.slot_storage`)."""
+    bits: whether 16-bit values stored slot by slot travel as their bits (off only to measure what that saves)."""
 
     implementation: str = "xla"
     libraries: tuple = ()
@@ -71,6 +73,31 @@ class CpuKernels(Kernels):
 
     def stores_bits(self, dtype) -> bool:
         return self.bits and _is_16_bit(dtype)
+
+    def slot_dtype(self, dtype):
+        return slot_storage.BITS if self.stores_bits(dtype) else jnp.dtype(dtype)
+
+    def to_slots(self, x: Array, dtype) -> Array:
+        x = x.astype(dtype)
+        return slot_storage.to_bits(x) if self.stores_bits(dtype) else x
+
+    def from_slots(self, stored: Array, dtype) -> Array:
+        return slot_storage.from_bits(stored, dtype) if stored.dtype == slot_storage.BITS else stored.astype(dtype)
+
+    def read_only_layers(self, layers):
+        # generation reads every layer's weights once per token: a 16-bit stack is sliced as its bits
+        return slot_storage.sliced_as_bits(layers, self.stores_bits)
+
+    def residual_carry(self, dtype):
+        # the layer scan saves each layer's input for the backward, stacked over the layers: a 16-bit stream
+        # travels as float32 holding exactly its 16-bit values (an integer carry would stop the gradient)
+        return slot_storage.float32_holding if self.stores_bits(dtype) else super().residual_carry(dtype)
+
+    def all_finite(self, tree) -> Array:
+        return all_finite_by_dots(tree)
+
+    def argmax(self, x: Array) -> Array:
+        return first_argmax(x)
 
     def matmul(self, x: Array, w: Array) -> Array:
         if not _is_16_bit(x.dtype):
@@ -140,6 +167,56 @@ class CpuKernels(Kernels):
         product = stacked_matmul.matmul_transposed if tied else stacked_matmul.matmul
         x = hidden.reshape(rows, hidden.shape[-1]).astype(jnp.float32)
         return product(x, weight[None], jnp.int32(0), libraries).reshape(*hidden.shape[:-1], -1)
+
+
+def all_finite_by_dots(tree) -> Array:
+    """bool[]: True when no floating leaf of ``tree`` holds an inf or a NaN.
+
+    Each leaf ``x`` is multiplied by a zero vector as a matrix-vector product (``x [N, last] @ 0 [last]``):
+    ``x * 0`` is NaN exactly where ``x`` is inf or NaN and 0 elsewhere, so the sum of the products is finite
+    iff the leaf is, and no overflow of large finite values can trip it. Why not ``jnp.isfinite(x).all()``:
+    XLA:CPU writes that as a parameter-sized bool array reduced in a tree of windows, a pass several times slower
+    than the dot, which reads each gradient once at memory speed.
+    """
+    checks = []
+    for x in jax.tree.leaves(tree):
+        if not jnp.issubdtype(x.dtype, jnp.inexact) or x.size == 0:
+            continue
+        rows = x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1)
+        zeros = jnp.zeros((rows.shape[-1],), x.dtype)
+        checks.append(jnp.sum(jnp.dot(rows, zeros, preferred_element_type=jnp.float32)))
+    return jnp.isfinite(sum(checks)) if checks else jnp.bool_(True)
+
+
+def first_argmax(x: Array) -> Array:
+    """x: f[..., V] -> i32[...]: the index of the first largest value along the last axis, as ``jnp.argmax``
+    gives it (ties go to the lowest index; a NaN counts as the largest).
+
+    Two plain reductions (the maximum, then the lowest index holding it) instead of ``jnp.argmax``'s one
+    (value, index) reduction, which XLA:CPU runs as a slow scalar loop: over a vocabulary that loop cost
+    more than the rest of a categorical draw."""
+    return _first_index_of_top(x, jnp.max(x, axis=-1, keepdims=True))
+
+
+def _first_index_of_top(x: Array, top: Array) -> Array:
+    """x: f[..., V], top: f[..., 1] (x's maximum along the last axis) -> i32[...]: the first index holding
+    ``top`` (or the first NaN), always inside ``[0, V)``.
+
+    XLA may compute an element-wise ``x`` twice, once into the maximum and once into the comparison here,
+    and the two copies need not round alike (seen on the CPU at ``--xla_backend_optimization_level=0``): a
+    row then holds no ``top``. Such rows take jnp.argmax's single reduction, which cannot disagree with
+    itself; that branch runs only when a row missed."""
+    vocab = x.shape[-1]
+    nan = jnp.isnan(x)  # XLA:CPU's max may skip a NaN: NaN rows are told apart
+    hit = jnp.where(jnp.any(nan, axis=-1, keepdims=True), nan, x == top)
+    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    index = jnp.min(jnp.where(hit, iota, vocab), axis=-1)
+    return jax.lax.cond(jnp.any(index == vocab), _argmax_where_missed, lambda x, index: index, x, index)
+
+
+def _argmax_where_missed(x: Array, index: Array) -> Array:
+    """x: f[..., V], index: i32[...] -> i32[...]: ``jnp.argmax(x)`` where ``index == V``, else ``index``."""
+    return jnp.where(index == x.shape[-1], jnp.argmax(x, axis=-1).astype(jnp.int32), index)
 
 
 def _layer_stacks(layers: dict) -> dict:
