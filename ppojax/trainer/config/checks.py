@@ -1,0 +1,265 @@
+"""Checking a config's values: each field's type and rule (:func:`_checked_value`, with the other spellings of a
+value in VALUE_ALIASES), then the checks that need several fields, the registered names, and the advantage
+estimator's options. ``PPOConfig.validate`` runs them in that order and reports every problem in one
+ConfigError naming the field, the value, what was expected and the fix."""
+from __future__ import annotations
+
+import math
+import typing
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from ppojax.errors import ConfigError
+from ppojax.trainer.config.schema import _FIELDS, _HINTS, FIELD_NAMES
+from ppojax.trainer.config.sections.models import IN_PLACE_MATMULS
+from ppojax.trainer.config.sections.objective import _advantage_estimator_traits
+
+if TYPE_CHECKING:  # ppo_config imports this module to validate
+    from ppojax.trainer.config.ppo_config import PPOConfig
+
+# Other spellings of a value -> the value (matched by type too, so `resume: 1` is not `resume: true`).
+VALUE_ALIASES: dict[str, list[tuple[Any, Any]]] = {
+    "kl_estimator": [("kl", "k1")],           # legacy TRL's kl_penalty: 'kl'
+    "resume": [(True, "auto"), (False, None)],
+    "report_to": [(None, "none")],
+}
+
+
+def _a(hint) -> str:
+    """'an integer' / 'a number' / 'a string' / 'true or false' for a field's (non-None) type."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    base = args[0] if args else hint
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(base, "a value")
+
+
+def expected_of(name: str) -> str:
+    """What a field takes, in words: 'null or an integer >= 1'."""
+    hint, rule = _HINTS[name], _FIELDS[name].metadata["rule"]
+    words = rule.expected.format(a=_a(hint)) if rule is not None else _a(hint)
+    return f"null or {words}" if type(None) in typing.get_args(hint) else words
+
+
+def _default_text(name: str) -> str:
+    """The default as written in YAML (null, true, 3.0e-06), strings quoted."""
+    default = _FIELDS[name].default
+    if isinstance(default, str):
+        return repr(default)
+    return yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("...").strip()
+
+
+def _bad(name: str, value: Any, got: str = "", fix: str = "") -> ConfigError:
+    expected = expected_of(name)
+    fix = fix or f"Fix: set {name} to {expected} (the default is {_default_text(name)})."
+    return ConfigError(f"{name}={value!r}: expected {expected}{got}. {fix}")
+
+
+def _kind(value) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, str):
+        return "a string"
+    return f"a {type(value).__name__}"
+
+
+def _typed(name: str, value: Any) -> Any:
+    """The value converted to the field's type (YAML 1.1 reads '1e-5' as a string), or ConfigError."""
+    hint = _HINTS[name]
+    args = typing.get_args(hint)
+    if value is None:
+        if type(None) in args:
+            return None
+        raise _bad(name, value, ", got null")
+    types = [a for a in args if a is not type(None)] or [hint]
+    if list[str] in types and isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return list(value)
+    if list[float] in types:
+        if not isinstance(value, (list, tuple)):
+            raise _bad(name, value, f", got {_kind(value)}")
+        numbers = []
+        for v in value:
+            if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+                raise _bad(name, value, f", got an entry that is {_kind(v)}")
+            try:
+                number = float(v)
+            except ValueError:
+                raise _bad(name, value, f", got {v!r}, which is not a number") from None
+            if not math.isfinite(number):
+                raise _bad(name, value, ", got a non-finite number")
+            numbers.append(number)
+        return numbers
+    target = types[0]
+    if target in (int, float) and (isinstance(value, bool) or not isinstance(value, (int, float, str))):
+        raise _bad(name, value, f", got {_kind(value)}")
+    if target is float:
+        try:
+            number = float(value)
+        except (ValueError, OverflowError):
+            raise _bad(name, value, ", got a string that is not a number") from None
+        if not math.isfinite(number):
+            raise _bad(name, value, ", got a non-finite number")
+        return number
+    if target is int:
+        if isinstance(value, int):
+            return value
+        try:
+            number = float(value)
+            if number == int(number):
+                return int(number)
+        except (ValueError, OverflowError):
+            pass
+        rule = _FIELDS[name].metadata["rule"]  # a number of the wrong kind: the field's own fix applies
+        raise _bad(name, value, ", got a value that is not a whole number",
+                   fix=rule.fix if rule is not None and not isinstance(value, str) else "")
+    if target is bool:
+        if isinstance(value, bool):
+            return value
+        raise _bad(name, value, f", got {_kind(value)}")
+    if target is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise _bad(name, value, f", got {_kind(value)}")
+
+
+def _checked_value(name: str, given: Any) -> Any:
+    """One field's value normalised (aliases, type) and checked against its rule, or ConfigError."""
+    value = given
+    for spelling, meaning in VALUE_ALIASES.get(name, ()):
+        if type(value) is type(spelling) and value == spelling:
+            value = meaning
+            break
+    value = _typed(name, value)
+    rule = _FIELDS[name].metadata["rule"]
+    if value is not None and rule is not None and rule.registry is None and not rule.ok(value):
+        raise _bad(name, given, fix=rule.fix)
+    return value
+
+
+def _registry_problems(config: PPOConfig) -> list[ConfigError]:
+    problems = []
+    for name in FIELD_NAMES:
+        rule, value = _FIELDS[name].metadata["rule"], getattr(config, name)
+        if rule is not None and rule.registry is not None and value is not None and not rule.ok(value):
+            names = rule.registry()
+            problems.append(ConfigError(f"{name}={value!r}: expected one of {', '.join(map(repr, names))}. "
+                                        f"Fix: set {name} to one of them (the default is "
+                                        f"{_default_text(name)})."))
+    return problems
+
+
+def _problems_together(c: PPOConfig) -> list[str]:
+    """The checks that need several fields (each field's own value already checked)."""
+    out = []
+    if c.reward_model_path is not None and c.reward_function is not None:
+        out.append(f"Both reward_model_path={c.reward_model_path!r} and reward_function={c.reward_function!r} "
+                   "are set; keep one of them, or list the function in reward_funcs to sum both.")
+    if c.eval_dataset is not None and c.num_eval_prompts == 0:
+        out.append(f"eval_dataset={c.eval_dataset!r} is set but num_eval_prompts=0 takes none of its prompts; set "
+                   "num_eval_prompts (e.g. 200) or remove eval_dataset.")
+    if c.reward_funcs is not None and c.reward_function is not None:
+        out.append(f"Both reward_funcs={c.reward_funcs!r} and reward_function={c.reward_function!r} are set; "
+                   "list every function in reward_funcs and remove reward_function.")
+    if c.reward_weights is not None and c.reward_names:  # (functions passed in Python are counted at the build)
+        names = c.reward_names
+        if len(c.reward_weights) != len(names):
+            out.append(f"reward_weights={c.reward_weights!r} has {len(c.reward_weights)} weights for "
+                       f"{len(names)} rewards ({', '.join(names) or 'none'}); give one weight per reward, in that "
+                       "order.")
+    if c.reward_model_label is not None and c.reward_model_path is None:
+        out.append(f"reward_model_label={c.reward_model_label} is set but there is no reward_model_path (the label "
+                   "picks one output of a classifier reward model); set reward_model_path or remove "
+                   "reward_model_label.")
+    if c.value_head == "policy" and c.value_model_path is not None:
+        out.append(f"value_model_path={c.value_model_path!r} is set but value_head='policy' puts the value head "
+                   "on the policy (the value model would be ignored); remove value_model_path or set "
+                   "value_head: separate.")
+    row = c.max_prompt_length + c.response_length
+    if c.max_tokens_per_micro_batch is not None and not c.padding_free:
+        out.append(f"max_tokens_per_micro_batch={c.max_tokens_per_micro_batch} is set but padding_free is off (the "
+                   "budget sizes packed micro-batches); set padding_free: true or remove max_tokens_per_micro_batch.")
+    elif c.max_tokens_per_micro_batch is not None and c.max_tokens_per_micro_batch < row:
+        out.append(f"max_tokens_per_micro_batch={c.max_tokens_per_micro_batch} is below one packed row "
+                   f"(max_prompt_length {c.max_prompt_length} + response_length {c.response_length} = {row} slots, "
+                   f"which a single sequence may fill); set it to at least {row}, e.g. {4 * row}.")
+    lora_set = [f"{n}={getattr(c, n)!r}" for n in ("lora_alpha", "lora_dropout", "lora_target_modules")
+                if getattr(c, n) != _FIELDS[n].default]
+    if c.lora_r == 0 and lora_set:
+        out.append(f"{', '.join(lora_set)} set but lora_r=0 (LoRA off: every weight trains). Set lora_r > 0 "
+                   "(e.g. 16) to train LoRA adapters, or remove the lora_* settings.")
+    if c.matmul_implementation in IN_PLACE_MATMULS and c.precision != "float32":
+        out.append(f"matmul_implementation={c.matmul_implementation!r} multiplies float32 models only, but "
+                   f"precision={c.precision!r}; set matmul_implementation: auto (XLA's bf16 kernels serve it) or "
+                   "precision: float32.")
+    axes = {"mesh_data": c.mesh_data, "mesh_fsdp": c.mesh_fsdp, "mesh_tensor": c.mesh_tensor}
+    if list(axes.values()).count(-1) > 1:
+        out.append(f"mesh sizes {axes}: at most one -1 (the axis taking the devices left over) among mesh_data/"
+                   "mesh_fsdp/mesh_tensor; give the others explicit sizes >= 1.")
+    if c.export_check and c.num_eval_prompts == 0:
+        out.append("export_check=True decodes held-out prompts with the exported policy, but num_eval_prompts=0 "
+                   "holds none out; hold some out (e.g. num_eval_prompts: 16) or set export_check: null (auto).")
+    steps_per_update = c.num_ppo_epochs * c.num_mini_batches
+    if c.on_nonfinite_reward == "skip" and c.max_nonfinite_steps <= steps_per_update:
+        out.append(
+            f"on_nonfinite_reward='skip' with max_nonfinite_steps={c.max_nonfinite_steps}: an update with a "
+            f"NaN/inf reward skips all its num_ppo_epochs * num_mini_batches = {steps_per_update} optimizer "
+            f"steps, so the first one would stop the run. Set max_nonfinite_steps to more than "
+            f"{steps_per_update} (e.g. {2 * steps_per_update + 1} to stop after 3 bad updates in a row).")
+    try:
+        sizes = c.derived(mesh_known=False)  # divisibility on one device; the trainer re-checks with the real mesh
+    except ConfigError as err:
+        out.append(str(err))
+        sizes = None
+    forward = c.local_rollout_forward_batch_size
+    if forward is not None and c.batch_size is not None and c.batch_size % forward:
+        out.append(f"local_rollout_forward_batch_size={forward} does not divide batch_size={c.batch_size}; "
+                   f"use a divisor of {c.batch_size} (e.g. "
+                   f"{max(d for d in range(1, forward + 1) if c.batch_size % d == 0)}), or null for the "
+                   "whole batch in one forward.")
+    if sizes is not None and c.total_episodes is not None:
+        most = math.ceil(c.total_episodes / sizes.batch_size)  # with more data-parallel devices: fewer
+        if c.warmup_steps >= most:
+            out.append(f"warmup_steps={c.warmup_steps} is not below the run's {'' if c.batch_size else 'at most '}"
+                       f"{most} update(s) (total_episodes {c.total_episodes} / batch_size {sizes.batch_size}): "
+                       f"the learning rate would never finish warming up. Set warmup_steps below {most}.")
+    if c.adaptive_kl and c.kl_coef == 0:
+        out.append("adaptive_kl=True with kl_coef=0.0: the controller scales kl_coef, its initial value, so it "
+                   "would stay 0; set kl_coef > 0 (e.g. 0.05) or adaptive_kl: false.")
+    if c.use_score_norm and not c.use_score_scaling:
+        out.append("use_score_norm=True only acts together with use_score_scaling (legacy TRL); set "
+                   "use_score_scaling: true too, or drop use_score_norm.")
+    if c.stop_token is not None and c.stop_token_id is not None:
+        out.append(f"stop_token={c.stop_token!r} and stop_token_id={c.stop_token_id} are both set; keep one "
+                   "(stop_token: eos means the tokenizer's eos id).")
+    if c.missing_eos_penalty is not None and c.stop_token is None and c.stop_token_id is None:
+        out.append(f"missing_eos_penalty={c.missing_eos_penalty} needs a stop token (without one every response "
+                   "would be penalised): set stop_token: eos (or stop_token_id), or remove missing_eos_penalty.")
+    return out
+
+
+def _estimator_problems(c: PPOConfig) -> list[str]:
+    """The advantage estimator's options against each other (the estimator is a registered one)."""
+    uses_critic, from_group = _advantage_estimator_traits(c.advantage_estimator)
+    critic_free = not uses_critic
+    out = []
+    if from_group and c.num_generations < 2:
+        out.append(f"advantage_estimator={c.advantage_estimator!r} compares the samples of each prompt, so it needs "
+                   f"num_generations >= 2 (got {c.num_generations}); set e.g. num_generations: 4.")
+    if c.scale_rewards != "group" and c.advantage_estimator != "grpo":
+        out.append(f"scale_rewards={c.scale_rewards!r} only applies to advantage_estimator: grpo (this run uses "
+                   f"{c.advantage_estimator!r}); remove it.")
+    if c.normalize_advantages and c.advantage_estimator != "rloo":
+        out.append(f"normalize_advantages=True only applies to advantage_estimator: rloo (this run uses "
+                   f"{c.advantage_estimator!r}; gae already whitens its advantages); remove it.")
+    if critic_free and c.critic_warmup:
+        out.append(f"critic_warmup={c.critic_warmup} but advantage_estimator={c.advantage_estimator!r} has no critic "
+                   "to warm up; remove critic_warmup (or use advantage_estimator: gae).")
+    if critic_free and c.value_model_path is not None:
+        out.append(f"value_model_path={c.value_model_path!r} is set but advantage_estimator="
+                   f"{c.advantage_estimator!r} uses no value model; remove value_model_path.")
+    if c.kl_loss_type == "full":
+        out.append("kl_loss_type='full' is not available in the loss (it needs both full distributions, computed "
+                   "once in the rollout); use 'low_var_kl', 'k3', 'k2' or 'k1'.")
+    return out

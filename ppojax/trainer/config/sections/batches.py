@@ -1,0 +1,59 @@
+"""The batches section: the update's batch sizes, how a batch is split and laid out in memory, and the PPO
+epochs over it.
+
+Batch sizes (global, over all devices and hosts):
+    batch_size        prompts per rollout = one PPO update
+                      (default: per_device_train_batch_size * gradient_accumulation_steps
+                                * num_mini_batches * data-parallel world size, as TRL)
+    mini_batch_size   batch_size / num_mini_batches: one optimizer step each
+    micro_batch_size  mini_batch_size / gradient_accumulation_steps: one forward/backward each
+
+Derived sizes are computed by ``PPOConfig.derived``, never stored twice.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ppojax.trainer.config.fields import MAY_CHANGE, MUST_MATCH, at_least, one_of, setting
+
+
+@dataclass
+class BatchSettings:
+    """The update's batch sizes, splits and memory layout."""
+
+    per_device_train_batch_size: int = setting(8, static=True, on_resume=MUST_MATCH, rule=at_least(1))
+    """TRL's micro-batch per data-parallel device; ignored when batch_size is set."""
+    batch_size: Optional[int] = setting(None, static=True, on_resume=MUST_MATCH, rule=at_least(1))
+    """Global episodes (sampled responses) per update: batch_size / num_generations prompts. None derives it
+    as TRL does (see the module docstring)."""
+    gradient_accumulation_steps: int = setting(1, static=True, on_resume=MUST_MATCH, rule=at_least(1))
+    """Micro-batches whose gradients are summed into one optimizer step (splits each mini-batch)."""
+    num_mini_batches: int = setting(1, static=True, on_resume=MUST_MATCH, rule=at_least(1))
+    """Optimizer steps per PPO epoch: each update's batch is split into this many mini-batches."""
+    local_rollout_forward_batch_size: Optional[int] = setting(None, static=True, on_resume=MAY_CHANGE,
+                                                              rule=at_least(1))
+    """Rows per forward pass in the rollout's reference/value/reward forwards (None: the whole batch); must
+    divide the batch."""
+    behaviour_logprobs: str = setting("forward", static=True, on_resume=MAY_CHANGE,
+                                      rule=one_of("forward", "sampler"))
+    """Where the rollout's behaviour log-probs (the PPO ratio's denominator) come from: 'forward' (a policy
+    forward over the sampled sequences, the same computation as the loss's, so the first epoch's ratio is 1)
+    or 'sampler' (each token's log-prob taken from the decode loop's logits, as TRL does: no policy forward
+    in the rollout when the value model is separate or there is none; the two agree to float rounding)."""
+    padding_free: bool = setting(False, static=True, on_resume=MAY_CHANGE)
+    """Run the rollout's forwards (log-probs, values, a reward model) and the update's forwards and backward on
+    packed rows: each sequence's real tokens (prompt and response, no padding) side by side in rows of
+    max_prompt_length + response_length slots, attention kept within each sequence, and only as many packed
+    micro-batches as the real tokens fill. Losses, gradients and metrics are the padded run's (to float
+    rounding); only the time changes (docs/packing.md)."""
+    max_tokens_per_micro_batch: Optional[int] = setting(None, static=True, on_resume=MAY_CHANGE, rule=at_least(1))
+    """With padding_free: token slots per device per packed micro-batch (a multiple of max_prompt_length +
+    response_length; the rows it holds bound the activation memory). None: a padded micro-batch's rows (the
+    rollout's forwards: local_rollout_forward_batch_size rows when set)."""
+    logits_chunk_size: Optional[int] = setting(None, static=True, on_resume=MAY_CHANGE, rule=at_least(1))
+    """Response positions per float32 logits chunk in log-prob computations (bounds [rows, chunk, vocab]
+    memory). None: all positions at once when a micro-batch's logits fit in 256 MB per device, else the
+    largest chunk that fits (chunks are recomputed in the backward pass instead of stored)."""
+    num_ppo_epochs: int = setting(4, static=True, on_resume=MAY_CHANGE, rule=at_least(1))
+    """Passes over each rollout batch per update."""
