@@ -45,9 +45,9 @@ from importlib import metadata
 from pathlib import Path
 
 from benchmarks.common import make_config, machine_info, peak_rss_mb
-from benchmarks.flops import Dims, mfu, ppo_update_flops
-from ppojax.trainer.config import IN_PLACE_MATMULS, MATMUL_IMPLEMENTATIONS, PPOConfig
 from ppojax.io.strict_json import write_text_atomic
+from ppojax.models.flops import Dims, ppo_update_flops
+from ppojax.trainer.config import IN_PLACE_MATMULS, MATMUL_IMPLEMENTATIONS, PPOConfig
 
 DEFAULT_REMAT = PPOConfig().remat  # ppojax's default, so the benchmark runs what a user's run does
 
@@ -477,6 +477,19 @@ def run_size(size: str, args, tmp: Path, peak: float | None, entry: dict | None 
         save()
     add_ratios(entry, peak)
     return entry
+
+
+def mfu(flops: dict, result: dict, peak_flops_per_s: float) -> dict:
+    """Model FLOP utilisation of a side from its steady per-phase times (``summarize`` keys): achieved FLOP/s of
+    the rollout, of the update and overall, and each over the measured peak."""
+    out = {}
+    for name, f, secs in (("rollout", flops["rollout"], result["rollout_s"]),
+                          ("update", flops["update"], result["update_s"]),
+                          ("overall", flops["total"], result["step_s"])):
+        rate = f / secs if secs > 0 else float("nan")
+        out[f"{name}_flops_per_s"] = rate
+        out[f"{name}_mfu"] = rate / peak_flops_per_s if peak_flops_per_s else None
+    return out
 
 
 def add_ratios(entry: dict, peak: float | None) -> None:
