@@ -18,9 +18,8 @@ a bias gradient in the backward, and `is_causal` still lets it skip the blocks a
 GQA: `k, v` keep their K heads, so no repeat of the keys is ever materialised. cuDNN groups the H query heads
 natively. The XLA path (`_grouped_xla`) makes a key head's G = H/K query heads extra query rows: one batched
 product of `[G*S, hd] x [hd, T]` per (row, key head). `jax.nn.dot_product_attention`'s XLA path vmaps over the
-group instead (G products of `[S, hd] x [hd, T]`), which XLA:CPU runs no faster and usually a little slower
-(`python -m benchmarks.attention_forms`). Both keep jax's float32 softmax
-and its masking constant, so a fully masked row averages every key, as there.
+group instead (G products of `[S, hd] x [hd, T]`), which XLA:CPU runs no faster and usually a little slower.
+Both keep jax's float32 softmax and its masking constant, so a fully masked row averages every key, as there.
 
 Implementations: "xla" (any backend, any dtype), "cudnn" (NVIDIA GPU, bfloat16/float16, head_dim a multiple of 8
 and <= 128, or <= 256 from Hopper on), "auto" (cuDNN where those hold and there is more than one query, else XLA:

@@ -1,6 +1,6 @@
 """Model FLOPs of a decoder-only LM's forwards, generation and one PPO update, counted from the model's shapes
 (``ModelConfig``). Pure functions of (model dims, B, P, R, epochs); no framework imports. ``ppojax plan`` prints
-this count beside XLA's own; the benchmarks divide it by measured time for MFU.
+this count beside XLA's own; divided by measured time and a peak rate, it gives MFU.
 
 Here, beside ``ModelConfig``, because the count is of the models' shapes: the PPO update below is those forwards
 times a fixed layout (policy, reference, value and reward models), with nothing of the RL code in it.
@@ -54,7 +54,7 @@ class Dims:
 
     @classmethod
     def from_config(cls, cfg: dict) -> "Dims":
-        """From HF ``LlamaConfig``-style keys (a Llama ``config.json``, or the benchmarks' ``model`` dict)."""
+        """From HF ``LlamaConfig``-style keys (a Llama ``config.json``, or a dict of its keys)."""
         heads = cfg["num_attention_heads"]
         return cls(
             layers=cfg["num_hidden_layers"],

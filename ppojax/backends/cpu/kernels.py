@@ -2,7 +2,7 @@
 
 - 16-bit products ask XLA for a float32 result rounded to the compute dtype: XLA:CPU runs a bf16 x bf16 -> f32 dot
   in YNNPACK's bf16 kernels (the CPU's bf16 units) but a bf16 -> bf16 dot as a float32 dot after converting its
-  operands (`benchmarks.bf16_dots`). Both accumulate in float32; only the summation order differs. The backward's
+  operands. Both accumulate in float32; only the summation order differs. The backward's
   two products run in the bf16 kernels too (`_matmul_16_bit`'s custom VJP). The rounded product is what
   `remat: dots` saves, as its uint16 bits (`slot_storage.saved_as_bits`).
 - 16-bit values written or read slot by slot travel as uint16 bits (`stores_bits`; `slot_storage` says why).
@@ -36,8 +36,7 @@ class CpuKernels(Kernels):
     """implementation: the models' `matmul_implementation` ("auto", "xla", or a GEMM library's name).
     libraries: ((d_in, d_out), Libraries) for each projection shape the in-place handlers multiply (empty: XLA's
     dots for float32 projections). few_rows: the most rows the handlers' few-rows kernels take (a decode step's).
-    bits: whether 16-bit values stored slot by slot travel as their bits (off only to measure what that saves,
-    `benchmarks.slot_storage`)."""
+    bits: whether 16-bit values stored slot by slot travel as their bits (off only to measure what that saves)."""
 
     implementation: str = "xla"
     libraries: tuple = ()

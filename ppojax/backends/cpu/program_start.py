@@ -1,4 +1,4 @@
-"""What a ppojax program (the ``ppojax`` command, the benchmarks) does first, before JAX starts its backend.
+"""What a ppojax program (the ``ppojax`` command, a script driving ppojax) does first, before JAX starts its backend.
 
 0. On a host without accelerators, name the CPU as JAX's platform where libtpu is installed (``absent_tpu``):
    JAX would otherwise load libtpu and try to start a TPU backend in every process.
