@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import PPO_SETTINGS, SIZES, make_prompts
+from benchmarks.common import PPO_SETTINGS, SIZES, make_prompts, source_commit
 from ppojax.models.flops import Dims, backbone_forward, lm_head, ppo_update_flops
 
 #: Llama-3.2-1B's published shape (config.json of meta-llama/Llama-3.2-1B), random weights here.
@@ -156,7 +156,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     device = jax.devices()[0]
     report = {"device": getattr(device, "device_kind", str(device)), "platform": device.platform,
-              "jax": jax.__version__, "peaks": measure_peaks(), "cases": []}
+              "jax": jax.__version__, "commit": source_commit(), "peaks": measure_peaks(), "cases": []}
     print(json.dumps(report), flush=True)
     for name in args.only.split(","):
         for precision in args.precisions.split(","):

@@ -44,7 +44,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-from benchmarks.common import make_config, machine_info, peak_rss_mb
+from benchmarks.common import make_config, machine_info, peak_rss_mb, source_commit
 from ppojax.io.strict_json import write_text_atomic
 from ppojax.models.flops import Dims, ppo_update_flops
 from ppojax.trainer.config import IN_PLACE_MATMULS, MATMUL_IMPLEMENTATIONS, PPOConfig
@@ -681,6 +681,7 @@ def main(argv=None) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     report = {"schema": SCHEMA, "quick": args.quick, "machine": machine_info(), "versions": _versions(),
+              "commit": source_commit(),
               "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "complete": False, "sizes": {}}
 
     def save() -> None:  # after every side: a run cut off (a time limit, a kill) keeps what it measured
