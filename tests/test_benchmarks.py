@@ -33,8 +33,9 @@ def test_quick_report_structure(quick_report):
     report, stdout = quick_report
     assert report["schema"] == 1 and report["quick"] is True
     assert report["machine"]["cores"] >= 1 and report["machine"]["cpu_model"]
-    assert report["commit"].startswith(subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                                                      capture_output=True, text=True).stdout.strip())
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    if head.returncode == 0:  # a git checkout (not an unpacked archive): the report names the commit it ran at
+        assert report["commit"].startswith(head.stdout.strip())
     assert set(report["sizes"]) == {"tiny"}
     assert report["peak"]["jax"]["flops_per_s"] > 0
     assert report["peak"]["peak_flops_per_s"] >= report["peak"]["jax"]["flops_per_s"]
