@@ -43,5 +43,10 @@ test-plan-table: $(TPU_STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/ppojax train configs/demo.yaml
 
+# The PPO comparison with TRL (benchmarks/README.md): both sizes, as the README's rows were run (~7 min on 2 cores),
+# and its quick form (the tiny size, a few updates). TRL's side needs .venv-bench: bash benchmarks/install.sh
+bench: $(STAMP)
+	$(PY) -m benchmarks.run --threads 2 --smollm2-dir random --json bench.json
+
 bench-quick: $(STAMP)
 	$(PY) -m benchmarks.run --quick

@@ -31,7 +31,6 @@ clock after it returns) and ``.done(u)`` after it; without ``turn_dir`` both do 
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import random
@@ -219,7 +218,23 @@ def peak_rss_mb() -> float:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The machine
+# The machine and the code
+
+
+def source_commit() -> str | None:
+    """The repository's commit (abbreviated, "+changes" where the work tree differs from it), or None outside a git
+    checkout: what a report's figures were measured at."""
+    repo = Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True,
+                                timeout=10)
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                                 capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if commit.returncode != 0:
+        return None
+    return commit.stdout.strip() + ("+changes" if changed.stdout.strip() else "")
 
 
 def machine_info() -> dict:
@@ -305,19 +320,3 @@ class Turns:
     def done(self, update: int) -> None:
         if self.dir is not None:
             (self.dir / f"{self.side}.done.{update}").touch()
-
-
-def write_report(path, report: dict) -> None:
-    """A benchmark's JSON report at ``path`` (its folder made): strict JSON, written atomically, so a run cut off
-    never leaves half a report (``ppojax.io.strict_json.write_json``)."""
-    from ppojax.io.strict_json import write_json
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    write_json(path, report)
-
-
-def positive_int(text: str) -> int:
-    """argparse type for counts: an int of at least 1 (below 1: argparse's own usage error, no traceback)."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value}: must be at least 1")
-    return value

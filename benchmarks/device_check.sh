@@ -1,71 +1,47 @@
 #!/bin/bash
-# One call of this workplace's GPU machine (the `device` tool): what needs that machine, in one go.
+# What needs the GPU machine (one NVIDIA GPU, 16 CPU cores, no network), in one call.
 #
-#   bash benchmarks/device_check.sh [cpu] [cpu-options] [cpu-profile] [gpu-tests] [gpu-bench]
-#                                   (default: cpu cpu-options cpu-profile gpu-tests)
+#   bash benchmarks/device_check.sh [cpu] [gpu-tests] [gpu-bench]     (default: cpu gpu-tests)
+#   bash benchmarks/device_check.sh cpu-quiet                          (alone)
 #
-#   cpu        that machine's own CPU (an Intel Xeon with AVX-512, AVX512-BF16 and AMX on 2026-11-26: issue 15's
-#              host type): `benchmarks.run` as three processes at once, each pinned to its own two cores, no
-#              GPU: TRL float32 (2 threads), ppojax float32, ppojax mixed; merged into one report
-#              (`--merge`); then the bf16 dot forms (`benchmarks.bf16_dots`) and torch's bf16 matmul rate;
-#   cpu-options  the XLA:CPU option sets for that CPU (`benchmarks.xla_options --workload step`, on two more
-#              cores beside the rows): which one a user's `--record` would choose there (4.5 min on 2 Zen 4 cores);
-#   cpu-profile  where a SmolLM2 `train_step` spends its time on that CPU (`benchmarks.step_profile`, float32 then
-#              mixed, on two more cores; ~1.5 min per precision on 2 Zen 4 cores);
+#   cpu        the machine's own CPU (an Intel Xeon with AVX-512, AVX512-BF16 and AMX): `benchmarks.run` as three
+#              processes at once, each pinned to its own two cores, no GPU: TRL float32 (2 threads), ppojax
+#              float32, ppojax mixed; merged into one report (`--merge`);
 #   gpu-tests  the model / generation / attention (cuDNN's tests run only there) / LoRA / train_step tests on
 #              the GPU, one line per test as it ends (`-v`), on the remaining cores;
-#   gpu-bench  `benchmarks.gpu` (tiny, SmolLM2, a random 1B Llama under mixed and bfloat16) and TRL on the
-#              same GPU (`trl_ppo --device cuda --bf16`).
-#   cpu-ab     alone: SmolLM2 `benchmarks.ppojax_ppo` under two `--matmul` implementations side by side (AB_IMPLS,
-#              default "onednn auto": `auto`'s library per projection shape and product (the LM head's too),
-#              measured there first, against oneDNN's sgemm for every product; the nineteenth session ran
-#              "xla onednn"), each on its own two cores (a
-#              paired comparison under the same load), and `benchmarks.step_profile` float32 (--matmul
-#              PROFILE_MATMUL, default the second) on two more: which projections pay on that CPU, and where a
-#              step's time goes there (~2.5 min);
-#   cpu-gemm   alone: `benchmarks.gemm_shapes` (the update's float32 GEMMs at SmolLM2's shapes, and the decode
-#              step's, by XLA, ppojax's oneDNN handlers, oneDNN's matmul primitive, the handlers' products on
-#              torch's MKL and torch, TRL's), oneDNN's and MKL's verbose report of their ISA, kernels and threads
-#              there, then `benchmarks.step_profile` float32, one after the other on two cores with nothing else
-#              running: whether that CPU's GEMMs or the rest make ppojax's update slower than TRL's there, and
-#              whether MKL would close it (~2.5 + 0.7 + 1.5 min on 2 Zen 4 cores: timeout_s=480). With
-#              GEMM_EXTRA=--record it also records the faster in-place library for that CPU in
-#              ~/.cache/ppojax/matmul_library.json from these figures (`auto` measures a quick one itself otherwise);
-#   cpu-quiet  alone (no other part): `benchmarks.run` as ONE process on two cores with nothing else running: TRL,
-#              then ppojax float32, SmolLM2 only (issue 15's "quiet machine" figures; tiny's target was met there
-#              already; BENCH_EXTRA="--sizes tiny,smollm2" adds it; BENCH_EXTRA="--ppojax-matmul mkl" runs
-#              ppojax's projections on MKL). From the fifteenth session's busy runs: the
-#              peaks ~20 s, TRL ~120 s, ppojax ~195 s measured + ~140 s warm-cache run: ~8 min; the report is
-#              written after ppojax's measured run, so a cut in its warm-cache run loses only that figure. The
-#              `cpu` part's three rows at once kept 3-13 other cores busy (2026-11-26, fifteenth session).
-# On 2026-11-26 one call of the first version took 543 s: the GPU bench ~210 s, TRL on the GPU ~45 s, the GPU
-# tests over 150 s; a ppojax CPU side (tiny and SmolLM2, float32 then mixed, one process) over 530 s. Hence
-# one process per CPU row, each part's own limit below, and gpu-bench (measured then) left out by default.
+#   gpu-bench  `benchmarks.gpu` (tiny, SmolLM2, a random 1B Llama under mixed and bfloat16: update MFU and the
+#              decode step against the HBM roofline) and TRL on the same GPU (`trl_ppo --device cuda --bf16`);
+#              ~4 min;
+#   cpu-quiet  alone (no other part): `benchmarks.run` as ONE process on two cores with nothing else running:
+#              TRL, then ppojax float32, SmolLM2 only (BENCH_EXTRA="--sizes tiny,smollm2" adds tiny;
+#              BENCH_EXTRA="--ppojax-matmul mkl" runs ppojax's projections on MKL): peaks ~20 s, TRL ~120 s,
+#              ppojax ~195 s measured + ~140 s warm-cache run, ~8 min; the report is written after ppojax's
+#              measured run, so a cut in its warm-cache run loses only that figure.
+# With every part, one call took ~540 s: the GPU bench ~210 s, TRL on the GPU ~45 s, the GPU tests over 150 s, a
+# ppojax CPU side (tiny and SmolLM2, float32 then mixed, one process) over 530 s. Hence one process per CPU row,
+# each part's own limit below, and gpu-bench left out by default.
 #
-# The machine has no network and its own jax (0.11): the CPU side runs the jax/jaxlib this project pins and
-# oneDNN's library (ppojax's float32 projections: its report's `matmul_implementation` says which ran), carried:
-# `bash benchmarks/device_wheels.sh` here first (under .whl/, ignored; ~4 minutes)
-# and call: run(command="bash benchmarks/device_check.sh", carry=[".whl"], timeout_s=580).
+# The machine has its own jax (0.11): the CPU side runs the jax/jaxlib this project pins and oneDNN's library
+# (ppojax's float32 projections: the report's `matmul_implementation` says which ran), carried from here:
+# run `bash benchmarks/device_wheels.sh` first (into .whl/, ignored; ~4 minutes), carry .whl/ with the call and
+# give it a limit of 580 s.
 set -u
 OUT=${OUT:-/tmp/device_out}
 mkdir -p "$OUT"
 REPO=$(pwd)
 T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
-PARTS=${*:-cpu cpu-options cpu-profile gpu-tests}  # with gpu-bench (~6 min) it takes longer than one call
+PARTS=${*:-cpu gpu-tests}
 want() { [[ " $PARTS " == *" $1 "* ]]; }
 for part in $PARTS; do
-  case $part in cpu|cpu-options|cpu-profile|gpu-tests|gpu-bench|cpu-quiet|cpu-ab|cpu-gemm) ;;
-    *) echo "device_check.sh: unknown part '$part'; the parts are cpu, cpu-options, cpu-profile, gpu-tests," \
-            "gpu-bench, cpu-quiet, cpu-ab, cpu-gemm"
+  case $part in cpu|gpu-tests|gpu-bench|cpu-quiet) ;;
+    *) echo "device_check.sh: unknown part '$part'; the parts are cpu, gpu-tests, gpu-bench, cpu-quiet"
        exit 2;;
   esac
 done
-for alone in cpu-quiet cpu-ab cpu-gemm; do
-  if want $alone && [ "$PARTS" != "$alone" ]; then
-    echo "device_check.sh: $alone runs alone (its figures are of an otherwise quiet machine); got: $PARTS"; exit 2
-  fi
-done
+if want cpu-quiet && [ "$PARTS" != "cpu-quiet" ]; then
+  echo "device_check.sh: cpu-quiet runs alone (its figures are of an otherwise quiet machine); got: $PARTS"; exit 2
+fi
 
 {
   date -u; uname -r
@@ -95,18 +71,16 @@ if [ -z "${REHEARSE:-}" ]; then
   stamp "packages ready"
 fi
 
-
 # Two CPUs on distinct physical cores for each CPU row; the GPU side gets every CPU of the other cores.
 lscpu -p=CPU,CORE | grep -v '^#' > /tmp/topo
 mapfile -t FIRST < <(awk -F, '!seen[$2]++ {print $1}' /tmp/topo)
 pick() { echo "${FIRST[$(( $1 % ${#FIRST[@]} ))]}"; }  # wraps round on a machine of fewer cores (a rehearsal)
 CPU_TRL="$(pick 0),$(pick 1)"; CPU_F32="$(pick 2),$(pick 3)"; CPU_MIXED="$(pick 4),$(pick 5)"
-CPU_OPT="$(pick 6),$(pick 7)"; CPU_PROF="$(pick 8),$(pick 9)"
-USED_CORES=$(awk -F, -v a="$CPU_TRL,$CPU_F32,$CPU_MIXED,$CPU_OPT,$CPU_PROF" 'BEGIN{n=split(a,x,","); for(i=1;i<=n;i++) c[x[i]]=1}
+USED_CORES=$(awk -F, -v a="$CPU_TRL,$CPU_F32,$CPU_MIXED" 'BEGIN{n=split(a,x,","); for(i=1;i<=n;i++) c[x[i]]=1}
   c[$1]{print $2}' /tmp/topo | sort -u | tr '\n' ' ')
 CPU_GPU=$(awk -F, -v used=" $USED_CORES" 'index(used, " " $2 " ")==0 {print $1}' /tmp/topo | paste -sd,)
 CPU_GPU=${CPU_GPU:-$(cut -d, -f1 /tmp/topo | paste -sd,)}
-stamp "parts: $PARTS; CPUs: TRL $CPU_TRL, ppojax $CPU_F32, ppojax mixed $CPU_MIXED, options $CPU_OPT, profile $CPU_PROF, GPU $CPU_GPU"
+stamp "parts: $PARTS; CPUs: TRL $CPU_TRL, ppojax $CPU_F32, ppojax mixed $CPU_MIXED, GPU $CPU_GPU"
 
 CPU_ENV="env JAX_PLATFORMS=cpu CUDA_VISIBLE_DEVICES= PPOJAX_BENCH_PYTHON=${PPOJAX_BENCH_PYTHON:-python3}
   PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site_jax10:/tmp/site_flax:/tmp/site_any:/tmp/site_onednn:$REPO"
@@ -122,51 +96,6 @@ if want cpu-quiet; then
   grep -v "^WARNING\|plugin" "$OUT/cpu_quiet.log" | tail -n 40
   stamp "all done"; exit 0
 fi
-# one traced float32 SmolLM2 step on CPUs $1 with matmul_implementation $2 (default: ppojax's, auto): where its time
-# goes on that CPU
-profile_float32() {
-  $CPU_ENV JAX_COMPILATION_CACHE_DIR=/tmp/jc_prof taskset -c "$1" timeout 240 python3 -m benchmarks.step_profile \
-    --size "${PROFILE_SIZE:-smollm2}" --precision float32 --matmul "${2:-auto}" \
-    --json "$OUT/step_profile_float32.json" > "$OUT/step_profile.log" 2>&1
-}
-if want cpu-ab; then
-  read -r IMPL_A IMPL_B <<< "${AB_IMPLS:-onednn auto}"
-  stamp "cpu-ab: --matmul $IMPL_A on CPUs $CPU_F32, --matmul $IMPL_B on $CPU_MIXED, step_profile" \
-    "(--matmul ${PROFILE_MATMUL:-$IMPL_B}) on $CPU_PROF"
-  AB=(); AB_ARGS="--size ${PROFILE_SIZE:-smollm2} --updates ${AB_UPDATES:-5} --no-phases"
-  for impl in $IMPL_A $IMPL_B; do
-    cpus=$CPU_F32; [ $impl = $IMPL_B ] && cpus=$CPU_MIXED
-    $CPU_ENV JAX_COMPILATION_CACHE_DIR=/tmp/jc_ab_$impl taskset -c "$cpus" timeout 240 python3 -m \
-      benchmarks.ppojax_ppo $AB_ARGS --matmul $impl --json "$OUT/ab_$impl.json" > "$OUT/ab_$impl.log" 2>&1 &
-    AB+=($!)
-  done
-  profile_float32 "$CPU_PROF" "${PROFILE_MATMUL:-$IMPL_B}" &
-  AB+=($!)
-  wait "${AB[@]}"
-  for impl in $IMPL_A $IMPL_B; do
-    echo "== $impl"; grep -E '"(episodes_per_s|update_s|step_s|matmul_implementation|time_to_first_update_s)"' \
-      "$OUT/ab_$impl.log"
-  done
-  grep -v "^WARNING" "$OUT/step_profile.log" | tail -n 30
-  stamp "all done"; exit 0
-fi
-if want cpu-gemm; then
-  stamp "cpu-gemm: gemm_shapes, then step_profile float32, on CPUs $CPU_TRL, nothing else running"
-  $CPU_ENV taskset -c "$CPU_TRL" timeout 300 python3 -m benchmarks.gemm_shapes ${GEMM_EXTRA:-} \
-    --json "$OUT/gemm_shapes.json" 2>&1 | grep -v "^WARNING\|plugin" | tee "$OUT/gemm_shapes.log"
-  # which ISA, threads and kernels oneDNN takes on that CPU (its verbose mode: the info lines and the first call
-  # of each API / primitive implementation; one pass more of the two oneDNN columns)
-  $CPU_ENV ONEDNN_VERBOSE=1 taskset -c "$CPU_TRL" timeout 90 python3 -m benchmarks.gemm_shapes --rounds 1 \
-    --only onednn,onednn_primitive 2>&1 | awk -F, '$1 == "onednn_verbose" && ($2 == "info" || !seen[$4 "," $5]++)' \
-    | tee "$OUT/onednn_info.txt"
-  # MKL's version, ISA and threads as torch's wheel runs it (the mkl column's library)
-  $CPU_ENV MKL_VERBOSE=1 taskset -c "$CPU_TRL" timeout 90 python3 -m benchmarks.gemm_shapes --rounds 1 --only mkl \
-    2>&1 | grep -m 3 "^MKL_VERBOSE" | tee "$OUT/mkl_info.txt"
-  stamp "gemm_shapes done"
-  profile_float32 "$CPU_TRL"
-  grep -v "^WARNING" "$OUT/step_profile.log" | tail -n 14
-  stamp "all done"; exit 0
-fi
 PIDS=()
 if want cpu; then
   # the three rows at once, each on its own two cores; every report is written after each side it finishes
@@ -178,20 +107,6 @@ if want cpu; then
   PIDS+=($!)
   $CPU_ENV JAX_COMPILATION_CACHE_DIR=/tmp/jc_mixed taskset -c "$CPU_MIXED" $BENCH --only ppojax \
     --ppojax-precisions mixed --json /tmp/cpu_mixed.json > /tmp/cpu_mixed.log 2>&1 &
-  PIDS+=($!)
-fi
-if want cpu-options; then
-  $CPU_ENV taskset -c "$CPU_OPT" timeout 420 python3 -m benchmarks.xla_options --workload step \
-    --json "$OUT/xla_options.json" > /tmp/cpu_options.log 2>&1 &
-  PIDS+=($!)
-fi
-if want cpu-profile; then
-  # SmolLM2 (random weights, as the rows) unless PROFILE_SIZE says otherwise (a rehearsal: tiny)
-  ( for precision in float32 mixed; do
-      $CPU_ENV JAX_COMPILATION_CACHE_DIR=/tmp/jc_prof taskset -c "$CPU_PROF" timeout 300 python3 -m \
-        benchmarks.step_profile --size "${PROFILE_SIZE:-smollm2}" --precision $precision \
-        --json "$OUT/step_profile_$precision.json"
-    done ) > /tmp/cpu_profile.log 2>&1 &
   PIDS+=($!)
 fi
 
@@ -229,15 +144,8 @@ if [ ${#PIDS[@]} -gt 0 ]; then
     sleep 5
   done
   stamp "CPU rows done"
-  want cpu-options && tail -n 8 /tmp/cpu_options.log
-  want cpu-profile && grep -v "^WARNING" /tmp/cpu_profile.log | tail -n 22
-fi
-if want cpu; then
   $CPU_ENV python3 -m benchmarks.run --merge /tmp/cpu_trl.json /tmp/cpu_f32.json /tmp/cpu_mixed.json \
     --json "$OUT/cpu_merged.json"
   tail -n 3 /tmp/cpu_trl.log /tmp/cpu_f32.log /tmp/cpu_mixed.log > "$OUT/cpu_logs.txt"
-  if [ $(( $(date +%s) - T0 )) -lt 500 ]; then
-    $CPU_ENV taskset -c "$CPU_TRL" timeout 60 python3 -m benchmarks.bf16_dots --reps 10 >> "$OUT/cpu_logs.txt" 2>&1
-  fi
 fi
 stamp "all done"

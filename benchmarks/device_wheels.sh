@@ -1,6 +1,7 @@
 #!/bin/bash
 # The wheels that benchmarks/device_check.sh carries to the GPU machine (no network there), into .whl/ (ignored
-# through .git/info/exclude; under the 64 MiB a call may carry). Run here once per session: ~3 minutes (xz).
+# through .git/info/exclude; under the 64 MiB a call may carry). Run it once before the machine's first call:
+# ~3 minutes (xz).
 #   .whl/any: TRL and what the machine's Python lacks;  .whl/cpu: this project's jax / jaxlib / flax pins
 #   (jaxlib's 85 MB wheel unzipped, stripped and re-packed as a ~46 MB tar.xz; device_check.sh unpacks it) and
 #   oneDNN's library (~7 MB);  .whl/ffi: stacked_matmul's and adam_in_place's handlers, prebuilt for the

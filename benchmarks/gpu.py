@@ -11,7 +11,7 @@ episodes/s, comparable with TRL on the same device (``benchmarks/trl_ppo.py --de
 
 Figures:
 - generation tok/s = B·R / generation_s; update tok/s = epochs·B·(P+R) / update_s;
-- update MFU = model FLOPs of the update (``benchmarks/flops.py``) / update_s / measured bf16 peak;
+- update MFU = model FLOPs of the update (``ppojax.models.flops``) / update_s / measured bf16 peak;
 - decode roofline fraction: one decode step must read every weight once (in the compute dtype: the sampler
   casts them once before the loop) and the KV cache slots its attention reads (``[L, B, slots, K, hd]`` keys and
   values in the compute dtype; with ``decode_segments`` the slots each loop reads, averaged over the steps, else
@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import PPO_SETTINGS, SIZES, make_prompts
-from benchmarks.flops import Dims, backbone_forward, lm_head, ppo_update_flops
+from benchmarks.common import PPO_SETTINGS, SIZES, make_prompts, source_commit
+from ppojax.models.flops import Dims, backbone_forward, lm_head, ppo_update_flops
 
 #: Llama-3.2-1B's published shape (config.json of meta-llama/Llama-3.2-1B), random weights here.
 LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -156,7 +156,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     device = jax.devices()[0]
     report = {"device": getattr(device, "device_kind", str(device)), "platform": device.platform,
-              "jax": jax.__version__, "peaks": measure_peaks(), "cases": []}
+              "jax": jax.__version__, "commit": source_commit(), "peaks": measure_peaks(), "cases": []}
     print(json.dumps(report), flush=True)
     for name in args.only.split(","):
         for precision in args.precisions.split(","):

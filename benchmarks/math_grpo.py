@@ -1,7 +1,7 @@
 """The math task on several seeds: `ppojax train configs/math_grpo.yaml` once per seed, one after another, then a
 table of held-out accuracy and format rate before -> after and a plot of them.
 
-    python -m benchmarks.math_grpo --seeds 0 1 2 --json benchmarks/runs_X/math_grpo.json --plot docs/math_grpo.png
+    python -m benchmarks.math_grpo --seeds 0 1 2 --json out.json --plot docs/math_grpo.png
 
 Each run writes into outputs/math_grpo_seed<S> (resumed if it is there). The JSON holds, per seed, the run's
 summary.json fields that matter here (held-out rewards before and after, final KL, wall seconds) and the host.

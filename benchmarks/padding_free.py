@@ -1,7 +1,7 @@
 """Padding left out: the update and the rollout's forwards padded vs packed (``padding_free``) and the rollout's
 decode loop padded vs continuous batching (``rollout_slots``), on realistic response lengths, in one run on one host.
 
-    python -m benchmarks.padding_free [--json benchmarks/runs_X/padding_free.json] [--repeats 3]
+    python -m benchmarks.padding_free [--json out.json] [--repeats 3]
 
 For each length distribution, one rollout batch of B rows (prompt P, response limit R) is built with those
 lengths (random tokens, left-padded prompts, a stop token at each response's end) and ONE PPO update (``learn``:
@@ -255,7 +255,7 @@ def main():
     parser.add_argument("--distributions", nargs="+", choices=DISTRIBUTIONS, default=DISTRIBUTIONS)
     parser.add_argument("--json")
     args = parser.parse_args()
-    from ppojax.backends.cpu.program_start import start_program
+    from ppojax.backends import start_program
 
     start_program()
     from benchmarks.common import machine_info

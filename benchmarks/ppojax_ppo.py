@@ -298,9 +298,9 @@ def main(argv=None):
                         help="'sampler': the decode loop's log-probs, as TRL's PPOTrainer (the benchmark's work); "
                              "'forward': one more policy forward in the rollout (ppojax's default)")
     args = parser.parse_args(argv)
-    from ppojax.backends.cpu.program_start import start_program
+    from ppojax.backends import start_program
 
-    start_program()  # as the ppojax command does (ppojax/backends/cpu/program_start.py)
+    start_program()  # as the ppojax command does (ppojax.backends.start_program)
     config = make_config(args.size, quick=args.quick, num_updates=args.updates, model_dir=args.model_dir)
     result = run(dict(config, scan=args.scan, phases=not args.no_phases, advantage_estimator=args.estimator,
                       remat=args.remat, behaviour_logprobs=args.behaviour_logprobs,

@@ -44,10 +44,10 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-from benchmarks.common import make_config, machine_info, peak_rss_mb
-from benchmarks.flops import Dims, mfu, ppo_update_flops
-from ppojax.trainer.config import IN_PLACE_MATMULS, MATMUL_IMPLEMENTATIONS, PPOConfig
+from benchmarks.common import make_config, machine_info, peak_rss_mb, source_commit
 from ppojax.io.strict_json import write_text_atomic
+from ppojax.models.flops import Dims, ppo_update_flops
+from ppojax.trainer.config import IN_PLACE_MATMULS, MATMUL_IMPLEMENTATIONS, PPOConfig
 
 DEFAULT_REMAT = PPOConfig().remat  # ppojax's default, so the benchmark runs what a user's run does
 
@@ -381,11 +381,11 @@ def run_interleaved(config_path: Path, tmp: Path, threads: int, timeout: float) 
 
 def _worker(config_path: str, out_path: str) -> int:
     """Child process: ``benchmarks.ppojax_ppo.run(config)``, plus this process's peak RSS."""
-    from ppojax.backends.cpu.program_start import start_program
+    from ppojax.backends import start_program
 
     with open(config_path) as f:
         config = json.load(f)
-    start_program(config.get("precision", "float32"))  # as the ppojax command does (ppojax/backends/cpu/program_start.py)
+    start_program(config.get("precision", "float32"))  # as the ppojax command does (ppojax.backends.start_program)
     import benchmarks.ppojax_ppo as side
 
     if not callable(getattr(side, "run", None)):
@@ -477,6 +477,19 @@ def run_size(size: str, args, tmp: Path, peak: float | None, entry: dict | None 
         save()
     add_ratios(entry, peak)
     return entry
+
+
+def mfu(flops: dict, result: dict, peak_flops_per_s: float) -> dict:
+    """Model FLOP utilisation of a side from its steady per-phase times (``summarize`` keys): achieved FLOP/s of
+    the rollout, of the update and overall, and each over the measured peak."""
+    out = {}
+    for name, f, secs in (("rollout", flops["rollout"], result["rollout_s"]),
+                          ("update", flops["update"], result["update_s"]),
+                          ("overall", flops["total"], result["step_s"])):
+        rate = f / secs if secs > 0 else float("nan")
+        out[f"{name}_flops_per_s"] = rate
+        out[f"{name}_mfu"] = rate / peak_flops_per_s if peak_flops_per_s else None
+    return out
 
 
 def add_ratios(entry: dict, peak: float | None) -> None:
@@ -668,6 +681,7 @@ def main(argv=None) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     report = {"schema": SCHEMA, "quick": args.quick, "machine": machine_info(), "versions": _versions(),
+              "commit": source_commit(),
               "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "complete": False, "sizes": {}}
 
     def save() -> None:  # after every side: a run cut off (a time limit, a kill) keeps what it measured

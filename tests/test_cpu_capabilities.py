@@ -2,15 +2,12 @@
 met, simulated by mocking the probe, and the PPOJAX_CPU_ISA cap that makes an AVX-512 host run as an AVX2 one."""
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import pytest
 
-from benchmarks import bf16_dots
 from ppojax.backends.cpu import adam_in_place
 from ppojax.backends.cpu import xla_options as xla_cpu_options
 from ppojax.backends.cpu import capabilities
-from ppojax.backends.cpu.capabilities import CpuFeatureMissing, parse_cpuinfo
+from ppojax.backends.cpu.capabilities import parse_cpuinfo
 from ppojax.errors import ConfigError
 from ppojax.backends.cpu import stacked_matmul
 
@@ -45,13 +42,13 @@ HOSTS = {"zen3": ZEN3, "zen4": ZEN4, "intel_amx": INTEL_AMX}
 EXPECTED = {
     "zen3": {"xla_float32": ["default", "ynn_dot", "no_xnnpack", "concurrent", "onednn_dot"],
              "xla_bf16": ["default", "ynn_dot", "no_xnnpack", "concurrent"],
-             "defines": ("-DPPOJAX_MAX_ISA_AVX2",), "onednn_bf16": False},
+             "defines": ("-DPPOJAX_MAX_ISA_AVX2",)},
     "zen4": {"xla_float32": ["default", "ynn_dot", "no_xnnpack", "concurrent", "vector_512", "onednn_dot"],
              "xla_bf16": ["default", "ynn_dot", "no_xnnpack", "concurrent", "vector_512", "onednn_dot"],
-             "defines": (), "onednn_bf16": True},
+             "defines": ()},
     "intel_amx": {"xla_float32": ["default", "ynn_dot", "no_xnnpack", "concurrent", "vector_512", "onednn_dot"],
                   "xla_bf16": ["default", "ynn_dot", "no_xnnpack", "concurrent", "vector_512", "onednn_dot"],
-                  "defines": (), "onednn_bf16": True},
+                  "defines": ()},
 }
 
 
@@ -88,36 +85,6 @@ def test_each_host_gets_the_paths_its_instruction_sets_allow(host, monkeypatch):
     monkeypatch.setattr(stacked_matmul, "_library_file", lambda library: (stacked_matmul.Path("/lib.so"), ""))
     assert _build_flags(monkeypatch, stacked_matmul._built) == stacked_matmul.LIBRARIES["onednn"] + want["defines"]
     assert _build_flags(monkeypatch, adam_in_place._built) == adam_in_place.FLAGS + want["defines"]
-    # oneDNN's bfloat16 GEMM only where AVX-512 is
-    assert (bf16_dots.onednn_bf16_unavailable() == "") is want["onednn_bf16"]
-
-
-@pytest.mark.parametrize("host", ["zen3"], indirect=True)
-def test_an_avx2_host_never_reaches_a_bf16_onednn_gemm(host, monkeypatch, tmp_path):
-    """On Zen 3 the oneDNN bfloat16 custom call is never built, traced or called: asked for, it says in one line
-    which instruction sets are missing and what to use instead; XLA's bf16 forms (the models' path) still run."""
-    calls = []
-    real_ffi_call = jax.ffi.ffi_call
-    monkeypatch.setattr(jax.ffi, "ffi_call", lambda target, *a, **k: calls.append(target) or real_ffi_call(
-        target, *a, **k))
-    library, why = bf16_dots.build_ffi(tmp_path)
-    assert library is None and not list(tmp_path.iterdir())
-    assert why.startswith("oneDNN's bfloat16 GEMM") and "lacks avx512f, avx512bw, avx512vl, avx512dq" in why
-    assert "AMD EPYC 7B13" in why and "bf16_f32acc" in why and "\n" not in why
-    x, w = jnp.ones((4, 8), jnp.bfloat16), jnp.ones((8, 6), jnp.bfloat16)
-    with pytest.raises(CpuFeatureMissing, match="needs AVX-512"):
-        bf16_dots.ffi_matmul(x, w, False, False)
-    with pytest.raises(CpuFeatureMissing, match="needs AVX-512"):  # the backward of --step onednn_backward
-        jax.grad(lambda x, w: bf16_dots.onednn_backward_matmul()(x, w).astype(jnp.float32).sum())(x, w)
-    with pytest.raises(SystemExit, match="onednn_backward: oneDNN's bfloat16 GEMM .* needs AVX-512"):
-        bf16_dots.time_step("onednn_backward")
-    assert bf16_dots.FFI_TARGET not in calls
-    # the measurement reports the form unavailable (naming why) and never calls it
-    report = bf16_dots.measure(tokens=4, reps=1, forms=("onednn_ffi",), cache_dir=tmp_path)
-    assert report["onednn_ffi"] == {"available": False, "why": why} and bf16_dots.FFI_TARGET not in calls
-    # XLA's bf16 form, which the 16-bit models run on any CPU, computes the product
-    got = bf16_dots.contraction("bf16_f32acc", "fwd")(x, w)
-    assert got.dtype == jnp.float32 and float(got[0, 0]) == 8.0
 
 
 def test_the_cap_removes_what_lies_above_its_level(tmp_path):

@@ -20,7 +20,7 @@ CPU = cpu_kernels.CpuKernels()
 
 def test_cpu_16_bit_projections_ask_for_float32_products():
     """XLA:CPU runs a bf16 x bf16 -> bf16 dot as a float32 dot (it converts the operands first) but hands a
-    bf16 x bf16 -> f32 dot to its bf16 kernels (`benchmarks.bf16_dots`): on the CPU every forward projection of
+    bf16 x bf16 -> f32 dot to its bf16 kernels: on the CPU every forward projection of
     the 16-bit policies asks for a float32 product and rounds it; the rounded product equals the plain bf16
     dot's (both accumulate in float32) to one bfloat16 rounding (the kernels sum in different orders: on an Intel
     AMX host one element in 960 rounded the other way)."""

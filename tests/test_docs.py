@@ -36,8 +36,7 @@ def test_no_document_cites_a_file_users_do_not_have():
     """The project's own words only: no citation of the developers' reference files."""
     names = ("SPEC.md", "DESIGN.md", "ASSETS.md", "ACCELERATORS.md", "RESULTS.md")
     offenders = [f"{p.relative_to(REPO)}: {n}" for p in [*DOCS, *REPO.joinpath("ppojax").rglob("*.py")]
-                 for n in names if n in p.read_text() and not (n == "RESULTS.md" and p.name == "README.md"
-                                                               and p.parent.name == "benchmarks")]
+                 for n in names if n in p.read_text()]
     assert not offenders, offenders
     assert not [p for p in REPO.joinpath("ppojax").rglob("*.py") if re.search(r"\bSPEC\b", p.read_text())]
 

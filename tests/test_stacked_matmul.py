@@ -495,36 +495,6 @@ def test_the_choice_keeps_onednn_unless_another_library_clearly_leads_each_produ
     assert str(Libraries("onednn", "onednn_primitive", "mkl")) == "fwd onednn, dx onednn_primitive, dw mkl"
 
 
-def test_gemm_shapes_chooses_per_shape_and_product_among_the_in_place_libraries():
-    """`benchmarks.gemm_shapes --record`'s choice: per shape (the layers' and the LM head's) and product, among the
-    in-place libraries measured at every shape; its `ppojax` column sums the update as that choice runs it."""
-    from benchmarks import gemm_shapes
-    from ppojax.backends.cpu.matmul_record import Libraries
-
-    shapes = (("a", 8, 4, 6, 2), ("b", 8, 6, 4, 1), ("head", 8, 4, 10, None))
-    seconds = {"a": {"xla": _per_product(1.0), "onednn": _per_product(4.0), "mkl": _per_product(4.0, 4.0, 3.0),
-                     "torch": _per_product(0.5)},
-               "b": {"xla": _per_product(1.0), "onednn": _per_product(2.0, 1.0, 2.0), "mkl": _per_product(1.0)},
-               "head": {"xla": _per_product(7.0), "onednn": _per_product(0.1), "mkl": _per_product(0.2, 0.05, 0.2)}}
-    results = {name: {product: {impl: {"s": by_product[product]} for impl, by_product in cell.items()}
-                      for product in gemm_shapes.PRODUCTS} for name, cell in seconds.items()}
-    chosen, measured = gemm_shapes.fastest_libraries(results, shapes)
-    assert chosen == {(4, 6): Libraries("onednn", "onednn", "mkl"), (6, 4): Libraries("mkl", "onednn", "mkl"),
-                      (4, 10): Libraries("onednn", "mkl", "onednn")}
-    assert measured == {(4, 6): {lib: seconds["a"][lib] for lib in ("onednn", "mkl")},
-                        (6, 4): {lib: seconds["b"][lib] for lib in ("onednn", "mkl")},
-                        (4, 10): {lib: seconds["head"][lib] for lib in ("onednn", "mkl")}}
-    uses = {name: gemm_shapes._uses_per_update(u) for name, *_rest, u in shapes}
-    assert gemm_shapes.update_seconds(results, shapes)["ppojax"] == pytest.approx(
-        uses["a"] * (4.0 + 4.0 + 3.0) + uses["b"] * (1.0 + 1.0 + 1.0) + uses["head"] * (0.1 + 0.05 + 0.1))
-    del results["b"]["fwd"]["mkl"]  # MKL not measured at every shape: not a candidate
-    assert gemm_shapes.fastest_libraries(results, shapes)[0] == {(4, 6): Libraries.every("onednn"),
-                                                                 (6, 4): Libraries.every("onednn"),
-                                                                 (4, 10): Libraries.every("onednn")}
-    only_xla = {name: {product: {"xla": {"s": 1.0}} for product in gemm_shapes.PRODUCTS} for name in seconds}
-    assert gemm_shapes.fastest_libraries(only_xla, shapes) is None  # the in-place libraries only
-
-
 def _all_available(monkeypatch, unavailable=()):
     monkeypatch.setattr(stacked_matmul, "buildable_libraries",
                         lambda: tuple(lib for lib in stacked_matmul.LIBRARIES if lib not in unavailable))

@@ -1,5 +1,5 @@
 """The run-time choice of XLA:CPU options follows the CPU's features (ppojax/backends/cpu/xla_options.py), with mocked
-/proc/cpuinfo texts for three kinds of host; and the benchmark's --record rule."""
+/proc/cpuinfo texts for three kinds of host; and the measurement's --record rule (xla_options_tuning.py)."""
 import json
 import os
 import subprocess
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.xla_options import RECORD_MARGIN, choose
 from ppojax.backends.cpu import xla_options as xo
 from ppojax.backends.cpu import capabilities
+from ppojax.backends.cpu.xla_options_tuning import RECORD_MARGIN, choose
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -132,9 +132,9 @@ def test_a_record_from_before_the_split_counts_as_float32s(tmp_path):
 
 
 def test_record_chooses_per_precision_from_the_amx_hosts_measurement():
-    """benchmarks.xla_options --workload step on the Intel AMX host: at float32
+    """The step measured on the Intel AMX host (16-core Xeon with AVX512-BF16 and AMX): at float32
     nothing beats XLA's defaults by the margin; at mixed the concurrency scheduler does."""
-    measured = json.loads((REPO / "benchmarks/device_2026-11-26b/xla_options.json").read_text())["sets"]
+    measured = json.loads((REPO / "tests/data/xla_options_step_intel_amx.json").read_text())["sets"]
     assert choose(measured, "float32")[0] == "default"
     winner, seconds = choose(measured, "mixed")
     assert winner == "concurrent" and seconds["concurrent"] < seconds["default"] * (1 - RECORD_MARGIN)
@@ -189,8 +189,8 @@ def test_the_ppojax_command_picks_the_record_of_its_configs_precision(tmp_path):
 def test_the_onednn_option_sets_failure_is_reproduced_and_explained():
     """Why `onednn_dot` fails on the step: XLA's oneDNN fusion takes the element-wise
     producer of a dot's input, and oneDNN's partition compile aborts. If a jaxlib fixes it, this test fails:
-    time to measure the option set again (`python -m benchmarks.xla_options --workload step`)."""
-    from benchmarks.xla_options import OPTION_SETS, explain
+    time to measure the option set again (`python -m ppojax.backends.cpu.xla_options_tuning`)."""
+    from ppojax.backends.cpu.xla_options_tuning import OPTION_SETS, explain
 
     code = ("import jax, jax.numpy as jnp\n"
             "x = jnp.ones((16, 8))\n"
@@ -200,3 +200,12 @@ def test_the_onednn_option_sets_failure_is_reproduced_and_explained():
     assert proc.returncode != 0 and "partition compile failed" in proc.stderr
     assert "oneDNN cannot compile" in explain(proc.stderr.strip().splitlines()[-1])
     assert explain("out of memory") == "out of memory"
+
+
+def test_the_measurement_refuses_an_unknown_option_set_before_timing(capsys):
+    from ppojax.backends.cpu import xla_options_tuning
+
+    with pytest.raises(SystemExit) as stop:
+        xla_options_tuning.main(["--sets", "default,turbo"])
+    assert stop.value.code == 2
+    assert "--sets: unknown turbo; expected names among default, ynn_dot" in capsys.readouterr().err

@@ -37,6 +37,7 @@ import numpy as np
 from flax import nnx
 
 from ppojax import backends
+from ppojax.models.flops import Dims, ppo_update_flops
 from ppojax.trainer.config import ConfigError, PPOConfig
 
 GB = 1e9
@@ -295,7 +296,7 @@ class Plan:
     state_bytes: int
     programs: list
     resident_bytes: dict      # program -> per-device bytes of ALL its inputs (the whole state stays resident)
-    model_flops: Optional[dict]
+    model_flops: dict         # the model-shape count of one update (ppojax.models.flops): rollout, update, total
     hbm_bytes: float
     trainable_bytes: int = 0  # per device: the trained weights + their optimizer moments (adapters only under LoRA)
     target: str = "cpu"       # the --target text
@@ -337,14 +338,10 @@ class Plan:
                 "peak_bytes": self.peak_bytes, "fits": self.fits}
 
 
-def _model_flops(hf: dict, sizes, config: PPOConfig) -> Optional[dict]:
-    """``benchmarks/flops.py``'s model-shape count of one update (None outside a source checkout)."""
-    try:
-        from benchmarks.flops import Dims, ppo_update_flops
-    except ImportError:
-        return None
-    f = ppo_update_flops(Dims.from_config(hf), sizes.batch_size, config.max_prompt_length, config.response_length,
-                         config.num_ppo_epochs)
+def _model_flops(model_cfg, sizes, config: PPOConfig) -> dict:
+    """The model-shape count of one update (``ppojax.models.flops``)."""
+    f = ppo_update_flops(Dims.from_model_config(model_cfg), sizes.batch_size, config.max_prompt_length,
+                         config.response_length, config.num_ppo_epochs)
     return {k: f[k] for k in ("rollout", "update", "total")}
 
 
@@ -356,7 +353,7 @@ def plan(config: PPOConfig, model: str, *, mesh_shape=None, hbm_gb: float = 80.0
     from ppojax.parallel import sharding
     from ppojax.models import count_params
     from ppojax.trainer import plan_targets
-    model_cfg, hf, source = model_config_for(model)
+    model_cfg, _, source = model_config_for(model)
     if target is None:
         target = plan_targets.load_target(plan_targets.parse_target("cpu"), hbm_gb=hbm_gb)
     devices = len(target.devices)
@@ -379,7 +376,7 @@ def plan(config: PPOConfig, model: str, *, mesh_shape=None, hbm_gb: float = 80.0
     num_params = count_params(nnx.eval_shape(lambda: _causal_lm(model_cfg)))
     result = Plan(model=model, source=source, num_params=num_params, mesh=dict(mesh.shape), devices=devices,
                   config=config, state_bytes=device_bytes(run.state), programs=compiled, resident_bytes=resident,
-                  model_flops=_model_flops(hf, sizes, config), hbm_bytes=target.hbm_bytes,
+                  model_flops=_model_flops(model_cfg, sizes, config), hbm_bytes=target.hbm_bytes,
                   trainable_bytes=device_bytes(run.state.params) + device_bytes(run.state.opt_state),
                   target=target.spec.text, target_description=target.description, compiler=target.compiler,
                   device_noun=target.spec.device_noun)
@@ -457,9 +454,8 @@ def format_plan(p: Plan) -> str:
                  if step.bytes_accessed is not None else "")
         text = (f"  FLOPs per update: XLA's cost analysis {step.flops * p.devices / 1e12:.4g} TFLOP (all devices{moved}; "
                 "XLA counts each loop body once: layers scan, decode loop, epochs)")
-        if p.model_flops:
-            text += (f"; model-shape count (benchmarks/flops.py) {p.model_flops['total'] / 1e12:.4g} TFLOP "
-                     f"(rollout {p.model_flops['rollout'] / 1e12:.4g}, update {p.model_flops['update'] / 1e12:.4g})")
+        text += (f"; model-shape count (ppojax.models.flops) {p.model_flops['total'] / 1e12:.4g} TFLOP "
+                 f"(rollout {p.model_flops['rollout'] / 1e12:.4g}, update {p.model_flops['update'] / 1e12:.4g})")
         lines.append(text)
     verdict = "fits" if p.fits else "does NOT fit"
     if p.compiler == "XLA:CPU":

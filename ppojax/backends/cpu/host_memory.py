@@ -7,7 +7,7 @@ page by page (millions of faults per update). glibc's tunable ``glibc.malloc.hug
 marks those mappings for transparent huge pages (``madvise(MADV_HUGEPAGE)``): 512x fewer faults, and the
 memory still goes back to the kernel after each step.
 
-glibc reads tunables only when a process starts, so the entry points (the ``ppojax`` command, the benchmarks)
+glibc reads tunables only when a process starts, so the entry points (the ``ppojax`` command, ``program_start``)
 call :func:`reexec_with_huge_pages` first: it re-executes the process once with ``GLIBC_TUNABLES`` extended.
 From a notebook, start Python with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` in the environment.
 ``PPOJAX_HUGE_PAGES=0`` turns it off. It does nothing off glibc Linux or where the kernel's transparent huge
@@ -15,8 +15,7 @@ pages are ``never``.
 
 Why not keep freed memory in glibc's heap instead (``mallopt``: no ``mmap``, never trim; ppojax did that
 before): after a step frees its block, a later small request splits the free block, the next step's block no
-longer fits anywhere and the heap grows by a whole block. A SmolLM2 run grew by 3.6 GB every few updates
-(``benchmarks/README.md``).
+longer fits anywhere and the heap grows by a whole block. A SmolLM2 run grew by 3.6 GB every few updates.
 
 mimalloc (the ``cmeel-mimalloc`` wheel, a Linux dependency) does keep it: a freed block stays mapped for
 ``MIMALLOC_PURGE_DELAY`` milliseconds and the next step's block of the same size takes its place, so a step

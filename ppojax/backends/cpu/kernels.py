@@ -2,7 +2,7 @@
 
 - 16-bit products ask XLA for a float32 result rounded to the compute dtype: XLA:CPU runs a bf16 x bf16 -> f32 dot
   in YNNPACK's bf16 kernels (the CPU's bf16 units) but a bf16 -> bf16 dot as a float32 dot after converting its
-  operands (`benchmarks.bf16_dots`). Both accumulate in float32; only the summation order differs. The backward's
+  operands. Both accumulate in float32; only the summation order differs. The backward's
   two products run in the bf16 kernels too (`_matmul_16_bit`'s custom VJP). The rounded product is what
   `remat: dots` saves, as its uint16 bits (`slot_storage.saved_as_bits`).
 - 16-bit values written or read slot by slot travel as uint16 bits (`stores_bits`; `slot_storage` says why): the

@@ -10,14 +10,10 @@ weight gradient), so the choice is a measurement per projection shape (a layer k
 ``(d_in, d_out)``) and product, never a rule typed in for one host. The measured seconds per shape, library and
 product are recorded under this CPU's signature (its model name and instruction sets, as
 ``ppojax.backends.cpu.xla_options`` keys its records) in ``~/.cache/ppojax/matmul_library.json``, with the libraries chosen
-(:func:`choose`: per product the fastest, but oneDNN's sgemm unless another beats it by 10 %). Two measurements
-write it:
-
-- ``matmul_tuning``: the first model "auto" puts on the in-place handlers on a CPU whose record did not measure
-  its projection shapes (or every library and product to be had now there) measures a few seconds' worth of those
-  shapes' products, one layer at a time;
-- ``python -m benchmarks.gemm_shapes --record``: one whole update's GEMMs at SmolLM2's shapes, per shape, library
-  and product.
+(:func:`choose`: per product the fastest, but oneDNN's sgemm unless another beats it by 10 %). ``matmul_tuning``
+writes it: the first model "auto" puts on the in-place handlers on a CPU whose record did not measure its
+projection shapes (or every library and product to be had now there) measures a few seconds' worth of those
+shapes' products, one layer at a time.
 
 "onednn", "onednn_primitive" and "mkl" name their library for every product whatever the record says.
 """

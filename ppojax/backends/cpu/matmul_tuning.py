@@ -11,7 +11,7 @@ shape timed on its own, at an update's 384 token rows, the weights read in place
 layer scan (each layer's operands its own, as the update's backward has them; an LM head's weight alone).
 The libraries and products take turns within each round; each one's figure is its fastest round (what another
 process's load cannot make faster). A few seconds per shape at SmolLM2-135M's sizes, once per CPU, said when it
-runs; ``python -m benchmarks.gemm_shapes --record`` measures one whole update's GEMMs at SmolLM2's shapes instead.
+runs; ``python -m ppojax.backends.cpu.matmul_tuning`` does it ahead, at SmolLM2-135M's shapes.
 """
 from __future__ import annotations
 

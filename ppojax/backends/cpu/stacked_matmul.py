@@ -19,13 +19,12 @@ The same handlers on MKL's GEMM (`matmul_implementation: mkl`, the library `"mkl
 it into `libtorch_cpu.so` (its Fortran `sgemm_`), the GEMM TRL's step runs; for CPUs where MKL outruns oneDNN at a
 model's shapes. "auto" takes, for each projection shape and each of its three products (forward, input gradient,
 weight gradient), the library measured fastest for it on the CPU it runs on (`matmul_record.py`: measured once per
-CPU and shape by `matmul_tuning.py`, or by `python -m benchmarks.gemm_shapes --record`); the libraries share one
-OpenMP runtime (`libgomp.so.1`).
+CPU and shape by `matmul_tuning.py`); the libraries share one OpenMP runtime (`libgomp.so.1`).
 
 The handlers (`stacked_gemm.cc`) are compiled on first use with the system's C++ compiler against the library's
 file (the wheel's `libdnnl.so.3`, or torch's `libtorch_cpu.so`), once per source, library and jaxlib, into
 `$XDG_CACHE_HOME/ppojax/ffi` (`ppojax.backends.cpu.ffi.build`); a library already there (built before, or prebuilt for a machine
-without a compiler: `benchmarks/device_wheels.sh`) is taken as it is.
+without a compiler) is taken as it is.
 :func:`unavailable_reason` says why not where they cannot be had (not Linux x86-64, no wheel, no compiler, a
 failed build); the models then keep XLA's dots (the models' `matmul_implementation`: "auto", "xla", "onednn" or
 "mkl").
@@ -56,8 +55,7 @@ IMPLEMENTATIONS = ("auto", "xla", *LIBRARIES)  # ppojax.trainer.config.MATMUL_IM
 #: "auto" takes oneDNN from these sizes on: a layer's projection kernels of at least this many elements (below, the
 #: copy it saves is small and a custom call's fixed cost larger: the tiny benchmark model ran slower through it) and
 #: calls of at least this many token rows (below, a GEMM library is slower than XLA's dot, copy included), or of at
-#: most `few_rows_limit` rows (a decode step's, which the handlers' own kernels multiply); the measurements are in
-#: (python -m benchmarks.gemm_shapes measures them)
+#: most `few_rows_limit` rows (a decode step's, which the handlers' own kernels multiply)
 AUTO_MIN_LAYER_ELEMENTS = 1 << 20
 AUTO_MIN_ROWS = 64
 WHEEL = "onednn-cpu-gomp"
@@ -224,8 +222,8 @@ def _built(library: str = "onednn") -> tuple[Path | None, str]:
     file, why = _library_file(library)
     if file is None:
         return None, why
-    # carried prebuilt for a machine without a compiler: benchmarks/device_wheels.sh. The few-rows kernels stop at
-    # the instruction sets the probe reports (a cap included).
+    # a build may be carried prebuilt to a machine without a compiler. The few-rows kernels stop at the
+    # instruction sets the probe reports (a cap included).
     return build_cached(SOURCE, f"ppojax's handlers on {LIBRARY_NAMES[library]}", file, build_flags(library, cpu))
 
 

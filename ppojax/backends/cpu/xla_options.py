@@ -1,12 +1,11 @@
 """XLA:CPU options chosen at run time for the CPU a run starts on, from a measurement on that CPU.
 
 Which XLA:CPU options are fastest depends on the CPU (its vector width, its bf16/AMX units) and on the XLA
-version, and one host's winner can lose on another (``benchmarks/README.md``). So nothing here is a rule
-typed in for one host:
+version, and one host's winner can lose on another. So nothing here is a rule typed in for one host:
 
     the CPU's features (``ppojax.backends.cpu.capabilities.probe``: model name, instruction-set flags)
       -> the option sets worth timing on it (``CANDIDATES``: each names the instruction sets it needs)
-      -> ``python -m benchmarks.xla_options --workload step --record`` times them there and records the winner
+      -> ``python -m ppojax.backends.cpu.xla_options_tuning --record`` times them there and records the winner
          (``default`` when nothing beats XLA's defaults) under the CPU's signature and the jaxlib version, one
          per kind of matmul (``MATMULS``: float32, or the bf16 matmuls of the ``mixed`` and ``bfloat16``
          precisions; on an AMX host the two had different winners)
@@ -14,7 +13,7 @@ typed in for one host:
 
 A CPU with no record runs XLA's defaults. A user's own ``XLA_FLAGS`` holding any ``--xla_cpu_`` option wins:
 nothing is added. ``PPOJAX_XLA_CPU_OPTIONS=0`` (or false/off/no) turns the choice off. XLA reads ``XLA_FLAGS``
-once, when JAX starts its CPU backend, so the entry points (the ``ppojax`` command, the benchmarks) call
+once, when JAX starts its CPU backend, so the entry points (the ``ppojax`` command, ``program_start``) call
 :func:`apply` before any computation; in a notebook call it before the first JAX operation.
 """
 from __future__ import annotations

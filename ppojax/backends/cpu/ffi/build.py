@@ -1,11 +1,11 @@
 """Building ppojax's C++ FFI handlers with the system's compiler, once per source and jaxlib.
 
-A handler source (`ppojax/backends/cpu/ffi/stacked_gemm.cc`, `ppojax/backends/cpu/ffi/adam_in_place.cc`, the benchmarks' bf16 handler) is
+A handler source (`ppojax/backends/cpu/ffi/stacked_gemm.cc`, `ppojax/backends/cpu/ffi/adam_in_place.cc`) is
 compiled against `jax.ffi.include_dir()` and this folder's headers, linked against a library file where it calls
 one (oneDNN's, MKL's), into `$XDG_CACHE_HOME/ppojax/ffi` under a name that hashes the source, the headers, the
 library, the compiler flags and jaxlib's version (the FFI's ABI follows jaxlib). A file is written under a
 temporary name, then renamed: never half-written. A file already there (built before, or prebuilt for a machine
-without a compiler: `benchmarks/device_wheels.sh`) is taken as it is.
+without a compiler) is taken as it is.
 """
 from __future__ import annotations
 

@@ -153,7 +153,7 @@ static bool Gemm(char ta, char tb, int64_t M, int64_t N, int64_t K, const float*
 // ---- a decode step's products: few rows, bound by reading the weights ----
 // At a few token rows a product does a few FMAs per weight it reads, so its time is the time to read the weights.
 // A GEMM library packs them first and XLA copies the layer out of the stack, then reads the copy (both measured
-// slower than these kernels there: python -m benchmarks.gemm_shapes). These read each weight once,
+// slower than these kernels there). These read each weight once,
 // where it lies: the threads split the contraction into contiguous shares of w's rows, every accumulator stays in a
 // register. AVX-512 or AVX2 (elsewhere `FewRowsKernels` says 0 and "auto" keeps XLA's dots at these rows).
 namespace few_rows {

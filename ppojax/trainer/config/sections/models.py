@@ -83,9 +83,9 @@ class ModelSettings:
     few seconds, and recorded in ~/.cache/ppojax/matmul_library.json; a decode step's at most 8 rows by the
     handlers' own kernels on AVX-512 or AVX2 CPUs; else XLA's dots, which copy each layer's kernels out first), 'xla', 'onednn'
     (whatever the size; an error where it cannot be had), 'onednn_primitive' (as 'onednn', through oneDNN's matmul
-    primitive) or 'mkl' (as 'onednn', on MKL's GEMM as torch's x86 wheels carry it): for CPUs where one is faster
-    at the model's shapes, `python -m benchmarks.gemm_shapes` tells. Other precisions, meshes and accelerators
-    always use XLA's dots."""
+    primitive) or 'mkl' (as 'onednn', on MKL's GEMM as torch's x86 wheels carry it): 'auto' measures which is
+    faster at the model's shapes (`python -m ppojax.backends.cpu.matmul_tuning` does it ahead). Other precisions,
+    meshes and accelerators always use XLA's dots."""
 
 
 @dataclass

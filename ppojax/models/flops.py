@@ -1,8 +1,13 @@
-"""Model FLOPs of one PPO update of a decoder-only LM (Llama family: GQA attention, gated MLP), counted from
-the model's shapes. Pure functions of (model dims, B, P, R, epochs); no framework imports.
+"""Model FLOPs of a decoder-only LM's forwards, generation and one PPO update, counted from the model's shapes
+(``ModelConfig``). Pure functions of (model dims, B, P, R, epochs); no framework imports. ``ppojax plan`` prints
+this count beside XLA's own; divided by measured time and a peak rate, it gives MFU.
+
+Here, beside ``ModelConfig``, because the count is of the models' shapes: the PPO update below is those forwards
+times a fixed layout (policy, reference, value and reward models), with nothing of the RL code in it.
 
 Conventions (the usual "model FLOPs" of MFU, e.g. PaLM appendix B, counted exactly rather than as 6N):
-- a matmul of [m, k] x [k, n] is 2·m·k·n FLOPs; norms, RoPE, softmax, sampling, the optimizer are not counted;
+- a matmul of [m, k] x [k, n] is 2·m·k·n FLOPs; the MLP is gated (3 matrices, Llama family) or not (2: GPT-2,
+  GPT-NeoX); biases, norms, RoPE, softmax, sampling and the optimizer are not counted;
 - attention is causal: a query at position i (0-based) attends to i + 1 keys, costing 4·heads·head_dim·(i+1)
   per layer (QKᵀ and AV); left padding is counted (it is computed: shapes are static);
 - heads are counted where their output is USED: the LM head on the R positions that score the response
@@ -20,6 +25,10 @@ One PPO update (docs/algorithm.md, TRL's layout with a separate reward and value
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # a type only: this module imports nothing at run time
+    from ppojax.models.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -34,10 +43,18 @@ class Dims:
     mlp: int
     vocab: int
     tied_embeddings: bool = False
+    gated_mlp: bool = True
+
+    @classmethod
+    def from_model_config(cls, cfg: "ModelConfig") -> "Dims":
+        """From a ``ModelConfig`` (any family ppojax loads)."""
+        return cls(layers=cfg.num_layers, hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
+                   head_dim=cfg.head_dim, mlp=cfg.intermediate_size, vocab=cfg.vocab_size,
+                   tied_embeddings=cfg.tie_word_embeddings, gated_mlp=cfg.gated_mlp)
 
     @classmethod
     def from_config(cls, cfg: dict) -> "Dims":
-        """From HF ``LlamaConfig``-style keys (``config.json`` or the benchmark's ``model`` dict)."""
+        """From HF ``LlamaConfig``-style keys (a Llama ``config.json``, or a dict of its keys)."""
         heads = cfg["num_attention_heads"]
         return cls(
             layers=cfg["num_hidden_layers"],
@@ -52,11 +69,12 @@ class Dims:
 
 
 def layer_matmul_params(d: Dims) -> int:
-    """Weights of one block that every token multiplies: q, k, v, o projections and the gated MLP."""
+    """Weights of one block that every token multiplies: q, k, v, o projections and the MLP (gate, up, down; or
+    up, down)."""
     q = d.hidden * d.heads * d.head_dim
     kv = 2 * d.hidden * d.kv_heads * d.head_dim
     o = d.heads * d.head_dim * d.hidden
-    mlp = 3 * d.hidden * d.mlp
+    mlp = (3 if d.gated_mlp else 2) * d.hidden * d.mlp
     return q + kv + o + mlp
 
 
@@ -67,7 +85,7 @@ def param_count(d: Dims) -> int:
     return emb + head + d.layers * (layer_matmul_params(d) + 2 * d.hidden) + d.hidden
 
 
-def _attention(d: Dims, keys: int) -> int:
+def attention(d: Dims, keys: int) -> int:
     """Attention FLOPs of one query over ``keys`` keys, all layers (QKᵀ and AV)."""
     return 4 * d.layers * d.heads * d.head_dim * keys
 
@@ -77,7 +95,7 @@ def backbone_forward(d: Dims, seq_len: int, past: int = 0) -> int:
     Query j (0-based within the chunk) attends to past + j + 1 keys."""
     matmul = 2 * layer_matmul_params(d) * d.layers * seq_len
     keys = seq_len * past + seq_len * (seq_len + 1) // 2
-    return matmul + _attention(d, 1) * keys
+    return matmul + attention(d, 1) * keys
 
 
 def lm_head(d: Dims, positions: int) -> int:
@@ -151,31 +169,3 @@ def ppo_update_flops(
                        lm_head_positions=lm_head_positions, train_multiplier=train_multiplier,
                        policy=asdict(pd)),
     }
-
-
-def mfu(flops: dict, result: dict, peak_flops_per_s: float) -> dict:
-    """Model FLOP utilisation of a benchmark side from its steady per-phase times (``summarize`` keys):
-    achieved FLOP/s of the rollout, of the update and overall, and each over the measured peak."""
-    out = {}
-    for name, f, secs in (("rollout", flops["rollout"], result["rollout_s"]),
-                          ("update", flops["update"], result["update_s"]),
-                          ("overall", flops["total"], result["step_s"])):
-        rate = f / secs if secs > 0 else float("nan")
-        out[f"{name}_flops_per_s"] = rate
-        out[f"{name}_mfu"] = rate / peak_flops_per_s if peak_flops_per_s else None
-    return out
-
-
-if __name__ == "__main__":
-    import json
-    import sys
-
-    from benchmarks.common import PPO_SETTINGS, SIZES
-
-    for size, spec in SIZES.items():
-        f = ppo_update_flops(spec["model"], spec["batch_size"], PPO_SETTINGS["prompt_length"],
-                             PPO_SETTINGS["response_length"], PPO_SETTINGS["num_ppo_epochs"])
-        f.pop("inputs")
-        json.dump({size: {k: (round(v / 1e9, 3) if k != "policy_params" else v) for k, v in f.items()}},
-                  sys.stdout)
-        print("  (GFLOP)")
