@@ -330,29 +330,40 @@ def test_config_refuses_a_budget_below_one_row():
 
 
 # ------------------------------------------------------------------------------------- a whole train_step
-def test_train_step_packed_equals_padded():
-    from tests.test_train_step import init_state, tiny_config_ppo  # the padded program's own fixtures
+def train_step_program(padding_free: bool, mesh=None) -> PPOProgram:
+    """The tiny PPO program of tests/test_train_step.py (value model, a traced reward), padded or packed, on
+    ``mesh`` (None: one device)."""
+    from tests.test_train_step import tiny_config_ppo
 
-    def program(padding_free):
-        settings = StepSettings.from_config(tiny_config_ppo(), pad_token_id=0, stop_token_id=1, eos_token_id=1,
-                                            num_updates=1, vocab_size=VOCAB)
-        settings = dataclasses.replace(settings, batch=dataclasses.replace(settings.batch,
-                                                                           padding_free=padding_free))
-        actor_critic = dataclasses.replace(actor_critic_for("value_model"), temperature=1.0)
-        return PPOProgram(actor_critic, TracedScores(good_token_fraction), settings, optax.sgd(1.0))
+    data_parallel = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+    settings = StepSettings.from_config(tiny_config_ppo(), pad_token_id=0, stop_token_id=1, eos_token_id=1,
+                                        num_updates=1, vocab_size=VOCAB, data_parallel_size=data_parallel)
+    settings = dataclasses.replace(settings, batch=dataclasses.replace(settings.batch, padding_free=padding_free))
+    actor_critic = dataclasses.replace(actor_critic_for("value_model"), temperature=1.0)
+    return PPOProgram(actor_critic, TracedScores(good_token_fraction), settings, optax.sgd(1.0), mesh)
+
+
+def assert_steps_equal(padded, packed):
+    """Two ``(state, metrics)`` results of one train_step: every metric and parameter equal (float32)."""
+    (state_a, metrics_a), (state_b, metrics_b) = padded, packed
+    for name, value in metrics_a.items():
+        np.testing.assert_allclose(metrics_b[name], value, err_msg=name, **TIGHT)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, **TIGHT), state_a.params, state_b.params)
+
+
+def test_train_step_packed_equals_padded():
+    from tests.test_train_step import init_state  # the padded program's own fixtures
 
     prompts = prompt_blocks(1)[0]
     results = []
     for free in (False, True):
-        p = program(free)
+        p = train_step_program(free)
         state = init_state(p, 0)
         step = make_train_step(p)
         results.append(step(state, prompts, jax.random.key(11)))
-    (state_a, metrics_a), (state_b, metrics_b) = results
-    assert float(metrics_a["perf/padding_fraction"]) > 0.2  # the sampled lengths vary: there is padding to skip
-    for name, value in metrics_a.items():
-        np.testing.assert_allclose(metrics_b[name], value, err_msg=name, **TIGHT)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, **TIGHT), state_a.params, state_b.params)
+    assert float(results[0][1]["perf/padding_fraction"]) > 0.2  # the sampled lengths vary: padding to skip
+    assert_steps_equal(*results)
+    state_b, metrics_b = results[1]
     # other lengths, other packed micro-batch counts: the same compiled program (the loops' trip counts are traced)
     _, again = step(state_b, prompt_blocks(2)[1], jax.random.key(12))
     assert float(again["perf/padding_fraction"]) != float(metrics_b["perf/padding_fraction"])

@@ -355,6 +355,29 @@ if CHILD:
             np.testing.assert_allclose(value, one[0][name], atol=1e-5, rtol=1e-5, err_msg=name)
         assert_trees_close(state.params, one_state.params, what="params")
 
+    # ---- padding-free updates on a mesh ----
+    def test_packed_train_step_equals_padded_on_a_2x2_mesh():
+        """padding_free on a (data 2, fsdp 2) mesh: each data-parallel shard packs its own rows, and the packed
+        train_step's metrics and parameters equal the padded one's on the same mesh (which the one-device
+        programs above equal), the parameters sharded as the rules say."""
+        from ppojax.rl.program import make_train_step
+        from tests.test_packing import assert_steps_equal, train_step_program
+        from tests.test_train_step import init_state, prompt_blocks
+
+        mesh = sh.make_mesh(2, 2, 1, devices=jax.devices()[:4])
+        results = []
+        for padding_free in (False, True):
+            program = train_step_program(padding_free, mesh)
+            plain = init_state(program, 0)
+            state, shardings = placement.init_sharded_train_state(
+                plain.params, program.optimizer, mesh, hyperparams=plain.hyperparams, frozen=plain.frozen,
+                kl_coef=0.05)
+            results.append(make_train_step(program, shardings)(state, prompt_blocks(1)[0], jax.random.key(11)))
+        assert float(results[0][1]["perf/padding_fraction"]) > 0.2  # the sampled lengths vary: padding to skip
+        assert_steps_equal(*results)
+        embed = results[1][0].params["policy"]["backbone"]["embed"]["embedding"]
+        assert embed.sharding.mesh.shape == mesh.shape and len(embed.sharding.device_set) == 4
+
     # ---- checkpoints load straight into their shards ----
     GPT2_FUSED = dict(model_type="gpt2", vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=32)
 

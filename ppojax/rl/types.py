@@ -114,7 +114,8 @@ class TrainState:
     update_count:   i32[] PPO iterations done (drives the learning-rate schedule).
     optimizer_steps: i32[] optimizer steps applied.
     nonfinite_streak / nonfinite_total: i32[] optimizer steps skipped for a non-finite loss or gradient.
-    episode:        i32[] prompts trained on so far (TRL's ``episode``).
+    episode:        i32[] episodes (sampled responses: prompts x ``num_generations``) trained on so far (TRL's
+                    ``episode``).
     """
 
     params: Any
