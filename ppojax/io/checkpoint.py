@@ -77,9 +77,8 @@ _FIXES = {
 }
 
 Log = Callable[[str], None]
-#: checksum checks already made, by resolved path: (manifest signature, problem or None). While a checkpoint's
-#: files are unchanged, a restore trusts the check resume just made, and a save (which only stats older
-#: checkpoints) still knows what resume found. Each RunCheckpoints keeps its own; a free function starts empty.
+#: a run's checksum checks, by resolved path: (manifest signature, problem or None), trusted while the files are
+#: unchanged: a restore does not read again what resume verified, a save (which only stats) knows what it found
 Checked = dict[Path, tuple[tuple, Optional[str]]]
 
 
@@ -244,14 +243,10 @@ def _resolve(where, checkpoint_dir, log: Log, checked: Checked) -> Optional[Path
 
 
 class RunCheckpoints:
-    """The checkpoints a run writes under ``directory``, and the checks it made of them.
-
-    One orbax ``CheckpointManager`` writes every save, from the first save to :meth:`close` (a later save opens
-    another); the run closes it when it ends, on an error or a signal too. Every process of a multi-process run
-    makes one and calls :meth:`save` at the same steps. save_total_limit: keep this many checkpoints (the newest
-    steps, always the one just saved), None: all. log: where damaged checkpoints skipped or moved aside are
-    reported. on_saved(step): called once a save is on disk (at the next save, :meth:`wait` or :meth:`close`).
-    """
+    """The checkpoints a run writes under ``directory``: one orbax ``CheckpointManager`` from the first save to
+    :meth:`close` (the run's end, error or signal), and the run's checksum checks. Every process makes one and
+    saves at the same steps. save_total_limit: keep this many (the newest steps, always the one just saved), None:
+    all. log: where damaged checkpoints skipped or moved aside are reported. on_saved(step): once it is on disk."""
 
     def __init__(self, directory, *, save_total_limit: Optional[int] = None, log: Log = _warn,
                  on_saved: Optional[Callable[[int], None]] = None):
@@ -270,13 +265,10 @@ class RunCheckpoints:
         self.close()
 
     def save(self, step: int, train_state, host_state: dict, config_dict: dict, *, wait: bool = True) -> Path:
-        """Save ``directory/step_<step>`` (atomically, with its manifest) and return its path.
-
-        train_state: a pytree of jax arrays (each process writes its shards). host_state: a JSON-able dict (see
-        :mod:`ppojax.io.host_state_json`); config_dict: the run's config. wait=False returns once the state is in
-        host memory (the caller may donate it) while the files are written. Raises CheckpointError when the
-        storage fails, for this save or the unfinished one before it.
-        """
+        """Save ``directory/step_<step>`` (atomically, with its manifest); returns its path. train_state: a pytree
+        of jax arrays (each process writes its shards); host_state: JSON-able (:mod:`ppojax.io.host_state_json`).
+        wait=False returns once the state is in host memory (the caller may donate it). Raises CheckpointError when
+        the storage fails, for this save or the unfinished one before it."""
         step = operator.index(step)  # a jax or numpy integer too
         if step < 0:
             raise CheckpointError(f"step={step}: expected step >= 0.")
@@ -325,15 +317,12 @@ class RunCheckpoints:
             self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         return self._manager
 
-    def _seal_written(self) -> None:
-        """orbax's post-finalisation callback, on its thread: the files of the step being saved are written, not
-        yet renamed (the step is ours to know: orbax runs one save at a time, and ``save`` waits for the last)."""
-        if _is_primary():
+    def _seal_written(self) -> None:  # orbax's post-finalisation callback, on its thread: written, not renamed
+        if _is_primary():  # self._saving: orbax runs one save at a time, and save() waits for the last
             _seal(self.directory / f"step_{self._saving}{UNFINISHED}", self._saving)
 
     def wait(self) -> None:
-        """Block until the save in flight is on disk, then call on_saved; raise CheckpointError if it failed
-        (its files removed first)."""
+        """Block until the save in flight is on disk (then on_saved); CheckpointError if it failed."""
         step = self._saving
         if step is None:
             return
@@ -380,9 +369,9 @@ class RunCheckpoints:
         raise CheckpointError(f"{os.strerror(code).lower()} while writing {self.directory / f'step_{step}'}; "
                               f"{then}; {fix}.") from err
 
-    # Reading: each waits for the save in flight first, and shares this run's checks.
+    # The readers wait for the save in flight and share the run's checks.
     def verify(self, path, *, checksums: bool = True) -> tuple[bool, str]:
-        """As :func:`verify_checkpoint`; ``checksums=False`` also reports what this run's checksum checks found."""
+        """As :func:`verify_checkpoint`; ``checksums=False`` also knows what the run's checksum checks found."""
         self.wait()
         return _verify(Path(path), checksums, self._checked)
 
@@ -400,15 +389,14 @@ class RunCheckpoints:
             return None
 
     def restore(self, path, abstract_train_state, *, release_target: bool = False) -> tuple[Any, dict, dict]:
-        """As :func:`restore_checkpoint`; a checkpoint :meth:`resolve` just verified is not read twice."""
+        """As :func:`restore_checkpoint` (a checkpoint :meth:`resolve` verified is not checksummed again)."""
         self.wait()
         return _restore(path, abstract_train_state, self._log, release_target, self._checked)
 
 
 def save_checkpoint(directory, step: int, train_state, host_state: dict, config_dict: dict, *,
                     save_total_limit: Optional[int] = None, log: Log = _warn) -> Path:
-    """One save, waited for: :meth:`RunCheckpoints.save` with a RunCheckpoints of its own (call on every
-    process)."""
+    """One save, waited for, by a RunCheckpoints of its own (on every process)."""
     with RunCheckpoints(directory, save_total_limit=save_total_limit, log=log) as checkpoints:
         return checkpoints.save(step, train_state, host_state, config_dict)
 

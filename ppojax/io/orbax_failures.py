@@ -1,16 +1,11 @@
-"""What orbax leaves behind when a checkpoint write (or read) fails, which ppojax reports as one CheckpointError.
+"""What orbax leaves behind when a checkpoint write or read fails (ppojax reports it as one CheckpointError).
 
-orbax logs the error with its traceback (absl's logger, on its threads) and stops waiting for the rest of the
-save: the other items' writer threads and, within an item, the tensorstore writes of the other arrays go on.
-asyncio reports that abandoned work when it is collected ("Future exception was never retrieved", possibly after
-the run has returned), Python as "Exception ignored in: <coroutine ...>", and tensorstore's writes that end in
-orbax's closed event loop as "Event loop is closed".
-
-- :func:`wait_for_abandoned_writes` waits until all of them are done, so that what the save wrote can be removed
-  for good (a write still going would create its directories again).
-- :func:`quiet_orbax` keeps the reports off the terminal: while a run keeps the libraries' output in its file
-  (:func:`ppojax.io.library_logs.library_output_to`) they go there like any other library's; otherwise (Python
-  use without a run's file, or at interpreter shutdown) they are dropped.
+orbax logs the error with its traceback (absl's logger) and stops waiting for the rest: the other items' writer
+threads and the other arrays' tensorstore writes go on, and asyncio and Python report that abandoned work when it
+is collected, maybe after the run ("Future exception was never retrieved", "Exception ignored in: <coroutine>",
+"Event loop is closed"). :func:`wait_for_abandoned_writes` waits for that work, so that what the save wrote can be
+removed for good. :func:`quiet_orbax` keeps the reports off the terminal: while a run keeps the libraries' output
+in its file (:func:`ppojax.io.library_logs.library_output_to`) they go there, otherwise they are dropped.
 """
 from __future__ import annotations
 
@@ -27,9 +22,9 @@ _ORBAX_TMP = ".orbax-checkpoint-tmp"  # where orbax writes a save: named in tens
 
 
 def wait_for_abandoned_writes(timeout: float = 300.0) -> None:
-    """Wait for orbax's writer threads (their classes are orbax's) and for every tensorstore operation in flight
-    in this process (orbax keeps no handle to the ones it abandoned: the garbage collector lists them), each for
-    ``timeout`` seconds at most. Call after orbax's CheckpointManager is closed."""
+    """Wait (``timeout`` seconds at most each) for orbax's writer threads (their classes are orbax's) and every
+    tensorstore operation in flight (orbax keeps no handle to those it abandoned: the garbage collector lists
+    them). Call once orbax's CheckpointManager is closed."""
     for thread in threading.enumerate():
         if type(thread).__module__.startswith("orbax.") and thread is not threading.current_thread():
             thread.join(timeout)
@@ -61,8 +56,8 @@ def _raised_in_orbax(error) -> bool:
 
 
 class _OrbaxFailureReports(logging.Filter):
-    """Passes everything while a run collects the libraries' output; otherwise drops orbax's errors and asyncio's
-    reports of orbax's abandoned work."""
+    """While a run collects the libraries' output: everything; otherwise orbax's errors and asyncio's reports of
+    its abandoned work are dropped."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.ERROR or collecting():

@@ -176,8 +176,11 @@ class PPOTrainer(LegacyAPI):
             with stop:
                 history = run_updates(run, self.train_step, total, hooks, should_stop=stop.requested)
             path = self.save_checkpoint() if int(run.state.update_count) > start else None
-        except BaseException:
-            self._close_checkpoints_quietly()  # nothing is left half-written; the run's own error is what it reports
+        except BaseException:  # the save in flight is finished (its failure one line): the run's error is reported
+            try:
+                self.checkpoints.close()
+            except CheckpointError as err:
+                print(f"ppojax: {err}", file=sys.stderr, flush=True)
             raise
         finally:
             if bar is not None:
@@ -235,14 +238,6 @@ class PPOTrainer(LegacyAPI):
     def _checkpoint_on_disk(self, step: int) -> None:
         if self.logger is not None:
             self.logger.checkpoint_saved(step)  # sinks that cannot rewrite history (wandb) catch up to here
-
-    def _close_checkpoints_quietly(self) -> None:
-        """Close the run's checkpoints on an error or an interrupt: the one being written is finished; its own
-        failure is one line."""
-        try:
-            self.checkpoints.close()
-        except CheckpointError as err:
-            print(f"ppojax: {err}", file=sys.stderr, flush=True)
 
     def resume(self, where="auto") -> Optional[Path]:
         """Restore from ``where``: 'auto' (the newest checkpoint in output_dir/checkpoints that verifies; damaged
