@@ -28,18 +28,18 @@ def pause_at(stage: str, step: int) -> None:
     """Block the save of ``step`` at ``stage`` (patches this process's checkpoint module)."""
     if stage not in STAGES:
         raise ValueError(f"stage {stage!r}: expected one of {STAGES}")
-    real_save, real_tidy, real_seal = ckpt.save_checkpoint, ckpt._tidy, ckpt._seal
+    real_save, real_tidy, real_seal = ckpt.RunCheckpoints.save, ckpt._tidy, ckpt._seal
     saving = [None]
 
     @functools.wraps(real_save)
-    def save(directory, at, *args, **kwargs):
+    def save(checkpoints, at, *args, **kwargs):
         saving[0] = at
         if at == step:  # the caller waits on this save too, so what a kill leaves does not depend on timing
             kwargs["wait"] = True
-        return real_save(directory, at, *args, **kwargs)
+        return real_save(checkpoints, at, *args, **kwargs)
 
-    def tidy(directory, log):
-        real_tidy(directory, log)
+    def tidy(*args):
+        real_tidy(*args)
         if stage == "started" and saving[0] == step:
             _block(stage, step)
 
@@ -50,7 +50,7 @@ def pause_at(stage: str, step: int) -> None:
         if stage == "marked" and at == step:
             _block(stage, at)
 
-    ckpt.save_checkpoint, ckpt._tidy, ckpt._seal = save, tidy, seal
+    ckpt.RunCheckpoints.save, ckpt._tidy, ckpt._seal = save, tidy, seal
     if stage == "committed":
         _pause_before_rotation(step)
 

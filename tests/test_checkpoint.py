@@ -496,10 +496,15 @@ def test_damaged_latest_checkpoint_is_skipped_in_one_line(tmp_path, capfd, damag
                                 f"is {d / 'step_6'}."
     assert ckpt.resolve_checkpoint("auto", d, log=lambda m: None) == d / "step_6"
 
-    # the resumed run saves step 7 with save_total_limit=1: the damaged step_8 is moved aside (not counted,
-    # not deleted), step_6 is deleted because the intact step_7 now exists
+    # the resumed run (its checkpoints, as a trainer's: what resume found is known when it saves) saves step 7
+    # with save_total_limit=1: the damaged step_8 is moved aside (not counted, not deleted), step_6 is deleted
+    # because the intact step_7 now exists
     moved: list[str] = []
-    ckpt.save_checkpoint(d, 7, small_tree(7), {"update": 7}, config_dict(), save_total_limit=1, log=moved.append)
+    with ckpt.RunCheckpoints(d, save_total_limit=1, log=moved.append) as checkpoints:
+        assert checkpoints.resolve("auto") == d / "step_6"
+        assert moved == [f"skipping {step_8}: {reason}; using step_6"]
+        moved.clear()
+        checkpoints.save(7, small_tree(7), {"update": 7}, config_dict())
     assert moved == [f"moved damaged checkpoint {step_8} aside to {d / 'damaged' / 'step_8'}: {reason}"]
     assert sorted(p.name for p in d.iterdir()) == ["damaged", "step_7"]
     assert ckpt.verify_checkpoint(d / "damaged" / "step_8") == (False, reason)
@@ -521,8 +526,11 @@ def test_changed_bytes_name_their_block(tmp_path, monkeypatch):
     reason = (f"model state file {rel} has changed contents: bytes 8,192-12,287 do not match the manifest's "
               "checksum (same size)")
     assert ckpt.verify_checkpoint(path) == (False, reason)
-    # the sizes-only check a save makes of older checkpoints still knows what this process found
-    assert ckpt.verify_checkpoint(path, checksums=False) == (False, reason)
+    assert ckpt.verify_checkpoint(path, checksums=False)[0]  # the sizes alone cannot see it
+    # the sizes-only check a save makes of older checkpoints still knows what the run's checks found
+    checkpoints = ckpt.RunCheckpoints(tmp_path)
+    assert checkpoints.verify(path) == (False, reason)
+    assert checkpoints.verify(path, checksums=False) == (False, reason)
 
 
 def test_edited_manifest_is_damage(tmp_path):
@@ -731,6 +739,55 @@ def test_full_disk_is_one_message_and_keeps_the_previous_checkpoint(tmp_path):
     assert bits(restored["w"]) == bits(np.random.default_rng(6).standard_normal(1000, np.float32))
 
 
+LIBRARY_LOG_SCRIPT = textwrap.dedent("""
+    import atexit, resource, signal, sys
+    from pathlib import Path
+    import numpy as np, jax.numpy as jnp
+    from ppojax.io import checkpoint as ckpt
+    from ppojax.io.library_logs import library_output_to
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    atexit.register(lambda: print("atexit ran", flush=True))
+    directory, log = Path(sys.argv[1]), Path(sys.argv[2])
+    # arrays that fit under the limit and arrays that do not, in one item: orbax abandons the writes of the
+    # others at the first failure
+    rng = np.random.default_rng(0)
+    state = {f"w{i}": jnp.asarray(rng.standard_normal(n, np.float32)) for i, n in enumerate([200_000, 20_000] * 6)}
+    with library_output_to(log):
+        with ckpt.RunCheckpoints(directory) as checkpoints:
+            checkpoints.save(1, {"w": jnp.ones(3)}, {}, {})
+            resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+            try:
+                checkpoints.save(2, state, {}, {}, wait=False)
+                checkpoints.close()
+            except ckpt.CheckpointError as err:
+                print(f"ppojax: error: {err}", file=sys.stderr, flush=True)
+                failed = err
+    sys.exit(1 if failed else 0)
+""")
+
+
+def test_a_failed_save_keeps_orbax_reports_in_the_library_log(tmp_path):
+    """A failed save during a run that keeps the libraries' output in a file (as `ppojax train` does): ONE line on
+    the terminal, orbax's own error records (with their tracebacks) in the file, no unfinished save left, and the
+    process ends the ordinary way (exit code 1, atexit handlers run) with nothing printed after the line."""
+    script = tmp_path / "failed_save.py"
+    script.write_text(LIBRARY_LOG_SCRIPT)
+    directory, log = tmp_path / "checkpoints", tmp_path / "libraries.log"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, str(script), str(directory), str(log)], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert out.stderr.splitlines() == [
+        f"ppojax: error: file too large while writing {directory / 'step_2'}; the previous checkpoint step_1 is "
+        "intact; raise the file size limit (`ulimit -f unlimited`) or use a file system that allows larger files."]
+    assert out.stdout == "atexit ran\n"
+    assert sorted(p.name for p in directory.iterdir()) == ["step_1"]
+    records = log.read_text()
+    assert " ERROR absl: " in records and "Traceback (most recent call last)" in records, records[-3000:]
+    assert "File too large" in records and "os_error_code='27'" in records, records[-3000:]
+
+
 def test_no_space_left_message(tmp_path, monkeypatch):
     """ENOSPC (which needs a small file system to cause for real) words the message for a full disk."""
     real_write = ckpt._write_bytes
@@ -766,29 +823,42 @@ def test_an_asynchronous_save_returns_before_its_files_and_restores_bit_exact(tm
     want = {"w": rng.standard_normal((1000, 1000), np.float32), "b": rng.standard_normal(7).astype(jnp.bfloat16)}
     state = {k: jnp.asarray(v) for k, v in want.items()}
     saved: list[int] = []
-    path = ckpt.save_checkpoint(tmp_path, 1, state, {"update": 1}, config_dict(), wait=False, on_saved=saved.append)
+    checkpoints = ckpt.RunCheckpoints(tmp_path, on_saved=saved.append)
+    path = checkpoints.save(1, state, {"update": 1}, config_dict(), wait=False)
     assert not path.exists() and saved == []  # returned while orbax's thread writes
     for leaf in state.values():
         leaf.delete()  # as the next update's donation does
     written.set()
-    assert ckpt.latest_checkpoint(tmp_path) == path  # readers wait for the save in flight
+    assert checkpoints.latest() == path  # the run's readers wait for its save in flight
     assert saved == [1] and ckpt.verify_checkpoint(path)[0]
+    checkpoints.close()
     target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in want.items()}
     restored, host, _ = ckpt.restore_checkpoint(path, target)
     assert {k: bits(v) for k, v in restored.items()} == {k: bits(v) for k, v in want.items()}
     assert host == {"update": 1}
 
 
-def test_asynchronous_saves_keep_save_total_limit(tmp_path):
+def test_asynchronous_saves_keep_save_total_limit(tmp_path, monkeypatch):
     """Saves in a row, none waited for by the caller: each waits for the one before; once they are done exactly
-    the newest save_total_limit checkpoints are left (intact), each reported on disk once, in order."""
+    the newest save_total_limit checkpoints are left (intact), each reported on disk once, in order, all
+    written by one orbax CheckpointManager, closed with the run's checkpoints."""
+    import orbax.checkpoint as ocp
+
+    managers, closed = [], []
+    real_init, real_close = ocp.CheckpointManager.__init__, ocp.CheckpointManager.close
+    monkeypatch.setattr(ocp.CheckpointManager, "__init__",
+                        lambda self, *a, **k: (managers.append(self), real_init(self, *a, **k))[1])
+    monkeypatch.setattr(ocp.CheckpointManager, "close", lambda self: (closed.append(self), real_close(self))[1])
     saved: list[int] = []
+    checkpoints = ckpt.RunCheckpoints(tmp_path, save_total_limit=2, on_saved=saved.append)
     for step in range(1, 6):
-        ckpt.save_checkpoint(tmp_path, step, small_tree(step), {"update": step}, config_dict(), save_total_limit=2,
-                             wait=False, on_saved=saved.append)
+        checkpoints.save(step, small_tree(step), {"update": step}, config_dict(), wait=False)
         assert saved == list(range(1, step))  # the previous save is finished when the next one starts
-    ckpt.wait_for_saves(tmp_path)
+    checkpoints.wait()
     assert saved == [1, 2, 3, 4, 5]
+    assert len(managers) == 1 and closed == []
+    checkpoints.close()
+    assert closed == managers
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_4", "step_5"]
     assert all(ckpt.verify_checkpoint(tmp_path / f"step_{s}")[0] for s in (4, 5))
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), small_tree(0))

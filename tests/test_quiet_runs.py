@@ -6,6 +6,7 @@ import json
 import logging
 import subprocess
 import sys
+import textwrap
 import warnings
 from pathlib import Path
 
@@ -28,11 +29,22 @@ def text_scores(prompts, completions):
     return [str(s) for s in good_fraction(prompts, completions)]
 
 
-def _train(dirs, out, env, *extra, preexec_fn=None):
+#: `ppojax train` (the program, as ``python -m ppojax.trainer.cli``) with an atexit handler that says it ran
+CLI_SAYING_ATEXIT_RAN = textwrap.dedent("""
+    import atexit, sys
+    from ppojax.trainer import cli
+
+    atexit.register(lambda: print("atexit handlers ran", flush=True))
+    sys.argv[0] = "ppojax"
+    sys.exit(cli.main())
+""")
+
+
+def _train(dirs, out, env, *extra, preexec_fn=None, program=("-m", "ppojax.trainer.cli")):
     """`ppojax train` on the tiny run with ``extra`` overrides (replacing the test defaults they name)."""
     overridden = {e.split("=", 1)[0] for e in extra}
     args = [a for a in args_for(dirs, out) if a.split("=", 1)[0] not in overridden] + list(extra)
-    return subprocess.run([sys.executable, "-m", "ppojax.trainer.cli", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, *program, *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300, preexec_fn=preexec_fn)
 
 
@@ -40,7 +52,8 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_and_library_output_goes_to_the_
                                                                                           cli_env):
     """A real file-size limit (`ulimit -f 64`) that the first checkpoint crosses: ONE line on stderr, no traceback
     (orbax's writer threads log theirs), nothing half-written; what the libraries logged and warned during the run
-    is in output_dir/libraries.log."""
+    is in output_dir/libraries.log, orbax's own reports of the failed write included. The process ends the
+    ordinary way: exit code 1, its atexit handlers run, nothing printed after the line."""
     import resource
 
     out = tmp_path / "run"
@@ -49,9 +62,12 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_and_library_output_goes_to_the_
     def small_files():
         resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
 
+    cli = tmp_path / "ppojax_cli.py"
+    cli.write_text(CLI_SAYING_ATEXIT_RAN)
     proc = _train(tiny_dirs, out, env, f"reward_function={MODULE}:noisy_good_fraction", "compilation_cache_dir=none",
-                  preexec_fn=small_files)
+                  preexec_fn=small_files, program=(str(cli),))
     assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1] == "atexit handlers ran", proc.stdout[-3000:]
     assert proc.stderr.splitlines() == [
         f"ppojax: error: file too large while writing {out / 'checkpoints' / 'step_2'}; no earlier checkpoint "
         "exists; raise the file size limit (`ulimit -f unlimited`) or use a file system that allows larger files."]
@@ -63,6 +79,7 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_and_library_output_goes_to_the_
     log = (out / "libraries.log").read_text()
     assert "WARNING some_library.writer: a library's own warning" in log
     assert "FutureWarning: a library's deprecation" in log
+    assert " ERROR absl: " in log and "os_error_code='27'" in log, log[-3000:]  # orbax's report, with the errno
 
 
 def test_the_export_check_prints_no_load_report(tiny_dirs, tmp_path, cli_env):

@@ -42,12 +42,16 @@ _reward_calls = [0]
 
 def blocking_good_fraction(prompts, completions):
     """The reward of the kill tests (configs/tiny.yaml's); with PPOJAX_TEST_BLOCK_AT_REWARD_CALL=<n> set, its
-    n-th call prints a marker and blocks until the process is killed (a kill in the middle of a rollout, once
-    the checkpoint being written in the background is on disk: a kill during that write is another kill point)."""
+    n-th call prints a marker and blocks until the process is killed (a kill in the middle of a rollout of update
+    n, once the checkpoint of update n - 1, written in the background, is in place: a kill during that write is
+    another kill point). The runs save every update (``save_steps=1``)."""
     _reward_calls[0] += 1
     if os.environ.get(BLOCK_ENV) == str(_reward_calls[0]):
-        from ppojax.io.checkpoint import wait_for_saves
-        wait_for_saves()
+        output_dir = next(Path(a.split("=", 1)[1]) for a in sys.argv if a.startswith("output_dir="))
+        previous = output_dir / "checkpoints" / f"step_{_reward_calls[0] - 1}"
+        deadline = time.time() + 60
+        while not previous.is_dir() and time.time() < deadline:  # orbax renames it into place when it is written
+            time.sleep(0.01)
         print(f"PPOJAX_BLOCKED reward call {_reward_calls[0]}", flush=True)
         while True:
             time.sleep(3600)

@@ -15,24 +15,25 @@ Layout of ``directory`` (e.g. ``output_dir/checkpoints``)::
     .deleting/                        checkpoints rotated out (one rename each), emptied once the save is done
     damaged/step_110/                 a damaged checkpoint the next save moved aside (never deleted by ppojax)
 
-orbax writes a save into ``step_N.orbax-checkpoint-tmp`` on its background thread; once the files are written,
-ppojax checksums them into MANIFEST.json, fsyncs them and writes COMPLETE (orbax's post-finalisation callback);
-then orbax renames the directory to ``step_N`` and rotates the checkpoints beyond the limit into ``.deleting/``.
-A process killed at any point leaves the new checkpoint complete or absent and the older ones intact. A failed
-save (ENOSPC, EDQUOT, EFBIG) removes what it wrote and raises one CheckpointError naming the checkpoint, the cause
-and the previous intact checkpoint. ``directory`` must be a POSIX file system that every process sees.
+A run writes through one :class:`RunCheckpoints`, which holds one orbax ``CheckpointManager`` from its first save
+to :meth:`RunCheckpoints.close`. orbax writes a save into ``step_N.orbax-checkpoint-tmp`` on its background
+thread; once the files are written, ppojax checksums them into MANIFEST.json, fsyncs them and writes COMPLETE
+(orbax's post-finalisation callback); then orbax renames the directory to ``step_N`` and rotates the checkpoints
+beyond the limit into ``.deleting/``. A process killed at any point leaves the new checkpoint complete or absent
+and the older ones intact. A failed save (ENOSPC, EDQUOT, EFBIG) closes the manager, waits for the writes orbax
+abandoned, removes what the save wrote and raises one CheckpointError naming the checkpoint, the cause and the
+previous intact checkpoint; orbax's reports of it go to the run's libraries.log (:mod:`ppojax.io.orbax_failures`).
+``directory`` must be a POSIX file system that every process sees.
 
 A checkpoint is intact when COMPLETE vouches for MANIFEST.json (its CRC32), every file listed there has its size
 and checksums, and both JSON files parse. Resuming takes the newest intact checkpoint, with one line for each
 newer damaged one. Before each save, ``step_N.<anything>`` and a ``step_N`` holding no data are deleted and a
 damaged ``step_N`` is moved into ``damaged/`` (it does not count towards the limit); older checkpoints are only
-``stat``-ed then, plus the checksum failures this process found.
+``stat``-ed then, plus the checksum failures the run's earlier checks found.
 """
 from __future__ import annotations
 
-import dataclasses
 import errno
-import functools
 import json
 import operator
 import os
@@ -41,7 +42,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, NoReturn, Optional, Union
 
 import jax
 import numpy as np
@@ -50,9 +51,9 @@ from ppojax.errors import CheckpointError
 from ppojax.io import file_manifest
 from ppojax.io.durable import fsync_path, fsync_tree
 from ppojax.io.host_state_json import config_as_dict, decode_host_state, encode_host_state
-from ppojax.io.orbax_noise import quiet_orbax
+from ppojax.io.orbax_failures import quiet_orbax, wait_for_abandoned_writes
 
-__all__ = ["CheckpointError", "save_checkpoint", "wait_for_saves", "verify_checkpoint", "latest_checkpoint",
+__all__ = ["CheckpointError", "RunCheckpoints", "save_checkpoint", "verify_checkpoint", "latest_checkpoint",
            "resolve_checkpoint", "list_checkpoints", "read_checkpoint_config", "restore_checkpoint",
            "encode_host_state", "decode_host_state", "config_as_dict"]
 
@@ -76,6 +77,9 @@ _FIXES = {
 }
 
 Log = Callable[[str], None]
+#: a run's checksum checks, by resolved path: (manifest signature, problem or None), trusted while the files are
+#: unchanged: a restore does not read again what resume verified, a save (which only stats) knows what it found
+Checked = dict[Path, tuple[tuple, Optional[str]]]
 
 
 def _warn(message: str) -> None:
@@ -112,20 +116,13 @@ def _json_problem(path: Path, name: str) -> Optional[str]:
     return None
 
 
-# resolved path -> (manifest_signature, problem or None) of the checksum checks made in this process: while the
-# files are unchanged, a restore trusts the check resume just made, and a save (which only stats older
-# checkpoints) still knows what resume found.
-_verified: dict[Path, tuple[tuple, Optional[str]]] = {}
-
-
 def verify_checkpoint(path, *, checksums: bool = True) -> tuple[bool, str]:
     """``(True, what was checked)`` if ``path`` is an intact checkpoint, else ``(False, one line naming the file
-    and what is wrong)``. ``checksums=False``: presence and sizes only, plus what this process found before."""
-    wait_for_saves()
-    return _verify(Path(path), checksums)
+    and what is wrong)``. ``checksums=False``: presence and sizes only."""
+    return _verify(Path(path), checksums, {})
 
 
-def _verify(path: Path, checksums: bool = True) -> tuple[bool, str]:
+def _verify(path: Path, checksums: bool, checked: Checked) -> tuple[bool, str]:
     if not path.is_dir():
         return False, "does not exist" if not path.exists() else "is not a directory"
     manifest, problem = _read_manifest(path)
@@ -134,14 +131,14 @@ def _verify(path: Path, checksums: bool = True) -> tuple[bool, str]:
     if problem:
         return False, problem
     count, signature = len(manifest["files"]), file_manifest.manifest_signature(path, manifest)
-    known = _verified.get(path.resolve())
+    known = checked.get(path.resolve())
     if known is not None and known[0] == signature:
         problem = known[1]
     elif not checksums:
         return True, f"{count} files present with their sizes"
     else:
         problem = file_manifest.check_manifest(path, manifest, checksums=True, describe=_describe)
-        _verified[path.resolve()] = (signature, problem)
+        checked[path.resolve()] = (signature, problem)
     return (False, problem) if problem else (True, f"{count} files match their sizes and checksums")
 
 
@@ -176,23 +173,22 @@ def _candidates(directory: Path) -> list[Path]:
 
 def list_checkpoints(directory) -> list[Path]:
     """The complete checkpoints under ``directory`` (not verified), oldest first."""
-    wait_for_saves()
     return [p for p in reversed(_candidates(Path(directory))) if (p / COMPLETE).is_file() and (p / STATE_DIR).is_dir()]
 
 
-def _newest_intact(directory: Path) -> tuple[Optional[Path], list[tuple[Path, str]]]:
+def _newest_intact(directory: Path, checked: Checked) -> tuple[Optional[Path], list[tuple[Path, str]]]:
     """(the newest checkpoint that verifies or None, [(skipped newer checkpoint, reason)])."""
     skipped = []
     for path in _candidates(directory):
-        ok, reason = _verify(path)
+        ok, reason = _verify(path, True, checked)
         if ok:
             return path, skipped
         skipped.append((path, reason))
     return None, skipped
 
 
-def _newest_in(directory: Path, log: Log, none_ok: bool) -> Optional[Path]:
-    chosen, skipped = _newest_intact(directory)
+def _newest_in(directory: Path, log: Log, none_ok: bool, checked: Checked) -> Optional[Path]:
+    chosen, skipped = _newest_intact(directory, checked)
     for path, reason in skipped:
         log(f"skipping {path}: {reason}; " + (f"using {chosen.name}" if chosen else "no intact checkpoint is left"))
     if chosen is not None or (none_ok and not skipped):
@@ -219,58 +215,190 @@ def resolve_checkpoint(where: Union[str, os.PathLike, bool], checkpoint_dir=None
     (None if it holds no ``step_N``); a ``step_N`` path (it must verify); a checkpoints directory or a run's
     output_dir: its newest. Raises CheckpointError (one line per problem) for a path that does not exist, a
     damaged checkpoint, or checkpoints none of which is intact."""
-    wait_for_saves()
+    return _resolve(where, checkpoint_dir, log, {})
+
+
+def _resolve(where, checkpoint_dir, log: Log, checked: Checked) -> Optional[Path]:
     if where is True or where == "auto":
         if checkpoint_dir is None:
             raise CheckpointError("resume='auto' needs the checkpoints directory to look in.")
-        return _newest_in(Path(checkpoint_dir), log, none_ok=True)
+        return _newest_in(Path(checkpoint_dir), log, True, checked)
     path = Path(where)
     if not path.exists():
         raise CheckpointError(f"checkpoint path {path} does not exist; give a step_N checkpoint, a checkpoints "
                               "directory, or resume: auto.")
     if _STEP_RE.match(path.name) or (path / COMPLETE).exists():
-        ok, reason = _verify(path)
+        ok, reason = _verify(path, True, checked)
         if not ok:
-            alternative, _ = _newest_intact(path.parent)
+            alternative, _ = _newest_intact(path.parent, checked)
             hint = f"; the newest intact checkpoint beside it is {alternative}" if alternative is not None else ""
             raise _cannot_resume(path, reason + hint)
         return path
     if not _candidates(path) and (path / "checkpoints").is_dir():  # a run's output_dir
         path = path / "checkpoints"
-    return _newest_in(path, log, none_ok=False)
+    return _newest_in(path, log, False, checked)
 
 
-# --- save: an orbax CheckpointManager per save, ppojax's seal written before orbax's commit ----------------
+# --- save: one orbax CheckpointManager per run, ppojax's seal written before orbax's commit ----------------
 
 
-@dataclasses.dataclass
-class _InFlight:
-    manager: Any  # orbax's CheckpointManager, writing ``step`` in the background
-    step: int
-    on_saved: Optional[Callable[[int], None]]
+class RunCheckpoints:
+    """The checkpoints a run writes under ``directory``: one orbax ``CheckpointManager`` from the first save to
+    :meth:`close` (the run's end, error or signal), and the run's checksum checks. Every process makes one and
+    saves at the same steps. save_total_limit: keep this many (the newest steps, always the one just saved), None:
+    all. log: where damaged checkpoints skipped or moved aside are reported. on_saved(step): once it is on disk."""
+
+    def __init__(self, directory, *, save_total_limit: Optional[int] = None, log: Log = _warn,
+                 on_saved: Optional[Callable[[int], None]] = None):
+        if save_total_limit is not None and save_total_limit < 1:
+            raise CheckpointError(f"save_total_limit={save_total_limit}: expected None or >= 1.")
+        self.directory = Path(directory).absolute()  # orbax's tensorstore refuses relative paths
+        self.save_total_limit, self._log, self._on_saved = save_total_limit, log, on_saved
+        self._checked: Checked = {}
+        self._manager = None  # orbax's CheckpointManager, from the first save to close()
+        self._saving: Optional[int] = None  # the step orbax is writing, until wait() sees it on disk
+
+    def __enter__(self) -> "RunCheckpoints":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def save(self, step: int, train_state, host_state: dict, config_dict: dict, *, wait: bool = True) -> Path:
+        """Save ``directory/step_<step>`` (atomically, with its manifest); returns its path. train_state: a pytree
+        of jax arrays (each process writes its shards); host_state: JSON-able (:mod:`ppojax.io.host_state_json`).
+        wait=False returns once the state is in host memory (the caller may donate it). Raises CheckpointError when
+        the storage fails, for this save or the unfinished one before it."""
+        step = operator.index(step)  # a jax or numpy integer too
+        if step < 0:
+            raise CheckpointError(f"step={step}: expected step >= 0.")
+        # encoded first, so a host state that cannot be stored fails before anything is written
+        host_payload = {"format_version": FORMAT_VERSION, "step": step, "host_state": encode_host_state(host_state)}
+        config_payload = json.loads(json.dumps(config_as_dict(config_dict), default=str))
+        self.wait()
+        if _is_primary():
+            self.directory.mkdir(parents=True, exist_ok=True)
+            _tidy(self.directory, self._log, self._checked)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"ppojax.io.checkpoint:save_start_{step}")
+        import orbax.checkpoint as ocp
+
+        try:
+            manager = self._open()
+            manager.reload()  # the tidy (or another run) changed the directory behind orbax's back
+            if step in manager.all_steps():  # the same step saved again (e.g. after a resume): replace it
+                manager.delete(step)
+            self._saving = step
+            manager.save(step, force=True, args=ocp.args.Composite(
+                train_state=ocp.args.StandardSave(train_state), host_state=ocp.args.JsonSave(host_payload),
+                config=ocp.args.JsonSave(config_payload)))
+        except BaseException as err:
+            self._fail(step, err)
+        if wait:
+            self.wait()
+        return self.directory / f"step_{step}"
+
+    def _open(self):
+        if self._manager is None:
+            import orbax.checkpoint as ocp
+
+            quiet_orbax()
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=self.save_total_limit, step_prefix="step", enable_async_checkpointing=True,
+                todelete_subdir=DELETING_DIR,  # rotation renames (atomic), so no crash leaves half a checkpoint
+                # directories made before save() returns: no writer thread waits on a signal a failure never sends
+                async_options=ocp.AsyncOptions(post_finalization_callback=self._seal_written,
+                                               create_directories_asynchronously=False))
+            handlers = {STATE_DIR: ocp.StandardCheckpointHandler(),
+                        "host_state": ocp.JsonCheckpointHandler(filename=Path(HOST_STATE_FILE).name),
+                        "config": ocp.JsonCheckpointHandler(filename=Path(CONFIG_FILE).name)}
+            self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        return self._manager
+
+    def _seal_written(self) -> None:  # orbax's post-finalisation callback, on its thread: written, not renamed
+        if _is_primary():  # self._saving: orbax runs one save at a time, and save() waits for the last
+            _seal(self.directory / f"step_{self._saving}{UNFINISHED}", self._saving)
+
+    def wait(self) -> None:
+        """Block until the save in flight is on disk (then on_saved); CheckpointError if it failed."""
+        step = self._saving
+        if step is None:
+            return
+        try:
+            self._manager.wait_until_finished()
+        except BaseException as err:
+            self._fail(step, err)
+        self._saving = None
+        if _is_primary():
+            shutil.rmtree(self.directory / DELETING_DIR, ignore_errors=True)
+            fsync_path(self.directory)
+        if self._on_saved is not None:
+            self._on_saved(step)
+
+    def close(self) -> None:
+        """Wait for the save in flight (raising its failure) and close orbax's manager."""
+        try:
+            self.wait()
+        finally:
+            manager, self._manager = self._manager, None
+            if manager is not None:
+                manager.close()
+
+    def _fail(self, step: int, err: BaseException) -> NoReturn:
+        """Close orbax's manager, wait for the writes it abandoned, remove what the failed save wrote and raise
+        one CheckpointError (``err`` itself when the storage did not fail)."""
+        manager, self._manager = self._manager, None
+        if manager is not None:
+            try:
+                manager.close()
+            except Exception:  # the save's own error again
+                pass
+        wait_for_abandoned_writes()
+        self._saving = None
+        if _is_primary():
+            for debris in self.directory.glob(f"step_{step}.*"):
+                shutil.rmtree(debris, ignore_errors=True)
+        code = _errno_of(err)
+        if code is None or not isinstance(err, Exception):
+            raise err
+        intact = next((p for p in _candidates(self.directory) if _verify(p, False, self._checked)[0]), None)
+        then = f"the previous checkpoint {intact.name} is intact" if intact else "no earlier checkpoint exists"
+        fix = _FIXES.get(code, "check the directory's file system")
+        raise CheckpointError(f"{os.strerror(code).lower()} while writing {self.directory / f'step_{step}'}; "
+                              f"{then}; {fix}.") from err
+
+    # The readers wait for the save in flight and share the run's checks.
+    def verify(self, path, *, checksums: bool = True) -> tuple[bool, str]:
+        """As :func:`verify_checkpoint`; ``checksums=False`` also knows what the run's checksum checks found."""
+        self.wait()
+        return _verify(Path(path), checksums, self._checked)
+
+    def resolve(self, where: Union[str, os.PathLike, bool] = "auto") -> Optional[Path]:
+        """As :func:`resolve_checkpoint`, looking in ``directory`` for ``"auto"``."""
+        self.wait()
+        return _resolve(where, self.directory, self._log, self._checked)
+
+    def latest(self) -> Optional[Path]:
+        """As :func:`latest_checkpoint` of ``directory``."""
+        self.wait()  # a failed save is reported, not taken for "no checkpoint"
+        try:
+            return self.resolve("auto")
+        except CheckpointError:
+            return None
+
+    def restore(self, path, abstract_train_state, *, release_target: bool = False) -> tuple[Any, dict, dict]:
+        """As :func:`restore_checkpoint` (a checkpoint :meth:`resolve` verified is not checksummed again)."""
+        self.wait()
+        return _restore(path, abstract_train_state, self._log, release_target, self._checked)
 
 
-_in_flight: dict[Path, _InFlight] = {}  # checkpoints directory -> its save not yet waited for
-
-
-def _manager(directory: Path, limit: Optional[int], step: int):
-    import orbax.checkpoint as ocp
-
-    quiet_orbax()
-    options = ocp.CheckpointManagerOptions(
-        max_to_keep=limit, step_prefix="step", enable_async_checkpointing=True,
-        todelete_subdir=DELETING_DIR,  # rotation renames (atomic), so no crash leaves half a checkpoint
-        async_options=ocp.AsyncOptions(post_finalization_callback=functools.partial(_seal_written, directory, step)))
-    handlers = {STATE_DIR: ocp.StandardCheckpointHandler(),
-                "host_state": ocp.JsonCheckpointHandler(filename=Path(HOST_STATE_FILE).name),
-                "config": ocp.JsonCheckpointHandler(filename=Path(CONFIG_FILE).name)}
-    return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
-
-
-def _seal_written(directory: Path, step: int) -> None:
-    """orbax's post-finalisation callback, on its thread: the files are written, not yet renamed."""
-    if _is_primary():
-        _seal(directory / f"step_{step}{UNFINISHED}", step)
+def save_checkpoint(directory, step: int, train_state, host_state: dict, config_dict: dict, *,
+                    save_total_limit: Optional[int] = None, log: Log = _warn) -> Path:
+    """One save, waited for, by a RunCheckpoints of its own (on every process)."""
+    with RunCheckpoints(directory, save_total_limit=save_total_limit, log=log) as checkpoints:
+        return checkpoints.save(step, train_state, host_state, config_dict)
 
 
 def _seal(path: Path, step: int) -> None:
@@ -290,91 +418,7 @@ def _write_bytes(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def save_checkpoint(directory, step: int, train_state, host_state: dict, config_dict: dict, *,
-                    save_total_limit: Optional[int] = None, log: Log = _warn, wait: bool = True,
-                    on_saved: Optional[Callable[[int], None]] = None) -> Path:
-    """Save checkpoint ``directory/step_<step>`` (atomically, with its manifest) and return its path.
-
-    Call on EVERY process (each writes its shards of ``train_state``, a pytree of jax arrays). host_state: a
-    JSON-able dict (see :mod:`ppojax.io.host_state_json`); config_dict: the run's config. save_total_limit: keep
-    this many checkpoints (the newest steps, always this one), None: all. log: where a damaged checkpoint moved
-    aside is reported. wait=False returns once the state is in host memory (the caller may donate it) while the
-    files are written; on_saved(step) is called once they are on disk. Raises CheckpointError when the storage
-    fails, for this save or an unfinished earlier one.
-    """
-    step = operator.index(step)  # a jax or numpy integer too
-    if step < 0 or (save_total_limit is not None and save_total_limit < 1):
-        raise CheckpointError(f"step={step}, save_total_limit={save_total_limit}: expected step >= 0 and "
-                              "save_total_limit None or >= 1.")
-    directory = Path(directory).absolute()  # orbax's tensorstore refuses relative paths
-    # encoded first, so a host state that cannot be stored fails before anything is written
-    host_payload = {"format_version": FORMAT_VERSION, "step": step, "host_state": encode_host_state(host_state)}
-    config_payload = json.loads(json.dumps(config_as_dict(config_dict), default=str))
-    wait_for_saves(directory)
-    if _is_primary():
-        directory.mkdir(parents=True, exist_ok=True)
-        _tidy(directory, log)
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(f"ppojax.io.checkpoint:save_start_{step}")
-    save = _in_flight[directory] = _InFlight(_manager(directory, save_total_limit, step), step, on_saved)
-    try:
-        import orbax.checkpoint as ocp
-
-        if step in save.manager.all_steps():  # the same step saved again (e.g. after a resume): replace it
-            save.manager.delete(step)
-        save.manager.save(step, force=True, args=ocp.args.Composite(
-            train_state=ocp.args.StandardSave(train_state), host_state=ocp.args.JsonSave(host_payload),
-            config=ocp.args.JsonSave(config_payload)))
-    except BaseException as err:
-        _fail(directory, err)
-    if wait:
-        wait_for_saves(directory)
-    return directory / f"step_{step}"
-
-
-def wait_for_saves(directory=None) -> None:
-    """Block until the saves this process started (under ``directory``, or all) are on disk; raise
-    CheckpointError for one that failed (its files removed first). The training loop calls it before the run
-    ends or when it stops on an error; every function here that reads checkpoints calls it."""
-    for where in [d for d in _in_flight if directory is None or d == Path(directory).absolute()]:
-        save = _in_flight[where]
-        try:
-            save.manager.wait_until_finished()
-        except BaseException as err:
-            _fail(where, err)
-        del _in_flight[where]
-        save.manager.close()
-        if _is_primary():
-            shutil.rmtree(where / DELETING_DIR, ignore_errors=True)
-            fsync_path(where)
-        if save.on_saved is not None:
-            save.on_saved(save.step)
-
-
 # --- what failed saves, crashes and damage leave behind --------------------------------------------------
-
-
-def _fail(directory: Path, err: BaseException):
-    """Remove what the failed save wrote and raise one CheckpointError (``err`` itself when the storage did not
-    fail)."""
-    save = _in_flight.pop(directory)
-    try:
-        save.manager.close()
-    except Exception:  # the save's own error again
-        pass
-    if _is_primary():
-        for debris in directory.glob(f"step_{save.step}.*"):
-            _remove_failed_save(debris)
-    code = _errno_of(err)
-    if code is None or not isinstance(err, Exception):
-        raise err
-    intact = next((p for p in _candidates(directory) if _verify(p, checksums=False)[0]), None)
-    then = f"the previous checkpoint {intact.name} is intact" if intact else "no earlier checkpoint exists"
-    fix = _FIXES.get(code, "check the directory's file system")
-    raise CheckpointError(f"{os.strerror(code).lower()} while writing {directory / f'step_{save.step}'}; {then}; "
-                          f"{fix}.") from err
 
 
 def _errno_of(exc: Optional[BaseException]) -> Optional[int]:
@@ -391,26 +435,12 @@ def _errno_of(exc: Optional[BaseException]) -> Optional[int]:
     return None
 
 
-def _remove_failed_save(path: Path, quiet: float = 0.5, deadline: float = 10.0) -> None:
-    """orbax's (tensorstore's) writers may still be finishing files in a failed save's directory, re-creating the
-    directories they need: remove it until it has stayed gone for ``quiet`` seconds (``deadline`` at most)."""
-    gone_since = time.monotonic()
-    end = gone_since + deadline
-    while time.monotonic() < end:
-        if path.exists():
-            shutil.rmtree(path, ignore_errors=True)
-            gone_since = time.monotonic()
-        elif time.monotonic() - gone_since >= quiet:
-            return
-        time.sleep(0.05)
-
-
-def _tidy(directory: Path, log: Log) -> None:
+def _tidy(directory: Path, log: Log, checked: Checked) -> None:
     """Apply the module doc's rules to what crashed saves and damage left under ``directory``."""
     shutil.rmtree(directory / DELETING_DIR, ignore_errors=True)
     for path in sorted(p for p in directory.iterdir() if _OURS_RE.match(p.name)):
         is_step = _STEP_RE.match(path.name)
-        ok, reason = _verify(path, checksums=False) if is_step else (False, "")
+        ok, reason = _verify(path, False, checked) if is_step else (False, "")
         if ok:
             continue
         if not is_step or not _holds_data(path):  # an unfinished save, or nothing of value
@@ -475,7 +505,6 @@ def _check_structure(path: Path, target: dict, stored: dict) -> None:
 def read_checkpoint_config(path) -> dict:
     """The config dict a checkpoint (e.g. from :func:`resolve_checkpoint`) was written with; CheckpointError
     naming the file if it is missing or not a JSON object."""
-    wait_for_saves()
     problem = _json_problem(Path(path), CONFIG_FILE)
     config = None if problem else json.loads((Path(path) / CONFIG_FILE).read_text())
     if not isinstance(config, dict):
@@ -493,9 +522,13 @@ def restore_checkpoint(path, abstract_train_state, *, log: Log = _warn,
     never held twice. Raises CheckpointError: a damaged checkpoint, an error of orbax while reading (chained),
     or every tensor whose presence, shape or dtype differs from the target.
     """
+    return _restore(path, abstract_train_state, log, release_target, {})
+
+
+def _restore(path, abstract_train_state, log: Log, release_target: bool, checked: Checked) -> tuple[Any, dict, dict]:
     import orbax.checkpoint as ocp
 
-    path = resolve_checkpoint(path, log=log)  # verified: its JSON files parse
+    path = _resolve(path, None, log, checked)  # verified: its JSON files parse
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
                           abstract_train_state)
     quiet_orbax()

@@ -83,6 +83,11 @@ class _Router(logging.Handler):
         super().close()
 
 
+def collecting() -> bool:
+    """Whether a run is keeping the libraries' output in its file now (:func:`library_output_to`)."""
+    return any(isinstance(handler, _Router) for handler in logging.getLogger().handlers)
+
+
 def _writes_to_a_stream(handler: logging.Handler) -> bool:
     """Whether ``handler`` reaches the terminal: a stream handler that is not a file of its own, or absl's
     (which wraps one)."""

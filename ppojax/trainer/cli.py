@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import os
 import json
 import signal
 import sys
@@ -345,34 +344,16 @@ def main(argv=None) -> int:
             return err.exit_code
         if isinstance(err, OSError) and err.errno in DISK_FULL:
             print(f"ppojax: error: {_disk_full_message(err, output_dir)}", file=sys.stderr)
-            return _exit_after_failed_writes(1, own_process=argv is None)
+            return 1
         from ppojax.io.export_dir import ExportDirError
         if not isinstance(err, (CheckpointError, RewardFunctionError, FloatingPointError, ExportDirError)):
             raise
         print(f"ppojax: error: {err}", file=sys.stderr)
-        if isinstance(err, CheckpointError):
-            return _exit_after_failed_writes(1, own_process=argv is None)
         return 2 if isinstance(err, RewardFunctionError) else 1  # 2: a mistake in the user's own function
     return 0
 
 
 DISK_FULL = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
-
-
-def _exit_after_failed_writes(code: int, *, own_process: bool) -> int:
-    """Exit with ``code`` once the error is printed. A failed checkpoint write leaves orbax's other writes
-    abandoned (coroutines never awaited, futures whose exceptions nobody reads), which Python and asyncio report
-    on stderr when they are collected at interpreter shutdown, after ppojax's one-line message. In ppojax's own
-    process (the ``ppojax`` command) the interpreter's teardown is skipped once the logs and streams are flushed;
-    called from Python, the code is returned."""
-    if not own_process:
-        return code
-    import logging
-
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def _disk_full_message(err: OSError, output_dir: Path | None) -> str:

@@ -17,7 +17,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import jax
 
@@ -122,9 +122,10 @@ def reward_failure_check(end: StepEnd) -> None:
                                   "(see that process's log); no optimizer step was applied.")
 
 
-def nonfinite_check(checkpoint_dir: Optional[Callable[[], Any]] = None):
+def nonfinite_check(last_checkpoint: Callable[[], Any] = lambda: None):
     """Stop after ``max_nonfinite_steps`` optimizer steps in a row were skipped for a non-finite loss or
-    gradient; print each update that skipped steps."""
+    gradient; print each update that skipped steps. last_checkpoint(): the run's newest intact checkpoint (or
+    None), named in the message."""
     def check(end: StepEnd) -> None:
         run = end.run
         skipped = int(end.metrics.get("ppo/nonfinite_steps", 0))
@@ -135,8 +136,7 @@ def nonfinite_check(checkpoint_dir: Optional[Callable[[], Any]] = None):
                   f"for a non-finite loss or gradient (mean score {end.metrics['objective/scores']}); {streak} "
                   f"in a row, the run stops at max_nonfinite_steps={run.config.max_nonfinite_steps}.")
         if streak >= run.config.max_nonfinite_steps:
-            from ppojax.io.checkpoint import latest_checkpoint
-            last = latest_checkpoint(checkpoint_dir()) if checkpoint_dir is not None else None
+            last = last_checkpoint()
             raise FloatingPointError(
                 f"{streak} optimizer steps in a row were skipped for a non-finite loss or gradient "
                 f"(max_nonfinite_steps={run.config.max_nonfinite_steps}); stopping. Last good checkpoint: "

@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from ppojax import core as ppo
+from ppojax.io.checkpoint import CheckpointError, RunCheckpoints, read_checkpoint_config
 from ppojax.rl import rollout
 from ppojax.parallel import sharding
 from ppojax.trainer.config import ConfigError, PPOConfig
@@ -55,6 +56,9 @@ class PPOTrainer(LegacyAPI):
         self.train_step = self.run.train_step or make_train_step(self.run.program, self.run.state_shardings)
         self.logger = logger
         self.claim = claim  # the run's hold on output_dir (ppojax.io.run_dir); train() takes one if None
+        # one CheckpointManager from the first save to the end of each train() (closed on errors and signals too)
+        self.checkpoints = RunCheckpoints(self.checkpoint_dir, save_total_limit=args.save_total_limit,
+                                          on_saved=self._checkpoint_on_disk)
 
     # ---- the run's parts, under the names TRL users know ----
     @property
@@ -163,7 +167,7 @@ class PPOTrainer(LegacyAPI):
         # Order matters: a failed reward stops before the update is logged (its numbers mean nothing); a
         # non-finite streak stops after it is logged (the skipped steps are in the metrics).
         hooks = [Hook(reward_failure_check), Hook(log, every=args.logging_steps, at_end=True),
-                 Hook(progress_bar), Hook(nonfinite_check(lambda: self.checkpoint_dir)),
+                 Hook(progress_bar), Hook(nonfinite_check(self.checkpoints.latest)),
                  Hook(lambda end: self.log_samples(end.step), every=sample_every, at_end=sample_every > 0,
                       reads_state=True),
                  Hook(save, every=args.save_steps, reads_state=True)]
@@ -171,16 +175,19 @@ class PPOTrainer(LegacyAPI):
         try:
             with stop:
                 history = run_updates(run, self.train_step, total, hooks, should_stop=stop.requested)
-        except BaseException:
-            self._finish_saves_quietly()  # nothing is left half-written; the run's own error is what it reports
+            path = self.save_checkpoint() if int(run.state.update_count) > start else None
+        except BaseException:  # the save in flight is finished (its failure one line): the run's error is reported
+            try:
+                self.checkpoints.close()
+            except CheckpointError as err:
+                print(f"ppojax: {err}", file=sys.stderr, flush=True)
             raise
         finally:
             if bar is not None:
                 bar.close()
-        if int(run.state.update_count) > start:
-            path = self.save_checkpoint()
-            if stop.signal is not None:
-                raise RunInterrupted(stop.signal, int(run.state.update_count), path)
+        self.checkpoints.close()
+        if path is not None and stop.signal is not None:
+            raise RunInterrupted(stop.signal, int(run.state.update_count), path)
         self.logger.flush()
         return history
 
@@ -225,31 +232,19 @@ class PPOTrainer(LegacyAPI):
     def save_checkpoint(self, wait: bool = True) -> Path:
         """Checkpoint the run's state at its update count. ``wait=False``: return while orbax writes it (the
         next save, or the end of the run, waits for it)."""
-        from ppojax.io.checkpoint import save_checkpoint
-        step = int(self.run.state.update_count)
-        return save_checkpoint(self.checkpoint_dir, step, self.run.state.without_frozen(), self.host_state(),
-                               self.args.to_dict(), save_total_limit=self.args.save_total_limit, wait=wait,
-                               on_saved=self._checkpoint_on_disk)
+        return self.checkpoints.save(int(self.run.state.update_count), self.run.state.without_frozen(),
+                                     self.host_state(), self.args.to_dict(), wait=wait)
 
     def _checkpoint_on_disk(self, step: int) -> None:
         if self.logger is not None:
             self.logger.checkpoint_saved(step)  # sinks that cannot rewrite history (wandb) catch up to here
 
-    def _finish_saves_quietly(self) -> None:
-        """Wait for the checkpoint being written (on an error or an interrupt); its own failure is one line."""
-        from ppojax.io.checkpoint import CheckpointError, wait_for_saves
-        try:
-            wait_for_saves(self.checkpoint_dir)
-        except CheckpointError as err:
-            print(f"ppojax: {err}", file=sys.stderr, flush=True)
-
     def resume(self, where="auto") -> Optional[Path]:
         """Restore from ``where``: 'auto' (the newest checkpoint in output_dir/checkpoints that verifies; damaged
         ones are skipped with one line each; None when nothing was saved yet) or a checkpoint path. Refuses a
         checkpoint from an incompatible config. Returns the checkpoint used, or None."""
-        from ppojax.io.checkpoint import read_checkpoint_config, resolve_checkpoint, restore_checkpoint
         from ppojax.trainer.config import resume_compatibility
-        path = resolve_checkpoint(where, self.checkpoint_dir)
+        path = self.checkpoints.resolve(where)
         if path is None:
             return None
         changed = resume_compatibility(read_checkpoint_config(path), self.args.to_dict())  # raises if must-match
@@ -259,7 +254,7 @@ class PPOTrainer(LegacyAPI):
         # the fresh trainable state is only the restore's target: released first, never held twice
         # the config's hyperparameters (a resumed run may change them), kept apart from the restore's target
         hyperparams = jax.tree.map(jnp.copy, self.run.state.hyperparams)
-        state, host, _ = restore_checkpoint(path, self.run.state.without_frozen(), release_target=True)
+        state, host, _ = self.checkpoints.restore(path, self.run.state.without_frozen(), release_target=True)
         self.run.state = state.replace(frozen=frozen, hyperparams=hyperparams)
         if self.run.batches is not None and host.get("data") is not None:
             self.run.batches.load_state_dict(host["data"])

@@ -1,0 +1,95 @@
+"""What orbax leaves behind when a checkpoint write or read fails (ppojax reports it as one CheckpointError).
+
+orbax logs the error with its traceback (absl's logger) and stops waiting for the rest: the other items' writer
+threads and the other arrays' tensorstore writes go on, and asyncio and Python report that abandoned work when it
+is collected, maybe after the run ("Future exception was never retrieved", "Exception ignored in: <coroutine>",
+"Event loop is closed"). :func:`wait_for_abandoned_writes` waits for that work, so that what the save wrote can be
+removed for good. :func:`quiet_orbax` keeps the reports off the terminal: while a run keeps the libraries' output
+in its file (:func:`ppojax.io.library_logs.library_output_to`) they go there, otherwise they are dropped.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import sys
+import threading
+
+from ppojax.io.library_logs import collecting
+
+_ORBAX_DIR = f"{os.sep}orbax{os.sep}"
+_ORBAX_TMP = ".orbax-checkpoint-tmp"  # where orbax writes a save: named in tensorstore's errors of its writes
+
+
+def wait_for_abandoned_writes(timeout: float = 300.0) -> None:
+    """Wait (``timeout`` seconds at most each) for orbax's writer threads (their classes are orbax's) and every
+    tensorstore operation in flight (orbax keeps no handle to those it abandoned: the garbage collector lists
+    them). Call once orbax's CheckpointManager is closed."""
+    for thread in threading.enumerate():
+        if type(thread).__module__.startswith("orbax.") and thread is not threading.current_thread():
+            thread.join(timeout)
+    import tensorstore as ts
+
+    # type(), not isinstance: some objects compute __class__ (with a warning)
+    for pending in [f for f in gc.get_objects() if issubclass(type(f), ts.Future) and not f.done()]:
+        try:
+            pending.exception(timeout=timeout)
+        except Exception:  # a timeout, or the write's own failure (orbax reported the first)
+            pass
+
+
+def _raised_in_orbax(error) -> bool:
+    """Whether ``error`` (or an exception it was raised from or during) passed through orbax's code, or is
+    tensorstore's failure of a write into a save of orbax's."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if _ORBAX_TMP in str(error):
+            return True
+        tb = error.__traceback__
+        while tb is not None:
+            if _ORBAX_DIR in tb.tb_frame.f_code.co_filename:
+                return True
+            tb = tb.tb_next
+        error = error.__cause__ or error.__context__
+    return False
+
+
+class _OrbaxFailureReports(logging.Filter):
+    """While a run collects the libraries' output: everything; otherwise orbax's errors and asyncio's reports of
+    its abandoned work are dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR or collecting():
+            return True
+        error = record.exc_info[1] if record.exc_info else None
+        return _ORBAX_DIR not in record.pathname and not _raised_in_orbax(error)
+
+
+def _is_orbax_noise(unraisable) -> bool:
+    code = getattr(unraisable.object, "cr_code", None)  # a coroutine being closed
+    if code is not None and _ORBAX_DIR in code.co_filename:
+        return True
+    # tensorstore operations completing into the event loop orbax closed, at any time
+    return isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"
+
+
+def quiet_orbax() -> None:
+    """Install the filters (once per process: orbax's abandoned work may be collected after the run), on absl's
+    and asyncio's loggers and as ``sys.unraisablehook``."""
+    previous = sys.unraisablehook
+    if getattr(previous, "ppojax_orbax_filter", False):
+        return
+    for name in ("absl", "asyncio"):
+        logging.getLogger(name).addFilter(_OrbaxFailureReports())
+    unraisable_log = logging.getLogger("orbax.unraisable")
+
+    def hook(unraisable):
+        if not _is_orbax_noise(unraisable):
+            previous(unraisable)
+        elif collecting():
+            unraisable_log.error("%s: %r", unraisable.err_msg or "Exception ignored in", unraisable.object,
+                                 exc_info=(unraisable.exc_type, unraisable.exc_value, unraisable.exc_traceback))
+
+    hook.ppojax_orbax_filter = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
