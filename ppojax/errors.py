@@ -1,6 +1,7 @@
 """The errors every layer of ppojax raises for a user's mistake or an unusable input. Each message names the value,
 what was expected and the fix; ``ppojax train`` prints it as one line (``ppojax: error: ...``), never a traceback.
 This module imports nothing of ppojax: any layer may raise these."""
+import signal
 
 
 class ConfigError(ValueError):
@@ -36,3 +37,17 @@ class RewardFunctionError(ValueError):
 class CpuFeatureMissing(ValueError):
     """A CPU-specific path was asked for on a CPU that lacks its instruction sets (the message says which and
     what to use instead)."""
+
+
+class RunInterrupted(Exception):
+    """SIGINT or SIGTERM stopped the run between updates; a checkpoint of the last update was written."""
+
+    def __init__(self, signum: int, update: int, checkpoint):
+        self.signum, self.update, self.checkpoint = signum, update, checkpoint
+        name = signal.Signals(signum).name
+        super().__init__(f"stopped by {name} after update {update}; checkpoint {checkpoint} written. Continue "
+                         "with resume=auto.")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum  # the shell's convention for a process ended by a signal

@@ -148,20 +148,6 @@ def nonfinite_check(last_checkpoint: Callable[[], Any] = lambda: None):
 # --------------------------------------------------------------------------------------------------
 # Graceful stop
 # --------------------------------------------------------------------------------------------------
-class RunInterrupted(Exception):
-    """SIGINT or SIGTERM stopped the run between updates; a checkpoint of the last update was written."""
-
-    def __init__(self, signum: int, update: int, checkpoint):
-        self.signum, self.update, self.checkpoint = signum, update, checkpoint
-        name = signal.Signals(signum).name
-        super().__init__(f"stopped by {name} after update {update}; checkpoint {checkpoint} written. Continue "
-                         "with resume=auto.")
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + self.signum  # the shell's convention for a process ended by a signal
-
-
 class StopSignals:
     """Within ``with``: the first SIGINT / SIGTERM (what preemption sends) is recorded, so the loop finishes
     the update in flight and stops; a second one interrupts at once (KeyboardInterrupt). A no-op outside the

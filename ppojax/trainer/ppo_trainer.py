@@ -29,7 +29,8 @@ from ppojax.parallel import sharding
 from ppojax.trainer.config import ConfigError, PPOConfig
 from ppojax.trainer.build import NO_REWARD, build_run
 from ppojax.trainer.legacy import LegacyAPI
-from ppojax.trainer.loop import Hook, RunInterrupted, StopSignals, nonfinite_check, reward_failure_check, run_updates
+from ppojax.errors import RunInterrupted
+from ppojax.trainer.loop import Hook, StopSignals, nonfinite_check, reward_failure_check, run_updates
 from ppojax.rl.program import make_train_step
 
 SAMPLE_TEMPERATURE = 0.01  # TRL's near-greedy sample completions
