@@ -77,7 +77,7 @@ def build_compiling_ahead(config: dict, compile_ahead: bool = True):
     structure first and its ``train_step`` compiles on a background thread while the weights load (as
     ``ppojax train`` does)."""
     from ppojax import backends
-    from ppojax.parallel import sharding
+    from ppojax import parallel
     from ppojax.rl import placement
     from ppojax.rl.actor_critic import ActorCritic
     from ppojax.trainer.config import PPOConfig
@@ -105,7 +105,7 @@ def build_compiling_ahead(config: dict, compile_ahead: bool = True):
                                config["temperature"], has_critic=estimator.uses_critic)
     optimizer = make_optimizer(step=backends.optimizer_step_for(config.get("optimizer_implementation", "auto"),
                                                                 jax.devices()[:1]))
-    mesh = sharding.make_mesh(devices=jax.devices()[:1])
+    mesh = parallel.make_mesh(devices=jax.devices()[:1])
     program = PPOProgram(actor_critic, ModelScores(reward_graphdef, pad), settings, optimizer, mesh)
 
     def trees(policy_state, reward_state, copy):
@@ -124,7 +124,7 @@ def build_compiling_ahead(config: dict, compile_ahead: bool = True):
     policy, reward, _ = _models(config)
     if (nnx.graphdef(policy), nnx.graphdef(reward)) != (policy_graphdef, reward_graphdef):
         raise AssertionError("the loaded models' structure differs from abstract_pretrained's")
-    params, frozen = trees(nnx.state(policy), nnx.state(reward), sharding.copy_arrays)
+    params, frozen = trees(nnx.state(policy), nnx.state(reward), parallel.copy_arrays)
     state, shardings = placement.init_sharded_train_state(params, optimizer, mesh,
                                                          hyperparams=Hyperparams.from_config(ppo_config),
                                                          frozen=frozen, kl_coef=0.05, donate=True)  # the models are this function's

@@ -23,11 +23,11 @@ FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_em
 if __name__ == "__main__":  # a subprocess: make `ppojax` importable; a worker starts jax.distributed FIRST
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if sys.argv[1] == "worker":
-        from ppojax.parallel.sharding import initialize_distributed
+        from ppojax.parallel import initialize_distributed
 
         assert initialize_distributed(), "expected PPOJAX_* variables for a distributed run"
 
-from ppojax.parallel import sharding as sh  # noqa: E402
+from ppojax import parallel as sh  # noqa: E402
 from ppojax.rl import placement  # noqa: E402
 from ppojax.rl.actor_critic import ActorCritic  # noqa: E402
 from ppojax.models import CausalLM, ModelConfig, ScoreModel, load_pretrained, save_pretrained  # noqa: E402

@@ -240,7 +240,7 @@ def test_rollout_slots_in_the_config():
 
 SHARDED = """
 import jax, jax.numpy as jnp, numpy as np
-from ppojax.parallel import sharding as sh
+from ppojax import parallel as sh
 from ppojax.rl import placement
 from ppojax.rl.continuous import generate_continuous
 from ppojax.rl.sampler import generate

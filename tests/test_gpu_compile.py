@@ -44,12 +44,12 @@ def test_the_host_is_eight_h100s(target):
 
 
 def test_train_step_compiles_with_cudnn_attention_on_a_data_tensor_mesh(tiny_model, target):
-    from ppojax.parallel import sharding
+    from ppojax import parallel
     from ppojax.rl.program import make_train_step
     from ppojax.trainer import plan
 
     model_cfg, _, _ = plan.model_config_for(tiny_model)
-    run = plan.abstract_run(_config(), model_cfg, sharding.make_mesh(2, 1, 4, devices=target.devices))
+    run = plan.abstract_run(_config(), model_cfg, parallel.make_mesh(2, 1, 4, devices=target.devices))
     lowered = make_train_step(run.program, run.state_shardings).jitted.lower(run.state, run.prompts, run.key)
     compiled = lowered.compile()
     assert compiled.memory_analysis().argument_size_in_bytes > 0
@@ -59,14 +59,14 @@ def test_train_step_compiles_with_cudnn_attention_on_a_data_tensor_mesh(tiny_mod
 @pytest.mark.parametrize("mesh_shape", [(1, 8, 1), (2, 2, 2)])
 def test_train_step_compiles_with_cudnn_attention_on_an_fsdp_mesh(tiny_model, target, mesh_shape):
     # cuDNN's partitioner takes q, k and v only when sharded alike, which XLA's propagation does not give on an fsdp
-    # mesh: without sharding.attention_operand_placement this compile raises "Query, key and value should have
+    # mesh: without parallel.attention_operand_placement this compile raises "Query, key and value should have
     # same sharding"
-    from ppojax.parallel import sharding
+    from ppojax import parallel
     from ppojax.rl.program import make_train_step
     from ppojax.trainer import plan
 
     model_cfg, _, _ = plan.model_config_for(tiny_model)
-    run = plan.abstract_run(_config(), model_cfg, sharding.make_mesh(*mesh_shape, devices=target.devices))
+    run = plan.abstract_run(_config(), model_cfg, parallel.make_mesh(*mesh_shape, devices=target.devices))
     lowered = make_train_step(run.program, run.state_shardings).jitted.lower(run.state, run.prompts, run.key)
     kernels = set(re.findall(r'custom_call_target="(__cudnn[^"]*)"', lowered.compile().as_text()))
     assert kernels == {"__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward"}  # rollout and update

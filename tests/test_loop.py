@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ppojax.parallel import sharding
+from ppojax import parallel
 from ppojax.trainer import loop
 
 
@@ -30,13 +30,13 @@ def events(monkeypatch):
     """The order of what happens: ("step", k) when update k is dispatched, ("read", k) when its metrics are
     brought to the host, ("hook", name, step, metric) when a hook runs."""
     log: list[tuple] = []
-    real_to_host = sharding.to_host
+    real_to_host = parallel.to_host
 
     def to_host(tree):
         log.append(("read", int(tree["update"])))
         return real_to_host(tree)
 
-    monkeypatch.setattr(sharding, "to_host", to_host)
+    monkeypatch.setattr(parallel, "to_host", to_host)
     return log
 
 

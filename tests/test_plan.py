@@ -102,14 +102,14 @@ def test_a_grouped_estimators_program_gets_one_prompt_per_group(tiny_model):
     the whole batch, planning G times the rows)."""
     import jax
 
-    from ppojax.parallel import sharding
+    from ppojax import parallel
     from ppojax.trainer.config import PPOConfig
     from ppojax.trainer.plan import abstract_run
 
     config = PPOConfig.from_yaml(REPO / "configs/plan.yaml", [*SETTINGS, "advantage_estimator=grpo",
                                                              "num_generations=4"])
     model_cfg, _, _ = model_config_for(str(tiny_model))
-    run = abstract_run(config, model_cfg, sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    run = abstract_run(config, model_cfg, parallel.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
     assert run.prompts.shape == (16 // 4, 8)
 
 

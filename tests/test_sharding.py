@@ -1,4 +1,4 @@
-"""Sharding over device meshes (ppojax.parallel.sharding).
+"""Sharding over device meshes (ppojax.parallel: meshes, rules, placement, distributed start-up).
 
 The main test process has ONE device, so this file runs twice:
 - in the main process: rule/spec/mesh-size checks that need no devices, and
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
 
-from ppojax.parallel import sharding as sh
+from ppojax import parallel as sh
 from ppojax.rl.settings import Hyperparams
 from ppojax.rl import placement
 from tests.sharding_helpers import FAST_COMPILE_FLAGS

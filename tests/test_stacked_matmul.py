@@ -431,7 +431,7 @@ def test_handlers_in_the_cache_serve_without_a_compiler(monkeypatch, tmp_path):
 def test_a_run_asking_for_onednn_where_it_cannot_run_stops_before_loading(monkeypatch):
     """The config refuses 'onednn' with a 16-bit precision; the build refuses it, before any weight is read,
     where the handlers cannot be had (and takes it where they can)."""
-    from ppojax.parallel import sharding
+    from ppojax import parallel
     from ppojax.trainer.config import ConfigError, PPOConfig
     from ppojax.trainer import preflight
 
@@ -441,7 +441,7 @@ def test_a_run_asking_for_onednn_where_it_cannot_run_stops_before_loading(monkey
     with pytest.raises(ConfigError, match="matmul_implementation='cublas'"):
         PPOConfig(matmul_implementation="cublas")
     config = PPOConfig(matmul_implementation="onednn")
-    mesh = sharding.mesh_from_config(config)
+    mesh = parallel.mesh_from_config(config)
     preflight.check_matmul_implementation(config, mesh)  # one CPU device, handlers built: fine
     two_devices = types.SimpleNamespace(devices=np.empty(2, object))
     with pytest.raises(ConfigError, match="cannot be used: it runs on a single CPU device, and here are 2 cpu"):
@@ -455,7 +455,7 @@ def test_a_run_asking_for_onednn_where_it_cannot_run_stops_before_loading(monkey
 def test_mkl_says_where_it_comes_from_and_is_refused_where_it_cannot_run(monkeypatch):
     """'mkl' reads MKL from torch's x86 wheel: without torch it names the install; the config and the build refuse
     it as they refuse 'onednn' (a 16-bit precision; handlers that cannot be had), naming 'mkl'."""
-    from ppojax.parallel import sharding
+    from ppojax import parallel
     from ppojax.trainer.config import ConfigError, PPOConfig
     from ppojax.trainer import preflight
 
@@ -471,7 +471,7 @@ def test_mkl_says_where_it_comes_from_and_is_refused_where_it_cannot_run(monkeyp
     monkeypatch.setattr(stacked_matmul, "unavailable_reason", lambda library="onednn": f"no {library} here")
     config = PPOConfig(matmul_implementation="mkl")
     with pytest.raises(ConfigError, match="matmul_implementation='mkl' cannot be used: no mkl here"):
-        preflight.check_matmul_implementation(config, sharding.mesh_from_config(config))
+        preflight.check_matmul_implementation(config, parallel.mesh_from_config(config))
     with pytest.raises(ValueError, match="matmul_implementation='mkl' cannot be used here: no mkl here"):
         applies("mkl", jnp.float32, [jax.ShapeDtypeStruct((2, 64, 64), jnp.float32)], rows=8)
 

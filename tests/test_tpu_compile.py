@@ -107,12 +107,12 @@ def test_the_attention_a_tpu_user_gets_is_the_one_compiled(tiny_model, target, c
     the program the plan compiles is the one a user runs."""
     from ppojax import backends
     from ppojax.models import XLA
-    from ppojax.parallel import sharding
+    from ppojax import parallel
     from ppojax.rl.program import make_train_step
     from ppojax.trainer.plan import abstract_run, model_config_for
 
     model_cfg, _, _ = model_config_for(tiny_model)
-    mesh = sharding.make_mesh(*MESH, devices=target.devices)
+    mesh = parallel.make_mesh(*MESH, devices=target.devices)
     assert mesh.devices.flat[0].platform == "tpu"
     run = abstract_run(config, model_cfg, mesh)
     assert run.program.actor_critic.kernels is XLA
@@ -124,15 +124,15 @@ def test_the_attention_a_tpu_user_gets_is_the_one_compiled(tiny_model, target, c
 
 def test_several_slices_put_data_across_the_slices():
     """Multi-slice: data spans the slices (their data-center network carries only the gradients' reduction)."""
-    from ppojax.parallel import sharding
+    from ppojax import parallel
     from ppojax.trainer import plan_targets
 
     devices = plan_targets.tpu_devices(plan_targets.parse_target("tpu:v5e:2x2:slices=2"))
-    assert len(devices) == 8 and sharding.slice_count(devices) == 2
-    mesh = sharding.make_mesh(2, 2, 2, devices=devices)
+    assert len(devices) == 8 and parallel.slice_count(devices) == 2
+    mesh = parallel.make_mesh(2, 2, 2, devices=devices)
     assert [{d.slice_index for d in mesh.devices[i].flat} for i in range(2)] == [{0}, {1}]
     with pytest.raises(ValueError, match="must be a multiple of 2"):
-        sharding.make_mesh(1, 4, 2, devices=devices)
+        parallel.make_mesh(1, 4, 2, devices=devices)
 
 
 def test_a_topology_libtpu_refuses_is_a_one_line_error(capsys):
@@ -150,11 +150,11 @@ def test_a_topology_libtpu_refuses_is_a_one_line_error(capsys):
 def test_a_mesh_axis_across_two_torus_sides_still_makes_a_mesh():
     """tensor=8 on a 4x4x4 v5p is no product of the torus sides: the axis spans parts of two (a warning), not a
     crash of jax.make_mesh."""
-    from ppojax.parallel import sharding
+    from ppojax import parallel
     from ppojax.trainer import plan_targets
 
     devices = plan_targets.tpu_devices(plan_targets.parse_target("tpu:v5p:4x4x4"))
-    mesh = sharding.make_mesh(1, 8, 8, devices=devices)
+    mesh = parallel.make_mesh(1, 8, 8, devices=devices)
     assert dict(mesh.shape) == {"data": 1, "fsdp": 8, "tensor": 8} and len(set(mesh.devices.flat)) == 64
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ppojax.parallel import sharding
+from ppojax import parallel
 from ppojax.rl.actor_critic import ActorCritic
 from ppojax.trainer.config import PPOConfig
 from ppojax.models import CausalLM, ScoreModel
@@ -91,7 +91,7 @@ def two_program_step(program):
         if on_host:
             rows = np.repeat(np.asarray(prompts.rows), program.settings.sampling.num_generations)
             components = jnp.asarray(reward.host_components(
-                *sharding.to_host((experience.queries, experience.responses)), rows))
+                *parallel.to_host((experience.queries, experience.responses)), rows))
         return update_jit(state, experience, components, update_key)
 
     return train_step

@@ -242,7 +242,7 @@ def load_pretrained(path: str | os.PathLike, *, kind: str = "causal_lm", dtype=j
     score_label: for a
     classifier with several labels loaded as a "score" model, the label whose logit is the score (None: the
     checkpoint must have one label). mesh, rules: place every weight straight into its sharding on `mesh` by
-    `rules` (a `ppojax.parallel.sharding` rule table, default `TRAIN_RULES`), reading the checkpoint shard by shard:
+    `rules` (a `ppojax.parallel.rules` rule table, default `TRAIN_RULES`), reading the checkpoint shard by shard:
     no process or device holds a sharded weight whole, and each process reads only its own devices' shards.
     Without a mesh the weights go to the default device.
     Returns `(model, cfg)`. :func:`abstract_pretrained` with the same arguments gives the same model's
@@ -275,8 +275,8 @@ def _shardings(state: nnx.State, mesh, rules) -> dict | None:
     `nnx.to_pure_dict(state)`; None without a mesh (the default device)."""
     if mesh is None:
         return None
-    from ppojax.parallel import sharding  # noqa: PLC0415 (the loader needs the rules only when given a mesh)
-    return nnx.to_pure_dict(sharding.param_shardings(state, mesh, sharding.TRAIN_RULES if rules is None else rules))
+    from ppojax import parallel  # noqa: PLC0415 (the loader needs the rules only when given a mesh)
+    return nnx.to_pure_dict(parallel.param_shardings(state, mesh, parallel.TRAIN_RULES if rules is None else rules))
 
 
 def place(source, target: jax.sharding.Sharding | None, dtype) -> jax.Array:

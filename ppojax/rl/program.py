@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from ppojax import core as ppo
 from ppojax.rl import rollout
-from ppojax.parallel import sharding
+from ppojax import parallel
 from ppojax.rl.actor_critic import ActorCritic
 from ppojax.rl.rewards import GivenScores, RewardSource
 from ppojax.rl.types import Prompts, as_prompts
@@ -113,7 +113,7 @@ def _jit(program: PPOProgram, fn, state_shardings):
     replicated (so ``jax.device_get`` works on every process)."""
     if program.mesh is None:
         return jax.jit(fn, donate_argnums=(0,))
-    return jax.jit(fn, donate_argnums=(0,), out_shardings=(state_shardings, sharding.replicated(program.mesh)))
+    return jax.jit(fn, donate_argnums=(0,), out_shardings=(state_shardings, parallel.replicated(program.mesh)))
 
 
 def make_train_step(program: PPOProgram, state_shardings=None):
@@ -138,8 +138,8 @@ def make_train_steps(program: PPOProgram, state_shardings=None):
     def train_steps(state, prompts, keys):
         prompts = as_prompts(prompts)
         if program.mesh is not None:
-            prompts = jax.tree.map(lambda x: sharding.shard_batch_axis(x, program.mesh, axis=1), prompts)
-            keys = sharding.put_replicated(keys, program.mesh)
+            prompts = jax.tree.map(lambda x: parallel.shard_batch_axis(x, program.mesh, axis=1), prompts)
+            keys = parallel.put_replicated(keys, program.mesh)
         return jitted(state, prompts, keys)
 
     train_steps.jitted = jitted
@@ -189,9 +189,9 @@ def make_legacy_step(program: PPOProgram, prompt_length: int, state_shardings=No
 
     def step(state, query_responses, scores, key):
         if program.mesh is not None:
-            query_responses, scores = sharding.shard_batch((jnp.asarray(query_responses, jnp.int32),
+            query_responses, scores = parallel.shard_batch((jnp.asarray(query_responses, jnp.int32),
                                                             jnp.asarray(scores, jnp.float32)), program.mesh)
-            key = sharding.put_replicated(key, program.mesh)
+            key = parallel.put_replicated(key, program.mesh)
         return jitted(state, query_responses, scores, key)
 
     step.jitted = jitted
@@ -201,6 +201,6 @@ def make_legacy_step(program: PPOProgram, prompt_length: int, state_shardings=No
 def _place(program, prompts, key):
     prompts = as_prompts(prompts)
     if program.mesh is not None:
-        prompts = Prompts(*sharding.shard_batch(tuple(prompts), program.mesh))
-        key = sharding.put_replicated(key, program.mesh)
+        prompts = Prompts(*parallel.shard_batch(tuple(prompts), program.mesh))
+        key = parallel.put_replicated(key, program.mesh)
     return prompts, key

@@ -29,7 +29,7 @@ from jax.experimental import io_callback
 from jax.sharding import PartitionSpec
 
 from ppojax.errors import RewardFunctionError
-from ppojax.parallel.sharding import batch_partition_spec
+from ppojax.parallel.rules import batch_partition_spec
 from ppojax.rl import forward
 from ppojax.rl.packed_rollout import packed_sequence_scores
 from ppojax.rl.reward_calls import RewardBatch, RewardCall, call_all, none_to_nan, reward_function_name

@@ -21,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ppojax.parallel import sharding
+from ppojax import parallel
 from ppojax.rl import placement
 from ppojax.rl.continuous import generate_continuous
 from ppojax.rl.packed_rollout import packed_rollout_forwards, rollout_packed_shape
@@ -63,7 +63,7 @@ def _sample_policy(policy_graphdef, policy_params, queries, key, sampling, tempe
     policy_params = _in_compute_dtype(policy_graphdef, policy_params)
     if mesh is not None:
         policy_params = jax.lax.with_sharding_constraint(
-            policy_params, sharding.param_shardings(policy_params, mesh, sharding.GENERATE_RULES))
+            policy_params, parallel.param_shardings(policy_params, mesh, parallel.GENERATE_RULES))
         init_cache_fn = placement.make_init_cache_fn(mesh)
     decode = functools.partial(generate, segments=sampling.decode_segments)
     if sampling.rollout_slots:  # continuous batching: S slots refilled from the waiting rows

@@ -23,7 +23,7 @@ from ppojax import backends
 from ppojax.core.advantages import advantage_estimator
 from ppojax.models.kernels import XLA
 from ppojax.models.lora import LoraSpec
-from ppojax.parallel import sharding
+from ppojax import parallel
 from ppojax.rl import placement
 from ppojax.rl.actor_critic import ActorCritic
 from ppojax.rl.optimizer import optimizer_from_config
@@ -92,15 +92,15 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
     on a background thread while the weights load (``ppojax.trainer.compile_ahead``); ``Run.train_step`` is
     that step, whose first call finds the program compiled."""
     config = config.validate()
-    sharding.initialize_distributed()  # a no-op on one process; must precede other device work
+    parallel.initialize_distributed()  # a no-op on one process; must precede other device work
     # the prompt texts are read here, once, before any model (the preflight leaves them to this)
     preflight(config, policy_given=model is not None, reward_given=reward_model is not None,
               functions_given=reward_funcs is not None, dataset_given=True)
     texts, columns, n_train_texts = read_prompt_texts(config, train_dataset)
     cache_dir = enable_compilation_cache(config.compilation_cache_dir)
-    mesh = as_config_error(sharding.mesh_from_config, config)
+    mesh = as_config_error(parallel.mesh_from_config, config)
     uses_critic = advantage_estimator(config.advantage_estimator).uses_critic
-    data_parallel = sharding.data_parallel_size(mesh)
+    data_parallel = parallel.data_parallel_size(mesh)
     config.derived(data_parallel)  # batch sizes must split over the data-parallel devices (before loading)
     check_matmul_implementation(config, mesh)
     for given, role in ((model, "policy"), (ref_model, "reference model"), (reward_model, "reward model"),
@@ -171,7 +171,7 @@ def make_program(config: PPOConfig, mesh, graphdefs, reward, *, pad_token_id: in
     policy_graphdef, value_graphdef, ref_graphdef = graphdefs
     settings = StepSettings.from_config(config, pad_token_id=pad_token_id, num_updates=num_updates,
                                         stop_token_id=stop_token_id, eos_token_id=eos_token_id,
-                                        data_parallel_size=sharding.data_parallel_size(mesh), vocab_size=vocab_size)
+                                        data_parallel_size=parallel.data_parallel_size(mesh), vocab_size=vocab_size)
     actor_critic = ActorCritic(policy_graphdef, value_graphdef, pad_token_id, config.temperature,
                                ref_graphdef=ref_graphdef,
                                has_critic=advantage_estimator(config.advantage_estimator).uses_critic,

@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 import jax
 import numpy as np
 
-from ppojax.parallel import sharding
+from ppojax import parallel
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def start_train_step(program, params, frozen, *, hyperparams, kl_coef: float, pr
 
     state = jax.eval_shape(lambda p, f: init_train_state(p, program.optimizer, hyperparams=hyperparams, frozen=f,
                                                          kl_coef=kl_coef), params, frozen)
-    state_shardings = sharding.train_state_shardings(state, program.mesh)
+    state_shardings = parallel.train_state_shardings(state, program.mesh)
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s, weak_type=x.weak_type),
                          state, state_shardings)
     step = make_train_step(program, state_shardings)

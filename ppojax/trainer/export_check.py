@@ -60,7 +60,7 @@ def greedy_continuations_agree(policy_dir, policy_graphdef, policy_params, queri
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ppojax.parallel import sharding
+    from ppojax import parallel
     from ppojax.rl.sampler import generate
     from ppojax.core.masks import truncate_response
 
@@ -69,8 +69,8 @@ def greedy_continuations_agree(policy_dir, policy_graphdef, policy_params, queri
     ours = generate(policy_graphdef, policy_params, jnp.asarray(queries),
                     jax.random.key(0),
                     response_length=max_new_tokens, pad_token_id=pad, greedy=True, stop_token_id=stop)
-    ours = sharding.to_host(truncate_response(ours, stop, pad))  # a collective: every process takes part
-    if not sharding.is_main_process():
+    ours = parallel.to_host(truncate_response(ours, stop, pad))  # a collective: every process takes part
+    if not parallel.is_main_process():
         return {"agree": None}
 
     model = AutoModelForCausalLM.from_pretrained(Path(policy_dir), dtype=torch.float32).eval()

@@ -23,7 +23,7 @@ from ppojax.io.library_logs import LOG_FILE as LIBRARY_LOG_FILE, library_output_
 from ppojax.io.run_dir import claim_output_dir
 from ppojax.io.run_logging import PLOT_KEYS, read_jsonl, stage
 from ppojax.io.strict_json import write_json
-from ppojax.parallel import sharding
+from ppojax import parallel
 from ppojax.trainer.config import ConfigError, PPOConfig, resume_compatibility
 from ppojax.trainer.export_check import export_check_skipped, greedy_continuations_agree
 from ppojax.trainer.ppo_trainer import PPOTrainer
@@ -37,10 +37,10 @@ def run_training(config: PPOConfig) -> dict:
     before anything is loaded, and a finished run with the same config prints where its results are and
     changes nothing."""
     config.check_reward_source()
-    sharding.initialize_distributed()  # the claim is process 0's: it needs to know which process it is
+    parallel.initialize_distributed()  # the claim is process 0's: it needs to know which process it is
     preflight(config)  # what the models' config.json files and the devices refute, before anything is loaded
     claim = None
-    if sharding.is_main_process():
+    if parallel.is_main_process():
         claim = claim_output_dir(config.output_dir, config.to_dict(), resume=config.resume,
                                  overwrite=config.overwrite_output_dir,
                                  resume_with_changes=config.resume_with_changes, compatible=resume_compatibility)
@@ -133,7 +133,7 @@ def _held_out_before(trainer: PPOTrainer, out: Path, logger) -> Optional[dict]:
     with stage("scoring held-out prompts before training (compiles the sampler the first time)"):
         before = trainer.evaluate(step=0)
     if before is not None:
-        if sharding.is_main_process():
+        if parallel.is_main_process():
             write_json(path, before)
         print(f"ppojax: held-out mean score before training: {before['mean_score']:.4f}" + _per_reward(before))
         logger.log_samples(0, before["prompts"][:4], before["completions"][:4], before["scores"][:4])
@@ -148,7 +148,7 @@ def _held_out_after(trainer: PPOTrainer, out: Path) -> Optional[dict]:
     with stage("scoring held-out prompts after training"):
         after = trainer.evaluate(step=trainer.num_updates)
     if after is not None:
-        if sharding.is_main_process():
+        if parallel.is_main_process():
             write_json(out / "eval_after.json", after)
         print(f"ppojax: held-out mean score after training: {after['mean_score']:.4f}{_per_reward(after)} "
               f"(completions: {out / 'eval_after.json'})")
@@ -174,7 +174,7 @@ def _export_and_check(trainer: PPOTrainer, config: PPOConfig, out: Path) -> Opti
             out / "policy", trainer.policy_graphdef, trainer.policy_params, trainer.eval_queries[:4],
             config.response_length, pad_token_id=trainer.run.settings.sampling.pad_token_id,
             stop_token_id=trainer.run.settings.sampling.stop_token_id)
-    if sharding.is_main_process():
+    if parallel.is_main_process():
         print(f"ppojax: transformers reproduces ppojax's greedy continuations: {check['agree']}")
     return check
 

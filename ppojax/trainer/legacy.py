@@ -16,7 +16,7 @@ import numpy as np
 
 from ppojax import core as ppo
 from ppojax.rl import rollout
-from ppojax.parallel import sharding
+from ppojax import parallel
 from ppojax.trainer.config import ConfigError
 from ppojax.trainer.data import left_pad
 from ppojax.rl.rewards import check_scores
@@ -50,7 +50,7 @@ class LegacyAPI:
             self.policy_graphdef, self.policy_params, jnp.asarray(padded),
             key, jnp.float32(sampling.temperature if temperature is None else temperature), sampling=sampling,
             greedy=greedy, mesh=self.run.mesh)
-        responses = sharding.to_host(ppo.truncate_response(  # a collective on a multi-process mesh
+        responses = parallel.to_host(ppo.truncate_response(  # a collective on a multi-process mesh
             query_responses[:, padded.shape[1]:], sampling.stop_token_id, sampling.pad_token_id))
         completions = []
         for row in responses:
@@ -86,4 +86,4 @@ class LegacyAPI:
         update_index = int(run.state.update_count)
         run.state, metrics = self._legacy_step(run.state, query_responses, scores_np,
                                                step_key(run.config.seed, update_index))
-        return {name: float(value) for name, value in sharding.to_host(metrics).items()}
+        return {name: float(value) for name, value in parallel.to_host(metrics).items()}

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import jax
 
-from ppojax.parallel import sharding
+from ppojax import parallel
 from ppojax.rl.types import Prompts
 
 
@@ -71,7 +71,7 @@ def run_updates(run, train_step, total: int, hooks: list[Hook], *, should_stop: 
 
     def finish(update_index, device_metrics, dispatched, ended=None) -> bool:
         nonlocal ready
-        metrics = {name: float(value) for name, value in sharding.to_host(device_metrics).items()}
+        metrics = {name: float(value) for name, value in parallel.to_host(device_metrics).items()}
         end = time.perf_counter() if ended is None else ended
         seconds, ready = end - max(dispatched, ready), end
         metrics["eps"] = run.settings.batch.batch_size / seconds

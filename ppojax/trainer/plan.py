@@ -142,7 +142,7 @@ def abstract_run(config: PPOConfig, model_cfg, mesh) -> AbstractRun:
     trainable policy and value model (or a value head), frozen reference (the policy's shape) and a reward
     ScoreModel of the policy's shape; under LoRA the policy's frozen base is the reference. Nothing is
     allocated."""
-    from ppojax.parallel import sharding
+    from ppojax import parallel
     from ppojax.models import CausalLM, CausalLMWithValueHead, ScoreModel
     from ppojax.core.advantages import advantage_estimator
     from ppojax.rl.rewards import ModelScores
@@ -178,13 +178,13 @@ def abstract_run(config: PPOConfig, model_cfg, mesh) -> AbstractRun:
     state = jax.eval_shape(lambda p, f: init_train_state(p, program.optimizer, hyperparams=hyperparams, frozen=f,
                                                          kl_coef=config.kl_coef),
                            models.params, models.frozen)
-    state_shardings = sharding.train_state_shardings(state, mesh)
+    state_shardings = parallel.train_state_shardings(state, mesh)
     # the prompts of one update: batch_size / num_generations rows (the program samples each num_generations times)
     prompt_rows = program.settings.batch.batch_size // program.settings.sampling.num_generations
     prompts = jax.ShapeDtypeStruct((prompt_rows, config.max_prompt_length), jnp.int32,
-                                   sharding=sharding.batch_sharding(mesh))
+                                   sharding=parallel.batch_sharding(mesh))
     key = jax.eval_shape(lambda: jax.random.key(0))
-    key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=sharding.replicated(mesh))
+    key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=parallel.replicated(mesh))
     return AbstractRun(program, _with_shardings(state, state_shardings), state_shardings, prompts, key)
 
 
@@ -218,11 +218,11 @@ class ProgramPlan:
 
 
 def _abstract_experience(run: AbstractRun):
-    from ppojax.parallel import sharding
+    from ppojax import parallel
     from ppojax.rl.program import collect_experience
     experience, _ = jax.eval_shape(lambda s, p, k: collect_experience(run.program, s, p, k), run.state,
                                    run.prompts, run.key)
-    return _with_shardings(experience, sharding.batch_shardings(experience, run.program.mesh))
+    return _with_shardings(experience, parallel.batch_shardings(experience, run.program.mesh))
 
 
 def compile_program(run: AbstractRun, name: str) -> ProgramPlan:
@@ -350,7 +350,7 @@ def plan(config: PPOConfig, model: str, *, mesh_shape=None, hbm_gb: float = 80.0
     """Compile ``programs`` for ``model`` (preset name or checkpoint directory) on a mesh of the target's devices
     (``plan_targets.Target``; default: the devices JAX sees, each of ``hbm_gb`` GB) (``mesh_shape`` (data, fsdp,
     tensor), default: the config's mesh fields) and read their memory."""
-    from ppojax.parallel import sharding
+    from ppojax import parallel
     from ppojax.models import count_params
     from ppojax.trainer import plan_targets
     model_cfg, _, source = model_config_for(model)
@@ -359,14 +359,14 @@ def plan(config: PPOConfig, model: str, *, mesh_shape=None, hbm_gb: float = 80.0
     devices = len(target.devices)
     data, fsdp, tensor = mesh_shape or (config.mesh_data, config.mesh_fsdp, config.mesh_tensor)
     try:
-        mesh = sharding.make_mesh(data, fsdp, tensor, devices=target.devices)
+        mesh = parallel.make_mesh(data, fsdp, tensor, devices=target.devices)
     except ValueError as err:
         raise ConfigError(f"--mesh: {err}") from err
     length = config.max_prompt_length + config.response_length
     if length > model_cfg.max_position_embeddings:
         raise ConfigError(f"max_prompt_length + response_length = {length} exceeds the model's "
                           f"max_position_embeddings={model_cfg.max_position_embeddings}; shorten them.")
-    sizes = config.derived(sharding.data_parallel_size(mesh))
+    sizes = config.derived(parallel.data_parallel_size(mesh))
     run = abstract_run(config, model_cfg, mesh)
     compiled, resident = [], {}
     for name in programs:

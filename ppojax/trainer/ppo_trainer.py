@@ -25,7 +25,7 @@ from flax import nnx
 from ppojax import core as ppo
 from ppojax.io.checkpoint import CheckpointError, RunCheckpoints, read_checkpoint_config
 from ppojax.rl import rollout
-from ppojax.parallel import sharding
+from ppojax import parallel
 from ppojax.trainer.config import ConfigError, PPOConfig
 from ppojax.trainer.build import NO_REWARD, build_run
 from ppojax.trainer.legacy import LegacyAPI
@@ -197,7 +197,7 @@ class PPOTrainer(LegacyAPI):
         directory that holds another run, or one in use: ``ppojax.io.run_dir``); later calls take the lock
         again. A claim the caller passed in (the CLI's) is the caller's to release. Returns whether this
         call took the lock (and must release it)."""
-        if not sharding.is_main_process() or (self.claim is not None and self.claim.lock.held):
+        if not parallel.is_main_process() or (self.claim is not None and self.claim.lock.held):
             return False
         from ppojax.io.run_dir import DirectoryLock, claim_output_dir
         if self.claim is None:
@@ -280,7 +280,7 @@ class PPOTrainer(LegacyAPI):
                                              jnp.asarray(queries, jnp.int32), key, jnp.float32(temperature),
                                              sampling=sampling, mesh=self.run.mesh)
         P = queries.shape[1]
-        responses = sharding.to_host(
+        responses = parallel.to_host(
             ppo.truncate_response(query_responses[:, P:], sampling.stop_token_id, sampling.pad_token_id))
         from ppojax.rl.rewards import decode_rollout_text
         prompts, completions = decode_rollout_text(self.tokenizer, np.asarray(queries), responses,
@@ -345,10 +345,10 @@ class PPOTrainer(LegacyAPI):
             self._score_tokens = jax.jit(lambda frozen, q, r, k: reward.scores(frozen, q, r, k))
         out = self._score_tokens(self.run.state.frozen, jnp.asarray(queries, jnp.int32),
                                  jnp.asarray(responses, jnp.int32), jnp.asarray(table_rows))
-        if int(sharding.to_host(out.failures)):
+        if int(parallel.to_host(out.failures)):
             reward.raise_pending()
-        scores = [float(s) for s in sharding.to_host(out.scores)[:rows]]
-        components = {name: [None if np.isnan(v) else float(v) for v in sharding.to_host(values)[:rows]]
+        scores = [float(s) for s in parallel.to_host(out.scores)[:rows]]
+        components = {name: [None if np.isnan(v) else float(v) for v in parallel.to_host(values)[:rows]]
                       for name, values in out.components.items()}
         return scores, components
 
@@ -361,10 +361,10 @@ class PPOTrainer(LegacyAPI):
         from ppojax.models import save_pretrained
         # collectives (every process takes part); the weights come to the main host one at a time and stay on
         # the host: the whole model never lands on one device (a 70B model would not fit one)
-        host_params = sharding.to_main_host(self.policy_params)
+        host_params = parallel.to_main_host(self.policy_params)
         if self.run.lora is not None:
             self.save_adapter(Path(output_dir).with_name(Path(output_dir).name + "_adapter"))
-        if not sharding.is_main_process():
+        if not parallel.is_main_process():
             return Path(output_dir)
         policy = nnx.merge(self.policy_graphdef, host_params)
         return save_pretrained(policy, self.run.model_config, output_dir, tokenizer=self.tokenizer)
@@ -376,8 +376,8 @@ class PPOTrainer(LegacyAPI):
             raise ConfigError("save_adapter: this run has no LoRA adapters (lora_r=0); save_model writes the "
                               "whole policy.")
         from ppojax.models.peft_io import save_peft_adapter
-        host_adapters = sharding.to_host(self.run.state.params["policy"])  # a collective
-        if not sharding.is_main_process():
+        host_adapters = parallel.to_host(self.run.state.params["policy"])  # a collective
+        if not parallel.is_main_process():
             return Path(output_dir)
         base = self.run.model_path or self.args.model_name_or_path
         return save_peft_adapter(host_adapters, self.run.model_config, self.run.lora, output_dir,

@@ -15,7 +15,7 @@ from ppojax import backends
 from ppojax.models import load_config
 from ppojax.models.families.keys import hf_num_labels
 from ppojax.models.lora import LoraSpec, resolve_target_modules
-from ppojax.parallel import sharding
+from ppojax import parallel
 from ppojax.trainer.config import IN_PLACE_MATMULS, ConfigError, PPOConfig
 from ppojax.trainer.data import (BUILTIN_ARITHMETIC, BUILTIN_MOVIE_REVIEWS, arithmetic_split,
                                  load_prompt_dataset)
@@ -51,7 +51,7 @@ def preflight(config: PPOConfig, *, policy_given: bool = False, reward_given: bo
     ``*_given``: the caller passed that model (or the reward functions) as an object (the config's is not used);
     ``dataset_given``: the caller has the prompts, or reads them itself next (``build_run`` does)."""
     try:
-        mesh_shape = sharding.mesh_shape(config.mesh_data, config.mesh_fsdp, config.mesh_tensor,
+        mesh_shape = parallel.mesh_shape(config.mesh_data, config.mesh_fsdp, config.mesh_tensor,
                                          num_devices=jax.device_count())
     except ValueError as err:
         raise ConfigError(f"{err} (this process sees {jax.device_count()} {jax.default_backend()} device(s); "

@@ -17,7 +17,7 @@ from ppojax import backends
 from ppojax.models import Backbone, ScoreModel, abstract_pretrained, load_pretrained, precision_dtypes
 from ppojax.models.kernels import XLA
 from ppojax.models.lora import LoraSpec, with_lora
-from ppojax.parallel import sharding
+from ppojax import parallel
 from ppojax.trainer.config import ConfigError, PPOConfig
 from ppojax.trainer.preflight import lora_spec_from_config
 from ppojax.trainer.run_rewards import as_config_error
@@ -112,7 +112,7 @@ def load_models(load, **sources) -> RunModels:
 def _copy_module(module):
     """The same module on fresh buffers (``device_put`` copies)."""
     graphdef, state = nnx.split(module)
-    return nnx.merge(graphdef, sharding.copy_arrays(state))
+    return nnx.merge(graphdef, parallel.copy_arrays(state))
 
 
 def _model_inputs(load, *, config, mesh, model_path, model, ref_model, reward_model, value_model, uses_critic,
@@ -156,7 +156,7 @@ def _assemble(config, *, policy, ref_model, reward_module, value_module, uses_cr
         value_graphdef, params["value"] = nnx.split(value)
         if value_module is None and reward_module is not None:
             # the value model trains; the reward model must not
-            params["value"] = sharding.copy_arrays(params["value"])
+            params["value"] = parallel.copy_arrays(params["value"])
     lora_spec = lora_spec_from_config(config, policy.cfg)
     base_graphdef = None
     if lora_spec is not None:  # only the adapters train; the base weights are frozen and serve the reference too
@@ -169,7 +169,7 @@ def _assemble(config, *, policy, ref_model, reward_module, value_module, uses_cr
     elif lora_spec is not None:  # the base weights with the adapters off (ActorCritic.reference): no copy
         ref_graphdef, ref_params = None, None
     else:  # a frozen copy of the initial policy (never donated to the optimizer, never updated)
-        ref_graphdef, ref_params = policy_graphdef, sharding.copy_arrays(params["policy"])
+        ref_graphdef, ref_params = policy_graphdef, parallel.copy_arrays(params["policy"])
     reward_graphdef, reward_params = nnx.split(reward_module) if reward_module is not None else (None, None)
     frozen.update(ref=ref_params, reward=reward_params)
     return RunModels(policy_graphdef, value_graphdef, ref_graphdef, reward_graphdef, base_graphdef, lora_spec,
@@ -216,7 +216,7 @@ def _new_value_model(config, policy, model_options):
     graphdef, state = nnx.split(abstract)
     head = state["score"]["kernel"]
     kernel = policy.cfg.initializer_range * jax.random.normal(jax.random.key(config.seed + 1), head.shape, head.dtype)
-    backbone = sharding.copy_arrays(nnx.state(policy.backbone))
+    backbone = parallel.copy_arrays(nnx.state(policy.backbone))
     state = nnx.State({"backbone": backbone, "score": {"kernel": kernel}})
     return nnx.merge(graphdef, state)
 

@@ -16,7 +16,7 @@ beat the flash kernel, whose query tile is then nearly empty. "cudnn" takes it f
 On a device mesh, cuDNN's SPMD partitioner takes q, k and v only when they are sharded alike (rows and heads,
 never the sequence or head_dim), and the mask's rows like theirs; XLA's propagation gives q and k different
 shardings on an fsdp mesh (their projections' weights differ), so the kernels lay them out for the run's mesh
-(`ppojax.parallel.sharding.attention_operand_placement`) before the call.
+(`ppojax.parallel.rules.attention_operand_placement`) before the call.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from ppojax.models.kernels import Kernels
-from ppojax.parallel.sharding import attention_operand_placement
+from ppojax.parallel.rules import attention_operand_placement
 
 Array = jax.Array
 
