@@ -48,3 +48,23 @@ def test_a_cpu_process_does_not_load_libtpu():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
                           env={**env, "PYTHONPATH": str(REPO)})
     assert done.stdout.split() == ["cpu", "False"], done.stderr[-2000:]
+
+
+@pytest.mark.skipif(not absent_tpu.tpu_plugin_installed(), reason="libtpu is not installed (pip install 'ppojax[tpu]')")
+@pytest.mark.parametrize("imports", ["import ppojax\nimport jax", "import jax\nimport ppojax",
+                                     "from ppojax.models import CausalLM\nimport jax"])
+def test_a_script_importing_ppojax_prints_nothing_from_libtpu(imports):
+    """A user's script in the project's venv (the tpu extra installed) on a host without TPU chips: importing
+    ppojax (before or after jax, as long as no JAX operation ran first) keeps JAX off libtpu, so the first
+    operation prints nothing: no TPU_WORKER_HOSTNAMES or InitGoogle lines, no warning at all."""
+    if capabilities.accelerator_host():
+        pytest.skip(f"an accelerator host: {capabilities.accelerator_host()}")
+    code = (f"{imports}\n"
+            "print(jax.default_backend(), float(jax.numpy.ones(3).sum()),\n"
+            "      any('libtpu' in line for line in open('/proc/self/maps')))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "TPU_SKIP_MDS_QUERY")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
+                          env={**env, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["cpu", "3.0", "False"], done.stdout
+    assert done.stderr == "", done.stderr[-2000:]
