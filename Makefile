@@ -26,9 +26,11 @@ $(TPU_STAMP): $(STAMP)
 	$(PIP) install -q -e '.[tpu]'
 	touch $(TPU_STAMP)
 
-# Two workers, one test file each at a time (module fixtures are built once): XLA's compiles are single-threaded,
-# so the second core would otherwise idle through most of the suite.
+# ruff first (pyproject.toml's [tool.ruff]), then the tests: two workers, one test file each at a time (module
+# fixtures are built once): XLA's compiles are single-threaded, so the second core would otherwise idle through most
+# of the suite.
 test: $(TPU_STAMP)
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 # The development lane (not CI's): the unit tests on the pure-XLA / optax path, no subprocesses, no C++ builds

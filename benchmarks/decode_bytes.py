@@ -32,6 +32,12 @@ import re
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
 from benchmarks import hlo_text
 
 
@@ -43,11 +49,6 @@ def measure(model: str, target_text: str, batch: int, prompt: int, response: int
     if spec.is_cpu:
         raise SystemExit("--target: a TPU target (tpu:<chip>:<topology>); the CPU's cost analysis is not the floor's")
     plan.use_host_for_tracing()
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from flax import nnx
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     from ppojax.models import XLA, CausalLM, init_cache, precision_dtypes
     from ppojax.rl.sampler import decode_step, sample_logits
@@ -96,7 +97,8 @@ def measure(model: str, target_text: str, batch: int, prompt: int, response: int
                        if " copy(" in line and f"[{','.join(map(str, cache.keys.shape))}]" in line.split("copy(")[0])
     return {"model": model, "target": spec.text, "compiler": target.compiler, "batch": batch,
             "layers": "scan" if scan_layers else "unrolled", "cache_copies": cache_copies,
-            "cache_slots": length, "slots_read": cache.slots_read, "kv_read_bytes": kv_read_bytes, "bytes_accessed": moved, "weight_bytes": weight_bytes, "kv_cache_bytes": kv_bytes,
+            "cache_slots": length, "slots_read": cache.slots_read, "kv_read_bytes": kv_read_bytes,
+            "bytes_accessed": moved, "weight_bytes": weight_bytes, "kv_cache_bytes": kv_bytes,
             "floor_bytes": floor, "bytes_over_floor": moved / floor, "flops": cost.get("flops"),
             "argument_bytes": int(memory.argument_size_in_bytes), "temp_bytes": int(memory.temp_size_in_bytes),
             "hbm_gb_per_s": spec.chip.hbm_gb_per_s, "floor_ms": floor / bandwidth * 1e3,

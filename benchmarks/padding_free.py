@@ -34,7 +34,10 @@ import json
 import statistics
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 #: response lengths (tokens, the stop token included; limit 64) of SmolLM2-135M-Instruct's answers to 100 held-out
 #: arithmetic problems after a math run (configs/math_grpo.yaml, seed 0): the policy's own stop-token distribution
@@ -68,8 +71,6 @@ def response_lengths(name: str, rng) -> np.ndarray:
 
 
 def experience(lengths, rng):
-    import jax.numpy as jnp
-
     from ppojax.core.masks import INVALID_LOGPROB
     from ppojax.rl.types import Experience
 
@@ -94,8 +95,6 @@ def experience(lengths, rng):
 
 
 def programs():
-    from flax import nnx
-
     from ppojax.models import CausalLM, ModelConfig, ScoreModel
     from ppojax.rl.actor_critic import ActorCritic
     from ppojax.rl.optimizer import make_optimizer
@@ -129,8 +128,6 @@ DISTRIBUTIONS = ("lognormal", "lognormal_half", "math_run", "half", "full")
 
 
 def measure(repeats: int, distributions=DISTRIBUTIONS) -> list:
-    import jax
-
     from ppojax.rl.rollout import experience_forwards
     from ppojax.rl.update import learn
 
@@ -197,9 +194,6 @@ def stop_after(policy, tokens, scale: float):
 
 
 def measure_rollout(repeats: int, scale: float, chosen: int) -> dict:
-    import jax
-    from flax import nnx
-
     from ppojax.models import CausalLM, ModelConfig
     from ppojax.rl.continuous import generate_continuous_jit
     from ppojax.rl.sampler import generate_jit

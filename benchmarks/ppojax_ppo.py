@@ -127,7 +127,8 @@ def build_compiling_ahead(config: dict, compile_ahead: bool = True):
     params, frozen = trees(nnx.state(policy), nnx.state(reward), parallel.copy_arrays)
     state, shardings = placement.init_sharded_train_state(params, optimizer, mesh,
                                                          hyperparams=Hyperparams.from_config(ppo_config),
-                                                         frozen=frozen, kl_coef=0.05, donate=True)  # the models are this function's
+                                                         frozen=frozen, kl_coef=0.05,
+                                                         donate=True)  # the models are this function's
     return program, state, shardings, ahead
 
 

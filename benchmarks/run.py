@@ -243,8 +243,8 @@ def run_ppojax(config_path: Path, tmp: Path, timeout: float, measured=lambda res
 def prepare_machine(tmp: Path, timeout: float = 300) -> dict:
     """ppojax's once-per-machine step before its measured runs (as an install is): the in-place GEMM handlers built
     and the library `matmul_implementation: auto` takes measured on this CPU where no record covers it
-    (`python -m ppojax.backends.cpu.matmul_tuning`), so that neither lands in a measured first update. -> its seconds and
-    what it said."""
+    (`python -m ppojax.backends.cpu.matmul_tuning`), so that neither lands in a measured first update. -> its seconds
+    and what it said."""
     log = tmp / "prepare_machine.log"
     start = time.perf_counter()
     with open(log, "w") as logf:
@@ -592,8 +592,9 @@ def table(report: dict) -> str:
                          f"{_fmt(ratio.get(k)):>12}")
         warm = (pj.get("warm_cache") or {}).get("time_to_first_update_s")
         if warm is not None:
+            trl_first = trl.get("time_to_first_update_s")
             lines.append(f"{'  same, warm cache':22}{'':>16}{_fmt(warm, ' s'):>14}"
-                         f"{_fmt(warm / trl['time_to_first_update_s'] if trl.get('time_to_first_update_s') else None):>12}")
+                         f"{_fmt(warm / trl_first if trl_first else None):>12}")
         for side in ("trl", "ppojax"):
             m = e["mfu"].get(side)
             if m:

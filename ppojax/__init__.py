@@ -12,6 +12,6 @@ __version__ = "0.1.0"
 
 def __getattr__(name):  # PPOTrainer pulls in the models; import it only when asked for
     if name == "PPOTrainer":
-        from ppojax.trainer.ppo_trainer import PPOTrainer
+        from ppojax.trainer.ppo_trainer import PPOTrainer  # noqa: PLC0415 - `import ppojax` loads no JAX; PPOTrainer on first use
         return PPOTrainer
     raise AttributeError(f"module 'ppojax' has no attribute {name!r}")

@@ -21,8 +21,8 @@ skip_absent_tpu()
 
 # The fast lane for development (`make test-fast`, PPOJAX_TESTS_FAST=1): the pure-XLA / optax path that
 # accelerator users run (ppojax's CPU backend off and its test files left out: no C++ is built), the unit tests
-# only (no test marked slow, no whole-run file: END_TO_END_TESTS), and a test that starts a subprocess (the multi-device and multi-process
-# suites) is skipped where it starts one. `make test` runs everything.
+# only (no test marked slow, no whole-run file: END_TO_END_TESTS), and a test that starts a subprocess (the multi-device
+# and multi-process suites) is skipped where it starts one. `make test` runs everything.
 FAST_LANE = os.environ.get("PPOJAX_TESTS_FAST", "").strip().lower() in ("1", "true", "yes", "on")
 if FAST_LANE:
     os.environ.setdefault("PPOJAX_CPU_BACKEND", "0")

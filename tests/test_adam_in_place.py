@@ -1,6 +1,6 @@
-"""AdamW's step in one pass (ppojax/backends/cpu/adam_in_place.py, ppojax/backends/cpu/ffi/adam_in_place.cc) against a float32 loop of optax's
-arithmetic (equal bit for bit), against optax itself (a few units in the last place: XLA fuses multiply-adds), in
-place in a compiled step, and where it does not apply."""
+"""AdamW's step in one pass (ppojax/backends/cpu/adam_in_place.py, ppojax/backends/cpu/ffi/adam_in_place.cc) against a
+float32 loop of optax's arithmetic (equal bit for bit), against optax itself (a few units in the last place: XLA fuses
+multiply-adds), in place in a compiled step, and where it does not apply."""
 import re
 
 import jax

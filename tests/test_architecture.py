@@ -169,3 +169,42 @@ def _from_backends_import_a_package(path: Path) -> bool:
     return any(isinstance(node, ast.ImportFrom) and node.module == "ppojax.backends"
                and any(alias.name in ("cpu", "gpu") for alias in node.names)
                for node in ast.walk(ast.parse(path.read_text())))
+
+
+#: the array libraries the tests and benchmarks import at the top of a file, never inside a function
+ARRAY_LIBRARIES = ("jax", "numpy", "flax")
+#: (file, function) importing one inside a function anyway, each with its reason; each must still do so
+LAZY_ARRAY_IMPORTS = {
+    # runs in .venv-bench too (benchmarks/run.py's TRL interpreter), which has torch and no jax
+    ("benchmarks/peak.py", "measure_jax"),
+}
+
+
+def _array_imports_inside_functions(path: Path):
+    """(innermost function's name, imported module) for every import of an ARRAY_LIBRARIES module inside a
+    function of ``path``."""
+    def visit(node, function):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield from visit(child, child.name)
+                continue
+            if function is not None:
+                modules = ([alias.name for alias in child.names] if isinstance(child, ast.Import)
+                           else [child.module] if isinstance(child, ast.ImportFrom) and child.level == 0 else [])
+                yield from ((function, m) for m in modules if m.split(".")[0] in ARRAY_LIBRARIES)
+            yield from visit(child, function)
+
+    yield from visit(ast.parse(path.read_text()), None)
+
+
+def test_tests_and_benchmarks_import_jax_and_numpy_at_the_top():
+    """tests/ and benchmarks/ import jax, numpy and flax where a reader looks for them: at the top of the file (ruff
+    lets them import other things lazily). ``XLA_FLAGS`` set by a test or a benchmark needs no lazy import: XLA
+    reads it when JAX starts its backend, not when jax is imported."""
+    found = {(str(path.relative_to(PACKAGE.parent)), function)
+             for folder in ("tests", "benchmarks") for path in sorted((PACKAGE.parent / folder).rglob("*.py"))
+             for function, _ in _array_imports_inside_functions(path)}
+    lazy = sorted(found - LAZY_ARRAY_IMPORTS)
+    assert not lazy, f"jax/numpy/flax imported inside a function (move it to the file's top): {lazy}"
+    stale = LAZY_ARRAY_IMPORTS - found
+    assert not stale, f"no longer imported inside the function: remove from LAZY_ARRAY_IMPORTS: {sorted(stale)}"

@@ -71,7 +71,8 @@ def test_movie_review_prompts():
     prompts = assets.movie_review_prompts(**QUIET)
     assert len(prompts) > 10_000
     assert all(2 <= len(p.split()) <= 8 and p == p.strip() for p in prompts)
-    assert prompts[:3] == ["The Rock is destined to", 'The gorgeously elaborate continuation of "The', "Effective but too tepid"]
+    assert prompts[:3] == ["The Rock is destined to", 'The gorgeously elaborate continuation of "The',
+                           "Effective but too tepid"]
     # Deterministic: re-deriving from the source archive gives exactly the cached list.
     sdist = assets._vader_sdist(**QUIET)
     rows = assets._read_movie_snippets(sdist)

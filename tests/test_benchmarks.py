@@ -243,7 +243,8 @@ def test_mixed_alone_and_merged_with_a_trl_only_report(monkeypatch, tmp_path):
     bench_run = _fake_harness(monkeypatch, calls)
     common = ["--sizes", "tiny", "--threads", "2"]
     bench_run.main(common + ["--only", "trl", "--json", str(tmp_path / "trl.json")])
-    bench_run.main(common + ["--only", "ppojax", "--ppojax-precisions", "mixed", "--json", str(tmp_path / "mixed.json")])
+    bench_run.main(common + ["--only", "ppojax", "--ppojax-precisions", "mixed",
+                             "--json", str(tmp_path / "mixed.json")])
     bench_run.main(common + ["--only", "ppojax", "--json", str(tmp_path / "f32.json")])
     assert calls == [("trl", "tiny"), ("ppojax", "tiny_mixed", "mixed"), ("ppojax", "tiny", "float32")]
     mixed_only = json.loads((tmp_path / "mixed.json").read_text())["sizes"]["tiny"]

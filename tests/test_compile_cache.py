@@ -50,8 +50,8 @@ print(json.dumps({"hits": sum(h.endswith("cache_hits") for h in hits), "out": ou
 
 
 def _child(cache_dir, second_dir):
-    proc = subprocess.run([sys.executable, "-c", _CHILD, str(cache_dir), str(second_dir)], capture_output=True, text=True,
-                          cwd=REPO, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", _CHILD, str(cache_dir), str(second_dir)], capture_output=True,
+                          text=True, cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

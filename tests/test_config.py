@@ -5,6 +5,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from ppojax.trainer.config import ConfigError, PPOConfig, field_help, parse_overrides
@@ -92,9 +94,10 @@ from ppojax.trainer import config as C  # noqa: E402
 
 # Today's hand-written checkpoint lists (before the metadata): the derived sets must keep their behaviour.
 # num_eval_prompts was in none of them, i.e. strict by default; it is now declared must_match.
-OLD_STRICT = {"model_name_or_path", "reward_model_path", "reward_function", "value_model_path", "value_head", "precision",
-              "dataset", "dataset_text_field", "max_prompt_length", "chat_template", "seed", "response_length",
-              "per_device_train_batch_size", "batch_size", "gradient_accumulation_steps", "num_mini_batches"}
+OLD_STRICT = {"model_name_or_path", "reward_model_path", "reward_function", "value_model_path", "value_head",
+              "precision", "dataset", "dataset_text_field", "max_prompt_length", "chat_template", "seed",
+              "response_length", "per_device_train_batch_size", "batch_size", "gradient_accumulation_steps",
+              "num_mini_batches"}
 OLD_HARMLESS = {"output_dir", "run_name", "resume", "total_episodes", "num_train_epochs", "logging_steps",
                 "num_sample_generations", "save_steps", "save_total_limit", "report_to", "max_nonfinite_steps",
                 "on_nonfinite_reward", "compilation_cache_dir"}
@@ -160,9 +163,6 @@ def test_static_fields_cover_what_the_programs_read_today():
 
 
 def test_static_settings_is_a_jit_static_argument():
-    import jax
-    import jax.numpy as jnp
-
     traces = []
 
     def run(settings, x):

@@ -2,6 +2,7 @@
 an earlier export, and never write into (or delete from) a directory of other files (`ppojax/io/export_dir.py`)."""
 import json
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -60,7 +61,6 @@ def test_an_export_replaces_an_earlier_export_whole(tmp_path):
 
 
 def jax_leaves(tree):
-    import jax
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 

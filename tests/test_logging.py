@@ -401,7 +401,8 @@ def test_plot_labels_ticks_and_held_out_marks(tmp_path):
         ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
         assert ticks and all(float(t).is_integer() for t in ticks)
     legend = [t.get_text() for t in score_ax.get_legend().get_texts()]
-    assert legend == ["training batch", "held-out mean, before training: -0.020", "held-out mean, after training: 0.470"]
+    assert legend == ["training batch", "held-out mean, before training: -0.020",
+                      "held-out mean, after training: 0.470"]
     marks = [tuple(c.get_offsets()[0]) for c in score_ax.collections]
     assert marks == [(0.0, -0.02), (7.0, 0.47)]  # before training at update 0, after at the last update
     assert kl_ax.get_legend() is None

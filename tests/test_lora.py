@@ -226,7 +226,8 @@ def test_lora_run_learns_trains_only_adapters_and_exports(tmp_path):
 def test_lora_target_modules_are_checked_before_any_weights_load(tmp_path):
     from ppojax.trainer.config import ConfigError, PPOConfig
     from ppojax.trainer.build import preflight
-    (tmp_path / "config.json").write_text(json.dumps({**GPT2, "n_positions": 128, "architectures": ["GPT2LMHeadModel"]}))  # no weights
+    (tmp_path / "config.json").write_text(  # no weights
+        json.dumps({**GPT2, "n_positions": 128, "architectures": ["GPT2LMHeadModel"]}))
     config = PPOConfig(model_name_or_path=str(tmp_path), reward_function="vader", lora_r=8,
                        lora_target_modules=["q_proj", "c_fc"])
     with pytest.raises(ConfigError, match=r"'q_proj' is not a projection of a gpt2 model.*\['c_fc', 'c_proj'\]"):

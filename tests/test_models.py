@@ -187,7 +187,8 @@ def test_a_classifier_scores_with_the_chosen_label(tmp_path):
     assert ref.shape == (3, 3)
     for label in (1, 2):
         model, cfg = load_pretrained(path, kind="score", score_label=label)
-        assert model.score["kernel"][...].shape == (cfg.hidden_size, 1) and cfg.extra.to_dict()["id2label"] == {"0": f"LABEL_{label}"}
+        assert model.score["kernel"][...].shape == (cfg.hidden_size, 1)
+        assert cfg.extra.to_dict()["id2label"] == {"0": f"LABEL_{label}"}
         scores = jax.jit(lambda m, i, a: m(i, a))(model, jnp.asarray(ids), jnp.asarray(mask))
         np.testing.assert_allclose(last_token_scores(scores, jnp.asarray(mask)), ref[:, label], atol=1e-4)
     with pytest.raises(ValueError, match="classifier with 3 labels.*score_label"):

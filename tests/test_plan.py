@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
 from ppojax.trainer.cli import main
@@ -100,8 +101,6 @@ def test_lora_plan_compiles_adapters_as_the_only_trained_weights(tiny_model, one
 def test_a_grouped_estimators_program_gets_one_prompt_per_group(tiny_model):
     """GRPO samples each prompt num_generations times inside the program: the plan feeds batch / G prompts (it fed
     the whole batch, planning G times the rows)."""
-    import jax
-
     from ppojax import parallel
     from ppojax.trainer.config import PPOConfig
     from ppojax.trainer.plan import abstract_run

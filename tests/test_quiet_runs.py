@@ -8,14 +8,17 @@ import subprocess
 import sys
 import textwrap
 import warnings
-from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.test_cli import good_fraction
-from tests.test_trust import REPO, args_for, cli_env, tiny_dirs  # noqa: F401 - fixtures
+from tests import test_trust as trust
+from tests.test_trust import REPO, args_for
 
 MODULE = "tests.test_quiet_runs"
+# test_trust's fixtures, shared by name (pytest finds a module's fixtures among its names)
+cli_env, tiny_dirs = trust.cli_env, trust.tiny_dirs
 
 
 def noisy_good_fraction(prompts, completions):
@@ -150,8 +153,6 @@ def test_prompt_readability_against_hand_counted_cases():
 def test_scores_as_text_are_refused_whatever_holds_them():
     """numpy reads "0.25" as 0.25; check_scores names the text instead, in a list, a numpy string or object array,
     a column of rows, bytes; numbers in the same containers pass."""
-    import numpy as np
-
     from ppojax.rl.rewards import RewardFunctionError, check_scores
 
     for scores, index, value in ((["0.25", "0.5"], 0, "'0.25'"), (np.array(["0.25", "0.5"]), 0, "'0.25'"),

@@ -23,6 +23,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from ppojax.io.checkpoint import HOST_STATE_FILE, latest_checkpoint, restore_checkpoint
 from ppojax.trainer.cli import main
@@ -31,7 +32,7 @@ from ppojax.models import save_pretrained
 from ppojax.rl.rewards import RewardFunctionError
 from tests.sharding_helpers import FAST_COMPILE_FLAGS
 from tests.test_trainer import good_fraction, make_trainer
-from tests.tiny_setup import write_tiny_run_inputs, PROMPTS, WORDS, tiny_config, tiny_policy, tiny_tokenizer
+from tests.tiny_setup import write_tiny_run_inputs, PROMPTS, WORDS, tiny_config, tiny_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_YAML = str(REPO / "configs" / "tiny.yaml")
@@ -189,7 +190,6 @@ def _model_variant(root: Path, name: str, tokenizer=None, vocab_size=None) -> Pa
     """A copy of the tiny model directory with another tokenizer or vocabulary size."""
     out = root / name
     if vocab_size is not None:
-        from flax import nnx
         from ppojax.models import CausalLM
         save_pretrained(CausalLM(tiny_config(vocab_size), rngs=nnx.Rngs(0)), tiny_config(vocab_size), out)
         tiny_tokenizer().save_pretrained(str(out))  # 16 tokens
@@ -214,7 +214,7 @@ def _tokenizer(pad_token):
 
 def _bad_input(root: Path, case: str) -> list[str]:
     """key=value overrides of configs/tiny.yaml that make one bad input."""
-    model, data = root / "model", root / "prompts.jsonl"
+    data = root / "prompts.jsonl"
     if case == "empty dataset":
         (root / "empty.jsonl").write_text("")
         return [f"dataset={root / 'empty.jsonl'}"]

@@ -5,6 +5,8 @@ import json
 import re
 import threading
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -12,7 +14,7 @@ from ppojax.errors import ConfigError, RewardFunctionError
 from ppojax.rl.reward_calls import RewardBatch, RewardCall, call_all
 from ppojax.tasks import arithmetic
 from ppojax.tasks.math_answers import answer_format, extract_answer, gsm8k_flexible, gsm8k_strict, boxed_answer
-from ppojax.trainer.config import ConfigError, PPOConfig
+from ppojax.trainer.config import PPOConfig
 
 
 # ------------------------------------------------------------------------------------------ the checker
@@ -146,9 +148,6 @@ class _Words:
 
 
 def test_weighted_sum_of_python_and_traced_rewards_skips_those_that_do_not_apply():
-    import jax
-    import jax.numpy as jnp
-
     from ppojax.rl.rewards import ColumnTable, FunctionScores, PADDING_ROW, TracedScores, WeightedRewards
 
     table = ColumnTable({"target": ["w3", "w4", "w9"]})
@@ -339,8 +338,6 @@ def test_the_arithmetic_task_is_seeded_split_and_answered_right(tmp_path):
 def test_a_traced_reward_sums_with_python_functions_in_the_users_order(tmp_path):
     """reward_funcs=[traced, python] with weights in that order: the JAX reward stays in the program, and the score
     is the weighted sum of both (recomputed from the completions the Python function saw)."""
-    import jax.numpy as jnp
-
     from ppojax.rl.rewards import TracedScores
     from ppojax.trainer.ppo_trainer import PPOTrainer
     from tests.tiny_setup import PROMPTS, tiny_policy, tiny_tokenizer
@@ -355,8 +352,8 @@ def test_a_traced_reward_sums_with_python_functions_in_the_users_order(tmp_path)
         return jnp.sum(responses == 2, axis=1).astype(jnp.float32)
 
     config = PPOConfig.from_dict(dict(output_dir=str(tmp_path / "run"), report_to="none", batch_size=8,
-                                      response_length=5, max_prompt_length=6, total_episodes=8, reward_weights=[3.0, 0.5],
-                                      num_sample_generations=0, stop_token="eos", seed=0))
+                                      response_length=5, max_prompt_length=6, total_episodes=8,
+                                      reward_weights=[3.0, 0.5], num_sample_generations=0, stop_token="eos", seed=0))
     trainer = PPOTrainer(config, processing_class=tiny_tokenizer(), model=tiny_policy(), train_dataset=PROMPTS,
                          reward_funcs=[TracedScores(good_tokens), words])
     metrics = trainer.train(num_updates=1, progress=False)[0]

@@ -45,7 +45,8 @@ def test_reward_function_that_raises():
     def my_reward(prompts, completions):
         raise KeyError("sentiment model not loaded")
 
-    with pytest.raises(RewardFunctionError, match=r"reward function .*my_reward raised KeyError: 'sentiment model not loaded'") as info:
+    with pytest.raises(RewardFunctionError,
+                       match=r"reward function .*my_reward raised KeyError: 'sentiment model not loaded'") as info:
         call_reward_function(my_reward, PROMPTS, COMPLETIONS)
     assert isinstance(info.value.__cause__, KeyError)  # the original is chained
 

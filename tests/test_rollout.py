@@ -1,6 +1,7 @@
-"""The rollout half of the PPO program (``ppojax.rl.program.make_rollout``) against the rollout's steps (docs/algorithm.md, "Rollout"), with
-independent references: torch transformers forwards (TRL's forward / get_reward) for log-probs, values and
-scores, numpy for truncation and masks; the Python reward-function path; no recompilation across rollouts."""
+"""The rollout half of the PPO program (``ppojax.rl.program.make_rollout``) against the rollout's steps
+(docs/algorithm.md, "Rollout"), with independent references: torch transformers forwards (TRL's forward / get_reward)
+for log-probs, values and scores, numpy for truncation and masks; the Python reward-function path; no recompilation
+across rollouts."""
 import dataclasses
 
 import numpy as np
@@ -12,7 +13,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from ppojax.rl import forward
+from ppojax.rl import forward  # noqa: E402
 from ppojax.rl import rollout  # noqa: E402
 from ppojax.rl.actor_critic import ActorCritic  # noqa: E402
 from ppojax.trainer.config import PPOConfig  # noqa: E402
@@ -163,7 +164,8 @@ def test_num_eos_tokens_counts_the_sampled_eos_tokens(models, rollouts):
     values, counts = np.unique(raw, return_counts=True)
     eos = int(values[np.argmax(counts)])  # the most sampled token: several occurrences
     assert counts.max() > 1
-    settings = dataclasses.replace(free_settings, sampling=dataclasses.replace(free_settings.sampling, eos_token_id=eos))
+    settings = dataclasses.replace(free_settings,
+                                   sampling=dataclasses.replace(free_settings.sampling, eos_token_id=eos))
     exp = make_experience(models, settings, key)
     np.testing.assert_array_equal(np.asarray(exp.query_responses), np.asarray(free.query_responses))
     assert int(exp.num_eos_tokens) == int(np.sum(raw == eos)) == counts.max()

@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
+from flax import nnx
+from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
 
 from ppojax import parallel as sh
 from ppojax.rl.settings import Hyperparams
@@ -81,8 +82,6 @@ def test_unnamed_parameters_shard_their_largest_divisible_dim_over_fsdp():
 
 
 def test_param_logical_axes_reads_model_annotations_and_marks_plain_arrays_unnamed():
-    from flax import nnx
-
     from ppojax.models import CausalLM, ModelConfig, logical_axes
     from tests.toy_models import ToyLM
 
@@ -320,7 +319,6 @@ if CHILD:
         ((2, 2, 2), 3, 4, None, "tensor"),
     ])
     def test_attention_operands_are_placed_alike(mesh_shape, rows, kv_heads, rows_axes, heads_axis):
-        from jax.sharding import NamedSharding
         mesh = sh.make_mesh(*mesh_shape)
         q = jnp.zeros((rows, 6, 8, 16), jnp.bfloat16)
         k = v = jnp.zeros((rows, 10, kv_heads, 16), jnp.bfloat16)
@@ -386,7 +384,6 @@ if CHILD:
         """``load_pretrained(mesh=)`` puts every weight in its rule's sharding reading one shard per device (no
         array is ever formed whole, on the host or on a device, unless replicated), with the checkpoint's
         values: GPT-2's fused q|k|v split per layer, transposed kernels, stacked layers, an untied head."""
-        from flax import nnx
         from ppojax.models import CausalLM, ModelConfig, load_pretrained, read_params, save_pretrained
         cfg = H.CFG if hf_config is None else ModelConfig.from_hf(hf_config)
         save_pretrained(CausalLM(cfg, rngs=nnx.Rngs(3)), cfg, tmp_path / "ckpt")
@@ -411,7 +408,6 @@ if CHILD:
         from ppojax.trainer.config import PPOConfig
         from ppojax.models import ScoreModel, load_config, read_params, save_pretrained
         from ppojax.trainer.build import build_run
-        from flax import nnx
         from tests.tiny_setup import tiny_config, write_tiny_run_inputs
         root = write_tiny_run_inputs(tmp_path)
         save_pretrained(ScoreModel(tiny_config(), rngs=nnx.Rngs(5)), tiny_config(), root / "reward")

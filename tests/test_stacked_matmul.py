@@ -216,7 +216,8 @@ def test_the_lm_head_reads_its_weight_in_place_from_64_rows(monkeypatch, tied):
 
 
 @pytest.mark.parametrize("library,remat", [("onednn", remat) for remat in REMAT_POLICIES]
-                         + [pytest.param(*p.values, "dots", marks=p.marks) for p in LIBRARIES if p.values[0] != "onednn"])
+                         + [pytest.param(*p.values, "dots", marks=p.marks)
+                            for p in LIBRARIES if p.values[0] != "onednn"])
 def test_model_gradient_equals_xlas_and_dots_recomputes_no_projection(library, remat):
     ids, mask = _batch()
     grad = jax.jit(jax.value_and_grad(token_logprob_loss, argnums=1), static_argnums=0)
@@ -292,8 +293,9 @@ def test_the_avx2_few_row_kernels_equal_numpys(tmp_path):
     if not {"avx2", "fma"} <= _cpu_flags():
         pytest.skip("this CPU has no AVX2 with FMA")
     out = tmp_path / "libstacked_gemm_avx2.so"
+    zen3 = capabilities.Cpu("Zen 3", frozenset({"avx2", "fma", "sse2"}))
     why = build.compile_source(shutil.which("g++"), stacked_matmul.SOURCE, out, stacked_matmul.onednn_library(),
-                               capabilities.build_defines(capabilities.Cpu("Zen 3", frozenset({"avx2", "fma", "sse2"}))))
+                               capabilities.build_defines(zen3))
     assert not why, why
     handlers = ctypes.cdll.LoadLibrary(str(out))
     assert handlers.FewRowsKernels() == 8

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ppojax.trainer.plan_targets import TPU_CHIPS, tpu_compiler_installed
 
@@ -71,8 +73,6 @@ def test_memory_analysis_against_an_independent_count(compiled, tiny_model, conf
     """The compiler's per-chip argument bytes against the state counted from the model's shapes: at least the
     whole state over the 8 chips (no chip holds less than its share), at most the whole state (tensor and fsdp
     split every large weight), beyond the shards' own bytes only by the TPU's tile padding."""
-    from flax import nnx
-
     from ppojax.models import CausalLM, count_params
     from ppojax.trainer.plan import model_config_for
 
@@ -89,8 +89,6 @@ def test_memory_analysis_against_an_independent_count(compiled, tiny_model, conf
 
 def test_the_chip_memory_table_is_the_compilers(target):
     """TPU_CHIPS' HBM is what the TPU compiler allows a program: its refusal of a larger one names it."""
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
     from ppojax.trainer.plan import out_of_memory
 
     mesh = Mesh(np.array(target.devices[:1]), ("x",))
@@ -166,9 +164,6 @@ def test_the_decode_loop_writes_the_kv_cache_in_place(target, segments):
     its own layout.) With decode segments, each loop's attention reads its first slots where they lie: no
     instruction of a loop makes a layer's slots into an array of their own."""
     import re
-
-    from flax import nnx
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     from benchmarks import hlo_text
     from ppojax.models import CausalLM, ModelConfig

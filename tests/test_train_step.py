@@ -1,8 +1,8 @@
 """``train_step``: the whole PPO iteration as one compiled program.
 
 - equals a two-program path written here (rollout program, reward on the host, update program: the layout
-  before the single program) on the same seed, for (a) a reward model + separate value model, (b) a Python reward function
-  (host callback inside the program vs. a host call between programs), (c) the legacy value head;
+  before the single program) on the same seed, for (a) a reward model + separate value model, (b) a Python reward
+  function (host callback inside the program vs. a host call between programs), (c) the legacy value head;
 - K calls of ``train_step`` equal one ``train_steps`` scan of K;
 - a vmapped batch of whole tiny runs (one per seed) equals the same seeds run one by one;
 - no recompilation after the first step (compilations counted).

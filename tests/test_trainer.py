@@ -1,7 +1,9 @@
 """PPOTrainer end to end on a tiny random Llama: learning, the legacy API, adaptive KL, recompilation."""
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from ppojax import core as ppo
 from ppojax.models import XLA
@@ -16,8 +18,9 @@ def good_fraction(prompts, completions):
 
 
 def make_trainer(tmp_path, **overrides):
-    values = dict(output_dir=str(tmp_path / "run"), report_to="none", batch_size=16, response_length=8, max_prompt_length=6, learning_rate=1e-2,
-                  temperature=1.0, kl_coef=0.01, total_episodes=16 * 30, num_sample_generations=0, seed=0)
+    values = dict(output_dir=str(tmp_path / "run"), report_to="none", batch_size=16, response_length=8,
+                  max_prompt_length=6, learning_rate=1e-2, temperature=1.0, kl_coef=0.01, total_episodes=16 * 30,
+                  num_sample_generations=0, seed=0)
     values.update(overrides)
     if "init_kl_coef" in overrides:  # the legacy name for kl_coef
         values.pop("kl_coef")
@@ -91,7 +94,6 @@ def test_save_model_round_trips_in_transformers(tmp_path):
         trainer.save_model(tmp_path / "policy")
     torch_model = AutoModelForCausalLM.from_pretrained(tmp_path / "policy").eval()
     ids = np.array([[5, 4, 6, 2, 3]])
-    from flax import nnx
     from ppojax.rl.forward import sequence_inputs
     policy = nnx.merge(trainer.run.program.actor_critic.policy_graphdef, trainer.policy_params)
     hidden, _ = policy(*sequence_inputs(ids, 0))
@@ -139,19 +141,19 @@ def test_logits_chunk_size_is_sized_from_the_memory_budget(tmp_path, monkeypatch
 def test_precision_and_remat_policies_reach_every_model(tmp_path):
     """precision: mixed keeps float32 parameters (and Adam moments) with bfloat16 compute in the policy, the
     reference and the value model; remat and the attention choice reach the model graphs; a step trains."""
-    from flax import nnx
-    import jax.numpy as jnp
     from tests.tiny_setup import write_tiny_run_inputs
 
     dirs = write_tiny_run_inputs(tmp_path / "inputs")
     config = PPOConfig.from_dict(dict(
-        model_name_or_path=str(dirs / "model"), dataset=str(dirs / "prompts.jsonl"), reward_function="tests.test_cli:good_fraction",
+        model_name_or_path=str(dirs / "model"), dataset=str(dirs / "prompts.jsonl"),
+        reward_function="tests.test_cli:good_fraction",
         output_dir=str(tmp_path / "run"), report_to="none", batch_size=16, response_length=8, max_prompt_length=6,
         total_episodes=16, num_sample_generations=0, precision="mixed", remat="dots", attention_implementation="xla"))
     trainer = PPOTrainer(config)
     state = trainer.state
     for tree in (state.params, state.opt_state, state.frozen["ref"]):
-        assert {x.dtype for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)} == {np.dtype("float32")}
+        floating = {x.dtype for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)}
+        assert floating == {np.dtype("float32")}
     ac = trainer.run.program.actor_critic
     for graphdef, params in ((ac.policy_graphdef, state.params["policy"]), (ac.value_graphdef, state.params["value"])):
         model = nnx.merge(graphdef, params)
@@ -164,9 +166,6 @@ def test_precision_and_remat_policies_reach_every_model(tmp_path):
 def test_evaluation_and_sample_tables_are_scored_by_a_reward_model(tmp_path):
     """With a reward ScoreModel (no Python function), the held-out evaluation and the sample table carry its
     scores: the head at each prompt + completion's last non-pad token, recomputed here with a plain loop."""
-    import jax.numpy as jnp
-    from flax import nnx
-
     from ppojax.models import ScoreModel
     from tests.tiny_setup import tiny_config
 
@@ -242,8 +241,6 @@ def test_a_mixed_precision_update_moves_the_parameters_as_float32s_does(tmp_path
 def test_a_given_model_follows_the_configs_compute_choices(tmp_path):
     """A model passed to PPOTrainer runs with the config's remat and the backend's kernels chosen for the run (as a
     loaded one does); a precision it was not built with is refused before anything runs, naming the fix."""
-    from flax import nnx
-
     trainer = make_trainer(tmp_path, remat="full", attention_implementation="xla", total_episodes=16)
     model = nnx.merge(trainer.run.program.actor_critic.policy_graphdef, trainer.state.params["policy"])
     assert (model.backbone.remat, model.backbone.kernels) == ("full", XLA)
@@ -290,8 +287,6 @@ def test_the_callers_modules_stay_intact_while_the_run_trains_its_own_arrays(tmp
     """The train state takes over the arrays it is built from (so the build never holds the weights twice), but
     never the caller's: the modules given to PPOTrainer (one module in two roles included) keep their arrays
     and values through donated updates, while the run's own policy and value model move."""
-    from flax import nnx
-
     from ppojax.models import ScoreModel
     from tests.tiny_setup import tiny_config
 

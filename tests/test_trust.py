@@ -218,7 +218,8 @@ def test_a_full_disk_during_training_is_one_message_and_leaves_nothing_half_writ
     def small_files():
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    proc = subprocess.run([sys.executable, "-m", "ppojax.trainer.cli", *args_for(tiny_dirs, out, "compilation_cache_dir=none")],
+    proc = subprocess.run([sys.executable, "-m", "ppojax.trainer.cli",
+                           *args_for(tiny_dirs, out, "compilation_cache_dir=none")],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300, preexec_fn=small_files)
     text = proc.stdout + proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("ppojax: error:")]

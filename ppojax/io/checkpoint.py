@@ -46,6 +46,8 @@ from typing import Any, Callable, NoReturn, Optional, Union
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from ppojax.errors import CheckpointError
 from ppojax.io import file_manifest
@@ -280,11 +282,7 @@ class RunCheckpoints:
             self.directory.mkdir(parents=True, exist_ok=True)
             _tidy(self.directory, self._log, self._checked)
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
             multihost_utils.sync_global_devices(f"ppojax.io.checkpoint:save_start_{step}")
-        import orbax.checkpoint as ocp
-
         try:
             manager = self._open()
             manager.reload()  # the tidy (or another run) changed the directory behind orbax's back
@@ -302,8 +300,6 @@ class RunCheckpoints:
 
     def _open(self):
         if self._manager is None:
-            import orbax.checkpoint as ocp
-
             quiet_orbax()
             options = ocp.CheckpointManagerOptions(
                 max_to_keep=self.save_total_limit, step_prefix="step", enable_async_checkpointing=True,
@@ -526,8 +522,6 @@ def restore_checkpoint(path, abstract_train_state, *, log: Log = _warn,
 
 
 def _restore(path, abstract_train_state, log: Log, release_target: bool, checked: Checked) -> tuple[Any, dict, dict]:
-    import orbax.checkpoint as ocp
-
     path = _resolve(path, None, log, checked)  # verified: its JSON files parse
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
                           abstract_train_state)

@@ -27,6 +27,7 @@ from typing import Callable
 
 from ppojax.errors import ExportDirError
 from ppojax.io.durable import fsync_path, fsync_tree
+from ppojax.io.run_dir import IDENTITY_FILE
 from ppojax.io.strict_json import write_text_atomic
 
 #: The file that marks a directory as an export ppojax wrote (and may therefore replace).
@@ -77,7 +78,6 @@ def write_export_dir(target: str | os.PathLike, build: Callable[[Path], None], k
 
 
 def _is_run_dir(directory: Path) -> bool:
-    from ppojax.io.run_dir import IDENTITY_FILE  # noqa: PLC0415
     return (directory / IDENTITY_FILE).is_file()
 
 

@@ -23,6 +23,7 @@ import contextlib
 import importlib
 import logging
 import sys
+import warnings
 from pathlib import Path
 from typing import Iterator
 
@@ -137,6 +138,4 @@ def library_output_to(path: Path) -> Iterator[Path]:
 
 
 def _capturing_warnings() -> bool:
-    import warnings
-
     return getattr(warnings.showwarning, "__module__", "") == "logging"

@@ -15,6 +15,8 @@ import os
 import sys
 import threading
 
+import tensorstore as ts  # orbax-checkpoint's storage layer (its dependency)
+
 from ppojax.io.library_logs import collecting
 
 _ORBAX_DIR = f"{os.sep}orbax{os.sep}"
@@ -28,8 +30,6 @@ def wait_for_abandoned_writes(timeout: float = 300.0) -> None:
     for thread in threading.enumerate():
         if type(thread).__module__.startswith("orbax.") and thread is not threading.current_thread():
             thread.join(timeout)
-    import tensorstore as ts
-
     # type(), not isinstance: some objects compute __class__ (with a warning)
     for pending in [f for f in gc.get_objects() if issubclass(type(f), ts.Future) and not f.done()]:
         try:

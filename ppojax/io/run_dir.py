@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Union
 
-from ppojax.errors import ConfigError, RunDirError
+from ppojax.errors import RunDirError
 from ppojax.io.durable import fsync_path
 from ppojax.io.strict_json import dumps, write_json
 

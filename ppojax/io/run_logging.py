@@ -26,16 +26,26 @@ from __future__ import annotations
 
 import json
 import math
+import secrets
 import sys
 import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
+import jax
+from tqdm import tqdm
+from tqdm.auto import tqdm as auto_tqdm
+
+from ppojax.errors import ConfigError, RunDirError
+from ppojax.io.run_dir import read_identity
 from ppojax.io.strict_json import dumps, to_strict, write_json, write_text_atomic
-from ppojax.io.tensorboard_sink import TensorBoardSink, read_tensorboard_scalars, read_tensorboard_texts
+from ppojax.io.tensorboard_sink import (TensorBoardSink, read_tensorboard_scalars, read_tensorboard_texts,
+                                        samples_markdown)
+from ppojax.io.wandb_sink import WandbSink, import_wandb
 
 __all__ = ["RunLogger", "stage", "read_jsonl", "read_tensorboard_scalars", "read_tensorboard_texts",
-           "format_postfix", "normalise_report_to", "plot_metrics", "curves_figure", "LineProgress", "REPORT_TO_CHOICES"]
+           "format_postfix", "normalise_report_to", "plot_metrics", "curves_figure", "LineProgress",
+           "REPORT_TO_CHOICES"]
 
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
@@ -56,8 +66,6 @@ _T0 = time.time()
 
 def _main_process() -> bool:
     try:
-        import jax
-
         return jax.process_index() == 0
     except Exception:  # pragma: no cover - no jax backend
         return True
@@ -69,8 +77,6 @@ def _prefix() -> str:
 
 def _write_console(text: str, file=None) -> None:
     """Print without breaking an active tqdm bar."""
-    from tqdm import tqdm
-
     tqdm.write(text, file=file or sys.stdout)
     (file or sys.stdout).flush()
 
@@ -105,8 +111,6 @@ def stage(message: str, *, enabled: Optional[bool] = None) -> _Stage:
 def normalise_report_to(report_to: Union[None, str, Sequence[str]]) -> tuple[str, ...]:
     """``report_to`` as a tuple of sink names: 'tensorboard', 'wandb', a list of them, or a comma-separated
     string; None, 'none' or [] mean the JSONL files only. Raises ConfigError naming an unknown value."""
-    from ppojax.errors import ConfigError
-
     if report_to is None:
         return ()
     items = report_to.split(",") if isinstance(report_to, str) else report_to
@@ -255,8 +259,6 @@ class RunLogger:
         if not self.enabled:
             return
         if "wandb" in self.report_to:
-            from ppojax.io.wandb_sink import import_wandb
-
             import_wandb()  # a missing package is an error before anything is written
         self.output_dir.mkdir(parents=True, exist_ok=True)
         config_dict = _config_dict(config)
@@ -267,8 +269,6 @@ class RunLogger:
             metric_rows = _truncate_jsonl(self.metrics_path, int(resume_step))
             sample_rows = _truncate_jsonl(self.samples_path, int(resume_step))
         if "wandb" in self.report_to:  # first: a wandb that cannot start leaves no other sink's files behind
-            from ppojax.io.wandb_sink import WandbSink
-
             if run_name is None and isinstance(config_dict, dict):
                 run_name = config_dict.get("run_name")
             self._wandb = WandbSink(run_id=run_id or _run_id_of(self.output_dir), output_dir=self.output_dir,
@@ -289,8 +289,6 @@ class RunLogger:
                 raise
 
     def _refuse_existing_logs(self) -> None:
-        from ppojax.io.run_dir import RunDirError
-
         found = [p.name for p in (self.metrics_path, self.samples_path) if p.is_file() and p.stat().st_size]
         if self.tensorboard_dir.is_dir() and any(self.tensorboard_dir.iterdir()):
             found.append(TENSORBOARD_DIR + "/")
@@ -330,8 +328,6 @@ class RunLogger:
         _write_console(_text_table(f"samples at update {step}", ("prompt", "completion", "score"), shown))
         _append_lines(self.samples_path, rows)
         if self._tensorboard is not None:
-            from ppojax.io.tensorboard_sink import samples_markdown
-
             self._tensorboard.add_text("samples", samples_markdown(rows), int(step))
         if self._wandb is not None:
             self._wandb.log_samples(int(step), rows)
@@ -366,9 +362,7 @@ class RunLogger:
             lines = not _is_terminal(sys.stdout)
         if lines or not self.enabled:
             return LineProgress(total_updates, initial, enabled=self.enabled)
-        from tqdm.auto import tqdm
-
-        return tqdm(total=total_updates, initial=initial, unit="update", desc="ppo", dynamic_ncols=True)
+        return auto_tqdm(total=total_updates, initial=initial, unit="update", desc="ppo", dynamic_ncols=True)
 
     # ---- plot ----
     def plot(self, path=None, keys: Sequence[str] = PLOT_KEYS, *, held_out_before: Optional[float] = None,
@@ -410,16 +404,12 @@ def _is_terminal(stream) -> bool:
 
 def _run_id_of(output_dir: Path) -> str:
     """The run id of output_dir's run.json, or a new one (a RunLogger used without a claim)."""
-    from ppojax.io.run_dir import read_identity
-
     try:
         identity = read_identity(output_dir)
     except Exception:
         identity = None
     if identity is not None:
         return str(identity["run_id"])
-    import secrets
-
     return f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(3)}"
 
 
@@ -476,8 +466,9 @@ def curves_figure(rows: Sequence[Mapping], keys: Sequence[str] = PLOT_KEYS, *,
     (metrics.jsonl rows): y-axis labels, integer update ticks, and on the score panel the held-out mean
     score before training (at update 0) and after (at the last update) when given."""
     try:
-        from matplotlib.figure import Figure  # the object API draws with Agg; no global backend
-        from matplotlib.ticker import MaxNLocator
+        # the object API draws with Agg; no global backend
+        from matplotlib.figure import Figure  # noqa: PLC0415 - optional (the demo extra)
+        from matplotlib.ticker import MaxNLocator  # noqa: PLC0415 - optional (the demo extra)
     except ImportError as e:  # pragma: no cover
         raise ImportError("plotting needs matplotlib: pip install 'ppojax[demo]' (or matplotlib)") from e
     fig = Figure(figsize=(5.2 * len(keys), 3.8), dpi=100)
@@ -517,7 +508,7 @@ def _kl_coef_on_twin_axis(kl_ax, rows: Sequence[Mapping]) -> None:
     points = [(x, y) for x, y in points if y is not None]
     if len({y for _, y in points}) < 2:
         return
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import MaxNLocator  # noqa: PLC0415 - optional (the demo extra)
 
     xs, ys = zip(*points)
     twin = kl_ax.twinx()

@@ -45,7 +45,7 @@ class TensorBoardSink:
     """Scalars and text into one event file under ``logdir``; every ``add_*`` is on disk when it returns."""
 
     def __init__(self, logdir, _writer_dir: Optional[Path] = None):
-        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.event_file_writer import EventsWriter  # noqa: PLC0415 - tensorboardX's package imports torch (where installed)
 
         self.logdir = Path(logdir)
         target = _writer_dir or self.logdir
@@ -91,19 +91,19 @@ class TensorBoardSink:
         self._write_text(tag, text, step, flush=True)
 
     def _write_scalars(self, step: int, values: Mapping[str, Optional[float]], flush: bool) -> None:
-        from tensorboardX.proto.summary_pb2 import Summary
+        from tensorboardX.proto.summary_pb2 import Summary  # noqa: PLC0415 - tensorboardX's package imports torch (where installed)
 
         summary = Summary(value=[Summary.Value(tag=name, simple_value=float(value))
                                  for name, value in values.items() if value is not None])
         self._write(summary, step, flush)
 
     def _write_text(self, tag: str, text: str, step: int, flush: bool) -> None:
-        from tensorboardX.summary import text as text_summary
+        from tensorboardX.summary import text as text_summary  # noqa: PLC0415 - tensorboardX's package imports torch (where installed)
 
         self._write(text_summary(tag, text), step, flush)
 
     def _write(self, summary, step: int, flush: bool) -> None:
-        from tensorboardX.proto import event_pb2
+        from tensorboardX.proto import event_pb2  # noqa: PLC0415 - tensorboardX's package imports torch (where installed)
 
         if self._writer is None:
             raise RuntimeError(f"the TensorBoard sink of {self.logdir} is closed")
@@ -124,7 +124,7 @@ class TensorBoardSink:
 def _events(logdir):
     """Every event in the event files under ``logdir``, file by file (TFRecord framing read directly; a torn
     record at the end of a crashed run's file ends that file)."""
-    from tensorboardX.proto import event_pb2
+    from tensorboardX.proto import event_pb2  # noqa: PLC0415 - tensorboardX's package imports torch (where installed)
 
     for path in sorted(Path(logdir).rglob(EVENT_GLOB)):
         data = path.read_bytes()

@@ -42,6 +42,8 @@ import zlib
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
+from ppojax.errors import ConfigError
+
 __all__ = ["WandbSink", "read_wandb_history", "read_wandb_config", "wandb_records"]
 
 TESTED_VERSION = "0.31.0"
@@ -58,7 +60,7 @@ _FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
 def wandb_records(path) -> Iterable[Any]:
     """The ``wandb_internal_pb2.Record``s of one ``.wandb`` transaction log, stopping at a torn or corrupt
     record (a killed writer)."""
-    from wandb.proto import wandb_internal_pb2
+    from wandb.proto import wandb_internal_pb2  # noqa: PLC0415 - optional (the wandb extra)
 
     data = Path(path).read_bytes()
     if data[:4] != _HEADER:
@@ -145,10 +147,8 @@ def read_wandb_config(wandb_dir, run_id: str) -> list[dict]:
 
 def import_wandb():
     try:
-        import wandb
+        import wandb  # noqa: PLC0415 - optional (the wandb extra)
     except ImportError:
-        from ppojax.errors import ConfigError
-
         raise ConfigError("report_to includes 'wandb', but wandb is not installed: pip install 'ppojax[wandb]' "
                           f"(tested with wandb=={TESTED_VERSION}), or drop 'wandb' from report_to.") from None
     return wandb
@@ -174,8 +174,6 @@ class WandbSink:
                                   name=run_name or Path(output_dir).name, dir=str(self.wandb_dir),
                                   config=dict(config or {}), resume="allow")
         except Exception as e:  # not logged in, no network, a bad WANDB_* variable: the user's to fix
-            from ppojax.errors import ConfigError
-
             raise ConfigError(f"report_to includes 'wandb', but wandb could not start a run: {e}. Log in with "
                               "`wandb login`, set WANDB_MODE=offline, or drop 'wandb' from report_to.") from None
         self._covered: Optional[int] = None  # the step of the last checkpoint: wandb may hold steps <= it

@@ -13,7 +13,8 @@ from ppojax.models.attention import ATTENTION_IMPLEMENTATIONS
 from ppojax.models.config import ModelConfig
 from ppojax.models.errors import ModelLoadError, UnsupportedModelError
 from ppojax.models.families import Family, family_for, register_family, supported_model_types
-from ppojax.models.hf_io import abstract_pretrained, load_config, load_pretrained, load_tokenizer, read_params, save_pretrained
+from ppojax.models.hf_io import (abstract_pretrained, load_config, load_pretrained, load_tokenizer, read_params,
+                                 save_pretrained)
 from ppojax.models.transformer import (
     Backbone,
     CausalLM,
@@ -39,8 +40,8 @@ __all__ = [
     "Family", "family_for", "register_family", "supported_model_types",
     "abstract_pretrained", "load_config", "load_pretrained", "load_tokenizer", "read_params", "save_pretrained",
     "Backbone", "CausalLM", "CausalLMWithValueHead", "KVCache", "ScoreModel",
-    "apply_causal_lm", "apply_causal_lm_with_value", "apply_score_model", "count_params", "init_cache", "last_token_index",
-    "last_token_scores", "logical_axes", "position_ids_from_mask",
+    "apply_causal_lm", "apply_causal_lm_with_value", "apply_score_model", "count_params", "init_cache",
+    "last_token_index", "last_token_scores", "logical_axes", "position_ids_from_mask",
     "Kernels", "XLA",
     "ATTENTION_IMPLEMENTATIONS", "PRECISIONS", "REMAT_POLICIES", "precision_dtypes",
 ]

@@ -23,6 +23,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from ppojax import parallel
 from ppojax.io.export_dir import check_export_target, write_export_dir
 from ppojax.models.kernels import XLA, Kernels
 from ppojax.models.config import ModelConfig
@@ -186,7 +187,7 @@ def load_config(path: str | os.PathLike) -> ModelConfig:
 
 def load_tokenizer(path: str | os.PathLike, **kwargs):
     """transformers' `AutoTokenizer.from_pretrained` on the local folder (no hub access)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # noqa: PLC0415 - transformers imports torch (where installed)
 
     if not Path(path).is_dir():
         raise FileNotFoundError(f"tokenizer directory {path} does not exist")
@@ -230,8 +231,8 @@ def _stored_head_differs(ckpt: SafetensorsCheckpoint, cfg: ModelConfig, kind: st
 
 
 def load_pretrained(path: str | os.PathLike, *, kind: str = "causal_lm", dtype=jnp.float32, param_dtype=None,
-                    scan_layers: bool = True, remat: str = "none", kernels: Kernels = XLA, seed: int = 0, score_label: int | None = None, mesh=None,
-                    rules=None):
+                    scan_layers: bool = True, remat: str = "none", kernels: Kernels = XLA, seed: int = 0,
+                    score_label: int | None = None, mesh=None, rules=None):
     """Load a Hugging Face checkpoint directory into a ppojax model.
 
     kind: "causal_lm" -> `CausalLM`; "score" -> `ScoreModel` (reward/value models, `XForSequenceClassification`);
@@ -275,7 +276,6 @@ def _shardings(state: nnx.State, mesh, rules) -> dict | None:
     `nnx.to_pure_dict(state)`; None without a mesh (the default device)."""
     if mesh is None:
         return None
-    from ppojax import parallel  # noqa: PLC0415 (the loader needs the rules only when given a mesh)
     return nnx.to_pure_dict(parallel.param_shardings(state, mesh, parallel.TRAIN_RULES if rules is None else rules))
 
 
@@ -310,7 +310,8 @@ def read_shard(source, index: tuple, dtype) -> np.ndarray:
 
 
 def abstract_pretrained(path: str | os.PathLike, *, kind: str = "causal_lm", dtype=jnp.float32, param_dtype=None,
-                        scan_layers: bool = True, remat: str = "none", kernels: Kernels = XLA, seed: int = 0, score_label: int | None = None):
+                        scan_layers: bool = True, remat: str = "none", kernels: Kernels = XLA, seed: int = 0,
+                        score_label: int | None = None):
     """The model :func:`load_pretrained` returns for the same arguments, abstract: the same graphdef with
     `jax.ShapeDtypeStruct` weights (`nnx.eval_shape`), from the checkpoint's config.json and tensor names
     alone (no weight is read; a tied config whose checkpoint stores its own LM head reads those two tensors,
@@ -438,8 +439,8 @@ def save_pretrained(model, cfg: ModelConfig, out_dir: str | os.PathLike, tokeniz
 
     model: a `CausalLM` (-> `XForCausalLM`), `ScoreModel` (-> `XForSequenceClassification`, num_labels = 1) or
     `CausalLMWithValueHead` (-> `XForCausalLM` weights + TRL's `v_head.summary.*`). `params`: optional
-    parameters (an `nnx.State` from `nnx.split`, or its pure dict) to write instead of the model's own. dtype: storage dtype
-    (default: the parameters' dtype).
+    parameters (an `nnx.State` from `nnx.split`, or its pure dict) to write instead of the model's own. dtype: storage
+    dtype (default: the parameters' dtype).
     """
     kind = _kind_of(model)
     if kind == "score":  # a ppojax ScoreModel has one output (num_labels = 1)

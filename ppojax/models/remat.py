@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 
 
 REMAT_POLICIES = ("none", "full", "dots")

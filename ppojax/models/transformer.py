@@ -16,8 +16,9 @@ Forward contract (docs/algorithm.md, "Conventions"):
 and optionally `segment_ids i32[B, S]` for PACKED rows (several sequences side by side in one row, each with its
 own positions): a query then attends only to keys of its own segment (no cache). Pad ids are replaced by 0 before
 the embedding. Attention is causal AND ignores pad keys; it runs through the kernels' `attention` (XLA's by default,
-`attention.py`; a backend's fused kernel where the run chose one). Softmax and norm statistics are float32 whatever the compute dtype. A query that sees no valid key (a left-pad position)
-gets a finite, meaningless output (never NaN); callers ignore pad positions.
+`attention.py`; a backend's fused kernel where the run chose one). Softmax and norm statistics are float32 whatever the
+compute dtype. A query that sees no valid key (a left-pad position) gets a finite, meaningless output (never NaN);
+callers ignore pad positions.
 
 Model options (static, part of the graphdef): `dtype` / `param_dtype` (compute / storage; named pairs in
 `precision.py`), `remat` ("none" | "full" | "dots", `remat.py`), `scan_layers`, and `kernels`: the backend's
@@ -25,10 +26,11 @@ operations, attention included (`kernels.py`: XLA's by default; a run chooses th
 `ppojax.backends.kernels_for`).
 
 KV cache (`KVCache`, `init_cache`): keys/values `[L, B, T, K, hd]`, `key_mask bool[B, T]`, `index i32[]` (next write
-slot; the kernels say how its keys and values are stored, `Kernels.slot_dtype`). A call with a cache writes its S tokens at slots `[index, index + S)`, marks them valid where
-`attention_mask`, lets query slot `index + s` attend to valid slots `<= index + s`, and returns `index + S`.
-Prefill = the whole left-padded prompt on an empty cache; decode = S = 1 calls. Static shapes, jit-friendly.
-`index` may also be i32[B], one per row (each row writes at its own slot; `write_slots`).
+slot; the kernels say how its keys and values are stored, `Kernels.slot_dtype`). A call with a cache writes its S tokens
+at slots `[index, index + S)`, marks them valid where `attention_mask`, lets query slot `index + s` attend to valid
+slots `<= index + s`, and returns `index + S`. Prefill = the whole left-padded prompt on an empty cache; decode = S = 1
+calls. Static shapes, jit-friendly. `index` may also be i32[B], one per row (each row writes at its own slot;
+`write_slots`).
 """
 
 from __future__ import annotations
@@ -273,8 +275,8 @@ def _block(cfg: ModelConfig, dtype, inv_freq, p: dict, x: Array, positions: Arra
     slots_read]`; None: all T).
     `attn_kwargs`: the mask hints of `Kernels.attention`. `lora_scale`: alpha / r of the LoRA adapters some
     projections carry (`lora.py`; None without adapters). `cache_dtype`: the dtype of the cache's keys and values
-    (`KVCache.dtype`), stored as `kernels` store it. `kernels`: the model's backend operations; `products`: this layer's `kernels.layer_products` (projections whose kernels the
-    backend reads where they lie in the stack; absent from `p`).
+    (`KVCache.dtype`), stored as `kernels` store it. `kernels`: the model's backend operations; `products`: this layer's
+    `kernels.layer_products` (projections whose kernels the backend reads where they lie in the stack; absent from `p`).
     Returns `(x, kv)`.
     """
     products = products or {}
@@ -321,7 +323,6 @@ def _block(cfg: ModelConfig, dtype, inv_freq, p: dict, x: Array, positions: Arra
     attn_out = _with_lora(attn_out, o, a["o"], 2, dtype, lora_scale, kernels)
 
     def mlp(hm):
-        m = p["mlp"]
         act = activation_fn(cfg.activation)
         up = project(hm, "mlp", "up")
         if cfg.gated_mlp:

@@ -119,9 +119,9 @@ def _jit(program: PPOProgram, fn, state_shardings):
 def make_train_step(program: PPOProgram, state_shardings=None):
     """``train_step(state, prompts, key) -> (state, metrics)``, one compiled program with the state donated.
 
-    prompts: ``Prompts`` (token ids and prompt-table rows) or token ids i32[B, P] (placed with rows over the mesh's batch axes); key: a PRNG key. The state's
-    ``hyperparams`` are traced: ``state.replace(hyperparams=...)`` between calls does not recompile. The
-    returned function's ``.jitted`` is the jit object (for cache counts).
+    prompts: ``Prompts`` (token ids and prompt-table rows) or token ids i32[B, P] (placed with rows over the mesh's
+    batch axes); key: a PRNG key. The state's ``hyperparams`` are traced: ``state.replace(hyperparams=...)`` between
+    calls does not recompile. The returned function's ``.jitted`` is the jit object (for cache counts).
     """
     return _placed(program, _jit(program, lambda state, prompts, key: ppo_iteration(program, state, prompts, key),
                                  state_shardings))

@@ -79,7 +79,7 @@ def vader_sentiment_reward(*, include_prompt: bool = False) -> RewardFunction:
     "The movie was boring and awful." → -0.649, "The movie was a movie." → 0.0. About 0.1 ms a text.
     """
     try:
-        from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
+        from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer  # noqa: PLC0415 - optional (demo extra)
     except ImportError as err:
         raise ImportError(
             "vader_sentiment_reward needs the vaderSentiment package: `pip install vaderSentiment==3.3.2`"

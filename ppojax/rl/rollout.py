@@ -20,6 +20,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from ppojax import parallel
 from ppojax.rl import placement
@@ -37,8 +38,8 @@ from ppojax.rl.types import Experience
 def sample(program, state, prompts, key):
     """Step 1 inside the PPO program: the current policy samples at the configured temperature.
 
-    prompts: i32[B / G, P] (token ids) -> (query_responses i32[B, P+R] (untruncated responses; pad after the stop token),
-    the sampler's log-probs f32[B, R] when ``behaviour_logprobs: sampler`` takes them from the decode loop, else
+    prompts: i32[B / G, P] (token ids) -> (query_responses i32[B, P+R] (untruncated responses; pad after the stop
+    token), the sampler's log-probs f32[B, R] when ``behaviour_logprobs: sampler`` takes them from the decode loop, else
     None). Each prompt is sampled ``G = num_generations`` times, its samples on consecutive rows (the groups of
     ``ppojax.core.advantages``). On a mesh the rows stay split over the batch axes in order, so a group never
     straddles two data-parallel shards when each shard's prompt count is whole (``PPOConfig.derived`` checks it).
@@ -81,8 +82,6 @@ def _sample_policy(policy_graphdef, policy_params, queries, key, sampling, tempe
 def _in_compute_dtype(graphdef, params):
     """The weights cast ONCE to the model's compute dtype before the decode loop (under ``precision: mixed``
     the loop would otherwise read float32 weights and convert them at every generated token)."""
-    from flax import nnx
-
     compute = getattr(nnx.merge(graphdef, params), "dtype", None)
     if compute is None:
         return params

@@ -116,9 +116,10 @@ def loss_of_outputs(actor_critic, algorithm, hyperparams, logprobs, entropy, vpr
     hp = hyperparams
     loss, stats = ppo.ppo_loss(logprobs, vpred, entropy, batch, cliprange=hp.cliprange_low,
                                cliprange_value=hp.cliprange_value, vf_coef=hp.vf_coef,
-                               entropy_coef=hp.entropy_coef if algorithm.entropy_bonus else 0.0, policy_tokens=policy_tokens,
-                               value_tokens=value_tokens, rows=rows, cliprange_high=hp.cliprange_high,
-                               dual_clip_c=algorithm.dual_clip_c, loss_agg_mode=algorithm.loss_agg_mode,
+                               entropy_coef=hp.entropy_coef if algorithm.entropy_bonus else 0.0,
+                               policy_tokens=policy_tokens, value_tokens=value_tokens, rows=rows,
+                               cliprange_high=hp.cliprange_high, dual_clip_c=algorithm.dual_clip_c,
+                               loss_agg_mode=algorithm.loss_agg_mode,
                                kl_loss_coef=hp.kl_loss_coef if algorithm.kl_in_loss else 0.0,
                                kl_loss_fn=kl_loss_fn, with_value=actor_critic.has_critic)
     masked_new = jnp.where(batch.padding_mask, ppo.INVALID_LOGPROB, logprobs)

@@ -25,6 +25,8 @@ import jax
 import numpy as np
 
 from ppojax import parallel
+from ppojax.rl.program import _place, make_train_step
+from ppojax.rl.types import init_train_state
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +53,6 @@ def start_train_step(program, params, frozen, *, hyperparams, kl_coef: float, pr
     ``abstract_pretrained`` models; the state ``init_sharded_train_state`` makes from their arrays) and prompts
     i32[prompts_shape] (this process's rows, placed as the step places them). -> ``CompileAhead``, whose
     ``train_step`` is the step to call with the real state."""
-    from ppojax.rl.program import _place, make_train_step
-    from ppojax.rl.types import init_train_state
-
     state = jax.eval_shape(lambda p, f: init_train_state(p, program.optimizer, hyperparams=hyperparams, frozen=f,
                                                          kl_coef=kl_coef), params, frozen)
     state_shardings = parallel.train_state_shardings(state, program.mesh)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache
 
 
 def resolve_cache_dir(setting: Optional[str]) -> Optional[Path]:
@@ -44,8 +45,6 @@ def enable_compilation_cache(setting: Optional[str]) -> Optional[Path]:
         print(f"ppojax: compilation cache off: cannot create {path} ({err}); set compilation_cache_dir")
         return None
     if jax.config.jax_compilation_cache_dir != str(path):
-        from jax.experimental.compilation_cache import compilation_cache
-
         jax.config.update("jax_compilation_cache_dir", str(path))
         compilation_cache.reset_cache()  # JAX opens its cache directory once: reopen it at the new path
     return path

@@ -21,7 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
+import datasets
 import numpy as np
+import pyarrow.parquet as pq  # datasets' own dependency
+
+from ppojax.assets import cache_dir, movie_review_prompts
+from ppojax.tasks.arithmetic import write_splits
 
 __all__ = [
     "load_prompt_dataset",
@@ -45,9 +50,6 @@ ARITHMETIC_SETTINGS = {"seed": 0, "train": 2000, "test": 200, "max_number": 20}
 def arithmetic_split(name: str, *, log: Optional[Callable[..., None]] = None) -> Path:
     """The JSONL file of a built-in arithmetic split ('arithmetic' or 'arithmetic:test'), written into the
     asset cache the first time (seeded: every machine writes the same problems)."""
-    from ppojax.assets import cache_dir
-    from ppojax.tasks.arithmetic import write_splits
-
     log = log or _log
     settings = ARITHMETIC_SETTINGS
     folder = cache_dir() / ("arithmetic-" + "-".join(f"{k}{v}" for k, v in settings.items()))
@@ -72,7 +74,8 @@ def _records_table(records: list, column: str, where: str) -> dict:
     if not records:
         return {column: []}
     if not isinstance(records[0], dict):
-        raise ValueError(f"{where}: expected records (objects with a {column!r} field), got {type(records[0]).__name__}")
+        raise ValueError(f"{where}: expected records (objects with a {column!r} field), "
+                         f"got {type(records[0]).__name__}")
     if column not in records[0]:
         raise ValueError(
             f"{where} has no column {column!r}; available columns: {sorted(records[0])}. "
@@ -152,8 +155,6 @@ def _load_file(path: Path, column: str) -> dict:
         rows = list(reader)
         return {name: [row[name] for row in rows] for name in reader.fieldnames}
     if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
         schema_names = pq.read_schema(path).names
         _table_column(schema_names, column, where)
         return pq.read_table(path).to_pydict()
@@ -197,14 +198,10 @@ def load_prompt_table(source: Any, column: str = "prompt", *, split: str = "trai
     """
     table = None
     if isinstance(source, str) and source == BUILTIN_MOVIE_REVIEWS:
-        from ppojax.assets import movie_review_prompts
-
         prompts = movie_review_prompts()
     elif isinstance(source, (str, Path)):
         path = Path(source).expanduser()
         if path.is_dir():
-            import datasets
-
             table = _from_hf_dataset(datasets.load_from_disk(str(path)), column, split)
         elif path.is_file():
             table = _load_file(path, column)

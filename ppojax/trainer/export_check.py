@@ -7,9 +7,12 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
-from ppojax import backends
+from ppojax import backends, parallel
+from ppojax.core.masks import truncate_response
 from ppojax.models.kernels import XLA
+from ppojax.rl.sampler import generate
 
 
 def float32_compute(graphdef, params):
@@ -17,8 +20,6 @@ def float32_compute(graphdef, params):
     merged copy; the parameters keep their values and dtype. The export check decodes with it: transformers
     runs the saved weights in float32, and a 16-bit policy's own greedy decode may part from float32's at a
     near tie, which would say nothing about the export."""
-    from flax import nnx
-
     model = nnx.merge(graphdef, params)
     for _, module in nnx.iter_modules(model):
         if getattr(module, "dtype", None) is not None and jnp.dtype(module.dtype) != jnp.float32:
@@ -57,12 +58,8 @@ def greedy_continuations_agree(policy_dir, policy_graphdef, policy_params, queri
     ppojax's side computes in float32 whatever the policy's precision (`float32_compute`). Every process of a
     multi-process run calls it (ppojax's decode is a collective); only the main one loads the export and
     compares (the others return {"agree": None})."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from ppojax import parallel
-    from ppojax.rl.sampler import generate
-    from ppojax.core.masks import truncate_response
+    import torch  # noqa: PLC0415 - optional (the test extra); export_check_skipped says when it is missing
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415 - loads the export with torch (optional)
 
     pad, stop = pad_token_id, stop_token_id  # short names for the lines below
     policy_graphdef, policy_params = float32_compute(policy_graphdef, policy_params)

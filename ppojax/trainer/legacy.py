@@ -19,6 +19,7 @@ from ppojax.rl import rollout
 from ppojax import parallel
 from ppojax.trainer.config import ConfigError
 from ppojax.trainer.data import left_pad
+from ppojax.trainer.loop import step_key
 from ppojax.rl.rewards import check_scores
 from ppojax.rl.program import make_legacy_step
 
@@ -82,7 +83,6 @@ class LegacyAPI:
         if getattr(self, "_legacy_step", None) is None:
             self._legacy_step = make_legacy_step(run.program, queries_np.shape[1], run.state_shardings)
         query_responses = np.concatenate([queries_np, padded_responses], axis=1)
-        from ppojax.trainer.loop import step_key
         update_index = int(run.state.update_count)
         run.state, metrics = self._legacy_step(run.state, query_responses, scores_np,
                                                step_key(run.config.seed, update_index))

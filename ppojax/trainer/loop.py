@@ -22,6 +22,8 @@ from typing import Any, Callable
 import jax
 
 from ppojax import parallel
+from ppojax.errors import RewardFunctionError
+from ppojax.io.run_logging import stage
 from ppojax.rl.types import Prompts
 
 
@@ -117,7 +119,6 @@ def reward_failure_check(end: StepEnd) -> None:
     re-raise its own error (``RewardFunctionError`` naming the function and the cause)."""
     if end.metrics.get("reward/failures", 0) > 0:
         end.run.reward.raise_pending()
-        from ppojax.rl.rewards import RewardFunctionError
         raise RewardFunctionError(f"the reward function failed on another process at update {end.step} "
                                   "(see that process's log); no optimizer step was applied.")
 
@@ -131,7 +132,6 @@ def nonfinite_check(last_checkpoint: Callable[[], Any] = lambda: None):
         skipped = int(end.metrics.get("ppo/nonfinite_steps", 0))
         streak = int(end.metrics.get("ppo/nonfinite_streak", 0))  # the state is a step ahead (see the module doc)
         if skipped:
-            from ppojax.io.run_logging import stage
             stage(f"update {end.step}: {skipped} of {run.settings.optim.steps_per_update} optimizer steps skipped "
                   f"for a non-finite loss or gradient (mean score {end.metrics['objective/scores']}); {streak} "
                   f"in a row, the run stops at max_nonfinite_steps={run.config.max_nonfinite_steps}.")
@@ -166,7 +166,6 @@ class StopSignals:
         if self.signal is not None:
             raise KeyboardInterrupt
         self.signal = signum
-        from ppojax.io.run_logging import stage
         stage(f"{signal.Signals(signum).name} received: finishing this update, then writing a checkpoint "
               "(send it again to stop at once).")
 

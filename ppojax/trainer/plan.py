@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 import time
 from pathlib import Path
@@ -36,9 +37,19 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ppojax import backends
+from ppojax import backends, parallel
+from ppojax.core.advantages import advantage_estimator
+from ppojax.models import CausalLM, CausalLMWithValueHead, ModelConfig, ScoreModel, count_params
+from ppojax.models.errors import ModelLoadError, UnsupportedModelError
 from ppojax.models.flops import Dims, ppo_update_flops
+from ppojax.rl.program import collect_experience, make_rollout, make_train_step, make_update
+from ppojax.rl.rewards import ModelScores
+from ppojax.rl.settings import Hyperparams
+from ppojax.rl.types import init_train_state
+from ppojax.trainer import plan_targets
+from ppojax.trainer.build import as_config_error, make_program, model_kwargs
 from ppojax.trainer.config import ConfigError, PPOConfig
+from ppojax.trainer.run_models import assemble_abstractly
 
 GB = 1e9
 
@@ -106,8 +117,6 @@ def hf_config_for(name_or_path: str) -> tuple[dict, str]:
 
 def model_config_for(name_or_path: str):
     """-> (``ModelConfig``, the config.json dict, its source), read by the family code as a checkpoint is."""
-    from ppojax.models import ModelConfig
-    from ppojax.models.errors import ModelLoadError, UnsupportedModelError
     hf, source = hf_config_for(name_or_path)
     try:
         return ModelConfig.from_hf(hf, source=source), hf, source
@@ -142,15 +151,6 @@ def abstract_run(config: PPOConfig, model_cfg, mesh) -> AbstractRun:
     trainable policy and value model (or a value head), frozen reference (the policy's shape) and a reward
     ScoreModel of the policy's shape; under LoRA the policy's frozen base is the reference. Nothing is
     allocated."""
-    from ppojax import parallel
-    from ppojax.models import CausalLM, CausalLMWithValueHead, ScoreModel
-    from ppojax.core.advantages import advantage_estimator
-    from ppojax.rl.rewards import ModelScores
-    from ppojax.trainer.build import as_config_error, make_program, model_kwargs
-    from ppojax.trainer.run_models import assemble_abstractly
-    from ppojax.rl.settings import Hyperparams
-    from ppojax.rl.types import init_train_state
-
     options = model_kwargs(config)
     rngs = lambda: nnx.Rngs(0)  # noqa: E731 - eval_shape: no random numbers are drawn
     uses_critic = advantage_estimator(config.advantage_estimator).uses_critic
@@ -218,8 +218,6 @@ class ProgramPlan:
 
 
 def _abstract_experience(run: AbstractRun):
-    from ppojax import parallel
-    from ppojax.rl.program import collect_experience
     experience, _ = jax.eval_shape(lambda s, p, k: collect_experience(run.program, s, p, k), run.state,
                                    run.prompts, run.key)
     return _with_shardings(experience, parallel.batch_shardings(experience, run.program.mesh))
@@ -227,7 +225,6 @@ def _abstract_experience(run: AbstractRun):
 
 def compile_program(run: AbstractRun, name: str) -> ProgramPlan:
     """Lower and compile one program against the abstract arguments; read XLA's memory and cost analyses."""
-    from ppojax.rl.program import make_rollout, make_train_step, make_update
     if name == "train_step":
         jitted, args = make_train_step(run.program, run.state_shardings).jitted, (run.state, run.prompts, run.key)
     elif name == "rollout":
@@ -350,9 +347,6 @@ def plan(config: PPOConfig, model: str, *, mesh_shape=None, hbm_gb: float = 80.0
     """Compile ``programs`` for ``model`` (preset name or checkpoint directory) on a mesh of the target's devices
     (``plan_targets.Target``; default: the devices JAX sees, each of ``hbm_gb`` GB) (``mesh_shape`` (data, fsdp,
     tensor), default: the config's mesh fields) and read their memory."""
-    from ppojax import parallel
-    from ppojax.models import count_params
-    from ppojax.trainer import plan_targets
     model_cfg, _, source = model_config_for(model)
     if target is None:
         target = plan_targets.load_target(plan_targets.parse_target("cpu"), hbm_gb=hbm_gb)
@@ -384,7 +378,6 @@ def plan(config: PPOConfig, model: str, *, mesh_shape=None, hbm_gb: float = 80.0
 
 
 def _causal_lm(model_cfg):
-    from ppojax.models import CausalLM
     return CausalLM(model_cfg, rngs=nnx.Rngs(0))
 
 
@@ -396,7 +389,6 @@ def _gb(n) -> str:
 
 
 def _critic(config: PPOConfig) -> str:
-    from ppojax.core.advantages import advantage_estimator
     if not advantage_estimator(config.advantage_estimator).uses_critic:
         return f"no value model ({config.advantage_estimator}: no critic)"
     return "trainable value model" if config.value_head == "separate" else "value head on it"
@@ -416,8 +408,8 @@ def format_plan(p: Plan) -> str:
     lines = [
         f"ppojax plan: {p.model} ({p.source}), {p.num_params / 1e9:.2f} B parameters per model, precision "
         f"{c.precision}, remat {c.remat}",
-        f"  mesh ({mesh}) on {p.target_description or f'{p.devices} device(s)'}; rollout batch {sizes.batch_size} x (prompt "
-        f"{c.max_prompt_length} + response {c.response_length}), micro-batch {sizes.micro_batch_size}, "
+        f"  mesh ({mesh}) on {p.target_description or f'{p.devices} device(s)'}; rollout batch {sizes.batch_size} "
+        f"x (prompt {c.max_prompt_length} + response {c.response_length}), micro-batch {sizes.micro_batch_size}, "
         f"{c.num_ppo_epochs} epoch(s)",
         f"  models: {policy}, {_critic(c)}, "
         f"{reference}, and a reward ScoreModel of the policy's shape (in the program: a Python reward function "
@@ -431,8 +423,8 @@ def format_plan(p: Plan) -> str:
     for prog in p.programs:
         if prog.out_of_memory:
             needed, available = prog.out_of_memory
-            lines.append(f"  {prog.name:<16}{'refused by ' + p.compiler + ': needs ' + _gb(needed) + ' of ' + _gb(available):>60}"
-                         f"{prog.compile_seconds:>11.1f}")
+            refused = f"refused by {p.compiler}: needs {_gb(needed)} of {_gb(available)}"
+            lines.append(f"  {prog.name:<16}{refused:>60}{prog.compile_seconds:>11.1f}")
             continue
         lines.append(f"  {prog.name:<16}{_gb(prog.argument_bytes):>11}{_gb(p.resident_bytes[prog.name]):>10}"
                      f"{_gb(prog.output_bytes):>9}{_gb(prog.alias_bytes):>9}{_gb(prog.temp_bytes):>13}"
@@ -452,8 +444,8 @@ def format_plan(p: Plan) -> str:
     if step is not None and step.flops is not None:
         moved = (f", {step.bytes_accessed / GB:.4g} GB read and written per device"
                  if step.bytes_accessed is not None else "")
-        text = (f"  FLOPs per update: XLA's cost analysis {step.flops * p.devices / 1e12:.4g} TFLOP (all devices{moved}; "
-                "XLA counts each loop body once: layers scan, decode loop, epochs)")
+        text = (f"  FLOPs per update: XLA's cost analysis {step.flops * p.devices / 1e12:.4g} TFLOP "
+                f"(all devices{moved}; XLA counts each loop body once: layers scan, decode loop, epochs)")
         text += (f"; model-shape count (ppojax.models.flops) {p.model_flops['total'] / 1e12:.4g} TFLOP "
                  f"(rollout {p.model_flops['rollout'] / 1e12:.4g}, update {p.model_flops['update'] / 1e12:.4g})")
         lines.append(text)
@@ -483,7 +475,6 @@ def use_virtual_devices(n: int, precision: str = "float32") -> None:
     starts a backend. LLVM's optimisation is turned off (it changes the machine code, not the buffers XLA
     assigns, and compiling a large program would take minutes longer); for ``precision='bfloat16'`` also the
     hoisting of XLA:CPU's float32 weight copies (``NO_HOISTED_UPCASTS``)."""
-    import os
     if n < 1:
         raise ConfigError(f"--devices {n}: expected a number of devices >= 1.")
     flags = os.environ.get("XLA_FLAGS", "")

@@ -17,11 +17,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.metadata
+import importlib.util
 import os
 import re
 import sys
 import tempfile
 from typing import Iterator, Optional, Sequence
+
+import jax
+from jax.experimental import topologies
 
 from ppojax.trainer.config import ConfigError
 
@@ -197,15 +201,11 @@ def parse_target(text: str) -> TargetSpec:
 
 
 def tpu_compiler_installed() -> bool:
-    import importlib.util
-
     return importlib.util.find_spec("libtpu") is not None
 
 
 def cuda_plugin() -> Optional[str]:
     """The installed CUDA plugin of JAX (jax_cuda13_plugin or jax_cuda12_plugin), else None."""
-    import importlib.util
-
     return next((name for name in ("jax_cuda13_plugin", "jax_cuda12_plugin")
                  if importlib.util.find_spec(name) is not None), None)
 
@@ -244,8 +244,6 @@ def tpu_devices(spec: TargetSpec) -> list:
     check_available(spec)
     # A compile without chips uses none: never wait for the lock of a process that holds the host's TPU.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    from jax.experimental import topologies
-
     name = f"{spec.chip.libtpu_name}:{spec.topology}"
     # libtpu starts by looking for the TPU VM it runs on (metadata server, worker hostnames) and warns that it
     # found none: true and beside the point for a compile without chips, so its start-up output is kept back
@@ -268,7 +266,8 @@ def tpu_devices(spec: TargetSpec) -> list:
     kinds = {d.device_kind for d in devices}
     if kinds != {spec.chip.device_kind}:
         raise ConfigError(f"--target {spec.text}: libtpu made {sorted(kinds)} devices, expected "
-                          f"{spec.chip.device_kind!r}; a libtpu that does not match this jax? pip install 'ppojax[tpu]'.")
+                          f"{spec.chip.device_kind!r}; a libtpu that does not match this jax? "
+                          "pip install 'ppojax[tpu]'.")
     return devices
 
 
@@ -289,8 +288,6 @@ def gpu_devices(spec: TargetSpec) -> list:
     # Without a GPU (and its driver) the plugin's check of the CUDA libraries' versions fails and JAX would not
     # register the cuda platform at all; a compile without GPUs does not load those libraries' kernels.
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
-    from jax.experimental import topologies
-
     config = spec.gpu.target_config(int(plugin[len("jax_cuda"):len("jax_cuda") + 2]), _cudnn_version(plugin))
     try:
         topology = topologies.get_topology_desc(spec.gpu.name, "cuda", target_config=config,
@@ -312,8 +309,6 @@ def plugin_version(plugin: str) -> str:
 def libtpu_version() -> str:
     """The installed libtpu's version, or the library JAX loads instead (``TPU_LIBRARY_PATH`` naming another file;
     the libtpu package itself sets the variable to its own library when imported)."""
-    import importlib.util
-
     chosen = os.environ.get("TPU_LIBRARY_PATH")
     package = importlib.util.find_spec("libtpu")
     own = os.path.join(os.path.dirname(package.origin), "libtpu.so") if package and package.origin else None
@@ -330,8 +325,6 @@ def load_target(spec: TargetSpec, cpu_devices: Optional[Sequence] = None, hbm_gb
     with ``hbm_gb`` (GB, 1e9 bytes; default 80) as each one's memory. TPU: the slice's compile-only devices and
     the chip's HBM."""
     if spec.is_cpu:
-        import jax
-
         devices = list(jax.devices() if cpu_devices is None else cpu_devices)
         memory = (80.0 if hbm_gb is None else hbm_gb) * 1e9
         return Target(spec, devices, memory, "XLA:CPU",

@@ -12,7 +12,6 @@ keeps the run's state (``trainer.state``: a ``ppojax.rl.types.TrainState``).
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -24,9 +23,15 @@ from flax import nnx
 
 from ppojax import core as ppo
 from ppojax.io.checkpoint import CheckpointError, RunCheckpoints, read_checkpoint_config
+from ppojax.io.run_dir import DirectoryLock, claim_output_dir
+from ppojax.io.run_logging import RunLogger
+from ppojax.models import save_pretrained
+from ppojax.models.peft_io import save_peft_adapter
+from ppojax.rl.actor_critic import sampling_weights
+from ppojax.rl.rewards import NO_ROW, PADDING_ROW, FunctionScores, decode_rollout_text
 from ppojax.rl import rollout
 from ppojax import parallel
-from ppojax.trainer.config import ConfigError, PPOConfig
+from ppojax.trainer.config import ConfigError, PPOConfig, resume_compatibility
 from ppojax.trainer.build import NO_REWARD, build_run
 from ppojax.trainer.legacy import LegacyAPI
 from ppojax.errors import RunInterrupted
@@ -83,7 +88,6 @@ class PPOTrainer(LegacyAPI):
     @property
     def policy_params(self):
         """The policy's weights as one model (under LoRA: the adapters merged into the base kernels)."""
-        from ppojax.rl.actor_critic import sampling_weights
         return sampling_weights(self.run.program.actor_critic, self.run.state.params, self.run.state.frozen)
 
     @property
@@ -110,7 +114,6 @@ class PPOTrainer(LegacyAPI):
     def reward_fn(self):
         """The Python reward function f(prompts, completions) when the run has exactly one (None with a reward
         model or several functions); assignable."""
-        from ppojax.rl.rewards import FunctionScores
         return self.run.reward.fn if isinstance(self.run.reward, FunctionScores) else None
 
     @reward_fn.setter
@@ -199,13 +202,11 @@ class PPOTrainer(LegacyAPI):
         call took the lock (and must release it)."""
         if not parallel.is_main_process() or (self.claim is not None and self.claim.lock.held):
             return False
-        from ppojax.io.run_dir import DirectoryLock, claim_output_dir
         if self.claim is None:
-            from ppojax.trainer.config import resume_compatibility as check_compatible
             args = self.args
             self.claim = claim_output_dir(args.output_dir, args.to_dict(), resume=args.resume,
                                           overwrite=args.overwrite_output_dir,
-                                          resume_with_changes=args.resume_with_changes, compatible=check_compatible)
+                                          resume_with_changes=args.resume_with_changes, compatible=resume_compatibility)
         else:
             self.claim.lock = DirectoryLock.acquire(self.claim.output_dir)
         return True
@@ -214,7 +215,6 @@ class PPOTrainer(LegacyAPI):
         """The run's logger: a resumed run's logs are cut back to its checkpoint (and every sink rebuilt to
         hold each step once); a run that found its directory holding this run but no checkpoint restarts
         its logs from 0."""
-        from ppojax.io.run_logging import RunLogger
         if resumed is not None:
             resume_step = int(self.run.state.update_count)
         else:
@@ -244,7 +244,6 @@ class PPOTrainer(LegacyAPI):
         """Restore from ``where``: 'auto' (the newest checkpoint in output_dir/checkpoints that verifies; damaged
         ones are skipped with one line each; None when nothing was saved yet) or a checkpoint path. Refuses a
         checkpoint from an incompatible config. Returns the checkpoint used, or None."""
-        from ppojax.trainer.config import resume_compatibility
         path = self.checkpoints.resolve(where)
         if path is None:
             return None
@@ -282,7 +281,6 @@ class PPOTrainer(LegacyAPI):
         P = queries.shape[1]
         responses = parallel.to_host(
             ppo.truncate_response(query_responses[:, P:], sampling.stop_token_id, sampling.pad_token_id))
-        from ppojax.rl.rewards import decode_rollout_text
         prompts, completions = decode_rollout_text(self.tokenizer, np.asarray(queries), responses,
                                                    sampling.pad_token_id)
         return prompts, completions, responses
@@ -332,8 +330,6 @@ class PPOTrainer(LegacyAPI):
         prompt-table row of ``queries[0]`` (its dataset columns reach the reward functions; None: unknown).
         -> (scores, {reward name: values, None where it does not apply}), or None when the run has no reward
         source (the legacy step() API)."""
-        from ppojax.rl.rewards import NO_ROW, PADDING_ROW
-
         reward = self.run.reward
         if reward is None:
             return None
@@ -358,7 +354,6 @@ class PPOTrainer(LegacyAPI):
 
         Under LoRA: the merged model (adapters folded into the base weights) there, and the PEFT adapter
         directory beside it (``<output_dir>_adapter``, :meth:`save_adapter`)."""
-        from ppojax.models import save_pretrained
         # collectives (every process takes part); the weights come to the main host one at a time and stay on
         # the host: the whole model never lands on one device (a 70B model would not fit one)
         host_params = parallel.to_main_host(self.policy_params)
@@ -375,7 +370,6 @@ class PPOTrainer(LegacyAPI):
         if self.run.lora is None:
             raise ConfigError("save_adapter: this run has no LoRA adapters (lora_r=0); save_model writes the "
                               "whole policy.")
-        from ppojax.models.peft_io import save_peft_adapter
         host_adapters = parallel.to_host(self.run.state.params["policy"])  # a collective
         if not parallel.is_main_process():
             return Path(output_dir)

@@ -12,6 +12,7 @@ from typing import Optional
 import jax
 
 from ppojax import backends
+from ppojax.assets import smollm2_checkpoint
 from ppojax.models import load_config
 from ppojax.models.families.keys import hf_num_labels
 from ppojax.models.lora import LoraSpec, resolve_target_modules
@@ -25,7 +26,6 @@ from ppojax.trainer.run_rewards import as_config_error, resolve_reward_function,
 def resolve_model_path(path: str) -> str:
     """'smollm2' -> the bundled SmolLM2-135M-Instruct checkpoint (converted once); otherwise the path itself."""
     if path == "smollm2":
-        from ppojax.assets import smollm2_checkpoint
         return str(smollm2_checkpoint())
     return path
 
@@ -123,8 +123,8 @@ def lora_spec_from_config(config, model_config) -> Optional[LoraSpec]:
 
 
 def check_matmul_implementation(config, mesh) -> None:
-    """An in-place matmul_implementation ('onednn', 'onednn_primitive', 'mkl') must be able to run here: one CPU device, the handlers built (before
-    any weight is loaded; 'auto' falls back to XLA's dots silently)."""
+    """An in-place matmul_implementation ('onednn', 'onednn_primitive', 'mkl') must be able to run here: one CPU device,
+    the handlers built (before any weight is loaded; 'auto' falls back to XLA's dots silently)."""
     if config.matmul_implementation not in IN_PLACE_MATMULS:
         return
     why = backends.matmul_unavailable_reason(config.matmul_implementation,

@@ -29,8 +29,8 @@ def skip_absent_tpu(environ: MutableMapping[str, str] = os.environ) -> bool:
         return False
     environ["JAX_PLATFORMS"] = "cpu"
     if "jax" in sys.modules and environ is os.environ:  # jax read the variable when it was imported
-        import jax
-        from jax._src import xla_bridge
+        import jax  # noqa: PLC0415 - start-up module: JAX only where the program already imported it
+        from jax._src import xla_bridge  # noqa: PLC0415 - as above
 
         if jax.config.jax_platforms is None and not xla_bridge.backends_are_initialized():
             jax.config.update("jax_platforms", "cpu")

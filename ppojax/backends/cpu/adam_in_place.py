@@ -2,9 +2,9 @@
 
 XLA:CPU runs optax's AdamW (`ppojax.rl.optimizer.AdamW`: global-norm clipping, Adam's moments, decoupled weight
 decay, then ``p - lr * u``) as three loops over each parameter, the first moment's, the second moment's and the
-parameter's, which move 40 bytes per float32 parameter; the handler (`ppojax/backends/cpu/ffi/adam_in_place.cc`) reads p, g, m,
-v once and writes p, m, v where they lie (28 bytes), all leaves in one call split over XLA's intra-op threads. On a
-CPU the optimizer step is bound by memory traffic, so it takes less time in proportion.
+parameter's, which move 40 bytes per float32 parameter; the handler (`ppojax/backends/cpu/ffi/adam_in_place.cc`) reads
+p, g, m, v once and writes p, m, v where they lie (28 bytes), all leaves in one call split over XLA's intra-op threads.
+On a CPU the optimizer step is bound by memory traffic, so it takes less time in proportion.
 
 Values: optax's arithmetic operation by operation, each rounded to float32; XLA fuses some multiply-adds, so the
 two agree to a few units in the last place. The scalars of the step (the learning rate, the bias corrections, the
@@ -17,6 +17,7 @@ where every parameter and moment is float32 (:meth:`InPlaceAdamStep.applies`), o
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import platform
@@ -41,7 +42,8 @@ _lock = threading.Lock()  # a compile_ahead thread and the main thread may both 
 
 @functools.cache
 def _built() -> tuple[Path | None, str]:
-    """(the built handler, "") or (None, why not). Built once per source and jaxlib (`ppojax.backends.cpu.ffi.build`)."""
+    """(the built handler, "") or (None, why not). Built once per source and jaxlib
+    (`ppojax.backends.cpu.ffi.build`)."""
     off = capabilities.backend_off()
     if off:
         return None, off
@@ -61,8 +63,6 @@ def build_flags(cpu=None) -> tuple[str, ...]:
 @functools.cache
 def _registered() -> str:
     """Register the handler with XLA once; "" when done, else why it is unavailable."""
-    import ctypes
-
     built, why = _built()
     if built is None:
         return why

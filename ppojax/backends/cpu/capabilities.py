@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import glob
 import os
 import platform
 from pathlib import Path
@@ -161,10 +162,14 @@ def probe() -> Cpu:
     return _probed(cap_level())
 
 
+def switched_off(name: str, environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether the environment variable ``name`` turns a start-up behaviour off: 0, false, off or no (any
+    case). Shared by the switches of the ``ppojax`` command's start-up (``ppojax.backends.prepare_process``)."""
+    return environ.get(name, "").strip().lower() in ("0", "false", "off", "no")
+
+
 def backend_off(environ: Mapping[str, str] = os.environ) -> str:
     """"" where ppojax's CPU-only code may be chosen, else why not (one line, for "unavailable" messages)."""
-    from ppojax.backends.cpu.host_memory import switched_off
-
     if switched_off(BACKEND_SWITCH, environ):
         return f"ppojax's CPU backend is off ({BACKEND_SWITCH}={environ[BACKEND_SWITCH]}): XLA's dots and optax's step"
     return ""
@@ -178,8 +183,6 @@ def accelerator_host(environ: Mapping[str, str] = os.environ) -> str:
     """"" where a run will compute on this CPU, else why not (one line): ``JAX_PLATFORMS`` names another platform
     first, or (unset) the host has an accelerator's device files. Read before JAX starts, without importing it: the
     CPU-only start-up steps (the allocator re-exec) are skipped on GPU and TPU hosts."""
-    import glob
-
     platforms = environ.get("JAX_PLATFORMS", "").strip()
     if platforms:
         first = platforms.split(",")[0].strip().lower()

@@ -36,6 +36,9 @@ import os
 import platform
 import sys
 
+from ppojax.backends.cpu import capabilities
+from ppojax.backends.cpu.capabilities import switched_off
+
 TUNABLE = "glibc.malloc.hugetlb=1"
 OFF_SWITCH = "PPOJAX_HUGE_PAGES"
 MIMALLOC_OFF_SWITCH = "PPOJAX_MIMALLOC"
@@ -67,12 +70,6 @@ def transparent_huge_pages_usable() -> bool:
     except OSError:
         return False
     return "[always]" in mode or "[madvise]" in mode
-
-
-def switched_off(name: str, environ=os.environ) -> bool:
-    """Whether the environment variable ``name`` turns a start-up behaviour off: 0, false, off or no (any
-    case). Shared by the switches of the ``ppojax`` command's start-up (``ppojax.backends.prepare_process``)."""
-    return environ.get(name, "").strip().lower() in ("0", "false", "off", "no")
 
 
 def huge_pages_requested(environ=os.environ) -> bool:
@@ -107,8 +104,6 @@ def start_environment(environ=os.environ) -> dict:
     Each is left out when its off switch is set, when it cannot work here, or when ``environ`` already has it
     (so the re-executed process asks for nothing more); both on a GPU or TPU host (`capabilities.accelerator_host`)
     and with ``PPOJAX_CPU_BACKEND=0``."""
-    from ppojax.backends.cpu import capabilities
-
     if capabilities.accelerator_host(environ) or capabilities.backend_off(environ):
         return {}  # a CPU-only speed-up: never on a GPU or TPU host, nor with ppojax's CPU backend off
     extra = {}

@@ -27,7 +27,6 @@ import jax.numpy as jnp
 from jax.experimental.layout import Layout, with_layout_constraint
 
 from ppojax.backends.cpu import stacked_matmul
-from ppojax.backends.cpu.matmul_record import Libraries
 from ppojax.backends.cpu import slot_storage
 from ppojax.models.kernels import LAYER_PROJECTIONS, Kernels
 

@@ -9,8 +9,8 @@ SmolLM2's 576 -> 1536 and 1536 -> 576 products, the primitive its 576 -> 192 one
 weight gradient), so the choice is a measurement per projection shape (a layer kernel's
 ``(d_in, d_out)``) and product, never a rule typed in for one host. The measured seconds per shape, library and
 product are recorded under this CPU's signature (its model name and instruction sets, as
-``ppojax.backends.cpu.xla_options`` keys its records) in ``~/.cache/ppojax/matmul_library.json``, with the libraries chosen
-(:func:`choose`: per product the fastest, but oneDNN's sgemm unless another beats it by 10 %). ``matmul_tuning``
+``ppojax.backends.cpu.xla_options`` keys its records) in ``~/.cache/ppojax/matmul_library.json``, with the libraries
+chosen (:func:`choose`: per product the fastest, but oneDNN's sgemm unless another beats it by 10 %). ``matmul_tuning``
 writes it: the first model "auto" puts on the in-place handlers on a CPU whose record did not measure its
 projection shapes (or every library and product to be had now there) measures a few seconds' worth of those
 shapes' products, one layer at a time.

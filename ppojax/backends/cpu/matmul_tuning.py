@@ -15,13 +15,16 @@ runs; ``python -m ppojax.backends.cpu.matmul_tuning`` does it ahead, at SmolLM2-
 """
 from __future__ import annotations
 
+import argparse
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ppojax.backends.cpu import matmul_record, stacked_matmul
 from ppojax.backends.cpu.matmul_record import PRODUCTS, Libraries
+from ppojax.backends.cpu.stacked_matmul import LIBRARIES, LIBRARY_NAMES
 
 #: (d_in, d_out) of SmolLM2-135M's projections: q/o, k/v, gate/up, down, and its tied LM head (the embedding
 #: [V, D], read transposed) (what the once-per-machine command measures)
@@ -47,11 +50,9 @@ def products(library: str, product: str):
     """A jitted function of `operands(shapes)` running every layer's `product` ("fwd", "dx" or "dw":
     `matmul_record.PRODUCTS`) through `library`'s handlers (registered: `stacked_matmul.unavailable_reason` first)
     -> f32[] (one element of each product, which keeps them all)."""
-    from ppojax.backends.cpu.stacked_matmul import _gemm, weight_grad
-
-    one_layer = {"fwd": lambda x, stack, g, i: _gemm(x[i], stack, i, False, library),
-                 "dx": lambda x, stack, g, i: _gemm(g[i], stack, i, True, library),
-                 "dw": lambda x, stack, g, i: weight_grad(x[i], g[i], library)}[product]
+    one_layer = {"fwd": lambda x, stack, g, i: stacked_matmul._gemm(x[i], stack, i, False, library),
+                 "dx": lambda x, stack, g, i: stacked_matmul._gemm(g[i], stack, i, True, library),
+                 "dw": lambda x, stack, g, i: stacked_matmul.weight_grad(x[i], g[i], library)}[product]
 
     def one_shape(x, stack, g):
         def layer(total, i):
@@ -90,10 +91,7 @@ def tune(candidates, shapes) -> dict:
     """Measure `candidates` (libraries whose handlers are built; any that will not load is left out) at `shapes`,
     record the choice for this CPU and return it ({shape: a library per product}); say what was measured. A failed
     measurement takes oneDNN's sgemm and records nothing (said)."""
-    from ppojax.backends.cpu import matmul_record
-    from ppojax.backends.cpu.stacked_matmul import LIBRARIES, LIBRARY_NAMES, described, unavailable_reason
-
-    candidates = [lib for lib in candidates if not unavailable_reason(lib)]  # loaded and registered
+    candidates = [lib for lib in candidates if not stacked_matmul.unavailable_reason(lib)]  # loaded and registered
     onednn = {tuple(shape): Libraries.every("onednn") for shape in shapes}
     if "onednn" not in candidates:  # the baseline (library_of): nothing to measure against
         return onednn
@@ -117,33 +115,30 @@ def tune(candidates, shapes) -> dict:
     timings = "; ".join(f"{matmul_record.shape_key(shape)} " + ", ".join(
         f"{lib} " + "/".join(f"{s * 1e3:.1f}" for s in by_product.values()) for lib, by_product in by_library.items())
         for shape, by_library in seconds.items())
-    print(f"ppojax: 'auto' takes {described(chosen)} (ms for fwd/dx/dw: {timings}; "
+    print(f"ppojax: 'auto' takes {stacked_matmul.described(chosen)} (ms for fwd/dx/dw: {timings}; "
           f"{time.perf_counter() - start:.1f} s{where})", flush=True)
     return chosen
 
 
 def main(argv=None) -> int:
-    """``python -m ppojax.backends.cpu.matmul_tuning [--again]``: build the in-place handlers of every library that can be
-    had and say which ones "auto" takes on this CPU at SmolLM2-135M's shapes, measuring now where no record covers
-    them (``--again``: measure anew whatever the record says). A once-per-machine step a deployment can run ahead
-    of training."""
-    import argparse
+    """``python -m ppojax.backends.cpu.matmul_tuning [--again]``: the GEMM libraries "auto" takes on this CPU.
 
-    from ppojax.backends.cpu.stacked_matmul import LIBRARIES, build_all_handlers, choice_str, library_of, unavailable_reason
-
+    Builds the in-place handlers of every library that can be had and says which ones "auto" takes at
+    SmolLM2-135M's shapes, measuring now where no record covers them (``--again``: measure anew whatever the record
+    says). A once-per-machine step a deployment can run ahead of training."""
     parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
     parser.add_argument("--again", action="store_true", help="measure anew whatever this CPU's record says")
     args = parser.parse_args(argv)
-    build_all_handlers()
+    stacked_matmul.build_all_handlers()
     for library in LIBRARIES:
-        print(f"{library}: {unavailable_reason(library) or 'handlers ready'}")
-    if unavailable_reason("onednn"):
+        print(f"{library}: {stacked_matmul.unavailable_reason(library) or 'handlers ready'}")
+    if stacked_matmul.unavailable_reason("onednn"):
         print(f"'auto' keeps XLA's dots here: oneDNN's handlers, the in-place baseline, cannot be had "
-              f"({unavailable_reason('onednn')})")
+              f"({stacked_matmul.unavailable_reason('onednn')})")
         return 0
-    candidates = tuple(lib for lib in LIBRARIES if not unavailable_reason(lib))
-    chosen = tune(candidates, SHAPES) if args.again else library_of("auto", SHAPES)
-    print(f"'auto' takes: {choice_str(chosen)}")
+    candidates = tuple(lib for lib in LIBRARIES if not stacked_matmul.unavailable_reason(lib))
+    chosen = tune(candidates, SHAPES) if args.again else stacked_matmul.library_of("auto", SHAPES)
+    print(f"'auto' takes: {stacked_matmul.choice_str(chosen)}")
     return 0
 
 

@@ -23,17 +23,20 @@ CPU and shape by `matmul_tuning.py`); the libraries share one OpenMP runtime (`l
 
 The handlers (`stacked_gemm.cc`) are compiled on first use with the system's C++ compiler against the library's
 file (the wheel's `libdnnl.so.3`, or torch's `libtorch_cpu.so`), once per source, library and jaxlib, into
-`$XDG_CACHE_HOME/ppojax/ffi` (`ppojax.backends.cpu.ffi.build`); a library already there (built before, or prebuilt for a machine
-without a compiler) is taken as it is.
+`$XDG_CACHE_HOME/ppojax/ffi` (`ppojax.backends.cpu.ffi.build`); a library already there (built before, or prebuilt for a
+machine without a compiler) is taken as it is.
 :func:`unavailable_reason` says why not where they cannot be had (not Linux x86-64, no wheel, no compiler, a
 failed build); the models then keep XLA's dots (the models' `matmul_implementation`: "auto", "xla", "onednn" or
 "mkl").
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import platform
 import threading
+from concurrent.futures import ThreadPoolExecutor
+from importlib import metadata
 from pathlib import Path
 
 import jax
@@ -43,7 +46,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from ppojax.backends.cpu import capabilities
 from ppojax.backends.cpu.ffi.build import build_cached
-from ppojax.backends.cpu.matmul_record import PRODUCTS, Libraries
+from ppojax.backends.cpu.matmul_record import PRODUCTS, Libraries, record_path, recorded_choice, shape_key
 
 SOURCE = Path(__file__).parent / "ffi" / "stacked_gemm.cc"
 #: the GEMM libraries the handlers can be built on ("auto" takes the one measured fastest on this CPU),
@@ -72,8 +75,6 @@ Array = jax.Array
 
 def onednn_library() -> Path | None:
     """The ``libdnnl.so.3*`` of the installed ``onednn-cpu-gomp`` wheel, or None."""
-    from importlib import metadata
-
     try:
         files = metadata.distribution(WHEEL).files or []
     except metadata.PackageNotFoundError:
@@ -87,8 +88,6 @@ def onednn_library() -> Path | None:
 def mkl_library() -> Path | None:
     """torch's ``libtorch_cpu.so``, where torch's x86 wheels link MKL in (exporting its BLAS, ``sgemm_``), or None
     (no torch installed). Found without importing torch."""
-    from importlib import metadata
-
     try:
         files = metadata.distribution("torch").files or []
     except metadata.PackageNotFoundError:
@@ -104,16 +103,14 @@ def library_of(implementation: str, shapes=None) -> dict:
     `matmul_tuning.SHAPES`, SmolLM2-135M's) as an implementation's handlers run them: its own for a library's name
     ("onednn", "onednn_primitive", "mkl"); for "auto" per shape and product the one measured fastest on this CPU
     among those whose handlers can be had (`matmul_record`; measured now, once per CPU and shape, where no record
-    covers them all: `matmul_tuning`); oneDNN's sgemm where it cannot be had itself (then `CpuKernels.for_shapes` keeps XLA's
-    dots: oneDNN's in-place products are the ones measured faster than XLA's copy-then-dot, the others are
+    covers them all: `matmul_tuning`); oneDNN's sgemm where it cannot be had itself (then `CpuKernels.for_shapes` keeps
+    XLA's dots: oneDNN's in-place products are the ones measured faster than XLA's copy-then-dot, the others are
     measured against them)."""
-    from ppojax.backends.cpu.matmul_tuning import SHAPES
+    from ppojax.backends.cpu.matmul_tuning import SHAPES  # noqa: PLC0415 - cycle: matmul_tuning measures this module's GEMMs
 
     shapes = tuple(dict.fromkeys(tuple(map(int, shape)) for shape in (SHAPES if shapes is None else shapes)))
     if implementation in LIBRARIES:
         return {shape: Libraries.every(implementation) for shape in shapes}
-    from ppojax.backends.cpu.matmul_record import recorded_choice
-
     onednn = {shape: Libraries.every("onednn") for shape in shapes}
     candidates = buildable_libraries()
     if "onednn" not in candidates:  # the baseline the others must beat, itself measured against XLA's dots
@@ -138,8 +135,6 @@ def libraries_in(chosen: dict) -> tuple:
 def described(chosen: dict) -> str:
     """A choice ({shape: Libraries}) in words: "oneDNN's sgemm for the projections" (every shape and product
     alike), or "at 576x576 oneDNN's sgemm; at 576x1536 MKL's sgemm for the forward products, ..."."""
-    from ppojax.backends.cpu.matmul_record import shape_key
-
     def one(libraries: Libraries) -> str:
         if len(set(libraries)) == 1:
             return LIBRARY_NAMES[libraries.fwd]
@@ -154,8 +149,6 @@ def described(chosen: dict) -> str:
 def choice_str(chosen: dict) -> str:
     """A choice in short: "onednn", "fwd onednn, dx mkl, dw mkl" (every shape alike), or
     "576x576 onednn; 576x192 fwd onednn_primitive, dx onednn, dw onednn; ..."."""
-    from ppojax.backends.cpu.matmul_record import shape_key
-
     if len(set(chosen.values())) == 1:
         return str(next(iter(chosen.values())))
     return "; ".join(f"{shape_key(shape)} {libraries}" for shape, libraries in chosen.items())
@@ -181,7 +174,7 @@ def _measured_choice(candidates: tuple, shapes: tuple) -> dict:
 
 @functools.cache
 def _tuned(candidates: tuple, shapes: tuple) -> dict:
-    from ppojax.backends.cpu.matmul_tuning import tune
+    from ppojax.backends.cpu.matmul_tuning import tune  # noqa: PLC0415 - cycle: matmul_tuning measures this module's GEMMs
 
     return tune(candidates, shapes)
 
@@ -190,8 +183,6 @@ def _tuned(candidates: tuple, shapes: tuple) -> dict:
 def _announce_recorded(chosen: tuple) -> None:
     """Say once per process and choice ((shape, Libraries) pairs) that "auto" follows this CPU's record (as the
     recorded XLA:CPU options are said)."""
-    from ppojax.backends.cpu.matmul_record import record_path
-
     print(f"ppojax: matmul_implementation 'auto' takes {described(dict(chosen))}, measured fastest on this CPU "
           f"(recorded in {record_path()}; naming another implementation overrides it)", flush=True)
 
@@ -246,8 +237,6 @@ def few_rows_limit(library: str) -> int:
 @functools.cache
 def _registered(library: str = "onednn") -> str:
     """Register `library`'s handlers with XLA once; "" when done, else why they are unavailable."""
-    import ctypes
-
     handlers_file, why = _built(library)
     if handlers_file is None:
         return why
@@ -264,8 +253,6 @@ def _registered(library: str = "onednn") -> str:
 
 def build_all_handlers() -> None:
     """Build every library's handlers at once (each a compiler process; "auto" measures all that can be had)."""
-    from concurrent.futures import ThreadPoolExecutor
-
     with _lock, ThreadPoolExecutor(len(LIBRARIES)) as pool:
         list(pool.map(_built, LIBRARIES))
 

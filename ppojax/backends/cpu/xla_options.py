@@ -22,13 +22,13 @@ import dataclasses
 import json
 import os
 import time
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Mapping, Optional
 
 from ppojax.backends.cpu import capabilities
-from ppojax.backends.cpu.capabilities import REQUIREMENTS, Cpu, apply_cap
+from ppojax.backends.cpu.capabilities import REQUIREMENTS, Cpu, apply_cap, switched_off
 from ppojax.backends.cpu.capabilities import RELEVANT_FLAGS, parse_cpuinfo  # noqa: F401 - re-exported
-from ppojax.backends.cpu.host_memory import switched_off
 from ppojax.io.strict_json import write_text_atomic
 
 OFF_SWITCH = "PPOJAX_XLA_CPU_OPTIONS"
@@ -84,7 +84,6 @@ def candidates(cpu: Cpu, matmuls: str = "float32") -> list[OptionSet]:
 
 
 def _jaxlib_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
     try:
         return version("jaxlib")
     except PackageNotFoundError:

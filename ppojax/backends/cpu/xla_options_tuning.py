@@ -20,8 +20,14 @@ import subprocess
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
 from ppojax.backends.cpu import xla_options
 from ppojax.backends.cpu.xla_options import CANDIDATES
+from ppojax.models import CausalLM, ModelConfig
 
 #: name -> its XLA_FLAGS fragment ("default": none)
 OPTION_SETS = {s.name: s.flags for s in CANDIDATES}
@@ -42,13 +48,6 @@ KNOWN_FAILURES = {
 def measure_step(tokens: int, reps: int, layers: int = 6) -> dict:
     """In the child process: best seconds of one training step at float32 and at mixed, ``tokens`` = 8 sequences
     of ``tokens // 8``."""
-    import jax
-    import jax.numpy as jnp
-    import optax
-    from flax import nnx
-
-    from ppojax.models import CausalLM, ModelConfig
-
     cfg = ModelConfig.from_hf(dict(SMOLLM2_SHAPE, num_hidden_layers=layers))
     batch, seq = 8, tokens // 8
     ids = jax.random.randint(jax.random.key(1), (batch, seq), 0, cfg.vocab_size)

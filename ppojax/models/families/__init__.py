@@ -7,8 +7,10 @@ imported below.
 
 from ppojax.models.errors import ModelLoadError, UnsupportedModelError
 from ppojax.models.families.hf_config import SUPPORTED_ACTIVATIONS, SUPPORTED_ROPE_TYPES, HFConfig
-from ppojax.models.families.keys import KINDS, Key, Split, T, Unflatten, hf_to_params, key_table, params_to_hf, tensor_name
-from ppojax.models.families.registry import Family, family_for, register_family, supported_model_types, transformers_classes
+from ppojax.models.families.keys import (KINDS, Key, Split, T, Unflatten, hf_to_params, key_table, params_to_hf,
+                                         tensor_name)
+from ppojax.models.families.registry import (Family, family_for, register_family, supported_model_types,
+                                             transformers_classes)
 
 # The built-in families, in the order `supported_model_types()` lists them.
 from ppojax.models.families import gpt2, llama, gpt_neox  # noqa: E402, F401, I001  (registration happens on import)

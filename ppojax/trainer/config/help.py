@@ -22,7 +22,8 @@ def configuration_markdown() -> str:
     docstrings (``python -m ppojax.trainer.config > docs/configuration.md``; a test checks the file is current)."""
     lines = ["# Configuration", "",
              "Every field of `PPOConfig` (YAML keys, `key=value` overrides of `ppojax train`, or keyword arguments in",
-             "Python), generated from the fields' docstrings by `python -m ppojax.trainer.config > docs/configuration.md`.",
+             "Python), generated from the fields' docstrings by "
+             "`python -m ppojax.trainer.config > docs/configuration.md`.",
              "*static*: part of the compiled program (changing it compiles anew); *on resume*: whether a resumed run",
              "must keep it (`must_match`), may change it (`may_change`, reported) or ignores it (`ignored`).", "",
              "| field | default | static | on resume | description |", "|---|---|---|---|---|"]

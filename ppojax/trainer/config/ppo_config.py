@@ -74,10 +74,11 @@ class PPOConfig(Settings):
                 f"{self.num_mini_batches * self.gradient_accumulation_steps * data_parallel_size}.")
         groups = self.num_generations
         if batch % (groups * data_parallel_size):
+            per_device = (f" with the same number of prompts on each of {data_parallel_size} data-parallel devices"
+                          if data_parallel_size > 1 else "")
             raise ConfigError(
                 f"batch_size={batch} (samples) does not split into num_generations={groups} samples of each "
-                f"prompt{f' with the same number of prompts on each of {data_parallel_size} data-parallel devices' if data_parallel_size > 1 else ''}; "
-                f"make batch_size a multiple of {groups * data_parallel_size}.")
+                f"prompt{per_device}; make batch_size a multiple of {groups * data_parallel_size}.")
         if self.rollout_slots > batch and (mesh_known or self.batch_size is not None):
             raise ConfigError(
                 f"rollout_slots={self.rollout_slots} is more than the {batch} rows (batch_size) a rollout samples; "

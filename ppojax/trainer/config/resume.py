@@ -51,7 +51,7 @@ def resume_compatibility(saved: dict, now: dict) -> list[str]:
 def check_compatible(saved_config, config) -> list[str]:
     """:func:`resume_compatibility` on dicts or PPOConfigs (``to_dict()``), raising `CheckpointError` where a field
     that must match differs: the checkpoint cannot be resumed with this config."""
-    from ppojax.io.checkpoint import config_as_dict  # imports JAX, which checking a config does not need
+    from ppojax.io.checkpoint import config_as_dict  # noqa: PLC0415 - imports JAX; checking a config does not
 
     try:
         return resume_compatibility(config_as_dict(saved_config), config_as_dict(config))

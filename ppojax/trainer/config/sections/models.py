@@ -8,8 +8,8 @@ from typing import Optional, Union
 from ppojax.trainer.config.fields import (MAY_CHANGE, MUST_MATCH, NON_EMPTY, Rule, above, at_least, between, one_of,
                                           setting)
 
-#: the models' `matmul_implementation` values (`ppojax.backends.cpu.stacked_matmul.IMPLEMENTATIONS`, spelled here without
-#: jax): the in-place ones name the GEMM library of ppojax's handlers
+#: the models' `matmul_implementation` values (`ppojax.backends.cpu.stacked_matmul.IMPLEMENTATIONS`, spelled here
+#: without jax): the in-place ones name the GEMM library of ppojax's handlers
 IN_PLACE_MATMULS = ("onednn", "onednn_primitive", "mkl")
 MATMUL_IMPLEMENTATIONS = ("auto", "xla", *IN_PLACE_MATMULS)
 
@@ -81,9 +81,9 @@ class ModelSettings:
     wheel and a C++ compiler let ppojax build its handlers, on the GEMM library measured fastest on this CPU for
     each projection shape and product (forward, input gradient, weight gradient): timed once per CPU and shape, a
     few seconds, and recorded in ~/.cache/ppojax/matmul_library.json; a decode step's at most 8 rows by the
-    handlers' own kernels on AVX-512 or AVX2 CPUs; else XLA's dots, which copy each layer's kernels out first), 'xla', 'onednn'
-    (whatever the size; an error where it cannot be had), 'onednn_primitive' (as 'onednn', through oneDNN's matmul
-    primitive) or 'mkl' (as 'onednn', on MKL's GEMM as torch's x86 wheels carry it): 'auto' measures which is
+    handlers' own kernels on AVX-512 or AVX2 CPUs; else XLA's dots, which copy each layer's kernels out first), 'xla',
+    'onednn' (whatever the size; an error where it cannot be had), 'onednn_primitive' (as 'onednn', through oneDNN's
+    matmul primitive) or 'mkl' (as 'onednn', on MKL's GEMM as torch's x86 wheels carry it): 'auto' measures which is
     faster at the model's shapes (`python -m ppojax.backends.cpu.matmul_tuning` does it ahead). Other precisions,
     meshes and accelerators always use XLA's dots."""
 
