@@ -20,6 +20,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
 
 from ppojax import parallel as sh
+from ppojax.parallel import distributed
 from ppojax.rl.settings import Hyperparams
 from ppojax.rl import placement
 from tests.sharding_helpers import FAST_COMPILE_FLAGS
@@ -111,7 +112,7 @@ def test_initialize_distributed_is_a_noop_for_a_single_process(monkeypatch):
                 "JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri", "TPU_WORKER_HOSTNAMES",
                 "TPU_PROCESS_ADDRESSES", "MEGASCALE_COORDINATOR_ADDRESS"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(sh, "_cluster_env", lambda: None)  # e.g. when the tests run on a TPU VM
+    monkeypatch.setattr(distributed, "_cluster_env", lambda: None)  # e.g. when the tests run on a TPU VM
     assert sh.initialize_distributed() is False
     assert sh.initialize_distributed(num_processes=1) is False
     monkeypatch.setenv("PPOJAX_NUM_PROCESSES", "2")
