@@ -138,9 +138,9 @@ def test_a_wrong_structure_guess_falls_back_to_the_loaded_models_program(checkpo
         started.append(program)
         return compile_ahead.CompileAhead(program, train_step=lambda *args: pytest.fail("the guess's step ran"))
 
-    real = build_module._abstract_models
-    monkeypatch.setattr(build_module, "_abstract_models", wrong_guess)
-    monkeypatch.setattr(compile_ahead, "start_train_step", start_without_compiling)
+    real = build_module.abstract_models
+    monkeypatch.setattr(build_module, "abstract_models", wrong_guess)
+    monkeypatch.setattr(build_module, "start_train_step", start_without_compiling)
     run = build_run(_config(checkpoints, tmp_path), train_dataset=PROMPTS, compile_ahead=True)
     assert started and run.train_step is None and run.program is not started[0]
     # the run's program is the loaded models' (remat 'dots'), not the guess's ('full')
