@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from ppojax.trainer.cli import main
+from ppojax.trainer.config import PPOConfig
 from tests.tiny_setup import write_tiny_run_inputs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -25,17 +26,30 @@ def tiny_dirs(tmp_path_factory):
 def test_train_command_writes_every_output(tiny_dirs, tmp_path, capsys):
     out = tmp_path / "run"
     code = main(["train", str(REPO / "configs/tiny.yaml"), f"model_name_or_path={tiny_dirs / 'model'}",
-                 f"dataset={tiny_dirs / 'prompts.jsonl'}", f"output_dir={out}"])
+                 f"dataset={tiny_dirs / 'prompts.jsonl'}", f"output_dir={out}", "eval_steps=2", "logging_steps=3"])
     assert code == 0
     summary = json.loads((out / "summary.json").read_text())
+    # the held-out prompts scored before, every eval_steps updates (the last one is the after-training score)
+    # and after; an update that scored them is logged whatever logging_steps says
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2, 3, 4] and ["eval/mean_score" in r for r in rows] == [True, False, False]
+    curve = summary["held_out_curve"]
+    assert [point["update"] for point in curve] == [0, 2, 4]
+    assert curve[0]["mean_score"] == summary["held_out_mean_score_before"]
+    assert curve[1]["mean_score"] == rows[0]["eval/mean_score"]
+    assert curve[2]["mean_score"] == summary["held_out_mean_score_after"]
+    from ppojax.trainer.ppo_trainer import PPOTrainer  # the mid-run score, again from the step-2 checkpoint
+    config = PPOConfig.from_dict({**json.loads((out / "checkpoints/step_2/config/config.json").read_text()),
+                                  "resume": None, "output_dir": str(tmp_path / "again"), "report_to": "none"})
+    again = PPOTrainer(config)
+    again.resume(str(out / "checkpoints/step_2"))
+    assert again.evaluate(step=2)["mean_score"] == pytest.approx(curve[1]["mean_score"], abs=1e-6)
     assert summary["updates"] == 4 and summary["episodes"] == 64
     assert summary["held_out_prompts"] == 16
     assert 0.0 <= summary["held_out_mean_score_before"] <= 1.0
     assert (out / "policy" / "config.json").is_file() and (out / "policy" / "model.safetensors").is_file()
     assert (out / "training_curves.png").stat().st_size > 5000
     assert summary["export_greedy_match"] is True  # transformers writes ppojax's greedy continuations
-    lines = (out / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2", "step_4"]
     assert any((out / "tensorboard").iterdir())
     after = json.loads((out / "eval_after.json").read_text())
@@ -53,7 +67,7 @@ def test_train_command_writes_every_output(tiny_dirs, tmp_path, capsys):
     again = json.loads((out / "summary.json").read_text())
     assert again["updates"] == 4
     assert again["held_out_mean_score_before"] == summary["held_out_mean_score_before"]  # not re-scored
-    assert len((out / "metrics.jsonl").read_text().splitlines()) == 4
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
 
 
 def test_bad_override_is_a_clear_error(tmp_path, capsys):

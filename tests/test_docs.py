@@ -1,5 +1,6 @@
 """The documentation a newcomer reads is true: README's example of the pure functions runs as printed, and every
 relative link in README.md, docs/ and benchmarks/README.md leads to a file of the repository."""
+import os
 import re
 import subprocess
 import sys
@@ -13,10 +14,21 @@ def _python_blocks(path: Path) -> list[str]:
     return re.findall(r"```python\n(.*?)```", path.read_text(), re.S)
 
 
+def _readers_environment(home=None) -> dict:
+    """A reader's bare environment (none of the suite's variables but these), with the suite's XLA flags (its
+    compiles without LLVM's optimisation: tests/xla_test_flags.py) and its compilation cache, which the examples'
+    programs share with the rest of the suite."""
+    env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
+    if home is not None:
+        env["HOME"] = str(home)
+    env.update({name: os.environ[name] for name in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR") if name in os.environ})
+    return env
+
+
 def test_the_readmes_pure_function_example_runs_as_printed():
     block = next(b for b in _python_blocks(REPO / "README.md") if "from ppojax import core" in b)
     done = subprocess.run([sys.executable, "-c", block], cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)})
+                          env=_readers_environment())
     assert done.returncode == 0, done.stderr[-2000:]
     assert re.fullmatch(r"loss -?\d+\.\d{4}, clip fraction \d\.\d{2}\n", done.stdout), done.stdout
 
@@ -92,6 +104,5 @@ def test_every_python_example_in_the_documents_runs(tmp_path):
             script.append(GIVENS.get(name, {}).get(index, "") + block)
         code = "\n".join(script).replace("{tiny}", str(tiny))
         done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
-                              timeout=600, env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin",
-                                                "PYTHONPATH": str(REPO), "HOME": str(tmp_path)})
+                              timeout=600, env=_readers_environment(tmp_path))
         assert done.returncode == 0, f"{name}:\n{done.stderr[-3000:]}"

@@ -387,11 +387,14 @@ def test_a_terminal_keeps_the_progress_bar(tmp_path):
     assert "\r" in text and "3/3" in text and "update 3/3:" not in text
 
 
-def test_plot_labels_ticks_and_held_out_marks(tmp_path):
-    from ppojax.io.run_logging import curves_figure
+def test_plot_labels_ticks_rolling_means_and_the_held_out_curve(tmp_path):
+    from ppojax.io.run_logging import curves_figure, rolling_mean
 
-    rows = [{"step": s, "objective/scores": 0.1 * s, "objective/kl": 0.3 * s} for s in range(1, 8)]
-    fig = curves_figure(rows, held_out_before=-0.02, held_out_after=0.47)
+    assert rolling_mean([1.0, 3.0, 5.0, 7.0], 3) == [1.0, 2.0, 3.0, 5.0]  # trailing, fewer at the start
+    scores = [0.0, 0.4, -0.2, 0.5, 0.1, 0.7, 0.3, 0.9, 0.2, 1.0, 0.6, 1.1, 0.8, 1.3]
+    rows = [{"step": s, "objective/scores": scores[s - 1], "objective/kl": 0.3 * s} for s in range(1, 15)]
+    held_out = [(0, -0.02), (5, 0.21), (10, 0.38), (14, 0.47)]
+    fig = curves_figure(rows, held_out=held_out)
     score_ax, kl_ax = fig.axes
     assert score_ax.get_ylabel() == "mean score (training batch)"
     assert kl_ax.get_ylabel() == "KL to the initial model (nats)"
@@ -401,15 +404,17 @@ def test_plot_labels_ticks_and_held_out_marks(tmp_path):
         ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
         assert ticks and all(float(t).is_integer() for t in ticks)
     legend = [t.get_text() for t in score_ax.get_legend().get_texts()]
-    assert legend == ["training batch", "held-out mean, before training: -0.020",
-                      "held-out mean, after training: 0.470"]
-    marks = [tuple(c.get_offsets()[0]) for c in score_ax.collections]
-    assert marks == [(0.0, -0.02), (7.0, 0.47)]  # before training at update 0, after at the last update
-    assert kl_ax.get_legend() is None
+    assert legend == ["training batch", "training batch, mean of the last 3", "held-out mean: -0.02 -> 0.47"]
+    raw, trend, curve = score_ax.get_lines()
+    np.testing.assert_allclose(raw.get_ydata(), scores)
+    np.testing.assert_allclose(trend.get_ydata(), [np.mean(scores[max(0, i - 2):i + 1]) for i in range(14)])
+    assert list(zip(curve.get_xdata(), curve.get_ydata())) == held_out  # before, during and after training
+    assert [t.get_text() for t in kl_ax.get_legend().get_texts()] == ["training batch",
+                                                                      "training batch, mean of the last 3"]
     with RunLogger(tmp_path, enabled=True, report_to="none") as logger:
         for row in rows:
             logger.log_metrics(row["step"], row)
-        path = logger.plot(held_out_before=-0.02, held_out_after=0.47)
+        path = logger.plot(held_out=held_out)
     assert path == tmp_path / "training_curves.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -424,7 +429,8 @@ def test_plot_shows_the_adaptive_kl_coefficient_only_when_it_moves():
     score_ax, kl_ax, coef_ax = fig.axes
     assert coef_ax.get_ylabel() == "KL coefficient (adaptive controller)"
     np.testing.assert_allclose(coef_ax.get_lines()[0].get_ydata(), [r["objective/kl_coef"] for r in rows])
-    assert [t.get_text() for t in kl_ax.get_legend().get_texts()] == ["training batch", "KL coefficient (adaptive)"]
+    assert [t.get_text() for t in kl_ax.get_legend().get_texts()] == [
+        "training batch", "training batch, mean of the last 3", "KL coefficient (adaptive)"]
     fig.canvas.draw()
     ticks = [t for t in kl_ax.get_xticks() if kl_ax.get_xlim()[0] <= t <= kl_ax.get_xlim()[1]]
     assert ticks and all(float(t).is_integer() for t in ticks)

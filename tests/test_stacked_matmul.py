@@ -608,6 +608,7 @@ def test_auto_measures_once_per_cpu_the_shapes_no_record_covers(monkeypatch, tmp
     out = capsys.readouterr().out
     assert "timing oneDNN's sgemm, oneDNN's matmul primitive once for this CPU at 576x576, 576x192" in out
     assert "576x576 onednn 100.0/100.0/100.0, onednn_primitive 97.0/85.0/110.0" in out
+    assert out.count("'auto' takes") == 1, out  # the measurement says the choice; it is not said again
     stacked_matmul._tuned.cache_clear()  # as a new process
     assert stacked_matmul.library_of("auto", (NARROW, SQUARE)) == first
     assert len(asked) == 1  # the record serves

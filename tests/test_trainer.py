@@ -306,3 +306,20 @@ def test_the_callers_modules_stay_intact_while_the_run_trains_its_own_arrays(tmp
     for name, role in (("policy", "policy"), ("reward", "value")):
         trained = jax.tree.leaves(trainer.state.params[role])
         assert max(float(np.abs(np.asarray(a) - b).max()) for a, b in zip(trained, before[name])) > 1e-4, role
+
+
+def test_sample_tables_and_evaluations_show_the_prompt_the_user_wrote(tmp_path):
+    """With chat_template on, the model reads (and reward functions receive) the template's rendering, preamble
+    included; what the sample tables and eval_*.json show is the prompt as the dataset gave it."""
+    from tests.tiny_setup import PROMPTS, tiny_policy, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = "it is {% for m in messages %}{{ m['content'] }} {% endfor %}"  # a preamble
+    config = PPOConfig.from_dict(dict(output_dir=str(tmp_path / "run"), report_to="none", batch_size=8,
+                                      response_length=4, max_prompt_length=10, total_episodes=8, num_eval_prompts=4,
+                                      chat_template=True, reward_function="tests.test_cli:good_fraction"))
+    trainer = PPOTrainer(config, processing_class=tokenizer, model=tiny_policy(), train_dataset=PROMPTS[:40])
+    result = trainer.evaluate(step=0)
+    assert result["prompts"] == PROMPTS[36:40]  # the held-out rows, as written
+    decoded, _ = trainer.sample_completions(trainer.eval_queries[:4])
+    assert all(d.startswith("it is ") and d.endswith(p) for d, p in zip(decoded, PROMPTS[36:40]))  # as read

@@ -365,15 +365,14 @@ class RunLogger:
         return auto_tqdm(total=total_updates, initial=initial, unit="update", desc="ppo", dynamic_ncols=True)
 
     # ---- plot ----
-    def plot(self, path=None, keys: Sequence[str] = PLOT_KEYS, *, held_out_before: Optional[float] = None,
-             held_out_after: Optional[float] = None) -> Optional[Path]:
-        """A PNG of ``keys`` over updates from metrics.jsonl, with the held-out mean score before (update 0)
-        and after training (the last update) marked on the score panel when given."""
+    def plot(self, path=None, keys: Sequence[str] = PLOT_KEYS, *,
+             held_out: Sequence[tuple[int, float]] = ()) -> Optional[Path]:
+        """A PNG of ``keys`` over updates from metrics.jsonl (:func:`curves_figure`), with the held-out mean score
+        at each (update, score) of ``held_out`` on the score panel."""
         if not self.enabled:
             return None
         path = Path(path) if path is not None else self.output_dir / "training_curves.png"
-        return plot_metrics(self.metrics_path, path, keys, held_out_before=held_out_before,
-                            held_out_after=held_out_after)
+        return plot_metrics(self.metrics_path, path, keys, held_out=held_out)
 
     def flush(self) -> None:
         if self._tensorboard is not None:
@@ -450,45 +449,57 @@ def _config_markdown(config: Any) -> str:
 
 
 def plot_metrics(metrics_path, png_path, keys: Sequence[str] = PLOT_KEYS, *,
-                 held_out_before: Optional[float] = None, held_out_after: Optional[float] = None) -> Path:
+                 held_out: Sequence[tuple[int, float]] = ()) -> Path:
     """Plot ``keys`` of a metrics.jsonl over its steps into ``png_path`` (see :func:`curves_figure`)."""
-    fig = curves_figure(read_jsonl(metrics_path), keys, held_out_before=held_out_before,
-                        held_out_after=held_out_after)
+    fig = curves_figure(read_jsonl(metrics_path), keys, held_out=held_out)
     png_path = Path(png_path)
     png_path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png_path, format="png")
     return png_path
 
 
+def rolling_mean(values: Sequence[float], window: int) -> list[float]:
+    """The mean of each value and the ``window - 1`` before it (fewer at the start): a trailing rolling mean."""
+    out = []
+    for i in range(len(values)):
+        part = values[max(0, i - window + 1):i + 1]
+        out.append(sum(part) / len(part))
+    return out
+
+
 def curves_figure(rows: Sequence[Mapping], keys: Sequence[str] = PLOT_KEYS, *,
-                  held_out_before: Optional[float] = None, held_out_after: Optional[float] = None):
+                  held_out: Sequence[tuple[int, float]] = ()):
     """A matplotlib Figure (no pyplot, no display) with one panel per key over the updates of ``rows``
-    (metrics.jsonl rows): y-axis labels, integer update ticks, and on the score panel the held-out mean
-    score before training (at update 0) and after (at the last update) when given."""
+    (metrics.jsonl rows): each update's value as a faint point, their rolling mean as a line (the trend through
+    one noisy batch after another), y-axis labels and integer update ticks; on the score panel the held-out mean
+    score at each update it was measured (``held_out``: (update, score) pairs, e.g. before training at 0, during
+    training and after it), joined by a line."""
     try:
         # the object API draws with Agg; no global backend
         from matplotlib.figure import Figure  # noqa: PLC0415 - optional (the demo extra)
         from matplotlib.ticker import MaxNLocator  # noqa: PLC0415 - optional (the demo extra)
     except ImportError as e:  # pragma: no cover
         raise ImportError("plotting needs matplotlib: pip install 'ppojax[demo]' (or matplotlib)") from e
-    fig = Figure(figsize=(5.2 * len(keys), 3.8), dpi=100)
+    fig = Figure(figsize=(5.6 * len(keys), 4.0), dpi=100)
     axes = fig.subplots(1, len(keys), squeeze=False)[0]
-    last_step = max((int(r["step"]) for r in rows if isinstance(r.get("step"), (int, float))), default=0)
     score_axis = list(keys).index("objective/scores") if "objective/scores" in keys else 0
-    marks = [(0, _to_float(held_out_before), "o", "C1", "held-out mean, before training"),
-             (last_step, _to_float(held_out_after), "*", "C2", "held-out mean, after training")]
+    held_out = [(int(x), float(y)) for x, y in held_out if _to_float(y) is not None]
     for index, (ax, key) in enumerate(zip(axes, keys)):
-        points = [(r["step"], r[key]) for r in rows if r.get(key) is not None and "step" in r]
+        points = [(r["step"], r[key]) for r in rows if _to_float(r.get(key)) is not None and "step" in r]
         if points:
             xs, ys = zip(*points)
-            ax.plot(xs, ys, marker="." if len(points) < 50 else None, linewidth=1.4, label="training batch")
+            window = max(3, len(points) // 6)
+            ax.plot(xs, ys, linestyle="none", marker=".", markersize=5, color="C0", alpha=0.35,
+                    label="training batch")
+            ax.plot(xs, rolling_mean(ys, window), color="C0", linewidth=2.0,
+                    label=f"training batch, mean of the last {window}")
         else:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
-        if index == score_axis and any(value is not None for _, value, *_ in marks):
-            for x, value, marker, color, label in marks:
-                if value is not None:
-                    ax.scatter([x], [value], marker=marker, s=120 if marker == "*" else 55, color=color,
-                               zorder=3, label=f"{label}: {value:.3f}")
+        if index == score_axis and held_out:
+            hx, hy = zip(*held_out)
+            ax.plot(hx, hy, color="C2", marker="o", markersize=6, linewidth=1.8,
+                    label=f"held-out mean: {hy[0]:.2f} -> {hy[-1]:.2f}")
+        if points or (index == score_axis and held_out):
             ax.legend(loc="best", fontsize=8)
         ax.set_title(key)
         ax.set_xlabel("update")

@@ -69,6 +69,7 @@ class Run:
     lora: Optional[LoraSpec] = None  # the policy's LoRA adapters (None: full fine-tuning)
     model_path: Optional[str] = None  # the policy's checkpoint directory (None: the caller passed the model)
     train_step: Optional[Callable] = None  # the step compiled ahead (build_run's compile_ahead), else None
+    prompt_texts: Optional[list] = None  # what the user wrote of each prompt, rows as train_queries + eval_queries
 
     @property
     def settings(self) -> StepSettings:
@@ -139,7 +140,8 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
     return Run(config=config, tokenizer=tokens.tokenizer, model_config=models.policy_cfg, mesh=mesh,
                program=program, state=state, state_shardings=state_shardings, num_updates=prompts.num_updates,
                train_queries=prompts.train_queries, eval_queries=prompts.eval_queries, batches=prompts.batches,
-               compilation_cache_dir=cache_dir, lora=models.lora_spec, model_path=model_path, train_step=train_step)
+               compilation_cache_dir=cache_dir, lora=models.lora_spec, model_path=model_path, train_step=train_step,
+               prompt_texts=prompts.texts)
 
 
 def _compile_ahead(config, program_for, sources: dict, batches: PromptBatches):

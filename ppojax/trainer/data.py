@@ -445,6 +445,15 @@ def prepare_prompts(
     return PromptSet(left_pad(ids, max_prompt_length, pad), [texts[i] for i in kept], kept, n_filtered)
 
 
+def prompt_display_text(prompt) -> str:
+    """What the user wrote of a prompt, for sample tables and evaluation files: a text prompt itself (without the
+    chat template a run may wrap it in), or a conversation's last user message."""
+    if isinstance(prompt, str):
+        return prompt
+    users = [m for m in prompt if m.get("role") == "user"] or list(prompt)
+    return str(users[-1].get("content", ""))
+
+
 # ---------------------------------------------------------------------------------------------- batches
 
 

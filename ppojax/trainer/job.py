@@ -93,9 +93,9 @@ def _train_and_report(config: PPOConfig, claim) -> dict:
         export_check = _export_and_check(trainer, config, out)
         reward_names = list((before or after or {}).get("rewards") or {})
         keys = list(PLOT_KEYS) + ([f"rewards/{name}/mean" for name in reward_names] if len(reward_names) > 1 else [])
-        plot = logger.plot(out / "training_curves.png", keys, held_out_before=before and before["mean_score"],
-                           held_out_after=after and after["mean_score"])
-        summary = _summary(trainer, config, before, after, history, plot, export_check,
+        curve = held_out_curve(read_jsonl(out / "metrics.jsonl"), before, after, trainer.num_updates)
+        plot = logger.plot(out / "training_curves.png", keys, held_out=curve)
+        summary = _summary(trainer, config, before, after, history, plot, export_check, curve,
                            train_seconds=train_seconds, wall_seconds=time.time() - start)
         logger.write_summary(summary)
         print(json.dumps(summary, indent=2))
@@ -179,7 +179,17 @@ def _export_and_check(trainer: PPOTrainer, config: PPOConfig, out: Path) -> Opti
     return check
 
 
-def _summary(trainer: PPOTrainer, config: PPOConfig, before, after, history: list, plot, export_check, *,
+def held_out_curve(rows, before: Optional[dict], after: Optional[dict], last_update: int) -> list:
+    """[(update, held-out mean score)]: before training (update 0), each evaluation during training (the
+    ``eval/mean_score`` of metrics.jsonl's rows, a resumed run's earlier ones included) and after it."""
+    curve = [] if before is None else [(0, before["mean_score"])]
+    curve += [(int(r["step"]), r["eval/mean_score"]) for r in rows if r.get("eval/mean_score") is not None]
+    if after is not None:
+        curve.append((last_update, after["mean_score"]))
+    return curve
+
+
+def _summary(trainer: PPOTrainer, config: PPOConfig, before, after, history: list, plot, export_check, curve, *,
              train_seconds: float, wall_seconds: float) -> dict:
     """``summary.json``: the run's results and where its outputs are."""
     out = Path(config.output_dir)
@@ -192,6 +202,8 @@ def _summary(trainer: PPOTrainer, config: PPOConfig, before, after, history: lis
         "held_out_prompts": 0 if trainer.eval_queries is None else len(trainer.eval_queries),
         "held_out_mean_score_before": None if before is None else before["mean_score"],
         "held_out_mean_score_after": None if after is None else after["mean_score"],
+        # the held-out mean at every update it was scored (before, every eval_steps updates, after)
+        "held_out_curve": [{"update": update, "mean_score": score} for update, score in curve],
         # each reward's mean over the held-out completions it applies to (accuracy and format apart)
         "held_out_rewards_before": None if before is None else before.get("rewards"),
         "held_out_rewards_after": None if after is None else after.get("rewards"),

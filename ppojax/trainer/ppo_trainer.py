@@ -155,8 +155,9 @@ class PPOTrainer(LegacyAPI):
         bar = self.logger.progress(total, initial=start) if progress else None
         sample_every = max(1, total // max(1, args.num_sample_generations)) if args.num_sample_generations else 0
 
-        def log(end):
-            self.logger.log_metrics(end.step, end.metrics)
+        def log(end):  # every logging_steps updates, the last, and each that scored the held-out prompts
+            if end.step % args.logging_steps == 0 or end.step == end.total or "eval/mean_score" in end.metrics:
+                self.logger.log_metrics(end.step, end.metrics)
 
         def progress_bar(end):
             if bar is not None:
@@ -168,9 +169,15 @@ class PPOTrainer(LegacyAPI):
             if end.step != end.total:
                 self.save_checkpoint(wait=False)
 
+        def held_out(end):  # into the update's metrics, before they are logged; the job scores after the last
+            if end.step != end.total:
+                end.metrics.update(eval_metrics(self.evaluate(step=end.step)))
+
         # Order matters: a failed reward stops before the update is logged (its numbers mean nothing); a
         # non-finite streak stops after it is logged (the skipped steps are in the metrics).
-        hooks = [Hook(reward_failure_check), Hook(log, every=args.logging_steps, at_end=True),
+        evaluating = args.eval_steps if self.eval_queries is not None and run.reward is not None else 0
+        hooks = [Hook(reward_failure_check), Hook(held_out, every=evaluating, reads_state=True),
+                 Hook(log),
                  Hook(progress_bar), Hook(nonfinite_check(self.checkpoints.latest)),
                  Hook(lambda end: self.log_samples(end.step), every=sample_every, at_end=sample_every > 0,
                       reads_state=True),
@@ -295,7 +302,14 @@ class PPOTrainer(LegacyAPI):
         first_row = len(self.train_queries) if held_out else 0
         prompts, completions, responses = self._sample(queries, step=step)
         scored = self.score_samples(queries, responses, rows=num, first_row=first_row)
-        self.logger.log_samples(step, prompts[:num], completions[:num], None if scored is None else scored[0])
+        prompts = self._shown(prompts, first_row, num)
+        self.logger.log_samples(step, prompts, completions[:num], None if scored is None else scored[0])
+
+    def _shown(self, decoded: list, first_row: int, num: int) -> list:
+        """The prompts of rows ``first_row ..`` as the user wrote them (the run's ``prompt_texts``: a chat
+        template's preamble is no part of it), else ``decoded`` (the prompt ids decoded)."""
+        texts = self.run.prompt_texts
+        return decoded[:num] if texts is None else list(texts[first_row:first_row + num])
 
     def evaluate(self, step: int = 0) -> Optional[dict[str, Any]]:
         """Mean reward of near-greedy completions of the held-out prompts, scored by the run's reward (functions
@@ -310,7 +324,7 @@ class PPOTrainer(LegacyAPI):
             queries = _whole_batch(self.eval_queries[start:start + batch], batch)
             p, c, responses = self._sample(queries, step=step)
             keep = min(batch, len(self.eval_queries) - start)
-            prompts += p[:keep]
+            prompts += self._shown(p, len(self.train_queries) + start, keep)
             completions += c[:keep]
             batch_scores, batch_components = self.score_samples(
                 queries, responses, rows=keep, first_row=len(self.train_queries) + start)
@@ -376,6 +390,18 @@ class PPOTrainer(LegacyAPI):
         base = self.run.model_path or self.args.model_name_or_path
         return save_peft_adapter(host_adapters, self.run.model_config, self.run.lora, output_dir,
                                  base_model_name_or_path=str(base), tokenizer=self.tokenizer)
+
+
+def eval_metrics(result: Optional[dict]) -> dict:
+    """An evaluation (``PPOTrainer.evaluate``) as metrics: ``eval/mean_score`` and, with several rewards,
+    ``eval/rewards/<name>/mean`` ({} for None)."""
+    if result is None:
+        return {}
+    rewards = result.get("rewards") or {}
+    out = {"eval/mean_score": result["mean_score"]}
+    if len(rewards) > 1:
+        out.update({f"eval/rewards/{name}/mean": value for name, value in rewards.items() if value is not None})
+    return out
 
 
 def _whole_batch(queries, batch_size):

@@ -13,7 +13,7 @@ import numpy as np
 from ppojax.models import load_tokenizer
 from ppojax.rl.rewards import ColumnTable
 from ppojax.trainer.config import ConfigError, PPOConfig
-from ppojax.trainer.data import PromptBatches, check_tokenizer, load_prompt_table, prepare_prompts
+from ppojax.trainer.data import PromptBatches, check_tokenizer, load_prompt_table, prepare_prompts, prompt_display_text
 from ppojax.trainer.preflight import dataset_source, model_config_of
 from ppojax.trainer.run_rewards import as_config_error
 
@@ -89,19 +89,21 @@ def read_prompt_texts(config: PPOConfig, train_dataset) -> tuple[Optional[list],
 class RunPrompts:
     """train_queries / eval_queries: np i32[N, P] left-padded prompt ids (eval: held out, or None); table: the kept
     prompts' dataset columns (None without any); batches: the resumable prompt-batch iterator (None without a
-    dataset: the legacy ``step()`` API); num_updates: the run's PPO updates."""
+    dataset: the legacy ``step()`` API); num_updates: the run's PPO updates; texts: what the user wrote of each
+    kept prompt, training rows then held-out ones (``prompt_display_text``; None without a dataset)."""
 
     train_queries: Optional[np.ndarray]
     eval_queries: Optional[np.ndarray]
     table: Optional[ColumnTable]
     batches: Optional[PromptBatches]
     num_updates: int
+    texts: Optional[list] = None
 
 
 def prompt_data(config: PPOConfig, texts, columns: dict, n_train_texts, tokens: TokenIds,
                 data_parallel: int) -> RunPrompts:
     """The prompt texts (:func:`read_prompt_texts`) as the run's token ids, held-out split, columns and batches."""
-    train_queries = eval_queries = batches = table = None
+    train_queries = eval_queries = batches = table = shown = None
     if texts is not None:
         prompts = as_config_error(prepare_prompts, texts, tokens.tokenizer, config.max_prompt_length,
                                   chat_template=config.chat_template, stop_token_id=tokens.stop_token_id,
@@ -113,6 +115,7 @@ def prompt_data(config: PPOConfig, texts, columns: dict, n_train_texts, tokens: 
                 raise ConfigError(f"eval_dataset={config.eval_dataset!r}: none of its prompts fits "
                                   f"max_prompt_length={config.max_prompt_length}; raise it.")
         train_queries, eval_queries = split_eval(prompts.input_ids, num_eval)
+        shown = [prompt_display_text(text) for text in prompts.texts]
         if columns:  # the kept prompts' rows, in prompt-table order (training rows first, then held-out ones)
             table = ColumnTable({name: [values[i] for i in prompts.indices] for name, values in columns.items()})
     sizes = config.derived(data_parallel)
@@ -127,4 +130,4 @@ def prompt_data(config: PPOConfig, texts, columns: dict, n_train_texts, tokens: 
                               f"{per_update}; lower batch_size or add prompts.")
         batches = PromptBatches(train_queries, sizes.prompts_per_batch, seed=config.seed,
                                 process_index=jax.process_index(), process_count=jax.process_count())
-    return RunPrompts(train_queries, eval_queries, table, batches, num_updates)
+    return RunPrompts(train_queries, eval_queries, table, batches, num_updates, shown)

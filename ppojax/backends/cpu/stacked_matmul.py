@@ -122,7 +122,7 @@ def library_of(implementation: str, shapes=None) -> dict:
     chosen = {shape: chosen[shape] for shape in shapes}
     if any(unavailable_reason(library) for library in libraries_in(chosen)):  # handlers that would not load
         return onednn
-    if chosen != onednn:
+    if chosen != onednn and not missing:  # a choice measured now was said by the measurement
         _announce_recorded(tuple(chosen.items()))
     return chosen
 

@@ -197,6 +197,9 @@ def _problems_together(c: PPOConfig) -> list[str]:
     if list(axes.values()).count(-1) > 1:
         out.append(f"mesh sizes {axes}: at most one -1 (the axis taking the devices left over) among mesh_data/"
                    "mesh_fsdp/mesh_tensor; give the others explicit sizes >= 1.")
+    if c.eval_steps and c.num_eval_prompts == 0:
+        out.append(f"eval_steps={c.eval_steps} scores the held-out prompts during training, but num_eval_prompts=0 "
+                   "holds none out; hold some out (e.g. num_eval_prompts: 64) or set eval_steps: 0.")
     if c.export_check and c.num_eval_prompts == 0:
         out.append("export_check=True decodes held-out prompts with the exported policy, but num_eval_prompts=0 "
                    "holds none out; hold some out (e.g. num_eval_prompts: 16) or set export_check: null (auto).")

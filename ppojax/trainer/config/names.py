@@ -73,8 +73,9 @@ FOREIGN_KEYS: dict[str, str] = {
             "logging_first_step", "log_level", "log_level_replica", "log_on_each_node", "disable_tqdm",
             "logging_nan_inf_filter", "include_num_input_tokens_seen", "include_tokens_per_second"),
     # evaluation
-    **_same("ppojax scores num_eval_prompts held-out prompts before and after training (in batches of "
-            "batch_size); set num_eval_prompts", "eval_strategy", "evaluation_strategy", "eval_steps", "do_eval",
+    **_same("ppojax scores num_eval_prompts held-out prompts before and after training, and every eval_steps "
+            "updates (in batches of batch_size); set num_eval_prompts and eval_steps", "eval_strategy",
+            "evaluation_strategy", "do_eval",
             "eval_on_start", "eval_delay", "per_device_eval_batch_size", "eval_accumulation_steps",
             "eval_do_concat_batches", "eval_use_gather_object", "batch_eval_metrics", "include_for_metrics",
             "include_inputs_for_metrics", "prediction_loss_only", "do_predict", "per_gpu_eval_batch_size"),

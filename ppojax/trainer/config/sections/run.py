@@ -47,6 +47,10 @@ class OutputSettings:
     """Log metrics (metrics.jsonl, TensorBoard, wandb) every N updates."""
     num_sample_generations: int = setting(10, static=False, on_resume=IGNORED, rule=at_least(0))
     """How many times during training to print sample completions (near-greedy, T = 0.01); 0: never."""
+    eval_steps: int = setting(0, static=False, on_resume=IGNORED, rule=at_least(0))
+    """Score the held-out prompts (num_eval_prompts, near-greedy) every N updates during training, besides before
+    and after it (0: only before and after; Hugging Face's eval_steps). Each score is logged as eval/mean_score
+    (and eval/rewards/<name>/mean), drawn in training_curves.png and listed in summary.json (held_out_curve)."""
     save_steps: int = setting(0, static=False, on_resume=IGNORED, rule=at_least(0))
     """Checkpoint every N updates (0: only at the end)."""
     save_total_limit: int = setting(3, static=False, on_resume=IGNORED, rule=Rule(
