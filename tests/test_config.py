@@ -133,7 +133,7 @@ def test_derived_sets_are_what_the_fields_declare():
                                                 "eval_dataset"}
     # fields added since those lists, each classified deliberately
     assert C.IGNORED_ON_RESUME_FIELDS == OLD_HARMLESS | {"overwrite_output_dir", "resume_with_changes",
-                                                         "compile_ahead", "export_check"}
+                                                         "compile_ahead", "export_check", "eval_steps"}
     assert C.MAY_CHANGE_FIELDS == OLD_TUNABLE | {
         "remat", "attention_implementation", "matmul_implementation", "optimizer_implementation", "scale_rewards",
         "normalize_advantages",
