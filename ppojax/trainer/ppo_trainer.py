@@ -153,7 +153,8 @@ class PPOTrainer(LegacyAPI):
         run, args = self.run, self.args
         start = int(run.state.update_count)
         bar = self.logger.progress(total, initial=start) if progress else None
-        sample_every = max(1, total // max(1, args.num_sample_generations)) if args.num_sample_generations else 0
+        # num_sample_generations tables at most, the last at the end: every ceil(total / n) updates
+        sample_every = -(-total // args.num_sample_generations) if args.num_sample_generations else 0
 
         def log(end):  # every logging_steps updates, the last, and each that scored the held-out prompts
             if end.step % args.logging_steps == 0 or end.step == end.total or "eval/mean_score" in end.metrics:
