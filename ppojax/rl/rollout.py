@@ -27,6 +27,7 @@ from ppojax.rl.continuous import generate_continuous
 from ppojax.rl.packed_rollout import packed_rollout_forwards, rollout_packed_shape
 from ppojax.rl.sampler import generate
 from ppojax.core.masks import INVALID_LOGPROB, contains_stop_token, response_masks, truncate_response
+from ppojax.core.overlong import soft_overlong_punishment
 from ppojax.core.shaping import apply_missing_eos_penalty
 from ppojax.rl.types import Experience
 
@@ -149,10 +150,14 @@ def experience_forwards(program, state, query_responses, prompt_length, sampler_
 # Steps 7-8: scores
 # --------------------------------------------------------------------------------------------------
 def with_scores(experience: Experience, scores, settings) -> Experience:
-    """Set ``scores`` f32[B] and apply ``missing_eos_penalty`` (docs/algorithm.md, "Rollout", step 8).
-    settings: the program's ``StepSettings`` (the stop token and the penalty)."""
+    """Set ``scores`` f32[B] and apply ``missing_eos_penalty`` and DAPO's soft overlong punishment
+    (``soft_punish_cache`` > 0, over ``response_length``) (docs/algorithm.md, "Rollout", step 8).
+    settings: the program's ``StepSettings`` (the stop token and the penalties)."""
     scores = apply_missing_eos_penalty(jnp.asarray(scores, jnp.float32), experience.responses,
                                        settings.sampling.stop_token_id, settings.algorithm.missing_eos_penalty)
+    if settings.algorithm.soft_punish_cache:
+        scores = scores + soft_overlong_punishment(experience.last_index + 1, settings.sampling.response_length,
+                                                   settings.algorithm.soft_punish_cache)
     return experience.replace(scores=scores)
 
 

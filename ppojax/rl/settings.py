@@ -61,7 +61,12 @@ class AlgorithmSettings:
     ``num_generations``, ``scale_rewards`` and ``normalize_advantages``. kl_in_loss / entropy_bonus: whether the
     loss has a KL-to-the-reference term / an entropy bonus (``kl_loss_coef`` / ``entropy_coef`` > 0 in the config;
     their weights are the traced ``Hyperparams.kl_loss_coef`` / ``entropy_coef``). Without an entropy bonus the
-    entropy is a statistic only: no gradient flows through it."""
+    entropy is a statistic only: no gradient flows through it.
+
+    The policy objective (``ppojax.core.objectives``): ``loss_type`` and its options, TRL GRPOConfig's names
+    (importance_sampling_level, top_entropy_quantile, use_bias_correction_kl, mask_truncated_completions, the
+    sapo_* and vespo_* parameters); multi_objective_aggregation (grpo's) and soft_punish_cache (DAPO's overlong
+    penalty on the scores, 0: off)."""
 
     advantage_estimator: str = "gae"
     gamma: float = 1.0
@@ -84,11 +89,32 @@ class AlgorithmSettings:
     adaptive_kl: bool = False
     target_kl_for_adaptive: float = 6.0
     horizon: int = 10000
+    loss_type: str = "ppo"
+    importance_sampling_level: str = "token"
+    top_entropy_quantile: float = 1.0
+    use_bias_correction_kl: bool = False
+    mask_truncated_completions: bool = False
+    multi_objective_aggregation: str = "sum_then_normalize"
+    soft_punish_cache: int = 0
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
 
     @property
     def processes_scores(self) -> bool:
         """Whether the legacy score scaling / clipping runs."""
         return self.use_score_scaling or self.score_clip is not None
+
+    @property
+    def uses_policy_objective(self) -> bool:
+        """Whether the loss's policy term is a registered objective's (``ppojax.core.objectives.policy_term``)
+        rather than the clipped surrogate of ``ppojax.core.losses.policy_loss`` (``loss_type: ppo`` with none of
+        the objective options: the same numbers)."""
+        return (self.loss_type != "ppo" or self.importance_sampling_level != "token"
+                or self.top_entropy_quantile < 1.0 or self.use_bias_correction_kl)
 
 
 @dataclass(frozen=True)
@@ -193,7 +219,14 @@ class StepSettings:
             use_score_norm=c.use_score_norm, score_clip=c.score_clip, kl_in_loss=bool(c.kl_loss_coef),
             entropy_bonus=bool(c.entropy_coef),
             kl_loss_type=c.kl_loss_type, dual_clip_c=c.dual_clip_c, loss_agg_mode=c.loss_agg_mode,
-            adaptive_kl=c.adaptive_kl, target_kl_for_adaptive=c.target_kl_for_adaptive, horizon=c.horizon)
+            adaptive_kl=c.adaptive_kl, target_kl_for_adaptive=c.target_kl_for_adaptive, horizon=c.horizon,
+            loss_type=c.loss_type, importance_sampling_level=c.importance_sampling_level,
+            top_entropy_quantile=c.top_entropy_quantile, use_bias_correction_kl=c.use_bias_correction_kl,
+            mask_truncated_completions=c.mask_truncated_completions,
+            multi_objective_aggregation=c.multi_objective_aggregation, soft_punish_cache=c.soft_punish_cache,
+            sapo_temperature_pos=c.sapo_temperature_pos, sapo_temperature_neg=c.sapo_temperature_neg,
+            vespo_k_pos=c.vespo_k_pos, vespo_lambda_pos=c.vespo_lambda_pos, vespo_k_neg=c.vespo_k_neg,
+            vespo_lambda_neg=c.vespo_lambda_neg)
         optim = OptimSettings(
             num_ppo_epochs=c.num_ppo_epochs, num_mini_batches=c.num_mini_batches,
             gradient_accumulation_steps=c.gradient_accumulation_steps, num_updates=num_updates,
