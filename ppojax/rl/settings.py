@@ -3,13 +3,14 @@
 Static settings, one small frozen dataclass per concern, each function taking the one(s) it reads:
 
     SamplingSettings   the sampler and the rollout's token conventions (lengths, token ids, temperature, top-k/p)
+    DynamicSamplingSettings  DAPO's dynamic sampling: prompts per generation round, the bound on rounds (or None)
     AlgorithmSettings  rewards, advantages, the form of the loss and the legacy controllers
     OptimSettings      the update's structure (epochs, mini-batches, accumulation) and the learning-rate schedule
     BatchSettings      the global batch sizes over the mesh and the forwards' row and logits chunks
 
-:class:`StepSettings` bundles the four (a ``PPOProgram`` holds one); :meth:`StepSettings.from_config` is the one
-place they are built from a ``PPOConfig`` and the values the build derives from the models, the tokenizer and
-the mesh. All are hashable: equal settings reuse a compiled program.
+:class:`StepSettings` bundles them (a ``PPOProgram`` holds one; the dynamic sampling's is None when it is off);
+:meth:`StepSettings.from_config` is the one place they are built from a ``PPOConfig`` and the values the build
+derives from the models, the tokenizer and the mesh. All are hashable: equal settings reuse a compiled program.
 
 :class:`Hyperparams` is the other half: the learning rate, the clip ranges and the loss coefficients as float32
 scalars in the ``TrainState`` (the KL-in-reward coefficient is the state's ``kl_coef``, which the adaptive
@@ -51,6 +52,19 @@ class SamplingSettings:
     behaviour_logprobs: str = "forward"
     rollout_slots: int = 0
     decode_segments: int = 4
+
+
+@dataclass(frozen=True)
+class DynamicSamplingSettings:
+    """DAPO's dynamic sampling (``ppojax.rl.dynamic_sampling``): the groups whose scores are all equal are dropped
+    and the batch refilled from further prompts, sampled in rounds of ``prompts_per_round`` prompts (verl's
+    gen_batch_size), at most ``max_rounds`` rounds an update (verl's max_num_gen_batches). A train step then takes
+    prompts i32[max_rounds, prompts_per_round, P]. metric: the reward whose values judge a group (verl's
+    filter_groups.metric; None: the score)."""
+
+    prompts_per_round: int
+    max_rounds: int
+    metric: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -185,12 +199,13 @@ class BatchSettings:
 
 @dataclass(frozen=True)
 class StepSettings:
-    """The four static settings of a PPO program, built by :meth:`from_config`."""
+    """The static settings of a PPO program, built by :meth:`from_config`. dynamic_sampling: None when off."""
 
     sampling: SamplingSettings
     algorithm: AlgorithmSettings
     optim: OptimSettings
     batch: BatchSettings
+    dynamic_sampling: Optional[DynamicSamplingSettings] = None
 
     @classmethod
     def from_config(cls, config, *, pad_token_id: int, num_updates: int = 1, stop_token_id: Optional[int] = None,
@@ -239,7 +254,9 @@ class StepSettings:
             update_logits_chunk=update_chunk, rollout_logits_chunk=rollout_chunk, padding_free=c.padding_free,
             max_tokens_per_micro_batch=c.max_tokens_per_micro_batch, logits_chunk_size=c.logits_chunk_size,
             vocab_size=vocab_size)
-        return cls(sampling, algorithm, optim, batch)
+        dynamic = (DynamicSamplingSettings(prompts_per_round=sizes.prompts_per_round, max_rounds=c.max_num_gen_batches,
+                                           metric=c.filter_groups_metric) if c.filter_groups else None)
+        return cls(sampling, algorithm, optim, batch, dynamic)
 
 
 @struct.dataclass

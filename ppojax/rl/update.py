@@ -60,8 +60,9 @@ def per_token_kl(algorithm, experience):
 
 def shaped_rewards_and_advantages(algorithm, experience, scores, kl_coef, reward_weights=None):
     """The KL-shaped rewards (docs/algorithm.md, "Shaped rewards") and the configured advantage estimator on the whole
-    rollout batch; with ``mask_truncated_completions``, the rows without the stop token are then taken out of the
-    loss (TRL's GRPO: their advantages still counted in their groups).
+    rollout batch; the rows ``experience.trained`` leaves out and, with ``mask_truncated_completions``, the rows
+    without the stop token are then taken out of the loss (TRL's GRPO: their advantages still counted in their
+    groups).
 
     scores: f32[B] (after legacy processing); kl_coef: f32[]; reward_weights: the reward source's weights, in
     ``experience.reward_components``' order (read by ``multi_objective_aggregation: normalize_then_sum``).
@@ -81,6 +82,8 @@ def shaped_rewards_and_advantages(algorithm, experience, scores, kl_coef, reward
     batch = UpdateBatch(experience.query_responses, experience.logprobs, experience.values, adv.advantages,
                         adv.returns, experience.padding_mask, experience.padding_mask_p1,
                         ref_logprobs=experience.ref_logprobs if algorithm.kl_in_loss else None)
+    if experience.trained is not None:  # dynamic sampling's free slots (dropped groups): out of the loss
+        batch = rows_only(batch, experience.trained)
     if algorithm.mask_truncated_completions:
         batch = rows_only(batch, experience.contains_stop)
         metrics["objective/truncated_fraction"] = 1.0 - jnp.mean(experience.contains_stop.astype(jnp.float32))
@@ -214,9 +217,10 @@ def mini_batch_gradients(program, params, frozen, hyperparams, mini: UpdateBatch
                         _split_leading(mini, optim.gradient_accumulation_steps))
 
 
-def optimizer_step(program, state, grads, stats, stopped, lr, reward_failed=None):
+def optimizer_step(program, state, grads, stats, stopped, lr, withheld=None):
     """ONE optimizer step of ``state`` on a mini-batch's ``grads`` — skipped when they or the loss are not
-    finite (counted), when the legacy ratio threshold or early stop says so, or when the reward failed.
+    finite (counted), when the legacy ratio threshold or early stop says so, or when ``withheld`` (bool[]: the
+    reward failed, or the batch has nothing to train).
     -> (state, stopped: bool[] the legacy early stop of the remaining epochs, stats with ``skipped``)."""
     actor_critic, optim = program.actor_critic, program.settings.optim
     finite = actor_critic.kernels.all_finite(grads) & jnp.all(jnp.isfinite(stats["loss"]))
@@ -224,8 +228,8 @@ def optimizer_step(program, state, grads, stats, stopped, lr, reward_failed=None
     if optim.ratio_threshold is not None:  # legacy: drop a mini-batch whose ratio blew up
         skip = skip | (jnp.mean(stats["ratio"]) > optim.ratio_threshold)
     apply = finite & ~skip
-    if reward_failed is not None:
-        apply = apply & ~reward_failed
+    if withheld is not None:
+        apply = apply & ~withheld
     # Critic warm-up: during the first ``critic_warmup`` updates only the critic's parameters (and their
     # optimizer moments) change; the policy's are kept as they were.
     policy_frozen = state.update_count < optim.critic_warmup if optim.critic_warmup else None
@@ -260,12 +264,18 @@ def learn(program, state, experience, key, reward_failed=None):
     epoch permutations. reward_failed: bool[] (None: the reward cannot fail): when True, no optimizer step is
     applied, every other field of the state is returned as it came and the metrics are NaN (0 for integers): the
     update's work is traced once and its result discarded, as a failed reward ends the run anyway.
+    An experience whose ``trained`` rows hold no token to train (dynamic sampling kept no group) applies no
+    optimizer step either (counted in ``ppo/skipped_steps``); the rest of the update goes on.
     Returns (new state, metrics dict of f32/i32 scalars under TRL's names).
     """
     algorithm, optim = program.settings.algorithm, program.settings.optim
     scores, moments = process_scores(algorithm, experience, state.score_moments)
     batch, rollout_stats, _ = shaped_rewards_and_advantages(algorithm, experience, scores, state.kl_coef,
                                                             reward_weights=getattr(program.reward, "weights", None))
+    withheld = reward_failed
+    if experience.trained is not None:  # nothing to train: Adam's moments alone would still move the weights
+        nothing = ~jnp.any(~batch.padding_mask)
+        withheld = nothing if withheld is None else withheld | nothing
     batch_size = batch.logprobs.shape[0]
     mini_size = batch_size // optim.num_mini_batches
     lr = learning_rate_at(optim, state.hyperparams.learning_rate, state.update_count)
@@ -274,7 +284,7 @@ def learn(program, state, experience, key, reward_failed=None):
         new, stopped = carry
         grads, stats = mini_batch_gradients(program, new.params, new.frozen, new.hyperparams,
                                             _take_rows(batch, rows), mini_size)
-        new, stopped, stats = optimizer_step(program, new, grads, stats, stopped, lr, reward_failed)
+        new, stopped, stats = optimizer_step(program, new, grads, stats, stopped, lr, withheld)
         return (new, stopped), stats
 
     def epoch_step(carry, epoch_key):

@@ -270,6 +270,38 @@ def _estimator_problems(c: PPOConfig) -> list[str]:
     return out
 
 
+def _dynamic_sampling_problems(c: PPOConfig) -> list[str]:
+    """DAPO's dynamic sampling (filter_groups) against the estimator and the batch (the rounds' sizes: ``derived``)."""
+    if not c.filter_groups:
+        return [f"{name}={getattr(c, name)!r} is read only with filter_groups: true (DAPO's dynamic sampling); set "
+                f"filter_groups: true, or remove {name}." for name in ("max_num_gen_batches", "gen_batch_size",
+                                                                       "filter_groups_metric")
+                if getattr(c, name) != _FIELDS[name].default]
+    out = []
+    if c.num_generations < 2:
+        out.append(f"filter_groups=True drops the prompts whose samples all scored the same, which needs "
+                   f"num_generations >= 2 samples of each prompt (got {c.num_generations}); set e.g. "
+                   "num_generations: 8.")
+    uses_critic, _ = _advantage_estimator_traits(c.advantage_estimator)
+    if uses_critic or not _per_sequence_advantages(c.advantage_estimator):
+        why = ("its values still give them advantages" if uses_critic else
+               "it gives each token its own advantage, not one from the prompt's samples")
+        out.append(f"filter_groups=True drops the groups whose scores are all equal because a group-relative "
+                   f"advantage is 0 there; with advantage_estimator={c.advantage_estimator!r} {why}. Use "
+                   "advantage_estimator: grpo (DAPO's), rloo or reinforce_pp_baseline, or remove filter_groups.")
+    names = c.reward_names  # (functions passed in Python are checked at the build)
+    if c.filter_groups_metric is not None and names and c.filter_groups_metric not in names:
+        out.append(f"filter_groups_metric={c.filter_groups_metric!r} names none of this run's rewards "
+                   f"({', '.join(names)}); set it to one of them, or remove it to judge groups by the score.")
+    forward = c.local_rollout_forward_batch_size
+    if forward is not None and c.gen_batch_size is not None and (c.gen_batch_size * c.num_generations) % forward:
+        rows = c.gen_batch_size * c.num_generations
+        out.append(f"local_rollout_forward_batch_size={forward} does not divide the {rows} rows a generation round "
+                   f"scores (gen_batch_size {c.gen_batch_size} x num_generations {c.num_generations}); use a "
+                   f"divisor of {rows}, or null.")
+    return out
+
+
 def _objective_problems(c: PPOConfig) -> list[str]:
     """The policy objective (``loss_type``, a registered one) against its options and the advantages it reads."""
     aggregation, levels, sequence_advantages, options = _policy_objective_traits(c.loss_type)

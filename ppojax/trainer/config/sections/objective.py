@@ -10,7 +10,8 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
-from ppojax.trainer.config.fields import MAY_CHANGE, MUST_MATCH, above, at_least, between, one_of, registered, setting
+from ppojax.trainer.config.fields import (MAY_CHANGE, MUST_MATCH, NON_EMPTY, above, at_least, between, one_of,
+                                         registered, setting)
 
 BUILTIN_KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl", "abs", "mse", "full")
 BUILTIN_ADVANTAGE_ESTIMATORS = {  # name: (uses_critic, needs_groups)
@@ -198,6 +199,31 @@ class ObjectiveSettings:
     """DAPO's soft overlong punishment, added to the score (TRL's reward get_soft_overlong_punishment with
     max_completion_len = response_length): 0 up to response_length - soft_punish_cache tokens, then falling
     linearly to -1 at response_length. 0: off."""
+    filter_groups: bool = setting(False, static=True, on_resume=MAY_CHANGE)
+    """DAPO's dynamic sampling (verl's algorithm.filter_groups.enable): the groups whose num_generations samples all
+    got the same score (after missing_eos_penalty and soft_punish_cache; with mask_truncated_completions also those
+    whose every response was truncated) train nothing and are dropped, and the batch is refilled with the groups
+    of further prompts, sampled in rounds of gen_batch_size prompts, at most max_num_gen_batches rounds an update,
+    all inside the one compiled step. Needs num_generations >= 2 and an advantage estimator that compares a
+    prompt's samples (grpo, rloo, reinforce_pp_baseline). Logged under dynamic_sampling/ (docs/algorithm.md,
+    "Dynamic sampling")."""
+    max_num_gen_batches: int = setting(3, static=True, on_resume=MAY_CHANGE, rule=at_least(1, fix=(
+        "Fix: set max_num_gen_batches to the most generation rounds one update may sample, e.g. 3 (verl's 0 or "
+        "less, no bound, cannot be: every round is part of one compiled program of fixed shapes); 1 drops the "
+        "groups without refilling.")))
+    """filter_groups: the most generation rounds one update samples (verl's name), >= 1; 1 leaves the dropped groups
+    out of the loss without refilling. An update the bound stops before its batch is full trains the groups it
+    kept, the rest of its rows (dropped groups) left out of the loss (dynamic_sampling/batch_full 0), where verl
+    raises."""
+    gen_batch_size: Optional[int] = setting(None, static=True, on_resume=MUST_MATCH, rule=at_least(1))
+    """filter_groups: prompts per generation round (verl's data.gen_batch_size: prompts, each sampled
+    num_generations times). None: the update's own, batch_size / num_generations. A larger one oversamples, so
+    that most updates fill in one round. The data advance by the rounds an update used."""
+    filter_groups_metric: Optional[str] = setting(None, static=True, on_resume=MAY_CHANGE, rule=NON_EMPTY)
+    """filter_groups: the reward (its name among reward_funcs, or the reward model's folder name) whose values judge
+    a group, as verl's filter_groups.metric (DAPO's recipe: 'acc', its accuracy reward, so that the overlong
+    penalty and other rewards do not make a group count); a group is dropped when that reward's values are all
+    equal where it applies. None: the score the advantages are computed from."""
     adaptive_kl: bool = setting(False, static=True, on_resume=MAY_CHANGE)
     """Legacy adaptive KL controller (Ziegler et al.); kl_coef is its initial value."""
     target_kl_for_adaptive: float = setting(6.0, static=True, on_resume=MAY_CHANGE, rule=above(0))
