@@ -127,7 +127,8 @@ def test_derived_sets_are_what_the_fields_declare():
     assert C.MUST_MATCH_FIELDS == OLD_STRICT | {"num_eval_prompts", "advantage_estimator",  # + new fields
                                                 "num_generations", "lora_r", "lora_alpha", "lora_target_modules",
                                                 "reward_model_label", "reward_funcs", "reward_weights",
-                                                "eval_dataset"}
+                                                "eval_dataset",
+                                                "gen_batch_size"}  # dynamic sampling's data batch (issue 61)
     # fields added since those lists, each classified deliberately
     assert C.IGNORED_ON_RESUME_FIELDS == OLD_HARMLESS | {"overwrite_output_dir", "resume_with_changes",
                                                          "compile_ahead", "export_check"}
@@ -141,7 +142,9 @@ def test_derived_sets_are_what_the_fields_declare():
         # the policy objectives (issue 61)
         "loss_type", "importance_sampling_level", "top_entropy_quantile", "mask_truncated_completions",
         "use_bias_correction_kl", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos",
-        "vespo_k_neg", "vespo_lambda_neg", "multi_objective_aggregation", "soft_punish_cache"}
+        "vespo_k_neg", "vespo_lambda_neg", "multi_objective_aggregation", "soft_punish_cache",
+        # dynamic sampling (issue 61)
+        "filter_groups", "max_num_gen_batches", "filter_groups_metric"}
     # the three classes partition the fields (what a resume compares is read from them alone)
     assert not (C.MUST_MATCH_FIELDS & C.IGNORED_ON_RESUME_FIELDS or C.MUST_MATCH_FIELDS & C.MAY_CHANGE_FIELDS
                 or C.IGNORED_ON_RESUME_FIELDS & C.MAY_CHANGE_FIELDS)

@@ -204,8 +204,98 @@ def test_gen_batch_size_must_split_over_the_data_parallel_devices():
 
 
 # ------------------------------------------------------------------------------------------------------------
+# The program: scanned, and (tests/test_sharding.py) on a mesh
+# ------------------------------------------------------------------------------------------------------------
+def steady_on_even_endings(queries, responses):
+    """A traced reward: 0.5 for every sample of a prompt whose last token id is even, else the first response
+    token's id / 16 (the 4 samples of a prompt almost never share it)."""
+    return jnp.where(queries[:, -1] % 2 == 0, 0.5, responses[:, 0] / 16)
+
+
+def program_with_dynamic_sampling(mesh=None, data_parallel=1):
+    """A critic-free GRPO program with dynamic sampling (3 rounds of 4 prompts x 4 samples for 4 groups) and a
+    traced reward, on ``mesh`` (None: one device)."""
+    from flax import nnx
+
+    from ppojax.models import CausalLM
+    from ppojax.rl.actor_critic import ActorCritic
+    from ppojax.rl.optimizer import make_optimizer
+    from ppojax.rl.program import PPOProgram
+    from ppojax.rl.rewards import TracedScores
+    from ppojax.rl.settings import StepSettings
+    from tests.tiny_setup import tiny_config
+
+    config = PPOConfig(batch_size=16, response_length=6, max_prompt_length=6, learning_rate=1e-2, temperature=1.0,
+                       num_ppo_epochs=2, num_mini_batches=2, num_generations=4, advantage_estimator="grpo",
+                       kl_coef=0.0, kl_loss_coef=0.04, filter_groups=True, max_num_gen_batches=3)
+    settings = StepSettings.from_config(config, pad_token_id=0, stop_token_id=1, eos_token_id=1, num_updates=3,
+                                        data_parallel_size=data_parallel)
+    policy_def = nnx.graphdef(nnx.eval_shape(lambda: CausalLM(tiny_config(), rngs=nnx.Rngs(0))))
+    actor_critic = ActorCritic(policy_def, None, 0, 1.0, has_critic=False)
+    return PPOProgram(actor_critic, TracedScores(steady_on_even_endings), settings, make_optimizer(), mesh)
+
+
+def critic_free_state(program, seed=0, learning_rate=1e-2):
+    from flax import nnx
+
+    from ppojax.models import CausalLM
+    from ppojax.rl.settings import Hyperparams
+    from ppojax.rl.types import init_train_state
+    from tests.tiny_setup import tiny_config
+
+    policy = nnx.state(CausalLM(tiny_config(), rngs=nnx.Rngs(params=jax.random.key(seed))))
+    return init_train_state({"policy": policy}, program.optimizer, hyperparams=Hyperparams.create(learning_rate=learning_rate),
+                            frozen={"ref": jax.tree.map(jnp.copy, policy), "reward": None})
+
+
+#: per update, per round, which of its 4 prompts end with an odd token id (so that their groups count): the
+#: first update fills in one round, the second in two, the third in three
+ODD_ENDINGS = [[[1, 1, 1, 1], [1, 0, 0, 1], [0, 0, 0, 0]],
+               [[0, 1, 0, 1], [1, 0, 1, 0], [1, 1, 1, 1]],
+               [[1, 0, 0, 0], [0, 0, 1, 0], [1, 1, 0, 1]]]
+
+
+def round_prompts(steps=3):
+    """i32[steps, 3, 4, 6]: each update's 3 rounds of 4 left-padded prompts, all different, ending as
+    ``ODD_ENDINGS`` says."""
+    from ppojax.trainer.data import left_pad
+
+    tok = tiny_tokenizer()
+    ids = left_pad([tok(p)["input_ids"] for p in PROMPTS], 6, 0)
+    by_parity = {parity: iter(ids[ids[:, -1] % 2 == parity]) for parity in (0, 1)}
+    return jnp.asarray([[[next(by_parity[odd]) for odd in round_] for round_ in update]
+                        for update in ODD_ENDINGS[:steps]])
+
+
+def test_scanned_updates_equal_the_steps_one_by_one_in_one_program():
+    from ppojax.rl.program import make_train_step, make_train_steps
+    from ppojax.trainer.loop import step_key
+
+    program = program_with_dynamic_sampling()
+    prompts, keys = round_prompts(3), jnp.stack([step_key(0, i) for i in range(3)])
+    step, state, one_by_one = make_train_step(program), critic_free_state(program), []
+    for i in range(3):
+        state, metrics = step(state, prompts[i], keys[i])
+        one_by_one.append(jax.device_get(metrics))
+    assert step.jitted._cache_size() == 1
+    assert [int(m["dynamic_sampling/rounds"]) for m in one_by_one] == [1, 2, 3]  # one program for each
+    assert [int(m["dynamic_sampling/groups_dropped"]) for m in one_by_one] == [0, 4, 7]
+    assert all(m["dynamic_sampling/batch_full"] == 1 for m in one_by_one)
+    scanned_state, scanned = make_train_steps(program)(critic_free_state(program), prompts, keys)
+    for i, metrics in enumerate(one_by_one):
+        for name, value in metrics.items():
+            np.testing.assert_allclose(scanned[name][i], value, rtol=1e-5, atol=1e-6, err_msg=f"{i}: {name}")
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), scanned_state.params,
+                 state.params)
+    with pytest.raises(ValueError, match=r"prompts of shape \(4, 6\): with dynamic sampling \(filter_groups\) a step "
+                                         r"takes the prompts of every round it may sample, \[max_num_gen_batches=3"):
+        step(state, prompts[0, 0], keys[0])
+
+
+# ------------------------------------------------------------------------------------------------------------
 # Whole tiny runs
 # ------------------------------------------------------------------------------------------------------------
+WHOLE_RUN = pytest.mark.slow  # PPOTrainer runs: left out of the fast lane (tests/conftest.py)
 RUN = dict(report_to="none", batch_size=16, num_generations=4, advantage_estimator="grpo", response_length=8,
            max_prompt_length=6, learning_rate=1e-2, temperature=1.0, num_sample_generations=0, seed=0,
            stop_token="eos", filter_groups=True, max_num_gen_batches=3, total_episodes=16 * 4)
@@ -261,6 +351,7 @@ def reference_updates(history, calls, group_size=4, groups_wanted=4):
     return out
 
 
+@WHOLE_RUN
 def test_a_run_fills_every_batch_and_reports_what_it_cost(straight):
     trainer, history, calls = straight
     assert len(history) == 4 and trainer.train_step.jitted._cache_size() == 1  # one program, whatever the rounds
@@ -284,6 +375,7 @@ def test_a_run_fills_every_batch_and_reports_what_it_cost(straight):
     assert state["epoch"] * trainer.run.batches.batches_per_epoch + state["position"] == rounds
 
 
+@WHOLE_RUN
 def test_the_first_round_samples_what_a_run_without_it_samples(tmp_path, straight):
     _, _, calls = straight
     _, _, plain_calls = run_for(tmp_path, "plain", updates=1, filter_groups=False)
@@ -294,6 +386,7 @@ COMPARED = ("objective/scores", "loss/policy_avg", "objective/kl", "lr", "dynami
             "dynamic_sampling/groups_dropped", "dynamic_sampling/sampled_scores")
 
 
+@WHOLE_RUN
 def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path, straight):
     """The rounds an update used are part of the data position a checkpoint keeps."""
     trainer, history, calls = straight
@@ -308,6 +401,7 @@ def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path, straight):
     assert resumed.run.batches.state_dict() == trainer.run.batches.state_dict()
 
 
+@WHOLE_RUN
 @pytest.mark.parametrize("values", [dict(padding_free=True), dict(rollout_slots=8)], ids=["padding_free",
                                                                                           "rollout_slots"])
 def test_packed_updates_and_continuous_decoding_give_the_same_run(tmp_path, straight, values):
@@ -320,6 +414,7 @@ def test_packed_updates_and_continuous_decoding_give_the_same_run(tmp_path, stra
             np.testing.assert_allclose(b[name], a[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+@WHOLE_RUN
 def test_overlong_filtering_with_it(tmp_path):
     """mask_truncated_completions and the soft overlong punishment with dynamic sampling, the groups judged by the
     reward alone (filter_groups_metric, as DAPO's recipe judges by accuracy: the penalty, which differs with the
@@ -337,6 +432,7 @@ def test_overlong_filtering_with_it(tmp_path):
     assert trainer.train_step.jitted._cache_size() == 1
 
 
+@WHOLE_RUN
 def test_when_the_bound_stops_it_the_update_trains_what_it_kept(tmp_path):
     """Few prompts whose samples differ: some updates keep part of a batch (their other rows are dropped groups,
     out of the loss), some none (no optimizer step: Adam's moments alone would move the weights); the run goes on
@@ -362,6 +458,7 @@ def test_a_metric_naming_no_reward_is_refused_at_the_build(tmp_path):
         run_for(tmp_path, "unknown metric", filter_groups_metric="acc")
 
 
+@WHOLE_RUN
 def test_the_legacy_step_is_refused(straight):
     trainer, _, _ = straight
     with pytest.raises(ConfigError, match="step\\(\\) trains on the responses and scores it is given, but "
