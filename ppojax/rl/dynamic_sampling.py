@@ -20,8 +20,8 @@ sampling order, left out of the loss (``Experience.trained`` False) and reported
 0); an update that kept no group applies no optimizer step. The host advances its prompts by the rounds used
 (``dynamic_sampling/rounds``), so no prompt is skipped and a resumed run takes the same ones.
 
-The selection is pure (:func:`select_groups` on a ``sample_round`` function), tested against a plain-Python
-reference on crafted scores; :func:`collect` is the program's rollout with it.
+The selection is pure (:func:`select_groups` on any ``sample_round`` function); :func:`collect` is the
+program's rollout with it.
 """
 from __future__ import annotations
 
