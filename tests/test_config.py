@@ -130,7 +130,8 @@ def test_derived_sets_are_what_the_fields_declare():
     assert C.MUST_MATCH_FIELDS == OLD_STRICT | {"num_eval_prompts", "advantage_estimator",  # + new fields
                                                 "num_generations", "lora_r", "lora_alpha", "lora_target_modules",
                                                 "reward_model_label", "reward_funcs", "reward_weights",
-                                                "eval_dataset"}
+                                                "eval_dataset",
+                                                "gen_batch_size"}  # dynamic sampling's data batch (issue 61)
     # fields added since those lists, each classified deliberately
     assert C.IGNORED_ON_RESUME_FIELDS == OLD_HARMLESS | {"overwrite_output_dir", "resume_with_changes",
                                                          "compile_ahead", "export_check", "eval_steps"}
@@ -140,7 +141,13 @@ def test_derived_sets_are_what_the_fields_declare():
         "critic_warmup",
         "kl_loss_coef", "kl_loss_type", "cliprange_low", "cliprange_high", "dual_clip_c", "loss_agg_mode",
         "lora_dropout", "behaviour_logprobs", "rollout_slots", "padding_free", "max_tokens_per_micro_batch",
-        "decode_segments"}
+        "decode_segments",
+        # the policy objectives (issue 61)
+        "loss_type", "importance_sampling_level", "top_entropy_quantile", "mask_truncated_completions",
+        "use_bias_correction_kl", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos",
+        "vespo_k_neg", "vespo_lambda_neg", "multi_objective_aggregation", "soft_punish_cache",
+        # dynamic sampling (issue 61)
+        "filter_groups", "max_num_gen_batches", "filter_groups_metric"}
     # the three classes partition the fields (what a resume compares is read from them alone)
     assert not (C.MUST_MATCH_FIELDS & C.IGNORED_ON_RESUME_FIELDS or C.MUST_MATCH_FIELDS & C.MAY_CHANGE_FIELDS
                 or C.IGNORED_ON_RESUME_FIELDS & C.MAY_CHANGE_FIELDS)
@@ -342,8 +349,16 @@ def test_registered_names_are_checked_without_jax_and_follow_the_registries(tmp_
     script.write_text(textwrap.dedent('''
         import sys
         from ppojax.trainer.config import (BUILTIN_ADVANTAGE_ESTIMATORS, BUILTIN_KL_ESTIMATORS, SCORE_POSITIONS,
-                                   ConfigError, PPOConfig)
+                                   BUILTIN_POLICY_OBJECTIVES, PER_SEQUENCE_ADVANTAGE_ESTIMATORS,
+                                   POLICY_OBJECTIVE_LEVEL_REASONS, ConfigError, PPOConfig)
         PPOConfig(kl_estimator="k3", advantage_estimator="rloo", num_generations=2, score_position="legacy")
+        PPOConfig(loss_type="gmpo", advantage_estimator="rloo", num_generations=2)
+        for bad in (dict(loss_type="my_loss"), dict(loss_type="vespo", importance_sampling_level="sequence")):
+            try:
+                PPOConfig(**bad)
+                raise SystemExit(f"accepted {bad}")
+            except ConfigError:
+                pass
         for bad in (dict(kl_estimator="my_kl"), dict(advantage_estimator="grpo"), dict(kl_loss_type="k9")):
             try:
                 PPOConfig(**bad)
@@ -357,9 +372,24 @@ def test_registered_names_are_checked_without_jax_and_follow_the_registries(tmp_
         assert kl.kl_estimator_names() == BUILTIN_KL_ESTIMATORS, kl.kl_estimator_names()
         traits = {n: (e.uses_critic, e.needs_groups) for n, e in advantages._REGISTRY.items()}
         assert traits == BUILTIN_ADVANTAGE_ESTIMATORS, traits
+        per_sequence = tuple(n for n, e in advantages._REGISTRY.items() if e.per_sequence)
+        assert per_sequence == PER_SEQUENCE_ADVANTAGE_ESTIMATORS, per_sequence
+        from ppojax.core.objectives import registry
+        traits = {n: (o.aggregation, o.levels, o.sequence_advantages, o.options) for n, o in registry._REGISTRY.items()}
+        assert traits == BUILTIN_POLICY_OBJECTIVES, traits
+        reasons = {n: o.level_reason for n, o in registry._REGISTRY.items() if o.level_reason}
+        assert reasons == POLICY_OBJECTIVE_LEVEL_REASONS, reasons
         assert tuple(ppo.SCORE_POSITIONS) == SCORE_POSITIONS
 
         kl.register_kl_estimator("my_kl")(lambda logprobs, ref_logprobs: logprobs - ref_logprobs)
+        registry.register_policy_objective("my_loss", aggregation="token-mean", levels=("token",),
+                                           level_reason="mine")(None)
+        assert PPOConfig(loss_type="my_loss").loss_type == "my_loss"
+        try:
+            PPOConfig(loss_type="my_loss", importance_sampling_level="sequence")
+            raise SystemExit("a token-level objective was accepted at the sequence level")
+        except ConfigError as err:
+            assert "it takes 'token' only: mine" in str(err), err
         advantages.register_advantage_estimator("my_groups", uses_critic=False, needs_groups=True)(None)
         assert PPOConfig(kl_estimator="my_kl").kl_estimator == "my_kl"
         try:

@@ -92,7 +92,9 @@ def test_critic_warmup_trains_only_the_value_function(tmp_path):
     (dict(loss_agg_mode="seq-mean"), "loss_agg_mode='seq-mean': expected one of"),
     (dict(kl_loss_type="full", kl_loss_coef=0.1), "kl_loss_type='full' is not available in the loss"),
     (dict(beta=0.04), "kl_loss_coef"),
-    (dict(loss_type="dr_grpo"), "seq-mean-token-sum-norm"),
+    (dict(loss_type="dr_grpo", loss_agg_mode="seq-mean-token-mean", num_generations=4, batch_size=16),
+     "loss_agg_mode='seq-mean-token-mean' with loss_type='dr_grpo', which averages by 'seq-mean-token-sum-norm' "
+     "itself"),
 ])
 def test_estimator_options_are_refused_where_they_do_not_apply(values, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

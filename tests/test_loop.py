@@ -21,7 +21,7 @@ class Batches:
 
 def fake_run(start=0):
     state = SimpleNamespace(update_count=jnp.int32(start))
-    settings = SimpleNamespace(batch=SimpleNamespace(batch_size=2))
+    settings = SimpleNamespace(batch=SimpleNamespace(batch_size=2), dynamic_sampling=None)
     return SimpleNamespace(state=state, batches=Batches(), settings=settings, config=SimpleNamespace(seed=0))
 
 

@@ -112,6 +112,24 @@ def test_a_grouped_estimators_program_gets_one_prompt_per_group(tiny_model):
     assert run.prompts.shape == (16 // 4, 8)
 
 
+def test_a_dynamic_sampling_program_is_planned_with_its_rounds_prompts(tiny_model):
+    """filter_groups: the step reads max_num_gen_batches rounds of gen_batch_size prompts; it compiles, the rounds
+    judged by the reward filter_groups_metric names (the plan's stand-in reward model takes that name)."""
+    import jax
+
+    from ppojax import parallel
+    from ppojax.trainer.config import PPOConfig
+    from ppojax.trainer.plan import abstract_run, compile_program
+
+    config = PPOConfig.from_yaml(REPO / "configs/plan.yaml", [
+        *SETTINGS, "advantage_estimator=grpo", "num_generations=4", "filter_groups=true", "gen_batch_size=8",
+        "max_num_gen_batches=2", "filter_groups_metric=acc"])
+    model_cfg, _, _ = model_config_for(str(tiny_model))
+    run = abstract_run(config, model_cfg, parallel.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    assert run.prompts.shape == (2, 8, 8)
+    assert compile_program(run, "train_step").temp_bytes > 0
+
+
 def test_presets_read_through_the_family_code():
     cfg, _, _ = model_config_for("meta-llama/Llama-3.1-8B")
     assert (cfg.hidden_size, cfg.num_layers, cfg.num_kv_heads, cfg.vocab_size) == (4096, 32, 8, 128256)

@@ -377,6 +377,30 @@ if CHILD:
         embed = results[1][0].params["policy"]["backbone"]["embed"]["embedding"]
         assert embed.sharding.mesh.shape == mesh.shape and len(embed.sharding.device_set) == 4
 
+    # ---- dynamic sampling on a mesh ----
+    def test_dynamic_sampling_step_equals_one_device_on_a_2x2_mesh():
+        """filter_groups on a (data 2, fsdp 2) mesh: the rounds' prompts split over the batch axes, the selected
+        groups moved into the batch's rows across shards; the step's metrics and parameters equal one device's."""
+        from ppojax.rl.program import make_train_step
+        from tests.test_dynamic_sampling import critic_free_state, program_with_dynamic_sampling, round_prompts
+
+        results = []
+        for mesh, data_parallel in ((sh.make_mesh(devices=jax.devices()[:1]), 1),
+                                    (sh.make_mesh(2, 2, 1, devices=jax.devices()[:4]), 4)):
+            program = program_with_dynamic_sampling(mesh, data_parallel)
+            plain = critic_free_state(program, learning_rate=1e-3)  # as the tests above: Adam's first steps
+            # at 1e-2 magnify float32 rounding of near-zero gradients past the tolerance
+            state, shardings = placement.init_sharded_train_state(
+                plain.params, program.optimizer, mesh, hyperparams=plain.hyperparams, frozen=plain.frozen,
+                kl_coef=0.05)
+            state, metrics = make_train_step(program, shardings)(state, round_prompts()[2], jax.random.key(3))
+            results.append((state, {k: float(v) for k, v in sh.to_host(metrics).items()}))
+        (one_state, one), (state, metrics) = results
+        assert one["dynamic_sampling/rounds"] == 3 and one["dynamic_sampling/groups_dropped"] == 7
+        for name, value in one.items():
+            np.testing.assert_allclose(metrics[name], value, atol=1e-5, rtol=1e-5, err_msg=name)
+        assert_trees_close(state.params, one_state.params, what="params")
+
     # ---- checkpoints load straight into their shards ----
     GPT2_FUSED = dict(model_type="gpt2", vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=32)
 

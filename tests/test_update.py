@@ -36,6 +36,7 @@ class Exp(NamedTuple):
     padding_mask_p1: jnp.ndarray
     num_eos_tokens: jnp.ndarray = None
     full_kl: jnp.ndarray = None
+    trained: jnp.ndarray = None  # every row trains (no dynamic sampling)
 
 
 def settings_for(num_updates=1, **config):

@@ -6,10 +6,14 @@ from ppojax.core.controllers import (RunningMoments, adaptive_kl_update, fixed_k
 from ppojax.core.gae import Advantages, advantages_and_returns, gae
 from ppojax.core.kl import (KL_ESTIMATORS, KLEstimator, kl_abs, kl_estimator, kl_estimator_names, kl_full, kl_k1,
                             kl_k2, kl_k3, kl_low_var, kl_mse, kl_per_token, register_kl_estimator)
-from ppojax.core.losses import (LOSS_AGG_MODES, aggregate, diagnostics, entropy_from_logits, mask_policy_and_value,
-                                policy_loss, ppo_loss, value_loss)
+from ppojax.core.losses import (LOSS_AGG_MODES, aggregate, clipped_surrogate, diagnostics, entropy_from_logits,
+                                mask_policy_and_value, policy_loss, ppo_loss, value_loss)
 from ppojax.core.masks import (INVALID_LOGPROB, ResponseMasks, contains_stop_token, first_true_indices,
                                response_masks, truncate_response)
+from ppojax.core.objectives import (IMPORTANCE_SAMPLING_LEVELS, ObjectiveInputs, ObjectiveParams, ObjectiveTerms,
+                                    PolicyObjective, PolicyTerm, policy_objective, policy_objective_names,
+                                    policy_term, register_policy_objective)
+from ppojax.core.overlong import soft_overlong_punishment
 from ppojax.core.metrics import LOSS_METRIC_NAMES, UPDATE_METRIC_NAMES, rollout_metrics
 from ppojax.core.shaping import (SCORE_POSITIONS, ShapedRewards, apply_missing_eos_penalty, score_index,
                                  shaped_rewards)
@@ -27,11 +31,15 @@ __all__ = [
     "KL_ESTIMATORS", "KLEstimator", "kl_abs", "kl_estimator", "kl_estimator_names", "kl_full", "kl_k1", "kl_k2",
     "kl_k3", "kl_low_var", "kl_mse", "kl_per_token", "register_kl_estimator",
     # losses
-    "LOSS_AGG_MODES", "aggregate", "diagnostics", "entropy_from_logits", "mask_policy_and_value", "policy_loss",
-    "ppo_loss", "value_loss",
+    "LOSS_AGG_MODES", "aggregate", "clipped_surrogate", "diagnostics", "entropy_from_logits",
+    "mask_policy_and_value", "policy_loss", "ppo_loss", "value_loss",
     # masks
     "INVALID_LOGPROB", "ResponseMasks", "contains_stop_token", "first_true_indices", "response_masks",
     "truncate_response",
+    # policy objectives, the overlong penalty
+    "IMPORTANCE_SAMPLING_LEVELS", "ObjectiveInputs", "ObjectiveParams", "ObjectiveTerms", "PolicyObjective",
+    "PolicyTerm", "policy_objective", "policy_objective_names", "policy_term", "register_policy_objective",
+    "soft_overlong_punishment",
     # metrics
     "LOSS_METRIC_NAMES", "UPDATE_METRIC_NAMES", "rollout_metrics",
     # shaping

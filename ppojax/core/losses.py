@@ -29,7 +29,8 @@ def mask_policy_and_value(new_logprobs, vpred, padding_mask, padding_mask_p1):
 #: 'seq-mean-token-mean'    each sequence's token mean, then the mean over sequences (GRPO 'grpo')
 #: 'seq-mean-token-sum-norm' sum over live tokens / (sequences x response_length): a fixed-length sum with no
 #:                          length bias (GRPO 'dr_grpo')
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+#: 'seq-mean-token-sum'     each sequence's token sum, then the mean over sequences (GRPO 'luspo')
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "seq-mean-token-sum")
 
 
 def aggregate(per_token, padding_mask, mode="token-mean", *, tokens=None, rows=None):
@@ -41,12 +42,14 @@ def aggregate(per_token, padding_mask, mode="token-mean", *, tokens=None, rows=N
     live = ~padding_mask
     summed_rows = jnp.sum(jnp.where(live, per_token, 0.0), axis=-1)
     rows = per_token.shape[0] if rows is None else rows
-    if mode == "token-mean":
-        return jnp.sum(summed_rows) / (jnp.sum(live) if tokens is None else tokens)
+    if mode == "token-mean":  # (no live token, e.g. every row masked as truncated: 0, not 0 / 0)
+        return jnp.sum(summed_rows) / jnp.maximum(jnp.sum(live) if tokens is None else tokens, 1)
     if mode == "seq-mean-token-mean":
         return jnp.sum(summed_rows / jnp.maximum(jnp.sum(live, axis=-1), 1)) / rows
     if mode == "seq-mean-token-sum-norm":
         return jnp.sum(summed_rows) / (rows * per_token.shape[-1])
+    if mode == "seq-mean-token-sum":
+        return jnp.sum(summed_rows) / rows
     raise ValueError(f"loss_agg_mode={mode!r}; expected one of {LOSS_AGG_MODES}")
 
 
@@ -59,15 +62,22 @@ def policy_loss(new_logprobs, old_logprobs, advantages, padding_mask, cliprange,
     None = off). Aggregated by ``loss_agg_mode`` (:func:`aggregate`; ``policy_tokens`` / ``rows`` are the
     mini-batch's counts). Returns (loss scalar, ratio f32[B, R], clipped bool[B, R]).
     """
-    upper = cliprange if cliprange_high is None else cliprange_high
     ratio = jnp.exp(new_logprobs - old_logprobs)
+    per_token, pg_clipped = clipped_surrogate(ratio, advantages, cliprange, cliprange_high, dual_clip_c)
+    loss = aggregate(per_token, padding_mask, loss_agg_mode, tokens=policy_tokens, rows=rows)
+    return loss, ratio, pg_clipped
+
+
+def clipped_surrogate(ratio, advantages, cliprange, cliprange_high=None, dual_clip_c=None):
+    """Per token max(-A r, -A clip(r, 1 - cliprange, 1 + cliprange_high)), at most -A c for A < 0 with
+    ``dual_clip_c`` = c. f32[B, R] -> (loss f32[B, R], clipped bool[B, R]: where the clipped term won)."""
+    upper = cliprange if cliprange_high is None else cliprange_high
     unclipped = -advantages * ratio
     clipped = -advantages * jnp.clip(ratio, 1.0 - cliprange, 1.0 + upper)
     per_token = jnp.maximum(unclipped, clipped)
     if dual_clip_c is not None:
         per_token = jnp.where(advantages < 0, jnp.minimum(per_token, -advantages * dual_clip_c), per_token)
-    loss = aggregate(per_token, padding_mask, loss_agg_mode, tokens=policy_tokens, rows=rows)
-    return loss, ratio, clipped > unclipped
+    return per_token, clipped > unclipped
 
 
 def value_loss(vpred, old_values, returns, padding_mask_p1, cliprange_value, value_tokens=None):
@@ -79,14 +89,14 @@ def value_loss(vpred, old_values, returns, padding_mask_p1, cliprange_value, val
     vpred_clipped = jnp.clip(vpred, old_values - cliprange_value, old_values + cliprange_value)
     unclipped = jnp.square(vpred - returns)
     clipped = jnp.square(vpred_clipped - returns)
-    denominator = jnp.sum(live) if value_tokens is None else value_tokens
+    denominator = jnp.maximum(jnp.sum(live) if value_tokens is None else value_tokens, 1)
     loss = 0.5 * jnp.sum(jnp.where(live, jnp.maximum(unclipped, clipped), 0.0)) / denominator
     return loss, clipped > unclipped
 
 
 def ppo_loss(new_logprobs, vpred, entropy, batch, *, cliprange, cliprange_value, vf_coef, entropy_coef=0.0,
              policy_tokens=None, value_tokens=None, rows=None, cliprange_high=None, dual_clip_c=None,
-             loss_agg_mode="token-mean", kl_loss_coef=0.0, kl_loss_fn=None, with_value=True):
+             loss_agg_mode="token-mean", kl_loss_coef=0.0, kl_loss_fn=None, with_value=True, policy_term=None):
     """loss = pg_loss + vf_coef * vf_loss + kl_loss_coef * kl_loss - entropy_coef * mean entropy, and the
     diagnostics.
 
@@ -97,35 +107,60 @@ def ppo_loss(new_logprobs, vpred, entropy, batch, *, cliprange, cliprange_value,
     ``padding_mask``, ``padding_mask_p1``, and ``ref_logprobs`` when ``kl_loss_coef`` > 0.
     kl_loss_fn: a per-token KL estimator (logprobs, ref_logprobs) -> f32[B, R] for the KL-in-the-loss term
     (GRPO-style), aggregated like the policy loss. with_value=False: no critic, no value term.
+    policy_term: None for the clipped surrogate above, or ``(new_logprobs masked, batch, entropy) ->
+    ppojax.core.objectives.PolicyTerm``, a registered objective's (then the clip and aggregation arguments are
+    its business): its KL term takes the objective's aggregation and importance weight, its entropy bonus is the
+    mean over the tokens it trains, and its own metrics are ``stats["objective"]``.
     Returns (loss, stats) with stats under TRL's short names.
     """
     padding_mask, padding_mask_p1 = batch.padding_mask, batch.padding_mask_p1
     new_logprobs, vpred = mask_policy_and_value(new_logprobs, vpred, padding_mask, padding_mask_p1)
     live = ~padding_mask
-    pg_loss, ratio, pg_clipped = policy_loss(new_logprobs, batch.logprobs, batch.advantages, padding_mask,
-                                             cliprange, policy_tokens, cliprange_high=cliprange_high,
-                                             dual_clip_c=dual_clip_c, loss_agg_mode=loss_agg_mode, rows=rows)
-    denominator = jnp.sum(live) if policy_tokens is None else policy_tokens
+    term = None if policy_term is None else policy_term(new_logprobs, batch, entropy)
+    if term is None:
+        pg_loss, ratio, pg_clipped = policy_loss(new_logprobs, batch.logprobs, batch.advantages, padding_mask,
+                                                 cliprange, policy_tokens, cliprange_high=cliprange_high,
+                                                 dual_clip_c=dual_clip_c, loss_agg_mode=loss_agg_mode, rows=rows)
+    else:
+        pg_loss, ratio, pg_clipped = term.loss, jnp.exp(new_logprobs - batch.logprobs), term.clipped
+        loss_agg_mode = term.aggregation
+    denominator = jnp.maximum(jnp.sum(live) if policy_tokens is None else policy_tokens, 1)
     if isinstance(entropy_coef, (int, float)) and entropy_coef == 0:
         # Without an entropy bonus the entropy is a statistic (TRL computes it under no_grad): no backward
         # through the vocabulary-sized softmax, and a non-finite entropy cannot reach the gradients as 0 * nan.
         entropy = jax.lax.stop_gradient(entropy)
-    mean_entropy = jnp.sum(jnp.where(live, entropy, 0.0)) / denominator
+    if term is not None and term.selected is not None:  # the bonus acts on the tokens that train (TRL)
+        mean_entropy = _selected_mean(entropy, term.selected, rows)
+    else:
+        mean_entropy = jnp.sum(jnp.where(live, entropy, 0.0)) / denominator
     loss = pg_loss - entropy_coef * mean_entropy
     stats = diagnostics(new_logprobs, batch.logprobs, ratio, entropy, pg_clipped, padding_mask)
     stats.update(pg_loss=pg_loss)
+    if term is not None:
+        stats["objective"] = dict(term.metrics)
     if with_value:
         vf_loss, vf_clipped = value_loss(vpred, batch.values, batch.returns, padding_mask_p1, cliprange_value,
                                          value_tokens)
         loss = loss + vf_coef * vf_loss
         stats.update(vf_loss=vf_loss, vf_clipfrac=masked_mean(vf_clipped.astype(jnp.float32), ~padding_mask_p1))
     if kl_loss_fn is not None and not (isinstance(kl_loss_coef, (int, float)) and kl_loss_coef == 0):
-        kl_loss = aggregate(kl_loss_fn(new_logprobs, batch.ref_logprobs), padding_mask, loss_agg_mode,
-                            tokens=policy_tokens, rows=rows)
+        per_token_kl = kl_loss_fn(new_logprobs, batch.ref_logprobs)
+        if term is not None and term.kl_weight is not None:  # TRL GRPO's use_bias_correction_kl
+            per_token_kl = per_token_kl * term.kl_weight
+        kl_loss = aggregate(per_token_kl, padding_mask, loss_agg_mode, tokens=policy_tokens, rows=rows)
         loss = loss + kl_loss_coef * kl_loss
         stats.update(kl_loss=kl_loss)
+        if term is not None:
+            stats["objective"]["kl"] = masked_mean(per_token_kl, live)
     stats.update(loss=loss)
     return loss, stats
+
+
+def _selected_mean(values, selected, rows=None):
+    """The mean of f32[B, R] over the ``selected`` tokens of this batch, scaled by its share B / ``rows`` of the
+    mini-batch's rows (TRL's per-micro-batch mean divided by the accumulation steps)."""
+    mean = jnp.sum(jnp.where(selected, values, 0.0)) / jnp.maximum(jnp.sum(selected), 1)
+    return mean if rows is None else mean * (values.shape[0] / rows)
 
 
 def diagnostics(new_logprobs, old_logprobs, ratio, entropy, pg_clipped, padding_mask):

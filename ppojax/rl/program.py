@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from ppojax import core as ppo
-from ppojax.rl import rollout
+from ppojax.rl import dynamic_sampling, rollout
 from ppojax import parallel
 from ppojax.rl.actor_critic import ActorCritic
 from ppojax.rl.rewards import GivenScores, RewardSource
@@ -63,11 +63,12 @@ def iteration_keys(key):
 
 
 def ppo_iteration(program: PPOProgram, state, prompts, key):
-    """One PPO iteration on left-padded ``prompts`` (``Prompts``, or token ids i32[B, P]). Pure: trace it under
-    jit/scan/vmap."""
+    """One PPO iteration on left-padded ``prompts`` (``Prompts``, or token ids i32[B / G, P]; with dynamic
+    sampling i32[T, Q, P], the rounds' prompts). Pure: trace it under jit/scan/vmap."""
     sample_key, update_key = iteration_keys(key)
-    experience, failures = collect_experience(program, state, prompts, sample_key)
-    return learn_unless_reward_failed(program, state, experience, update_key, failures)
+    experience, failures, rollout_metrics = _collect(program, state, prompts, sample_key)
+    state, metrics = learn_unless_reward_failed(program, state, experience, update_key, failures)
+    return state, {**metrics, **rollout_metrics}
 
 
 def learn_unless_reward_failed(program: PPOProgram, state, experience, key, failures):
@@ -129,7 +130,9 @@ def make_train_step(program: PPOProgram, state_shardings=None):
 
 def make_train_steps(program: PPOProgram, state_shardings=None):
     """``train_steps(state, prompts [K, B, P], keys[K]) -> (state, metrics with a leading [K] axis)``:
-    K iterations as one ``lax.scan`` (no Python between them); prompts as ``make_train_step``'s, with a [K] axis."""
+    K iterations as one ``lax.scan`` (no Python between them); prompts as ``make_train_step``'s, with a [K] axis
+    (with dynamic sampling each iteration reads its own [T, Q, P] rounds: the metrics'
+    ``dynamic_sampling/rounds`` say how many of them it used)."""
     def steps(state, prompts, keys):
         return jax.lax.scan(lambda s, xs: ppo_iteration(program, s, *xs), state, (prompts, keys))
 
@@ -137,8 +140,10 @@ def make_train_steps(program: PPOProgram, state_shardings=None):
 
     def train_steps(state, prompts, keys):
         prompts = as_prompts(prompts)
+        _check_prompt_rounds(program, prompts, leading=1)
         if program.mesh is not None:
-            prompts = jax.tree.map(lambda x: parallel.shard_batch_axis(x, program.mesh, axis=1), prompts)
+            axis = 1 + _rounds_axes(program)
+            prompts = jax.tree.map(lambda x: parallel.shard_batch_axis(x, program.mesh, axis=axis), prompts)
             keys = parallel.put_replicated(keys, program.mesh)
         return jitted(state, prompts, keys)
 
@@ -148,13 +153,22 @@ def make_train_steps(program: PPOProgram, state_shardings=None):
 
 def collect_experience(program: PPOProgram, state, prompts, sample_key):
     """The rollout half of :func:`ppo_iteration`: sample with ``sample_key`` (the first of
-    :func:`iteration_keys`), forwards, scores. prompts: ``Prompts`` or token ids i32[B, P].
-    -> (Experience, reward failures i32[])."""
+    :func:`iteration_keys`), forwards, scores. prompts: ``Prompts`` or token ids i32[B / G, P] (with dynamic
+    sampling: i32[T, Q, P], ``ppojax.rl.dynamic_sampling``). -> (Experience, reward failures i32[])."""
+    experience, failures, _ = _collect(program, state, prompts, sample_key)
+    return experience, failures
+
+
+def _collect(program: PPOProgram, state, prompts, sample_key):
+    """:func:`collect_experience` and the rollout's own metrics (dynamic sampling's; {} without it)."""
     prompts = as_prompts(prompts)
+    if program.settings.dynamic_sampling is not None:
+        return dynamic_sampling.collect(program, state, prompts, sample_key)
     query_responses, sampler_logprobs = rollout.sample(program, state, prompts.input_ids, sample_key)
     rows = jnp.repeat(prompts.rows, program.settings.sampling.num_generations, axis=0)  # as sample() repeats
-    return rollout.experience(program, state, query_responses, prompts.input_ids.shape[1],
-                              sampler_logprobs=sampler_logprobs, rows=rows)
+    experience, failures = rollout.experience(program, state, query_responses, prompts.input_ids.shape[1],
+                                              sampler_logprobs=sampler_logprobs, rows=rows)
+    return experience, failures, {}
 
 
 def make_rollout(program: PPOProgram):
@@ -200,7 +214,31 @@ def make_legacy_step(program: PPOProgram, prompt_length: int, state_shardings=No
 
 def _place(program, prompts, key):
     prompts = as_prompts(prompts)
+    _check_prompt_rounds(program, prompts)
     if program.mesh is not None:
-        prompts = Prompts(*parallel.shard_batch(tuple(prompts), program.mesh))
+        if _rounds_axes(program):  # [T, Q, P]: the rounds' rows over the batch axes
+            prompts = jax.tree.map(lambda x: parallel.shard_batch_axis(x, program.mesh, axis=1), prompts)
+        else:
+            prompts = Prompts(*parallel.shard_batch(tuple(prompts), program.mesh))
         key = parallel.put_replicated(key, program.mesh)
     return prompts, key
+
+
+def _rounds_axes(program) -> int:
+    """1 when the prompts have a leading rounds axis (dynamic sampling), else 0."""
+    return int(program.settings.dynamic_sampling is not None)
+
+
+def _check_prompt_rounds(program, prompts: Prompts, leading: int = 0) -> None:
+    """Before compute, with dynamic sampling: prompts shaped [T, Q, P] (T its rounds; ``leading``: axes before,
+    e.g. ``train_steps``' [K])."""
+    dynamic = program.settings.dynamic_sampling
+    shape = tuple(prompts.input_ids.shape)
+    if dynamic is None:
+        return
+    if len(shape) != 3 + leading or shape[leading] != dynamic.max_rounds:
+        raise ValueError(
+            f"prompts of shape {shape}: with dynamic sampling (filter_groups) a step takes the prompts of every "
+            f"round it may sample, [max_num_gen_batches={dynamic.max_rounds}, gen_batch_size, P]"
+            + (f" after {leading} leading axes" if leading else "") + "; it uses the first rounds in order and "
+            "reports how many in dynamic_sampling/rounds.")

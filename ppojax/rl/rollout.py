@@ -28,6 +28,7 @@ from ppojax.rl.continuous import generate_continuous
 from ppojax.rl.packed_rollout import packed_rollout_forwards, rollout_packed_shape
 from ppojax.rl.sampler import generate
 from ppojax.core.masks import INVALID_LOGPROB, contains_stop_token, response_masks, truncate_response
+from ppojax.core.overlong import soft_overlong_punishment
 from ppojax.core.shaping import apply_missing_eos_penalty
 from ppojax.rl.types import Experience
 
@@ -147,12 +148,31 @@ def experience_forwards(program, state, query_responses, prompt_length, sampler_
 # --------------------------------------------------------------------------------------------------
 # Steps 7-8: scores
 # --------------------------------------------------------------------------------------------------
-def with_scores(experience: Experience, scores, settings) -> Experience:
-    """Set ``scores`` f32[B] and apply ``missing_eos_penalty`` (docs/algorithm.md, "Rollout", step 8).
-    settings: the program's ``StepSettings`` (the stop token and the penalty)."""
-    scores = apply_missing_eos_penalty(jnp.asarray(scores, jnp.float32), experience.responses,
+def penalised_scores(scores, responses, last_index, settings):
+    """``scores`` f32[B] with ``missing_eos_penalty`` and DAPO's soft overlong punishment (``soft_punish_cache`` > 0,
+    over ``response_length``) applied (docs/algorithm.md, "Rollout", step 8). responses: i32[B, R] truncated;
+    last_index: i32[B] (``response_masks``); settings: the program's ``StepSettings``."""
+    scores = apply_missing_eos_penalty(jnp.asarray(scores, jnp.float32), responses,
                                        settings.sampling.stop_token_id, settings.algorithm.missing_eos_penalty)
-    return experience.replace(scores=scores)
+    if settings.algorithm.soft_punish_cache:
+        scores = scores + soft_overlong_punishment(last_index + 1, settings.sampling.response_length,
+                                                   settings.algorithm.soft_punish_cache)
+    return scores
+
+
+def with_scores(experience: Experience, scores, settings) -> Experience:
+    """Set ``scores`` f32[B], penalised (:func:`penalised_scores`). settings: the program's ``StepSettings``."""
+    return experience.replace(scores=penalised_scores(scores, experience.responses, experience.last_index, settings))
+
+
+def reward_scores(program, state, queries, responses, rows=None, reward=None):
+    """The reward source's ``RewardOutput`` (default: the program's) for queries i32[n, P] and TRUNCATED responses
+    i32[n, R]; with ``padding_free`` a reward model packs its forward."""
+    batch = program.settings.batch
+    packed_rows = None
+    if batch.padding_free:
+        packed_rows = min(rollout_packed_shape(batch, queries.shape[1] + responses.shape[1])[0], queries.shape[0])
+    return (reward or program.reward).scores(state.frozen, queries, responses, rows, packed_rows=packed_rows)
 
 
 def experience(program, state, query_responses, prompt_length, reward=None, sampler_logprobs=None, rows=None):
@@ -162,9 +182,6 @@ def experience(program, state, query_responses, prompt_length, reward=None, samp
     Returns (Experience, reward failures i32[]) (see ``ppojax.rl.rewards.FunctionScores``).
     """
     exp = experience_forwards(program, state, query_responses, prompt_length, sampler_logprobs)
-    batch = program.settings.batch
-    packed_rows = rollout_packed_shape(batch, query_responses.shape[1])[0] if batch.padding_free else None
-    rewarded = (reward or program.reward).scores(state.frozen, exp.queries, exp.responses, rows,
-                                                 packed_rows=packed_rows)
+    rewarded = reward_scores(program, state, exp.queries, exp.responses, rows, reward)
     exp = with_scores(exp, rewarded.scores, program.settings).replace(reward_components=rewarded.components)
     return exp, rewarded.failures

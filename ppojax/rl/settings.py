@@ -3,13 +3,14 @@
 Static settings, one small frozen dataclass per concern, each function taking the one(s) it reads:
 
     SamplingSettings   the sampler and the rollout's token conventions (lengths, token ids, temperature, top-k/p)
+    DynamicSamplingSettings  DAPO's dynamic sampling: prompts per generation round, the bound on rounds (or None)
     AlgorithmSettings  rewards, advantages, the form of the loss and the legacy controllers
     OptimSettings      the update's structure (epochs, mini-batches, accumulation) and the learning-rate schedule
     BatchSettings      the global batch sizes over the mesh and the forwards' row and logits chunks
 
-:class:`StepSettings` bundles the four (a ``PPOProgram`` holds one); :meth:`StepSettings.from_config` is the one
-place they are built from a ``PPOConfig`` and the values the build derives from the models, the tokenizer and
-the mesh. All are hashable: equal settings reuse a compiled program.
+:class:`StepSettings` bundles them (a ``PPOProgram`` holds one; the dynamic sampling's is None when it is off);
+:meth:`StepSettings.from_config` is the one place they are built from a ``PPOConfig`` and the values the build
+derives from the models, the tokenizer and the mesh. All are hashable: equal settings reuse a compiled program.
 
 :class:`Hyperparams` is the other half: the learning rate, the clip ranges and the loss coefficients as float32
 scalars in the ``TrainState`` (the KL-in-reward coefficient is the state's ``kl_coef``, which the adaptive
@@ -54,6 +55,19 @@ class SamplingSettings:
 
 
 @dataclass(frozen=True)
+class DynamicSamplingSettings:
+    """DAPO's dynamic sampling (``ppojax.rl.dynamic_sampling``): the groups whose scores are all equal are dropped
+    and the batch refilled from further prompts, sampled in rounds of ``prompts_per_round`` prompts (verl's
+    gen_batch_size), at most ``max_rounds`` rounds an update (verl's max_num_gen_batches). A train step then takes
+    prompts i32[max_rounds, prompts_per_round, P]. metric: the reward whose values judge a group (verl's
+    filter_groups.metric; None: the score)."""
+
+    prompts_per_round: int
+    max_rounds: int
+    metric: Optional[str] = None
+
+
+@dataclass(frozen=True)
 class AlgorithmSettings:
     """Shaped rewards, advantages, the loss's form and the legacy controllers (docs/algorithm.md).
 
@@ -61,7 +75,12 @@ class AlgorithmSettings:
     ``num_generations``, ``scale_rewards`` and ``normalize_advantages``. kl_in_loss / entropy_bonus: whether the
     loss has a KL-to-the-reference term / an entropy bonus (``kl_loss_coef`` / ``entropy_coef`` > 0 in the config;
     their weights are the traced ``Hyperparams.kl_loss_coef`` / ``entropy_coef``). Without an entropy bonus the
-    entropy is a statistic only: no gradient flows through it."""
+    entropy is a statistic only: no gradient flows through it.
+
+    The policy objective (``ppojax.core.objectives``): ``loss_type`` and its options, TRL GRPOConfig's names
+    (importance_sampling_level, top_entropy_quantile, use_bias_correction_kl, mask_truncated_completions, the
+    sapo_* and vespo_* parameters); multi_objective_aggregation (grpo's) and soft_punish_cache (DAPO's overlong
+    penalty on the scores, 0: off)."""
 
     advantage_estimator: str = "gae"
     gamma: float = 1.0
@@ -84,11 +103,32 @@ class AlgorithmSettings:
     adaptive_kl: bool = False
     target_kl_for_adaptive: float = 6.0
     horizon: int = 10000
+    loss_type: str = "ppo"
+    importance_sampling_level: str = "token"
+    top_entropy_quantile: float = 1.0
+    use_bias_correction_kl: bool = False
+    mask_truncated_completions: bool = False
+    multi_objective_aggregation: str = "sum_then_normalize"
+    soft_punish_cache: int = 0
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
 
     @property
     def processes_scores(self) -> bool:
         """Whether the legacy score scaling / clipping runs."""
         return self.use_score_scaling or self.score_clip is not None
+
+    @property
+    def uses_policy_objective(self) -> bool:
+        """Whether the loss's policy term is a registered objective's (``ppojax.core.objectives.policy_term``)
+        rather than the clipped surrogate of ``ppojax.core.losses.policy_loss`` (``loss_type: ppo`` with none of
+        the objective options: the same numbers)."""
+        return (self.loss_type != "ppo" or self.importance_sampling_level != "token"
+                or self.top_entropy_quantile < 1.0 or self.use_bias_correction_kl)
 
 
 @dataclass(frozen=True)
@@ -159,12 +199,13 @@ class BatchSettings:
 
 @dataclass(frozen=True)
 class StepSettings:
-    """The four static settings of a PPO program, built by :meth:`from_config`."""
+    """The static settings of a PPO program, built by :meth:`from_config`. dynamic_sampling: None when off."""
 
     sampling: SamplingSettings
     algorithm: AlgorithmSettings
     optim: OptimSettings
     batch: BatchSettings
+    dynamic_sampling: Optional[DynamicSamplingSettings] = None
 
     @classmethod
     def from_config(cls, config, *, pad_token_id: int, num_updates: int = 1, stop_token_id: Optional[int] = None,
@@ -193,7 +234,14 @@ class StepSettings:
             use_score_norm=c.use_score_norm, score_clip=c.score_clip, kl_in_loss=bool(c.kl_loss_coef),
             entropy_bonus=bool(c.entropy_coef),
             kl_loss_type=c.kl_loss_type, dual_clip_c=c.dual_clip_c, loss_agg_mode=c.loss_agg_mode,
-            adaptive_kl=c.adaptive_kl, target_kl_for_adaptive=c.target_kl_for_adaptive, horizon=c.horizon)
+            adaptive_kl=c.adaptive_kl, target_kl_for_adaptive=c.target_kl_for_adaptive, horizon=c.horizon,
+            loss_type=c.loss_type, importance_sampling_level=c.importance_sampling_level,
+            top_entropy_quantile=c.top_entropy_quantile, use_bias_correction_kl=c.use_bias_correction_kl,
+            mask_truncated_completions=c.mask_truncated_completions,
+            multi_objective_aggregation=c.multi_objective_aggregation, soft_punish_cache=c.soft_punish_cache,
+            sapo_temperature_pos=c.sapo_temperature_pos, sapo_temperature_neg=c.sapo_temperature_neg,
+            vespo_k_pos=c.vespo_k_pos, vespo_lambda_pos=c.vespo_lambda_pos, vespo_k_neg=c.vespo_k_neg,
+            vespo_lambda_neg=c.vespo_lambda_neg)
         optim = OptimSettings(
             num_ppo_epochs=c.num_ppo_epochs, num_mini_batches=c.num_mini_batches,
             gradient_accumulation_steps=c.gradient_accumulation_steps, num_updates=num_updates,
@@ -206,7 +254,9 @@ class StepSettings:
             update_logits_chunk=update_chunk, rollout_logits_chunk=rollout_chunk, padding_free=c.padding_free,
             max_tokens_per_micro_batch=c.max_tokens_per_micro_batch, logits_chunk_size=c.logits_chunk_size,
             vocab_size=vocab_size)
-        return cls(sampling, algorithm, optim, batch)
+        dynamic = (DynamicSamplingSettings(prompts_per_round=sizes.prompts_per_round, max_rounds=c.max_num_gen_batches,
+                                           metric=c.filter_groups_metric) if c.filter_groups else None)
+        return cls(sampling, algorithm, optim, batch, dynamic)
 
 
 @struct.dataclass

@@ -60,6 +60,9 @@ class Experience:
                                   None unless the KL estimator needs it.
     reward_components: {name: f32[B]}  each reward's own values before weighting (NaN where it does not apply),
                                   for the ``rewards/<name>/*`` metrics; None for caller-given scores.
+    trained:         bool[B]      the rows the loss trains on (None: all). Dynamic sampling's batch, where the
+                                  bound on rounds stopped it before it was full, holds dropped groups in its
+                                  free slots, False here (``ppojax.rl.dynamic_sampling``).
     """
 
     queries: jax.Array
@@ -76,6 +79,7 @@ class Experience:
     num_eos_tokens: jax.Array | None = None
     full_kl: jax.Array | None = None
     reward_components: dict | None = None
+    trained: jax.Array | None = None
 
     @property
     def num_stop_tokens(self):

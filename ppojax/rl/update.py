@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from ppojax import core as ppo
 from ppojax.rl.optimizer import apply as apply_optimizer
-from ppojax.rl.packed_update import packed_gradients, packed_micro_batch_shape
+from ppojax.rl.packed_update import packed_gradients, packed_micro_batch_shape, rows_only
 from ppojax.rl.types import UpdateBatch
 
 
@@ -58,18 +58,23 @@ def per_token_kl(algorithm, experience):
     return ppo.kl_per_token(experience.logprobs, experience.ref_logprobs, algorithm.kl_estimator)
 
 
-def shaped_rewards_and_advantages(algorithm, experience, scores, kl_coef):
+def shaped_rewards_and_advantages(algorithm, experience, scores, kl_coef, reward_weights=None):
     """The KL-shaped rewards (docs/algorithm.md, "Shaped rewards") and the configured advantage estimator on the whole
-    rollout batch.
+    rollout batch; the rows ``experience.trained`` leaves out and, with ``mask_truncated_completions``, the rows
+    without the stop token are then taken out of the loss (TRL's GRPO: their advantages still counted in their
+    groups).
 
-    scores: f32[B] (after legacy processing); kl_coef: f32[]. Returns (UpdateBatch, rollout metrics, kl f32[B, R]).
+    scores: f32[B] (after legacy processing); kl_coef: f32[]; reward_weights: the reward source's weights, in
+    ``experience.reward_components``' order (read by ``multi_objective_aggregation: normalize_then_sum``).
+    Returns (UpdateBatch, rollout metrics, kl f32[B, R]).
     """
     kl = per_token_kl(algorithm, experience)
     shaped = ppo.shaped_rewards(scores, kl, experience.last_index, kl_coef, experience.padding_mask_p1,
                                 score_position=algorithm.score_position, whiten_rewards=algorithm.whiten_rewards)
     estimator = ppo.advantage_estimator(algorithm.advantage_estimator)
+    components, weights = reward_components(algorithm, experience, reward_weights)
     adv = estimator.fn(ppo.AdvantageInputs(shaped.rewards, scores, experience.values, experience.padding_mask,
-                                           experience.padding_mask_p1), algorithm)
+                                           experience.padding_mask_p1, components, weights), algorithm)
     metrics = ppo.rollout_metrics(experience.scores, kl, shaped.non_score_reward, experience.logprobs,
                                   experience.padding_mask, experience.num_eos_tokens)
     if algorithm.processes_scores:
@@ -77,7 +82,23 @@ def shaped_rewards_and_advantages(algorithm, experience, scores, kl_coef):
     batch = UpdateBatch(experience.query_responses, experience.logprobs, experience.values, adv.advantages,
                         adv.returns, experience.padding_mask, experience.padding_mask_p1,
                         ref_logprobs=experience.ref_logprobs if algorithm.kl_in_loss else None)
+    if experience.trained is not None:  # dynamic sampling's free slots (dropped groups): out of the loss
+        batch = rows_only(batch, experience.trained)
+    if algorithm.mask_truncated_completions:
+        batch = rows_only(batch, experience.contains_stop)
+        metrics["objective/truncated_fraction"] = 1.0 - jnp.mean(experience.contains_stop.astype(jnp.float32))
     return batch, metrics, kl
+
+
+def reward_components(algorithm, experience, reward_weights):
+    """(f32[F, B] each reward's values, f32[F] their weights) for ``normalize_then_sum``, else (None, None)
+    (also without components: caller-given scores)."""
+    if algorithm.multi_objective_aggregation != "normalize_then_sum" or not experience.reward_components:
+        return None, None
+    values = jnp.stack([jnp.asarray(v, jnp.float32) for v in experience.reward_components.values()])
+    if reward_weights is None or len(reward_weights) != values.shape[0]:  # scores the caller gave: weight 1
+        reward_weights = (1.0,) * values.shape[0]
+    return values, jnp.asarray(reward_weights, jnp.float32)
 
 
 def padding_metrics(batch: UpdateBatch, pad_token_id: int) -> dict:
@@ -121,10 +142,33 @@ def loss_of_outputs(actor_critic, algorithm, hyperparams, logprobs, entropy, vpr
                                cliprange_high=hp.cliprange_high, dual_clip_c=algorithm.dual_clip_c,
                                loss_agg_mode=algorithm.loss_agg_mode,
                                kl_loss_coef=hp.kl_loss_coef if algorithm.kl_in_loss else 0.0,
-                               kl_loss_fn=kl_loss_fn, with_value=actor_critic.has_critic)
+                               kl_loss_fn=kl_loss_fn, with_value=actor_critic.has_critic,
+                               policy_term=objective_term(algorithm, hp, policy_tokens, rows))
     masked_new = jnp.where(batch.padding_mask, ppo.INVALID_LOGPROB, logprobs)
     stats["policykl"] = ppo.masked_mean(batch.logprobs - masked_new, ~batch.padding_mask)  # legacy early stop
     return loss, stats
+
+
+def objective_term(algorithm, hyperparams, policy_tokens, rows):
+    """The loss's policy term as ``ppo_loss`` takes it: the configured objective (``loss_type``, docs/algorithm.md
+    "Policy objectives") with the traced clip ranges, or None for ``ppo_loss``'s own clipped surrogate
+    (``loss_type: ppo`` without the objective options)."""
+    if not algorithm.uses_policy_objective:
+        return None
+    a = algorithm
+    params = ppo.ObjectiveParams(
+        cliprange_low=hyperparams.cliprange_low, cliprange_high=hyperparams.cliprange_high, dual_clip_c=a.dual_clip_c,
+        sapo_temperature_pos=a.sapo_temperature_pos, sapo_temperature_neg=a.sapo_temperature_neg,
+        vespo_k_pos=a.vespo_k_pos, vespo_lambda_pos=a.vespo_lambda_pos, vespo_k_neg=a.vespo_k_neg,
+        vespo_lambda_neg=a.vespo_lambda_neg)
+
+    def term(new_logprobs, batch, entropy):
+        return ppo.policy_term(a.loss_type, params, new_logprobs, batch.logprobs, batch.advantages,
+                               batch.padding_mask, entropy, importance_sampling_level=a.importance_sampling_level,
+                               top_entropy_quantile=a.top_entropy_quantile,
+                               use_bias_correction_kl=a.use_bias_correction_kl, loss_agg_mode=a.loss_agg_mode,
+                               policy_tokens=policy_tokens, rows=rows)
+    return term
 
 
 def _take_rows(batch, rows):
@@ -174,9 +218,10 @@ def mini_batch_gradients(program, params, frozen, hyperparams, mini: UpdateBatch
                         _split_leading(mini, optim.gradient_accumulation_steps))
 
 
-def optimizer_step(program, state, grads, stats, stopped, lr, reward_failed=None):
+def optimizer_step(program, state, grads, stats, stopped, lr, withheld=None):
     """ONE optimizer step of ``state`` on a mini-batch's ``grads`` — skipped when they or the loss are not
-    finite (counted), when the legacy ratio threshold or early stop says so, or when the reward failed.
+    finite (counted), when the legacy ratio threshold or early stop says so, or when ``withheld`` (bool[]: the
+    reward failed, or the batch has nothing to train).
     -> (state, stopped: bool[] the legacy early stop of the remaining epochs, stats with ``skipped``)."""
     actor_critic, optim = program.actor_critic, program.settings.optim
     finite = actor_critic.kernels.all_finite(grads) & jnp.all(jnp.isfinite(stats["loss"]))
@@ -184,8 +229,8 @@ def optimizer_step(program, state, grads, stats, stopped, lr, reward_failed=None
     if optim.ratio_threshold is not None:  # legacy: drop a mini-batch whose ratio blew up
         skip = skip | (jnp.mean(stats["ratio"]) > optim.ratio_threshold)
     apply = finite & ~skip
-    if reward_failed is not None:
-        apply = apply & ~reward_failed
+    if withheld is not None:
+        apply = apply & ~withheld
     # Critic warm-up: during the first ``critic_warmup`` updates only the critic's parameters (and their
     # optimizer moments) change; the policy's are kept as they were.
     policy_frozen = state.update_count < optim.critic_warmup if optim.critic_warmup else None
@@ -220,11 +265,18 @@ def learn(program, state, experience, key, reward_failed=None):
     epoch permutations. reward_failed: bool[] (None: the reward cannot fail): when True, no optimizer step is
     applied, every other field of the state is returned as it came and the metrics are NaN (0 for integers): the
     update's work is traced once and its result discarded, as a failed reward ends the run anyway.
+    An experience whose ``trained`` rows hold no token to train (dynamic sampling kept no group) applies no
+    optimizer step either (counted in ``ppo/skipped_steps``); the rest of the update goes on.
     Returns (new state, metrics dict of f32/i32 scalars under TRL's names).
     """
     algorithm, optim = program.settings.algorithm, program.settings.optim
     scores, moments = process_scores(algorithm, experience, state.score_moments)
-    batch, rollout_stats, _ = shaped_rewards_and_advantages(algorithm, experience, scores, state.kl_coef)
+    batch, rollout_stats, _ = shaped_rewards_and_advantages(algorithm, experience, scores, state.kl_coef,
+                                                            reward_weights=getattr(program.reward, "weights", None))
+    withheld = reward_failed
+    if experience.trained is not None:  # nothing to train: Adam's moments alone would still move the weights
+        nothing = ~jnp.any(~batch.padding_mask)
+        withheld = nothing if withheld is None else withheld | nothing
     batch_size = batch.logprobs.shape[0]
     mini_size = batch_size // optim.num_mini_batches
     lr = learning_rate_at(optim, state.hyperparams.learning_rate, state.update_count)
@@ -233,7 +285,7 @@ def learn(program, state, experience, key, reward_failed=None):
         new, stopped = carry
         grads, stats = mini_batch_gradients(program, new.params, new.frozen, new.hyperparams,
                                             _take_rows(batch, rows), mini_size)
-        new, stopped, stats = optimizer_step(program, new, grads, stats, stopped, lr, reward_failed)
+        new, stopped, stats = optimizer_step(program, new, grads, stats, stopped, lr, withheld)
         return (new, stopped), stats
 
     def epoch_step(carry, epoch_key):
@@ -266,6 +318,9 @@ def step_metrics(stats) -> dict:
     # TRL's val/ratio_var: the (unbiased) variance of the micro-batches' mean ratios (NaN with one).
     metrics["val/ratio_var"] = jnp.var(stats["ratio"], ddof=1) if stats["ratio"].size > 1 else jnp.float32(jnp.nan)
     metrics["policy/policykl_avg"] = jnp.mean(stats["policykl"])
+    for name, values in stats.get("objective", {}).items():  # a policy objective's own, under TRL GRPO's names
+        metrics[name] = (jnp.min(values) if name.endswith("_min") else jnp.max(values) if name.endswith("_max")
+                         else jnp.mean(values))
     if "packed_micro_batches" in stats:
         metrics["perf/packed_micro_batches"] = jnp.mean(stats["packed_micro_batches"])
     metrics["ppo/skipped_steps"] = jnp.sum(stats["skipped"][..., 0])

@@ -110,6 +110,7 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
     model_path = None if model is not None else resolve_model_path(config.model_name_or_path)
     tokens = token_ids(config, model, model_path, processing_class, uses_critic)
     rewards = RunRewards(config, reward_model, reward_funcs)
+    rewards.check_filter_groups_metric()
     prompts = prompt_data(config, texts, columns, n_train_texts, tokens, data_parallel)
     rewards.call_on_host(tokens.tokenizer, tokens.pad_token_id, prompts.table, mesh)
 
@@ -152,10 +153,12 @@ def _compile_ahead(config, program_for, sources: dict, batches: PromptBatches):
         abstract = abstract_models(**sources)
         if abstract is None:
             return None
+        prompts_shape = (batches.batch_size // batches.process_count, batches.input_ids.shape[1])
+        if config.filter_groups:  # one batch per generation round
+            prompts_shape = (config.max_num_gen_batches, *prompts_shape)
         return abstract, start_train_step(program_for(abstract), abstract.params, abstract.frozen,
                                           hyperparams=Hyperparams.from_config(config), kl_coef=config.kl_coef,
-                                          prompts_shape=(batches.batch_size // batches.process_count,
-                                                         batches.input_ids.shape[1]))
+                                          prompts_shape=prompts_shape)
     except Exception as err:  # noqa: BLE001 - a head start only: the real build below reports real problems
         log.info("train_step not compiled ahead: %s: %s", type(err).__name__, err)
         return None

@@ -17,7 +17,7 @@ from pathlib import Path
 from ppojax import backends
 from ppojax.errors import CheckpointError, ExportDirError, RewardFunctionError, RunInterrupted
 from ppojax.io.strict_json import write_json
-from ppojax.trainer.config import ConfigError, PPOConfig, field_help
+from ppojax.trainer.config import ConfigError, PPOConfig, alias_help, field_help, trl_grpo_reading
 
 
 def _help_epilog() -> str:
@@ -26,6 +26,9 @@ def _help_epilog() -> str:
         lines.append(f"  {name} (default {default})")
         if doc:
             lines.append(f"      {doc}")
+    lines.append("other libraries' names (legacy TRL, TRL's GRPO / RLOO, verl), read as:")
+    lines += [f"  {key} -> {meaning}" for key, meaning in alias_help()]
+    lines.append(f"  {trl_grpo_reading()}")
     return "\n".join(lines)
 
 

@@ -544,15 +544,41 @@ class PromptBatches(Iterator[PromptBatch]):
         return self
 
     def __next__(self) -> PromptBatch:
-        if self.position >= self.batches_per_epoch:
-            self.epoch, self.position = self.epoch + 1, 0
-        epoch, step = self.epoch, self.position
-        rows = self.global_indices(epoch, step)
+        batch = self._batch_at(self.epoch, self.position)
+        self.epoch, self.position = batch.epoch, batch.step + 1
+        return batch
+
+    def _batch_at(self, epoch: int, position: int) -> PromptBatch:
+        """This process's share of the batch at (epoch, position), a position past the epoch's last batch being
+        the next epoch's first."""
+        if position >= self.batches_per_epoch:
+            epoch, position = epoch + 1, 0
+        rows = self.global_indices(epoch, position)
         b = self.local_batch_size
         rows = rows[self.process_index * b:(self.process_index + 1) * b]
-        self.position += 1
         texts = None if self.texts is None else [self.texts[i] for i in rows]
-        return PromptBatch(self.input_ids[rows], rows.copy(), texts, epoch, step)
+        return PromptBatch(self.input_ids[rows], rows.copy(), texts, epoch, position)
+
+    def peek(self, count: int) -> PromptBatch:
+        """The next ``count`` batches without taking them (dynamic sampling's rounds: an update takes as many as
+        it used, :meth:`take`), stacked: input_ids i32[count, b, P], indices [count, b], texts [count][b]; epoch
+        and step of the first."""
+        batches, epoch, position = [], self.epoch, self.position
+        for _ in range(count):
+            batch = self._batch_at(epoch, position)
+            batches.append(batch)
+            epoch, position = batch.epoch, batch.step + 1
+        texts = None if self.texts is None else [b.texts for b in batches]
+        return PromptBatch(np.stack([b.input_ids for b in batches]), np.stack([b.indices for b in batches]), texts,
+                           batches[0].epoch, batches[0].step)
+
+    def take(self, count: int) -> "PromptBatches":
+        """Move past the next ``count`` batches (those :meth:`peek` showed)."""
+        for _ in range(count):
+            if self.position >= self.batches_per_epoch:
+                self.epoch, self.position = self.epoch + 1, 0
+            self.position += 1
+        return self
 
     def state_dict(self) -> dict:
         """What a checkpoint needs to resume: epoch and position (plus seed/sizes, checked on load)."""

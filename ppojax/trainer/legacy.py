@@ -64,6 +64,10 @@ class LegacyAPI:
         """One PPO update on caller-given queries, responses (token ids) and scores. Returns host metrics."""
         run = self.run
         n = len(queries)
+        if run.settings.dynamic_sampling is not None:
+            raise ConfigError("step() trains on the responses and scores it is given, but filter_groups=True (DAPO's "
+                              "dynamic sampling) samples further prompts to replace the groups whose scores are all "
+                              "equal; remove filter_groups, or use train().")
         if not (len(responses) == len(scores) == n):
             raise ConfigError(f"step() got {n} queries, {len(responses)} responses and {len(scores)} scores; "
                               "they must have the same length.")

@@ -1,15 +1,17 @@
 """The loop: ``train_step`` on each prompt batch, then the hooks that are due.
 
     for update in range(start, total):
-        state, metrics = train_step(state, next(prompt_batches), key(seed, update))
+        state, metrics = train_step(state, update_prompts(run), key(seed, update))
         for hook in hooks: if hook is due at update + 1: hook(StepEnd)
 
 The host never waits for an update before dispatching the next: an update's metrics are read (and its hooks
 run) once the following update is queued on the device, so hooks see each step's metrics one update late, in
-order, the last step's at the end. A hook that reads the run's state (``Hook(reads_state=True)``: checkpoints,
-samples) needs its own step's state, which the next update replaces (the state is donated): at the steps it is
-due, the loop reads that step's metrics and runs its hooks before dispatching the next update. A hook that
-raises stops the run; nothing after the failing step is saved (the last checkpoint stays the newest).
+order, the last step's at the end. (With dynamic sampling the next update's prompts start after the rounds this
+one used: the host reads that count when the update ends, then dispatches the next.) A hook that reads the run's
+state (``Hook(reads_state=True)``: checkpoints, samples) needs its own step's state, which the next update
+replaces (the state is donated): at the steps it is due, the loop reads that step's metrics and runs its hooks
+before dispatching the next update. A hook that raises stops the run; nothing after the failing step is saved
+(the last checkpoint stays the newest).
 """
 from __future__ import annotations
 
@@ -89,12 +91,11 @@ def run_updates(run, train_step, total: int, hooks: list[Hook], *, should_stop: 
 
     for update_index in range(int(run.state.update_count), total):
         dispatched = time.perf_counter()
-        batch = next(run.batches)
-        prompts = Prompts(batch.input_ids, batch.indices)  # the rows: the dataset columns of Python rewards
-        run.state, metrics = train_step(run.state, prompts, step_key(run.config.seed, update_index))
+        run.state, metrics = train_step(run.state, update_prompts(run), step_key(run.config.seed, update_index))
         # the previous update ended before this dispatch started where its metrics are ready now
         stop = late is not None and finish(*late, dispatched if _ready(late[1]) else None)
         late = (update_index, metrics, dispatched)
+        take_used_rounds(run, metrics)
         if stop:
             break
         if any(hook.reads_state and hook.due(update_index + 1, total) for hook in hooks):
@@ -104,6 +105,23 @@ def run_updates(run, train_step, total: int, hooks: list[Hook], *, should_stop: 
     if late is not None:
         finish(*late)
     return history
+
+
+def update_prompts(run) -> Prompts:
+    """The next update's prompts, with their rows (the dataset columns of Python rewards): the next batch; with
+    dynamic sampling the next ``max_rounds`` batches, one per generation round, left in the iterator until
+    :func:`take_used_rounds` takes those the update used."""
+    dynamic = run.settings.dynamic_sampling
+    batch = next(run.batches) if dynamic is None else run.batches.peek(dynamic.max_rounds)
+    return Prompts(batch.input_ids, batch.indices)
+
+
+def take_used_rounds(run, device_metrics) -> None:
+    """With dynamic sampling: move the prompt batches past the rounds the update used
+    (``dynamic_sampling/rounds``), so the next update starts at the first prompt not sampled and a checkpoint of
+    this update resumes there. It waits for the update to end: the next update's prompts depend on it."""
+    if run.settings.dynamic_sampling is not None:
+        run.batches.take(int(parallel.to_host(device_metrics["dynamic_sampling/rounds"])))
 
 
 def _ready(device_metrics) -> bool:

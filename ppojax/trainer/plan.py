@@ -168,7 +168,9 @@ def abstract_run(config: PPOConfig, model_cfg, mesh) -> AbstractRun:
     pad = model_cfg.pad_token_id if model_cfg.pad_token_id is not None else 0
     eos = model_cfg.eos_token_ids[0] if model_cfg.eos_token_ids else None
     stop = config.stop_token_id if config.stop_token_id is not None else (eos if config.stop_token_is_eos else None)
-    reward = ModelScores(models.reward_graphdef, pad, config.local_rollout_forward_batch_size)
+    # a stand-in reward model, under the name dynamic sampling's filter_groups_metric reads (when set)
+    reward = ModelScores(models.reward_graphdef, pad, config.local_rollout_forward_batch_size,
+                         name=config.filter_groups_metric or "reward_model")
     program = make_program(config, mesh, (models.policy_graphdef, models.value_graphdef, models.ref_graphdef),
                            reward, pad_token_id=pad, stop_token_id=stop, eos_token_id=eos, num_updates=1,
                            vocab_size=model_cfg.vocab_size, base_graphdef=models.base_graphdef,
@@ -179,10 +181,15 @@ def abstract_run(config: PPOConfig, model_cfg, mesh) -> AbstractRun:
                                                          kl_coef=config.kl_coef),
                            models.params, models.frozen)
     state_shardings = parallel.train_state_shardings(state, mesh)
-    # the prompts of one update: batch_size / num_generations rows (the program samples each num_generations times)
+    # the prompts of one update: batch_size / num_generations rows (the program samples each num_generations times);
+    # with dynamic sampling, max_num_gen_batches rounds of gen_batch_size
     prompt_rows = program.settings.batch.batch_size // program.settings.sampling.num_generations
-    prompts = jax.ShapeDtypeStruct((prompt_rows, config.max_prompt_length), jnp.int32,
-                                   sharding=parallel.batch_sharding(mesh))
+    shape, sharding = (prompt_rows, config.max_prompt_length), parallel.batch_sharding(mesh)
+    dynamic = program.settings.dynamic_sampling
+    if dynamic is not None:
+        shape = (dynamic.max_rounds, dynamic.prompts_per_round, config.max_prompt_length)
+        sharding = jax.sharding.NamedSharding(mesh, parallel.batch_partition_spec(mesh, axis=1))
+    prompts = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
     key = jax.eval_shape(lambda: jax.random.key(0))
     key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=parallel.replicated(mesh))
     return AbstractRun(program, _with_shardings(state, state_shardings), state_shardings, prompts, key)

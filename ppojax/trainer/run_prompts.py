@@ -128,6 +128,11 @@ def prompt_data(config: PPOConfig, texts, columns: dict, n_train_texts, tokens: 
             raise ConfigError(f"The dataset has {len(train_queries)} training prompts after filtering and "
                               f"holding out num_eval_prompts={config.num_eval_prompts}, fewer than "
                               f"{per_update}; lower batch_size or add prompts.")
-        batches = PromptBatches(train_queries, sizes.prompts_per_batch, seed=config.seed,
+        if len(train_queries) < sizes.prompts_per_round:
+            raise ConfigError(f"The dataset has {len(train_queries)} training prompts after filtering and holding out "
+                              f"num_eval_prompts={config.num_eval_prompts}, fewer than the {sizes.prompts_per_round} "
+                              f"prompts of a generation round (gen_batch_size); lower gen_batch_size or add prompts.")
+        # dynamic sampling: one batch per generation round; an update takes as many as it used
+        batches = PromptBatches(train_queries, sizes.prompts_per_round, seed=config.seed,
                                 process_index=jax.process_index(), process_count=jax.process_count())
     return RunPrompts(train_queries, eval_queries, table, batches, num_updates, shown)

@@ -109,6 +109,23 @@ class RunRewards:
         self.functions: Optional[FunctionScores] = None
 
     @property
+    def names(self) -> list:
+        """The rewards' names in metrics: the Python functions, the traced ones, the reward model's."""
+        model = []
+        if self.has_model:
+            path = self.config.reward_model_path
+            model = [Path(path).name if path is not None else "reward_model"]
+        return [call.name for call in self.calls] + [n for t in self.traced for n in t.names] + model
+
+    def check_filter_groups_metric(self) -> None:
+        """filter_groups_metric must name one of the run's rewards (whose values judge a group)."""
+        metric = self.config.filter_groups_metric
+        if self.config.filter_groups and metric is not None and self.any and metric not in self.names:
+            raise ConfigError(f"filter_groups_metric={metric!r} names none of this run's rewards "
+                              f"({', '.join(self.names)}); set it to one of them, or remove it to judge groups by "
+                              "the score.")
+
+    @property
     def any(self) -> bool:
         """Whether the run has a reward source at all (the legacy ``step()`` API needs none)."""
         return bool(self.calls) or bool(self.traced) or self.has_model

@@ -22,6 +22,7 @@ concern:
     ppo_config.py  PPOConfig: validation, derived batch sizes, (de)serialisation
     checks.py      each value's type and rule, the checks that need several fields
     names.py       legacy aliases, other libraries' keys, unknown keys
+    trl_grpo.py    reading a TRL GRPOTrainer config: GRPOConfig's defaults, beta, GRPOConfig's other keys
     yaml_io.py     YAML files and ``key=value`` overrides
     resume.py      which config differences a resumed run tolerates
     help.py        ``ppojax train --help`` and docs/configuration.md (``python -m ppojax.trainer.config``)
@@ -32,7 +33,7 @@ from ppojax.errors import ConfigError
 from ppojax.trainer.config.checks import VALUE_ALIASES, expected_of
 from ppojax.trainer.config.fields import (IGNORED, MAY_CHANGE, MUST_MATCH, NON_EMPTY, ON_RESUME, Rule, above, at_least,
                                           between, one_of, registered, setting)
-from ppojax.trainer.config.help import configuration_markdown, field_help
+from ppojax.trainer.config.help import alias_help, configuration_markdown, field_help, trl_grpo_reading
 from ppojax.trainer.config.names import FOREIGN_KEYS, LEGACY_ALIASES, field_names, normalise_keys
 from ppojax.trainer.config.ppo_config import DerivedSizes, PPOConfig
 from ppojax.trainer.config.resume import check_compatible, resume_compatibility
@@ -40,7 +41,11 @@ from ppojax.trainer.config.schema import (FIELD_NAMES, IGNORED_ON_RESUME_FIELDS,
                                           SECTIONS, STATIC_FIELDS, StaticSettings)
 from ppojax.trainer.config.sections.models import BUILTIN_REWARDS, IN_PLACE_MATMULS, MATMUL_IMPLEMENTATIONS
 from ppojax.trainer.config.sections.objective import (ADVANTAGE_ESTIMATOR_NAME, BUILTIN_ADVANTAGE_ESTIMATORS,
-                                                      BUILTIN_KL_ESTIMATORS, KL_ESTIMATOR_NAME, SCORE_POSITIONS)
+                                                      BUILTIN_KL_ESTIMATORS, BUILTIN_POLICY_OBJECTIVES,
+                                                      KL_ESTIMATOR_NAME, PER_SEQUENCE_ADVANTAGE_ESTIMATORS,
+                                                      POLICY_OBJECTIVE_LEVEL_REASONS, POLICY_OBJECTIVE_NAME,
+                                                      SCORE_POSITIONS)
+from ppojax.trainer.config.trl_grpo import GMPO_DEFAULTS, GRPO_FOREIGN_KEYS, TRL_GRPO_DEFAULTS
 from ppojax.trainer.config.sections.run import REPORT_SINKS
 from ppojax.trainer.config.yaml_io import load_yaml_mapping, parse_overrides
 
@@ -49,12 +54,14 @@ from ppojax.trainer.config.checks import _a  # noqa: F401
 from ppojax.trainer.config.schema import _HINTS  # noqa: F401
 
 __all__ = [
-    "ADVANTAGE_ESTIMATOR_NAME", "BUILTIN_ADVANTAGE_ESTIMATORS", "BUILTIN_KL_ESTIMATORS", "BUILTIN_REWARDS",
+    "ADVANTAGE_ESTIMATOR_NAME", "BUILTIN_ADVANTAGE_ESTIMATORS", "BUILTIN_KL_ESTIMATORS", "BUILTIN_POLICY_OBJECTIVES",
+    "BUILTIN_REWARDS", "GMPO_DEFAULTS", "GRPO_FOREIGN_KEYS", "PER_SEQUENCE_ADVANTAGE_ESTIMATORS",
+    "POLICY_OBJECTIVE_LEVEL_REASONS", "POLICY_OBJECTIVE_NAME", "TRL_GRPO_DEFAULTS",
     "ConfigError", "DerivedSizes", "FIELD_NAMES", "FOREIGN_KEYS", "IGNORED", "IGNORED_ON_RESUME_FIELDS",
     "IN_PLACE_MATMULS", "KL_ESTIMATOR_NAME", "LEGACY_ALIASES", "MATMUL_IMPLEMENTATIONS", "MAY_CHANGE",
     "MAY_CHANGE_FIELDS", "MUST_MATCH", "MUST_MATCH_FIELDS", "NON_EMPTY", "ON_RESUME", "PPOConfig", "REPORT_SINKS",
     "Rule", "SCORE_POSITIONS", "SECTIONS", "STATIC_FIELDS", "StaticSettings", "VALUE_ALIASES", "above", "at_least",
-    "between", "check_compatible", "configuration_markdown", "expected_of", "field_help", "field_names",
+    "alias_help", "between", "check_compatible", "configuration_markdown", "expected_of", "field_help", "field_names",
     "load_yaml_mapping", "normalise_keys", "one_of", "parse_overrides", "registered", "resume_compatibility",
-    "setting",
+    "setting", "trl_grpo_reading",
 ]

@@ -13,7 +13,9 @@ import yaml
 from ppojax.errors import ConfigError
 from ppojax.trainer.config.schema import _FIELDS, _HINTS, FIELD_NAMES
 from ppojax.trainer.config.sections.models import IN_PLACE_MATMULS
-from ppojax.trainer.config.sections.objective import _advantage_estimator_traits
+from ppojax.trainer.config.sections.objective import (POLICY_OBJECTIVE_NAME, _advantage_estimator_traits,
+                                                      _per_sequence_advantages, _policy_objective_level_reason,
+                                                      _policy_objective_traits)
 
 if TYPE_CHECKING:  # ppo_config imports this module to validate
     from ppojax.trainer.config.ppo_config import PPOConfig
@@ -21,6 +23,9 @@ if TYPE_CHECKING:  # ppo_config imports this module to validate
 # Other spellings of a value -> the value (matched by type too, so `resume: 1` is not `resume: true`).
 VALUE_ALIASES: dict[str, list[tuple[Any, Any]]] = {
     "kl_estimator": [("kl", "k1")],           # legacy TRL's kl_penalty: 'kl'
+    "scale_rewards": [(True, "group"), (False, "none")],  # TRL GRPOConfig's booleans
+    "advantage_estimator": [("reinforce_plus_plus", "reinforce_pp"),  # verl's names
+                            ("reinforce_plus_plus_baseline", "reinforce_pp_baseline")],
     "resume": [(True, "auto"), (False, None)],
     "report_to": [(None, "none")],
 }
@@ -266,3 +271,88 @@ def _estimator_problems(c: PPOConfig) -> list[str]:
         out.append("kl_loss_type='full' is not available in the loss (it needs both full distributions, computed "
                    "once in the rollout); use 'low_var_kl', 'k3', 'k2' or 'k1'.")
     return out
+
+
+def _dynamic_sampling_problems(c: PPOConfig) -> list[str]:
+    """DAPO's dynamic sampling (filter_groups) against the estimator and the batch (the rounds' sizes: ``derived``)."""
+    if not c.filter_groups:
+        return [f"{name}={getattr(c, name)!r} is read only with filter_groups: true (DAPO's dynamic sampling); set "
+                f"filter_groups: true, or remove {name}." for name in ("max_num_gen_batches", "gen_batch_size",
+                                                                       "filter_groups_metric")
+                if getattr(c, name) != _FIELDS[name].default]
+    out = []
+    if c.num_generations < 2:
+        out.append(f"filter_groups=True drops the prompts whose samples all scored the same, which needs "
+                   f"num_generations >= 2 samples of each prompt (got {c.num_generations}); set e.g. "
+                   "num_generations: 8.")
+    uses_critic, _ = _advantage_estimator_traits(c.advantage_estimator)
+    if uses_critic or not _per_sequence_advantages(c.advantage_estimator):
+        why = ("its values still give them advantages" if uses_critic else
+               "it gives each token its own advantage, not one from the prompt's samples")
+        out.append(f"filter_groups=True drops the groups whose scores are all equal because a group-relative "
+                   f"advantage is 0 there; with advantage_estimator={c.advantage_estimator!r} {why}. Use "
+                   "advantage_estimator: grpo (DAPO's), rloo or reinforce_pp_baseline, or remove filter_groups.")
+    names = c.reward_names  # (functions passed in Python are checked at the build)
+    if c.filter_groups_metric is not None and names and c.filter_groups_metric not in names:
+        out.append(f"filter_groups_metric={c.filter_groups_metric!r} names none of this run's rewards "
+                   f"({', '.join(names)}); set it to one of them, or remove it to judge groups by the score.")
+    forward = c.local_rollout_forward_batch_size
+    if forward is not None and c.gen_batch_size is not None and (c.gen_batch_size * c.num_generations) % forward:
+        rows = c.gen_batch_size * c.num_generations
+        out.append(f"local_rollout_forward_batch_size={forward} does not divide the {rows} rows a generation round "
+                   f"scores (gen_batch_size {c.gen_batch_size} x num_generations {c.num_generations}); use a "
+                   f"divisor of {rows}, or null.")
+    return out
+
+
+def _objective_problems(c: PPOConfig) -> list[str]:
+    """The policy objective (``loss_type``, a registered one) against its options and the advantages it reads."""
+    aggregation, levels, sequence_advantages, options = _policy_objective_traits(c.loss_type)
+    name = f"loss_type={c.loss_type!r}"
+    out = []
+    if c.importance_sampling_level not in levels:
+        reason = _policy_objective_level_reason(c.loss_type)
+        out.append(f"importance_sampling_level={c.importance_sampling_level!r} with {name}: it takes "
+                   f"{' or '.join(map(repr, levels))} only{f': {reason}' if reason else ''}. Set "
+                   f"importance_sampling_level: {levels[0]}.")
+    if aggregation is not None and c.loss_agg_mode not in (_FIELDS["loss_agg_mode"].default, aggregation):
+        out.append(f"loss_agg_mode={c.loss_agg_mode!r} with {name}, which averages by {aggregation!r} itself; "
+                   f"remove loss_agg_mode, or use loss_type: ppo with loss_agg_mode: {c.loss_agg_mode}.")
+    read_by = {}
+    for other in POLICY_OBJECTIVE_NAME.registry():
+        for option in _policy_objective_traits(other)[3]:
+            read_by.setdefault(option, []).append(other)
+    for option, objectives in read_by.items():
+        value = getattr(c, option)
+        if option != "loss_agg_mode" and option not in options and value != _FIELDS[option].default:
+            out.append(f"{option}={value!r} is not read by {name} (only by {', '.join(objectives)}); remove it.")
+    if sequence_advantages and not _per_sequence_advantages(c.advantage_estimator):
+        out.append(f"{name} reads one advantage per sequence, but advantage_estimator={c.advantage_estimator!r} "
+                   "gives each token its own; use advantage_estimator: grpo, rloo or reinforce_pp_baseline.")
+    if c.top_entropy_quantile < 1 and c.padding_free:
+        out.append(f"top_entropy_quantile={c.top_entropy_quantile} picks tokens by a micro-batch's entropy "
+                   "quantile, and padding_free's packed micro-batches hold other rows than the padded ones; set "
+                   "padding_free: false or top_entropy_quantile: 1.0.")
+    if c.mask_truncated_completions and c.stop_token is None and c.stop_token_id is None:
+        out.append("mask_truncated_completions=True leaves out the responses without the stop token, which is "
+                   "every response without one: set stop_token: eos (or stop_token_id), or remove "
+                   "mask_truncated_completions.")
+    if c.multi_objective_aggregation == "normalize_then_sum":
+        if c.advantage_estimator != "grpo":
+            out.append(f"multi_objective_aggregation='normalize_then_sum' only applies to advantage_estimator: "
+                       f"grpo (this run uses {c.advantage_estimator!r}); remove it.")
+        if c.scale_rewards != "group":
+            out.append(f"scale_rewards={c.scale_rewards!r} plays no part with multi_objective_aggregation="
+                       "'normalize_then_sum' (each reward is normalised in its group, the sum over the batch); "
+                       "remove it.")
+        for penalty in ("missing_eos_penalty", "soft_punish_cache"):
+            if getattr(c, penalty):
+                out.append(f"{penalty}={getattr(c, penalty)!r} adjusts the summed score, which "
+                           "multi_objective_aggregation='normalize_then_sum' does not read (it normalises each "
+                           f"reward); add the penalty as a reward function, or remove {penalty}.")
+    if c.soft_punish_cache >= c.response_length:
+        out.append(f"soft_punish_cache={c.soft_punish_cache} is not below response_length={c.response_length}: "
+                   "the penalty would start at the first token. Set it below response_length (DAPO: a fifth of "
+                   f"it, e.g. {max(c.response_length // 5, 1)}), or 0 for no penalty.")
+    return out
+

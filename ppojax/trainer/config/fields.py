@@ -42,8 +42,8 @@ class Rule:
     registry: Optional[Callable[[], tuple]] = None
 
 
-def at_least(low) -> Rule:
-    return Rule(lambda v: v >= low, f"{{a}} >= {low}")
+def at_least(low, fix: str = "") -> Rule:
+    return Rule(lambda v: v >= low, f"{{a}} >= {low}", fix)
 
 
 def above(low, fix: str = "") -> Rule:

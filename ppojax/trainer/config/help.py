@@ -7,13 +7,41 @@ import dataclasses
 import inspect
 from dataclasses import fields
 
+from ppojax.trainer.config.checks import VALUE_ALIASES
+from ppojax.trainer.config.names import LEGACY_ALIASES
 from ppojax.trainer.config.ppo_config import PPOConfig
+from ppojax.trainer.config.trl_grpo import GMPO_DEFAULTS, TRL_GRPO_DEFAULTS
+
+BETA = ("kl_loss_coef in a TRL GRPOTrainer config (one that sets TRL's loss_type) or with advantage_estimator: "
+        "grpo; kl_coef with advantage_estimator: rloo (TRL's RLOO); refused where the file does not say which")
+TRL_GRPO_READING = (
+    "A config file (or mapping) that sets loss_type to one of TRL's (not ppo) is read as a TRL GRPOTrainer "
+    "config: each key it sets means what it means in TRL 1.12, and the fields it leaves out (under every name) "
+    "take GRPOConfig's defaults where ppojax's differ: {defaults}; with loss_type gmpo, GMPOConfig's {gmpo}. A "
+    "file without TRL's loss_type keeps ppojax's defaults.")
 
 
 def field_help() -> list[tuple[str, str, str]]:
     """(name, default, description) for every field, for `ppojax train --help`."""
     docs = _field_docstrings()
     return [(f.name, repr(f.default), docs.get(f.name, "")) for f in fields(PPOConfig)]
+
+
+def alias_help() -> list[tuple[str, str]]:
+    """(key, what it is read as) for every other library's name of a field (``ppojax train --help`` and
+    docs/configuration.md)."""
+    rows = [(key, field) for key, field in LEGACY_ALIASES.items()] + [("beta", BETA)]
+    for field, spellings in VALUE_ALIASES.items():
+        for spelling, meaning in spellings:
+            rows.append((f"{field}: {spelling!r}", f"{field}: {meaning!r}"))
+    return rows
+
+
+def trl_grpo_reading() -> str:
+    """How a TRL GRPOTrainer config is read, in words (``ppojax.trainer.config.trl_grpo``)."""
+    def listed(values):
+        return ", ".join(f"{field}: {value!r}" for field, value in values.items())
+    return TRL_GRPO_READING.format(defaults=listed(TRL_GRPO_DEFAULTS), gmpo=listed(GMPO_DEFAULTS))
 
 
 def configuration_markdown() -> str:
@@ -33,6 +61,13 @@ def configuration_markdown() -> str:
         on_resume = f.metadata.get("on_resume", "")
         text = docs.get(f.name, "").replace("|", "\\|")
         lines.append(f"| `{f.name}` | `{f.default!r}` | {static} | {on_resume} | {text} |")
+    lines += ["", "## Other libraries' names", "",
+              "Keys of legacy TRL, TRL 1.12's GRPOConfig / RLOOConfig and verl that name a field (or a value) are read",
+              "as that field (two names of one field with different values are refused). The other keys of TRL and",
+              "transformers' `TrainingArguments` are refused with what to set instead.", "",
+              "| key | read as |", "|---|---|"]
+    lines += [f"| `{key}` | {meaning.replace('|', chr(92) + '|')} |" for key, meaning in alias_help()]
+    lines += ["", "### A TRL GRPOTrainer config", "", trl_grpo_reading()]
     return "\n".join(lines) + "\n"
 
 

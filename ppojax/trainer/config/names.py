@@ -9,6 +9,7 @@ from typing import Any
 from ppojax.errors import ConfigError
 from ppojax.trainer.config.checks import _checked_value
 from ppojax.trainer.config.schema import FIELD_NAMES
+from ppojax.trainer.config.trl_grpo import GRPO_FOREIGN_KEYS, read_trl_names
 
 # Legacy (TRL <= 0.11) and TRL-alternative names -> ppojax's field names.
 LEGACY_ALIASES = {
@@ -33,6 +34,8 @@ LEGACY_ALIASES = {
     "clip_ratio_c": "dual_clip_c",         # verl
     "delta": "dual_clip_c",                # TRL GRPO's two-sided clipping bound
     "adv_estimator": "advantage_estimator",  # verl
+    "num_iterations": "num_ppo_epochs",    # TRL GRPO / RLOO's mu
+    "max_completion_length": "response_length",  # TRL GRPO / RLOO
 }
 
 
@@ -64,9 +67,8 @@ FOREIGN_KEYS: dict[str, str] = {
     **_same("ppojax does not use accelerate; report_to picks the metric sinks",
             "tracker_kwargs", "accelerator_kwargs", "project_kwargs", "accelerator_config"),
     "beta": "TRL's GRPO beta is the KL IN THE LOSS: kl_loss_coef; TRL's RLOO/PPO beta is the KL in the reward: "
-            "kl_coef. Set the one you mean",
-    "loss_type": "set loss_agg_mode: TRL's GRPO 'grpo' is 'seq-mean-token-mean', 'bnpo' and 'dapo' are "
-                 "'token-mean', 'dr_grpo' is 'seq-mean-token-sum-norm'",
+            "kl_coef. Set the one you mean (beta is read as the first in a file that sets TRL's loss_type or "
+            "advantage_estimator: grpo, as the second with advantage_estimator: rloo)",
     "logging_dir": "logs are written under output_dir (metrics.jsonl, tensorboard/); set output_dir",
     "logging_strategy": "use logging_steps (log every N updates)",
     **_same("no such knob: ppojax logs on process 0 every logging_steps updates",
@@ -139,6 +141,7 @@ FOREIGN_KEYS: dict[str, str] = {
             "trackio_bucket_id", "trackio_static_space_id", "past_index", "ray_scope", "mp_parameters",
             "tpu_metrics_debug", "dispatch_batches", "split_batches", "task_name", "compare_steps", "tracker",
             "hub_private", "use_legacy_prediction_loop"),
+    **GRPO_FOREIGN_KEYS,
 }
 """Keys of TRL's PPOConfig (1.12 and legacy) and transformers' TrainingArguments that are not ppojax fields:
 what to set instead, or why ppojax has no such knob."""
@@ -153,13 +156,14 @@ def _unknown_key_line(key) -> str:
 
 
 def normalise_keys(values: dict[str, Any]) -> dict[str, Any]:
-    """Map legacy names to fields, derive num_mini_batches from a legacy mini_batch_size, and refuse unknown
-    keys (all of them in one message, each with its replacement or closest valid name)."""
+    """Map legacy names to fields, read a TRL GRPOTrainer config as one (``trl_grpo.read_trl_names``), derive
+    num_mini_batches from a legacy mini_batch_size, and refuse unknown keys (all of them in one message, each with
+    its replacement or closest valid name)."""
     known = set(FIELD_NAMES)
     out: dict[str, Any] = {}
-    values = dict(values)
+    values, aliases = read_trl_names(values, LEGACY_ALIASES)
     mini_batch_size = values.pop("mini_batch_size", None)
-    unknown = [key for key in values if LEGACY_ALIASES.get(key, key) not in known]
+    unknown = [key for key in values if aliases.get(key, key) not in known]
     if unknown:
         lines = [_unknown_key_line(key) for key in unknown]
         head = (f"Unknown config key {lines[0]}" if len(lines) == 1
@@ -167,7 +171,7 @@ def normalise_keys(values: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"{head}\n`ppojax train --help` lists every field.")
     given_as: dict[str, str] = {}
     for key, value in values.items():
-        name = LEGACY_ALIASES.get(key, key)
+        name = aliases.get(key, key)
         if name in out and out[name] != value:
             raise ConfigError(f"{given_as[name]}={out[name]!r} and {key}={value!r} both set {name!r} (one is its "
                               "legacy name); keep one of them.")

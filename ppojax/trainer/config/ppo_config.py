@@ -13,7 +13,8 @@ from typing import Any, Optional
 import yaml
 
 from ppojax.errors import ConfigError
-from ppojax.trainer.config.checks import _checked_value, _estimator_problems, _problems_together, _registry_problems
+from ppojax.trainer.config.checks import (_checked_value, _dynamic_sampling_problems, _estimator_problems,
+                                          _objective_problems, _problems_together, _registry_problems)
 from ppojax.trainer.config.names import normalise_keys
 from ppojax.trainer.config.schema import FIELD_NAMES, STATIC_FIELDS, Settings, StaticSettings
 from ppojax.trainer.config.sections.run import REPORT_SINKS
@@ -79,12 +80,33 @@ class PPOConfig(Settings):
             raise ConfigError(
                 f"batch_size={batch} (samples) does not split into num_generations={groups} samples of each "
                 f"prompt{per_device}; make batch_size a multiple of {groups * data_parallel_size}.")
-        if self.rollout_slots > batch and (mesh_known or self.batch_size is not None):
+        per_round = self._prompts_per_round(batch // groups, data_parallel_size)
+        sampled, what = ((per_round * groups, "rows a generation round (gen_batch_size x num_generations)")
+                         if self.filter_groups else (batch, "rows (batch_size) a rollout"))
+        if self.rollout_slots > sampled and (mesh_known or self.batch_size is not None):
             raise ConfigError(
-                f"rollout_slots={self.rollout_slots} is more than the {batch} rows (batch_size) a rollout samples; "
-                f"set rollout_slots to at most {batch} (0: decode all rows together).")
+                f"rollout_slots={self.rollout_slots} is more than the {sampled} {what} samples; "
+                f"set rollout_slots to at most {sampled} (0: decode all rows together).")
         return DerivedSizes(batch_size=batch, mini_batch_size=mini, micro_batch_size=micro,
-                            prompts_per_batch=batch // groups)
+                            prompts_per_batch=batch // groups, prompts_per_round=per_round)
+
+    def _prompts_per_round(self, prompts_per_batch: int, data_parallel_size: int) -> int:
+        """The prompts a generation round samples: gen_batch_size with filter_groups (checked to split over the
+        data-parallel devices and to be able to fill the batch), else the batch's."""
+        if not self.filter_groups:
+            return prompts_per_batch
+        per_round = self.gen_batch_size or prompts_per_batch
+        if per_round % data_parallel_size:
+            raise ConfigError(
+                f"gen_batch_size={per_round} prompts do not split over {data_parallel_size} data-parallel devices "
+                f"(each device samples whole groups); make gen_batch_size a multiple of {data_parallel_size}.")
+        if per_round * self.max_num_gen_batches < prompts_per_batch:
+            raise ConfigError(
+                f"max_num_gen_batches={self.max_num_gen_batches} rounds of gen_batch_size={per_round} prompts can "
+                f"never fill an update's {prompts_per_batch} prompts (batch_size / num_generations); raise "
+                f"gen_batch_size to at least {-(-prompts_per_batch // self.max_num_gen_batches)} or "
+                "max_num_gen_batches.")
+        return per_round
 
     def num_updates(self, dataset_size: int, data_parallel_size: int = 1) -> int:
         episodes = self.total_episodes
@@ -108,7 +130,7 @@ class PPOConfig(Settings):
         if not problems:  # a registered name's message lists the registry: only once the rest is right
             problems += [str(err) for err in _registry_problems(self)]
         if not problems:
-            problems += _estimator_problems(self)
+            problems += _estimator_problems(self) + _objective_problems(self) + _dynamic_sampling_problems(self)
         if len(problems) == 1:
             raise ConfigError(problems[0])
         if problems:
@@ -170,3 +192,4 @@ class DerivedSizes:
     mini_batch_size: int
     micro_batch_size: int
     prompts_per_batch: int  # batch_size / num_generations
+    prompts_per_round: int  # prompts a generation round samples: gen_batch_size with filter_groups, else the batch's
