@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from ppojax.rl.dynamic_sampling import Round, select_groups, selection_metrics
 from ppojax.trainer.config import ConfigError, PPOConfig
@@ -214,7 +215,6 @@ def steady_on_even_endings(queries, responses):
 def program_with_dynamic_sampling(mesh=None, data_parallel=1):
     """A critic-free GRPO program with dynamic sampling (3 rounds of 4 prompts x 4 samples for 4 groups) and a
     traced reward, on ``mesh`` (None: one device)."""
-    from flax import nnx
 
     from ppojax.models import CausalLM
     from ppojax.rl.actor_critic import ActorCritic
@@ -235,7 +235,6 @@ def program_with_dynamic_sampling(mesh=None, data_parallel=1):
 
 
 def critic_free_state(program, seed=0, learning_rate=1e-2):
-    from flax import nnx
 
     from ppojax.models import CausalLM
     from ppojax.rl.settings import Hyperparams

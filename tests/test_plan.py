@@ -115,7 +115,6 @@ def test_a_grouped_estimators_program_gets_one_prompt_per_group(tiny_model):
 def test_a_dynamic_sampling_program_is_planned_with_its_rounds_prompts(tiny_model):
     """filter_groups: the step reads max_num_gen_batches rounds of gen_batch_size prompts; it compiles, the rounds
     judged by the reward filter_groups_metric names (the plan's stand-in reward model takes that name)."""
-    import jax
 
     from ppojax import parallel
     from ppojax.trainer.config import PPOConfig
