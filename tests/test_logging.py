@@ -455,7 +455,7 @@ def test_the_whole_flow_and_a_rerun_of_a_finished_run(tmp_path, capsys):
                     if step % 2 == 0:
                         logger.checkpoint_saved(step)
                 logger.log_samples(4, ["p"], ["c"], [0.5])
-                logger.plot(held_out_before=0.1, held_out_after=0.4)
+                logger.plot(held_out=[(0, 0.1), (4, 0.4)])
                 logger.write_summary({"final_kl": float("nan"), "held_out_after": 0.4})
             claim.mark_finished()
             return "trained"

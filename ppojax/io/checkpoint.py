@@ -53,7 +53,7 @@ from ppojax.errors import CheckpointError
 from ppojax.io import file_manifest
 from ppojax.io.durable import fsync_path, fsync_tree
 from ppojax.io.host_state_json import config_as_dict, decode_host_state, encode_host_state
-from ppojax.io.orbax_failures import quiet_orbax, wait_for_abandoned_writes
+from ppojax.io.orbax_failures import finalize_abandoned_work, quiet_orbax, wait_for_abandoned_writes
 
 __all__ = ["CheckpointError", "RunCheckpoints", "save_checkpoint", "verify_checkpoint", "latest_checkpoint",
            "resolve_checkpoint", "list_checkpoints", "read_checkpoint_config", "restore_checkpoint",
@@ -352,6 +352,7 @@ class RunCheckpoints:
             except Exception:  # the save's own error again
                 pass
         wait_for_abandoned_writes()
+        finalize_abandoned_work(err)
         self._saving = None
         if _is_primary():
             for debris in self.directory.glob(f"step_{step}.*"):

@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import threading
+import traceback
 
 import tensorstore as ts  # orbax-checkpoint's storage layer (its dependency)
 
@@ -36,6 +37,18 @@ def wait_for_abandoned_writes(timeout: float = 300.0) -> None:
             pending.exception(timeout=timeout)
         except Exception:  # a timeout, or the write's own failure (orbax reported the first)
             pass
+
+
+def finalize_abandoned_work(error: BaseException) -> None:
+    """Free what the frames of ``error``'s traceback (and those of the errors it was raised from or during) hold,
+    and collect it now: orbax's abandoned coroutines and futures are reported while the run still keeps the
+    libraries' output, not at interpreter exit, where Python's report of them would reach the terminal."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
+    gc.collect()
 
 
 def _raised_in_orbax(error) -> bool:
