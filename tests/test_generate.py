@@ -17,7 +17,7 @@ from flax import nnx  # noqa: E402
 from ppojax.rl.forward import sequence_inputs  # noqa: E402
 from ppojax.backends.cpu.kernels import _first_index_of_top, first_argmax  # noqa: E402
 from ppojax.models.kernels import XLA  # noqa: E402
-from ppojax.rl.sampler import generate_jit, process_logits, sample_logits  # noqa: E402
+from ppojax.rl.sampler import generate, generate_jit, process_logits, sample_logits  # noqa: E402
 from ppojax.models import load_pretrained  # noqa: E402
 
 torch.set_num_threads(1)
@@ -349,3 +349,31 @@ def test_later_decode_segments_run_no_step_once_every_row_is_done(tiny_llama):
     generate_jit(graphdef, params, prompts, jax.random.key(0), stop_token_id=stop, **kwargs)
     jax.effects_barrier()
     assert len(_CountingLM.calls) == end + 1  # prefill + `end` decode steps in the first segment, none after
+
+
+def test_one_prefill_per_group_samples_what_g_prefills_sample(tiny):
+    """GRPO/RLOO's G samples of a prompt: the prompt prefilled once and its keys and values repeated for its G
+    rows (``group_size``) gives the same tokens, log-probs and stops as the repeated prompts prefilled row by row,
+    and the prefill's work is the unique prompts': its program's FLOPs fall by about G."""
+    kind, _, _, graphdef, params = tiny
+    G = 3
+    kwargs = dict(response_length=R, pad_token_id=PAD, temperature=1.0, return_logprobs=True)
+    prompts = jnp.asarray(PROMPTS)
+    repeated = jnp.repeat(prompts, G, axis=0)
+    rows, rows_logprobs = generate_jit(graphdef, params, repeated, jax.random.key(7), **kwargs)
+    grouped, grouped_logprobs = generate_jit(graphdef, params, prompts, jax.random.key(7), group_size=G, **kwargs)
+    assert grouped.shape == (G * len(PROMPTS), R)
+    np.testing.assert_array_equal(np.asarray(grouped), np.asarray(rows), err_msg=kind)
+    np.testing.assert_allclose(np.asarray(grouped_logprobs), np.asarray(rows_logprobs), atol=1e-5, err_msg=kind)
+    assert len({tuple(r) for r in np.asarray(grouped)[:G]}) > 1  # a group's rows draw their own tokens
+    stop = int(np.asarray(rows)[1, 2])
+    stopped = generate_jit(graphdef, params, prompts, jax.random.key(7), stop_token_id=stop, group_size=G,
+                           **kwargs)[0]
+    assert_stopped_after_the_stop_token(rows, stopped, stop)
+
+    def prefill_flops(prompt_ids, group_size):  # the prefill alone: a response of one token
+        compiled = jax.jit(lambda p: generate(graphdef, params, p, jax.random.key(0), response_length=1,
+                                              pad_token_id=PAD, group_size=group_size)).lower(prompt_ids).compile()
+        return compiled.cost_analysis()["flops"]
+
+    assert prefill_flops(prompts, G) < 0.4 * prefill_flops(repeated, 1)  # G = 3: about a third

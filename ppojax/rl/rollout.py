@@ -42,23 +42,27 @@ def sample(program, state, prompts, key):
     prompts: i32[B / G, P] (token ids) -> (query_responses i32[B, P+R] (untruncated responses; pad after the stop
     token), the sampler's log-probs f32[B, R] when ``behaviour_logprobs: sampler`` takes them from the decode loop, else
     None). Each prompt is sampled ``G = num_generations`` times, its samples on consecutive rows (the groups of
-    ``ppojax.core.advantages``). On a mesh the rows stay split over the batch axes in order, so a group never
-    straddles two data-parallel shards when each shard's prompt count is whole (``PPOConfig.derived`` checks it).
+    ``ppojax.core.advantages``); each prompt is prefilled once for its G samples (``generate``'s ``group_size``;
+    with continuous batching, ``rollout_slots``, once per row). On a mesh the rows stay split over the batch axes
+    in order, so a group never straddles two data-parallel shards when each shard's prompt count is whole
+    (``PPOConfig.derived`` checks it).
     """
     sampling = program.settings.sampling
-    if sampling.num_generations > 1:
-        prompts = jnp.repeat(prompts, sampling.num_generations, axis=0)
+    group_size = sampling.num_generations
+    if group_size > 1 and sampling.rollout_slots:
+        prompts, group_size = jnp.repeat(prompts, group_size, axis=0), 1
     graphdef, weights = program.actor_critic.sampling_policy(state.params, state.frozen)
     keep_logprobs = sampling.behaviour_logprobs == "sampler"
     out = _sample_policy(graphdef, weights, prompts, key, sampling, sampling.temperature, mesh=program.mesh,
-                         return_logprobs=keep_logprobs)
+                         return_logprobs=keep_logprobs, group_size=group_size)
     return out if keep_logprobs else (out, None)
 
 
 def _sample_policy(policy_graphdef, policy_params, queries, key, sampling, temperature, *, greedy=False, mesh=None,
-                   return_logprobs=False):
-    """queries i32[B, P] -> query_responses i32[B, P+R] (and the sampled tokens' log-probs f32[B, R] with
-    ``return_logprobs``). ``sampling.rollout_slots`` > 0 decodes with continuous batching (the same tokens). On a
+                   return_logprobs=False, group_size=1):
+    """queries i32[B / G, P] -> query_responses i32[B, P+R] (and the sampled tokens' log-probs f32[B, R] with
+    ``return_logprobs``): each query sampled G = ``group_size`` times (its rows consecutive; continuous batching
+    takes G = 1). ``sampling.rollout_slots`` > 0 decodes with continuous batching (the same tokens). On a
     mesh, the weights are read under ``GENERATE_RULES`` (gathered over fsdp once for the whole decode loop) and
     the KV cache is sharded by rows."""
     init_cache_fn = None
@@ -67,13 +71,14 @@ def _sample_policy(policy_graphdef, policy_params, queries, key, sampling, tempe
         policy_params = jax.lax.with_sharding_constraint(
             policy_params, parallel.param_shardings(policy_params, mesh, parallel.GENERATE_RULES))
         init_cache_fn = placement.make_init_cache_fn(mesh)
-    decode = functools.partial(generate, segments=sampling.decode_segments)
+    decode = functools.partial(generate, segments=sampling.decode_segments, group_size=group_size)
     if sampling.rollout_slots:  # continuous batching: S slots refilled from the waiting rows
         decode = functools.partial(generate_continuous, slots=sampling.rollout_slots)
     responses = decode(policy_graphdef, policy_params, queries, key, response_length=sampling.response_length,
                        pad_token_id=sampling.pad_token_id, temperature=temperature, top_k=sampling.top_k,
                        top_p=sampling.top_p, greedy=greedy, stop_token_id=sampling.stop_token_id,
                        init_cache_fn=init_cache_fn, return_logprobs=return_logprobs)
+    queries = jnp.repeat(queries, group_size, axis=0) if group_size > 1 else queries
     if return_logprobs:
         responses, logprobs = responses
         return jnp.concatenate([queries.astype(jnp.int32), responses], axis=1), logprobs

@@ -173,7 +173,7 @@ def decode_segments(prompt_length: int, response_length: int, segments: int,
 
 def generate(graphdef, params, prompt_ids, key, *, response_length, pad_token_id, temperature=1.0,
              top_k=0, top_p=1.0, greedy=False, stop_token_id=None, cache_dtype=None, init_cache_fn=None,
-             return_logprobs=False, segments=1, slot_alignment=SLOT_ALIGNMENT):
+             return_logprobs=False, segments=1, slot_alignment=SLOT_ALIGNMENT, group_size=1):
     """Sample ``response_length`` tokens after each left-padded prompt. Pure; call it under jit.
 
     graphdef, params: ``nnx.split(causal_lm)``; the model is merged inside, so ``params`` may be traced.
@@ -186,11 +186,14 @@ def generate(graphdef, params, prompt_ids, key, *, response_length, pad_token_id
     return_logprobs (also return each sampled token's log-prob, :func:`token_logprobs` of the step's logits),
     segments (the decode loop as that many loops, each reading only the cache slots filled by its end:
     :func:`decode_segments`; each is its own compiled loop body), slot_alignment (what the slots read are rounded
-    up to: ``SLOT_ALIGNMENT``).
+    up to: ``SLOT_ALIGNMENT``), group_size G (each prompt sampled G times, its samples on consecutive rows:
+    ``prompt_ids`` is i32[B / G, P] and the result has B rows, as ``jnp.repeat(prompt_ids, G, axis=0)`` would
+    give; each prompt is prefilled ONCE and its keys and values serve its G rows).
     Returns responses: i32[B, R]; after a stop token every position holds ``pad_token_id``. With
     ``return_logprobs``: (responses, logprobs f32[B, R]); logprobs after a row's stop token are meaningless.
     """
-    batch, prompt_length = prompt_ids.shape
+    prompts, prompt_length = prompt_ids.shape
+    batch = prompts * group_size
     if response_length < 1:
         raise ValueError(f"response_length={response_length}; expected >= 1")
     model = nnx.merge(graphdef, params)
@@ -200,14 +203,18 @@ def generate(graphdef, params, prompt_ids, key, *, response_length, pad_token_id
     init_cache_fn = init_cache_fn or _init_cache
     pad = jnp.asarray(pad_token_id, jnp.int32)
 
-    # Prefill: the whole prompt in one call, then the next-token logits of its last position.
-    cache = init_cache_fn(model, batch, prompt_length + response_length,
-                          _cache_dtype(model, params, cache_dtype))
+    # Prefill: the whole prompt in one call, then the next-token logits of its last position; once per prompt, its
+    # cache and logits then repeated for its group's rows
+    dtype = _cache_dtype(model, params, cache_dtype)
+    cache = init_cache_fn(model, prompts, prompt_length + response_length, dtype)
     input_ids, attention_mask, position_ids = sequence_inputs(prompt_ids, pad_token_id)
     # the prefill reads (and attends over) the prompt's own slots only
     prefill_reads = prefill_slots(prompt_length, cache.max_length, slot_alignment)
     hidden, cache = model(input_ids, attention_mask, position_ids, cache=cache.replace(read_length=prefill_reads))
     logits = model.logits(hidden[:, -1:])[:, 0]
+    if group_size > 1:
+        cache = _rows_repeated(cache, group_size, init_cache_fn(model, batch, cache.max_length, dtype))
+        logits, attention_mask = (jnp.repeat(x, group_size, axis=0) for x in (logits, attention_mask))
     token = sample(logits, row_keys(key, 0, rows))
     done = jnp.zeros((batch,), bool)
     if stop_token_id is not None:
@@ -247,6 +254,18 @@ def generate(graphdef, params, prompt_ids, key, *, response_length, pad_token_id
     return (responses, logprobs) if return_logprobs else responses
 
 
+def _rows_repeated(cache, group_size: int, empty):
+    """``cache`` (a prefilled KVCache of B / G rows) with each row repeated G times, written into ``empty`` (a
+    cache of B rows as ``init_cache_fn`` makes it: its placement on a mesh) -> B rows, each prompt's rows
+    consecutive."""
+    def fill(into, rows, batch_axis):
+        return jax.lax.dynamic_update_slice(into, jnp.repeat(rows, group_size, axis=batch_axis),
+                                            (0,) * into.ndim)
+
+    return empty.replace(keys=fill(empty.keys, cache.keys, 1), values=fill(empty.values, cache.values, 1),
+                         key_mask=fill(empty.key_mask, cache.key_mask, 0), index=cache.index)
+
+
 def decode_step(graphdef, params, cache, token, position, pad_token_id):
     """One step of the decode loop: each row's last token through the model against its KV cache.
 
@@ -261,7 +280,7 @@ def decode_step(graphdef, params, cache, token, position, pad_token_id):
 
 
 GENERATE_STATIC = ("graphdef", "response_length", "pad_token_id", "top_k", "top_p", "greedy", "stop_token_id",
-                   "cache_dtype", "init_cache_fn", "return_logprobs", "segments", "slot_alignment")
+                   "cache_dtype", "init_cache_fn", "return_logprobs", "segments", "slot_alignment", "group_size")
 
 #: ``generate`` compiled: one program per (graphdef, prompt shape, static options); params, prompts, key and
 #: ``temperature`` are traced (sampling at another temperature does not recompile).
