@@ -25,7 +25,7 @@ import logging
 import sys
 import warnings
 from pathlib import Path
-from typing import Iterator
+from typing import Optional, Iterator
 
 LOG_FILE = "libraries.log"
 
@@ -86,7 +86,12 @@ class _Router(logging.Handler):
 
 def collecting() -> bool:
     """Whether a run is keeping the libraries' output in its file now (:func:`library_output_to`)."""
-    return any(isinstance(handler, _Router) for handler in logging.getLogger().handlers)
+    return collection() is not None
+
+
+def collection() -> Optional[int]:
+    """An id of the file the libraries' output goes to now (one per :func:`library_output_to`), None when none."""
+    return next((id(handler) for handler in logging.getLogger().handlers if isinstance(handler, _Router)), None)
 
 
 def _writes_to_a_stream(handler: logging.Handler) -> bool:

@@ -18,7 +18,7 @@ import traceback
 
 import tensorstore as ts  # orbax-checkpoint's storage layer (its dependency)
 
-from ppojax.io.library_logs import collecting
+from ppojax.io.library_logs import collecting, collection
 
 _ORBAX_DIR = f"{os.sep}orbax{os.sep}"
 _ORBAX_TMP = ".orbax-checkpoint-tmp"  # where orbax writes a save: named in tensorstore's errors of its writes
@@ -69,14 +69,22 @@ def _raised_in_orbax(error) -> bool:
 
 
 class _OrbaxFailureReports(logging.Filter):
-    """While a run collects the libraries' output: everything; otherwise orbax's errors and asyncio's reports of
-    its abandoned work are dropped."""
+    """While a run collects the libraries' output: everything, orbax's reports of its abandoned work once per kind
+    (each abandoned array write reports the same failure); otherwise orbax's errors and asyncio's reports of its
+    abandoned work are dropped."""
+
+    def __init__(self, first_of_kind):
+        super().__init__()
+        self._first_of_kind = first_of_kind
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.ERROR or collecting():
+        if record.levelno < logging.ERROR:
             return True
         error = record.exc_info[1] if record.exc_info else None
-        return _ORBAX_DIR not in record.pathname and not _raised_in_orbax(error)
+        from_orbax = _ORBAX_DIR in record.pathname or _raised_in_orbax(error)
+        if not collecting():
+            return not from_orbax
+        return not from_orbax or self._first_of_kind((record.name, str(record.msg).split("\n", 1)[0], type(error)))
 
 
 def _is_orbax_noise(unraisable) -> bool:
@@ -93,14 +101,23 @@ def quiet_orbax() -> None:
     previous = sys.unraisablehook
     if getattr(previous, "ppojax_orbax_filter", False):
         return
+    seen = set()
+
+    def first_of_kind(kind) -> bool:  # in the file the libraries' output goes to now
+        kind = (collection(), *kind)
+        if kind in seen:
+            return False
+        seen.add(kind)
+        return True
+
     for name in ("absl", "asyncio"):
-        logging.getLogger(name).addFilter(_OrbaxFailureReports())
+        logging.getLogger(name).addFilter(_OrbaxFailureReports(first_of_kind))
     unraisable_log = logging.getLogger("orbax.unraisable")
 
     def hook(unraisable):
         if not _is_orbax_noise(unraisable):
             previous(unraisable)
-        elif collecting():
+        elif collecting() and first_of_kind((unraisable.err_msg, unraisable.exc_type, str(unraisable.exc_value))):
             unraisable_log.error("%s: %r", unraisable.err_msg or "Exception ignored in", unraisable.object,
                                  exc_info=(unraisable.exc_type, unraisable.exc_value, unraisable.exc_traceback))
 
