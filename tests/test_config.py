@@ -147,7 +147,11 @@ def test_derived_sets_are_what_the_fields_declare():
         "use_bias_correction_kl", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos",
         "vespo_k_neg", "vespo_lambda_neg", "multi_objective_aggregation", "soft_punish_cache",
         # dynamic sampling (issue 61)
-        "filter_groups", "max_num_gen_batches", "filter_groups_metric"}
+        "filter_groups", "max_num_gen_batches", "filter_groups_metric",
+        # the off-policy corrections (issue 62)
+        "vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
+        "vllm_importance_sampling_clip_min", "off_policy_mask_threshold", "use_decoupled_loss",
+        "behav_imp_weight_cap"}
     # the three classes partition the fields (what a resume compares is read from them alone)
     assert not (C.MUST_MATCH_FIELDS & C.IGNORED_ON_RESUME_FIELDS or C.MUST_MATCH_FIELDS & C.MAY_CHANGE_FIELDS
                 or C.IGNORED_ON_RESUME_FIELDS & C.MAY_CHANGE_FIELDS)

@@ -37,6 +37,8 @@ class Exp(NamedTuple):
     num_eos_tokens: jnp.ndarray = None
     full_kl: jnp.ndarray = None
     trained: jnp.ndarray = None  # every row trains (no dynamic sampling)
+    proximal_logprobs: jnp.ndarray = None  # logprobs are the ratio's denominator (no off-policy weights)
+    policy_versions: jnp.ndarray = None
 
 
 def settings_for(num_updates=1, **config):

@@ -13,6 +13,9 @@ from ppojax.core.masks import (INVALID_LOGPROB, ResponseMasks, contains_stop_tok
 from ppojax.core.objectives import (IMPORTANCE_SAMPLING_LEVELS, ObjectiveInputs, ObjectiveParams, ObjectiveTerms,
                                     PolicyObjective, PolicyTerm, policy_objective, policy_objective_names,
                                     policy_term, register_policy_objective)
+from ppojax.core.offpolicy import (IMPORTANCE_SAMPLING_MODES, ImportanceWeights, behaviour_log_ratio,
+                                   decoupled_weights, importance_weight_metrics, importance_weights,
+                                   off_policy_sequence_mask, sequence_log_ratio, staleness_metrics)
 from ppojax.core.overlong import soft_overlong_punishment
 from ppojax.core.metrics import LOSS_METRIC_NAMES, UPDATE_METRIC_NAMES, rollout_metrics
 from ppojax.core.shaping import (SCORE_POSITIONS, ShapedRewards, apply_missing_eos_penalty, score_index,
@@ -40,6 +43,10 @@ __all__ = [
     "IMPORTANCE_SAMPLING_LEVELS", "ObjectiveInputs", "ObjectiveParams", "ObjectiveTerms", "PolicyObjective",
     "PolicyTerm", "policy_objective", "policy_objective_names", "policy_term", "register_policy_objective",
     "soft_overlong_punishment",
+    # off-policy corrections
+    "IMPORTANCE_SAMPLING_MODES", "ImportanceWeights", "behaviour_log_ratio", "decoupled_weights",
+    "importance_weight_metrics", "importance_weights", "off_policy_sequence_mask", "sequence_log_ratio",
+    "staleness_metrics",
     # metrics
     "LOSS_METRIC_NAMES", "UPDATE_METRIC_NAMES", "rollout_metrics",
     # shaping

@@ -55,7 +55,10 @@ def rows_only(batch, selected):
     off = ~selected[:, None]
     logprobs = jnp.where(off, INVALID_LOGPROB, batch.logprobs)
     ref = None if batch.ref_logprobs is None else jnp.where(off, INVALID_LOGPROB, batch.ref_logprobs)
-    return batch._replace(logprobs=logprobs, ref_logprobs=ref, advantages=jnp.where(off, 0.0, batch.advantages),
+    behaviour = (None if batch.behaviour_logprobs is None
+                 else jnp.where(off, INVALID_LOGPROB, batch.behaviour_logprobs))
+    return batch._replace(logprobs=logprobs, ref_logprobs=ref, behaviour_logprobs=behaviour,
+                          advantages=jnp.where(off, 0.0, batch.advantages),
                           padding_mask=batch.padding_mask | off, padding_mask_p1=batch.padding_mask_p1 | off)
 
 

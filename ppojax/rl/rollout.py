@@ -110,8 +110,11 @@ def experience_forwards(program, state, query_responses, prompt_length, sampler_
     """Truncate, masks, behaviour/reference log-probs, values (and the full KL when the estimator needs it).
 
     query_responses: i32[B, P+R]. sampler_logprobs: f32[B, R] from :func:`sample`, used as the
-    behaviour log-probs (None: the policy forward computes them). The returned Experience's ``scores`` are
-    zeros: :func:`with_scores` sets them.
+    behaviour log-probs (None: the policy forward computes them). When the loss weighs the behaviour policy
+    against the proximal one (``AlgorithmSettings.weighs_behaviour``), the policy forward runs anyway and its
+    log-probs are the experience's ``proximal_logprobs`` (with no sampler's log-probs, the same numbers as
+    ``logprobs``). Every token's policy version is the state's ``update_count``. The returned Experience's
+    ``scores`` are zeros: :func:`with_scores` sets them.
     """
     sampling, batch, P = program.settings.sampling, program.settings.batch, prompt_length
     pad = sampling.pad_token_id
@@ -119,6 +122,10 @@ def experience_forwards(program, state, query_responses, prompt_length, sampler_
     responses = truncate_response(raw_responses, sampling.stop_token_id, pad)
     masks = response_masks(responses, pad)
     with_full_kl = program.kl_estimator.needs_full_distribution
+    proximal_wanted = program.settings.algorithm.weighs_behaviour
+    behaviour = sampler_logprobs
+    if proximal_wanted:  # the policy forward runs: its log-probs are pi_prox
+        sampler_logprobs = None
     if batch.padding_free:  # the same numbers where the rollout keeps them, on packed rows
         rows_per_micro, chunk = rollout_packed_shape(batch, query_responses.shape[1])
         logprobs, ref_logprobs, values, full_kl = packed_rollout_forwards(
@@ -133,6 +140,10 @@ def experience_forwards(program, state, query_responses, prompt_length, sampler_
             with_full_kl=with_full_kl, behaviour_logprobs=sampler_logprobs)
     num_eos = (jnp.sum(raw_responses == sampling.eos_token_id).astype(jnp.int32)
                if sampling.eos_token_id is not None else jnp.zeros((), jnp.int32))
+    proximal = None
+    if proximal_wanted:  # pi_prox: the forward's; pi_behav: the sampler's when it gave them
+        proximal = jnp.where(masks.padding_mask, INVALID_LOGPROB, logprobs)
+        logprobs = logprobs if behaviour is None else behaviour.astype(jnp.float32)
     return Experience(
         queries=queries,
         query_responses=query_responses,
@@ -147,6 +158,8 @@ def experience_forwards(program, state, query_responses, prompt_length, sampler_
         contains_stop=contains_stop_token(responses, sampling.stop_token_id),
         num_eos_tokens=num_eos,
         full_kl=None if full_kl is None else jnp.where(masks.padding_mask, 0.0, full_kl),
+        proximal_logprobs=proximal,
+        policy_versions=jnp.full(responses.shape, state.update_count, jnp.int32),
     )
 
 

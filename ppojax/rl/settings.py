@@ -80,7 +80,11 @@ class AlgorithmSettings:
     The policy objective (``ppojax.core.objectives``): ``loss_type`` and its options, TRL GRPOConfig's names
     (importance_sampling_level, top_entropy_quantile, use_bias_correction_kl, mask_truncated_completions, the
     sapo_* and vespo_* parameters); multi_objective_aggregation (grpo's) and soft_punish_cache (DAPO's overlong
-    penalty on the scores, 0: off)."""
+    penalty on the scores, 0: off).
+
+    The off-policy corrections (``ppojax.core.offpolicy``; docs/algorithm.md, "Off-policy corrections"): TRL's
+    vllm_importance_sampling_correction with its mode and bounds and off_policy_mask_threshold, AReaL's
+    use_decoupled_loss with behav_imp_weight_cap."""
 
     advantage_estimator: str = "gae"
     gamma: float = 1.0
@@ -116,6 +120,19 @@ class AlgorithmSettings:
     vespo_lambda_pos: float = 3.0
     vespo_k_neg: float = 3.0
     vespo_lambda_neg: float = 2.0
+    vllm_importance_sampling_correction: bool = False
+    vllm_importance_sampling_mode: str = "sequence_mask"
+    vllm_importance_sampling_clip_max: Optional[float] = 3.0
+    vllm_importance_sampling_clip_min: Optional[float] = None
+    off_policy_mask_threshold: Optional[float] = None
+    use_decoupled_loss: bool = False
+    behav_imp_weight_cap: Optional[float] = None
+
+    @property
+    def weighs_behaviour(self) -> bool:
+        """Whether the loss weighs each token by sg(pi_prox / pi_behav), the rollout then keeping the training
+        policy's forward (the proximal log-probs) beside the sampler's (the behaviour ones)."""
+        return self.vllm_importance_sampling_correction or self.use_decoupled_loss
 
     @property
     def processes_scores(self) -> bool:
@@ -128,7 +145,8 @@ class AlgorithmSettings:
         rather than the clipped surrogate of ``ppojax.core.losses.policy_loss`` (``loss_type: ppo`` with none of
         the objective options: the same numbers)."""
         return (self.loss_type != "ppo" or self.importance_sampling_level != "token"
-                or self.top_entropy_quantile < 1.0 or self.use_bias_correction_kl)
+                or self.top_entropy_quantile < 1.0 or self.use_bias_correction_kl or self.weighs_behaviour
+                or self.off_policy_mask_threshold is not None)
 
 
 @dataclass(frozen=True)
@@ -241,7 +259,13 @@ class StepSettings:
             multi_objective_aggregation=c.multi_objective_aggregation, soft_punish_cache=c.soft_punish_cache,
             sapo_temperature_pos=c.sapo_temperature_pos, sapo_temperature_neg=c.sapo_temperature_neg,
             vespo_k_pos=c.vespo_k_pos, vespo_lambda_pos=c.vespo_lambda_pos, vespo_k_neg=c.vespo_k_neg,
-            vespo_lambda_neg=c.vespo_lambda_neg)
+            vespo_lambda_neg=c.vespo_lambda_neg,
+            vllm_importance_sampling_correction=c.vllm_importance_sampling_correction,
+            vllm_importance_sampling_mode=c.vllm_importance_sampling_mode,
+            vllm_importance_sampling_clip_max=c.vllm_importance_sampling_clip_max,
+            vllm_importance_sampling_clip_min=c.vllm_importance_sampling_clip_min,
+            off_policy_mask_threshold=c.off_policy_mask_threshold, use_decoupled_loss=c.use_decoupled_loss,
+            behav_imp_weight_cap=c.behav_imp_weight_cap)
         optim = OptimSettings(
             num_ppo_epochs=c.num_ppo_epochs, num_mini_batches=c.num_mini_batches,
             gradient_accumulation_steps=c.gradient_accumulation_steps, num_updates=num_updates,

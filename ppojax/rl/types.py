@@ -63,6 +63,13 @@ class Experience:
     trained:         bool[B]      the rows the loss trains on (None: all). Dynamic sampling's batch, where the
                                   bound on rounds stopped it before it was full, holds dropped groups in its
                                   free slots, False here (``ppojax.rl.dynamic_sampling``).
+    proximal_logprobs: f32[B, R]  the training policy's own forward over the sampled tokens (pi_prox, the
+                                  ratio's denominator) when ``logprobs`` are the sampler's (the behaviour
+                                  policy's) and an off-policy correction weighs one against the other
+                                  (docs/algorithm.md, "Off-policy corrections"); INVALID_LOGPROB on padding_mask;
+                                  None otherwise (``logprobs`` are then the ratio's denominator).
+    policy_versions: i32[B, R]    the policy version (``TrainState.update_count``) that sampled each token: the
+                                  update's own in a synchronous run (None: unknown, no staleness metrics).
     """
 
     queries: jax.Array
@@ -80,6 +87,8 @@ class Experience:
     full_kl: jax.Array | None = None
     reward_components: dict | None = None
     trained: jax.Array | None = None
+    proximal_logprobs: jax.Array | None = None
+    policy_versions: jax.Array | None = None
 
     @property
     def num_stop_tokens(self):
@@ -91,13 +100,17 @@ class UpdateBatch(NamedTuple):
     """Per-row tensors the loss reads; all share the leading batch axis [B, ...]."""
 
     query_responses: jax.Array  # i32[B, P+R]
-    logprobs: jax.Array         # f32[B, R]  behaviour log-probs (INVALID_LOGPROB on padding)
+    logprobs: jax.Array         # f32[B, R]  pi_old, the ratio's denominator (INVALID_LOGPROB on padding): the
+    #                                        behaviour log-probs, or the proximal ones under an off-policy correction
     values: jax.Array           # f32[B, R]  rollout values (0 on padding_mask_p1; 0 without a critic)
     advantages: jax.Array       # f32[B, R]  whitened, 0 on padding
     returns: jax.Array          # f32[B, R]
     padding_mask: jax.Array     # bool[B, R] True = padding
     padding_mask_p1: jax.Array  # bool[B, R]
     ref_logprobs: Any = None    # f32[B, R]  reference log-probs (INVALID_LOGPROB on padding): KL-in-loss term
+    behaviour_logprobs: Any = None  # f32[B, R] the behaviour (sampler's) log-probs where they are not ``logprobs``
+    #                                         (INVALID_LOGPROB on padding): off_policy_mask_threshold reads them
+    behaviour_weights: Any = None   # f32[B, R] the off-policy behaviour weights sg(pi_prox / pi_behav) (None: off)
 
 
 @struct.dataclass

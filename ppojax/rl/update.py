@@ -4,6 +4,7 @@
         scores        = process_scores(experience.scores, state.score_moments)     # legacy, off by default
         rewards, kl   = shaped_rewards(scores, kl_estimator(logprobs, ref_logprobs), state.kl_coef)
         advantages    = advantage_estimator(rewards, values)                          # global statistics
+        weights       = behaviour_weights(proximal, behaviour logprobs)               # off-policy corrections, if on
         for epoch (lax.scan, key_e = split(key, epochs)[e]):
             order = permutation(key_e, B).reshape(num_mini_batches, -1)
             for mini-batch (lax.scan): grads = sum over micro-batches (lax.scan) of token-weighted grads
@@ -79,15 +80,39 @@ def shaped_rewards_and_advantages(algorithm, experience, scores, kl_coef, reward
                                   experience.padding_mask, experience.num_eos_tokens)
     if algorithm.processes_scores:
         metrics["objective/scores_processed"] = jnp.mean(scores)
-    batch = UpdateBatch(experience.query_responses, experience.logprobs, experience.values, adv.advantages,
-                        adv.returns, experience.padding_mask, experience.padding_mask_p1,
-                        ref_logprobs=experience.ref_logprobs if algorithm.kl_in_loss else None)
+    proximal = experience.proximal_logprobs
+    batch = UpdateBatch(experience.query_responses, experience.logprobs if proximal is None else proximal,
+                        experience.values, adv.advantages, adv.returns, experience.padding_mask,
+                        experience.padding_mask_p1,
+                        ref_logprobs=experience.ref_logprobs if algorithm.kl_in_loss else None,
+                        behaviour_logprobs=None if proximal is None else experience.logprobs)
     if experience.trained is not None:  # dynamic sampling's free slots (dropped groups): out of the loss
         batch = rows_only(batch, experience.trained)
     if algorithm.mask_truncated_completions:
         batch = rows_only(batch, experience.contains_stop)
         metrics["objective/truncated_fraction"] = 1.0 - jnp.mean(experience.contains_stop.astype(jnp.float32))
+    if algorithm.weighs_behaviour and batch.behaviour_logprobs is not None:
+        weights, weight_metrics = behaviour_weights(algorithm, batch)
+        batch = batch._replace(behaviour_weights=weights)
+        metrics.update(weight_metrics)
     return batch, metrics, kl
+
+
+def behaviour_weights(algorithm, batch: UpdateBatch):
+    """The off-policy behaviour weights sg(pi_prox / pi_behav) f32[B, R] of the batch's live tokens (after the rows
+    out of the loss became padding, as TRL computes them on its loss mask) and their metrics
+    (docs/algorithm.md, "Off-policy corrections"): AReaL's decoupled objective (``use_decoupled_loss``, capped by
+    ``behav_imp_weight_cap``) or TRL's ``vllm_importance_sampling_correction`` by its mode and bounds. batch:
+    ``logprobs`` the proximal log-probs, ``behaviour_logprobs`` the sampler's."""
+    live = ~batch.padding_mask
+    if algorithm.use_decoupled_loss:
+        weights = ppo.decoupled_weights(batch.logprobs, batch.behaviour_logprobs, live, algorithm.behav_imp_weight_cap)
+    else:
+        weights = ppo.importance_weights(batch.logprobs, batch.behaviour_logprobs, live,
+                                         algorithm.vllm_importance_sampling_mode,
+                                         algorithm.vllm_importance_sampling_clip_max,
+                                         algorithm.vllm_importance_sampling_clip_min)
+    return weights.weights, ppo.importance_weight_metrics(weights, batch.logprobs, batch.behaviour_logprobs, live)
 
 
 def reward_components(algorithm, experience, reward_weights):
@@ -167,7 +192,9 @@ def objective_term(algorithm, hyperparams, policy_tokens, rows):
                                batch.padding_mask, entropy, importance_sampling_level=a.importance_sampling_level,
                                top_entropy_quantile=a.top_entropy_quantile,
                                use_bias_correction_kl=a.use_bias_correction_kl, loss_agg_mode=a.loss_agg_mode,
-                               policy_tokens=policy_tokens, rows=rows)
+                               policy_tokens=policy_tokens, rows=rows, behaviour_weights=batch.behaviour_weights,
+                               behaviour_logprobs=batch.behaviour_logprobs,
+                               off_policy_mask_threshold=a.off_policy_mask_threshold)
     return term
 
 
@@ -296,6 +323,8 @@ def learn(program, state, experience, key, reward_failed=None):
     (new, _), stats = jax.lax.scan(epoch_step, (state, jnp.bool_(False)), epoch_keys)
     metrics = {**rollout_stats, **padding_metrics(batch, program.actor_critic.pad_token_id),
                **step_metrics(stats), "lr": lr}
+    if experience.policy_versions is not None:  # how stale the trained tokens are (0 in a synchronous run)
+        metrics.update(ppo.staleness_metrics(experience.policy_versions, state.update_count, ~batch.padding_mask))
     new, metrics = after_the_steps(program, state, new, moments, metrics, batch_size)
     if reward_failed is not None:
         # params and opt_state were never stepped (``apply``): only the state's scalars are chosen between

@@ -9,7 +9,7 @@ from ppojax.core.objectives.registry import (ObjectiveInputs, ObjectiveParams, O
 
 @register_policy_objective(
     "gmpo", aggregation="seq-mean-token-mean", levels=("token",), sequence_advantages=True,
-    level_reason="GMPO's ratio is already the geometric mean of a sequence's token ratios")
+    level_reason="GMPO's ratio is already the geometric mean of a sequence's token ratios", off_policy="unsupported")
 def gmpo(inputs: ObjectiveInputs, params: ObjectiveParams) -> ObjectiveTerms:
     """-A exp(mean_t sgn-clip(log r_t)) per sequence: each token's log-ratio clipped (in LOG space, to
     [-cliprange_low, cliprange_high]) on the side its advantage's sign makes pessimistic, averaged over the

@@ -11,13 +11,18 @@ import jax
 import jax.numpy as jnp
 
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+#: How an objective takes the off-policy behaviour weights (``ppojax.core.offpolicy``): 'weighted', its per-token
+#: loss is multiplied by them (``policy_term``); 'folded', it reads ``ObjectiveInputs.behaviour_weights`` itself
+#: (token-level weights only); 'unsupported', the off-policy corrections are refused with it.
+OFF_POLICY_KINDS = ("weighted", "folded", "unsupported")
 
 
 class ObjectiveInputs(NamedTuple):
     """What an objective reads, for B rows of R response tokens (one micro-batch).
 
     logprobs:     f32[B, R] the current policy's log-probs (INVALID_LOGPROB on padding; gradients flow here).
-    old_logprobs: f32[B, R] the behaviour log-probs (INVALID_LOGPROB on padding).
+    old_logprobs: f32[B, R] the ratio's denominator, pi_old (the proximal policy's under an off-policy
+                  correction; INVALID_LOGPROB on padding).
     advantages:   f32[B, R] 0 on padding.
     live:         bool[B, R] the tokens in the loss.
     selected:     bool[B, R] the live tokens that train (``top_entropy_quantile``; ``live`` when it is 1).
@@ -25,6 +30,9 @@ class ObjectiveInputs(NamedTuple):
                   old_logprobs``; per sequence each row's mean of that over its live tokens, on every slot of
                   the row (GSPO).
     sequence_level: whether ``log_weights`` is per sequence (a Python bool).
+    behaviour_weights: f32[B, R] the off-policy behaviour weights sg(pi_prox / pi_behav) (``ppojax.core.offpolicy``),
+                  given to an objective registered with ``off_policy='folded'`` (None: no correction, or the
+                  term multiplies the objective's loss by them).
     """
 
     logprobs: jax.Array
@@ -34,6 +42,7 @@ class ObjectiveInputs(NamedTuple):
     selected: jax.Array
     log_weights: jax.Array
     sequence_level: bool = False
+    behaviour_weights: Optional[jax.Array] = None
 
 
 class ObjectiveParams(NamedTuple):
@@ -77,6 +86,7 @@ class PolicyObjective(NamedTuple):
     sequence_advantages: it reads one advantage per sequence (an estimator whose advantages vary along a
         response cannot feed it).
     options: the config fields only it reads (refused with another objective when set).
+    off_policy: how it takes the off-policy behaviour weights, one of ``OFF_POLICY_KINDS``.
     """
 
     name: str
@@ -86,18 +96,23 @@ class PolicyObjective(NamedTuple):
     level_reason: str = ""
     sequence_advantages: bool = False
     options: tuple = ()
+    off_policy: str = "weighted"
 
 
 _REGISTRY: dict[str, PolicyObjective] = {}
 
 
 def register_policy_objective(name: str, *, aggregation: Optional[str], levels: tuple = IMPORTANCE_SAMPLING_LEVELS,
-                              level_reason: str = "", sequence_advantages: bool = False, options: tuple = ()):
+                              level_reason: str = "", sequence_advantages: bool = False, options: tuple = (),
+                              off_policy: str = "weighted"):
     """Decorator: make ``fn(inputs: ObjectiveInputs, params: ObjectiveParams) -> ObjectiveTerms`` available as
     ``loss_type: name`` (see :class:`PolicyObjective` for the traits)."""
+    if off_policy not in OFF_POLICY_KINDS:
+        raise ValueError(f"off_policy={off_policy!r}: expected one of {OFF_POLICY_KINDS}")
+
     def register(fn):
         _REGISTRY[name] = PolicyObjective(name, fn, aggregation, tuple(levels), level_reason, sequence_advantages,
-                                          tuple(options))
+                                          tuple(options), off_policy)
         return fn
     return register
 

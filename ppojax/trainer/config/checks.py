@@ -13,6 +13,7 @@ import yaml
 from ppojax.errors import ConfigError
 from ppojax.trainer.config.schema import _FIELDS, _HINTS, FIELD_NAMES
 from ppojax.trainer.config.sections.models import IN_PLACE_MATMULS
+from ppojax.trainer.config.sections.offpolicy import _policy_objective_off_policy
 from ppojax.trainer.config.sections.objective import (POLICY_OBJECTIVE_NAME, _advantage_estimator_traits,
                                                       _per_sequence_advantages, _policy_objective_level_reason,
                                                       _policy_objective_traits)
@@ -356,3 +357,52 @@ def _objective_problems(c: PPOConfig) -> list[str]:
                    f"it, e.g. {max(c.response_length // 5, 1)}), or 0 for no penalty.")
     return out
 
+
+
+_IMPORTANCE_SAMPLING_OPTIONS = ("vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
+                                "vllm_importance_sampling_clip_min")
+
+
+def _off_policy_problems(c: PPOConfig) -> list[str]:
+    """The off-policy corrections (docs/algorithm.md, "Off-policy corrections") against each other, the behaviour
+    log-probs and the policy objective."""
+    out = []
+    correction, decoupled = c.vllm_importance_sampling_correction, c.use_decoupled_loss
+    if not correction:
+        out += [f"{name}={getattr(c, name)!r} is read only with vllm_importance_sampling_correction: true; set "
+                f"vllm_importance_sampling_correction: true, or remove {name}." for name in _IMPORTANCE_SAMPLING_OPTIONS
+                if getattr(c, name) != _FIELDS[name].default]
+    low, high = c.vllm_importance_sampling_clip_min, c.vllm_importance_sampling_clip_max
+    if correction and low is not None and high is not None and low >= high:
+        out.append(f"vllm_importance_sampling_clip_min={low} is not below vllm_importance_sampling_clip_max={high}: "
+                   "no weight would be left between them. Set clip_min below clip_max (or null).")
+    if correction and c.vllm_importance_sampling_mode.endswith("_truncate") and low is None and high is None:
+        out.append(f"vllm_importance_sampling_mode={c.vllm_importance_sampling_mode!r} truncates the weights to "
+                   "[vllm_importance_sampling_clip_min, vllm_importance_sampling_clip_max], but both are null; set "
+                   "at least one of them (TRL's default: vllm_importance_sampling_clip_max: 3.0).")
+    if c.behav_imp_weight_cap is not None and not decoupled:
+        out.append(f"behav_imp_weight_cap={c.behav_imp_weight_cap} caps the behaviour weights of the decoupled "
+                   "objective; set use_decoupled_loss: true, or remove behav_imp_weight_cap.")
+    if correction and decoupled:
+        out.append("vllm_importance_sampling_correction=True and use_decoupled_loss=True both weigh each token by "
+                   "pi_prox / pi_behav (the loss would take it twice); keep one: use_decoupled_loss (AReaL's, capped "
+                   "by behav_imp_weight_cap) or vllm_importance_sampling_correction (TRL's modes and bounds).")
+    for name in ("vllm_importance_sampling_correction", "use_decoupled_loss"):
+        if getattr(c, name) and c.behaviour_logprobs != "sampler":
+            out.append(f"{name}=True weighs the sampler's log-probs (the behaviour policy) against the training "
+                       f"policy's forward (the proximal one), but behaviour_logprobs={c.behaviour_logprobs!r} makes "
+                       "the behaviour log-probs that same forward: every weight would be 1. Set behaviour_logprobs: "
+                       f"sampler, or remove {name}.")
+    kind, reason = _policy_objective_off_policy(c.loss_type)
+    asked = [f"{name}={getattr(c, name)!r}" for name in ("vllm_importance_sampling_correction", "use_decoupled_loss",
+                                                         "off_policy_mask_threshold")
+             if getattr(c, name) not in (False, None)]
+    if kind == "unsupported" and asked:
+        out.append(f"{', '.join(asked)} with loss_type={c.loss_type!r}, which takes no off-policy correction"
+                   f"{f': {reason}' if reason else ''}. Use another loss_type (e.g. grpo), or remove "
+                   f"{' and '.join(a.split('=')[0] for a in asked)}.")
+    if kind == "folded" and correction and not c.vllm_importance_sampling_mode.startswith("token_"):
+        out.append(f"vllm_importance_sampling_mode={c.vllm_importance_sampling_mode!r} with loss_type="
+                   f"{c.loss_type!r}: it takes per-token weights only{f': {reason}' if reason else ''}. Set "
+                   "vllm_importance_sampling_mode: token_truncate or token_mask.")
+    return out

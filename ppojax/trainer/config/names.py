@@ -36,6 +36,7 @@ LEGACY_ALIASES = {
     "adv_estimator": "advantage_estimator",  # verl
     "num_iterations": "num_ppo_epochs",    # TRL GRPO / RLOO's mu
     "max_completion_length": "response_length",  # TRL GRPO / RLOO
+    "vllm_importance_sampling_cap": "vllm_importance_sampling_clip_max",  # TRL GRPO's deprecated name
 }
 
 

@@ -14,7 +14,8 @@ import yaml
 
 from ppojax.errors import ConfigError
 from ppojax.trainer.config.checks import (_checked_value, _dynamic_sampling_problems, _estimator_problems,
-                                          _objective_problems, _problems_together, _registry_problems)
+                                          _objective_problems, _off_policy_problems, _problems_together,
+                                          _registry_problems)
 from ppojax.trainer.config.names import normalise_keys
 from ppojax.trainer.config.schema import FIELD_NAMES, STATIC_FIELDS, Settings, StaticSettings
 from ppojax.trainer.config.sections.run import REPORT_SINKS
@@ -130,7 +131,8 @@ class PPOConfig(Settings):
         if not problems:  # a registered name's message lists the registry: only once the rest is right
             problems += [str(err) for err in _registry_problems(self)]
         if not problems:
-            problems += _estimator_problems(self) + _objective_problems(self) + _dynamic_sampling_problems(self)
+            problems += (_estimator_problems(self) + _objective_problems(self) + _off_policy_problems(self)
+                         + _dynamic_sampling_problems(self))
         if len(problems) == 1:
             raise ConfigError(problems[0])
         if problems:

@@ -12,12 +12,13 @@ from ppojax.trainer.config.sections.data import DataSettings
 from ppojax.trainer.config.sections.mesh import MeshSettings
 from ppojax.trainer.config.sections.models import LoraSettings, ModelSettings
 from ppojax.trainer.config.sections.objective import ObjectiveSettings
+from ppojax.trainer.config.sections.offpolicy import OffPolicySettings
 from ppojax.trainer.config.sections.optimizer import OptimizerSettings
 from ppojax.trainer.config.sections.run import OutputSettings, RunSettings
 from ppojax.trainer.config.sections.sampling import SamplingSettings
 
 SECTIONS = (ModelSettings, LoraSettings, DataSettings, RunSettings, BatchSettings, OptimizerSettings,
-            ObjectiveSettings, SamplingSettings, OutputSettings, MeshSettings)
+            ObjectiveSettings, OffPolicySettings, SamplingSettings, OutputSettings, MeshSettings)
 """The sections in the order their fields are listed: ``ppojax train --help``, docs/configuration.md,
 ``PPOConfig.to_dict`` and checkpoints' config.json."""
 

@@ -79,10 +79,6 @@ GRPO_FOREIGN_KEYS: dict[str, str] = {
             "vllm_group_port", "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size",
             "use_transformers_continuous_batching", "transformers_continuous_batching_config",
             "use_transformers_paged", "cache_implementation", "ds3_gather_for_generation"),
-    **_same("no sampler/trainer mismatch to correct: the behaviour log-probs are recomputed by a policy forward "
-            "(behaviour_logprobs: forward) or are the sampler's own; remove it",
-            "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
-            "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min", "vllm_importance_sampling_cap"),
     **_same("the sampling options are temperature, top_k, top_p and the stop token; remove it",
             "min_p", "repetition_penalty", "generation_kwargs"),
     **_same("a derived size: each update samples batch_size rows (batch_size / num_generations prompts) and takes "
@@ -103,7 +99,6 @@ GRPO_FOREIGN_KEYS: dict[str, str] = {
     **_same("no adaptive entropy control: entropy_coef is a fixed weight; remove it",
             "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target"),
     "max_tool_calling_iterations": "no tool calling: a response is one sampled turn; remove it",
-    "off_policy_mask_threshold": "no off-policy sequence masking (DeepSeek-V3.2); remove it",
     **_same("sample completions are printed num_sample_generations times during training; set that instead",
             "log_completions", "log_multimodal", "num_completions_to_print", "log_unique_prompts",
             "log_completions_hub_repo"),

@@ -8,6 +8,7 @@
     batches.py    batch sizes, how a batch is split and laid out, PPO epochs per update
     optimizer.py  AdamW, its learning-rate schedule and gradient clipping
     objective.py  the policy and value losses, advantage estimators, KL penalties, score shaping
+    offpolicy.py  off-policy corrections: behaviour importance weights, off-policy sequence masking
     sampling.py   the rollout's sampling: response length, temperature, stop tokens, decode loop
     mesh.py       the device mesh
 
