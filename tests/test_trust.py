@@ -205,7 +205,7 @@ def _reward_dirs(root: Path):
 
 
 def test_a_full_disk_during_training_is_one_message_and_leaves_nothing_half_written(tiny_dirs, tmp_path, cli_env):
-    """`ppojax train` under a 4 KB file-size limit (`ulimit -f`: EFBIG, as a full disk gives ENOSPC): whichever
+    """`ppojax train` under a 16 KB file-size limit (above run.json) (`ulimit -f`: EFBIG, as a full disk gives ENOSPC): whichever
     write fails first (TensorBoard, metrics or the first checkpoint), ONE error line names the run's directory
     and what to do, exit 1, no traceback; no .tmp debris; every metrics line that was written is whole."""
     import resource
@@ -213,7 +213,7 @@ def test_a_full_disk_during_training_is_one_message_and_leaves_nothing_half_writ
     out = tmp_path / "run"
     env = {k: v for k, v in cli_env.items() if not k.startswith("JAX_PERSISTENT_CACHE")
            and k != "JAX_COMPILATION_CACHE_DIR"}
-    limit = 4096
+    limit = 16 * 1024
 
     def small_files():
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
