@@ -38,6 +38,9 @@ if importlib.util.find_spec("torch") is not None:  # the tests that compare agai
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="ppojax-tests-xla-")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+# Every program is stored, not only those that compile in over a second (JAX's default): with cheap compiles most
+# take less, and the runs the suite starts as subprocesses compile the same programs again and again.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # The same for ppojax's per-machine records and builds under $XDG_CACHE_HOME/ppojax (the GEMM handlers, the matmul
 # library "auto" measured, recorded XLA:CPU options): the suite neither reads the user's nor leaves its own.
 if "PPOJAX_TESTS_CACHE_HOME" not in os.environ:
