@@ -205,9 +205,10 @@ def _reward_dirs(root: Path):
 
 
 def test_a_full_disk_during_training_is_one_message_and_leaves_nothing_half_written(tiny_dirs, tmp_path, cli_env):
-    """`ppojax train` under a 16 KB file-size limit (above run.json) (`ulimit -f`: EFBIG, as a full disk gives ENOSPC): whichever
-    write fails first (TensorBoard, metrics or the first checkpoint), ONE error line names the run's directory
-    and what to do, exit 1, no traceback; no .tmp debris; every metrics line that was written is whole."""
+    """`ppojax train` under a 16 KB file-size limit (`ulimit -f`: EFBIG, as a full disk gives ENOSPC; above
+    run.json's size): whichever write fails first (TensorBoard, metrics or the first checkpoint), ONE error line
+    names the run's directory and what to do, exit 1, no traceback; no .tmp debris; every metrics line that was
+    written is whole."""
     import resource
 
     out = tmp_path / "run"
