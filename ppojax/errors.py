@@ -34,6 +34,11 @@ class RewardFunctionError(ValueError):
     """A reward function raised, or returned something other than B finite numbers."""
 
 
+class EnvironmentCallError(ValueError):
+    """An environment's ``reset`` or ``step`` raised or returned something unusable; the message names the
+    environment class, the method and the dataset row. (A tool's failure is an observation, never this.)"""
+
+
 class CpuFeatureMissing(ValueError):
     """A CPU-specific path was asked for on a CPU that lacks its instruction sets (the message says which and
     what to use instead)."""

@@ -18,11 +18,12 @@ ALLOWED = {
     "core": {"errors"},
     "models": {"core", "io", "parallel", "errors"},
     "rl": {"core", "models", "parallel", "errors"},
-    "trainer": {"core", "models", "rl", "parallel", "io", "assets", "backends", "tasks", "errors"},
+    "trainer": {"core", "models", "rl", "parallel", "io", "assets", "backends", "tasks", "agents", "errors"},
     "io": {"errors"},
     "parallel": {"errors"},
     "assets": {"errors"},
     "tasks": {"errors"},
+    "agents": {"errors"},
     # a backend implements the models' seam (`ppojax.models.kernels.Kernels`); nothing below imports a backend
     "backends": {"models", "io", "parallel", "errors"},
 }
