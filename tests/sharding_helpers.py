@@ -16,10 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-#: XLA flags for the test subprocesses: LLVM optimisation and the new CPU fusion emitters off compile the
-#: tiny programs ~4x faster (the tests compare programs compiled with the same flags).
-FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
-
 if __name__ == "__main__":  # a subprocess: make `ppojax` importable; a worker starts jax.distributed FIRST
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if sys.argv[1] == "worker":

@@ -1,6 +1,7 @@
 """Bad configs, one table, run two ways: in-process (``PPOConfig.from_yaml`` raises a ConfigError with the
 expected words) and through the real CLI (``python -m ppojax.trainer.cli train BAD.yaml``: exit code 2, the message on
 stderr, no traceback, and no heavy library imported before the error)."""
+import json
 import os
 import subprocess
 import sys
@@ -133,29 +134,35 @@ def _poisoned_libraries(root: Path) -> Path:
 
 
 def test_bad_configs_through_the_cli(tmp_path):
-    """Every row through `python -m ppojax.trainer.cli train BAD.yaml`, one process each. The CLI must refuse the config
-    before importing JAX (or torch, transformers...): those are shadowed here by packages that fail on import,
-    so reaching one shows up as a wrong exit code and message rather than as a slow, timing-dependent run."""
+    """Every row through `ppojax train BAD.yaml`'s main, all in one fresh process (tests/cli_refusals.py). The CLI
+    must refuse the config before importing JAX (or torch, transformers...): those are shadowed here by packages that
+    fail on import, so reaching one shows up as a wrong exit code and message rather than as a slow,
+    timing-dependent run."""
     poison = _poisoned_libraries(tmp_path / "poisoned")
     env = {**os.environ,
            "PYTHONPATH": os.pathsep.join([str(REPO), str(poison), os.environ.get("PYTHONPATH", "")])}
+    cases = {name: ["train", str(write(tmp_path, name, text))] for name, text, _ in BAD_CONFIGS}
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    done = subprocess.run([sys.executable, "-m", "tests.cli_refusals", str(tmp_path / "cases.json"),
+                           str(tmp_path / "results.json")], capture_output=True, text=True, env=env, cwd=REPO,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = json.loads((tmp_path / "results.json").read_text())
     failures = []
     for name, text, words in BAD_CONFIGS:
-        path = write(tmp_path, name, text)
-        done = subprocess.run([sys.executable, "-m", "ppojax.trainer.cli", "train", str(path)], capture_output=True,
-                              text=True, env=env, cwd=tmp_path, timeout=60)
+        result = results[name]
         problems = []
-        if done.returncode != 2:
-            problems.append(f"exit code {done.returncode}")
-        if "Traceback" in done.stdout + done.stderr:
+        if result["code"] != 2:
+            problems.append(f"exit code {result['code']}")
+        if "Traceback" in result["stdout"] + result["stderr"]:
             problems.append("a traceback")
-        if "POISONED" in done.stdout + done.stderr:
+        if "POISONED" in result["stdout"] + result["stderr"]:
             problems.append("a heavy library imported before the error")
-        if not done.stderr.startswith("ppojax: error: "):
+        if not result["stderr"].startswith("ppojax: error: "):
             problems.append("no 'ppojax: error:' on stderr")
-        problems += [f"{word!r} not on stderr" for word in words if word not in done.stderr]
+        problems += [f"{word!r} not on stderr" for word in words if word not in result["stderr"]]
         if problems:
-            failures.append(f"{name}: {', '.join(problems)}\n{done.stdout}{done.stderr}")
+            failures.append(f"{name}: {', '.join(problems)}\n{result['stdout']}{result['stderr']}")
     assert not failures, "\n".join(failures)
 
 

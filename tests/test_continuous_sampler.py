@@ -268,11 +268,11 @@ def test_the_slots_decode_sharded_over_a_mesh():
     import sys
     from pathlib import Path
 
-    from tests.sharding_helpers import FAST_COMPILE_FLAGS
+    from tests.xla_test_flags import CHEAP_COMPILES
 
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(root),
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {FAST_COMPILE_FLAGS}"}
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {CHEAP_COMPILES}"}
     done = subprocess.run([sys.executable, "-c", SHARDED], cwd=root, env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0 and "SHARDED-OK" in done.stdout, done.stderr[-3000:]

@@ -15,7 +15,8 @@ import sys
 
 import numpy as np
 
-from tests.sharding_helpers import B, FAST_COMPILE_FLAGS
+from tests.sharding_helpers import B
+from tests.xla_test_flags import CHEAP_COMPILES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HELPER = os.path.join(REPO, "tests", "sharding_helpers.py")
@@ -33,13 +34,13 @@ def test_two_processes_match_a_single_process_run(tmp_path):
     base = dict(os.environ, JAX_PLATFORMS="cpu")
     flags = base.get("XLA_FLAGS", "")
     runs = {  # name: (argv, extra environment)
-        "single": (["single", str(tmp_path / "single.npz")], {"XLA_FLAGS": f"{flags} {FAST_COMPILE_FLAGS}"}),
+        "single": (["single", str(tmp_path / "single.npz")], {"XLA_FLAGS": f"{flags} {CHEAP_COMPILES}"}),
     }
     for process_id in range(2):
         runs[f"worker{process_id}"] = (["worker", str(tmp_path / "distributed.npz")], {
             "PPOJAX_COORDINATOR": f"127.0.0.1:{port}", "PPOJAX_NUM_PROCESSES": "2",
             "PPOJAX_PROCESS_ID": str(process_id),
-            "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count=2 {FAST_COMPILE_FLAGS}"})
+            "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count=2 {CHEAP_COMPILES}"})
     procs, logs = {}, {}
     try:
         for name, (argv, extra) in runs.items():

@@ -20,10 +20,10 @@ def test_the_notebook_is_committed_without_outputs():
 
 
 def test_the_step_by_step_notebook_runs(monkeypatch):
-    from tests.sharding_helpers import FAST_COMPILE_FLAGS
+    from tests.xla_test_flags import CHEAP_COMPILES
 
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    monkeypatch.setenv("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}")
+    monkeypatch.setenv("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} {CHEAP_COMPILES}")
     nb = nbformat.read(NOTEBOOK, as_version=4)
     NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
     text = "\n".join(out.get("text", "") for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs)

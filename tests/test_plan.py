@@ -14,7 +14,7 @@ import pytest
 
 from ppojax.trainer.cli import main
 from ppojax.trainer.plan import PRESETS, model_config_for, parse_mesh
-from tests.sharding_helpers import FAST_COMPILE_FLAGS
+from tests.xla_test_flags import CHEAP_COMPILES
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=8,
@@ -32,7 +32,7 @@ def tiny_model(tmp_path_factory):
 
 def run_plan(model, out, *args):
     """The CLI in a subprocess -> (completed process, the plan's JSON)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "XLA_FLAGS": FAST_COMPILE_FLAGS}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "XLA_FLAGS": CHEAP_COMPILES}
     done = subprocess.run([sys.executable, "-m", "ppojax.trainer.cli", "plan", str(REPO / "configs/plan.yaml"),
                            "--model", str(model), "--json", str(out), *args, *SETTINGS],
                           capture_output=True, text=True, env=env, cwd=REPO, timeout=600)

@@ -30,7 +30,7 @@ from ppojax.trainer.cli import main
 from ppojax.trainer.config import ConfigError, PPOConfig
 from ppojax.models import save_pretrained
 from ppojax.rl.rewards import RewardFunctionError
-from tests.sharding_helpers import FAST_COMPILE_FLAGS
+from tests.xla_test_flags import CHEAP_COMPILES
 from tests.test_trainer import good_fraction, make_trainer
 from tests.tiny_setup import write_tiny_run_inputs, PROMPTS, WORDS, tiny_config, tiny_tokenizer
 
@@ -330,7 +330,7 @@ def kill_env(tmp_path_factory):
     cache = tmp_path_factory.mktemp("jax_cache")
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO), "JAX_COMPILATION_CACHE_DIR": str(cache),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
-           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip()}
+           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {CHEAP_COMPILES}".strip()}
     env.pop(BLOCK_ENV, None)
     return env
 

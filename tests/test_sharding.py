@@ -23,7 +23,7 @@ from ppojax import parallel as sh
 from ppojax.parallel import distributed
 from ppojax.rl.settings import Hyperparams
 from ppojax.rl import placement
-from tests.sharding_helpers import FAST_COMPILE_FLAGS
+from tests.xla_test_flags import CHEAP_COMPILES
 
 CHILD = os.environ.get("PPOJAX_SHARDING_CHILD") == "1"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -161,7 +161,7 @@ if not CHILD:
         env = dict(os.environ, PPOJAX_SHARDING_CHILD="1", PYTHONPATH=REPO + os.pathsep + os.environ.get(
             "PYTHONPATH", ""),
                    JAX_PLATFORMS="cpu",
-                   XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=8 {FAST_COMPILE_FLAGS}")
+                   XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=8 {CHEAP_COMPILES}")
         start = time.time()
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                                "-o", "addopts=-ra", os.path.abspath(__file__)],

@@ -246,11 +246,11 @@ def test_the_vmap_seeds_example_runs_and_every_seed_learns():
     import sys
     from pathlib import Path
 
-    from tests.sharding_helpers import FAST_COMPILE_FLAGS
+    from tests.xla_test_flags import CHEAP_COMPILES
 
     repo = Path(__file__).resolve().parents[1]
     env = dict(__import__("os").environ, PYTHONPATH=str(repo))
-    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}"  # compiling is most of its time
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {CHEAP_COMPILES}"  # compiling is most of its time
     proc = subprocess.run([sys.executable, str(repo / "examples" / "vmap_seeds.py")], cwd=repo, capture_output=True,
                           text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -320,11 +320,11 @@ def test_the_vmap_lr_sweep_example_runs_and_learns():
     import sys
     from pathlib import Path
 
-    from tests.sharding_helpers import FAST_COMPILE_FLAGS
+    from tests.xla_test_flags import CHEAP_COMPILES
 
     repo = Path(__file__).resolve().parents[1]
     env = dict(__import__("os").environ, PYTHONPATH=str(repo))
-    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}"
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {CHEAP_COMPILES}"
     proc = subprocess.run([sys.executable, str(repo / "examples" / "vmap_lr_sweep.py")], cwd=repo,
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -11,6 +11,7 @@ test_config_errors.py; SIGKILL + resume with every sink in tests/test_reliabilit
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -22,7 +23,7 @@ import pytest
 
 from ppojax.trainer.cli import main
 from ppojax.models import ScoreModel, save_pretrained
-from tests.sharding_helpers import FAST_COMPILE_FLAGS
+from tests.xla_test_flags import CHEAP_COMPILES
 from tests.tiny_setup import tiny_config, tiny_policy, tiny_tokenizer, write_tiny_run_inputs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -109,7 +110,7 @@ def cli_env(tmp_path_factory):
     cache = tmp_path_factory.mktemp("jax_cache")
     return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO), "JAX_COMPILATION_CACHE_DIR": str(cache),
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
-            "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip()}
+            "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {CHEAP_COMPILES}".strip()}
 
 
 def start(dirs, out, env, *extra):
@@ -266,24 +267,35 @@ BUILD_ERRORS = {
 }
 
 
+@pytest.fixture(scope="module")
+def refusals(unloadable_dirs, tmp_path_factory, cli_env):
+    """Every BUILD_ERRORS case through `ppojax train`'s main, all in one fresh process (tests/cli_refusals.py):
+    {case: (result, output_dir)}."""
+    root = tmp_path_factory.mktemp("refusals")
+    causal, two = _reward_dirs(root)
+    _bad_prompt_files(root)
+    cases, outs = {}, {}
+    for index, (case, (extra, _)) in enumerate(BUILD_ERRORS.items()):
+        extra = [e.format(causal=causal, two=two, data=root) for e in extra]
+        outs[case] = root / f"run{index}"
+        overridden = {e.split("=", 1)[0] for e in extra}
+        cases[case] = [a for a in args_for(unloadable_dirs, outs[case]) if a.split("=", 1)[0] not in overridden] + extra
+    (root / "cases.json").write_text(json.dumps(cases))
+    proc = subprocess.run([sys.executable, "-m", "tests.cli_refusals", str(root / "cases.json"),
+                           str(root / "results.json"), "--count-compiles"], cwd=REPO, env=cli_env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    results = json.loads((root / "results.json").read_text())
+    return {case: (results[case], outs[case]) for case in BUILD_ERRORS}
+
+
 @pytest.mark.parametrize("case", list(BUILD_ERRORS))
-def test_bad_inputs_found_in_config_json_are_refused_before_loading(unloadable_dirs, tmp_path, cli_env, case):
-    extra, pattern = BUILD_ERRORS[case]
-    causal, two = _reward_dirs(tmp_path)
-    _bad_prompt_files(tmp_path)
-    extra = [e.format(causal=causal, two=two, data=tmp_path) for e in extra]
-    out = tmp_path / "run"
-    compile_cache = tmp_path / "jax_cache"  # every compile writes an entry here (minimum compile time 0)
-    compile_cache.mkdir()
-    overridden = {e.split("=", 1)[0] for e in extra}
-    args = [a for a in args_for(unloadable_dirs, out) if a.split("=", 1)[0] not in overridden] + extra
-    proc = subprocess.run([sys.executable, "-m", "ppojax.trainer.cli", *args],
-                          cwd=REPO, env={**cli_env, "JAX_COMPILATION_CACHE_DIR": str(compile_cache)},
-                          capture_output=True, text=True, timeout=60)
-    text = proc.stdout + proc.stderr
-    import re
-    assert proc.returncode == 2, text[-2000:]
+def test_bad_inputs_found_in_config_json_are_refused_before_loading(refusals, case):
+    result, out = refusals[case]
+    text = result["stdout"] + result["stderr"]
+    assert result["code"] == 2, text[-2000:]
     # the expected message, not the junk weights' load error: refused before any weights were read
-    assert "Traceback" not in text and re.search(pattern, " ".join(proc.stderr.split())), text[-2000:]
-    assert not any(compile_cache.iterdir())  # nothing compiled
+    pattern = BUILD_ERRORS[case][1]
+    assert "Traceback" not in text and re.search(pattern, " ".join(result["stderr"].split())), text[-2000:]
+    assert result["compiles"] == []  # nothing compiled
     assert not out.exists()  # refused before the output directory was claimed

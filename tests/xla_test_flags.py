@@ -1,16 +1,18 @@
 """The XLA flags the suite compiles with (set by ``tests/conftest.py`` before jax starts; subprocesses inherit them).
 
 The suite is compile-bound: hundreds of small programs, each compiled in about a second and run in milliseconds.
-LLVM's optimisation of XLA:CPU's kernels is most of that compile time and changes no semantics, so the tests compile
-with it off (``--xla_backend_optimization_level=0``): the suite takes about three quarters of its time. A test whose
-two programs agree bit for bit only under XLA's full optimisation asks :func:`cheap_compiles`. Set
+LLVM's optimisation of XLA:CPU's kernels and XLA:CPU's fusion emitters (which build each fusion through MLIR) are
+most of that compile time and change no semantics, so the tests compile with both off
+(``--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false``; XLA then emits fusions as plain loops).
+Subprocesses inherit the flags; a test that sets its own ``XLA_FLAGS`` for one adds :data:`CHEAP_COMPILES` to them.
+A test whose two programs agree bit for bit only under XLA's full optimisation asks :func:`cheap_compiles`. Set
 ``PPOJAX_TESTS_FULL_OPTIMIZATION=1`` to run the suite as users' programs compile (XLA's defaults).
 """
 from __future__ import annotations
 
 import os
 
-CHEAP_COMPILES = "--xla_backend_optimization_level=0"
+CHEAP_COMPILES = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 FULL_OPTIMIZATION_SWITCH = "PPOJAX_TESTS_FULL_OPTIMIZATION"
 
 
@@ -24,6 +26,6 @@ def use_cheap_compiles(environ=os.environ) -> None:
 
 
 def cheap_compiles() -> bool:
-    """Whether this process compiles with LLVM's optimisation off: two programs that share a computation need not
-    then give it bit for bit alike (XLA's fusions still differ between them; only their rounding shows it)."""
-    return CHEAP_COMPILES in os.environ.get("XLA_FLAGS", "")
+    """Whether this process compiles cheaply (LLVM's optimisation off): two programs that share a computation need
+    not then give it bit for bit alike (XLA's fusions still differ between them; only their rounding shows it)."""
+    return "--xla_backend_optimization_level=0" in os.environ.get("XLA_FLAGS", "")
