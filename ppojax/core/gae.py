@@ -40,9 +40,11 @@ class Advantages(NamedTuple):
     returns: jnp.ndarray
 
 
-def advantages_and_returns(rewards, values, padding_mask, gamma, lam, whiten=True) -> Advantages:
-    """GAE, returns, then advantage whitening over live tokens (mean shifted) and zeroing on padding."""
-    raw = gae(rewards, values, gamma, lam)
+def advantages_and_returns(rewards, values, padding_mask, gamma, lam, whiten=True,
+                           environment_mask=None) -> Advantages:
+    """GAE, returns, then advantage whitening over live tokens (mean shifted) and zeroing on padding
+    (``environment_mask``: :func:`gae`'s; those tokens belong in ``padding_mask`` too)."""
+    raw = gae(rewards, values, gamma, lam, environment_mask)
     returns = raw + values
     advantages = masked_whiten(raw, ~padding_mask, shift_mean=True) if whiten else raw
     return Advantages(advantages=jnp.where(padding_mask, 0.0, advantages), returns=returns)
