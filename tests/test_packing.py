@@ -266,11 +266,16 @@ def state_for(program, config, kind):
                             frozen={"ref": jax.tree.map(jnp.copy, params["policy"]), "reward": None}, kl_coef=0.05)
 
 
-def run_learn(kind, accumulation, padding_free, case, optimizer, **extra):
+def run_learn(kind, accumulation, padding_free, case, optimizer, environment_tokens=False, **extra):
     rng = np.random.default_rng(7)
     pads, live = lengths_case(case, rng)
     qr = synthetic_rows(pads, live, rng)
     experience = experience_for(qr, live, rng, kind)
+    if environment_tokens:  # a tool's answer at response tokens 1 and 2 of every row longer than 3 tokens
+        t = np.arange(R)[None, :]
+        environment = (t >= 1) & (t <= 2) & (live[:, None] > 3)
+        assert environment.any()
+        experience = experience.replace(environment_mask=jnp.asarray(environment))
     program, config = program_for(kind, accumulation, padding_free, optimizer, **extra)
     state = state_for(program, config, kind)
     new_state, metrics = jax.jit(lambda s, e, k: learn(program, s, e, k))(state, experience, jax.random.key(3))
@@ -307,6 +312,14 @@ def test_packed_update_equals_padded_update(kind, case, accumulation):
     brings, packed or not) may move a parameter by up to the learning rate, and the later steps then differ
     by more than rounding."""
     runs = [run_learn(kind, accumulation, free, case, optax.sgd(1.0)) for free in (False, True)]
+    assert_same_update(runs[0], runs[1])
+
+
+@pytest.mark.parametrize("kind", ["value_model", "grpo"])
+def test_packed_update_equals_padded_update_with_environment_tokens(kind):
+    """A multi-turn episode's environment tokens inside the responses: out of the loss on both paths, but still
+    the context of the policy's tokens after them, so a packed row keeps everything up to its last policy token."""
+    runs = [run_learn(kind, 2, free, "long_tail", optax.sgd(1.0), environment_tokens=True) for free in (False, True)]
     assert_same_update(runs[0], runs[1])
 
 

@@ -39,6 +39,40 @@ def test_gae_matches_python_loop(gamma, lam):
                                gae_loop(rewards, values, gamma, lam), atol=1e-5)
 
 
+def multi_turn_gae_loop(rewards, values, policy_mask, gamma, lam):
+    """verl's multi-turn GAE (``compute_gae_advantage_return`` with a response mask that is 0 on observation tokens),
+    transcribed: the next value and the running advantage pass unchanged through masked tokens."""
+    next_value, last = np.zeros(rewards.shape[0]), np.zeros(rewards.shape[0])
+    advantages = np.zeros_like(rewards)
+    for t in reversed(range(rewards.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        candidate = delta + gamma * lam * last
+        next_value = values[:, t] * policy_mask[:, t] + (1 - policy_mask[:, t]) * next_value
+        last = candidate * policy_mask[:, t] + (1 - policy_mask[:, t]) * last
+        advantages[:, t] = last
+    return advantages
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (0.9, 0.8)])
+def test_gae_passes_through_environment_tokens(gamma, lam):
+    rng = np.random.default_rng(1)
+    rewards = rng.normal(size=(5, 12)).astype(np.float32)
+    values = rng.normal(size=(5, 12)).astype(np.float32)
+    environment = rng.random((5, 12)) < 0.4
+    environment[:, 0] = False  # an episode starts with the policy's turn
+    got = ppo.gae(jnp.asarray(rewards), jnp.asarray(values), gamma, lam, jnp.asarray(environment))
+    np.testing.assert_allclose(got, multi_turn_gae_loop(rewards, values, (~environment).astype(np.float32), gamma,
+                                                        lam), atol=1e-5)
+    # the policy's tokens get the advantages of the same episode with the environment's tokens cut out
+    for b in range(5):
+        keep = ~environment[b]
+        np.testing.assert_allclose(np.asarray(got)[b, keep], gae_loop(rewards[b:b + 1, keep], values[b:b + 1, keep],
+                                                                      gamma, lam)[0], atol=1e-5)
+    # no environment token: the plain scan
+    np.testing.assert_allclose(ppo.gae(jnp.asarray(rewards), jnp.asarray(values), gamma, lam,
+                                       jnp.zeros((5, 12), bool)), gae_loop(rewards, values, gamma, lam), atol=1e-5)
+
+
 finite = st.floats(-5, 5, allow_nan=False, width=32)
 
 

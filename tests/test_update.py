@@ -18,7 +18,7 @@ from ppojax.rl.settings import Hyperparams, StepSettings
 from ppojax.rl.program import PPOProgram
 from ppojax.rl.types import init_train_state
 from ppojax.rl.optimizer import make_optimizer
-from ppojax.rl.update import learn, shaped_rewards_and_advantages
+from ppojax.rl.update import learn, loss_of_outputs, shaped_rewards_and_advantages
 from tests.toy_models import ToyLM, ToyLMWithValueHead, ToyScore
 from tests.xla_test_flags import cheap_compiles
 
@@ -39,6 +39,10 @@ class Exp(NamedTuple):
     trained: jnp.ndarray = None  # every row trains (no dynamic sampling)
     proximal_logprobs: jnp.ndarray = None  # logprobs are the ratio's denominator (no off-policy weights)
     policy_versions: jnp.ndarray = None
+    environment_mask: jnp.ndarray = None  # single-turn
+
+    def replace(self, **fields):  # as the Experience dataclass's
+        return self._replace(**fields)
 
 
 def settings_for(num_updates=1, **config):
@@ -137,6 +141,45 @@ def test_update_matches_python_loop(num_mini_batches, grad_accum, value_head):
         np.testing.assert_allclose(metrics["first_micro_batch/ratio"], first["ratio"], atol=1e-6)
     assert float(metrics["lr"]) == pytest.approx(1e-2)
     assert int(state.update_count) == 1
+
+
+@pytest.mark.parametrize("config", [
+    dict(advantage_estimator="gae", kl_coef=0.05, entropy_coef=0.01),
+    dict(advantage_estimator="grpo", num_generations=2, kl_coef=0.0, kl_loss_coef=0.1, entropy_coef=0.01),
+    dict(advantage_estimator="reinforce_pp", kl_coef=0.05, loss_agg_mode="seq-mean-token-sum")],
+    ids=["gae", "grpo-kl-loss", "reinforce_pp"])
+def test_environment_tokens_get_exactly_zero_gradient_kl_and_counts(config):
+    """A multi-turn episode's environment tokens (Experience.environment_mask) are in no loss term: the gradient
+    of the update's loss with respect to the model's log-prob, entropy and value at those tokens is exactly 0
+    (at the policy's tokens it is not); their KL is 0 and the entropy and token counts are the policy's tokens'."""
+    ac, params, exp = build()
+    settings, hp = settings_for(**config)
+    live = ~np.asarray(exp.padding_mask)
+    environment = np.zeros_like(live)
+    environment[:, 1:3] = live[:, 1:3]  # a tool result after the first token, inside the episode
+    environment[:, 0] = False
+    assert environment.any() and (live & ~environment).any()
+    exp = exp.replace(environment_mask=jnp.asarray(environment))
+    batch, metrics, kl = shaped_rewards_and_advantages(settings.algorithm, exp, exp.scores, jnp.float32(0.05))
+    policy = live & ~environment
+    assert np.all(np.asarray(kl)[environment] == 0)
+    np.testing.assert_allclose(metrics["objective/entropy"],
+                               np.mean(np.sum(np.where(policy, -np.asarray(exp.logprobs), 0.0), axis=1)), rtol=1e-6)
+    np.testing.assert_array_equal(~np.asarray(batch.padding_mask), policy)
+    logprobs, entropy, values = ac.evaluate(params, exp.query_responses, P, logits_chunk_size=4)
+    policy_tokens, value_tokens = jnp.sum(~batch.padding_mask), jnp.sum(~batch.padding_mask_p1)
+
+    def loss(lp, ent, v):
+        return loss_of_outputs(ac, settings.algorithm, hp, lp, ent, v, batch, policy_tokens, value_tokens, B)[0]
+
+    grads = [np.asarray(g) for g in jax.grad(loss, argnums=(0, 1, 2))(logprobs, entropy, values)]
+    for name, grad in zip(("log-prob", "entropy", "value"), grads):
+        assert np.all(grad[environment] == 0.0), name
+    assert np.abs(grads[0][policy]).max() > 0
+    if settings.algorithm.entropy_bonus:
+        assert np.abs(grads[1][policy]).max() > 0
+    if settings.algorithm.advantage_estimator == "gae":
+        assert np.abs(grads[2][policy]).max() > 0
 
 
 def test_loss_metrics_are_the_loss_optimised_whatever_the_accumulation():

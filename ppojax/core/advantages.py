@@ -38,6 +38,8 @@ class AdvantageInputs(NamedTuple):
     padding_mask, padding_mask_p1: bool[B, R].
     components: f32[F, B] each reward's own values before weighting (NaN where it does not apply), or None
                 (the scores are one reward); component_weights: f32[F] their weights (``reward_weights``).
+    environment_mask: bool[B, R] True on a multi-turn episode's environment tokens (already in both padding
+                masks), or None: the token-level estimators' scans pass through them (``gae``).
     """
 
     rewards: jax.Array
@@ -47,6 +49,7 @@ class AdvantageInputs(NamedTuple):
     padding_mask_p1: jax.Array
     components: jax.Array | None = None
     component_weights: jax.Array | None = None
+    environment_mask: jax.Array | None = None
 
 
 class AdvantageEstimator(NamedTuple):
@@ -82,7 +85,8 @@ def advantage_estimator_names() -> tuple[str, ...]:
 @register_advantage_estimator("gae", uses_critic=True)
 def gae_advantages(batch: AdvantageInputs, settings) -> Advantages:
     """GAE over the shaped rewards and the critic's values; returns = A + V; A whitened over live tokens."""
-    return advantages_and_returns(batch.rewards, batch.values, batch.padding_mask, settings.gamma, settings.lam)
+    return advantages_and_returns(batch.rewards, batch.values, batch.padding_mask, settings.gamma, settings.lam,
+                                  environment_mask=batch.environment_mask)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -149,7 +153,7 @@ def reinforce_pp_advantages(batch: AdvantageInputs, settings) -> Advantages:
     KL-shaped rewards, whitened over the live tokens of the whole (global) batch; 0 on padding.
 
     The reward-to-go is GAE with no values and lambda = 1; returns are the raw reward-to-go."""
-    to_go = gae(batch.rewards, jnp.zeros_like(batch.rewards), settings.gamma, 1.0)
+    to_go = gae(batch.rewards, jnp.zeros_like(batch.rewards), settings.gamma, 1.0, batch.environment_mask)
     advantages = masked_whiten(to_go, ~batch.padding_mask, shift_mean=True)
     return Advantages(advantages=jnp.where(batch.padding_mask, 0.0, advantages), returns=to_go)
 

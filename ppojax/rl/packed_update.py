@@ -93,6 +93,14 @@ def _means(sums):
     return stats
 
 
+def response_extent(padding_mask):
+    """bool[M, R] -> i32[M]: one past each row's last token in the loss, the response tokens a packed row keeps.
+    The count of live tokens where they are contiguous; past a multi-turn episode's environment tokens (padding
+    for the loss, in the middle of the row) too, because the policy's later tokens read them."""
+    positions = jnp.arange(1, padding_mask.shape[1] + 1, dtype=jnp.int32)
+    return jnp.max(jnp.where(padding_mask, 0, positions[None, :]), axis=1)
+
+
 def packed_gradients(loss_of_outputs, actor_critic, params, frozen, mini, *, groups: int, rows_per_micro: int,
                      logits_chunk_size=None):
     """The gradient of a mini-batch's loss, and its diagnostics per padded micro-batch, from packed forwards.
@@ -106,8 +114,8 @@ def packed_gradients(loss_of_outputs, actor_critic, params, frozen, mini, *, gro
     response_length = mini.logprobs.shape[1]
     prompt_length = width - response_length
     pad = actor_critic.pad_token_id
-    live = jnp.sum(~mini.padding_mask, axis=1)
-    plan, packed = packed_rows_for(mini.query_responses, live, prompt_length, pad, rows_per_micro)
+    plan, packed = packed_rows_for(mini.query_responses, response_extent(mini.padding_mask), prompt_length, pad,
+                                   rows_per_micro)
     micro_batches = -(-plan.num_rows // rows_per_micro)
     group = jnp.arange(m) // (m // groups)
 

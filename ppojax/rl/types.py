@@ -70,6 +70,10 @@ class Experience:
                                   None otherwise (``logprobs`` are then the ratio's denominator).
     policy_versions: i32[B, R]    the policy version (``TrainState.update_count``) that sampled each token: the
                                   update's own in a synchronous run (None: unknown, no staleness metrics).
+    environment_mask: bool[B, R]  True on the tokens a multi-turn episode's environment wrote into the response
+                                  (tool results, observations), not the policy; None: single-turn. The update
+                                  leaves them out of every loss, the KL, the entropy and every token count, and
+                                  the advantage estimators' scans pass through them (docs/algorithm.md, GAE).
     """
 
     queries: jax.Array
@@ -89,6 +93,7 @@ class Experience:
     trained: jax.Array | None = None
     proximal_logprobs: jax.Array | None = None
     policy_versions: jax.Array | None = None
+    environment_mask: jax.Array | None = None
 
     @property
     def num_stop_tokens(self):

@@ -59,6 +59,17 @@ def per_token_kl(algorithm, experience):
     return ppo.kl_per_token(experience.logprobs, experience.ref_logprobs, algorithm.kl_estimator)
 
 
+def mask_environment_tokens(experience):
+    """A multi-turn episode's environment tokens (``Experience.environment_mask``) made padding on both sides:
+    from here on every loss term, the entropy, the KL and every live-token count leave them out, as they leave
+    out padding. The mask itself stays for the estimators' scans. Single-turn experience is returned as it is."""
+    environment = experience.environment_mask
+    if environment is None:
+        return experience
+    return experience.replace(padding_mask=experience.padding_mask | environment,
+                              padding_mask_p1=experience.padding_mask_p1 | environment)
+
+
 def shaped_rewards_and_advantages(algorithm, experience, scores, kl_coef, reward_weights=None):
     """The KL-shaped rewards (docs/algorithm.md, "Shaped rewards") and the configured advantage estimator on the whole
     rollout batch; the rows ``experience.trained`` leaves out and, with ``mask_truncated_completions``, the rows
@@ -69,13 +80,17 @@ def shaped_rewards_and_advantages(algorithm, experience, scores, kl_coef, reward
     ``experience.reward_components``' order (read by ``multi_objective_aggregation: normalize_then_sum``).
     Returns (UpdateBatch, rollout metrics, kl f32[B, R]).
     """
+    experience = mask_environment_tokens(experience)
     kl = per_token_kl(algorithm, experience)
+    if experience.environment_mask is not None:  # the KL estimate of a token the policy did not write
+        kl = jnp.where(experience.environment_mask, 0.0, kl)
     shaped = ppo.shaped_rewards(scores, kl, experience.last_index, kl_coef, experience.padding_mask_p1,
                                 score_position=algorithm.score_position, whiten_rewards=algorithm.whiten_rewards)
     estimator = ppo.advantage_estimator(algorithm.advantage_estimator)
     components, weights = reward_components(algorithm, experience, reward_weights)
     adv = estimator.fn(ppo.AdvantageInputs(shaped.rewards, scores, experience.values, experience.padding_mask,
-                                           experience.padding_mask_p1, components, weights), algorithm)
+                                           experience.padding_mask_p1, components, weights,
+                                           experience.environment_mask), algorithm)
     metrics = ppo.rollout_metrics(experience.scores, kl, shaped.non_score_reward, experience.logprobs,
                                   experience.padding_mask, experience.num_eos_tokens)
     if algorithm.processes_scores:
