@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.common import METRIC_KEYS, make_config, make_prompts
+from benchmarks.math_grpo import VARIANTS, run_record
 from benchmarks.run import trl_python
 
 REPO = Path(__file__).resolve().parent.parent
@@ -356,3 +357,21 @@ def test_the_harness_keeps_no_dated_or_diary_names():
     words = [f"{p}: {m.group(0)}" for p in files if p.suffix in (".py", ".sh", ".md")
              for m in diary.finditer((REPO / p).read_text())]
     assert not words, words
+
+
+def test_math_run_record_reads_the_dynamic_sampling_figures(tmp_path):
+    held = {"gsm8k_strict": 0.1, "gsm8k_flexible": 0.2, "answer_format": 0.3}
+    (tmp_path / "summary.json").write_text(json.dumps({"held_out_rewards_before": held, "held_out_rewards_after": held,
+                                                       "final_kl": 0.5, "updates": 2, "wall_seconds": 9.0}))
+    rows = [{"step": 1, "dynamic_sampling/rounds": 1, "dynamic_sampling/batch_full": 1.0,
+             "dynamic_sampling/groups_dropped": 3, "dynamic_sampling/generated_over_trained": 1.0},
+            {"step": 2, "dynamic_sampling/rounds": 3, "dynamic_sampling/batch_full": 0.0,
+             "dynamic_sampling/groups_dropped": 9, "dynamic_sampling/generated_over_trained": 2.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    record = run_record(tmp_path, 0, "train ...", "dapo")
+    assert record["variant"] == "dapo" and record["final_kl"] == 0.5 and record["held_out_rewards_after"] == held
+    assert record["dynamic_sampling"] == {"updates": 2, "batches_full": 1, "rounds": [1, 3], "groups_dropped": 12,
+                                          "generated_over_trained_mean": 1.5}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")
+    assert "dynamic_sampling" not in run_record(tmp_path, 0, "train ...")  # a run without it
+    assert "filter_groups=true" in VARIANTS["dapo"] and "importance_sampling_level=sequence" in VARIANTS["gspo"]
