@@ -17,13 +17,14 @@ ALLOWED = {
     "errors": set(),
     "core": {"errors"},
     "models": {"core", "io", "parallel", "errors"},
-    "rl": {"core", "models", "parallel", "errors"},
-    "trainer": {"core", "models", "rl", "parallel", "io", "assets", "backends", "tasks", "agents", "errors"},
+    "rl": {"core", "models", "parallel", "host", "errors"},
+    "trainer": {"core", "models", "rl", "parallel", "io", "assets", "backends", "tasks", "agents", "host", "errors"},
     "io": {"errors"},
     "parallel": {"errors"},
     "assets": {"errors"},
     "tasks": {"errors"},
-    "agents": {"errors"},
+    "agents": {"host", "errors"},
+    "host": {"errors"},
     # a backend implements the models' seam (`ppojax.models.kernels.Kernels`); nothing below imports a backend
     "backends": {"models", "io", "parallel", "errors"},
 }
@@ -178,6 +179,8 @@ ARRAY_LIBRARIES = ("jax", "numpy", "flax")
 LAZY_ARRAY_IMPORTS = {
     # runs in .venv-bench too (benchmarks/run.py's TRL interpreter), which has torch and no jax
     ("benchmarks/peak.py", "measure_jax"),
+    # also runs where jax cannot be imported (test_config_errors.py's refusals before any heavy library)
+    ("tests/cli_refusals.py", "run_cases"),
 }
 
 

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 
 from ppojax.errors import ConfigError, RewardFunctionError
+from ppojax.agents.calls import call
+from ppojax.host import event_loop
 from ppojax.rl.reward_calls import RewardBatch, RewardCall, call_all
 from ppojax.tasks import arithmetic
 from ppojax.tasks.math_answers import answer_format, extract_answer, gsm8k_flexible, gsm8k_strict, boxed_answer
@@ -374,3 +376,19 @@ def test_a_reward_function_that_cannot_be_had_is_named_by_its_field():
         resolve_reward_function("no_such_module_xyz:score", "reward_funcs")
     with pytest.raises(ConfigError, match=r"reward_function='math:pi' is a float, not a function"):
         resolve_reward_function("math:pi", "reward_function")
+
+
+def test_async_rewards_tools_and_environments_share_one_event_loop():
+    """A client an environment opens on the loop in `reset` stays usable by an async reward function or tool: they
+    are all awaited on the process's one loop (ppojax.host), not one loop per layer."""
+    loops = []
+
+    async def reward(completions):
+        loops.append(asyncio.get_running_loop())
+        return [0.0] * len(completions)
+
+    async def tool():
+        return asyncio.get_running_loop()
+
+    call_all([RewardCall.of(reward)], _batch())
+    assert call(tool) is loops[0] is event_loop()

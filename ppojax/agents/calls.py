@@ -1,7 +1,7 @@
 """Calling a user's function from the host loop, sync or async, optionally with a time limit.
 
 ``call(fn, args, kwargs, timeout=...)`` returns ``fn(*args, **kwargs)``. An ``async def`` function (or a function that
-returns an awaitable) is awaited on one event loop that runs on a daemon thread for the whole process, so the
+returns an awaitable) is awaited on the process's one event loop (``ppojax.host``), so the
 coroutines of one environment all run on the same loop (a client session it opened in ``reset`` is still usable
 in ``step``). With a ``timeout`` a synchronous function runs on a daemon thread of its own; when it has not
 returned in time ``CallTimeout`` is raised and the thread is left to finish (Python cannot stop a thread; as a
@@ -15,6 +15,8 @@ import threading
 import time
 from typing import Callable, Optional
 
+from ppojax.host import event_loop
+
 __all__ = ["CallTimeout", "call", "event_loop", "is_async"]
 
 
@@ -26,18 +28,6 @@ class CallTimeout(Exception):
         self.timeout = timeout
 
 
-_loop: Optional[asyncio.AbstractEventLoop] = None
-_lock = threading.Lock()
-
-
-def event_loop() -> asyncio.AbstractEventLoop:
-    """The event loop (on a daemon thread, started on first use) that every async tool and environment runs on."""
-    global _loop
-    with _lock:
-        if _loop is None:
-            _loop = asyncio.new_event_loop()
-            threading.Thread(target=_loop.run_forever, name="ppojax-agents-loop", daemon=True).start()
-        return _loop
 
 
 def is_async(fn) -> bool:

@@ -9,11 +9,11 @@ float per row, or None where it does not apply. Two other shapes are recognised 
     positional   ``f(prompts, completions)`` under other parameter names (ppojax's older convention): the
                  prompts and completions are passed by position.
 
-``async def`` functions are awaited on one event loop thread (a per-sample async function has its rows awaited
-together); synchronous functions run on a thread pool, so the functions of one batch run at the same time and
-a slow one costs its own time, not the sum. :class:`RewardCall` is one function with its calling convention,
-worked out once when the run is built (:meth:`RewardCall.check_arguments` refuses a function that needs a
-column the dataset lacks, before any compute).
+``async def`` functions are awaited on the process's one event loop (``ppojax.host``, shared with tools and
+environments; a per-sample async function has its rows awaited together); synchronous functions run on a thread
+pool, so the functions of one batch run at the same time and a slow one costs its own time, not the sum.
+:class:`RewardCall` is one function with its calling convention, worked out once when the run is built
+(:meth:`RewardCall.check_arguments` refuses a function that needs a column the dataset lacks, before any compute).
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from ppojax.errors import RewardFunctionError
+from ppojax.host import event_loop
 
 __all__ = ["RewardBatch", "RewardCall", "call_all", "reward_function_name"]
 
@@ -165,19 +166,8 @@ class _RowError(Exception):
 
 
 # ------------------------------------------------------------------------------------------ concurrency
-_loop: Optional[asyncio.AbstractEventLoop] = None
 _pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
 _lock = threading.Lock()
-
-
-def _event_loop() -> asyncio.AbstractEventLoop:
-    """One event loop on a daemon thread for every async reward function of the process."""
-    global _loop
-    with _lock:
-        if _loop is None:
-            _loop = asyncio.new_event_loop()
-            threading.Thread(target=_loop.run_forever, name="ppojax-async-rewards", daemon=True).start()
-        return _loop
 
 
 def _thread_pool() -> concurrent.futures.ThreadPoolExecutor:
@@ -196,7 +186,7 @@ def call_all(calls: Sequence[RewardCall], batch: RewardBatch) -> list:
     futures = []
     for call in calls:
         if call.is_async:
-            futures.append(asyncio.run_coroutine_threadsafe(call.run_async(batch), _event_loop()))
+            futures.append(asyncio.run_coroutine_threadsafe(call.run_async(batch), event_loop()))
         elif len(calls) == 1:  # nothing to overlap with: no thread hop
             futures.append(_done(call, batch))
         else:
