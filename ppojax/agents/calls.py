@@ -28,8 +28,6 @@ class CallTimeout(Exception):
         self.timeout = timeout
 
 
-
-
 def is_async(fn) -> bool:
     """Whether calling ``fn`` gives a coroutine (an ``async def`` function, method or ``__call__``)."""
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
