@@ -6,12 +6,14 @@
     calls.py         calling a user's function, sync or async, with a time limit
     tools.py         running the tool calls of a batch: observation texts and counters, never exceptions
     environments.py  the environment protocol (reset/step), the adapter for TRL's environment classes, the pool
+    episodes.py      a batch of episodes between model turns: environments stepped, observations as template tokens
     templates.py     whether a chat template shows tools; a ChatML template with tools (for SmolLM2)
     loading.py       tools, environments and parsers named 'module:name' in a config
 
-Nothing here touches the model or JAX: the multi-turn sampler and the losses' environment-token mask build on it.
+Nothing here touches the model or JAX: the multi-turn sampler (``ppojax.rl.episodes``) calls it between turns.
 """
 from ppojax.agents.calls import CallTimeout
+from ppojax.agents.episodes import ChatRenderer, EpisodeHost, TemplateRewritesHistory
 from ppojax.agents.environments import (Environment, EnvironmentFactory, Step, ToolEnvironment, final_reward,
                                         reset_all, reset_environment, step_all, step_environment, tool_methods)
 from ppojax.agents.loading import import_named, load_environment, load_tool_call_parser, load_tools
@@ -22,7 +24,8 @@ from ppojax.agents.templates import CHATML_TOOLS_TEMPLATE, check_tool_template, 
 from ppojax.agents.tools import DEFAULT_TOOL_TIMEOUT, ToolCounters, ToolResult, ToolRunner, tool_table
 
 __all__ = [
-    "CHATML_TOOLS_TEMPLATE", "CallTimeout", "DEFAULT_TOOL_TIMEOUT", "Environment", "EnvironmentFactory",
+    "CHATML_TOOLS_TEMPLATE", "CallTimeout", "ChatRenderer", "DEFAULT_TOOL_TIMEOUT", "Environment",
+    "EnvironmentFactory", "EpisodeHost", "TemplateRewritesHistory",
     "MalformedCall", "ParsedMessage", "Step", "ToolCall", "ToolCounters", "ToolEnvironment", "ToolResult",
     "ToolRunner", "check_tool_template", "final_reward", "get_tool_call_parser", "import_named", "load_environment",
     "load_tool_call_parser", "load_tools", "parse_hermes", "parse_llama3", "register_tool_call_parser",

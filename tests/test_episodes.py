@@ -1,0 +1,174 @@
+"""Multi-turn episodes on one KV cache (ppojax.rl.episodes), against independent references:
+
+- the stream is each row's turns and observations in order, as a plain Python replay of the scripted environment
+  says (turn boundaries at the stop token, observations where the environment put them, nothing after the end);
+- the sampler's log-probs of the model's tokens equal a plain forward over [prompt | stream] (the cache kept across
+  turns, with the rows' idle slots masked, is the contiguous conversation);
+- the environment mask is True exactly on the observations' tokens;
+- a turn's prefill is its new tokens (the model calls traced: the prompt once, then 1 token, then 1 + O);
+- one compiled program for every turn, and a second batch with other prompts and key does not recompile.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from ppojax.models import CausalLM
+from ppojax.core.masks import INVALID_LOGPROB
+from ppojax.rl.episodes import EpisodeShape, HostAnswer, generate_episodes
+from ppojax.rl.forward import response_logprobs
+from ppojax.rl.sampler import generate_jit
+from tests.tiny_setup import tiny_policy
+
+PAD, B, P = 0, 12, 5
+SHAPE = EpisodeShape(turn_length=6, observation_length=5, max_turns=3, episode_length=24)
+TEMPERATURE, TOP_K = 1.3, 3
+PROMPTS = np.random.default_rng(0).integers(2, 16, size=(B, P)).astype(np.int32)
+for _i in range(B):
+    PROMPTS[_i, :_i % 3] = PAD
+
+
+@pytest.fixture(scope="module")
+def policy():
+    return nnx.split(tiny_policy(0))
+
+
+@pytest.fixture(scope="module")
+def stop_token(policy):
+    """The token the tiny model samples most often: turns then end at it often enough to have several."""
+    graphdef, params = policy
+    out = np.asarray(generate_jit(graphdef, params, jnp.asarray(PROMPTS), jax.random.key(9), response_length=12,
+                                  pad_token_id=PAD, temperature=TEMPERATURE, top_k=TOP_K))
+    return int(np.bincount(out.ravel(), minlength=16)[2:].argmax() + 2)
+
+
+def observation_of(episode, turn):
+    """The scripted environment's observation: 1 + (episode + turn) % 4 tokens, ids from 2 to 15."""
+    n = 1 + (episode + turn) % 4
+    return [2 + (3 * episode + 5 * turn + j) % 14 for j in range(n)]
+
+
+def goes_on(episode, turn):
+    """Episodes 0, 4, 8 stop after their first turn; the others go on."""
+    return episode % 4 != 0
+
+
+def scripted_host(turn, episode, tokens, ended, running, stream_length):
+    """The environment above as a traced function (what a host callback returns, without the host)."""
+    width = SHAPE.observation_length
+    table = np.full((B, SHAPE.max_turns, width), PAD, np.int32)
+    lengths = np.zeros((B, SHAPE.max_turns), np.int32)
+    for e in range(B):
+        for t in range(SHAPE.max_turns):
+            obs = observation_of(e, t)
+            table[e, t, width - len(obs):] = obs
+            lengths[e, t] = len(obs)
+    go = jnp.asarray([goes_on(e, 0) for e in range(B)])[episode]
+    fits = stream_length + jnp.asarray(lengths)[episode, turn] < SHAPE.episode_length
+    return HostAnswer(jnp.asarray(table)[episode, turn], jnp.asarray(lengths)[episode, turn], go & fits,
+                      jnp.where(running, 1.0 + turn, jnp.nan))
+
+
+def run(policy, stop, prompts=PROMPTS, key=3, host=scripted_host, jitted=None):
+    graphdef, params = policy
+    fn = jitted or make_jitted(graphdef, stop, host)
+    return fn(params, jnp.asarray(prompts), jax.random.key(key))
+
+
+def make_jitted(graphdef, stop, host=scripted_host):
+    return jax.jit(lambda params, prompts, key: generate_episodes(
+        graphdef, params, prompts, key, shape=SHAPE, host_turn=host, pad_token_id=PAD, stop_token_id=stop,
+        temperature=TEMPERATURE, top_k=TOP_K))
+
+
+@pytest.fixture(scope="module")
+def episodes(policy, stop_token):
+    return jax.tree.map(np.asarray, run(policy, stop_token))
+
+
+def replay(stream, environment, stop):
+    """A row's stream cut into its segments by a plain reading: [(kind, tokens)] with kind 'model' / 'env'."""
+    segments = []
+    for token, env in zip(stream, environment):
+        if token == PAD and not env:
+            break
+        kind = "env" if env else "model"
+        if segments and segments[-1][0] == kind:
+            segments[-1][1].append(int(token))
+        else:
+            segments.append((kind, [int(token)]))
+    return segments
+
+
+def test_the_stream_is_the_turns_and_observations_in_order(episodes, stop_token):
+    multi = 0
+    for e in range(B):
+        segments = replay(episodes.stream[e], episodes.environment_mask[e], stop_token)
+        kinds = [kind for kind, _ in segments]
+        assert kinds[::2] == ["model"] * len(kinds[::2]) and kinds[1::2] == ["env"] * len(kinds[1::2])
+        model_turns = [tokens for kind, tokens in segments if kind == "model"]
+        assert len(model_turns) == episodes.turns[e] <= SHAPE.max_turns
+        for t, tokens in enumerate(model_turns[:-1]):  # a turn the environment answered ended with the stop token
+            assert tokens[-1] == stop_token and stop_token not in tokens[:-1]
+            assert len(tokens) <= SHAPE.turn_length
+            assert goes_on(e, t)
+            assert [toks for kind, toks in segments if kind == "env"][t] == observation_of(e, t)
+        last = model_turns[-1]
+        assert stop_token not in last[:-1]
+        ended_with_stop = last[-1] == stop_token
+        # completed: the last turn ended with the stop token and the environment ended the episode
+        assert episodes.completed[e] == (ended_with_stop and (not goes_on(e, len(model_turns) - 1)))
+        if not ended_with_stop:  # truncated: the turn's or the stream's budget ran out
+            assert len(last) == SHAPE.turn_length or sum(len(s) for _, s in segments) == SHAPE.episode_length
+        # the turn rewards 1, 2, ... summed over the turns taken
+        assert episodes.environment_reward[e] == sum(1.0 + t for t in range(len(model_turns)))
+        multi += len(model_turns) > 1
+    assert multi >= 3, "the fixture should give several multi-turn episodes"
+
+
+def test_sampler_logprobs_equal_a_forward_over_the_whole_conversation(policy, episodes):
+    graphdef, params = policy
+    model = nnx.merge(graphdef, params)
+    query_responses = jnp.concatenate([jnp.asarray(PROMPTS), jnp.asarray(episodes.stream)], axis=1)
+    forward = np.asarray(response_logprobs(model, query_responses, P, PAD, TEMPERATURE)[0])
+    policy_tokens = (episodes.stream != PAD) & ~episodes.environment_mask
+    assert policy_tokens.sum() > 40
+    np.testing.assert_allclose(episodes.logprobs[policy_tokens], forward[policy_tokens], atol=2e-5, rtol=0)
+    assert np.all(episodes.logprobs[~policy_tokens] == INVALID_LOGPROB)
+
+
+def test_the_environment_mask_is_the_observations(episodes, stop_token):
+    for e in range(B):
+        segments = replay(episodes.stream[e], episodes.environment_mask[e], stop_token)
+        expected = np.concatenate([np.full(len(tokens), kind == "env") for kind, tokens in segments])
+        n = len(expected)
+        np.testing.assert_array_equal(episodes.environment_mask[e, :n], expected)
+        assert not episodes.environment_mask[e, n:].any()
+        assert np.all(episodes.stream[e, n:] == PAD)
+
+
+def test_a_turns_prefill_is_its_new_tokens(policy, stop_token, monkeypatch):
+    seen = []
+    original = CausalLM.__call__
+
+    def recording(self, input_ids, *args, **kwargs):
+        seen.append(tuple(input_ids.shape))
+        return original(self, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(CausalLM, "__call__", recording)
+    jax.make_jaxpr(lambda params: generate_episodes(
+        policy[0], params, jnp.asarray(PROMPTS), jax.random.key(0), shape=SHAPE, host_turn=scripted_host,
+        pad_token_id=PAD, stop_token_id=stop_token))(policy[1])
+    # the prompt once, one token per decode step, the turn's last token and the observation: never the conversation
+    assert sorted(set(seen)) == sorted({(B, P), (B, 1), (B, 1 + SHAPE.observation_length)})
+    assert seen.count((B, P)) == 1
+
+
+def test_one_program_for_every_turn_and_batch(policy, stop_token):
+    jitted = make_jitted(policy[0], stop_token)
+    first = run(policy, stop_token, jitted=jitted)
+    other = np.random.default_rng(1).integers(2, 16, size=(B, P)).astype(np.int32)
+    second = run(policy, stop_token, prompts=other, key=4, jitted=jitted)
+    assert int(jnp.max(first.turns)) > 1 and int(jnp.max(second.turns)) > 1
+    assert jitted._cache_size() == 1
