@@ -22,7 +22,7 @@ ALLOWED = {
     "io": {"errors"},
     "parallel": {"errors"},
     "assets": {"errors"},
-    "tasks": {"errors"},
+    "tasks": {"agents", "errors"},
     "agents": {"host", "errors"},
     "host": {"errors"},
     # a backend implements the models' seam (`ppojax.models.kernels.Kernels`); nothing below imports a backend

@@ -131,7 +131,10 @@ def test_derived_sets_are_what_the_fields_declare():
                                                 "num_generations", "lora_r", "lora_alpha", "lora_target_modules",
                                                 "reward_model_label", "reward_funcs", "reward_weights",
                                                 "eval_dataset",
-                                                "gen_batch_size"}  # dynamic sampling's data batch (issue 61)
+                                                "gen_batch_size",  # dynamic sampling's data batch (issue 61)
+                                                # an agent run's tools, environment, template and buffer shapes
+                                                "tools", "environment_factory", "tool_chat_template", "turn_length",
+                                                "observation_length"}
     # fields added since those lists, each classified deliberately
     assert C.IGNORED_ON_RESUME_FIELDS == OLD_HARMLESS | {"overwrite_output_dir", "resume_with_changes",
                                                          "compile_ahead", "export_check", "eval_steps"}
@@ -151,7 +154,9 @@ def test_derived_sets_are_what_the_fields_declare():
         # the off-policy corrections (issue 62)
         "vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
         "vllm_importance_sampling_clip_min", "off_policy_mask_threshold", "use_decoupled_loss",
-        "behav_imp_weight_cap"}
+        "behav_imp_weight_cap",
+        # how an agent run's tools are called (issue 60)
+        "max_tool_calling_iterations", "tool_call_parser", "tool_timeout"}
     # the three classes partition the fields (what a resume compares is read from them alone)
     assert not (C.MUST_MATCH_FIELDS & C.IGNORED_ON_RESUME_FIELDS or C.MUST_MATCH_FIELDS & C.MAY_CHANGE_FIELDS
                 or C.IGNORED_ON_RESUME_FIELDS & C.MAY_CHANGE_FIELDS)

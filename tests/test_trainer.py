@@ -182,7 +182,7 @@ def test_evaluation_and_sample_tables_are_scored_by_a_reward_model(tmp_path):
     for start in (0, 8):  # the evaluation's two sampler batches (the second padded to 8 rows)
         queries = np.asarray(trainer.eval_queries[start:start + 8])
         queries = np.concatenate([queries, np.repeat(queries[-1:], 8 - len(queries), 0)])
-        _, _, responses = trainer._sample(queries, step=0)
+        _, _, responses, _ = trainer._sample(queries, step=0)
         tokens = np.concatenate([queries, responses], axis=1)
         mask = tokens != 0
         per_position = np.asarray(reward(jnp.asarray(tokens), jnp.asarray(mask),
@@ -272,7 +272,7 @@ def test_a_two_label_classifier_rewards_with_the_chosen_label(tmp_path):
     trainer = PPOTrainer(config, processing_class=tiny_tokenizer(), model=tiny_policy(), train_dataset=PROMPTS)
     result = trainer.evaluate(step=0)
     queries = np.asarray(trainer.eval_queries)
-    _, _, responses = trainer._sample(queries, step=0)
+    _, _, responses, _ = trainer._sample(queries, step=0)
     tokens = np.concatenate([queries, responses], axis=1)
     mask = tokens != 0
     with torch.no_grad():

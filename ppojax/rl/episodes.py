@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -114,6 +114,18 @@ class Episodes(NamedTuple):
     completed: jax.Array
     environment_reward: jax.Array
     turns: jax.Array
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class EpisodeSource:
+    """What a program plays its episodes against (``PPOProgram.episodes``; hashable by identity).
+
+    host_turn: the :data:`HostTurn` (``host_callback(EpisodeHost.turn, ...)`` in a run); reward_name: the
+    environment's reward among the run's rewards (its turn rewards and ``get_reward()``, weight 1, as TRL adds an
+    environment's), or None: the environment gives none (standalone tools)."""
+
+    host_turn: HostTurn
+    reward_name: Optional[str] = None
 
 
 def host_callback(turn_fn, shape: EpisodeShape, mesh=None) -> HostTurn:

@@ -39,7 +39,8 @@ class PPOProgram:
     actor_critic: the model forwards; reward: a ``ppojax.rl.rewards.RewardSource``; settings: the static
     settings (``ppojax.rl.settings.StepSettings``); optimizer: an optax transformation (without the learning
     rate: the state's traced ``hyperparams.learning_rate`` scales it); mesh: the device mesh, or None for a
-    single device.
+    single device; episodes: what multi-turn episodes are played against (``ppojax.rl.episodes.EpisodeSource``;
+    with ``settings.sampling.episodes``), or None.
     """
 
     actor_critic: ActorCritic
@@ -47,6 +48,16 @@ class PPOProgram:
     settings: StepSettings
     optimizer: Any
     mesh: Optional[Any] = None
+    episodes: Optional[Any] = None
+
+    @property
+    def reward_weights(self) -> Optional[tuple]:
+        """The weights of the experience's reward components, in order: the reward source's, then the
+        environment's (1, as TRL weighs an environment's reward) where episodes give one; None without any."""
+        weights = getattr(self.reward, "weights", None)
+        if self.episodes is None or self.episodes.reward_name is None:
+            return weights
+        return tuple(weights or ()) + (1.0,)
 
     @property
     def kl_estimator(self) -> ppo.KLEstimator:
@@ -77,7 +88,7 @@ def learn_unless_reward_failed(program: PPOProgram, state, experience, key, fail
     ``reward_failed``; the host then re-raises the failure, ``RewardSource.raise_pending``). A source that cannot
     fail passes nothing."""
     state, metrics = learn(program, state, experience, key,
-                           reward_failed=failures > 0 if program.reward.may_fail else None)
+                           reward_failed=failures > 0 if getattr(program.reward, "may_fail", False) else None)
     metrics["reward/failures"] = failures
     metrics["ppo/nonfinite_streak"] = state.nonfinite_streak  # for the host, which reads metrics an update late
     metrics.update(reward_component_metrics(experience.reward_components))
@@ -164,6 +175,9 @@ def _collect(program: PPOProgram, state, prompts, sample_key):
     prompts = as_prompts(prompts)
     if program.settings.dynamic_sampling is not None:
         return dynamic_sampling.collect(program, state, prompts, sample_key)
+    if program.settings.sampling.episodes is not None:
+        experience, failures, metrics = rollout.episode_experience(program, state, prompts, sample_key)
+        return experience, failures, metrics
     query_responses, sampler_logprobs = rollout.sample(program, state, prompts.input_ids, sample_key)
     rows = jnp.repeat(prompts.rows, program.settings.sampling.num_generations, axis=0)  # as sample() repeats
     experience, failures = rollout.experience(program, state, query_responses, prompts.input_ids.shape[1],

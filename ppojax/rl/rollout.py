@@ -25,12 +25,14 @@ from flax import nnx
 from ppojax import parallel
 from ppojax.rl import placement
 from ppojax.rl.continuous import generate_continuous
+from ppojax.rl.episodes import Episodes, generate_episodes
 from ppojax.rl.packed_rollout import packed_rollout_forwards, rollout_packed_shape
 from ppojax.rl.sampler import generate
 from ppojax.core.masks import INVALID_LOGPROB, contains_stop_token, response_masks, truncate_response
 from ppojax.core.overlong import soft_overlong_punishment
 from ppojax.core.shaping import apply_missing_eos_penalty
-from ppojax.rl.types import Experience
+from ppojax.rl.rewards import weighted_total
+from ppojax.rl.types import Experience, Prompts
 
 
 # --------------------------------------------------------------------------------------------------
@@ -58,6 +60,34 @@ def sample(program, state, prompts, key):
     return out if keep_logprobs else (out, None)
 
 
+def sample_episodes(program, params, frozen, prompts, key, temperature=None, group_size=None) -> Episodes:
+    """Step 1 of a multi-turn run: each prompt's ``G`` episodes (rows consecutive; default ``num_generations``)
+    played against ``program.episodes`` on one KV cache (``ppojax.rl.episodes``). params, frozen: the state's;
+    prompts: i32[B / G, P]; temperature: default the run's (evaluation passes a near-greedy one). -> ``Episodes``
+    of B rows."""
+    sampling = program.settings.sampling
+    group_size = sampling.num_generations if group_size is None else group_size
+    if group_size > 1:
+        prompts = jnp.repeat(prompts, group_size, axis=0)
+    graphdef, weights = program.actor_critic.sampling_policy(params, frozen)
+    weights, init_cache_fn = _decode_placement(graphdef, weights, program.mesh)
+    return generate_episodes(graphdef, weights, prompts, key, shape=sampling.episodes,
+                             host_turn=program.episodes.host_turn, pad_token_id=sampling.pad_token_id,
+                             stop_token_id=sampling.stop_token_id,
+                             temperature=sampling.temperature if temperature is None else temperature,
+                             top_k=sampling.top_k, top_p=sampling.top_p, init_cache_fn=init_cache_fn)
+
+
+def _decode_placement(graphdef, params, mesh):
+    """The weights in the compute dtype and, on a mesh, read under ``GENERATE_RULES`` (gathered over fsdp once for
+    the whole decode loop), with the cache sharded by rows -> (params, init_cache_fn or None)."""
+    params = _in_compute_dtype(graphdef, params)
+    if mesh is None:
+        return params, None
+    params = jax.lax.with_sharding_constraint(params, parallel.param_shardings(params, mesh, parallel.GENERATE_RULES))
+    return params, placement.make_init_cache_fn(mesh)
+
+
 def _sample_policy(policy_graphdef, policy_params, queries, key, sampling, temperature, *, greedy=False, mesh=None,
                    return_logprobs=False, group_size=1):
     """queries i32[B / G, P] -> query_responses i32[B, P+R] (and the sampled tokens' log-probs f32[B, R] with
@@ -65,12 +95,7 @@ def _sample_policy(policy_graphdef, policy_params, queries, key, sampling, tempe
     takes G = 1). ``sampling.rollout_slots`` > 0 decodes with continuous batching (the same tokens). On a
     mesh, the weights are read under ``GENERATE_RULES`` (gathered over fsdp once for the whole decode loop) and
     the KV cache is sharded by rows."""
-    init_cache_fn = None
-    policy_params = _in_compute_dtype(policy_graphdef, policy_params)
-    if mesh is not None:
-        policy_params = jax.lax.with_sharding_constraint(
-            policy_params, parallel.param_shardings(policy_params, mesh, parallel.GENERATE_RULES))
-        init_cache_fn = placement.make_init_cache_fn(mesh)
+    policy_params, init_cache_fn = _decode_placement(policy_graphdef, policy_params, mesh)
     decode = functools.partial(generate, segments=sampling.decode_segments, group_size=group_size)
     if sampling.rollout_slots:  # continuous batching: S slots refilled from the waiting rows
         decode = functools.partial(generate_continuous, slots=sampling.rollout_slots)
@@ -95,6 +120,12 @@ def _in_compute_dtype(graphdef, params):
                         and jnp.finfo(x.dtype).bits > jnp.finfo(compute).bits else x, params)
 
 
+@functools.partial(jax.jit, static_argnames=("program",))
+def episodes_jit(program, params, frozen, prompts, key, temperature) -> Episodes:
+    """Episodes outside the PPO program (sample tables, evaluation): one per prompt, at ``temperature`` (traced)."""
+    return sample_episodes(program, params, frozen, prompts, key, temperature, group_size=1)
+
+
 @functools.partial(jax.jit, static_argnames=("policy_graphdef", "sampling", "greedy", "mesh"))
 def sample_jit(policy_graphdef, policy_params, queries, key, temperature, *, sampling, greedy=False, mesh=None):
     """The policy's completions outside the PPO program (sample tables, evaluation, the legacy ``generate()``):
@@ -106,7 +137,8 @@ def sample_jit(policy_graphdef, policy_params, queries, key, temperature, *, sam
 # --------------------------------------------------------------------------------------------------
 # Steps 2-6: the forwards
 # --------------------------------------------------------------------------------------------------
-def experience_forwards(program, state, query_responses, prompt_length, sampler_logprobs=None) -> Experience:
+def experience_forwards(program, state, query_responses, prompt_length, sampler_logprobs=None,
+                        episodes=None) -> Experience:
     """Truncate, masks, behaviour/reference log-probs, values (and the full KL when the estimator needs it).
 
     query_responses: i32[B, P+R]. sampler_logprobs: f32[B, R] from :func:`sample`, used as the
@@ -114,12 +146,14 @@ def experience_forwards(program, state, query_responses, prompt_length, sampler_
     against the proximal one (``AlgorithmSettings.weighs_behaviour``), the policy forward runs anyway and its
     log-probs are the experience's ``proximal_logprobs`` (with no sampler's log-probs, the same numbers as
     ``logprobs``). Every token's policy version is the state's ``update_count``. The returned Experience's
-    ``scores`` are zeros: :func:`with_scores` sets them.
+    ``scores`` are zeros: :func:`with_scores` sets them. episodes: a multi-turn rollout's ``Episodes`` (its streams
+    are the responses): nothing is cut at a stop token (every turn ends with one), the environment's tokens are
+    masked (``environment_mask``) and ``contains_stop`` is the episodes' ``completed``.
     """
     sampling, batch, P = program.settings.sampling, program.settings.batch, prompt_length
     pad = sampling.pad_token_id
     queries, raw_responses = query_responses[:, :P], query_responses[:, P:]
-    responses = truncate_response(raw_responses, sampling.stop_token_id, pad)
+    responses = raw_responses if episodes is not None else truncate_response(raw_responses, sampling.stop_token_id, pad)
     masks = response_masks(responses, pad)
     with_full_kl = program.kl_estimator.needs_full_distribution
     proximal_wanted = program.settings.algorithm.weighs_behaviour
@@ -155,11 +189,13 @@ def experience_forwards(program, state, query_responses, prompt_length, sampler_
         last_index=masks.last_index,
         padding_mask=masks.padding_mask,
         padding_mask_p1=masks.padding_mask_p1,
-        contains_stop=contains_stop_token(responses, sampling.stop_token_id),
+        contains_stop=(contains_stop_token(responses, sampling.stop_token_id) if episodes is None
+                       else episodes.completed),
         num_eos_tokens=num_eos,
         full_kl=None if full_kl is None else jnp.where(masks.padding_mask, 0.0, full_kl),
         proximal_logprobs=proximal,
         policy_versions=jnp.full(responses.shape, state.update_count, jnp.int32),
+        environment_mask=None if episodes is None else episodes.environment_mask,
     )
 
 
@@ -203,3 +239,32 @@ def experience(program, state, query_responses, prompt_length, reward=None, samp
     rewarded = reward_scores(program, state, exp.queries, exp.responses, rows, reward)
     exp = with_scores(exp, rewarded.scores, program.settings).replace(reward_components=rewarded.components)
     return exp, rewarded.failures
+
+
+def episode_experience(program, state, prompts: Prompts, key):
+    """Steps 1-8 of a multi-turn run: episodes (:func:`sample_episodes`), the forwards over ``[prompt | stream]``,
+    the reward source's scores on the streams plus the environment's reward (``program.reward_weights``).
+    -> (Experience, reward failures i32[], episode metrics)."""
+    sampling = program.settings.sampling
+    group = sampling.num_generations
+    episodes = sample_episodes(program, state.params, state.frozen, prompts.input_ids, key)
+    queries = jnp.repeat(prompts.input_ids, group, axis=0) if group > 1 else prompts.input_ids
+    query_responses = jnp.concatenate([queries.astype(jnp.int32), episodes.stream], axis=1)
+    keep = sampling.behaviour_logprobs == "sampler"
+    exp = experience_forwards(program, state, query_responses, queries.shape[1],
+                              episodes.logprobs if keep else None, episodes=episodes)
+    components, failures = {}, jnp.zeros((), jnp.int32)
+    if program.reward is not None:
+        rewarded = reward_scores(program, state, exp.queries, exp.responses, jnp.repeat(prompts.rows, group, axis=0))
+        components, failures = dict(rewarded.components), rewarded.failures
+    if program.episodes.reward_name is not None:
+        components[program.episodes.reward_name] = episodes.environment_reward
+    scores = weighted_total(jnp.stack(list(components.values())), jnp.asarray(program.reward_weights, jnp.float32))
+    exp = with_scores(exp, scores, program.settings).replace(reward_components=components)
+    environment_tokens = jnp.sum(episodes.environment_mask, axis=1)
+    lengths = exp.last_index + 1
+    metrics = {"episodes/turns": jnp.mean(episodes.turns.astype(jnp.float32)),
+               "episodes/completed": jnp.mean(episodes.completed.astype(jnp.float32)),
+               "episodes/environment_tokens": jnp.mean(environment_tokens.astype(jnp.float32)),
+               "episodes/model_tokens": jnp.mean((lengths - environment_tokens).astype(jnp.float32))}
+    return exp, failures, metrics

@@ -28,6 +28,7 @@ import optax
 from flax import struct
 
 from ppojax.rl import forward
+from ppojax.rl.episodes import EpisodeShape
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,9 @@ class SamplingSettings:
     policy forward computes them) or 'sampler' (the decode loop's). stop_token_id: a response ends after it
     (None: never); eos_token_id: counted in the metrics. rollout_slots: 0 decodes all rows together
     (``ppojax.rl.sampler.generate``), S > 0 S sequences at a time (``ppojax.rl.continuous``). decode_segments:
-    the loops ``generate`` cuts its decode into, each reading only the cache slots filled by its end."""
+    the loops ``generate`` cuts its decode into, each reading only the cache slots filled by its end. episodes: the
+    sizes of multi-turn episodes (``ppojax.rl.episodes``; ``response_length`` is then an episode's T), or None: one
+    sampled response per row."""
 
     response_length: int
     pad_token_id: int
@@ -52,6 +55,7 @@ class SamplingSettings:
     behaviour_logprobs: str = "forward"
     rollout_slots: int = 0
     decode_segments: int = 4
+    episodes: Optional[EpisodeShape] = None
 
 
 @dataclass(frozen=True)
@@ -243,7 +247,11 @@ class StepSettings:
             response_length=c.response_length, pad_token_id=pad_token_id, stop_token_id=stop_token_id,
             eos_token_id=eos_token_id, temperature=c.temperature, top_k=c.top_k, top_p=c.top_p,
             num_generations=c.num_generations, behaviour_logprobs=c.behaviour_logprobs,
-            rollout_slots=c.rollout_slots, decode_segments=c.decode_segments)
+            rollout_slots=c.rollout_slots, decode_segments=c.decode_segments,
+            episodes=EpisodeShape(turn_length=c.turn_length or c.response_length,
+                                  observation_length=c.observation_length,
+                                  max_turns=c.max_tool_calling_iterations + 1,
+                                  episode_length=c.response_length) if c.is_agent_run else None)
         algorithm = AlgorithmSettings(
             advantage_estimator=c.advantage_estimator, gamma=c.gamma, lam=c.lam, num_generations=c.num_generations,
             scale_rewards=c.scale_rewards, normalize_advantages=c.normalize_advantages, kl_estimator=c.kl_estimator,

@@ -314,7 +314,7 @@ def learn(program, state, experience, key, reward_failed=None):
     algorithm, optim = program.settings.algorithm, program.settings.optim
     scores, moments = process_scores(algorithm, experience, state.score_moments)
     batch, rollout_stats, _ = shaped_rewards_and_advantages(algorithm, experience, scores, state.kl_coef,
-                                                            reward_weights=getattr(program.reward, "weights", None))
+                                                            reward_weights=program.reward_weights)
     withheld = reward_failed
     if experience.trained is not None:  # nothing to train: Adam's moments alone would still move the weights
         nothing = ~jnp.any(~batch.padding_mask)

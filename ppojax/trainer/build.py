@@ -38,6 +38,7 @@ from ppojax.trainer.preflight import check_matmul_implementation, preflight, res
 from ppojax.trainer.run_models import (RunModels, abstract_models, follow_config, load_model, load_models,
                                        model_kwargs)
 from ppojax.trainer.run_prompts import prompt_data, read_prompt_texts, token_ids
+from ppojax.trainer.run_agents import RunAgents
 from ppojax.trainer.run_rewards import NO_REWARD, RunRewards, as_config_error
 
 __all__ = ["Run", "build_run", "make_program", "model_kwargs", "preflight", "as_config_error", "NO_REWARD"]
@@ -70,6 +71,7 @@ class Run:
     model_path: Optional[str] = None  # the policy's checkpoint directory (None: the caller passed the model)
     train_step: Optional[Callable] = None  # the step compiled ahead (build_run's compile_ahead), else None
     prompt_texts: Optional[list] = None  # what the user wrote of each prompt, rows as train_queries + eval_queries
+    agents: Optional[RunAgents] = None  # an agent run's tools and environment (None: one response per prompt)
 
     @property
     def settings(self) -> StepSettings:
@@ -111,7 +113,14 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
     tokens = token_ids(config, model, model_path, processing_class, uses_critic)
     rewards = RunRewards(config, reward_model, reward_funcs)
     rewards.check_filter_groups_metric()
-    prompts = prompt_data(config, texts, columns, n_train_texts, tokens, data_parallel)
+    agents = None
+    if config.is_agent_run:
+        agents = as_config_error(RunAgents, config, tokens.tokenizer, stop_token_id=tokens.stop_token_id,
+                                 pad_token_id=tokens.pad_token_id)
+    prompts = prompt_data(config, texts, columns, n_train_texts, tokens, data_parallel,
+                          template_kwargs=None if agents is None else agents.template_kwargs)
+    if agents is not None:
+        agents.attach(prompts.raw_texts, prompts.table)
     rewards.call_on_host(tokens.tokenizer, tokens.pad_token_id, prompts.table, mesh)
 
     def program_for(models: RunModels) -> PPOProgram:
@@ -121,7 +130,7 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
                             eos_token_id=tokens.tokenizer.eos_token_id, num_updates=prompts.num_updates,
                             vocab_size=tokens.vocab_size, base_graphdef=models.base_graphdef,
                             lora_scale=None if models.lora_spec is None else models.lora_spec.scale,
-                            kernels=models.kernels)
+                            kernels=models.kernels, agents=agents)
 
     sources = dict(config=config, mesh=mesh, model_path=model_path, model=model, ref_model=ref_model,
                    reward_model=rewards.reward_model, value_model=value_model, uses_critic=uses_critic,
@@ -142,7 +151,7 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
                program=program, state=state, state_shardings=state_shardings, num_updates=prompts.num_updates,
                train_queries=prompts.train_queries, eval_queries=prompts.eval_queries, batches=prompts.batches,
                compilation_cache_dir=cache_dir, lora=models.lora_spec, model_path=model_path, train_step=train_step,
-               prompt_texts=prompts.texts)
+               prompt_texts=prompts.texts, agents=agents)
 
 
 def _compile_ahead(config, program_for, sources: dict, batches: PromptBatches):
@@ -165,13 +174,14 @@ def _compile_ahead(config, program_for, sources: dict, batches: PromptBatches):
 
 
 def make_program(config: PPOConfig, mesh, graphdefs, reward, *, pad_token_id: int, stop_token_id, eos_token_id,
-                 num_updates: int, vocab_size: int, base_graphdef=None, lora_scale=None, kernels=XLA) -> PPOProgram:
+                 num_updates: int, vocab_size: int, base_graphdef=None, lora_scale=None, kernels=XLA,
+                 agents: Optional[RunAgents] = None) -> PPOProgram:
     """The static PPO program: settings, model forwards, reward source and optimizer on ``mesh``.
 
     graphdefs: (policy, value or None for a value head on the policy, reference or None for the policy's).
     base_graphdef, lora_scale: under LoRA, the policy without adapters and alpha / r (``ActorCritic``); kernels:
-    the backend's operations the models were built with. Shared by ``build_run`` (real weights) and
-    ``ppojax.trainer.plan`` (abstract shapes).
+    the backend's operations the models were built with; agents: an agent run's tools and environment. Shared by
+    ``build_run`` (real weights) and ``ppojax.trainer.plan`` (abstract shapes).
     """
     policy_graphdef, value_graphdef, ref_graphdef = graphdefs
     settings = StepSettings.from_config(config, pad_token_id=pad_token_id, num_updates=num_updates,
@@ -183,4 +193,5 @@ def make_program(config: PPOConfig, mesh, graphdefs, reward, *, pad_token_id: in
                                base_graphdef=base_graphdef, lora_scale=lora_scale, kernels=kernels)
     step = backends.optimizer_step_for(config.optimizer_implementation,
                                        list(mesh.devices.flat) if mesh is not None else None)
-    return PPOProgram(actor_critic, reward, settings, optimizer_from_config(config, step), mesh)
+    episodes = None if agents is None else agents.source(settings.sampling.episodes, mesh)
+    return PPOProgram(actor_critic, reward, settings, optimizer_from_config(config, step), mesh, episodes)

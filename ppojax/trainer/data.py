@@ -27,6 +27,7 @@ import pyarrow.parquet as pq  # datasets' own dependency
 
 from ppojax.assets import cache_dir, movie_review_prompts
 from ppojax.tasks.arithmetic import write_splits
+from ppojax.tasks.guess_number import write_splits as write_games
 
 __all__ = [
     "load_prompt_dataset",
@@ -45,6 +46,21 @@ BUILTIN_ARITHMETIC = {"arithmetic": "train", "arithmetic:test": "test"}
 """Dataset names of the generated arithmetic word problems (``ppojax.tasks.arithmetic``) -> their split."""
 ARITHMETIC_SETTINGS = {"seed": 0, "train": 2000, "test": 200, "max_number": 20}
 """The built-in arithmetic task's problems (the cache folder's name changes with them)."""
+
+
+BUILTIN_GUESS_NUMBER = {"guess_number": "train", "guess_number:test": "test"}
+"""Dataset names of the guess-the-number games (``ppojax.tasks.guess_number``) -> their split."""
+GUESS_NUMBER_SETTINGS = {"seed": 0, "train": 2000, "test": 200}
+
+
+def guess_number_split(name: str, *, log: Optional[Callable[..., None]] = None) -> Path:
+    """The JSONL file of a built-in guess-the-number split, written into the asset cache the first time."""
+    folder = cache_dir() / ("guess_number-" + "-".join(f"{k}{v}" for k, v in GUESS_NUMBER_SETTINGS.items()))
+    path = folder / f"{BUILTIN_GUESS_NUMBER[name]}.jsonl"
+    if not path.is_file():
+        (log or _log)(f"[ppojax] writing the guess-the-number games to {folder}")
+        write_games(folder, **GUESS_NUMBER_SETTINGS)
+    return path
 
 
 def arithmetic_split(name: str, *, log: Optional[Callable[..., None]] = None) -> Path:
@@ -282,7 +298,8 @@ def check_tokenizer(tokenizer, vocab_size: int) -> int:
     return int(pad)
 
 
-def _encode_all(texts: Sequence, tokenizer, chat_template: bool | None) -> list[list[int]]:
+def _encode_all(texts: Sequence, tokenizer, chat_template: bool | None,
+                template_kwargs: dict | None = None) -> list[list[int]]:
     has_template = bool(getattr(tokenizer, "chat_template", None))
     use_template = has_template if chat_template is None else chat_template
     if use_template and not has_template:
@@ -302,6 +319,7 @@ def _encode_all(texts: Sequence, tokenizer, chat_template: bool | None) -> list[
             t if not isinstance(t, str) else [{"role": "user", "content": t}],
             add_generation_prompt=True,
             tokenize=False,
+            **(template_kwargs or {}),
         )
         for t in texts
     ]
@@ -344,6 +362,7 @@ def tokenize_prompts(
     chat_template: bool | None = None,
     stop_token_id: int | None = None,
     log: Callable[..., None] = _log,
+    template_kwargs: dict | None = None,
 ) -> tuple[list[list[int]], list[int], int]:
     """Tokenize prompts, dropping those longer than `max_prompt_length` tokens.
 
@@ -351,6 +370,7 @@ def tokenize_prompts(
       generation prompt appended (conversations are rendered as given); False encodes the raw text (with the
       tokenizer's own special tokens, e.g. a bos); None (default) = True iff the tokenizer has a chat template.
       For "continue this text" prompts on an instruct model (the movie-review demo) pass False.
+    template_kwargs: more arguments of ``apply_chat_template`` (an agent run's ``tools`` and ``chat_template``).
     Returns (token ids of the kept prompts, their indices in `texts`, number filtered). The filtered count is
     printed (never silent). Errors: an empty dataset; a prompt that tokenizes to nothing, or only to unknown, pad
     and special tokens (nothing the model can read); a prompt ending with
@@ -360,7 +380,7 @@ def tokenize_prompts(
         raise ValueError(f"max_prompt_length must be a positive int, got {max_prompt_length!r}")
     if len(texts) == 0:
         raise ValueError("the prompt dataset is empty; it needs at least one prompt")
-    encoded = _encode_all(texts, tokenizer, chat_template)
+    encoded = _encode_all(texts, tokenizer, chat_template, template_kwargs)
     unreadable = _unreadable_ids(tokenizer)
     kept_ids, kept, too_long = [], [], []
     for i, ids in enumerate(encoded):
@@ -434,14 +454,15 @@ def prepare_prompts(
     chat_template: bool | None = None,
     stop_token_id: int | None = None,
     log: Callable[..., None] = _log,
+    template_kwargs: dict | None = None,
 ) -> PromptSet:
     """`tokenize_prompts` + `left_pad` in one call (pad defaults to the tokenizer's pad token)."""
     pad = tokenizer.pad_token_id if pad_token_id is None else pad_token_id
     if pad is None:
         raise ValueError("no pad token id: pass pad_token_id or give the tokenizer a pad token (see check_tokenizer)")
     ids, kept, n_filtered = tokenize_prompts(
-        texts, tokenizer, max_prompt_length, chat_template=chat_template, stop_token_id=stop_token_id, log=log
-    )
+        texts, tokenizer, max_prompt_length, chat_template=chat_template, stop_token_id=stop_token_id, log=log,
+        template_kwargs=template_kwargs)
     return PromptSet(left_pad(ids, max_prompt_length, pad), [texts[i] for i in kept], kept, n_filtered)
 
 

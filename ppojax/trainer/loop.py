@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
+import numpy as np
 
 from ppojax import parallel
 from ppojax.errors import RewardFunctionError
@@ -91,7 +92,11 @@ def run_updates(run, train_step, total: int, hooks: list[Hook], *, should_stop: 
 
     for update_index in range(int(run.state.update_count), total):
         dispatched = time.perf_counter()
-        run.state, metrics = train_step(run.state, update_prompts(run), step_key(run.config.seed, update_index))
+        prompts = update_prompts(run)
+        if run.agents is not None:  # the last update's episodes end before this one's environments are reset
+            jax.block_until_ready(run.state)
+            run.agents.begin(np.repeat(np.asarray(prompts.rows), run.settings.sampling.num_generations))
+        run.state, metrics = train_step(run.state, prompts, step_key(run.config.seed, update_index))
         # the previous update ended before this dispatch started where its metrics are ready now
         stop = late is not None and finish(*late, dispatched if _ready(late[1]) else None)
         late = (update_index, metrics, dispatched)
@@ -139,6 +144,14 @@ def reward_failure_check(end: StepEnd) -> None:
         end.run.reward.raise_pending()
         raise RewardFunctionError(f"the reward function failed on another process at update {end.step} "
                                   "(see that process's log); no optimizer step was applied.")
+
+
+def environment_check(end: StepEnd) -> None:
+    """An agent run: re-raise what an environment raised during the update (``EnvironmentCallError`` naming the
+    environment, the method and the row), and add the run's tool counters to the metrics."""
+    if end.run.agents is not None:
+        end.run.agents.raise_pending()
+        end.metrics.update(end.run.agents.metrics())
 
 
 def nonfinite_check(last_checkpoint: Callable[[], Any] = lambda: None):

@@ -35,7 +35,8 @@ from ppojax.trainer.config import ConfigError, PPOConfig, resume_compatibility
 from ppojax.trainer.build import NO_REWARD, build_run
 from ppojax.trainer.legacy import LegacyAPI
 from ppojax.errors import RunInterrupted
-from ppojax.trainer.loop import Hook, StopSignals, nonfinite_check, reward_failure_check, run_updates
+from ppojax.trainer.loop import (Hook, StopSignals, environment_check, nonfinite_check, reward_failure_check,
+                                 run_updates)
 from ppojax.rl.program import make_train_step
 
 SAMPLE_TEMPERATURE = 0.01  # TRL's near-greedy sample completions
@@ -135,7 +136,7 @@ class PPOTrainer(LegacyAPI):
         run, args = self.run, self.args
         if run.batches is None:
             raise ConfigError("train() needs prompts: pass train_dataset or set `dataset` in the config.")
-        if run.reward is None:
+        if not self._has_reward:
             raise ConfigError(NO_REWARD)
         total = run.num_updates if num_updates is None else num_updates
         took_hold = self._hold_output_dir()
@@ -176,8 +177,9 @@ class PPOTrainer(LegacyAPI):
 
         # Order matters: a failed reward stops before the update is logged (its numbers mean nothing); a
         # non-finite streak stops after it is logged (the skipped steps are in the metrics).
-        evaluating = args.eval_steps if self.eval_queries is not None and run.reward is not None else 0
-        hooks = [Hook(reward_failure_check), Hook(held_out, every=evaluating, reads_state=True),
+        evaluating = args.eval_steps if self.eval_queries is not None and self._has_reward else 0
+        hooks = [Hook(reward_failure_check), Hook(environment_check),
+                 Hook(held_out, every=evaluating, reads_state=True),
                  Hook(log),
                  Hook(progress_bar), Hook(nonfinite_check(self.checkpoints.latest)),
                  Hook(lambda end: self.log_samples(end.step), every=sample_every, at_end=sample_every > 0,
@@ -271,27 +273,49 @@ class PPOTrainer(LegacyAPI):
     # ------------------------------------------------------------------------------------------------
     # Samples and evaluation
     # ------------------------------------------------------------------------------------------------
-    def sample_completions(self, queries, temperature: float = SAMPLE_TEMPERATURE, step: int = 0):
-        """Near-greedy completions (T = 0.01, as TRL's samples) -> (prompts, completions) strings.
+    @property
+    def _has_reward(self) -> bool:
+        """A reward source, or an environment that gives a reward."""
+        agents = self.run.agents
+        return self.run.reward is not None or (agents is not None and agents.reward_name is not None)
+
+    def sample_completions(self, queries, temperature: float = SAMPLE_TEMPERATURE, step: int = 0, rows=None):
+        """Near-greedy completions (T = 0.01, as TRL's samples) -> (prompts, completions) strings. An agent run plays
+        whole episodes, which needs the queries' prompt-table ``rows`` (their environments reset with them).
 
         The sampling key comes from (seed, step), not the training stream, so samples never change training.
         """
-        prompts, completions, _ = self._sample(queries, temperature, step)
+        prompts, completions, _, _ = self._sample(queries, temperature, step, rows)
         return prompts, completions
 
-    def _sample(self, queries, temperature: float = SAMPLE_TEMPERATURE, step: int = 0):
-        """(prompts, completions, responses i32[B, R] truncated, on the host) for queries i32[B, P]."""
+    def _sample(self, queries, temperature: float = SAMPLE_TEMPERATURE, step: int = 0, rows=None):
+        """(prompts, completions, responses i32[B, R] truncated, the environment's rewards f32[B] or None), on the
+        host, for queries i32[B, P] (an agent run: episodes, its environments reset with prompt-table ``rows``)."""
         sampling = self.run.settings.sampling
         key = jax.random.fold_in(jax.random.key(self.args.seed + 1), step)
-        query_responses = rollout.sample_jit(self.policy_graphdef, self.policy_params,
-                                             jnp.asarray(queries, jnp.int32), key, jnp.float32(temperature),
-                                             sampling=sampling, mesh=self.run.mesh)
         P = queries.shape[1]
-        responses = parallel.to_host(
-            ppo.truncate_response(query_responses[:, P:], sampling.stop_token_id, sampling.pad_token_id))
+        environment_reward = None
+        if self.run.agents is not None:
+            if rows is None:
+                raise ConfigError("an agent run samples whole episodes, whose environments are reset with the "
+                                  "prompts' dataset rows: pass rows (their places in the run's prompt table).")
+            jax.block_until_ready(self.run.state)  # no episode of an update in flight shares the host's state
+            self.run.agents.begin(rows)
+            played = rollout.episodes_jit(self.run.program, self.run.state.params, self.run.state.frozen,
+                                          jnp.asarray(queries, jnp.int32), key, jnp.float32(temperature))
+            self.run.agents.raise_pending()
+            responses = parallel.to_host(played.stream)
+            if self.run.agents.reward_name is not None:
+                environment_reward = parallel.to_host(played.environment_reward)
+        else:
+            query_responses = rollout.sample_jit(self.policy_graphdef, self.policy_params,
+                                                 jnp.asarray(queries, jnp.int32), key, jnp.float32(temperature),
+                                                 sampling=sampling, mesh=self.run.mesh)
+            responses = parallel.to_host(
+                ppo.truncate_response(query_responses[:, P:], sampling.stop_token_id, sampling.pad_token_id))
         prompts, completions = decode_rollout_text(self.tokenizer, np.asarray(queries), responses,
                                                    sampling.pad_token_id)
-        return prompts, completions, responses
+        return prompts, completions, responses, environment_reward
 
     def log_samples(self, step: int, num: int = 4):
         if self.run.train_queries is None or self.logger is None:
@@ -301,8 +325,10 @@ class PPOTrainer(LegacyAPI):
         queries = _whole_batch((self.eval_queries if held_out else self.train_queries)[:num],
                                self.run.settings.batch.batch_size)
         first_row = len(self.train_queries) if held_out else 0
-        prompts, completions, responses = self._sample(queries, step=step)
-        scored = self.score_samples(queries, responses, rows=num, first_row=first_row)
+        prompts, completions, responses, environment = self._sample(
+            queries, step=step, rows=_batch_rows(first_row, min(num, len(queries)), len(queries)))
+        scored = self._with_environment(self.score_samples(queries, responses, rows=num, first_row=first_row),
+                                        environment, num)
         prompts = self._shown(prompts, first_row, num)
         self.logger.log_samples(step, prompts, completions[:num], None if scored is None else scored[0])
 
@@ -317,18 +343,19 @@ class PPOTrainer(LegacyAPI):
         and/or model, with their dataset columns); None without held-out prompts or a reward. Returns
         {"mean_score", "rewards": {name: mean over the rows it applies to}, "prompts", "completions", "scores",
         "reward_values": {name: per-prompt values, None where it does not apply}}."""
-        if self.eval_queries is None or self.run.reward is None:
+        if self.eval_queries is None or not self._has_reward:
             return None
         batch = self.run.settings.batch.batch_size
         prompts, completions, scores, components = [], [], [], {}
         for start in range(0, len(self.eval_queries), batch):
             queries = _whole_batch(self.eval_queries[start:start + batch], batch)
-            p, c, responses = self._sample(queries, step=step)
             keep = min(batch, len(self.eval_queries) - start)
-            prompts += self._shown(p, len(self.train_queries) + start, keep)
+            first = len(self.train_queries) + start
+            p, c, responses, environment = self._sample(queries, step=step, rows=_batch_rows(first, keep, batch))
+            prompts += self._shown(p, first, keep)
             completions += c[:keep]
-            batch_scores, batch_components = self.score_samples(
-                queries, responses, rows=keep, first_row=len(self.train_queries) + start)
+            batch_scores, batch_components = self._with_environment(
+                self.score_samples(queries, responses, rows=keep, first_row=first), environment, keep)
             scores += batch_scores
             for name, values in batch_components.items():
                 components.setdefault(name, []).extend(values)
@@ -362,6 +389,16 @@ class PPOTrainer(LegacyAPI):
         components = {name: [None if np.isnan(v) else float(v) for v in parallel.to_host(values)[:rows]]
                       for name, values in out.components.items()}
         return scores, components
+
+    def _with_environment(self, scored, environment, rows: int):
+        """``score_samples``' (scores, components) with an agent run's environment reward added (weight 1, as in
+        training; None entries where it gave none) -> the same pair, or None without any reward."""
+        if environment is None:
+            return scored
+        values = [None if np.isnan(v) else float(v) for v in environment[:rows]]
+        scores, components = scored if scored is not None else ([0.0] * rows, {})
+        name = self.run.agents.reward_name
+        return ([s + (v or 0.0) for s, v in zip(scores, values)], {**components, name: values})
 
     # ------------------------------------------------------------------------------------------------
     def save_model(self, output_dir) -> Path:
@@ -403,6 +440,11 @@ def eval_metrics(result: Optional[dict]) -> dict:
     if len(rewards) > 1:
         out.update({f"eval/rewards/{name}/mean": value for name, value in rewards.items() if value is not None})
     return out
+
+
+def _batch_rows(first_row: int, rows: int, batch_size: int) -> np.ndarray:
+    """The prompt-table rows of a batch padded as :func:`_whole_batch` pads it: i32[batch_size]."""
+    return first_row + np.minimum(np.arange(batch_size), rows - 1).astype(np.int32)
 
 
 def _whole_batch(queries, batch_size):

@@ -98,16 +98,18 @@ class RunPrompts:
     batches: Optional[PromptBatches]
     num_updates: int
     texts: Optional[list] = None
+    raw_texts: Optional[list] = None  # the kept prompts as the dataset holds them (a string or chat messages)
 
 
 def prompt_data(config: PPOConfig, texts, columns: dict, n_train_texts, tokens: TokenIds,
-                data_parallel: int) -> RunPrompts:
-    """The prompt texts (:func:`read_prompt_texts`) as the run's token ids, held-out split, columns and batches."""
-    train_queries = eval_queries = batches = table = shown = None
+                data_parallel: int, template_kwargs: Optional[dict] = None) -> RunPrompts:
+    """The prompt texts (:func:`read_prompt_texts`) as the run's token ids, held-out split, columns and batches.
+    template_kwargs: more arguments of the chat template (an agent run's tools and template)."""
+    train_queries = eval_queries = batches = table = shown = raw = None
     if texts is not None:
         prompts = as_config_error(prepare_prompts, texts, tokens.tokenizer, config.max_prompt_length,
                                   chat_template=config.chat_template, stop_token_id=tokens.stop_token_id,
-                                  pad_token_id=tokens.pad_token_id)
+                                  pad_token_id=tokens.pad_token_id, template_kwargs=template_kwargs)
         num_eval = config.num_eval_prompts
         if n_train_texts is not None:  # held-out prompts from eval_dataset: those that survived the length filter
             num_eval = sum(i >= n_train_texts for i in prompts.indices)
@@ -116,6 +118,7 @@ def prompt_data(config: PPOConfig, texts, columns: dict, n_train_texts, tokens: 
                                   f"max_prompt_length={config.max_prompt_length}; raise it.")
         train_queries, eval_queries = split_eval(prompts.input_ids, num_eval)
         shown = [prompt_display_text(text) for text in prompts.texts]
+        raw = list(prompts.texts)
         if columns:  # the kept prompts' rows, in prompt-table order (training rows first, then held-out ones)
             table = ColumnTable({name: [values[i] for i in prompts.indices] for name, values in columns.items()})
     sizes = config.derived(data_parallel)
@@ -135,4 +138,4 @@ def prompt_data(config: PPOConfig, texts, columns: dict, n_train_texts, tokens: 
         # dynamic sampling: one batch per generation round; an update takes as many as it used
         batches = PromptBatches(train_queries, sizes.prompts_per_round, seed=config.seed,
                                 process_index=jax.process_index(), process_count=jax.process_count())
-    return RunPrompts(train_queries, eval_queries, table, batches, num_updates, shown)
+    return RunPrompts(train_queries, eval_queries, table, batches, num_updates, shown, raw)

@@ -7,6 +7,7 @@ import typing
 from dataclasses import dataclass, fields
 
 from ppojax.trainer.config.fields import IGNORED, MAY_CHANGE, MUST_MATCH
+from ppojax.trainer.config.sections.agents import AgentSettings
 from ppojax.trainer.config.sections.batches import BatchSettings
 from ppojax.trainer.config.sections.data import DataSettings
 from ppojax.trainer.config.sections.mesh import MeshSettings
@@ -18,7 +19,7 @@ from ppojax.trainer.config.sections.run import OutputSettings, RunSettings
 from ppojax.trainer.config.sections.sampling import SamplingSettings
 
 SECTIONS = (ModelSettings, LoraSettings, DataSettings, RunSettings, BatchSettings, OptimizerSettings,
-            ObjectiveSettings, OffPolicySettings, SamplingSettings, OutputSettings, MeshSettings)
+            ObjectiveSettings, OffPolicySettings, SamplingSettings, AgentSettings, OutputSettings, MeshSettings)
 """The sections in the order their fields are listed: ``ppojax train --help``, docs/configuration.md,
 ``PPOConfig.to_dict`` and checkpoints' config.json."""
 

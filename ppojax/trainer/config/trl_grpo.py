@@ -98,7 +98,6 @@ GRPO_FOREIGN_KEYS: dict[str, str] = {
             "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps"),
     **_same("no adaptive entropy control: entropy_coef is a fixed weight; remove it",
             "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target"),
-    "max_tool_calling_iterations": "no tool calling: a response is one sampled turn; remove it",
     **_same("sample completions are printed num_sample_generations times during training; set that instead",
             "log_completions", "log_multimodal", "num_completions_to_print", "log_unique_prompts",
             "log_completions_hub_repo"),

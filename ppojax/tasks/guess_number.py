@@ -1,0 +1,68 @@
+"""Guess the number: a multi-turn game with feedback, offline (configs/guess_number_grpo.yaml).
+
+The environment (``GuessNumber``, ppojax's ``Environment`` protocol) holds a secret number from the dataset row's
+``target`` column; each model turn is a guess (the first whole number in the message), answered "Higher." or
+"Lower."; the episode ends when the guess is right or after the run's turns. The reward, read once at the end
+(``get_reward``): 1 for a solved game, 0 otherwise. ``records`` generates the prompts, seeded.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+from pathlib import Path
+from typing import Iterator, Optional
+
+from ppojax.agents import Environment, Step
+
+__all__ = ["GuessNumber", "records", "write_splits", "LOW", "HIGH"]
+
+LOW, HIGH = 1, 16
+PROMPT = (f"I am thinking of a whole number from {LOW} to {HIGH}. Guess it: answer with one number. After each "
+          "wrong guess I will say if my number is higher or lower.")
+_NUMBER = re.compile(r"-?\d+")
+
+
+def records(seed: int, count: int) -> Iterator[dict]:
+    """``count`` games: ``{"prompt": ..., "target": n}`` with n uniform in [LOW, HIGH]."""
+    rng = random.Random(seed)
+    for _ in range(count):
+        yield {"prompt": PROMPT, "target": rng.randint(LOW, HIGH)}
+
+
+def write_splits(directory, *, seed: int = 0, train: int = 2000, test: int = 200) -> tuple[Path, Path]:
+    """``train.jsonl`` and ``test.jsonl`` in ``directory`` (seeds ``seed`` and ``seed + 1``), each written whole to
+    a temporary name, then renamed -> their paths."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for split, count, split_seed in (("train", train, seed), ("test", test, seed + 1)):
+        path = directory / f"{split}.jsonl"
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in records(split_seed, count)))
+        os.replace(tmp, path)
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+class GuessNumber(Environment):
+    """One game (module docstring)."""
+
+    def reset(self, target: int, **row) -> Optional[str]:
+        self.target, self.solved, self.guesses = int(target), False, 0
+        return None
+
+    def step(self, action: str) -> Step:
+        self.guesses += 1
+        found = _NUMBER.search(action)
+        if found is None:
+            return Step("Answer with one whole number.", None, False)
+        guess = int(found.group())
+        if guess == self.target:
+            self.solved = True
+            return Step(None, None, True)
+        return Step("Higher." if guess < self.target else "Lower.", None, False)
+
+    def get_reward(self) -> float:
+        return float(self.solved)

@@ -1,0 +1,116 @@
+"""A run's tools and environment (the config's agents section) as the host's ``EpisodeHost`` and the program's
+``EpisodeSource`` (docs/agents.md).
+
+Built before the prompts are tokenized: an agent run's prompts are rendered with its chat template and the tools'
+schemas (``template_kwargs``). Before each update the trainer starts the batch's episodes (:meth:`RunAgents.begin`:
+one environment reset per episode with its dataset row); after it, an environment's error is raised
+(:meth:`RunAgents.raise_pending`).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from ppojax.agents import CHATML_TOOLS_TEMPLATE, ChatRenderer, EpisodeHost, check_tool_template
+from ppojax.agents.environments import EnvironmentFactory
+from ppojax.agents.loading import load_environment, load_tool_call_parser, load_tools
+from ppojax.errors import ConfigError, EnvironmentCallError
+from ppojax.rl.episodes import EpisodeSource, host_callback
+from ppojax.rl.rewards import ColumnTable
+from ppojax.trainer.config import PPOConfig
+
+__all__ = ["RunAgents", "NoEnvironment"]
+
+
+class NoEnvironment:
+    """The environment of a run with standalone ``tools`` only: no state, no reward."""
+
+    def reset(self, **row):
+        return None
+
+
+def _template(config: PPOConfig) -> Optional[str]:
+    spec = config.tool_chat_template
+    if spec is None:
+        return None
+    if spec == "chatml":
+        return CHATML_TOOLS_TEMPLATE
+    path = Path(spec)
+    if not path.is_file():
+        raise ConfigError(f"tool_chat_template={spec!r} is neither 'chatml' nor a template file; name a .jinja file "
+                          "or use 'chatml' (ppojax's ChatML template with tools).")
+    return path.read_text()
+
+
+class RunAgents:
+    """config: a run's PPOConfig with tools or an environment_factory; tokenizer: the run's; stop_token_id: the end
+    of a model turn (the run's stop token); pad_token_id: the run's."""
+
+    def __init__(self, config: PPOConfig, tokenizer, *, stop_token_id: Optional[int], pad_token_id: int):
+        if stop_token_id is None:
+            raise ConfigError("an agent run (tools or environment_factory) needs a stop token that ends each of the "
+                              "model's turns: set stop_token: eos (e.g. ChatML's <|im_end|>) or stop_token_id.")
+        if not config.chat_template:
+            raise ConfigError("an agent run (tools or environment_factory) renders its conversations with a chat "
+                              "template: set chat_template: true.")
+        self.config = config
+        tools = load_tools(config.tools or [])
+        parser = load_tool_call_parser(config.tool_call_parser)
+        if config.environment_factory is not None:
+            self.environments = load_environment(config.environment_factory, tools=tools, parser=parser,
+                                                 tool_timeout=config.tool_timeout,
+                                                 max_tool_calling_iterations=config.max_tool_calling_iterations)
+        else:
+            self.environments = EnvironmentFactory(NoEnvironment, name="tools", tools=tools, parser=parser,
+                                                   tool_timeout=config.tool_timeout,
+                                                   max_tool_calling_iterations=config.max_tool_calling_iterations)
+        template = _template(config)
+        schemas = self.environments.tool_schemas or None
+        if schemas:
+            check_tool_template(tokenizer, template, model=config.model_name_or_path or "the model")
+        end_of_turn = tokenizer.convert_ids_to_tokens(stop_token_id)
+        self.renderer = ChatRenderer(tokenizer, end_of_turn=end_of_turn, chat_template=template, tools=schemas)
+        self.template_kwargs = {"tools": schemas, **({"chat_template": template} if template is not None else {})}
+        shape_turns = config.max_tool_calling_iterations + 1
+        self.host = EpisodeHost(self.environments, self.renderer, tokenizer, stop_token_id=stop_token_id,
+                                pad_token_id=pad_token_id, observation_length=config.observation_length,
+                                episode_length=config.response_length, max_turns=shape_turns)
+        self.table: Optional[ColumnTable] = None
+        self.texts: Optional[list] = None
+        self.reward_name = (self.environments.label.rpartition(":")[2]
+                            if config.environment_factory is not None and self.environments.owns_reward else None)
+
+    def source(self, shape, mesh) -> EpisodeSource:
+        """The program's ``EpisodeSource``: the host's turns through a host callback, and the environment's reward."""
+        return EpisodeSource(host_callback(self.host.turn, shape, mesh), self.reward_name)
+
+    def attach(self, texts: list, table: Optional[ColumnTable]) -> None:
+        """The kept prompts (what the user wrote, in prompt-table order) and their dataset columns."""
+        self.texts, self.table = texts, table
+
+    def begin(self, rows) -> None:
+        """Start the episodes of an update: rows i32[B] (the prompt-table rows of its episodes, each prompt's G
+        consecutive). An environment's ``reset`` that returns text is refused for now: ppojax tokenizes a run's
+        prompts once, before training (put the text in the dataset's prompt column instead)."""
+        rows = [int(r) for r in np.asarray(rows)]
+        columns = self.table.rows(np.asarray(rows)) if self.table is not None else {}
+        records = [{name: values[i] for name, values in columns.items()} for i in range(len(rows))]
+        for record, row in zip(records, rows):
+            record.setdefault(self.config.dataset_text_field, self.texts[row])
+        messages = [[{"role": "user", "content": self.texts[row]}] if isinstance(self.texts[row], str)
+                    else list(self.texts[row]) for row in rows]
+        started = self.host.begin(records, rows, messages)
+        for conversation, original, row in zip(started, messages, rows):
+            if conversation != original:
+                raise EnvironmentCallError(
+                    f"environment {self.environments.label}.reset returned text to append to the prompt on row "
+                    f"{row}; ppojax's training runs tokenize their prompts once, before training, and do not append "
+                    "it yet. Fix: return None from reset and put that text in the dataset's prompt column.")
+
+    def raise_pending(self) -> None:
+        self.host.raise_pending()
+
+    def metrics(self) -> dict:
+        return self.host.metrics()

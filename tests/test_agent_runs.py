@@ -1,0 +1,161 @@
+"""Agent runs end to end (tools / environment_factory in the config): a tiny random model plays guess-the-number
+(ppojax.tasks.guess_number) through PPOTrainer, with a word-level tokenizer whose vocabulary holds the game's
+words, so that its turns end at the end-of-turn token often enough for multi-turn episodes.
+
+- the updates train on multi-turn episodes (turns > 1, environment tokens in the streams), one compiled program;
+- the environment's reward is a reward of the run (logged as rewards/GuessNumber/mean), equal to a plain replay of
+  the games in the sampled episodes;
+- evaluation and sample tables play whole episodes;
+- an environment that raises stops the run naming the environment, the method and the row, and the last
+  checkpoint stays;
+- the calculator tool evaluates arithmetic and refuses anything else;
+- the config refuses an agent run without a stop token or a chat template, and TRL's names are accepted.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from ppojax.errors import ConfigError, EnvironmentCallError
+from ppojax.models import CausalLM
+from ppojax.rl import rollout
+from ppojax.tasks.calculator import calculate
+from ppojax import PPOConfig, PPOTrainer
+from tests.tiny_setup import tiny_config
+
+WORDS = (["<pad>", "<eos>", "?", "user", "assistant", "higher", "lower", "answer", "with", "one", "whole", "number",
+          ".", "guess", "it", "i", "am"] + [str(n) for n in range(1, 17)])
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} <eos> {% endfor %}"
+            "{% if add_generation_prompt %}assistant {% endif %}")
+
+
+def game_tokenizer():
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="?"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="?")
+    out.chat_template = TEMPLATE
+    return out
+
+
+def games(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [{"prompt": "guess one number", "target": int(t)} for t in rng.integers(1, 17, n)]
+
+
+def config_for(tmp_path, **overrides):
+    values = dict(output_dir=str(tmp_path / "run"), report_to="none", batch_size=16, num_generations=4,
+                  advantage_estimator="grpo", response_length=40, max_prompt_length=12, learning_rate=1e-2,
+                  temperature=1.0, kl_coef=0.0, total_episodes=16 * 3, num_sample_generations=0, seed=0,
+                  chat_template=True, stop_token="eos", environment_factory="ppojax.tasks.guess_number:GuessNumber",
+                  max_tool_calling_iterations=3, turn_length=6, observation_length=8, num_eval_prompts=4,
+                  save_steps=1)
+    values.update(overrides)
+    return PPOConfig.from_dict(values)
+
+
+def trainer_for(config, dataset):
+    return PPOTrainer(config, processing_class=game_tokenizer(),
+                      model=CausalLM(tiny_config(vocab_size=len(WORDS)), rngs=nnx.Rngs(0)), train_dataset=dataset)
+
+
+def test_an_environment_run_trains_on_multi_turn_episodes(tmp_path):
+    trainer = trainer_for(config_for(tmp_path), games(40))
+    history = trainer.train(progress=False)
+    assert len(history) == 3
+    assert max(m["episodes/turns"] for m in history) > 1.05  # some episodes took several turns
+    assert all(m["episodes/environment_tokens"] > 0 for m in history)
+    assert all(np.isfinite(m["loss/policy_avg"]) for m in history)
+    assert "rewards/GuessNumber/mean" in history[-1]
+    assert trainer.train_step.jitted._cache_size() == 1
+    result = trainer.evaluate(step=3)  # whole episodes, scored by the environment
+    assert set(result["reward_values"]) == {"GuessNumber"}
+    assert all(v in (0.0, 1.0) for v in result["reward_values"]["GuessNumber"])
+
+
+def test_the_environment_reward_is_the_games_outcome(tmp_path):
+    """The rewards of sampled episodes against a replay of each game from the stream's text."""
+
+    trainer = trainer_for(config_for(tmp_path, total_episodes=16), games(40))
+    run = trainer.run
+    rows = np.arange(16)
+    queries = np.asarray(run.train_queries[:16])
+    run.agents.begin(rows)
+    played = rollout.episodes_jit(run.program, run.state.params, run.state.frozen, jnp.asarray(queries),
+                                  jax.random.key(5), jnp.float32(1.0))
+    tok = game_tokenizer()
+    targets = [games(40)[r]["target"] for r in rows]
+    solved_any = 0
+    for e in range(16):
+        stream, env = np.asarray(played.stream[e]), np.asarray(played.environment_mask[e])
+        # the model's turns: maximal runs of non-environment tokens before the first pad
+        turns, current = [], []
+        for token, is_env in zip(stream, env):
+            if token == 0 and not is_env:
+                break
+            if is_env:
+                if current:
+                    turns.append(current)
+                current = []
+            else:
+                current.append(int(token))
+        if current:
+            turns.append(current)
+        stepped = [t[:-1] for t in turns if t[-1] == 1]  # a turn without the end-of-turn token is not a move
+        solved = any(next((w for w in tok.decode(t).split() if w.isdigit()), None) == str(targets[e])
+                     for t in stepped)
+        assert float(played.environment_reward[e]) == float(solved)
+        solved_any += solved
+    assert played.turns.max() > 1
+
+
+class Exploding:
+    """A protocol environment whose step fails on the row whose target is 16."""
+
+    def reset(self, target, **row):
+        self.target = target
+
+    def step(self, action):
+        if self.target == 16:
+            raise RuntimeError("boom")
+        from ppojax.agents import Step
+        return Step(None, None, True)
+
+    def get_reward(self):
+        return 0.0
+
+
+def test_an_environment_that_raises_stops_the_run_naming_it(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    from ppojax.agents import Environment
+
+    module = types.ModuleType("exploding_env_test")
+    module.Exploding = type("Exploding", (Exploding, Environment), {})
+    monkeypatch.setitem(sys.modules, "exploding_env_test", module)
+    data = [{"prompt": "guess one number", "target": 3}] * 20 + [{"prompt": "guess one number", "target": 16}] * 20
+    config = config_for(tmp_path, environment_factory="exploding_env_test:Exploding", total_episodes=16 * 6,
+                        num_eval_prompts=0)
+    trainer = trainer_for(config, data)
+    with pytest.raises(EnvironmentCallError, match=r"environment Exploding\.step raised RuntimeError: boom on row"):
+        trainer.train(progress=False)
+
+
+def test_the_calculator_evaluates_arithmetic_only():
+    assert calculate("12 * 3 - 4") == "32"
+    assert calculate("(7 + 5) / 4") == "3"
+    assert calculate("-2.5 * 2") == "-5"
+    for bad in ("__import__('os')", "2 ** 100", "x + 1", "3 +"):
+        with pytest.raises(ValueError):
+            calculate(bad)
+
+
+def test_agent_runs_need_a_stop_token_and_a_chat_template(tmp_path):
+    with pytest.raises(ConfigError, match="needs a stop token"):
+        trainer_for(config_for(tmp_path, stop_token=None), games(40))
+    with pytest.raises(ConfigError, match="set chat_template: true"):
+        trainer_for(config_for(tmp_path, chat_template=False), games(40))
