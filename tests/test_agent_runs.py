@@ -62,8 +62,9 @@ def trainer_for(config, dataset):
                       model=CausalLM(tiny_config(vocab_size=len(WORDS)), rngs=nnx.Rngs(0)), train_dataset=dataset)
 
 
-def test_an_environment_run_trains_on_multi_turn_episodes(tmp_path):
-    trainer = trainer_for(config_for(tmp_path), games(40))
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_an_environment_run_trains_on_multi_turn_episodes(tmp_path, padding_free):
+    trainer = trainer_for(config_for(tmp_path, padding_free=padding_free), games(40))
     history = trainer.train(progress=False)
     assert len(history) == 3
     assert max(m["episodes/turns"] for m in history) > 1.05  # some episodes took several turns

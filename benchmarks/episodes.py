@@ -1,0 +1,122 @@
+"""Multi-turn episodes against single-turn sampling at the same total tokens: SmolLM2-135M-Instruct (the bundled
+checkpoint) plays guess-the-number (``ppojax.tasks.guess_number``: real turns, the environment answering "Higher." or
+"Lower." after each guess), then samples single responses as long as the episodes' mean stream, no early stop.
+
+Reported: tokens per second of each (an episode's tokens: the model's and the observations', prompt excluded; a
+single response's: its tokens), their ratio, the mean turns, and the share of the episodes' wall time spent on the
+host between turns (decoding the messages, stepping the environments, rendering and tokenizing the observations:
+the device waits meanwhile). Medians over ``--repeats`` after one compiling call.
+
+    python -m benchmarks.episodes --batch 16 --repeats 3 --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from transformers import AutoTokenizer
+
+from benchmarks.common import machine_info, source_commit
+from ppojax.agents import ChatRenderer, EnvironmentFactory, EpisodeHost
+from ppojax.assets import smollm2_checkpoint
+from ppojax.models import load_pretrained
+from ppojax.rl.episodes import EpisodeShape, generate_episodes, host_callback
+from ppojax.rl.sampler import generate
+from ppojax.tasks.guess_number import GuessNumber, records
+from ppojax.trainer.data import left_pad
+
+
+class TimedHost:
+    """An EpisodeHost whose turns are timed (the host's share of the wall time)."""
+
+    def __init__(self, host: EpisodeHost):
+        self.host, self.seconds = host, 0.0
+
+    def turn(self, *args):
+        start = time.perf_counter()
+        try:
+            return self.host.turn(*args)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--turns", type=int, default=5)
+    parser.add_argument("--turn-length", type=int, default=12)
+    parser.add_argument("--observation-length", type=int, default=16)
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    path = smollm2_checkpoint(log=lambda *a, **k: None)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    model, _ = load_pretrained(path)
+    graphdef, params = nnx.split(model)
+    stop, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.pad_token_id
+    shape = EpisodeShape(turn_length=args.turn_length, observation_length=args.observation_length,
+                         max_turns=args.turns, episode_length=args.turns * (args.turn_length + args.observation_length))
+    games = list(records(0, args.batch))
+    renderer = ChatRenderer(tokenizer, end_of_turn="<|im_end|>")
+    host = TimedHost(EpisodeHost(EnvironmentFactory(GuessNumber), renderer, tokenizer, stop_token_id=stop,
+                                 pad_token_id=pad, observation_length=shape.observation_length,
+                                 episode_length=shape.episode_length, max_turns=shape.max_turns))
+    messages = [[{"role": "user", "content": g["prompt"]}] for g in games]
+    prompt_ids = [renderer.prompt_ids(m) for m in messages]
+    prompts = jnp.asarray(left_pad(prompt_ids, max(map(len, prompt_ids)), pad))
+
+    play = jax.jit(lambda p, x, k: generate_episodes(graphdef, p, x, k, shape=shape,
+                                                     host_turn=host_callback(host.turn, shape),
+                                                     pad_token_id=pad, stop_token_id=stop, temperature=0.7))
+    episode_times, host_shares, tokens, turns = [], [], [], []
+    for repeat in range(args.repeats + 1):
+        host.host.begin(games, list(range(args.batch)), messages)
+        host.seconds = 0.0
+        start = time.perf_counter()
+        out = jax.block_until_ready(play(params, prompts, jax.random.key(repeat)))
+        seconds = time.perf_counter() - start
+        if repeat == 0:
+            continue  # the compile
+        episode_times.append(seconds)
+        host_shares.append(host.seconds / seconds)
+        tokens.append(int(np.sum(np.asarray(out.stream) != pad)))
+        turns.append(float(np.mean(np.asarray(out.turns))))
+    episode_s = statistics.median(episode_times)
+    episode_tokens = int(statistics.median(tokens))
+    length = max(1, round(episode_tokens / args.batch))  # single responses as long as the mean stream
+
+    single = jax.jit(lambda p, x, k: generate(graphdef, p, x, k, response_length=length, pad_token_id=pad,
+                                              temperature=0.7))
+    jax.block_until_ready(single(params, prompts, jax.random.key(0)))
+    single_times = []
+    for repeat in range(args.repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(single(params, prompts, jax.random.key(repeat + 1)))
+        single_times.append(time.perf_counter() - start)
+    single_s = statistics.median(single_times)
+    episode_rate, single_rate = episode_tokens / episode_s, args.batch * length / single_s
+    report = dict(batch=args.batch, shape=dict(turn_length=shape.turn_length,
+                                               observation_length=shape.observation_length,
+                                               max_turns=shape.max_turns, episode_length=shape.episode_length),
+                  mean_turns=statistics.median(turns), episode_tokens=episode_tokens, episode_s=episode_s,
+                  episode_tokens_per_s=episode_rate, single_response_length=length, single_s=single_s,
+                  single_tokens_per_s=single_rate, ratio=episode_rate / single_rate,
+                  host_share=statistics.median(host_shares), machine=machine_info(), commit=source_commit())
+    print(f"episodes: {episode_tokens} tokens in {episode_s:.2f} s ({episode_rate:.1f} tokens/s, "
+          f"{report['mean_turns']:.2f} turns, host {100 * report['host_share']:.1f} % of the time); single turn: "
+          f"{args.batch} x {length} tokens in {single_s:.2f} s ({single_rate:.1f} tokens/s); ratio "
+          f"{report['ratio']:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return report
+
+
+if __name__ == "__main__":
+    main()
