@@ -101,6 +101,14 @@ BAD_CONFIGS = [
     ("eos-penalty-no-stop", "missing_eos_penalty: 1.0\n", ["needs a stop token", "stop_token: eos"]),
     ("two-stop-tokens", "stop_token: eos\nstop_token_id: 2\n", ["both set"]),
     ("policy-head-and-value-model", "value_head: policy\nvalue_model_path: v\n", ["value_head: separate"]),
+    # ---- agent runs
+    ("turn-length-without-agent", "turn_length: 16\n", ["read only by an agent run", "remove it"]),
+    ("agent-dynamic-sampling", "environment_factory: m:Game\nfilter_groups: true\nadvantage_estimator: grpo\n"
+     "num_generations: 4\nbatch_size: 16\n", ["filter_groups=True (dynamic sampling) is not available",
+                                             "filter_groups: false"]),
+    ("agent-turn-too-long", "tools: [m:f]\nturn_length: 80\nresponse_length: 40\n",
+     ["turn_length=80 is longer than response_length=40"]),
+    ("agent-tools-not-specs", "tools: [calculate]\n", ["'module:function' tools"]),
 ]
 
 

@@ -79,8 +79,15 @@ class RunAgents:
                                 episode_length=config.response_length, max_turns=shape_turns)
         self.table: Optional[ColumnTable] = None
         self.texts: Optional[list] = None
+        # a TRL environment rewards through get_reward(); a protocol one may also reward its turns (Step.reward)
+        rewards = self.environments.owns_reward or self.environments.kind == "protocol"
         self.reward_name = (self.environments.label.rpartition(":")[2]
-                            if config.environment_factory is not None and self.environments.owns_reward else None)
+                            if config.environment_factory is not None and rewards else None)
+        if self.reward_name is None and not (config.reward_model_path or config.reward_function or
+                                             config.reward_funcs):
+            raise ConfigError(f"nothing rewards the episodes: {self.environments.label} has no get_reward() and "
+                              "no reward_funcs, reward_function or reward_model_path is set. Fix: give the "
+                              "environment a get_reward() method, or set reward_funcs.")
 
     def source(self, shape, mesh) -> EpisodeSource:
         """The program's ``EpisodeSource``: the host's turns through a host callback, and the environment's reward."""

@@ -306,6 +306,25 @@ def _dynamic_sampling_problems(c: PPOConfig) -> list[str]:
     return out
 
 
+def _agent_problems(c: PPOConfig) -> list[str]:
+    """An agent run (tools or environment_factory) and the fields that shape its episodes."""
+    agent_only = [name for name in ("turn_length", "tool_chat_template") if getattr(c, name) is not None]
+    if not c.is_agent_run:
+        return [f"{name}={getattr(c, name)!r} is read only by an agent run (tools or environment_factory); set one "
+                "of those, or remove it." for name in agent_only]
+    out = []
+    if c.filter_groups:
+        out.append("filter_groups=True (dynamic sampling) is not available with tools or an environment_factory yet: "
+                   "an agent run samples its episodes in one batch. Set filter_groups: false.")
+    if c.rollout_slots:
+        out.append(f"rollout_slots={c.rollout_slots} (continuous batching) is not available with tools or an "
+                   "environment_factory yet: a batch's episodes play together. Set rollout_slots: 0.")
+    if c.turn_length is not None and c.turn_length > c.response_length:
+        out.append(f"turn_length={c.turn_length} is longer than response_length={c.response_length}, the whole "
+                   "episode's tokens; lower turn_length or raise response_length.")
+    return out
+
+
 def _objective_problems(c: PPOConfig) -> list[str]:
     """The policy objective (``loss_type``, a registered one) against its options and the advantages it reads."""
     aggregation, levels, sequence_advantages, options = _policy_objective_traits(c.loss_type)

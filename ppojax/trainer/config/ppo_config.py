@@ -13,9 +13,9 @@ from typing import Any, Optional
 import yaml
 
 from ppojax.errors import ConfigError
-from ppojax.trainer.config.checks import (_checked_value, _dynamic_sampling_problems, _estimator_problems,
-                                          _objective_problems, _off_policy_problems, _problems_together,
-                                          _registry_problems)
+from ppojax.trainer.config.checks import (_agent_problems, _checked_value, _dynamic_sampling_problems,
+                                          _estimator_problems, _objective_problems, _off_policy_problems,
+                                          _problems_together, _registry_problems)
 from ppojax.trainer.config.names import normalise_keys
 from ppojax.trainer.config.schema import FIELD_NAMES, STATIC_FIELDS, Settings, StaticSettings
 from ppojax.trainer.config.sections.run import REPORT_SINKS
@@ -132,7 +132,7 @@ class PPOConfig(Settings):
             problems += [str(err) for err in _registry_problems(self)]
         if not problems:
             problems += (_estimator_problems(self) + _objective_problems(self) + _off_policy_problems(self)
-                         + _dynamic_sampling_problems(self))
+                         + _dynamic_sampling_problems(self) + _agent_problems(self))
         if len(problems) == 1:
             raise ConfigError(problems[0])
         if problems:
@@ -156,12 +156,15 @@ class PPOConfig(Settings):
 
     def check_reward_source(self) -> "PPOConfig":
         """For a training run (the CLI): one reward source must be set. (The legacy ``step()`` API takes
-        scores from the caller, so a config without one is valid in itself.)"""
-        if self.reward_model_path is None and self.reward_function is None and self.reward_funcs is None:
+        scores from the caller, so a config without one is valid in itself.) An environment_factory may be the
+        source (its get_reward; a class without one is refused when the run is built)."""
+        if (self.reward_model_path is None and self.reward_function is None and self.reward_funcs is None
+                and self.environment_factory is None):
             raise ConfigError(
                 "No reward source: set reward_funcs (a list of 'module:function' or built-in reward functions), "
                 "reward_function ('vader', or 'module:function' taking (prompts, completions) -> floats) or "
-                "reward_model_path (a sequence-classification checkpoint).")
+                "reward_model_path (a sequence-classification checkpoint), or an environment_factory whose "
+                "environment has get_reward().")
         return self
 
     # ---- (de)serialisation ----
