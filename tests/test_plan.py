@@ -129,6 +129,23 @@ def test_a_dynamic_sampling_program_is_planned_with_its_rounds_prompts(tiny_mode
     assert compile_program(run, "train_step").temp_bytes > 0
 
 
+def test_an_agent_program_is_planned_with_its_episode_buffers(tiny_model):
+    """An agent run's step (tools / environment_factory) compiles without its environment: a stand-in ends every
+    episode after one turn, the buffers and loops keep the config's shapes."""
+
+    from ppojax import parallel
+    from ppojax.trainer.config import PPOConfig
+    from ppojax.trainer.plan import abstract_run, compile_program
+
+    config = PPOConfig.from_yaml(REPO / "configs/plan.yaml", [
+        *SETTINGS, "environment_factory=ppojax.tasks.guess_number:GuessNumber", "turn_length=4",
+        "observation_length=3", "max_tool_calling_iterations=2", "chat_template=true"])
+    model_cfg, _, _ = model_config_for(str(tiny_model))
+    run = abstract_run(config, model_cfg, parallel.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    assert run.program.settings.sampling.episodes.max_turns == 3
+    assert compile_program(run, "train_step").temp_bytes > 0
+
+
 def test_presets_read_through_the_family_code():
     cfg, _, _ = model_config_for("meta-llama/Llama-3.1-8B")
     assert (cfg.hidden_size, cfg.num_layers, cfg.num_kv_heads, cfg.vocab_size) == (4096, 32, 8, 128256)

@@ -128,6 +128,17 @@ class EpisodeSource:
     reward_name: Optional[str] = None
 
 
+def first_turn_only(shape: EpisodeShape, pad_token_id: int) -> HostTurn:
+    """A traced stand-in environment that ends every episode after its first turn (no host): the programs keep
+    their full shapes, for compiling them without the run's environment (``ppojax plan``)."""
+    def host_turn(turn, episode, tokens, ended, running, stream_length):
+        n = episode.shape[0]
+        return HostAnswer(jnp.full((n, shape.observation_length), pad_token_id, jnp.int32), jnp.zeros((n,), jnp.int32),
+                          jnp.zeros((n,), bool), jnp.full((n,), jnp.nan, jnp.float32))
+
+    return host_turn
+
+
 def host_callback(turn_fn, shape: EpisodeShape, mesh=None) -> HostTurn:
     """A :data:`HostTurn` that runs ``turn_fn`` on the host (``ppojax.agents.EpisodeHost.turn``: numpy arrays in,
     ``(observation i32[n, O], observation_length i32[n], goes_on bool[n], reward f32[n])`` out) through one

@@ -26,6 +26,7 @@ from ppojax.models.lora import LoraSpec
 from ppojax import parallel
 from ppojax.rl import placement
 from ppojax.rl.actor_critic import ActorCritic
+from ppojax.rl.episodes import EpisodeSource, first_turn_only
 from ppojax.rl.optimizer import optimizer_from_config
 from ppojax.rl.program import PPOProgram
 from ppojax.rl.settings import Hyperparams, StepSettings
@@ -193,5 +194,8 @@ def make_program(config: PPOConfig, mesh, graphdefs, reward, *, pad_token_id: in
                                base_graphdef=base_graphdef, lora_scale=lora_scale, kernels=kernels)
     step = backends.optimizer_step_for(config.optimizer_implementation,
                                        list(mesh.devices.flat) if mesh is not None else None)
-    episodes = None if agents is None else agents.source(settings.sampling.episodes, mesh)
+    episodes = None
+    if settings.sampling.episodes is not None:  # without the run's environment (a plan): a stand-in, same shapes
+        episodes = (agents.source(settings.sampling.episodes, mesh) if agents is not None else
+                    EpisodeSource(first_turn_only(settings.sampling.episodes, pad_token_id)))
     return PPOProgram(actor_critic, reward, settings, optimizer_from_config(config, step), mesh, episodes)
