@@ -3,7 +3,10 @@
 The environment (``GuessNumber``, ppojax's ``Environment`` protocol) holds a secret number from the dataset row's
 ``target`` column; each model turn is a guess (the first whole number in the message), answered "Higher." or
 "Lower."; the episode ends when the guess is right or after the run's turns. The reward, read once at the end
-(``get_reward``): 1 for a solved game, 0 otherwise. ``records`` generates the prompts, seeded.
+(``get_reward``): 1 for a solved game; otherwise partial credit for the closest guess, ``0.5 * (1 - distance /
+(HIGH - LOW))``, and 0 without any guess (a 135M model rarely solves a game at first: the credit lets it learn to
+guess, then to follow the feedback). A game is solved exactly when its reward is 1. ``records`` generates the
+prompts, seeded.
 """
 from __future__ import annotations
 
@@ -19,8 +22,8 @@ from ppojax.agents import Environment, Step
 __all__ = ["GuessNumber", "records", "write_splits", "LOW", "HIGH"]
 
 LOW, HIGH = 1, 16
-PROMPT = (f"I am thinking of a whole number from {LOW} to {HIGH}. Guess it: answer with one number. After each "
-          "wrong guess I will say if my number is higher or lower.")
+PROMPT = (f"Guess my secret number between {LOW} and {HIGH}. After a wrong guess I say if my number is higher or "
+          "lower. Reply with only your guess, for example: 8")
 _NUMBER = re.compile(r"-?\d+")
 
 
@@ -50,19 +53,23 @@ class GuessNumber(Environment):
     """One game (module docstring)."""
 
     def reset(self, target: int, **row) -> Optional[str]:
-        self.target, self.solved, self.guesses = int(target), False, 0
+        self.target, self.closest = int(target), None
         return None
 
     def step(self, action: str) -> Step:
-        self.guesses += 1
         found = _NUMBER.search(action)
         if found is None:
-            return Step("Answer with one whole number.", None, False)
+            return Step("Reply with only a number.", None, False)
         guess = int(found.group())
+        if self.closest is None or abs(guess - self.target) < abs(self.closest - self.target):
+            self.closest = guess
         if guess == self.target:
-            self.solved = True
             return Step(None, None, True)
         return Step("Higher." if guess < self.target else "Lower.", None, False)
 
     def get_reward(self) -> float:
-        return float(self.solved)
+        if self.closest is None:
+            return 0.0
+        if self.closest == self.target:
+            return 1.0
+        return 0.5 * max(0.0, 1.0 - abs(self.closest - self.target) / (HIGH - LOW))
