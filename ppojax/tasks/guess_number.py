@@ -19,7 +19,7 @@ from typing import Iterator, Optional
 
 from ppojax.agents import Environment, Step
 
-__all__ = ["GuessNumber", "records", "write_splits", "LOW", "HIGH"]
+__all__ = ["GuessNumber", "records", "write_splits", "LOW", "HIGH", "PROMPT"]
 
 LOW, HIGH = 1, 16
 PROMPT = (f"Guess my secret number between {LOW} and {HIGH}. After a wrong guess I say if my number is higher or "

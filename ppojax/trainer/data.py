@@ -15,6 +15,7 @@ next epoch reshuffles everything). Prompts longer than `max_prompt_length` are d
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 from dataclasses import dataclass, field
@@ -27,6 +28,9 @@ import pyarrow.parquet as pq  # datasets' own dependency
 
 from ppojax.assets import cache_dir, movie_review_prompts
 from ppojax.tasks.arithmetic import write_splits
+from ppojax.tasks.guess_number import HIGH as GAME_HIGH
+from ppojax.tasks.guess_number import LOW as GAME_LOW
+from ppojax.tasks.guess_number import PROMPT as GAME_PROMPT
 from ppojax.tasks.guess_number import write_splits as write_games
 
 __all__ = [
@@ -55,7 +59,10 @@ GUESS_NUMBER_SETTINGS = {"seed": 0, "train": 2000, "test": 200}
 
 def guess_number_split(name: str, *, log: Optional[Callable[..., None]] = None) -> Path:
     """The JSONL file of a built-in guess-the-number split, written into the asset cache the first time."""
-    folder = cache_dir() / ("guess_number-" + "-".join(f"{k}{v}" for k, v in GUESS_NUMBER_SETTINGS.items()))
+    # the folder's name changes with the games' text and range, so that a cached file is never a stale version
+    version = hashlib.sha1(f"{GAME_PROMPT}|{GAME_LOW}|{GAME_HIGH}".encode()).hexdigest()[:8]
+    folder = cache_dir() / ("guess_number-" + "-".join(f"{k}{v}" for k, v in GUESS_NUMBER_SETTINGS.items())
+                            + f"-{version}")
     path = folder / f"{BUILTIN_GUESS_NUMBER[name]}.jsonl"
     if not path.is_file():
         (log or _log)(f"[ppojax] writing the guess-the-number games to {folder}")
