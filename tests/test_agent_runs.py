@@ -163,3 +163,19 @@ def test_agent_runs_need_a_stop_token_and_a_chat_template(tmp_path):
         trainer_for(config_for(tmp_path, stop_token=None), games(40))
     with pytest.raises(ConfigError, match="set chat_template: true"):
         trainer_for(config_for(tmp_path, chat_template=False), games(40))
+
+
+def test_the_built_in_games_are_seeded_and_follow_their_text(tmp_path, monkeypatch):
+    import json
+
+    from ppojax.tasks import guess_number
+    from ppojax.trainer import data
+
+    monkeypatch.setattr(data, "cache_dir", lambda: tmp_path)
+    train = data.guess_number_split("guess_number", log=lambda *a, **k: None)
+    rows = [json.loads(line) for line in train.read_text().splitlines()]
+    assert len(rows) == 2000 and {r["prompt"] for r in rows} == {guess_number.PROMPT}
+    assert {r["target"] for r in rows} == set(range(guess_number.LOW, guess_number.HIGH + 1))
+    assert rows[:5] == list(guess_number.records(0, 5))
+    monkeypatch.setattr(data, "GAME_PROMPT", "another text")  # a changed game is written anew, elsewhere
+    assert data.guess_number_split("guess_number", log=lambda *a, **k: None).parent != train.parent
