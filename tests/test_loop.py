@@ -22,7 +22,8 @@ class Batches:
 def fake_run(start=0):
     state = SimpleNamespace(update_count=jnp.int32(start))
     settings = SimpleNamespace(batch=SimpleNamespace(batch_size=2), dynamic_sampling=None)
-    return SimpleNamespace(state=state, batches=Batches(), settings=settings, config=SimpleNamespace(seed=0))
+    return SimpleNamespace(state=state, batches=Batches(), settings=settings, config=SimpleNamespace(seed=0),
+                           agents=None)
 
 
 @pytest.fixture
