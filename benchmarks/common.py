@@ -221,6 +221,18 @@ def peak_rss_mb() -> float:
 # The machine and the code
 
 
+def median_seconds(call, repeats: int) -> float:
+    """Median wall seconds of ``call(i)`` for i = 1 .. repeats, after one ``call(0)`` left out (the compile).
+    ``call`` returns once its work is done (a JAX caller blocks on its result); ``i`` may vary its input."""
+    call(0)
+    times = []
+    for i in range(1, repeats + 1):
+        start = time.perf_counter()
+        call(i)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def source_commit() -> str | None:
     """The repository's commit (abbreviated, "+changes" where the work tree differs from it), or None outside a git
     checkout: what a report's figures were measured at."""

@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 from transformers import AutoTokenizer
 
-from benchmarks.common import machine_info, source_commit
+from benchmarks.common import machine_info, median_seconds, source_commit
 from ppojax.agents import ChatRenderer, EnvironmentFactory, EpisodeHost
 from ppojax.assets import smollm2_checkpoint
 from ppojax.models import load_pretrained
@@ -93,13 +93,8 @@ def main(argv=None) -> dict:
 
     single = jax.jit(lambda p, x, k: generate(graphdef, p, x, k, response_length=length, pad_token_id=pad,
                                               temperature=0.7))
-    jax.block_until_ready(single(params, prompts, jax.random.key(0)))
-    single_times = []
-    for repeat in range(args.repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(single(params, prompts, jax.random.key(repeat + 1)))
-        single_times.append(time.perf_counter() - start)
-    single_s = statistics.median(single_times)
+    single_s = median_seconds(lambda i: jax.block_until_ready(single(params, prompts, jax.random.key(i))),
+                              args.repeats)
     episode_rate, single_rate = episode_tokens / episode_s, args.batch * length / single_s
     report = dict(batch=args.batch, shape=dict(turn_length=shape.turn_length,
                                                observation_length=shape.observation_length,

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from benchmarks.common import SIZES, machine_info, source_commit
+from benchmarks.common import SIZES, machine_info, median_seconds, source_commit
 from ppojax.models import CausalLM, ModelConfig
 from ppojax.rl.sampler import generate
 
@@ -25,16 +23,6 @@ from ppojax.rl.sampler import generate
 def _prefill(graphdef, group_size: int):
     return jax.jit(lambda params, prompts: generate(graphdef, params, prompts, jax.random.key(0), response_length=1,
                                                     pad_token_id=0, group_size=group_size))
-
-
-def _median_seconds(fn, params, prompts, repeats: int) -> float:
-    jax.block_until_ready(fn(params, prompts))  # compile
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(params, prompts))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main(argv=None) -> dict:
@@ -48,9 +36,10 @@ def main(argv=None) -> dict:
     config = ModelConfig.from_hf(dict(model_type="llama", **SIZES["smollm2"]["model"]))
     graphdef, params = nnx.split(CausalLM(config, rngs=nnx.Rngs(0)))
     prompts = jax.random.randint(jax.random.key(1), (args.prompts, args.prompt_length), 2, config.vocab_size)
-    grouped = _median_seconds(_prefill(graphdef, args.group_size), params, prompts, args.repeats)
-    repeated = _median_seconds(_prefill(graphdef, 1), params, jnp.repeat(prompts, args.group_size, axis=0),
-                               args.repeats)
+    grouped_fn, repeated_fn = _prefill(graphdef, args.group_size), _prefill(graphdef, 1)
+    repeated_prompts = jnp.repeat(prompts, args.group_size, axis=0)
+    grouped = median_seconds(lambda _: jax.block_until_ready(grouped_fn(params, prompts)), args.repeats)
+    repeated = median_seconds(lambda _: jax.block_until_ready(repeated_fn(params, repeated_prompts)), args.repeats)
     report = dict(prompts=args.prompts, group_size=args.group_size, prompt_length=args.prompt_length,
                   one_prefill_per_group_s=grouped, g_prefills_s=repeated, ratio=repeated / grouped,
                   machine=machine_info(), commit=source_commit())
