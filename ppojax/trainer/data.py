@@ -22,9 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-import datasets
 import numpy as np
-import pyarrow.parquet as pq  # datasets' own dependency
 
 from ppojax.assets import cache_dir, movie_review_prompts
 from ppojax.tasks.arithmetic import write_splits
@@ -178,6 +176,8 @@ def _load_file(path: Path, column: str) -> dict:
         rows = list(reader)
         return {name: [row[name] for row in rows] for name in reader.fieldnames}
     if suffix == ".parquet":
+        import pyarrow.parquet as pq  # noqa: PLC0415 - datasets' dependency, slow to import; parquet files only
+
         schema_names = pq.read_schema(path).names
         _table_column(schema_names, column, where)
         return pq.read_table(path).to_pydict()
@@ -225,6 +225,8 @@ def load_prompt_table(source: Any, column: str = "prompt", *, split: str = "trai
     elif isinstance(source, (str, Path)):
         path = Path(source).expanduser()
         if path.is_dir():
+            import datasets  # noqa: PLC0415 - over a second to import; only a saved dataset folder needs it
+
             table = _from_hf_dataset(datasets.load_from_disk(str(path)), column, split)
         elif path.is_file():
             table = _load_file(path, column)
