@@ -1,13 +1,15 @@
 """Multi-turn episodes against single-turn sampling at the same total tokens: SmolLM2-135M-Instruct (the bundled
-checkpoint) plays guess-the-number (``ppojax.tasks.guess_number``: real turns, the environment answering "Higher." or
-"Lower." after each guess), then samples single responses as long as the episodes' mean stream, no early stop.
+checkpoint) plays ``--episodes`` games of guess-the-number (``ppojax.tasks.guess_number``: real turns, the environment
+answering "Higher." or "Lower." after each guess) on ``--slots`` cache rows (0: one row per episode; fewer: a row
+whose episode ends takes the next waiting one), then the same rows sample single responses, no early stop, as many
+tokens in all as the episodes' streams held.
 
 Reported: tokens per second of each (an episode's tokens: the model's and the observations', prompt excluded; a
 single response's: its tokens), their ratio, the mean turns, and the share of the episodes' wall time spent on the
 host between turns (decoding the messages, stepping the environments, rendering and tokenizing the observations:
 the device waits meanwhile). Medians over ``--repeats`` after one compiling call.
 
-    python -m benchmarks.episodes --batch 16 --repeats 3 --json out.json
+    python -m benchmarks.episodes --episodes 48 --slots 16 --repeats 3 --json out.json
 """
 from __future__ import annotations
 
@@ -48,7 +50,8 @@ class TimedHost:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--episodes", type=int, default=16)
+    parser.add_argument("--slots", type=int, default=0, help="cache rows (0: one per episode)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--turn-length", type=int, default=12)
@@ -62,7 +65,7 @@ def main(argv=None) -> dict:
     stop, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.pad_token_id
     shape = EpisodeShape(turn_length=args.turn_length, observation_length=args.observation_length,
                          max_turns=args.turns, episode_length=args.turns * (args.turn_length + args.observation_length))
-    games = list(records(0, args.batch))
+    games, rows = list(records(0, args.episodes)), min(args.slots or args.episodes, args.episodes)
     renderer = ChatRenderer(tokenizer, end_of_turn="<|im_end|>")
     host = TimedHost(EpisodeHost(EnvironmentFactory(GuessNumber), renderer, tokenizer, stop_token_id=stop,
                                  pad_token_id=pad, observation_length=shape.observation_length,
@@ -73,10 +76,11 @@ def main(argv=None) -> dict:
 
     play = jax.jit(lambda p, x, k: generate_episodes(graphdef, p, x, k, shape=shape,
                                                      host_turn=host_callback(host.turn, shape),
-                                                     pad_token_id=pad, stop_token_id=stop, temperature=0.7))
+                                                     pad_token_id=pad, stop_token_id=stop, temperature=0.7,
+                                                     slots=args.slots))
     episode_times, host_shares, tokens, turns = [], [], [], []
     for repeat in range(args.repeats + 1):
-        host.host.begin(games, list(range(args.batch)), messages)
+        host.host.begin(games, list(range(args.episodes)), messages)
         host.seconds = 0.0
         start = time.perf_counter()
         out = jax.block_until_ready(play(params, prompts, jax.random.key(repeat)))
@@ -89,14 +93,14 @@ def main(argv=None) -> dict:
         turns.append(float(np.mean(np.asarray(out.turns))))
     episode_s = statistics.median(episode_times)
     episode_tokens = int(statistics.median(tokens))
-    length = max(1, round(episode_tokens / args.batch))  # single responses as long as the mean stream
+    length = max(1, round(episode_tokens / rows))  # the same rows, as many tokens in all
 
     single = jax.jit(lambda p, x, k: generate(graphdef, p, x, k, response_length=length, pad_token_id=pad,
                                               temperature=0.7))
-    single_s = median_seconds(lambda i: jax.block_until_ready(single(params, prompts, jax.random.key(i))),
+    single_s = median_seconds(lambda i: jax.block_until_ready(single(params, prompts[:rows], jax.random.key(i))),
                               args.repeats)
-    episode_rate, single_rate = episode_tokens / episode_s, args.batch * length / single_s
-    report = dict(batch=args.batch, shape=dict(turn_length=shape.turn_length,
+    episode_rate, single_rate = episode_tokens / episode_s, rows * length / single_s
+    report = dict(episodes=args.episodes, rows=rows, shape=dict(turn_length=shape.turn_length,
                                                observation_length=shape.observation_length,
                                                max_turns=shape.max_turns, episode_length=shape.episode_length),
                   mean_turns=statistics.median(turns), episode_tokens=episode_tokens, episode_s=episode_s,
@@ -105,7 +109,7 @@ def main(argv=None) -> dict:
                   host_share=statistics.median(host_shares), machine=machine_info(), commit=source_commit())
     print(f"episodes: {episode_tokens} tokens in {episode_s:.2f} s ({episode_rate:.1f} tokens/s, "
           f"{report['mean_turns']:.2f} turns, host {100 * report['host_share']:.1f} % of the time); single turn: "
-          f"{args.batch} x {length} tokens in {single_s:.2f} s ({single_rate:.1f} tokens/s); ratio "
+          f"{rows} x {length} tokens in {single_s:.2f} s ({single_rate:.1f} tokens/s); ratio "
           f"{report['ratio']:.2f}")
     if args.json:
         with open(args.json, "w") as f:

@@ -2,7 +2,8 @@
 (ppojax.tasks.guess_number) through PPOTrainer, with a word-level tokenizer whose vocabulary holds the game's
 words, so that its turns end at the end-of-turn token often enough for multi-turn episodes.
 
-- the updates train on multi-turn episodes (turns > 1, environment tokens in the streams), one compiled program;
+- the updates train on multi-turn episodes (turns > 1, environment tokens in the streams), one compiled program,
+  with one cache row per episode or fewer rows refilled as episodes end (``rollout_slots``);
 - the environment's reward is a reward of the run (logged as rewards/GuessNumber/mean), equal to a plain replay of
   the games in the sampled episodes;
 - evaluation and sample tables play whole episodes;
@@ -62,9 +63,10 @@ def trainer_for(config, dataset):
                       model=CausalLM(tiny_config(vocab_size=len(WORDS)), rngs=nnx.Rngs(0)), train_dataset=dataset)
 
 
-@pytest.mark.parametrize("padding_free", [False, True])
-def test_an_environment_run_trains_on_multi_turn_episodes(tmp_path, padding_free):
-    trainer = trainer_for(config_for(tmp_path, padding_free=padding_free), games(40))
+@pytest.mark.parametrize("options", [{}, dict(padding_free=True, rollout_slots=8)], ids=["padded", "packed-slots"])
+def test_an_environment_run_trains_on_multi_turn_episodes(tmp_path, options):
+    """Padded, and packed with 8 cache rows playing the 16 episodes of a batch (rows refilled as episodes end)."""
+    trainer = trainer_for(config_for(tmp_path, **options), games(40))
     history = trainer.train(progress=False)
     assert len(history) == 3
     assert max(m["episodes/turns"] for m in history) > 1.05  # some episodes took several turns
@@ -179,3 +181,16 @@ def test_the_built_in_games_are_seeded_and_follow_their_text(tmp_path, monkeypat
     assert rows[:5] == list(guess_number.records(0, 5))
     monkeypatch.setattr(data, "GAME_PROMPT", "another text")  # a changed game is written anew, elsewhere
     assert data.guess_number_split("guess_number", log=lambda *a, **k: None).parent != train.parent
+
+
+def test_missing_eos_penalty_reads_whether_the_episode_ended_not_its_tokens():
+    """Every answered turn of an episode ends with the stop token, so a truncated LAST turn is what the penalty is
+    for: the scores read the Experience's ``contains_stop`` (the episodes' ``completed``), not the stream."""
+    from types import SimpleNamespace
+
+    settings = SimpleNamespace(algorithm=SimpleNamespace(missing_eos_penalty=0.5, soft_punish_cache=0))
+    streams = jnp.array([[5, 1, 7, 7, 6, 1], [5, 1, 7, 7, 6, 6]])  # both hold the stop token (1) of a first turn
+    completed = jnp.array([True, False])  # the second's last turn ran out of tokens
+    scores = rollout.penalised_scores(jnp.array([1.0, 1.0]), completed, jnp.array([5, 5]), settings)
+    np.testing.assert_allclose(np.asarray(scores), [1.0, 0.5])
+    assert bool(jnp.all(jnp.any(streams == 1, axis=1)))  # a token test would have penalised neither

@@ -136,7 +136,8 @@ def play(host, stop, pad, scripts, write, shape):
                 masks[e] += [False] * len(ids)
         ended = running.copy()
         lengths = np.array([len(s) for s in streams], np.int32)
-        observation, observed, goes_on, _ = host.turn(turn, np.arange(n, dtype=np.int32), tokens, ended, running,
+        observation, observed, goes_on, _ = host.turn(np.full(n, turn, np.int32), np.arange(n, dtype=np.int32), tokens,
+                                                      ended, running,
                                                       lengths)
         for e in np.flatnonzero(goes_on):
             ids = observation[e, shape.observation_length - observed[e]:].tolist()
@@ -243,7 +244,8 @@ def test_an_environment_that_raises_ends_the_batch_and_is_raised_after():
     host.begin([{}, {}], [7, 8], [[{"role": "user", "content": "guess"}]] * 2)
     tokens = np.full((2, 8), tok.pad_token_id, np.int32)
     tokens[:, :2] = [tok("5")["input_ids"][0], stop]
-    _, _, goes_on, _ = host.turn(0, np.arange(2), tokens, np.ones(2, bool), np.ones(2, bool), np.full(2, 2))
+    _, _, goes_on, _ = host.turn(np.zeros(2, np.int32), np.arange(2), tokens, np.ones(2, bool), np.ones(2, bool),
+                                 np.full(2, 2))
     assert not goes_on.any()
     with pytest.raises(EnvironmentCallError, match=r"environment Game\.step raised KeyError: 'guess' on row 7"):
         host.raise_pending()
@@ -269,13 +271,13 @@ def test_a_host_reached_through_io_callback_gives_the_traced_hosts_episodes():
     def numpy_host(turn, episode, tokens, ended, running, stream_length):  # on the host: numpy arrays
         n = len(episode)
         obs = np.full((n, 3), pad, np.int32)
-        obs[:, 1:] = (np.asarray(episode)[:, None] + int(turn) + np.arange(2)) % 14 + 2
+        obs[:, 1:] = (np.asarray(episode)[:, None] + np.asarray(turn)[:, None] + np.arange(2)) % 14 + 2
         return (obs, np.full(n, 2, np.int32), np.asarray(running) & (np.asarray(episode) % 2 == 1),
-                np.where(running, np.float32(turn), np.nan).astype(np.float32))
+                np.where(running, np.asarray(turn, np.float32), np.nan).astype(np.float32))
 
     def traced_host(turn, episode, tokens, ended, running, stream_length):
         obs = jnp.concatenate([jnp.full((B, 1), pad, jnp.int32),
-                               (episode[:, None] + turn + jnp.arange(2)) % 14 + 2], axis=1)
+                               (episode[:, None] + turn[:, None] + jnp.arange(2)) % 14 + 2], axis=1)
         return HostAnswer(obs, jnp.full((B,), 2, jnp.int32), running & (episode % 2 == 1),
                           jnp.where(running, turn.astype(jnp.float32), jnp.nan))
 

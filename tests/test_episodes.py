@@ -172,3 +172,28 @@ def test_one_program_for_every_turn_and_batch(policy, stop_token):
     second = run(policy, stop_token, prompts=other, key=4, jitted=jitted)
     assert int(jnp.max(first.turns)) > 1 and int(jnp.max(second.turns)) > 1
     assert jitted._cache_size() == 1
+
+
+def test_fewer_rows_than_episodes_play_the_same_episodes(policy, stop_token, episodes, monkeypatch):
+    """``slots`` rows refilled as episodes end: every episode's stream, mask, log-probs, reward and turns are those
+    of the batch played with one row per episode (the same keys per episode); a refill prefills one prompt."""
+    graphdef, params = policy
+    seen = []
+    original = CausalLM.__call__
+
+    def recording(self, input_ids, *args, **kwargs):
+        seen.append(tuple(input_ids.shape))
+        return original(self, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(CausalLM, "__call__", recording)
+    refilled = jax.jit(lambda params, prompts, key: generate_episodes(
+        graphdef, params, prompts, key, shape=SHAPE, host_turn=scripted_host, pad_token_id=PAD,
+        stop_token_id=stop_token, temperature=TEMPERATURE, top_k=TOP_K, slots=5))
+    out = jax.tree.map(np.asarray, refilled(params, jnp.asarray(PROMPTS), jax.random.key(3)))
+    assert sorted(set(seen)) == sorted({(5, P), (1, P), (5, 1), (5, 1 + SHAPE.observation_length)})
+    np.testing.assert_array_equal(out.stream, episodes.stream)
+    np.testing.assert_array_equal(out.environment_mask, episodes.environment_mask)
+    np.testing.assert_array_equal(out.turns, episodes.turns)
+    np.testing.assert_array_equal(out.completed, episodes.completed)
+    np.testing.assert_array_equal(out.environment_reward, episodes.environment_reward)
+    np.testing.assert_allclose(out.logprobs, episodes.logprobs, atol=2e-5, rtol=0)

@@ -140,8 +140,8 @@ class EpisodeHost:
         goes_on = np.zeros(n, bool)
         reward = np.full(n, np.nan, np.float32)
         try:
-            self._turn(int(turn), np.asarray(episode), np.asarray(tokens), np.asarray(ended), np.asarray(running),
-                       np.asarray(stream_length), observation, lengths, goes_on, reward)
+            self._turn(np.asarray(turn), np.asarray(episode), np.asarray(tokens), np.asarray(ended),
+                       np.asarray(running), np.asarray(stream_length), observation, lengths, goes_on, reward)
         except Exception as err:  # noqa: BLE001 - re-raised by raise_pending() after the program returns
             with self._lock:
                 self._errors.append(err)
@@ -156,9 +156,8 @@ class EpisodeHost:
         steps = step_all([self._envs[episode[i]] for i in stepped], [messages[i] for i in stepped],
                          [self._rows[episode[i]] for i in stepped]) if stepped else []
         outcome = dict(zip(stepped, steps))
-        last_turn = turn + 1 >= self.max_turns
         for i in live:
-            e = int(episode[i])
+            e, last_turn = int(episode[i]), turn[i] + 1 >= self.max_turns
             self._conversations[e].append({"role": "assistant", "content": messages[i]})
             step = outcome.get(i)
             turn_reward = None if step is None else step.reward

@@ -18,8 +18,8 @@ from ppojax.core.offpolicy import (IMPORTANCE_SAMPLING_MODES, ImportanceWeights,
                                    off_policy_sequence_mask, sequence_log_ratio, staleness_metrics)
 from ppojax.core.overlong import soft_overlong_punishment
 from ppojax.core.metrics import LOSS_METRIC_NAMES, UPDATE_METRIC_NAMES, rollout_metrics
-from ppojax.core.shaping import (SCORE_POSITIONS, ShapedRewards, apply_missing_eos_penalty, score_index,
-                                 shaped_rewards)
+from ppojax.core.shaping import (SCORE_POSITIONS, ShapedRewards, apply_missing_eos_penalty, penalise_missing_stop,
+                                 score_index, shaped_rewards)
 from ppojax.core.stats import masked_mean, masked_sum, masked_var, masked_whiten
 
 __all__ = [
@@ -50,7 +50,8 @@ __all__ = [
     # metrics
     "LOSS_METRIC_NAMES", "UPDATE_METRIC_NAMES", "rollout_metrics",
     # shaping
-    "SCORE_POSITIONS", "ShapedRewards", "apply_missing_eos_penalty", "score_index", "shaped_rewards",
+    "SCORE_POSITIONS", "ShapedRewards", "apply_missing_eos_penalty", "penalise_missing_stop", "score_index",
+    "shaped_rewards",
     # stats
     "masked_mean", "masked_sum", "masked_var", "masked_whiten",
 ]

@@ -17,8 +17,18 @@ def apply_missing_eos_penalty(scores, truncated_responses, stop_token_id, penalt
     """
     if penalty is None:
         return scores
-    missing = ~contains_stop_token(truncated_responses, stop_token_id)
-    return scores - penalty * missing.astype(scores.dtype)
+    return penalise_missing_stop(scores, contains_stop_token(truncated_responses, stop_token_id), penalty)
+
+
+def penalise_missing_stop(scores, contains_stop, penalty):
+    """Subtract ``penalty`` from the score of every response that did not end with the stop token.
+
+    scores: f32[B]; contains_stop: bool[B] (the Experience's: a single response's stop token, or a multi-turn
+    episode that ended on its own rather than truncated). ``penalty=None`` is off.
+    """
+    if penalty is None:
+        return scores
+    return scores - penalty * (~contains_stop).astype(scores.dtype)
 
 
 def score_index(last_index, response_length, score_position="trl"):

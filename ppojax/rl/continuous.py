@@ -42,9 +42,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ppojax.rl.forward import sequence_inputs
-from ppojax.rl.sampler import (_cache_dtype, _init_cache, decode_step, model_kernels, prefill_slots, row_keys,
-                               sample_rows, token_logprobs)
+from ppojax.rl.sampler import (_cache_dtype, _init_cache, copy_into_slot, decode_step, model_kernels,
+                               prefill_one_row, row_keys, sample_rows, token_logprobs)
 
 
 @flax.struct.dataclass
@@ -119,23 +118,13 @@ def generate_continuous(graphdef, params, prompt_ids, key, *, slots, response_le
         slot = jnp.argmax(~state.live).astype(jnp.int32)
         b = state.next_row
         prompt = jax.lax.dynamic_slice_in_dim(prompt_ids, b, 1, axis=0)  # [1, P]
-        one = _init_cache(model, 1, max_length, dtype).replace(read_length=prefill_slots(prompt_length, max_length))
-        input_ids, attention_mask, position_ids = sequence_inputs(prompt, pad_token_id)
-        hidden, one = model(input_ids, attention_mask, position_ids, cache=one)
-        logits = model.logits(hidden[:, -1:])[:, 0]  # [1, V]
+        logits, one, real_tokens = prefill_one_row(model, prompt, pad_token_id, max_length, dtype)  # [1, V]
         token = sample(logits, row_keys(key, 0, b[None]))  # [1]
         state = record(state, b[None], jnp.zeros((1,), jnp.int32), token, logits)
-        c = state.cache
-        cache = c.replace(
-            keys=jax.lax.dynamic_update_slice_in_dim(c.keys, one.keys.astype(c.keys.dtype), slot, axis=1),
-            values=jax.lax.dynamic_update_slice_in_dim(c.values, one.values.astype(c.values.dtype), slot, axis=1),
-            key_mask=jax.lax.dynamic_update_slice_in_dim(c.key_mask, one.key_mask, slot, axis=0),
-            index=c.index.at[slot].set(prompt_length))
         one_t = jnp.ones((1,), jnp.int32)
         return state.replace(
-            cache=cache, row=state.row.at[slot].set(b), t=state.t.at[slot].set(1),
-            token=state.token.at[slot].set(token[0]),
-            position=state.position.at[slot].set(jnp.sum(attention_mask, dtype=jnp.int32)),
+            cache=copy_into_slot(state.cache, one, slot), row=state.row.at[slot].set(b), t=state.t.at[slot].set(1),
+            token=state.token.at[slot].set(token[0]), position=state.position.at[slot].set(real_tokens),
             live=state.live.at[slot].set(~finished(token, one_t)[0]), next_row=b + 1)
 
     def refill(state):

@@ -187,12 +187,13 @@ def collect(program, state, prompts, sample_key):
         query_responses, sampler_logprobs = rollout.sample(program, state, ids, round_key(sample_key, index))
         responses = truncate_response(query_responses[:, P:], sampling.stop_token_id, sampling.pad_token_id)
         rewarded = rollout.reward_scores(program, state, query_responses[:, :P], responses, rows)
-        scores = rollout.penalised_scores(rewarded.scores, responses,
+        stopped = contains_stop_token(responses, sampling.stop_token_id)
+        scores = rollout.penalised_scores(rewarded.scores, stopped,
                                           response_masks(responses, sampling.pad_token_id).last_index, settings)
         kept = dict(query_responses=query_responses, scores=scores, components=rewarded.components)
         if sampler_logprobs is not None:
             kept["sampler_logprobs"] = sampler_logprobs
-        trainable = contains_stop_token(responses, sampling.stop_token_id) if mask_truncated else None
+        trainable = stopped if mask_truncated else None
         judged = None if dynamic.metric is None else rewarded.components[dynamic.metric]
         return Round(kept, scores, trainable, rewarded.failures, judged)
 

@@ -21,9 +21,17 @@ time (one write index): a row that writes nothing at a step writes a masked slot
 tokens, so every row's keys, values and positions are those of its stream as one contiguous sequence: a plain
 forward over ``[prompt | stream]`` gives the sampler's log-probs (tests/test_episodes.py).
 
+Slots. With ``slots`` S below the batch's B episodes, the cache has S rows, each with its own write index: when
+an episode ends, its row takes the next waiting episode (in order): the prompt is prefilled on a one-row cache
+copied over the row's (nothing of the previous episode survives) and the row's first turn starts with the next
+round. The turns of a round run together, and the host answers the rows of a round in one call. A batch whose
+episodes end after unequal numbers of turns keeps its rows busy instead of waiting for its longest episode; the
+episodes' tokens are the ones S >= B would sample (the same keys per episode, below), up to the float rounding of
+another batch shape.
+
 An episode ends when its environment says so, when a turn ends without the stop token (``turn_length`` reached,
 the stream's ``T`` tokens used, or the pad token drawn, which ends a response for the update too: the episode is
-truncated), or after ``max_turns`` turns. Row ``b``'s stream
+truncated), or after ``max_turns`` turns. Episode ``b``'s stream
 token ``t`` draws with ``fold_in(fold_in(key, t), b)`` (``ppojax.rl.sampler.row_keys``), as a single-turn
 response's does.
 """
@@ -33,17 +41,17 @@ import dataclasses
 import functools
 from typing import Callable, NamedTuple, Optional
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.experimental import io_callback
-from jax.sharding import PartitionSpec
 
 from ppojax.core.masks import INVALID_LOGPROB
 from ppojax.parallel import batch_partition_spec
 from ppojax.rl.forward import sequence_inputs
-from ppojax.rl.sampler import (_cache_dtype, _init_cache, decode_step, model_kernels, row_keys, sample_rows,
-                               token_logprobs)
+from ppojax.rl.sampler import (_cache_dtype, _init_cache, copy_into_slot, decode_step, model_kernels,
+                               prefill_one_row, row_keys, sample_rows, token_logprobs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,10 +84,10 @@ class EpisodeShape:
 class HostAnswer(NamedTuple):
     """What the environment answers after a turn, per row.
 
-    observation:        i32[B, O] the observation's tokens, LEFT padded with the pad id (the last one is real).
-    observation_length: i32[B] how many of them are real (0: none).
-    goes_on:            bool[B] the episode continues with another model turn.
-    reward:             f32[B] this turn's reward (NaN: none).
+    observation:        i32[S, O] the observation's tokens, LEFT padded with the pad id (the last one is real).
+    observation_length: i32[S] how many of them are real (0: none).
+    goes_on:            bool[S] the episode continues with another model turn.
+    reward:             f32[S] this turn's reward (NaN: none).
     """
 
     observation: jax.Array
@@ -88,11 +96,12 @@ class HostAnswer(NamedTuple):
     reward: jax.Array
 
 
-#: ``host_turn(turn i32[], episode i32[B], tokens i32[B, turn_length], ended bool[B], running bool[B],
-#: stream_length i32[B]) -> HostAnswer``: ``episode`` is each row's place in the batch, ``tokens`` the turn's tokens
-#: (pad where the row wrote none), ``ended`` whether the turn ended with the stop token, ``running`` whether the
-#: episode was still on this turn, ``stream_length`` the tokens its stream holds. Traced: a function of arrays, or
-#: a host callback (``ppojax.agents.episodes``).
+#: ``host_turn(turn i32[S], episode i32[S], tokens i32[S, turn_length], ended bool[S], running bool[S],
+#: stream_length i32[S]) -> HostAnswer`` over the cache's S rows: ``turn`` is the turn the row's episode just took
+#: (0 for its first), ``episode`` the episode the row plays (its place in the batch; B where it plays none),
+#: ``tokens`` the turn's tokens (pad where the row wrote none), ``ended`` whether the turn ended with the stop
+#: token, ``running`` whether the row played an episode this turn, ``stream_length`` the tokens its stream holds.
+#: Traced: a function of arrays, or a host callback (``ppojax.agents.episodes``).
 HostTurn = Callable[..., HostAnswer]
 
 
@@ -155,13 +164,46 @@ def host_callback(turn_fn, shape: EpisodeShape, mesh=None) -> HostTurn:
 
     if mesh is not None and mesh.size > 1:
         rows = batch_partition_spec(mesh)
-        call = jax.shard_map(call, mesh=mesh, in_specs=(PartitionSpec(), rows, rows, rows, rows, rows),
+        call = jax.shard_map(call, mesh=mesh, in_specs=(rows, rows, rows, rows, rows, rows),
                              out_specs=(rows, rows, rows, rows))
 
     def host_turn(turn, episode, tokens, ended, running, stream_length):
         return HostAnswer(*call(turn, episode, tokens, ended, running, stream_length))
 
     return host_turn
+
+
+@flax.struct.dataclass
+class _Rows:
+    """The turn loop's per-row carry (S rows). cache: S rows (one write index per row when rows are refilled);
+    logits: f32[S, V] each row's next-token logits; episode: i32[S] the episode it plays (B: none); turn: i32[S]
+    turns that episode has taken; next_position: i32[S] the position of its next token; stream_length: i32[S]
+    its stream's tokens; reward: f32[S] its turn rewards so far (NaN: none); running: bool[S] it plays one;
+    next_episode: i32[] the first episode not started."""
+
+    cache: object
+    logits: jax.Array
+    episode: jax.Array
+    turn: jax.Array
+    next_position: jax.Array
+    stream_length: jax.Array
+    reward: jax.Array
+    running: jax.Array
+    next_episode: jax.Array
+
+
+@flax.struct.dataclass
+class _Played:
+    """What the loop writes per episode (B): stream, environment, logprobs [B, T]; completed, reward, turns and
+    stream_length (its stream's tokens) [B]."""
+
+    stream: jax.Array
+    environment: jax.Array
+    logprobs: jax.Array
+    completed: jax.Array
+    reward: jax.Array
+    turns: jax.Array
+    stream_length: jax.Array
 
 
 def _nan_sum(total, value):
@@ -171,43 +213,49 @@ def _nan_sum(total, value):
 
 def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape, host_turn: HostTurn,
                       pad_token_id: int, stop_token_id: int, temperature=1.0, top_k: int = 0, top_p: float = 1.0,
-                      greedy: bool = False, cache_dtype=None, init_cache_fn=None) -> Episodes:
+                      greedy: bool = False, cache_dtype=None, init_cache_fn=None, slots: int = 0) -> Episodes:
     """Sample a batch of multi-turn episodes (module docstring). Pure apart from ``host_turn``; call it under jit.
 
-    graphdef, params: ``nnx.split(causal_lm)``; prompt_ids: i32[B, P] left padded; key: a PRNG key; temperature
-    may be traced. Static: shape, host_turn, pad_token_id, stop_token_id (the end of a turn), top_k, top_p, greedy,
-    cache_dtype, init_cache_fn (as ``ppojax.rl.sampler.generate``'s).
+    graphdef, params: ``nnx.split(causal_lm)``; prompt_ids: i32[B, P] left padded, one per episode; key: a PRNG
+    key; temperature may be traced. Static: shape, host_turn, pad_token_id, stop_token_id (the end of a turn),
+    top_k, top_p, greedy, cache_dtype, init_cache_fn (as ``ppojax.rl.sampler.generate``'s), slots: the cache's
+    rows, S (0 or at least B: one row per episode, all played together); with fewer, an episode that ends frees
+    its row for the next waiting one (module docstring, "Slots").
     """
     batch, prompt_length = prompt_ids.shape
+    num_rows = batch if not slots else min(slots, batch)
+    refills = num_rows < batch
     turn_length, obs_length, length = shape.turn_length, shape.observation_length, shape.episode_length
     model = nnx.merge(graphdef, params)
     sample = functools.partial(sample_rows, temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy,
                                argmax=model_kernels(model).argmax)
-    rows = jnp.arange(batch, dtype=jnp.int32)
+    none = jnp.int32(batch)  # a row's episode when it holds none (its writes are dropped)
     pad, stop = jnp.int32(pad_token_id), jnp.int32(stop_token_id)
+    dtype, cache_length = _cache_dtype(model, params, cache_dtype), shape.cache_length(prompt_length)
 
-    cache = (init_cache_fn or _init_cache)(model, batch, shape.cache_length(prompt_length),
-                                           _cache_dtype(model, params, cache_dtype))
-    input_ids, attention_mask, position_ids = sequence_inputs(prompt_ids, pad_token_id)
+    cache = (init_cache_fn or _init_cache)(model, num_rows, cache_length, dtype)
+    if refills:  # one write index per row: a refilled row starts its episode at slot 0
+        cache = cache.replace(index=jnp.zeros((num_rows,), jnp.int32))
+    input_ids, attention_mask, position_ids = sequence_inputs(prompt_ids[:num_rows], pad_token_id)
     hidden, cache = model(input_ids, attention_mask, position_ids, cache=cache)
     logits = model.logits(hidden[:, -1:])[:, 0]
 
-    def draw(logits, writing, stream, logprobs, stream_length):
-        """One token for each row that is writing, appended to its stream (the others draw pad)."""
-        token = jnp.where(writing, sample(logits, row_keys(key, stream_length, rows)), pad)
+    def draw(logits, episode, writing, stream, logprobs, stream_length):
+        """One token for each row that is writing, appended to its episode's stream (the others draw pad)."""
+        token = jnp.where(writing, sample(logits, row_keys(key, stream_length, episode)), pad)
         at = jnp.where(writing, stream_length, length)  # out of range: dropped
-        stream = stream.at[rows, at].set(token, mode="drop")
-        logprobs = logprobs.at[rows, at].set(token_logprobs(logits, token, temperature), mode="drop")
+        stream = stream.at[episode, at].set(token, mode="drop")
+        logprobs = logprobs.at[episode, at].set(token_logprobs(logits, token, temperature), mode="drop")
         return token, stream, logprobs, stream_length + writing.astype(jnp.int32)
 
-    def decode_turn(cache, logits, next_position, stream, logprobs, stream_length, running):
-        """One model turn for every running row -> its tokens i32[B, Rt], whether it ended with the stop token, the
+    def decode_turn(cache, logits, episode, next_position, stream, logprobs, stream_length, running):
+        """One model turn for every running row -> its tokens i32[S, Rt], whether it ended with the stop token, the
         last token drawn (not yet fed to the model) and the updated buffers."""
         writing = running & (stream_length < length)
-        token, stream, logprobs, stream_length = draw(logits, writing, stream, logprobs, stream_length)
+        token, stream, logprobs, stream_length = draw(logits, episode, writing, stream, logprobs, stream_length)
         ended = writing & (token == stop)
         writing = writing & ~ended & (token != pad)
-        tokens = jnp.full((batch, turn_length), pad).at[:, 0].set(token)
+        tokens = jnp.full((num_rows, turn_length), pad).at[:, 0].set(token)
 
         def cond(carry):
             step, writing = carry[0], carry[-1]
@@ -218,7 +266,7 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
             logits, cache, fed = decode_step(graphdef, params, cache, token, next_position, pad_token_id)
             next_position = next_position + fed.astype(jnp.int32)
             writing = writing & (stream_length < length)
-            token, stream, logprobs, stream_length = draw(logits, writing, stream, logprobs, stream_length)
+            token, stream, logprobs, stream_length = draw(logits, episode, writing, stream, logprobs, stream_length)
             tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (jnp.int32(0), step))
             ended = ended | (writing & (token == stop))
             return (step + 1, cache, token, next_position, stream, logprobs, stream_length, tokens, ended,
@@ -229,7 +277,7 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
             cond, body, carry)
         return cache, token, next_position, stream, logprobs, stream_length, tokens, ended
 
-    def append(cache, pending, answer, goes_on, next_position, stream, environment, stream_length):
+    def append(cache, pending, answer, goes_on, episode, next_position, stream, environment, stream_length):
         """The turn's last drawn token and the observation through the model in one call of 1 + O tokens per row;
         the observation's tokens appended to the streams -> the next turn's first logits."""
         columns = jnp.arange(obs_length, dtype=jnp.int32)[None, :]
@@ -241,47 +289,70 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
         positions = next_position[:, None] + jnp.cumsum(counted, axis=1) - counted
         hidden, cache = model(jnp.where(live, ids, 0), live, positions, cache=cache)
         at = jnp.where(observed, stream_length[:, None] + columns - first_real, length)
-        stream = stream.at[rows[:, None], at].set(answer.observation.astype(jnp.int32), mode="drop")
-        environment = environment.at[rows[:, None], at].set(True, mode="drop")
+        stream = stream.at[episode[:, None], at].set(answer.observation.astype(jnp.int32), mode="drop")
+        environment = environment.at[episode[:, None], at].set(True, mode="drop")
         stream_length = stream_length + jnp.where(goes_on, answer.observation_length, 0)
         return (model.logits(hidden[:, -1:])[:, 0], cache, next_position + jnp.sum(counted, axis=1), stream,
                 environment, stream_length)
 
-    def turn_cond(carry):
-        turn, running = carry[0], carry[-1]
-        return (turn < shape.max_turns) & jnp.any(running)
+    def refill_one(rows):
+        """The next waiting episode into the first free row: its prompt prefilled on a one-row cache copied over
+        the row's (``ppojax.rl.continuous`` does the same for single responses)."""
+        slot, e = jnp.argmax(~rows.running).astype(jnp.int32), rows.next_episode
+        prompt = jax.lax.dynamic_slice_in_dim(prompt_ids, e, 1, axis=0)
+        row_logits, one, real_tokens = prefill_one_row(model, prompt, pad_token_id, cache_length, dtype)
+        return rows.replace(
+            cache=copy_into_slot(rows.cache, one, slot), logits=rows.logits.at[slot].set(row_logits[0]),
+            episode=rows.episode.at[slot].set(e), turn=rows.turn.at[slot].set(0),
+            next_position=rows.next_position.at[slot].set(real_tokens),
+            stream_length=rows.stream_length.at[slot].set(0), reward=rows.reward.at[slot].set(jnp.nan),
+            running=rows.running.at[slot].set(True), next_episode=e + 1)
+
+    def refill(rows):
+        return jax.lax.while_loop(lambda r: jnp.any(~r.running) & (r.next_episode < batch), refill_one, rows)
 
     def turn_body(carry):
-        (turn, cache, logits, next_position, stream, environment, logprobs, stream_length, completed, reward, turns,
-         running) = carry
+        rows, out = carry
         cache, pending, next_position, stream, logprobs, stream_length, tokens, ended = decode_turn(
-            cache, logits, next_position, stream, logprobs, stream_length, running)
-        answer = host_turn(turn, rows, tokens, ended, running, stream_length)
-        last_turn = turn + 1 >= shape.max_turns
-        goes_on = running & ended & answer.goes_on & ~last_turn
-        reward = jnp.where(running, _nan_sum(reward, answer.reward.astype(jnp.float32)), reward)
-        completed = completed | (running & ended & ~answer.goes_on)
-        turns = turns + running.astype(jnp.int32)
+            rows.cache, rows.logits, rows.episode, rows.next_position, out.stream, out.logprobs, rows.stream_length,
+            rows.running)
+        running, episode = rows.running, rows.episode
+        answer = host_turn(rows.turn, episode, tokens, ended, running, stream_length)
+        goes_on = running & ended & answer.goes_on & (rows.turn + 1 < shape.max_turns)
+        reward = jnp.where(running, _nan_sum(rows.reward, answer.reward.astype(jnp.float32)), rows.reward)
+        finished = jnp.where(running & ~goes_on, episode, none)  # the episodes that end now (none: dropped)
+        out = out.replace(stream=stream, logprobs=logprobs,
+                          completed=out.completed.at[finished].set(ended & ~answer.goes_on, mode="drop"),
+                          reward=out.reward.at[finished].set(reward, mode="drop"),
+                          turns=out.turns.at[finished].set(rows.turn + 1, mode="drop"),
+                          stream_length=out.stream_length.at[finished].set(stream_length, mode="drop"))
 
         def appended(args):
             return append(*args)
 
         def skipped(args):
-            cache, _, _, _, next_position, stream, environment, stream_length = args
-            return logits, cache, next_position, stream, environment, stream_length
+            cache, _, _, _, _, next_position, stream, environment, stream_length = args
+            return rows.logits, cache, next_position, stream, environment, stream_length
 
         logits, cache, next_position, stream, environment, stream_length = jax.lax.cond(
             jnp.any(goes_on), appended, skipped,
-            (cache, pending, answer, goes_on, next_position, stream, environment, stream_length))
-        return (turn + 1, cache, logits, next_position, stream, environment, logprobs, stream_length, completed,
-                reward, turns, goes_on)
+            (cache, pending, answer, goes_on, episode, next_position, out.stream, out.environment, stream_length))
+        rows = rows.replace(cache=cache, logits=logits, episode=jnp.where(goes_on, episode, none),
+                            turn=rows.turn + running.astype(jnp.int32), next_position=next_position,
+                            stream_length=stream_length, reward=reward, running=goes_on)
+        out = out.replace(stream=stream, environment=environment)
+        return (refill(rows) if refills else rows), out
 
-    carry = (jnp.int32(0), cache, logits, jnp.sum(attention_mask, axis=-1, dtype=jnp.int32),
-             jnp.full((batch, length), pad), jnp.zeros((batch, length), bool), jnp.zeros((batch, length), jnp.float32),
-             jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), bool), jnp.full((batch,), jnp.nan, jnp.float32),
-             jnp.zeros((batch,), jnp.int32), jnp.ones((batch,), bool))
-    (_, _, _, _, stream, environment, logprobs, stream_length, completed, reward, turns,
-     _) = jax.lax.while_loop(turn_cond, turn_body, carry)
-    written = jnp.arange(length)[None, :] < stream_length[:, None]
-    logprobs = jnp.where(written & ~environment, logprobs, INVALID_LOGPROB)
-    return Episodes(stream, environment, logprobs, completed, reward, turns)
+    first = jnp.arange(num_rows, dtype=jnp.int32)
+    rows = _Rows(cache=cache, logits=logits, episode=first, turn=jnp.zeros_like(first),
+                 next_position=jnp.sum(attention_mask, axis=-1, dtype=jnp.int32), stream_length=jnp.zeros_like(first),
+                 reward=jnp.full((num_rows,), jnp.nan, jnp.float32), running=jnp.ones((num_rows,), bool),
+                 next_episode=jnp.int32(num_rows))
+    out = _Played(stream=jnp.full((batch, length), pad), environment=jnp.zeros((batch, length), bool),
+                  logprobs=jnp.zeros((batch, length), jnp.float32), completed=jnp.zeros((batch,), bool),
+                  reward=jnp.full((batch,), jnp.nan, jnp.float32), turns=jnp.zeros((batch,), jnp.int32),
+                  stream_length=jnp.zeros((batch,), jnp.int32))
+    _, out = jax.lax.while_loop(lambda carry: jnp.any(carry[0].running), turn_body, (rows, out))
+    written = jnp.arange(length)[None, :] < out.stream_length[:, None]
+    logprobs = jnp.where(written & ~out.environment, out.logprobs, INVALID_LOGPROB)
+    return Episodes(out.stream, out.environment, logprobs, out.completed, out.reward, out.turns)

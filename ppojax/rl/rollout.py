@@ -30,7 +30,7 @@ from ppojax.rl.packed_rollout import packed_rollout_forwards, rollout_packed_sha
 from ppojax.rl.sampler import generate
 from ppojax.core.masks import INVALID_LOGPROB, contains_stop_token, response_masks, truncate_response
 from ppojax.core.overlong import soft_overlong_punishment
-from ppojax.core.shaping import apply_missing_eos_penalty
+from ppojax.core.shaping import penalise_missing_stop
 from ppojax.rl.rewards import weighted_total
 from ppojax.rl.types import Experience, Prompts
 
@@ -62,7 +62,8 @@ def sample(program, state, prompts, key):
 
 def sample_episodes(program, params, frozen, prompts, key, temperature=None, group_size=None) -> Episodes:
     """Step 1 of a multi-turn run: each prompt's ``G`` episodes (rows consecutive; default ``num_generations``)
-    played against ``program.episodes`` on one KV cache (``ppojax.rl.episodes``). params, frozen: the state's;
+    played against ``program.episodes`` on one KV cache (``ppojax.rl.episodes``; ``rollout_slots`` rows of it,
+    each refilled with the next waiting episode when its episode ends, where set). params, frozen: the state's;
     prompts: i32[B / G, P]; temperature: default the run's (evaluation passes a near-greedy one). -> ``Episodes``
     of B rows."""
     sampling = program.settings.sampling
@@ -75,7 +76,8 @@ def sample_episodes(program, params, frozen, prompts, key, temperature=None, gro
                              host_turn=program.episodes.host_turn, pad_token_id=sampling.pad_token_id,
                              stop_token_id=sampling.stop_token_id,
                              temperature=sampling.temperature if temperature is None else temperature,
-                             top_k=sampling.top_k, top_p=sampling.top_p, init_cache_fn=init_cache_fn)
+                             top_k=sampling.top_k, top_p=sampling.top_p, init_cache_fn=init_cache_fn,
+                             slots=sampling.rollout_slots)
 
 
 def _decode_placement(graphdef, params, mesh):
@@ -202,12 +204,13 @@ def experience_forwards(program, state, query_responses, prompt_length, sampler_
 # --------------------------------------------------------------------------------------------------
 # Steps 7-8: scores
 # --------------------------------------------------------------------------------------------------
-def penalised_scores(scores, responses, last_index, settings):
+def penalised_scores(scores, contains_stop, last_index, settings):
     """``scores`` f32[B] with ``missing_eos_penalty`` and DAPO's soft overlong punishment (``soft_punish_cache`` > 0,
-    over ``response_length``) applied (docs/algorithm.md, "Rollout", step 8). responses: i32[B, R] truncated;
-    last_index: i32[B] (``response_masks``); settings: the program's ``StepSettings``."""
-    scores = apply_missing_eos_penalty(jnp.asarray(scores, jnp.float32), responses,
-                                       settings.sampling.stop_token_id, settings.algorithm.missing_eos_penalty)
+    over ``response_length``) applied (docs/algorithm.md, "Rollout", step 8). contains_stop: bool[B] the
+    Experience's (a multi-turn episode's every answered turn ends with the stop token: only the episode's own end
+    counts); last_index: i32[B] (``response_masks``); settings: the program's ``StepSettings``."""
+    scores = penalise_missing_stop(jnp.asarray(scores, jnp.float32), contains_stop,
+                                   settings.algorithm.missing_eos_penalty)
     if settings.algorithm.soft_punish_cache:
         scores = scores + soft_overlong_punishment(last_index + 1, settings.sampling.response_length,
                                                    settings.algorithm.soft_punish_cache)
@@ -216,7 +219,8 @@ def penalised_scores(scores, responses, last_index, settings):
 
 def with_scores(experience: Experience, scores, settings) -> Experience:
     """Set ``scores`` f32[B], penalised (:func:`penalised_scores`). settings: the program's ``StepSettings``."""
-    return experience.replace(scores=penalised_scores(scores, experience.responses, experience.last_index, settings))
+    return experience.replace(scores=penalised_scores(scores, experience.contains_stop, experience.last_index,
+                                                      settings))
 
 
 def reward_scores(program, state, queries, responses, rows=None, reward=None):

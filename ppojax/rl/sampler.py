@@ -138,6 +138,26 @@ def _init_cache(model, batch_size, max_length, dtype):
     return init_cache(_model_config(model), batch_size, max_length, dtype, model_kernels(model))
 
 
+def prefill_one_row(model, prompt, pad_token_id, max_length, dtype):
+    """One prompt i32[1, P] (left padded) through the model on a fresh one-row cache of ``max_length`` slots ->
+    (its next-token logits f32[1, V], the cache, the prompt's real tokens i32[]): what a slot takes in when a
+    sampler refills it (:func:`copy_into_slot`)."""
+    one = _init_cache(model, 1, max_length, dtype).replace(read_length=prefill_slots(prompt.shape[1], max_length))
+    input_ids, attention_mask, position_ids = sequence_inputs(prompt, pad_token_id)
+    hidden, one = model(input_ids, attention_mask, position_ids, cache=one)
+    return model.logits(hidden[:, -1:])[:, 0], one, jnp.sum(attention_mask, dtype=jnp.int32)
+
+
+def copy_into_slot(cache, one, slot):
+    """``cache`` (S rows, one write index per row) with row ``slot`` replaced by the one-row cache ``one``: its
+    keys, values and key mask (nothing of the slot's previous sequence survives) and its write index."""
+    return cache.replace(
+        keys=jax.lax.dynamic_update_slice_in_dim(cache.keys, one.keys.astype(cache.keys.dtype), slot, axis=1),
+        values=jax.lax.dynamic_update_slice_in_dim(cache.values, one.values.astype(cache.values.dtype), slot, axis=1),
+        key_mask=jax.lax.dynamic_update_slice_in_dim(cache.key_mask, one.key_mask, slot, axis=0),
+        index=cache.index.at[slot].set(one.index))
+
+
 # --------------------------------------------------------------------------------------------------
 # generate
 # --------------------------------------------------------------------------------------------------

@@ -316,9 +316,6 @@ def _agent_problems(c: PPOConfig) -> list[str]:
     if c.filter_groups:
         out.append("filter_groups=True (dynamic sampling) is not available with tools or an environment_factory yet: "
                    "an agent run samples its episodes in one batch. Set filter_groups: false.")
-    if c.rollout_slots:
-        out.append(f"rollout_slots={c.rollout_slots} (continuous batching) is not available with tools or an "
-                   "environment_factory yet: a batch's episodes play together. Set rollout_slots: 0.")
     if c.turn_length is not None and c.turn_length > c.response_length:
         out.append(f"turn_length={c.turn_length} is longer than response_length={c.response_length}, the whole "
                    "episode's tokens; lower turn_length or raise response_length.")
