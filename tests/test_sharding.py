@@ -377,6 +377,49 @@ if CHILD:
         embed = results[1][0].params["policy"]["backbone"]["embed"]["embedding"]
         assert embed.sharding.mesh.shape == mesh.shape and len(embed.sharding.device_set) == 4
 
+    # ---- multi-turn episodes on a mesh ----
+    @pytest.mark.parametrize("slots", [0, 8], ids=["row-per-episode", "8-rows"])
+    def test_episodes_on_a_mesh_call_the_host_per_device_and_equal_one_device(slots):
+        """generate_episodes with the prompts split over 8 data-parallel devices: the host callback runs once per
+        device with that device's rows (shard_map), and the episodes equal those of one device with the host
+        traced; with 8 cache rows for the 16 episodes the refills cross the shards."""
+        from ppojax.rl.episodes import EpisodeShape, HostAnswer, generate_episodes, host_callback
+        from tests.tiny_setup import tiny_policy
+
+        B, pad, stop = 16, 0, 5
+        shape = EpisodeShape(turn_length=5, observation_length=3, max_turns=3, episode_length=20)
+        prompts = np.random.default_rng(2).integers(2, 16, size=(B, 4)).astype(np.int32)
+        calls = []
+
+        def numpy_host(turn, episode, tokens, ended, running, stream_length):
+            calls.append(len(episode))
+            turn, episode = np.asarray(turn), np.asarray(episode)
+            obs = np.full((len(episode), 3), pad, np.int32)
+            obs[:, 1:] = (episode[:, None] + turn[:, None] + np.arange(2)) % 14 + 2
+            return (obs, np.full(len(episode), 2, np.int32), np.asarray(running) & (episode % 3 != 0),
+                    np.where(running, turn.astype(np.float32), np.nan).astype(np.float32))
+
+        def traced_host(turn, episode, tokens, ended, running, stream_length):
+            obs = jnp.concatenate([jnp.full((episode.shape[0], 1), pad, jnp.int32),
+                                   (episode[:, None] + turn[:, None] + jnp.arange(2)) % 14 + 2], axis=1)
+            return HostAnswer(obs, jnp.full(episode.shape, 2, jnp.int32), running & (episode % 3 != 0),
+                              jnp.where(running, turn.astype(jnp.float32), jnp.nan))
+
+        graphdef, params = nnx.split(tiny_policy(0))
+
+        def play(host, placed_prompts):
+            return jax.jit(lambda p, x, k: generate_episodes(graphdef, p, x, k, shape=shape, host_turn=host,
+                                                             pad_token_id=pad, stop_token_id=stop, top_k=3,
+                                                             slots=slots))(params, placed_prompts, jax.random.key(1))
+
+        mesh = sh.make_mesh(8, 1, 1)
+        on_mesh = play(host_callback(numpy_host, shape, mesh), jax.device_put(prompts, NamedSharding(mesh, P("data"))))
+        one = play(traced_host, jnp.asarray(prompts))
+        assert set(calls) == {(slots or B) // 8}  # each device's own rows
+        assert int(jnp.max(one.turns)) > 1
+        for a, b in zip(on_mesh, one):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=0)
+
     # ---- dynamic sampling on a mesh ----
     def test_dynamic_sampling_step_equals_one_device_on_a_2x2_mesh():
         """filter_groups on a (data 2, fsdp 2) mesh: the rounds' prompts split over the batch axes, the selected
