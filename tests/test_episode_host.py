@@ -192,6 +192,8 @@ def test_the_trained_tokens_are_the_templates_rendering_of_the_conversation(case
             len(tok((m if isinstance(m, str) else write(*m)), add_special_tokens=False)["input_ids"]) + 1
             for m in script)
     assert host.metrics()["tools/calls"] == 3 and host.metrics()["tools/errors"] == 1
+    host.begin([{"prompt": prompts[0]}], [13], [[{"role": "user", "content": prompts[0]}]])  # the next batch
+    assert host.metrics()["tools/calls"] == host.metrics()["tools/errors"] == 0  # counts are per batch
 
 
 def test_failures_are_observations_and_counted():

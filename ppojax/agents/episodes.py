@@ -119,6 +119,8 @@ class EpisodeHost:
             self._conversations.append(conversation)
         self._open = [True] * len(rows)
         self._errors = []
+        self.environments.runner.counters.reset()  # the counters are the batch's
+        self.overflows = 0
         return [list(c) for c in self._conversations]
 
     def prompt_ids(self) -> list:
@@ -192,7 +194,8 @@ class EpisodeHost:
 
     # -- after the program ---------------------------------------------------------------------------------------
     def metrics(self) -> dict:
-        """The run's tool counters and the observations that did not fit (``tools/*``, ``episodes/*``)."""
+        """The batch's tool counters and the observations that did not fit (``tools/*``, ``episodes/*``), since
+        the last :meth:`begin`."""
         out = self.environments.runner.counters.metrics()
         out["episodes/observation_overflow"] = float(self.overflows)
         return out

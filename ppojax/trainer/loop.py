@@ -91,10 +91,13 @@ def run_updates(run, train_step, total: int, hooks: list[Hook], *, should_stop: 
         return should_stop()
 
     for update_index in range(int(run.state.update_count), total):
+        if run.agents is not None and late is not None:  # an agent run: the last update ends, and its hooks read
+            stop, late = finish(*late), None  # its batch's tool counters, before this batch's environments reset
+            if stop:
+                break
         dispatched = time.perf_counter()
         prompts = update_prompts(run)
-        if run.agents is not None:  # the last update's episodes end before this one's environments are reset
-            jax.block_until_ready(run.state)
+        if run.agents is not None:
             run.agents.begin(np.repeat(np.asarray(prompts.rows), run.settings.sampling.num_generations))
         run.state, metrics = train_step(run.state, prompts, step_key(run.config.seed, update_index))
         # the previous update ended before this dispatch started where its metrics are ready now
