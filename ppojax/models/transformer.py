@@ -210,11 +210,13 @@ def write_slots(stack: Array, new: Array, layer_idx, index: Array) -> Array:
     tail = (0,) * (stack.ndim - axis - 2)
     if jnp.ndim(index) == 0:
         return jax.lax.dynamic_update_slice(stack, new, (*lead, 0, index, *tail))
-
-    def write_row(row_stack, row_new, row_index):
-        return jax.lax.dynamic_update_slice(row_stack, row_new, (*lead, row_index, *tail))
-
-    return jax.vmap(write_row, in_axes=(axis, axis, 0), out_axes=axis)(stack, new, index)
+    # One index per row: a scatter at explicit (row, slot) pairs, done in place (slots past the end are dropped).
+    # A vmapped dynamic_update_slice is a scatter too, but one XLA:CPU did not do in place: it copied the whole
+    # stacked cache at every layer's write (decode steps several times slower).
+    row_new = new[0] if lead else new  # [B, S, ...]
+    rows = jnp.arange(row_new.shape[0], dtype=jnp.int32)[:, None]
+    slots = index[:, None] + jnp.arange(row_new.shape[1], dtype=jnp.int32)[None, :]  # [B, S]
+    return stack.at[(*lead, rows, slots)].set(row_new.astype(stack.dtype), mode="drop")
 
 
 # ------------------------------------------------------------------------------------------------ one layer
