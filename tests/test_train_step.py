@@ -113,7 +113,10 @@ def test_one_program_equals_rollout_then_update(tmp_path, case):
             if name == "eps" or name.startswith("time/"):
                 continue
             np.testing.assert_allclose(a[name], b[name], **TIGHT, err_msg=f"update {step + 1}: {name}")
-    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, **TIGHT), states[0].params, states[1].params)
+    # the parameters after 12 Adam steps: a near-zero gradient's float rounding (the two programs fuse differently)
+    # can flip its sign, which Adam turns into a step of ~lr; seen: 2 of 1,024 weights 3.5e-6 apart (value_head)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-5), states[0].params,
+                 states[1].params)
     np.testing.assert_allclose(states[0].kl_coef, states[1].kl_coef, **TIGHT)
     assert int(states[0].optimizer_steps) == NUM_STEPS * 4  # 2 epochs x 2 mini-batches per update
     moved = max(float(jnp.abs(a - b).max()) for a, b in
