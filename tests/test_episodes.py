@@ -87,6 +87,20 @@ def episodes(policy, stop_token):
     return jax.tree.map(np.asarray, run(policy, stop_token))
 
 
+@pytest.fixture
+def model_calls(monkeypatch):
+    """The input shapes of every model call traced while the test runs (filled as they happen)."""
+    seen = []
+    original = CausalLM.__call__
+
+    def recording(self, input_ids, *args, **kwargs):
+        seen.append(tuple(input_ids.shape))
+        return original(self, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(CausalLM, "__call__", recording)
+    return seen
+
+
 def replay(stream, environment, stop):
     """A row's stream cut into its segments by a plain reading: [(kind, tokens)] with kind 'model' / 'env'."""
     segments = []
@@ -148,15 +162,8 @@ def test_the_environment_mask_is_the_observations(episodes, stop_token):
         assert np.all(episodes.stream[e, n:] == PAD)
 
 
-def test_a_turns_prefill_is_its_new_tokens(policy, stop_token, monkeypatch):
-    seen = []
-    original = CausalLM.__call__
-
-    def recording(self, input_ids, *args, **kwargs):
-        seen.append(tuple(input_ids.shape))
-        return original(self, input_ids, *args, **kwargs)
-
-    monkeypatch.setattr(CausalLM, "__call__", recording)
+def test_a_turns_prefill_is_its_new_tokens(policy, stop_token, model_calls):
+    seen = model_calls
     jax.make_jaxpr(lambda params: generate_episodes(
         policy[0], params, jnp.asarray(PROMPTS), jax.random.key(0), shape=SHAPE, host_turn=scripted_host,
         pad_token_id=PAD, stop_token_id=stop_token))(policy[1])
@@ -174,18 +181,11 @@ def test_one_program_for_every_turn_and_batch(policy, stop_token):
     assert jitted._cache_size() == 1
 
 
-def test_fewer_rows_than_episodes_play_the_same_episodes(policy, stop_token, episodes, monkeypatch):
+def test_fewer_rows_than_episodes_play_the_same_episodes(policy, stop_token, episodes, model_calls):
     """``slots`` rows refilled as episodes end: every episode's stream, mask, log-probs, reward and turns are those
     of the batch played with one row per episode (the same keys per episode); a refill prefills one prompt."""
     graphdef, params = policy
-    seen = []
-    original = CausalLM.__call__
-
-    def recording(self, input_ids, *args, **kwargs):
-        seen.append(tuple(input_ids.shape))
-        return original(self, input_ids, *args, **kwargs)
-
-    monkeypatch.setattr(CausalLM, "__call__", recording)
+    seen = model_calls
     refilled = jax.jit(lambda params, prompts, key: generate_episodes(
         graphdef, params, prompts, key, shape=SHAPE, host_turn=scripted_host, pad_token_id=PAD,
         stop_token_id=stop_token, temperature=TEMPERATURE, top_k=TOP_K, slots=5))
