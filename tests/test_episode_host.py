@@ -253,6 +253,40 @@ def test_an_environment_that_raises_ends_the_batch_and_is_raised_after():
         host.raise_pending()
 
 
+def test_after_an_environment_raised_the_other_episodes_end_at_their_next_turn_unstepped():
+    """Rows answer at their own steps: once one environment raised, a later call for another episode ends it
+    without stepping its environment (the batch's episodes end), and the first error is the one raised after."""
+    from ppojax.agents import Environment
+
+    stepped = []
+
+    class Game(Environment):
+        def reset(self, **row):
+            self.row = row["n"]
+
+        def step(self, action):
+            stepped.append(self.row)
+            if self.row == 0:
+                raise KeyError("guess")
+            return "again"
+
+    tok = tokenizer_for("chatml")
+    renderer = ChatRenderer(tok, end_of_turn="<|im_end|>", chat_template=CHATML_TOOLS_TEMPLATE)
+    stop = tok.convert_tokens_to_ids("<|im_end|>")
+    host = EpisodeHost(EnvironmentFactory(Game), renderer, tok, stop_token_id=stop, pad_token_id=tok.pad_token_id,
+                       observation_length=16, episode_length=60, max_turns=3)
+    host.begin([{"n": 0}, {"n": 1}], [7, 8], [[{"role": "user", "content": "guess"}]] * 2)
+    tokens = np.full((2, 8), tok.pad_token_id, np.int32)
+    tokens[:, :2] = [tok("5")["input_ids"][0], stop]
+    first, second = np.array([True, False]), np.array([False, True])
+    _, _, goes_on, _ = host.turn(np.zeros(2, np.int32), np.arange(2), tokens, np.ones(2, bool), first, np.full(2, 2))
+    assert not goes_on.any() and stepped == [0]
+    _, _, goes_on, _ = host.turn(np.zeros(2, np.int32), np.arange(2), tokens, np.ones(2, bool), second, np.full(2, 2))
+    assert not goes_on.any() and stepped == [0]  # episode 1's environment is not stepped
+    with pytest.raises(EnvironmentCallError, match=r"environment Game\.step raised KeyError: 'guess' on row 7"):
+        host.raise_pending()
+
+
 def test_a_template_that_rewrites_history_is_refused():
     tok = tokenizer_for("chatml")
     rewriting = ("{%- for m in messages %}{%- if loop.last %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "

@@ -141,6 +141,10 @@ class EpisodeHost:
         lengths = np.zeros(n, np.int32)
         goes_on = np.zeros(n, bool)
         reward = np.full(n, np.nan, np.float32)
+        with self._lock:
+            failed = bool(self._errors)
+        if failed:  # an environment raised earlier in this batch: the batch's episodes end as their turns do
+            return observation, lengths, goes_on, reward
         try:
             self._turn(np.asarray(turn), np.asarray(episode), np.asarray(tokens), np.asarray(ended),
                        np.asarray(running), np.asarray(stream_length), observation, lengths, goes_on, reward)

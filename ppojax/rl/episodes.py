@@ -3,37 +3,36 @@
 
     episodes = generate_episodes(graphdef, params, prompt_ids, key, shape=EpisodeShape(...), host_turn=..., ...)
 
-A model turn samples until the end-of-turn token (the stop token) or ``turn_length`` tokens; then ``host_turn``
-(the environment, reached through one host callback, :class:`~ppojax.rl.episodes.HostTurn`) reads the turn's
-tokens and answers each episode with the tokens of its observation, already rendered through the chat template
-and tokenized once; those tokens go through the model and the next turn starts where they end. The turn loop is a
-``lax.while_loop`` in the same program as the decode loop, so the program compiles once whatever the number of
-turns, and the cache is never rebuilt: a turn's prefill is its new tokens only, ``1 + observation_length`` per row
-(the turn's last sampled token, not yet fed, and the observation, left padded).
+One loop of decode steps plays every row. At a step, each row that is writing a model turn draws a token, and each
+row that is taking in an observation feeds the observation's next token (already rendered through the chat
+template and tokenized once); both go through the model in the same one-token-per-row call. A row's turn ends at
+the end-of-turn token (the stop token) or after ``turn_length`` tokens; at a step where any row's turn ends,
+``host_turn`` (the environment, reached through one host callback, :class:`~ppojax.rl.episodes.HostTurn`) reads
+those rows' turns and answers each with its observation, and the row starts feeding it at the next step while the
+other rows go on writing. No row waits for another's turn. The loop is a ``lax.while_loop`` (the host call under a
+``lax.cond``), so the program compiles once whatever the number of turns, and the cache is never rebuilt: a turn's
+prefill is its new tokens only.
 
 The trained stream. Each row's tokens in the order they entered the conversation, with no gaps:
 
     stream i32[B, T]:  [turn 0 | observation 0 | turn 1 | ... | last turn | pad ...]
     environment_mask:  False on the model's tokens, True on the observations' (the update leaves them out)
 
-The model's tokens are kept as sampled, never decoded and re-tokenized. The cache's slots are shared by the rows in
-time (one write index): a row that writes nothing at a step writes a masked slot, and positions count only real
-tokens, so every row's keys, values and positions are those of its stream as one contiguous sequence: a plain
-forward over ``[prompt | stream]`` gives the sampler's log-probs (tests/test_episodes.py).
+The model's tokens are kept as sampled, never decoded and re-tokenized. Each cache row has its own write index and
+positions count only the tokens fed, so every row's keys, values and positions are those of its stream as one
+contiguous sequence: a plain forward over ``[prompt | stream]`` gives the sampler's log-probs
+(tests/test_episodes.py).
 
-Slots. With ``slots`` S below the batch's B episodes, the cache has S rows, each with its own write index: when
-an episode ends, its row takes the next waiting episode (in order): the prompt is prefilled on a one-row cache
-copied over the row's (nothing of the previous episode survives) and the row's first turn starts with the next
-round. The turns of a round run together, and the host answers the rows of a round in one call. A batch whose
-episodes end after unequal numbers of turns keeps its rows busy instead of waiting for its longest episode; the
-episodes' tokens are the ones S >= B would sample (the same keys per episode, below), up to the float rounding of
-another batch shape.
+Rows. With ``slots`` S below the batch's B episodes, the cache has S rows: when an episode ends, its row takes the
+next waiting episode (in order) at once: the prompt is prefilled on a one-row cache copied over the row's (nothing
+of the previous episode survives). The episodes' tokens are the ones S >= B would sample (the same keys per
+episode, below), up to the float rounding of another batch shape.
 
 An episode ends when its environment says so, when a turn ends without the stop token (``turn_length`` reached,
 the stream's ``T`` tokens used, or the pad token drawn, which ends a response for the update too: the episode is
-truncated), or after ``max_turns`` turns. Episode ``b``'s stream
-token ``t`` draws with ``fold_in(fold_in(key, t), b)`` (``ppojax.rl.sampler.row_keys``), as a single-turn
-response's does.
+truncated), or after ``max_turns`` turns. Episode ``b``'s stream token ``t`` draws with
+``fold_in(fold_in(key, t), b)`` (``ppojax.rl.sampler.row_keys``), as a single-turn response's does, so the tokens do
+not depend on which row plays the episode or when.
 """
 from __future__ import annotations
 
@@ -50,7 +49,7 @@ from jax.experimental import io_callback
 from ppojax.core.masks import INVALID_LOGPROB
 from ppojax.parallel import batch_partition_spec
 from ppojax.rl.forward import sequence_inputs
-from ppojax.rl.sampler import (_cache_dtype, _init_cache, copy_into_slot, decode_step, model_kernels,
+from ppojax.rl.sampler import (_cache_dtype, _init_cache, copy_into_slot, model_kernels,
                                prefill_one_row, row_keys, sample_rows, token_logprobs)
 
 
@@ -76,8 +75,8 @@ class EpisodeShape:
                 raise ValueError(f"{name}={getattr(self, name)}; expected >= 1")
 
     def cache_length(self, prompt_length: int) -> int:
-        """Slots the cache needs: the prompt, every turn's tokens, and each observation with the token before it."""
-        turns, observations = self.max_turns * self.turn_length, (self.max_turns - 1) * (1 + self.observation_length)
+        """Slots one episode's row needs: the prompt, every turn's tokens and every observation's."""
+        turns, observations = self.max_turns * self.turn_length, (self.max_turns - 1) * self.observation_length
         return prompt_length + turns + observations
 
 
@@ -97,10 +96,11 @@ class HostAnswer(NamedTuple):
 
 
 #: ``host_turn(turn i32[S], episode i32[S], tokens i32[S, turn_length], ended bool[S], running bool[S],
-#: stream_length i32[S]) -> HostAnswer`` over the cache's S rows: ``turn`` is the turn the row's episode just took
-#: (0 for its first), ``episode`` the episode the row plays (its place in the batch; B where it plays none),
-#: ``tokens`` the turn's tokens (pad where the row wrote none), ``ended`` whether the turn ended with the stop
-#: token, ``running`` whether the row played an episode this turn, ``stream_length`` the tokens its stream holds.
+#: stream_length i32[S]) -> HostAnswer`` over the cache's S rows, called at a step where some rows' turns end:
+#: ``running`` marks those rows (the others' answers are ignored), ``turn`` is the turn the row's episode just took
+#: (0 for its first), ``episode`` the episode the row plays (its place in the batch; B for the rows not answered),
+#: ``tokens`` the turn's tokens (pad after the last), ``ended`` whether the turn ended with the stop token,
+#: ``stream_length`` the tokens its stream holds.
 #: Traced: a function of arrays, or a host callback (``ppojax.agents.episodes``).
 HostTurn = Callable[..., HostAnswer]
 
@@ -175,16 +175,25 @@ def host_callback(turn_fn, shape: EpisodeShape, mesh=None) -> HostTurn:
 
 @flax.struct.dataclass
 class _Rows:
-    """The turn loop's per-row carry (S rows). cache: S rows (one write index per row when rows are refilled);
-    logits: f32[S, V] each row's next-token logits; episode: i32[S] the episode it plays (B: none); turn: i32[S]
-    turns that episode has taken; next_position: i32[S] the position of its next token; stream_length: i32[S]
-    its stream's tokens; reward: f32[S] its turn rewards so far (NaN: none); running: bool[S] it plays one;
-    next_episode: i32[] the first episode not started."""
+    """The step loop's per-row carry (S rows, each with its own cache write index).
+
+    cache; logits: f32[S, V] each row's next-token logits; episode: i32[S] the episode it plays (B: none); turn:
+    i32[S] the turns that episode has finished; turn_tokens: i32[S, Rt] the current turn's tokens (pad after the
+    last); turn_step: i32[S] how many it has drawn; observing: bool[S] the row is feeding an observation;
+    observation: i32[S, O] that observation (left padded); observed: i32[S] the column of its next token;
+    next_position: i32[S] the position of the row's next token; stream_length: i32[S] its stream's tokens;
+    reward: f32[S] its turn rewards so far (NaN: none); running: bool[S] it plays one; next_episode: i32[] the
+    first episode not started."""
 
     cache: object
     logits: jax.Array
     episode: jax.Array
     turn: jax.Array
+    turn_tokens: jax.Array
+    turn_step: jax.Array
+    observing: jax.Array
+    observation: jax.Array
+    observed: jax.Array
     next_position: jax.Array
     stream_length: jax.Array
     reward: jax.Array
@@ -219,12 +228,11 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
     graphdef, params: ``nnx.split(causal_lm)``; prompt_ids: i32[B, P] left padded, one per episode; key: a PRNG
     key; temperature may be traced. Static: shape, host_turn, pad_token_id, stop_token_id (the end of a turn),
     top_k, top_p, greedy, cache_dtype, init_cache_fn (as ``ppojax.rl.sampler.generate``'s), slots: the cache's
-    rows, S (0 or at least B: one row per episode, all played together); with fewer, an episode that ends frees
-    its row for the next waiting one (module docstring, "Slots").
+    rows, S (0 or at least B: one row per episode); with fewer, an episode that ends frees its row for the next
+    waiting one (module docstring, "Rows").
     """
     batch, prompt_length = prompt_ids.shape
     num_rows = batch if not slots else min(slots, batch)
-    refills = num_rows < batch
     turn_length, obs_length, length = shape.turn_length, shape.observation_length, shape.episode_length
     model = nnx.merge(graphdef, params)
     sample = functools.partial(sample_rows, temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy,
@@ -232,68 +240,71 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
     none = jnp.int32(batch)  # a row's episode when it holds none (its writes are dropped)
     pad, stop = jnp.int32(pad_token_id), jnp.int32(stop_token_id)
     dtype, cache_length = _cache_dtype(model, params, cache_dtype), shape.cache_length(prompt_length)
+    row_ids = jnp.arange(num_rows, dtype=jnp.int32)
 
     cache = (init_cache_fn or _init_cache)(model, num_rows, cache_length, dtype)
-    if refills:  # one write index per row: a refilled row starts its episode at slot 0
-        cache = cache.replace(index=jnp.zeros((num_rows,), jnp.int32))
+    cache = cache.replace(index=jnp.zeros((num_rows,), jnp.int32))  # one write index per row: rows run apart
     input_ids, attention_mask, position_ids = sequence_inputs(prompt_ids[:num_rows], pad_token_id)
     hidden, cache = model(input_ids, attention_mask, position_ids, cache=cache)
     logits = model.logits(hidden[:, -1:])[:, 0]
 
-    def draw(logits, episode, writing, stream, logprobs, stream_length):
-        """One token for each row that is writing, appended to its episode's stream (the others draw pad)."""
-        token = jnp.where(writing, sample(logits, row_keys(key, stream_length, episode)), pad)
-        at = jnp.where(writing, stream_length, length)  # out of range: dropped
-        stream = stream.at[episode, at].set(token, mode="drop")
-        logprobs = logprobs.at[episode, at].set(token_logprobs(logits, token, temperature), mode="drop")
-        return token, stream, logprobs, stream_length + writing.astype(jnp.int32)
+    def no_answer(*_):
+        return HostAnswer(jnp.full((num_rows, obs_length), pad), jnp.zeros((num_rows,), jnp.int32),
+                          jnp.zeros((num_rows,), bool), jnp.full((num_rows,), jnp.nan, jnp.float32))
 
-    def decode_turn(cache, logits, episode, next_position, stream, logprobs, stream_length, running):
-        """One model turn for every running row -> its tokens i32[S, Rt], whether it ended with the stop token, the
-        last token drawn (not yet fed to the model) and the updated buffers."""
-        writing = running & (stream_length < length)
-        token, stream, logprobs, stream_length = draw(logits, episode, writing, stream, logprobs, stream_length)
-        ended = writing & (token == stop)
-        writing = writing & ~ended & (token != pad)
-        tokens = jnp.full((num_rows, turn_length), pad).at[:, 0].set(token)
+    def step(carry):
+        """One token for every row: drawn where it writes a turn, the observation's next where it feeds one; the
+        host for the rows whose turn ended; the tokens through the model; the freed rows refilled."""
+        rows, out = carry
+        sampling, observing = rows.running & ~rows.observing, rows.running & rows.observing
+        writing = sampling & (rows.stream_length < length)
+        drawn = sample(rows.logits, row_keys(key, rows.stream_length, rows.episode))
+        forced = jnp.take_along_axis(rows.observation, jnp.minimum(rows.observed, obs_length - 1)[:, None], 1)[:, 0]
+        token = jnp.where(observing, forced, jnp.where(writing, drawn, pad))
 
-        def cond(carry):
-            step, writing = carry[0], carry[-1]
-            return (step < turn_length) & jnp.any(writing)
+        episode = jnp.where(rows.running, rows.episode, none)
+        at = jnp.where(writing | observing, rows.stream_length, length)  # out of range: dropped
+        out = out.replace(
+            stream=out.stream.at[episode, at].set(token, mode="drop"),
+            environment=out.environment.at[episode, jnp.where(observing, at, length)].set(True, mode="drop"),
+            logprobs=out.logprobs.at[episode, jnp.where(writing, at, length)].set(
+                token_logprobs(rows.logits, drawn, temperature), mode="drop"))
+        stream_length = rows.stream_length + (writing | observing).astype(jnp.int32)
+        turn_tokens = rows.turn_tokens.at[row_ids, jnp.where(sampling, rows.turn_step, turn_length)].set(
+            token, mode="drop")
+        turn_step = rows.turn_step + sampling.astype(jnp.int32)
+        observed = rows.observed + observing.astype(jnp.int32)
 
-        def body(carry):
-            step, cache, token, next_position, stream, logprobs, stream_length, tokens, ended, writing = carry
-            logits, cache, fed = decode_step(graphdef, params, cache, token, next_position, pad_token_id)
-            next_position = next_position + fed.astype(jnp.int32)
-            writing = writing & (stream_length < length)
-            token, stream, logprobs, stream_length = draw(logits, episode, writing, stream, logprobs, stream_length)
-            tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (jnp.int32(0), step))
-            ended = ended | (writing & (token == stop))
-            return (step + 1, cache, token, next_position, stream, logprobs, stream_length, tokens, ended,
-                    writing & (token != stop) & (token != pad))
+        # a turn ends at the stop token, at a drawn pad, at its turn_length tokens or when the stream is full
+        stopped = writing & (drawn == stop)
+        turn_over = sampling & (~writing | stopped | (drawn == pad) | (turn_step >= turn_length)
+                                | (stream_length >= length))
+        answer = jax.lax.cond(jnp.any(turn_over), host_turn, no_answer, rows.turn,
+                              jnp.where(turn_over, rows.episode, none), turn_tokens, stopped, turn_over, stream_length)
+        goes_on = turn_over & stopped & answer.goes_on & (rows.turn + 1 < shape.max_turns)
+        reward = jnp.where(turn_over, _nan_sum(rows.reward, answer.reward.astype(jnp.float32)), rows.reward)
+        finished = jnp.where(turn_over & ~goes_on, rows.episode, none)  # the episodes that end now
+        out = out.replace(completed=out.completed.at[finished].set(stopped & ~answer.goes_on, mode="drop"),
+                          reward=out.reward.at[finished].set(reward, mode="drop"),
+                          turns=out.turns.at[finished].set(rows.turn + 1, mode="drop"),
+                          stream_length=out.stream_length.at[finished].set(stream_length, mode="drop"))
 
-        carry = (jnp.int32(1), cache, token, next_position, stream, logprobs, stream_length, tokens, ended, writing)
-        _, cache, token, next_position, stream, logprobs, stream_length, tokens, ended, _ = jax.lax.while_loop(
-            cond, body, carry)
-        return cache, token, next_position, stream, logprobs, stream_length, tokens, ended
-
-    def append(cache, pending, answer, goes_on, episode, next_position, stream, environment, stream_length):
-        """The turn's last drawn token and the observation through the model in one call of 1 + O tokens per row;
-        the observation's tokens appended to the streams -> the next turn's first logits."""
-        columns = jnp.arange(obs_length, dtype=jnp.int32)[None, :]
-        first_real = obs_length - answer.observation_length[:, None]
-        observed = goes_on[:, None] & (columns >= first_real)
-        ids = jnp.concatenate([pending[:, None], answer.observation.astype(jnp.int32)], axis=1)
-        live = jnp.concatenate([(goes_on & (pending != pad))[:, None], observed], axis=1)
-        counted = live.astype(jnp.int32)
-        positions = next_position[:, None] + jnp.cumsum(counted, axis=1) - counted
-        hidden, cache = model(jnp.where(live, ids, 0), live, positions, cache=cache)
-        at = jnp.where(observed, stream_length[:, None] + columns - first_real, length)
-        stream = stream.at[episode[:, None], at].set(answer.observation.astype(jnp.int32), mode="drop")
-        environment = environment.at[episode[:, None], at].set(True, mode="drop")
-        stream_length = stream_length + jnp.where(goes_on, answer.observation_length, 0)
-        return (model.logits(hidden[:, -1:])[:, 0], cache, next_position + jnp.sum(counted, axis=1), stream,
-                environment, stream_length)
+        # the token goes through the model: a turn's token unless it ended the episode, an observation's always
+        live = observing | (sampling & ~turn_over) | goes_on
+        hidden, cache = model(jnp.where(live, token, 0)[:, None], live[:, None], rows.next_position[:, None],
+                              cache=rows.cache)
+        starts_observing = goes_on & (answer.observation_length > 0)
+        rows = rows.replace(
+            cache=cache, logits=model.logits(hidden)[:, 0],
+            turn=rows.turn + goes_on.astype(jnp.int32),
+            turn_tokens=jnp.where(turn_over[:, None], pad, turn_tokens),
+            turn_step=jnp.where(turn_over, 0, turn_step),
+            observing=starts_observing | (observing & (observed < obs_length)),
+            observation=jnp.where(goes_on[:, None], answer.observation.astype(jnp.int32), rows.observation),
+            observed=jnp.where(goes_on, obs_length - answer.observation_length, observed),
+            next_position=rows.next_position + live.astype(jnp.int32), stream_length=stream_length,
+            reward=reward, running=rows.running & ~(turn_over & ~goes_on))
+        return refill(rows), out
 
     def refill_one(rows):
         """The next waiting episode into the first free row: its prompt prefilled on a one-row cache copied over
@@ -304,55 +315,27 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
         return rows.replace(
             cache=copy_into_slot(rows.cache, one, slot), logits=rows.logits.at[slot].set(row_logits[0]),
             episode=rows.episode.at[slot].set(e), turn=rows.turn.at[slot].set(0),
-            next_position=rows.next_position.at[slot].set(real_tokens),
+            turn_tokens=rows.turn_tokens.at[slot].set(pad), turn_step=rows.turn_step.at[slot].set(0),
+            observing=rows.observing.at[slot].set(False), next_position=rows.next_position.at[slot].set(real_tokens),
             stream_length=rows.stream_length.at[slot].set(0), reward=rows.reward.at[slot].set(jnp.nan),
             running=rows.running.at[slot].set(True), next_episode=e + 1)
 
     def refill(rows):
+        if num_rows == batch:
+            return rows
         return jax.lax.while_loop(lambda r: jnp.any(~r.running) & (r.next_episode < batch), refill_one, rows)
 
-    def turn_body(carry):
-        rows, out = carry
-        cache, pending, next_position, stream, logprobs, stream_length, tokens, ended = decode_turn(
-            rows.cache, rows.logits, rows.episode, rows.next_position, out.stream, out.logprobs, rows.stream_length,
-            rows.running)
-        running, episode = rows.running, rows.episode
-        answer = host_turn(rows.turn, episode, tokens, ended, running, stream_length)
-        goes_on = running & ended & answer.goes_on & (rows.turn + 1 < shape.max_turns)
-        reward = jnp.where(running, _nan_sum(rows.reward, answer.reward.astype(jnp.float32)), rows.reward)
-        finished = jnp.where(running & ~goes_on, episode, none)  # the episodes that end now (none: dropped)
-        out = out.replace(stream=stream, logprobs=logprobs,
-                          completed=out.completed.at[finished].set(ended & ~answer.goes_on, mode="drop"),
-                          reward=out.reward.at[finished].set(reward, mode="drop"),
-                          turns=out.turns.at[finished].set(rows.turn + 1, mode="drop"),
-                          stream_length=out.stream_length.at[finished].set(stream_length, mode="drop"))
-
-        def appended(args):
-            return append(*args)
-
-        def skipped(args):
-            cache, _, _, _, _, next_position, stream, environment, stream_length = args
-            return rows.logits, cache, next_position, stream, environment, stream_length
-
-        logits, cache, next_position, stream, environment, stream_length = jax.lax.cond(
-            jnp.any(goes_on), appended, skipped,
-            (cache, pending, answer, goes_on, episode, next_position, out.stream, out.environment, stream_length))
-        rows = rows.replace(cache=cache, logits=logits, episode=jnp.where(goes_on, episode, none),
-                            turn=rows.turn + running.astype(jnp.int32), next_position=next_position,
-                            stream_length=stream_length, reward=reward, running=goes_on)
-        out = out.replace(stream=stream, environment=environment)
-        return (refill(rows) if refills else rows), out
-
-    first = jnp.arange(num_rows, dtype=jnp.int32)
-    rows = _Rows(cache=cache, logits=logits, episode=first, turn=jnp.zeros_like(first),
-                 next_position=jnp.sum(attention_mask, axis=-1, dtype=jnp.int32), stream_length=jnp.zeros_like(first),
-                 reward=jnp.full((num_rows,), jnp.nan, jnp.float32), running=jnp.ones((num_rows,), bool),
-                 next_episode=jnp.int32(num_rows))
+    rows = _Rows(cache=cache, logits=logits, episode=row_ids, turn=jnp.zeros_like(row_ids),
+                 turn_tokens=jnp.full((num_rows, turn_length), pad), turn_step=jnp.zeros_like(row_ids),
+                 observing=jnp.zeros((num_rows,), bool), observation=jnp.full((num_rows, obs_length), pad),
+                 observed=jnp.zeros_like(row_ids), next_position=jnp.sum(attention_mask, axis=-1, dtype=jnp.int32),
+                 stream_length=jnp.zeros_like(row_ids), reward=jnp.full((num_rows,), jnp.nan, jnp.float32),
+                 running=jnp.ones((num_rows,), bool), next_episode=jnp.int32(num_rows))
     out = _Played(stream=jnp.full((batch, length), pad), environment=jnp.zeros((batch, length), bool),
                   logprobs=jnp.zeros((batch, length), jnp.float32), completed=jnp.zeros((batch,), bool),
                   reward=jnp.full((batch,), jnp.nan, jnp.float32), turns=jnp.zeros((batch,), jnp.int32),
                   stream_length=jnp.zeros((batch,), jnp.int32))
-    _, out = jax.lax.while_loop(lambda carry: jnp.any(carry[0].running), turn_body, (rows, out))
+    _, out = jax.lax.while_loop(lambda carry: jnp.any(carry[0].running), step, (rows, out))
     written = jnp.arange(length)[None, :] < out.stream_length[:, None]
     logprobs = jnp.where(written & ~out.environment, out.logprobs, INVALID_LOGPROB)
     return Episodes(out.stream, out.environment, logprobs, out.completed, out.reward, out.turns)
