@@ -5,8 +5,8 @@
 - the sampler's log-probs of the model's tokens equal a plain forward over [prompt | stream] (the cache kept across
   turns, with the rows' idle slots masked, is the contiguous conversation);
 - the environment mask is True exactly on the observations' tokens;
-- a turn's prefill is its new tokens (the model calls traced: the prompt once, then one token per row and step:
-  an observation goes through the model token by token, beside the other rows' turns);
+- a turn's prefill is its new tokens (the model calls traced: the prompt once, one token per row and step, and an
+  observation with the stop token before it, 1 + O tokens on its row alone);
 - one compiled program for every turn, and a second batch with other prompts and key does not recompile.
 """
 import jax
@@ -168,8 +168,8 @@ def test_a_turns_prefill_is_its_new_tokens(policy, stop_token, model_calls):
     jax.make_jaxpr(lambda params: generate_episodes(
         policy[0], params, jnp.asarray(PROMPTS), jax.random.key(0), shape=SHAPE, host_turn=scripted_host,
         pad_token_id=PAD, stop_token_id=stop_token))(policy[1])
-    # the prompt once, then one token per row and step (a turn's or an observation's): never the conversation
-    assert sorted(set(seen)) == sorted({(B, P), (B, 1)})
+    # the prompt once, one token per row and step, a row's stop token and observation: never the conversation
+    assert sorted(set(seen)) == sorted({(B, P), (B, 1), (1, 1 + SHAPE.observation_length)})
     assert seen.count((B, P)) == 1
 
 
@@ -191,7 +191,7 @@ def test_fewer_rows_than_episodes_play_the_same_episodes(policy, stop_token, epi
         graphdef, params, prompts, key, shape=SHAPE, host_turn=scripted_host, pad_token_id=PAD,
         stop_token_id=stop_token, temperature=TEMPERATURE, top_k=TOP_K, slots=5))
     out = jax.tree.map(np.asarray, refilled(params, jnp.asarray(PROMPTS), jax.random.key(3)))
-    assert sorted(set(seen)) == sorted({(5, P), (1, P), (5, 1)})
+    assert sorted(set(seen)) == sorted({(5, P), (1, P), (5, 1), (1, 1 + SHAPE.observation_length)})
     np.testing.assert_array_equal(out.stream, episodes.stream)
     np.testing.assert_array_equal(out.environment_mask, episodes.environment_mask)
     np.testing.assert_array_equal(out.turns, episodes.turns)

@@ -3,15 +3,15 @@
 
     episodes = generate_episodes(graphdef, params, prompt_ids, key, shape=EpisodeShape(...), host_turn=..., ...)
 
-One loop of decode steps plays every row. At a step, each row that is writing a model turn draws a token, and each
-row that is taking in an observation feeds the observation's next token (already rendered through the chat
-template and tokenized once); both go through the model in the same one-token-per-row call. A row's turn ends at
-the end-of-turn token (the stop token) or after ``turn_length`` tokens; at a step where any row's turn ends,
-``host_turn`` (the environment, reached through one host callback, :class:`~ppojax.rl.episodes.HostTurn`) reads
-those rows' turns and answers each with its observation, and the row starts feeding it at the next step while the
-other rows go on writing. No row waits for another's turn. The loop is a ``lax.while_loop`` (the host call under a
-``lax.cond``), so the program compiles once whatever the number of turns, and the cache is never rebuilt: a turn's
-prefill is its new tokens only.
+One loop of decode steps plays every row, each at its own pace. At a step, every row that is writing a model turn
+draws a token; a row's turn ends at the end-of-turn token (the stop token) or after ``turn_length`` tokens. At a
+step where any row's turn ends, ``host_turn`` (the environment, reached through one host callback under a
+``lax.cond``, :class:`~ppojax.rl.episodes.HostTurn`) reads those rows' turns and answers each with its observation,
+already rendered through the chat template and tokenized once; each row that goes on takes in its observation at
+once (the stop token and the observation through the model on that row's cache alone, ``1 + observation_length``
+tokens) and starts its next turn at the next step, while the other rows go on writing theirs: no row waits for
+another's turn. The loop is a ``lax.while_loop``, so the program compiles once whatever the number of turns, and
+the cache is never rebuilt: a turn's prefill is its new tokens only.
 
 The trained stream. Each row's tokens in the order they entered the conversation, with no gaps:
 
@@ -75,8 +75,9 @@ class EpisodeShape:
                 raise ValueError(f"{name}={getattr(self, name)}; expected >= 1")
 
     def cache_length(self, prompt_length: int) -> int:
-        """Slots one episode's row needs: the prompt, every turn's tokens and every observation's."""
-        turns, observations = self.max_turns * self.turn_length, (self.max_turns - 1) * self.observation_length
+        """Slots one episode's row needs: the prompt, every turn's tokens (the step its turn ends at writes a
+        masked slot), and each observation with the stop token before it."""
+        turns, observations = self.max_turns * self.turn_length, (self.max_turns - 1) * (1 + self.observation_length)
         return prompt_length + turns + observations
 
 
@@ -179,11 +180,9 @@ class _Rows:
 
     cache; logits: f32[S, V] each row's next-token logits; episode: i32[S] the episode it plays (B: none); turn:
     i32[S] the turns that episode has finished; turn_tokens: i32[S, Rt] the current turn's tokens (pad after the
-    last); turn_step: i32[S] how many it has drawn; observing: bool[S] the row is feeding an observation;
-    observation: i32[S, O] that observation (left padded); observed: i32[S] the column of its next token;
-    next_position: i32[S] the position of the row's next token; stream_length: i32[S] its stream's tokens;
-    reward: f32[S] its turn rewards so far (NaN: none); running: bool[S] it plays one; next_episode: i32[] the
-    first episode not started."""
+    last); turn_step: i32[S] how many it has drawn; next_position: i32[S] the position of the row's next token;
+    stream_length: i32[S] its stream's tokens; reward: f32[S] its turn rewards so far (NaN: none); running:
+    bool[S] it plays one; next_episode: i32[] the first episode not started."""
 
     cache: object
     logits: jax.Array
@@ -191,9 +190,6 @@ class _Rows:
     turn: jax.Array
     turn_tokens: jax.Array
     turn_step: jax.Array
-    observing: jax.Array
-    observation: jax.Array
-    observed: jax.Array
     next_position: jax.Array
     stream_length: jax.Array
     reward: jax.Array
@@ -213,6 +209,14 @@ class _Played:
     reward: jax.Array
     turns: jax.Array
     stream_length: jax.Array
+
+
+def _one_row(cache, slot):
+    """Row ``slot`` of ``cache`` (one write index per row) as a one-row cache with its own index."""
+    return cache.replace(keys=jax.lax.dynamic_slice_in_dim(cache.keys, slot, 1, axis=1),
+                         values=jax.lax.dynamic_slice_in_dim(cache.values, slot, 1, axis=1),
+                         key_mask=jax.lax.dynamic_slice_in_dim(cache.key_mask, slot, 1, axis=0),
+                         index=cache.index[slot])
 
 
 def _nan_sum(total, value):
@@ -253,32 +257,26 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
                           jnp.zeros((num_rows,), bool), jnp.full((num_rows,), jnp.nan, jnp.float32))
 
     def step(carry):
-        """One token for every row: drawn where it writes a turn, the observation's next where it feeds one; the
-        host for the rows whose turn ended; the tokens through the model; the freed rows refilled."""
+        """One token for every row writing a turn; the host for the rows whose turns ended; the observations of
+        those that go on appended; the freed rows refilled."""
         rows, out = carry
-        sampling, observing = rows.running & ~rows.observing, rows.running & rows.observing
-        writing = sampling & (rows.stream_length < length)
+        writing = rows.running & (rows.stream_length < length)
         drawn = sample(rows.logits, row_keys(key, rows.stream_length, rows.episode))
-        forced = jnp.take_along_axis(rows.observation, jnp.minimum(rows.observed, obs_length - 1)[:, None], 1)[:, 0]
-        token = jnp.where(observing, forced, jnp.where(writing, drawn, pad))
-
+        token = jnp.where(writing, drawn, pad)
         episode = jnp.where(rows.running, rows.episode, none)
-        at = jnp.where(writing | observing, rows.stream_length, length)  # out of range: dropped
-        out = out.replace(
-            stream=out.stream.at[episode, at].set(token, mode="drop"),
-            environment=out.environment.at[episode, jnp.where(observing, at, length)].set(True, mode="drop"),
-            logprobs=out.logprobs.at[episode, jnp.where(writing, at, length)].set(
-                token_logprobs(rows.logits, drawn, temperature), mode="drop"))
-        stream_length = rows.stream_length + (writing | observing).astype(jnp.int32)
-        turn_tokens = rows.turn_tokens.at[row_ids, jnp.where(sampling, rows.turn_step, turn_length)].set(
+        at = jnp.where(writing, rows.stream_length, length)  # out of range: dropped
+        out = out.replace(stream=out.stream.at[episode, at].set(token, mode="drop"),
+                          logprobs=out.logprobs.at[episode, at].set(
+                              token_logprobs(rows.logits, drawn, temperature), mode="drop"))
+        stream_length = rows.stream_length + writing.astype(jnp.int32)
+        turn_tokens = rows.turn_tokens.at[row_ids, jnp.where(rows.running, rows.turn_step, turn_length)].set(
             token, mode="drop")
-        turn_step = rows.turn_step + sampling.astype(jnp.int32)
-        observed = rows.observed + observing.astype(jnp.int32)
+        turn_step = rows.turn_step + rows.running.astype(jnp.int32)
 
         # a turn ends at the stop token, at a drawn pad, at its turn_length tokens or when the stream is full
         stopped = writing & (drawn == stop)
-        turn_over = sampling & (~writing | stopped | (drawn == pad) | (turn_step >= turn_length)
-                                | (stream_length >= length))
+        turn_over = rows.running & (~writing | stopped | (drawn == pad) | (turn_step >= turn_length)
+                                    | (stream_length >= length))
         answer = jax.lax.cond(jnp.any(turn_over), host_turn, no_answer, rows.turn,
                               jnp.where(turn_over, rows.episode, none), turn_tokens, stopped, turn_over, stream_length)
         goes_on = turn_over & stopped & answer.goes_on & (rows.turn + 1 < shape.max_turns)
@@ -289,22 +287,41 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
                           turns=out.turns.at[finished].set(rows.turn + 1, mode="drop"),
                           stream_length=out.stream_length.at[finished].set(stream_length, mode="drop"))
 
-        # the token goes through the model: a turn's token unless it ended the episode, an observation's always
-        live = observing | (sampling & ~turn_over) | goes_on
+        # the turns going on: their tokens through the model in one call of one token per row
+        live = rows.running & ~turn_over
         hidden, cache = model(jnp.where(live, token, 0)[:, None], live[:, None], rows.next_position[:, None],
                               cache=rows.cache)
-        starts_observing = goes_on & (answer.observation_length > 0)
         rows = rows.replace(
-            cache=cache, logits=model.logits(hidden)[:, 0],
-            turn=rows.turn + goes_on.astype(jnp.int32),
-            turn_tokens=jnp.where(turn_over[:, None], pad, turn_tokens),
-            turn_step=jnp.where(turn_over, 0, turn_step),
-            observing=starts_observing | (observing & (observed < obs_length)),
-            observation=jnp.where(goes_on[:, None], answer.observation.astype(jnp.int32), rows.observation),
-            observed=jnp.where(goes_on, obs_length - answer.observation_length, observed),
+            cache=cache, logits=model.logits(hidden)[:, 0], turn=rows.turn + goes_on.astype(jnp.int32),
+            turn_tokens=jnp.where(turn_over[:, None], pad, turn_tokens), turn_step=jnp.where(turn_over, 0, turn_step),
             next_position=rows.next_position + live.astype(jnp.int32), stream_length=stream_length,
             reward=reward, running=rows.running & ~(turn_over & ~goes_on))
+        rows, out, _, _ = jax.lax.while_loop(lambda state: jnp.any(state[2]), append_one, (rows, out, goes_on, answer))
         return refill(rows), out
+
+    def append_one(state):
+        """The first row in ``waiting`` (bool[S]) takes in its observation: the turn's stop token and the
+        observation through the model in one call of 1 + O tokens on that row's cache alone (the other rows'
+        are not touched), its tokens appended to the episode's stream; its last logits start the row's next turn."""
+        rows, out, waiting, answer = state
+        slot = jnp.argmax(waiting).astype(jnp.int32)
+        n = answer.observation_length[slot]
+        columns = jnp.arange(obs_length, dtype=jnp.int32)
+        observed = columns >= obs_length - n
+        ids = jnp.concatenate([stop[None], answer.observation[slot].astype(jnp.int32)])
+        live = jnp.concatenate([jnp.ones((1,), bool), observed])
+        counted = live.astype(jnp.int32)
+        positions = rows.next_position[slot] + jnp.cumsum(counted) - counted
+        one = _one_row(rows.cache, slot)
+        hidden, one = model(jnp.where(live, ids, 0)[None], live[None], positions[None], cache=one)
+        e, at = rows.episode[slot], jnp.where(observed, rows.stream_length[slot] + columns - (obs_length - n), length)
+        out = out.replace(stream=out.stream.at[e, at].set(ids[1:], mode="drop"),
+                          environment=out.environment.at[e, at].set(True, mode="drop"))
+        rows = rows.replace(cache=copy_into_slot(rows.cache, one, slot),
+                            logits=rows.logits.at[slot].set(model.logits(hidden[:, -1:])[0, 0]),
+                            next_position=rows.next_position.at[slot].add(1 + n),
+                            stream_length=rows.stream_length.at[slot].add(n))
+        return rows, out, waiting.at[slot].set(False), answer
 
     def refill_one(rows):
         """The next waiting episode into the first free row: its prompt prefilled on a one-row cache copied over
@@ -316,7 +333,7 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
             cache=copy_into_slot(rows.cache, one, slot), logits=rows.logits.at[slot].set(row_logits[0]),
             episode=rows.episode.at[slot].set(e), turn=rows.turn.at[slot].set(0),
             turn_tokens=rows.turn_tokens.at[slot].set(pad), turn_step=rows.turn_step.at[slot].set(0),
-            observing=rows.observing.at[slot].set(False), next_position=rows.next_position.at[slot].set(real_tokens),
+            next_position=rows.next_position.at[slot].set(real_tokens),
             stream_length=rows.stream_length.at[slot].set(0), reward=rows.reward.at[slot].set(jnp.nan),
             running=rows.running.at[slot].set(True), next_episode=e + 1)
 
@@ -327,8 +344,7 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
 
     rows = _Rows(cache=cache, logits=logits, episode=row_ids, turn=jnp.zeros_like(row_ids),
                  turn_tokens=jnp.full((num_rows, turn_length), pad), turn_step=jnp.zeros_like(row_ids),
-                 observing=jnp.zeros((num_rows,), bool), observation=jnp.full((num_rows, obs_length), pad),
-                 observed=jnp.zeros_like(row_ids), next_position=jnp.sum(attention_mask, axis=-1, dtype=jnp.int32),
+                 next_position=jnp.sum(attention_mask, axis=-1, dtype=jnp.int32),
                  stream_length=jnp.zeros_like(row_ids), reward=jnp.full((num_rows,), jnp.nan, jnp.float32),
                  running=jnp.ones((num_rows,), bool), next_episode=jnp.int32(num_rows))
     out = _Played(stream=jnp.full((batch, length), pad), environment=jnp.zeros((batch, length), bool),
