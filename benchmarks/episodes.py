@@ -7,7 +7,8 @@ tokens in all as the episodes' streams held.
 Reported: tokens per second of each (an episode's tokens: the model's and the observations', prompt excluded; a
 single response's: its tokens), their ratio, the mean turns, and the share of the episodes' wall time spent on the
 host between turns (decoding the messages, stepping the environments, rendering and tokenizing the observations:
-the device waits meanwhile). Medians over ``--repeats`` after one compiling call.
+the device waits meanwhile). Medians over ``--repeats`` after one compiling call each; the episodes and the single
+responses alternate, and the ratio is the median of each pair's.
 
     python -m benchmarks.episodes --episodes 48 --slots 16 --repeats 3 --json out.json
 """
@@ -24,7 +25,7 @@ import numpy as np
 from flax import nnx
 from transformers import AutoTokenizer
 
-from benchmarks.common import machine_info, median_seconds, source_commit
+from benchmarks.common import machine_info, source_commit
 from ppojax.agents import ChatRenderer, EnvironmentFactory, EpisodeHost
 from ppojax.assets import smollm2_checkpoint
 from ppojax.models import load_pretrained
@@ -78,34 +79,41 @@ def main(argv=None) -> dict:
                                                      host_turn=host_callback(host.turn, shape),
                                                      pad_token_id=pad, stop_token_id=stop, temperature=0.7,
                                                      slots=args.slots))
-    episode_times, host_shares, tokens, turns = [], [], [], []
-    for repeat in range(args.repeats + 1):
+    def play_once(repeat):
         host.host.begin(games, list(range(args.episodes)), messages)
         host.seconds = 0.0
         start = time.perf_counter()
         out = jax.block_until_ready(play(params, prompts, jax.random.key(repeat)))
         seconds = time.perf_counter() - start
-        if repeat == 0:
-            continue  # the compile
-        episode_times.append(seconds)
-        host_shares.append(host.seconds / seconds)
-        tokens.append(int(np.sum(np.asarray(out.stream) != pad)))
-        turns.append(float(np.mean(np.asarray(out.turns))))
-    episode_s = statistics.median(episode_times)
-    episode_tokens = int(statistics.median(tokens))
-    length = max(1, round(episode_tokens / rows))  # the same rows, as many tokens in all
+        return seconds, host.seconds / seconds, int(np.sum(np.asarray(out.stream) != pad)), float(np.mean(
+            np.asarray(out.turns)))
 
+    first_tokens = play_once(0)[2]  # the compile
+    length = max(1, round(first_tokens / rows))  # the same rows, as many tokens in all
     single = jax.jit(lambda p, x, k: generate(graphdef, p, x, k, response_length=length, pad_token_id=pad,
                                               temperature=0.7))
-    single_s = median_seconds(lambda i: jax.block_until_ready(single(params, prompts[:rows], jax.random.key(i))),
-                              args.repeats)
+    jax.block_until_ready(single(params, prompts[:rows], jax.random.key(0)))  # the compile
+    # the two alternate, so a slower spell of the host weighs on both: each pair's ratio, then their median
+    episode_times, host_shares, tokens, turns, single_times, ratios = [], [], [], [], [], []
+    for repeat in range(1, args.repeats + 1):
+        seconds, share, n, mean_turns = play_once(repeat)
+        start = time.perf_counter()
+        jax.block_until_ready(single(params, prompts[:rows], jax.random.key(repeat)))
+        single_times.append(time.perf_counter() - start)
+        episode_times.append(seconds)
+        host_shares.append(share)
+        tokens.append(n)
+        turns.append(mean_turns)
+        ratios.append((n / seconds) / (rows * length / single_times[-1]))
+    episode_s, single_s = statistics.median(episode_times), statistics.median(single_times)
+    episode_tokens = int(statistics.median(tokens))
     episode_rate, single_rate = episode_tokens / episode_s, rows * length / single_s
     report = dict(episodes=args.episodes, rows=rows, shape=dict(turn_length=shape.turn_length,
                                                observation_length=shape.observation_length,
                                                max_turns=shape.max_turns, episode_length=shape.episode_length),
                   mean_turns=statistics.median(turns), episode_tokens=episode_tokens, episode_s=episode_s,
                   episode_tokens_per_s=episode_rate, single_response_length=length, single_s=single_s,
-                  single_tokens_per_s=single_rate, ratio=episode_rate / single_rate,
+                  single_tokens_per_s=single_rate, ratio=statistics.median(ratios), ratios=ratios,
                   host_share=statistics.median(host_shares), machine=machine_info(), commit=source_commit())
     print(f"episodes: {episode_tokens} tokens in {episode_s:.2f} s ({episode_rate:.1f} tokens/s, "
           f"{report['mean_turns']:.2f} turns, host {100 * report['host_share']:.1f} % of the time); single turn: "
