@@ -86,7 +86,7 @@ def test_the_environment_reward_is_the_games_outcome(tmp_path):
     run = trainer.run
     rows = np.arange(16)
     queries = np.asarray(run.train_queries[:16])
-    run.agents.begin(rows)
+    queries = run.agents.begin(rows, queries)
     played = rollout.episodes_jit(run.program, run.state.params, run.state.frozen, jnp.asarray(queries),
                                   jax.random.key(5), jnp.float32(1.0))
     tok = game_tokenizer()
@@ -149,6 +149,78 @@ def test_an_environment_that_raises_stops_the_run_naming_it(tmp_path, monkeypatc
     trainer = trainer_for(config, data)
     with pytest.raises(EnvironmentCallError, match=r"environment Exploding\.step raised RuntimeError: boom on row"):
         trainer.train(progress=False)
+
+
+class Hinting:
+    """A protocol environment whose reset returns text to append to the prompt (TRL's reset semantics): the same
+    for every episode of a row, or (``differ``) a different one per episode."""
+
+    differ = False
+    count = 0
+
+    def reset(self, target, **row):
+        Hinting.count += 1
+        self.target = target
+        if self.differ:
+            return " with one" if Hinting.count % 2 else " with one number"
+        return " answer with one whole number" if target % 2 else None
+
+    def step(self, action):
+        from ppojax.agents import Step
+        return Step(None, None, True)
+
+    def get_reward(self):
+        return float(self.target % 2)
+
+
+def hinting_module(monkeypatch, differ=False):
+    import sys
+    import types
+
+    from ppojax.agents import Environment
+
+    module = types.ModuleType("hinting_env_test")
+    module.Hinting = type("Hinting", (Hinting, Environment), {"differ": differ})
+    monkeypatch.setitem(sys.modules, "hinting_env_test", module)
+
+
+def test_text_from_reset_is_appended_to_the_prompt_and_trained_on(tmp_path, monkeypatch):
+    """TRL's reset: text it returns is appended to the last user message. The prompts played are the template's
+    rendering of the new message (the others untouched), and a run trains with them."""
+    hinting_module(monkeypatch)
+    data = [{"prompt": "guess one number", "target": t} for t in (1, 2, 3, 4) * 10]
+    trainer = trainer_for(config_for(tmp_path, environment_factory="hinting_env_test:Hinting", max_prompt_length=16,
+                                     total_episodes=16), data)
+    run, tok = trainer.run, game_tokenizer()
+    queries = np.asarray(run.train_queries[:4])
+    played = run.agents.begin(np.repeat(np.arange(4), 4), queries, group_size=4)
+    targets = run.agents.table.rows(np.arange(4))["target"]
+    assert sorted(t % 2 for t in targets) == [0, 0, 1, 1]
+    for prompt in range(4):
+        target = targets[prompt]
+        text = "guess one number" + (" answer with one whole number" if target % 2 else "")
+        expected = [WORDS.index(w) for w in f"user {text} <eos> assistant".split()]  # TEMPLATE, word by word
+        real = [t for t in played[prompt].tolist() if t != tok.pad_token_id]
+        assert real == expected, prompt
+        if not target % 2:
+            np.testing.assert_array_equal(played[prompt], queries[prompt])
+    history = trainer.train(progress=False)
+    assert len(history) == 1 and np.isfinite(history[0]["loss/policy_avg"])
+
+
+def test_text_from_reset_that_cannot_be_one_prompt_is_refused(tmp_path, monkeypatch):
+    data = [{"prompt": "guess one number", "target": t} for t in (1, 2, 3, 4) * 10]
+    hinting_module(monkeypatch)
+    trainer = trainer_for(config_for(tmp_path, environment_factory="hinting_env_test:Hinting",
+                                     max_prompt_length=8), data)
+    with pytest.raises(ConfigError, match=r"prompt row 0 with the text hinting_env_test:Hinting.reset appended has "
+                                          r"\d+ tokens, more than max_prompt_length=8"):
+        trainer.run.agents.begin(np.repeat(np.arange(4), 4), np.asarray(trainer.run.train_queries[:4]), group_size=4)
+    hinting_module(monkeypatch, differ=True)
+    trainer = trainer_for(config_for(tmp_path, environment_factory="hinting_env_test:Hinting",
+                                     max_prompt_length=16), data)
+    with pytest.raises(EnvironmentCallError, match=r"returned different text for the 4 episodes of prompt row 0"):
+        trainer.run.agents.begin(np.repeat(np.arange(4), 4), np.asarray(trainer.run.train_queries[:4]), group_size=4)
 
 
 def test_the_calculator_evaluates_arithmetic_only():

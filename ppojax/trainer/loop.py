@@ -97,8 +97,10 @@ def run_updates(run, train_step, total: int, hooks: list[Hook], *, should_stop: 
                 break
         dispatched = time.perf_counter()
         prompts = update_prompts(run)
-        if run.agents is not None:
-            run.agents.begin(np.repeat(np.asarray(prompts.rows), run.settings.sampling.num_generations))
+        if run.agents is not None:  # the episodes' environments reset; a reset's text goes into its prompt
+            group = run.settings.sampling.num_generations
+            prompts = prompts._replace(input_ids=run.agents.begin(np.repeat(np.asarray(prompts.rows), group),
+                                                                  prompts.input_ids, group))
         run.state, metrics = train_step(run.state, prompts, step_key(run.config.seed, update_index))
         # the previous update ended before this dispatch started where its metrics are ready now
         stop = late is not None and finish(*late, dispatched if _ready(late[1]) else None)

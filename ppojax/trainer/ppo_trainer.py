@@ -300,7 +300,7 @@ class PPOTrainer(LegacyAPI):
                 raise ConfigError("an agent run samples whole episodes, whose environments are reset with the "
                                   "prompts' dataset rows: pass rows (their places in the run's prompt table).")
             jax.block_until_ready(self.run.state)  # no episode of an update in flight shares the host's state
-            self.run.agents.begin(rows)
+            queries = self.run.agents.begin(rows, np.asarray(queries))
             played = rollout.episodes_jit(self.run.program, self.run.state.params, self.run.state.frozen,
                                           jnp.asarray(queries, jnp.int32), key, jnp.float32(temperature))
             self.run.agents.raise_pending()

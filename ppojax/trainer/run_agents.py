@@ -20,6 +20,7 @@ from ppojax.errors import ConfigError, EnvironmentCallError
 from ppojax.rl.episodes import EpisodeSource, host_callback
 from ppojax.rl.rewards import ColumnTable
 from ppojax.trainer.config import PPOConfig
+from ppojax.trainer.data import left_pad
 
 __all__ = ["RunAgents", "NoEnvironment"]
 
@@ -97,10 +98,11 @@ class RunAgents:
         """The kept prompts (what the user wrote, in prompt-table order) and their dataset columns."""
         self.texts, self.table = texts, table
 
-    def begin(self, rows) -> None:
-        """Start the episodes of an update: rows i32[B] (the prompt-table rows of its episodes, each prompt's G
-        consecutive). An environment's ``reset`` that returns text is refused for now: ppojax tokenizes a run's
-        prompts once, before training (put the text in the dataset's prompt column instead)."""
+    def begin(self, rows, prompt_ids, group_size: int = 1) -> np.ndarray:
+        """Start the episodes of an update: rows i32[B] (the prompt-table rows of its episodes, each prompt's G =
+        ``group_size`` consecutive), prompt_ids i32[B / G, P] their prompts as tokenized before training -> the
+        prompts to play: the same, except where an environment's ``reset`` returned text, which TRL appends to the
+        last user message: that prompt is rendered again with it and left padded to the same P."""
         rows = [int(r) for r in np.asarray(rows)]
         columns = self.table.rows(np.asarray(rows)) if self.table is not None else {}
         records = [{name: values[i] for name, values in columns.items()} for i in range(len(rows))]
@@ -109,12 +111,28 @@ class RunAgents:
         messages = [[{"role": "user", "content": self.texts[row]}] if isinstance(self.texts[row], str)
                     else list(self.texts[row]) for row in rows]
         started = self.host.begin(records, rows, messages)
-        for conversation, original, row in zip(started, messages, rows):
-            if conversation != original:
+        if all(conversation == original for conversation, original in zip(started, messages)):
+            return prompt_ids
+        out = np.array(prompt_ids, dtype=np.int32, copy=True)
+        width = out.shape[1]
+        for prompt in range(len(rows) // group_size):
+            group = started[prompt * group_size:(prompt + 1) * group_size]
+            row = rows[prompt * group_size]
+            if any(conversation != group[0] for conversation in group[1:]):
                 raise EnvironmentCallError(
-                    f"environment {self.environments.label}.reset returned text to append to the prompt on row "
-                    f"{row}; ppojax's training runs tokenize their prompts once, before training, and do not append "
-                    "it yet. Fix: return None from reset and put that text in the dataset's prompt column.")
+                    f"environment {self.environments.label}.reset returned different text for the {group_size} "
+                    f"episodes of prompt row {row} (num_generations={group_size}); a group's episodes share one "
+                    "prompt. Fix: make the text reset returns depend on the dataset row only.")
+            if group[0] == messages[prompt * group_size]:
+                continue
+            ids = self.renderer.prompt_ids(group[0])
+            if len(ids) > width:
+                raise ConfigError(
+                    f"prompt row {row} with the text {self.environments.label}.reset appended has {len(ids)} "
+                    f"tokens, more than max_prompt_length={width}. Fix: raise max_prompt_length to at least "
+                    f"{len(ids)}, or shorten the text reset returns.")
+            out[prompt] = left_pad([ids], width, self.host.pad_token_id)[0]
+        return out
 
     def raise_pending(self) -> None:
         self.host.raise_pending()
