@@ -9,6 +9,10 @@ words, so that its turns end at the end-of-turn token often enough for multi-tur
 - evaluation and sample tables play whole episodes;
 - an environment that raises stops the run naming the environment, the method and the row, and the last
   checkpoint stays;
+- a run interrupted (SIGINT) while an environment steps an episode finishes the update, writes its checkpoint and
+  stops; resumed, it equals the run never interrupted (metrics and parameters);
+- text an environment's reset returns is appended to the prompt (the G episodes of a prompt must agree, and the
+  prompt must still fit);
 - the calculator tool evaluates arithmetic and refuses anything else;
 - the config refuses an agent run without a stop token or a chat template, and TRL's names are accepted.
 """
@@ -221,6 +225,59 @@ def test_text_from_reset_that_cannot_be_one_prompt_is_refused(tmp_path, monkeypa
                                      max_prompt_length=16), data)
     with pytest.raises(EnvironmentCallError, match=r"returned different text for the 4 episodes of prompt row 0"):
         trainer.run.agents.begin(np.repeat(np.arange(4), 4), np.asarray(trainer.run.train_queries[:4]), group_size=4)
+
+
+def test_an_agent_run_interrupted_mid_episode_resumes_as_the_uninterrupted_run(tmp_path, monkeypatch):
+    """SIGINT arrives while an environment steps an episode of update 2: the update finishes, its checkpoint is
+    written, the run stops; ``resume=auto`` plays updates 3 and 4 (the environments reset again with the same rows)
+    and the metrics and parameters equal those of the run that was never interrupted."""
+    import os
+    import signal
+    import sys
+    import types
+
+    from ppojax.tasks.guess_number import GuessNumber
+    from tests.test_reliability import metric_rows
+
+    class Interrupting(GuessNumber):
+        resets, armed, fired = 0, False, False
+
+        def reset(self, **row):
+            type(self).resets += 1
+            return super().reset(**row)
+
+        def step(self, action):
+            cls = type(self)
+            if cls.armed and not cls.fired and 16 < cls.resets <= 32:  # an episode of update 2
+                cls.fired = True
+                os.kill(os.getpid(), signal.SIGINT)
+            return super().step(action)
+
+    module = types.ModuleType("interrupting_env_test")
+    module.Interrupting = Interrupting
+    monkeypatch.setitem(sys.modules, "interrupting_env_test", module)
+
+    def train(out, armed):
+        Interrupting.resets, Interrupting.armed, Interrupting.fired = 0, armed, False
+        config = config_for(tmp_path, output_dir=str(tmp_path / out), total_episodes=16 * 4, num_eval_prompts=0,
+                            environment_factory="interrupting_env_test:Interrupting", resume="auto")
+        trainer = trainer_for(config, games(40))
+        return trainer, trainer.train(progress=False)
+
+    from ppojax.errors import RunInterrupted
+
+    with pytest.raises(RunInterrupted, match="stopped by SIGINT after update 2; checkpoint .*step_2 written"):
+        train("interrupted", armed=True)
+    assert Interrupting.fired and len(metric_rows(tmp_path / "interrupted" / "metrics.jsonl")) == 2
+    assert sorted(p.name for p in (tmp_path / "interrupted" / "checkpoints").glob("step_*")) == ["step_1", "step_2"]
+    resumed, rest = train("interrupted", armed=False)
+    assert len(rest) == 2
+    reference, whole = train("reference", armed=False)
+    assert len(whole) == 4 and max(m["episodes/turns"] for m in whole) > 1.05
+    assert (metric_rows(tmp_path / "interrupted" / "metrics.jsonl")
+            == metric_rows(tmp_path / "reference" / "metrics.jsonl"))
+    for a, b in zip(jax.tree.leaves(resumed.run.state.params), jax.tree.leaves(reference.run.state.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_the_calculator_evaluates_arithmetic_only():
