@@ -59,6 +59,8 @@ def test_fsdp8_holds_an_eighth_of_the_arguments(tiny_model, one_device, tmp_path
     assert abs(ratio * 8 - 1) < 0.25, ratio
     assert abs(split["state_bytes"] * 8 / single["state_bytes"] - 1) < 0.25
     assert update(split)["peak_bytes"] < update(single)["peak_bytes"]
+    # the cache's rows split over the 8 devices (its write index on each)
+    assert split["kv_cache"]["bytes_per_device"] == (single["kv_cache"]["bytes"] - 4) // 8 + 4
 
 
 def test_xla_flops_and_the_model_shape_count_agree_in_scale(one_device):
@@ -75,6 +77,12 @@ def test_cli_prints_the_table_and_the_fit(one_device):
     assert "per device (GB)" in out and "train_step" in out and "update" in out and "temporaries" in out
     assert "fits a 80 GB device" in out and "reward ScoreModel" in out
     assert plan["fits"] is True and plan["peak_bytes"] > plan["state_bytes"] > 0
+    # the rollout's KV cache: 16 rows x (8 + 4) slots of 1 layer x 8 kv heads x head_dim 8, float32 keys and values,
+    # a bool slot mask per row and slot, an i32 write index
+    kv_bytes = 2 * (1 * 16 * 12 * 8 * 8 * 4) + 16 * 12 + 4
+    assert plan["kv_cache"] == {"rows": 16, "slots": 12, "dtype": "float32", "bytes": kv_bytes,
+                                "bytes_per_device": kv_bytes}
+    assert "rollout KV cache: 16 rows x 12 slots, float32" in out
 
 
 def test_lora_plan_compiles_adapters_as_the_only_trained_weights(tiny_model, one_device, tmp_path):
@@ -143,6 +151,9 @@ def test_an_agent_program_is_planned_with_its_episode_buffers(tiny_model):
     model_cfg, _, _ = model_config_for(str(tiny_model))
     run = abstract_run(config, model_cfg, parallel.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
     assert run.program.settings.sampling.episodes.max_turns == 3
+    # a row holds the prompt, 3 turns of 4 tokens and 2 observations of 3 with the stop token before each
+    from ppojax.trainer.plan import rollout_kv_cache
+    assert rollout_kv_cache(run, model_cfg, config)["slots"] == 8 + 3 * 4 + 2 * (1 + 3)
     assert compile_program(run, "train_step").temp_bytes > 0
 
 

@@ -39,7 +39,7 @@ from flax import nnx
 
 from ppojax import backends, parallel
 from ppojax.core.advantages import advantage_estimator
-from ppojax.models import CausalLM, CausalLMWithValueHead, ModelConfig, ScoreModel, count_params
+from ppojax.models import CausalLM, CausalLMWithValueHead, ModelConfig, ScoreModel, count_params, init_cache
 from ppojax.models.errors import ModelLoadError, UnsupportedModelError
 from ppojax.models.flops import Dims, ppo_update_flops
 from ppojax.rl.program import collect_experience, make_rollout, make_train_step, make_update
@@ -284,6 +284,25 @@ def device_bytes(tree) -> int:
     return total
 
 
+def rollout_kv_cache(run: AbstractRun, model_cfg, config: PPOConfig) -> dict:
+    """The rollout's KV cache as the sampler builds it: rows (the batch, or ``rollout_slots`` rows refilled), slots
+    (prompt + response, or an episode's worst case), the dtype (the policy's compute dtype: bfloat16 under
+    'bfloat16' and 'mixed'), and its bytes in all and per device (sharded as ``kv_cache_shardings`` says)."""
+    sampling, mesh = run.program.settings.sampling, run.program.mesh
+    batch = run.program.settings.batch.batch_size
+    rows = min(sampling.rollout_slots, batch) if sampling.rollout_slots else batch
+    prompt = config.max_prompt_length
+    slots = (sampling.episodes.cache_length(prompt) if sampling.episodes is not None
+             else prompt + sampling.response_length)
+    dtype = jnp.float32 if config.precision == "float32" else jnp.bfloat16
+    cache = jax.eval_shape(lambda: init_cache(model_cfg, rows, slots, dtype))
+    shardings = parallel.kv_cache_shardings(cache, mesh)
+    placed = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), cache, shardings)
+    total = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(cache))
+    return {"rows": rows, "slots": slots, "dtype": jnp.dtype(dtype).name, "bytes": total,
+            "bytes_per_device": device_bytes(placed)}
+
+
 # --------------------------------------------------------------------------------------------------
 # The plan
 # --------------------------------------------------------------------------------------------------
@@ -303,6 +322,7 @@ class Plan:
     model_flops: dict         # the model-shape count of one update (ppojax.models.flops): rollout, update, total
     hbm_bytes: float
     trainable_bytes: int = 0  # per device: the trained weights + their optimizer moments (adapters only under LoRA)
+    kv_cache: Optional[dict] = None  # the rollout's KV cache (rollout_kv_cache): rows, slots, dtype, bytes
     target: str = "cpu"       # the --target text
     target_description: str = ""
     compiler: str = "XLA:CPU"
@@ -338,7 +358,7 @@ class Plan:
                 "programs": [{**dataclasses.asdict(p), "resident_bytes": self.resident_bytes[p.name],
                               "peak_bytes": self.peak(p)} for p in self.programs],
                 "model_flops": self.model_flops, "lora_r": self.config.lora_r,
-                "trainable_bytes": self.trainable_bytes,
+                "trainable_bytes": self.trainable_bytes, "kv_cache": self.kv_cache,
                 "peak_bytes": self.peak_bytes, "fits": self.fits}
 
 
@@ -379,6 +399,7 @@ def plan(config: PPOConfig, model: str, *, mesh_shape=None, hbm_gb: float = 80.0
                   config=config, state_bytes=device_bytes(run.state), programs=compiled, resident_bytes=resident,
                   model_flops=_model_flops(model_cfg, sizes, config), hbm_bytes=target.hbm_bytes,
                   trainable_bytes=device_bytes(run.state.params) + device_bytes(run.state.opt_state),
+                  kv_cache=rollout_kv_cache(run, model_cfg, config),
                   target=target.spec.text, target_description=target.description, compiler=target.compiler,
                   device_noun=target.spec.device_noun)
     return result
@@ -423,6 +444,13 @@ def format_plan(p: Plan) -> str:
         "would be a host callback)",
         f"  state {_gb(p.state_bytes)} GB per device, of which trained weights + optimizer moments "
         f"{_gb(p.trainable_bytes)} GB",
+    ]
+    if p.kv_cache is not None:
+        kv = p.kv_cache
+        lines.append(f"  rollout KV cache: {kv['rows']} rows x {kv['slots']} slots, {kv['dtype']}: "
+                     f"{_gb(kv['bytes'])} GB in all, {_gb(kv['bytes_per_device'])} GB per device (inside the "
+                     "rollout's temporaries)")
+    lines += [
         "",
         f"  {'per device (GB)':<16}{'arguments':>11}{'resident':>10}{'outputs':>9}{'aliased':>9}{'temporaries':>13}"
         f"{'peak':>8}{'compile s':>11}",
