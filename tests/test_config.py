@@ -156,7 +156,9 @@ def test_derived_sets_are_what_the_fields_declare():
         "vllm_importance_sampling_clip_min", "off_policy_mask_threshold", "use_decoupled_loss",
         "behav_imp_weight_cap",
         # how an agent run's tools are called (issue 60)
-        "max_tool_calling_iterations", "tool_call_parser", "tool_timeout"}
+        "max_tool_calling_iterations", "tool_call_parser", "tool_timeout",
+        # the KV cache's storage (issue 63)
+        "kv_cache_dtype"}
     # the three classes partition the fields (what a resume compares is read from them alone)
     assert not (C.MUST_MATCH_FIELDS & C.IGNORED_ON_RESUME_FIELDS or C.MUST_MATCH_FIELDS & C.MAY_CHANGE_FIELDS
                 or C.IGNORED_ON_RESUME_FIELDS & C.MAY_CHANGE_FIELDS)

@@ -157,6 +157,20 @@ def test_an_agent_program_is_planned_with_its_episode_buffers(tiny_model):
     assert compile_program(run, "train_step").temp_bytes > 0
 
 
+def test_the_plan_counts_an_int8_kv_cache(tiny_model):
+    """kv_cache_dtype: int8: 8-bit codes and a 4-byte scale per token and kv head (head_dim 8 -> 12 bytes)."""
+    from ppojax import parallel
+    from ppojax.trainer.config import PPOConfig
+    from ppojax.trainer.plan import abstract_run, rollout_kv_cache
+
+    config = PPOConfig.from_yaml(REPO / "configs/plan.yaml", [*SETTINGS, "kv_cache_dtype=int8"])
+    model_cfg, _, _ = model_config_for(str(tiny_model))
+    run = abstract_run(config, model_cfg, parallel.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    kv_bytes = 2 * (1 * 16 * 12 * 8 * (8 + 4)) + 16 * 12 + 4
+    assert rollout_kv_cache(run, model_cfg, config) == {"rows": 16, "slots": 12, "dtype": "int8", "bytes": kv_bytes,
+                                                        "bytes_per_device": kv_bytes}
+
+
 def test_presets_read_through_the_family_code():
     cfg, _, _ = model_config_for("meta-llama/Llama-3.1-8B")
     assert (cfg.hidden_size, cfg.num_layers, cfg.num_kv_heads, cfg.vocab_size) == (4096, 32, 8, 128256)

@@ -30,7 +30,8 @@ slot; the kernels say how its keys and values are stored, `Kernels.slot_dtype`).
 at slots `[index, index + S)`, marks them valid where `attention_mask`, lets query slot `index + s` attend to valid
 slots `<= index + s`, and returns `index + S`. Prefill = the whole left-padded prompt on an empty cache; decode = S = 1
 calls. Static shapes, jit-friendly. `index` may also be i32[B], one per row (each row writes at its own slot;
-`write_slots`).
+`write_slots`). `init_cache(..., dtype=jnp.int8)` stores 8-bit codes and a scale per token and head instead
+(`kv_int8`: keys/values int8 `[L, B, T, K, hd + 4]`), read back in the compute dtype.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ppojax.models import kv_int8
 from ppojax.models.config import ModelConfig
 from ppojax.models.kernels import XLA, Kernels, check_kernels
 from ppojax.models.remat import check_remat, remat_layer
@@ -189,6 +191,10 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_length: int, dtype=jnp.flo
     """An empty cache for `max_length` slots (prompt + generated tokens) of `dtype` keys and values, stored as
     the model's `kernels` store such values (`Kernels.slot_dtype`). Pass the model's `kernels`."""
     shape = (cfg.num_layers, batch_size, max_length, cfg.num_kv_heads, cfg.head_dim)
+    if jnp.dtype(dtype) == kv_int8.INT8:  # 8-bit codes and a scale per token and head (ppojax.models.kv_int8)
+        shape, storage = shape[:-1] + (kv_int8.stored_width(cfg.head_dim),), kv_int8.INT8
+        return KVCache(keys=jnp.zeros(shape, storage), values=jnp.zeros(shape, storage),
+                       key_mask=jnp.zeros((batch_size, max_length), bool), index=jnp.zeros((), jnp.int32))
     storage = kernels.slot_dtype(dtype)
     return KVCache(
         keys=jnp.zeros(shape, storage),
@@ -301,11 +307,14 @@ def _block(cfg: ModelConfig, dtype, inv_freq, p: dict, x: Array, positions: Arra
         all_k, all_v = kv
 
         def write(stack, new):
-            return write_slots(stack, kernels.to_slots(new[None], cache_dtype), layer_idx, cache_index)
+            stored = kv_int8.quantize(new[None]) if kv_int8.is_int8(stack) else kernels.to_slots(new[None], cache_dtype)
+            return write_slots(stack, stored, layer_idx, cache_index)
 
         def read(stack):  # this layer's first `slots_read` slots, as ONE slice (fused into its readers)
             sizes = (1, stack.shape[1], slots_read or stack.shape[2], *stack.shape[3:])
             layer = jax.lax.dynamic_slice(stack, (layer_idx,) + (0,) * (stack.ndim - 1), sizes)[0]
+            if kv_int8.is_int8(stack):
+                return kv_int8.dequantize(layer, dtype)
             return kernels.from_slots(layer, cache_dtype).astype(dtype)
 
         all_k, all_v = write(all_k, k), write(all_v, v)

@@ -77,7 +77,7 @@ def sample_episodes(program, params, frozen, prompts, key, temperature=None, gro
                              stop_token_id=sampling.stop_token_id,
                              temperature=sampling.temperature if temperature is None else temperature,
                              top_k=sampling.top_k, top_p=sampling.top_p, init_cache_fn=init_cache_fn,
-                             slots=sampling.rollout_slots)
+                             slots=sampling.rollout_slots, cache_dtype=sampling.kv_cache_dtype)
 
 
 def _decode_placement(graphdef, params, mesh):
@@ -104,7 +104,8 @@ def _sample_policy(policy_graphdef, policy_params, queries, key, sampling, tempe
     responses = decode(policy_graphdef, policy_params, queries, key, response_length=sampling.response_length,
                        pad_token_id=sampling.pad_token_id, temperature=temperature, top_k=sampling.top_k,
                        top_p=sampling.top_p, greedy=greedy, stop_token_id=sampling.stop_token_id,
-                       init_cache_fn=init_cache_fn, return_logprobs=return_logprobs)
+                       init_cache_fn=init_cache_fn, return_logprobs=return_logprobs,
+                       cache_dtype=sampling.kv_cache_dtype)
     queries = jnp.repeat(queries, group_size, axis=0) if group_size > 1 else queries
     if return_logprobs:
         responses, logprobs = responses

@@ -42,7 +42,8 @@ class SamplingSettings:
     (``ppojax.rl.sampler.generate``), S > 0 S sequences at a time (``ppojax.rl.continuous``). decode_segments:
     the loops ``generate`` cuts its decode into, each reading only the cache slots filled by its end. episodes: the
     sizes of multi-turn episodes (``ppojax.rl.episodes``; ``response_length`` is then an episode's T), or None: one
-    sampled response per row."""
+    sampled response per row. kv_cache_dtype: the KV cache's storage, 'int8' (``ppojax.models.kv_int8``) or None:
+    the policy's compute dtype."""
 
     response_length: int
     pad_token_id: int
@@ -56,6 +57,7 @@ class SamplingSettings:
     rollout_slots: int = 0
     decode_segments: int = 4
     episodes: Optional[EpisodeShape] = None
+    kv_cache_dtype: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -248,6 +250,7 @@ class StepSettings:
             eos_token_id=eos_token_id, temperature=c.temperature, top_k=c.top_k, top_p=c.top_p,
             num_generations=c.num_generations, behaviour_logprobs=c.behaviour_logprobs,
             rollout_slots=c.rollout_slots, decode_segments=c.decode_segments,
+            kv_cache_dtype=None if c.kv_cache_dtype == "auto" else c.kv_cache_dtype,
             episodes=EpisodeShape(turn_length=c.turn_length or c.response_length,
                                   observation_length=c.observation_length,
                                   max_turns=c.max_tool_calling_iterations + 1,

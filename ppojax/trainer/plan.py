@@ -286,15 +286,16 @@ def device_bytes(tree) -> int:
 
 def rollout_kv_cache(run: AbstractRun, model_cfg, config: PPOConfig) -> dict:
     """The rollout's KV cache as the sampler builds it: rows (the batch, or ``rollout_slots`` rows refilled), slots
-    (prompt + response, or an episode's worst case), the dtype (the policy's compute dtype: bfloat16 under
-    'bfloat16' and 'mixed'), and its bytes in all and per device (sharded as ``kv_cache_shardings`` says)."""
+    (prompt + response, or an episode's worst case), the dtype (``kv_cache_dtype``: 'int8', or the policy's compute
+    dtype: bfloat16 under 'bfloat16' and 'mixed'), and its bytes in all and per device (sharded as ``kv_cache_shardings`` says)."""
     sampling, mesh = run.program.settings.sampling, run.program.mesh
     batch = run.program.settings.batch.batch_size
     rows = min(sampling.rollout_slots, batch) if sampling.rollout_slots else batch
     prompt = config.max_prompt_length
     slots = (sampling.episodes.cache_length(prompt) if sampling.episodes is not None
              else prompt + sampling.response_length)
-    dtype = jnp.float32 if config.precision == "float32" else jnp.bfloat16
+    dtype = (jnp.int8 if config.kv_cache_dtype == "int8" else jnp.float32 if config.precision == "float32"
+             else jnp.bfloat16)
     cache = jax.eval_shape(lambda: init_cache(model_cfg, rows, slots, dtype))
     shardings = parallel.kv_cache_shardings(cache, mesh)
     placed = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), cache, shardings)

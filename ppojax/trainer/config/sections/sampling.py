@@ -39,3 +39,9 @@ class SamplingSettings:
     slots filled by its end (prompt + tokens so far) instead of all prompt + response_length. Same tokens; each
     segment is one more compiled loop body (none where a cut would save fewer than 128 slots a step). 1: one loop
     over the whole cache. Not used with rollout_slots."""
+    kv_cache_dtype: str = setting("auto", static=True, on_resume=MAY_CHANGE, rule=one_of(
+        "auto", "int8", fix="Fix: 'auto' keeps the keys and values in the policy's compute dtype (bfloat16 under "
+        "precision bfloat16 or mixed); 'int8' stores 8-bit codes with a scale per token and head."))
+    """How the rollout's KV cache stores keys and values: 'auto' (the policy's compute dtype: bfloat16 under
+    precision 'bfloat16' or 'mixed', float32 otherwise) or 'int8' (8-bit codes and a float32 scale per token and
+    kv head: about half a bfloat16 cache; the sampled tokens' log-probs move slightly, docs/performance.md)."""
