@@ -3,9 +3,10 @@ checkpoint) continues ``--prompts`` movie-review openings for ``--tokens`` token
 int8 one, from the same key.
 
 Reported: the cache's bytes of each; the sampled tokens' log-prob drift of the int8 sampler against a float32
-forward over the same tokens (mean, 99th percentile and largest |difference|; the float32 sampler's own, for scale);
-the share of rows whose tokens are the same as the float32 sampler's, and where the first difference falls; and
-the decode time of each (median of ``--repeats`` after one compiling call).
+forward over the same tokens (mean, 99th percentile and largest |difference|), beside a bfloat16 cache's (what a
+bfloat16 model keeps) and the float32 sampler's own; the share of rows whose int8 tokens are the same as the float32
+sampler's, and where the first difference falls; and the decode time of each (median of ``--repeats`` after one
+compiling call).
 
     python -m benchmarks.kv_cache_drift --prompts 16 --tokens 64 --json out.json
 """
@@ -54,7 +55,7 @@ def main(argv=None) -> dict:
 
     report = dict(prompts=args.prompts, tokens=args.tokens, machine=machine_info(), commit=source_commit())
     samples = {}
-    for name, dtype in (("float32", None), ("int8", "int8")):
+    for name, dtype in (("float32", None), ("bfloat16", "bfloat16"), ("int8", "int8")):
         run = sampler(dtype)
         responses, logprobs = jax.block_until_ready(run(params, prompts, key))
         times = []
@@ -65,7 +66,7 @@ def main(argv=None) -> dict:
         forward = response_logprobs(model, jnp.concatenate([prompts, responses], 1), width, pad, 1.0)[0]
         real = np.asarray(responses) != pad
         drift = np.abs(np.asarray(logprobs) - np.asarray(forward))[real]
-        cache = init_cache(model.cfg, args.prompts, width + args.tokens, jnp.int8 if dtype else jnp.float32)
+        cache = init_cache(model.cfg, args.prompts, width + args.tokens, dtype or jnp.float32)
         report[name] = dict(cache_bytes=int(cache.keys.nbytes + cache.values.nbytes),
                             drift_mean=float(drift.mean()), drift_p99=float(np.quantile(drift, 0.99)),
                             drift_max=float(drift.max()), decode_s=statistics.median(times))
@@ -74,12 +75,13 @@ def main(argv=None) -> dict:
     first = [int(np.argmin(row)) if not row.all() else args.tokens for row in same]
     report["rows_identical"] = float(np.mean(same.all(axis=1)))
     report["first_difference_median"] = float(statistics.median(first))
-    f, q = report["float32"], report["int8"]
-    print(f"cache: float32 {f['cache_bytes'] / 1e6:.1f} MB, int8 {q['cache_bytes'] / 1e6:.1f} MB; log-prob drift "
-          f"against a float32 forward: int8 mean {q['drift_mean']:.2e}, p99 {q['drift_p99']:.2e}, max "
-          f"{q['drift_max']:.2e} (float32 cache: max {f['drift_max']:.2e}); rows identical "
+    f, b, q = report["float32"], report["bfloat16"], report["int8"]
+    print(f"cache: float32 {f['cache_bytes'] / 1e6:.1f} MB, bfloat16 {b['cache_bytes'] / 1e6:.1f} MB, int8 "
+          f"{q['cache_bytes'] / 1e6:.1f} MB; log-prob drift against a float32 forward (mean, p99, max): int8 "
+          f"{q['drift_mean']:.2e}, {q['drift_p99']:.2e}, {q['drift_max']:.2e}; bfloat16 {b['drift_mean']:.2e}, "
+          f"{b['drift_p99']:.2e}, {b['drift_max']:.2e}; float32 max {f['drift_max']:.2e}; rows identical to float32's "
           f"{100 * report['rows_identical']:.0f} %, first difference at token {report['first_difference_median']:.0f} "
-          f"(median); decode {f['decode_s']:.2f} s / {q['decode_s']:.2f} s")
+          f"(median); decode {f['decode_s']:.2f} s / {b['decode_s']:.2f} s / {q['decode_s']:.2f} s")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(report, fh, indent=2)

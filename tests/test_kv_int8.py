@@ -1,10 +1,10 @@
 """The 8-bit KV cache (ppojax.models.kv_int8, ``kv_cache_dtype: int8``) against independent references:
 
-- the packing: a NumPy transcription of symmetric absmax quantization per (token, head) (codes round(x / s),
-  s = max|x| / 127, read back as codes * s, each element within s / 2), and the scale's four bytes;
+- the packing: a NumPy transcription of symmetric absmax quantization per group of channels of a token's head
+  (codes round(x / s), s = max|x| / 127, read back as codes * s, each element within s / 2), and the scales' bytes;
 - sampling with it: every sampler (padded, continuous batching, multi-turn episodes) with an int8 cache gives
-  log-probs within a small drift of a plain float32 forward over the sampled tokens, with cache arrays of hd + 4
-  bytes per token and head;
+  log-probs within a small drift of a plain float32 forward over the sampled tokens, with cache arrays of hd codes and
+  the groups' scales per token and head;
 - a run's rollout uses it when the config says so, and ``ppojax plan`` counts its bytes.
 """
 import jax
@@ -25,18 +25,25 @@ PROMPTS[1, :2] = PAD
 DRIFT = 2e-3  # the tiny model's largest log-prob change from 8-bit keys and values
 
 
-def test_quantize_is_absmax_per_token_and_head():
-    x = np.random.default_rng(1).normal(size=(2, 3, 4, 16)).astype(np.float32) * np.array([1, 10, 0.01, 0])[:, None]
+def test_quantize_is_absmax_per_group_of_channels():
+    """Groups of kv_int8.GROUP channels, each with its own scale; an outlier only coarsens its own group."""
+    g = kv_int8.GROUP
+    x = np.random.default_rng(1).normal(size=(2, 3, 4, 4 * g)).astype(np.float32) * np.array([1, 10, 0.01, 0])[:, None]
+    x[0, 0, 0, 0] = 500.0  # an outlier channel
     stored = np.asarray(kv_int8.quantize(jnp.asarray(x)))
-    assert stored.dtype == np.int8 and stored.shape == (2, 3, 4, 16 + 4)
-    scale = np.abs(x).max(-1, keepdims=True) / 127
-    stored_scale = stored[..., 16:].copy().view(np.float32)
+    assert stored.dtype == np.int8 and stored.shape == (2, 3, 4, 4 * g + 4 * 4)
+    assert stored.shape[-1] == kv_int8.stored_width(4 * g)
+    groups = x.reshape(2, 3, 4, 4, g)
+    scale = np.abs(groups).max(-1, keepdims=True) / 127
+    stored_scale = stored[..., 4 * g:].copy().view(np.float32).reshape(2, 3, 4, 4, 1)
     np.testing.assert_allclose(stored_scale, scale, rtol=1e-6, atol=0)  # XLA may divide as a reciprocal product
-    codes = np.where(stored_scale > 0, np.round(x / np.where(stored_scale > 0, stored_scale, 1)), 0)
-    np.testing.assert_array_equal(stored[..., :16], codes)
-    back = np.asarray(kv_int8.dequantize(jnp.asarray(stored), jnp.float32))
-    assert np.all(np.abs(back - x) <= scale / 2 + 1e-7)
-    assert np.all(back[..., 3, :] == 0)  # an all-zero vector stays zero
+    codes = np.where(stored_scale > 0, np.round(groups / np.where(stored_scale > 0, stored_scale, 1)), 0)
+    np.testing.assert_array_equal(stored[..., :4 * g], codes.reshape(2, 3, 4, 4 * g))
+    back = np.asarray(kv_int8.dequantize(jnp.asarray(stored), jnp.float32, 4 * g)).reshape(2, 3, 4, 4, g)
+    assert np.all(np.abs(back - groups) <= scale / 2 + 1e-7)
+    assert np.all(back[..., 3, :, :] == 0)  # an all-zero vector stays zero
+    # the outlier's group is coarse, the head's other groups are not
+    assert stored_scale[0, 0, 0, 0] > 3.0 and np.all(stored_scale[0, 0, 0, 1:] < 0.05)
 
 
 @pytest.fixture(scope="module")
@@ -81,12 +88,13 @@ def test_episodes_with_an_int8_cache_stay_within_the_drift(policy):
     assert 1e-5 < drift.max() < DRIFT, drift.max()
 
 
-def test_an_int8_cache_holds_hd_plus_4_bytes_per_token_and_head(policy):
+def test_an_int8_cache_holds_its_codes_and_scales(policy):
     cfg = nnx.merge(*policy).cfg
     small = init_cache(cfg, 4, 32, jnp.int8)
     exact = init_cache(cfg, 4, 32, jnp.bfloat16)
-    assert small.keys.dtype == jnp.int8 and small.keys.shape[-1] == cfg.head_dim + 4
-    assert small.keys.nbytes / exact.keys.nbytes == (cfg.head_dim + 4) / (2 * cfg.head_dim)
+    width = kv_int8.stored_width(cfg.head_dim)
+    assert small.keys.dtype == jnp.int8 and small.keys.shape[-1] == width > cfg.head_dim
+    assert small.keys.nbytes / exact.keys.nbytes == width / (2 * cfg.head_dim)
 
 
 def test_a_run_samples_with_the_int8_cache_it_is_given():

@@ -31,7 +31,7 @@ at slots `[index, index + S)`, marks them valid where `attention_mask`, lets que
 slots `<= index + s`, and returns `index + S`. Prefill = the whole left-padded prompt on an empty cache; decode = S = 1
 calls. Static shapes, jit-friendly. `index` may also be i32[B], one per row (each row writes at its own slot;
 `write_slots`). `init_cache(..., dtype=jnp.int8)` stores 8-bit codes and a scale per token and head instead
-(`kv_int8`: keys/values int8 `[L, B, T, K, hd + 4]`), read back in the compute dtype.
+(`kv_int8`: keys/values int8 `[L, B, T, K, kv_int8.stored_width(hd)]`), read back in the compute dtype.
 """
 
 from __future__ import annotations
@@ -314,7 +314,7 @@ def _block(cfg: ModelConfig, dtype, inv_freq, p: dict, x: Array, positions: Arra
             sizes = (1, stack.shape[1], slots_read or stack.shape[2], *stack.shape[3:])
             layer = jax.lax.dynamic_slice(stack, (layer_idx,) + (0,) * (stack.ndim - 1), sizes)[0]
             if kv_int8.is_int8(stack):
-                return kv_int8.dequantize(layer, dtype)
+                return kv_int8.dequantize(layer, dtype, cfg.head_dim)
             return kernels.from_slots(layer, cache_dtype).astype(dtype)
 
         all_k, all_v = write(all_k, k), write(all_v, v)

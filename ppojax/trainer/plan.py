@@ -285,9 +285,10 @@ def device_bytes(tree) -> int:
 
 
 def rollout_kv_cache(run: AbstractRun, model_cfg, config: PPOConfig) -> dict:
-    """The rollout's KV cache as the sampler builds it: rows (the batch, or ``rollout_slots`` rows refilled), slots
-    (prompt + response, or an episode's worst case), the dtype (``kv_cache_dtype``: 'int8', or the policy's compute
-    dtype: bfloat16 under 'bfloat16' and 'mixed'), and its bytes in all and per device (sharded as ``kv_cache_shardings`` says)."""
+    """The rollout's KV cache as the sampler builds it: rows (the batch, or ``rollout_slots`` rows refilled),
+    slots (prompt + response, or an episode's worst case), the dtype (``kv_cache_dtype``: 'int8', or the policy's
+    compute dtype: bfloat16 under 'bfloat16' and 'mixed'), and its bytes in all and per device (sharded as
+    ``kv_cache_shardings`` says)."""
     sampling, mesh = run.program.settings.sampling, run.program.mesh
     batch = run.program.settings.batch.batch_size
     rows = min(sampling.rollout_slots, batch) if sampling.rollout_slots else batch

@@ -41,7 +41,8 @@ class SamplingSettings:
     over the whole cache. Not used with rollout_slots."""
     kv_cache_dtype: str = setting("auto", static=True, on_resume=MAY_CHANGE, rule=one_of(
         "auto", "int8", fix="Fix: 'auto' keeps the keys and values in the policy's compute dtype (bfloat16 under "
-        "precision bfloat16 or mixed); 'int8' stores 8-bit codes with a scale per token and head."))
+        "precision bfloat16 or mixed); 'int8' stores 8-bit codes with their scales."))
     """How the rollout's KV cache stores keys and values: 'auto' (the policy's compute dtype: bfloat16 under
-    precision 'bfloat16' or 'mixed', float32 otherwise) or 'int8' (8-bit codes and a float32 scale per token and
-    kv head: about half a bfloat16 cache; the sampled tokens' log-probs move slightly, docs/performance.md)."""
+    precision 'bfloat16' or 'mixed', float32 otherwise) or 'int8' (8-bit codes and a float32 scale per 16 channels
+    of each token's kv head: 5/8 of a bfloat16 cache at head_dim 64; the sampled tokens' log-probs move about 3x as
+    much as a bfloat16 cache moves them, docs/performance.md)."""
