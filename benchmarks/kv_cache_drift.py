@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +22,7 @@ import numpy as np
 from flax import nnx
 from transformers import AutoTokenizer
 
-from benchmarks.common import machine_info, source_commit
+from benchmarks.common import machine_info, median_seconds, source_commit
 from ppojax.assets import movie_review_prompts, smollm2_checkpoint
 from ppojax.models import init_cache, load_pretrained
 from ppojax.rl.forward import response_logprobs
@@ -58,18 +57,15 @@ def main(argv=None) -> dict:
     for name, dtype in (("float32", None), ("bfloat16", "bfloat16"), ("int8", "int8")):
         run = sampler(dtype)
         responses, logprobs = jax.block_until_ready(run(params, prompts, key))
-        times = []
-        for i in range(args.repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(run(params, prompts, jax.random.key(i + 1)))
-            times.append(time.perf_counter() - start)
+        decode_s = median_seconds(lambda i: jax.block_until_ready(run(params, prompts, jax.random.key(i + 1))),
+                                  args.repeats)
         forward = response_logprobs(model, jnp.concatenate([prompts, responses], 1), width, pad, 1.0)[0]
         real = np.asarray(responses) != pad
         drift = np.abs(np.asarray(logprobs) - np.asarray(forward))[real]
         cache = init_cache(model.cfg, args.prompts, width + args.tokens, dtype or jnp.float32)
         report[name] = dict(cache_bytes=int(cache.keys.nbytes + cache.values.nbytes),
                             drift_mean=float(drift.mean()), drift_p99=float(np.quantile(drift, 0.99)),
-                            drift_max=float(drift.max()), decode_s=statistics.median(times))
+                            drift_max=float(drift.max()), decode_s=decode_s)
         samples[name] = np.asarray(responses)
     same = samples["float32"] == samples["int8"]
     first = [int(np.argmin(row)) if not row.all() else args.tokens for row in same]

@@ -295,8 +295,7 @@ def rollout_kv_cache(run: AbstractRun, model_cfg, config: PPOConfig) -> dict:
     prompt = config.max_prompt_length
     slots = (sampling.episodes.cache_length(prompt) if sampling.episodes is not None
              else prompt + sampling.response_length)
-    dtype = (jnp.int8 if config.kv_cache_dtype == "int8" else jnp.float32 if config.precision == "float32"
-             else jnp.bfloat16)
+    dtype = jnp.int8 if config.kv_cache_dtype == "int8" else model_kwargs(config)["dtype"]  # as the sampler's
     cache = jax.eval_shape(lambda: init_cache(model_cfg, rows, slots, dtype))
     shardings = parallel.kv_cache_shardings(cache, mesh)
     placed = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), cache, shardings)
