@@ -6,9 +6,12 @@ from pathlib import Path
 
 import pytest
 
+import jax.numpy as jnp
+
+from ppojax.rl.rewards import TracedScores
 from ppojax.trainer.cli import main
 from ppojax.trainer.config import PPOConfig
-from tests.tiny_setup import write_tiny_run_inputs
+from tests.tiny_setup import WORDS, write_tiny_run_inputs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -16,6 +19,21 @@ REPO = Path(__file__).resolve().parents[1]
 def good_fraction(prompts, completions):
     """Reward of configs/tiny.yaml: the fraction of completion words that are 'good'."""
     return [sum(w == "good" for w in c.split()) / max(1, len(c.split())) for c in completions]
+
+
+GOOD = 2 + WORDS.index("good")  # the tiny tokenizer: one word a token, 0 pad, 1 eos, 2... the words
+
+
+def _good_fraction_of_ids(queries, responses):
+    """``good_fraction`` on the token ids (i32[B, R] -> f32[B]): the words are the ids before the first pad (0) or
+    eos (1): the completions' texts end there (a sampled pad cannot be told from padding)."""
+    words = jnp.cumprod(responses >= 2, axis=-1)
+    return (words * (responses == GOOD)).sum(-1) / jnp.maximum(1, words.sum(-1))
+
+
+# configs/tiny.yaml's reward: the same scores traced into the program (its programs have no host callback, so
+# JAX's persistent compilation cache keeps them and the suite's many tiny runs compile each program once).
+good_fraction_of_ids = TracedScores(_good_fraction_of_ids, name="good_fraction_of_ids")
 
 
 @pytest.fixture(scope="module")

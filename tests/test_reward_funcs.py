@@ -392,3 +392,28 @@ def test_async_rewards_tools_and_environments_share_one_event_loop():
 
     call_all([RewardCall.of(reward)], _batch())
     assert call(tool) is loops[0] is event_loop()
+
+
+def test_a_traced_reward_named_in_the_config_runs_in_the_program_and_equals_its_python_twin(tmp_path):
+    """reward_funcs entries 'module:name' naming a TracedScores (configs/tiny.yaml's reward) are traced into the
+    program; the JAX reward on the ids equals the Python function on the decoded texts, row by row."""
+    from ppojax.trainer.ppo_trainer import PPOTrainer
+    from ppojax.trainer.run_rewards import reward_calls_of
+    from tests.tiny_setup import PROMPTS, tiny_policy, tiny_tokenizer
+
+    specs = ["tests.test_cli:good_fraction_of_ids", "tests.test_cli:good_fraction"]
+    config = PPOConfig.from_dict(dict(output_dir=str(tmp_path / "run"), report_to="none", batch_size=16,
+                                      response_length=6, max_prompt_length=6, total_episodes=16, reward_funcs=specs,
+                                      reward_weights=[1.0, 0.0], num_sample_generations=0, stop_token="eos",
+                                      temperature=1.0, seed=0))
+    calls, traced, order = reward_calls_of(config, None, None)
+    assert [c.name for c in calls] == ["good_fraction"] and traced[0].names == ["good_fraction_of_ids"]
+    assert order == [1, 0]
+    trainer = PPOTrainer(config, processing_class=tiny_tokenizer(), model=tiny_policy(), train_dataset=PROMPTS)
+    metrics = trainer.train(num_updates=1, progress=False)[0]
+    assert metrics["rewards/good_fraction/mean"] > 0  # some completions hold "good": the comparison has content
+    np.testing.assert_allclose(metrics["rewards/good_fraction_of_ids/mean"], metrics["rewards/good_fraction/mean"],
+                               rtol=1e-6)
+    np.testing.assert_allclose(metrics["rewards/good_fraction_of_ids/std"], metrics["rewards/good_fraction/std"],
+                               rtol=1e-5)
+    np.testing.assert_allclose(metrics["objective/scores"], metrics["rewards/good_fraction/mean"], rtol=1e-6)

@@ -29,10 +29,11 @@ def _builtin_reward(name: str) -> Callable:
     return getattr(math_answers, name)
 
 
-def resolve_reward_function(spec, field: str = "reward_funcs") -> Callable:
-    """A built-in name ('vader', 'gsm8k_strict', ...), 'module:function', or a callable -> a reward function.
+def resolve_reward_function(spec, field: str = "reward_funcs") -> Callable | TracedScores:
+    """A built-in name ('vader', 'gsm8k_strict', ...), 'module:function', or a callable -> a reward function;
+    a ``TracedScores`` given, or named by 'module:name', as it is (a JAX reward traced into the program).
     field: the config field that named it (``reward_funcs`` or ``reward_function``), for the messages."""
-    if callable(spec):
+    if callable(spec) or isinstance(spec, TracedScores):
         return spec
     if spec in BUILTIN_REWARDS:
         return _builtin_reward(spec)
@@ -46,8 +47,9 @@ def resolve_reward_function(spec, field: str = "reward_funcs") -> Callable:
     except Exception as err:  # noqa: BLE001 - any failure to import the user's module is a config error
         raise ConfigError(f"{named} could not be imported ({type(err).__name__}: {err}); check that the module "
                           "is on PYTHONPATH, imports cleanly and defines that function.") from err
-    if not callable(fn):
-        raise ConfigError(f"{named} is a {type(fn).__name__}, not a function f(prompts, completions) -> floats.")
+    if not callable(fn) and not isinstance(fn, TracedScores):
+        raise ConfigError(f"{named} is a {type(fn).__name__}, not a function f(prompts, completions) -> floats "
+                          "(nor a ppojax.rl.rewards.TracedScores).")
     return fn
 
 
@@ -68,11 +70,12 @@ def reward_calls_of(config: PPOConfig, reward_model, reward_funcs) -> tuple[list
         given = []  # a reward model given: reward_function does not add to it (reward_funcs does)
     else:
         given = config.reward_function_specs
-    python = [i for i, f in enumerate(given) if not isinstance(f, TracedScores)]
-    calls = [RewardCall.of(resolve_reward_function(given[i], reward_field(config)),
-                           given[i].rpartition(":")[2] if isinstance(given[i], str) else None) for i in python]
-    traced = [f for f in given if isinstance(f, TracedScores)]
-    return calls, traced, python + [i for i, f in enumerate(given) if isinstance(f, TracedScores)]
+    resolved = [resolve_reward_function(f, reward_field(config)) for f in given]
+    python = [i for i, f in enumerate(resolved) if not isinstance(f, TracedScores)]
+    calls = [RewardCall.of(resolved[i], given[i].rpartition(":")[2] if isinstance(given[i], str) else None)
+             for i in python]
+    traced = [f for f in resolved if isinstance(f, TracedScores)]
+    return calls, traced, python + [i for i, f in enumerate(resolved) if isinstance(f, TracedScores)]
 
 
 def weights_in_part_order(weights, order: list):
