@@ -10,12 +10,20 @@ words, so that its turns end at the end-of-turn token often enough for multi-tur
 - an environment that raises stops the run naming the environment, the method and the row, and the last
   checkpoint stays;
 - a run interrupted (SIGINT) while an environment steps an episode finishes the update, writes its checkpoint and
-  stops; resumed, it equals the run never interrupted (metrics and parameters);
+  stops; one killed (SIGKILL) there loses only the update in flight; resumed, each equals the run never
+  interrupted (metrics and parameters);
 - text an environment's reset returns is appended to the prompt (the G episodes of a prompt must agree, and the
   prompt must still fit);
 - the calculator tool evaluates arithmetic and refuses anything else;
 - the config refuses an agent run without a stop token or a chat template, and TRL's names are accepted.
 """
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,8 +36,11 @@ from ppojax.errors import ConfigError, EnvironmentCallError
 from ppojax.models import CausalLM
 from ppojax.rl import rollout
 from ppojax.tasks.calculator import calculate
+from ppojax.tasks.guess_number import GuessNumber
 from ppojax import PPOConfig, PPOTrainer
 from tests.tiny_setup import tiny_config
+
+REPO = Path(__file__).resolve().parents[1]
 
 WORDS = (["<pad>", "<eos>", "?", "user", "assistant", "higher", "lower", "answer", "with", "one", "whole", "number",
           ".", "guess", "it", "i", "am"] + [str(n) for n in range(1, 17)])
@@ -227,57 +238,110 @@ def test_text_from_reset_that_cannot_be_one_prompt_is_refused(tmp_path, monkeypa
         trainer.run.agents.begin(np.repeat(np.arange(4), 4), np.asarray(trainer.run.train_queries[:4]), group_size=4)
 
 
-def test_an_agent_run_interrupted_mid_episode_resumes_as_the_uninterrupted_run(tmp_path, monkeypatch):
+BLOCK_IN_STEP = "PPOJAX_TEST_BLOCK_IN_STEP"  # "<update>:<output_dir>": Interrupting blocks in that update
+
+
+class Interrupting(GuessNumber):
+    """GuessNumber that stops its run at its first step in an episode of update 2 when ``armed`` (SIGINT to its own
+    process), or of update n when ``$PPOJAX_TEST_BLOCK_IN_STEP`` is "n:<output_dir>": once update n - 1's
+    checkpoint is in place it prints a marker and blocks until the process is killed. Otherwise GuessNumber."""
+    resets, armed, fired = 0, False, False
+
+    def reset(self, **row):
+        type(self).resets += 1
+        return super().reset(**row)
+
+    def step(self, action):
+        cls = type(self)
+        update = 1 + (cls.resets - 1) // 16  # 16 episodes an update, no evaluation
+        if cls.armed and not cls.fired and update == 2:
+            cls.fired = True
+            os.kill(os.getpid(), signal.SIGINT)
+        block = os.environ.get(BLOCK_IN_STEP)
+        if block and update == int(block.split(":", 1)[0]):
+            previous = Path(block.split(":", 1)[1]) / "checkpoints" / f"step_{update - 1}"
+            deadline = time.time() + 60
+            while not previous.is_dir() and time.time() < deadline:  # orbax renames it into place when written
+                time.sleep(0.01)
+            print(f"PPOJAX_BLOCKED in an episode of update {update}", flush=True)
+            while True:
+                time.sleep(3600)
+        return super().step(action)
+
+
+def interrupting_config(tmp_path, out):
+    return config_for(tmp_path, output_dir=str(tmp_path / out), total_episodes=16 * 4, num_eval_prompts=0,
+                      environment_factory="tests.test_agent_runs:Interrupting", resume="auto")
+
+
+def train_interrupting(tmp_path, out, armed=False):
+    Interrupting.resets, Interrupting.armed, Interrupting.fired = 0, armed, False
+    trainer = trainer_for(interrupting_config(tmp_path, out), games(40))
+    return trainer, trainer.train(progress=False)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The 4 updates of ``interrupting_config`` never interrupted: (its folder, its trained parameters)."""
+    tmp_path = tmp_path_factory.mktemp("uninterrupted")
+    trainer, history = train_interrupting(tmp_path, "reference")
+    assert len(history) == 4 and max(m["episodes/turns"] for m in history) > 1.05
+    return tmp_path / "reference", jax.tree.map(np.asarray, trainer.run.state.params)
+
+
+def assert_equals_the_uninterrupted_run(out, trainer, uninterrupted):
+    from tests.test_reliability import metric_rows
+
+    reference, params = uninterrupted
+    assert metric_rows(out / "metrics.jsonl") == metric_rows(reference / "metrics.jsonl")
+    for a, b in zip(jax.tree.leaves(trainer.run.state.params), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def test_an_agent_run_interrupted_mid_episode_resumes_as_the_uninterrupted_run(tmp_path, uninterrupted):
     """SIGINT arrives while an environment steps an episode of update 2: the update finishes, its checkpoint is
     written, the run stops; ``resume=auto`` plays updates 3 and 4 (the environments reset again with the same rows)
     and the metrics and parameters equal those of the run that was never interrupted."""
-    import os
-    import signal
-    import sys
-    import types
-
-    from ppojax.tasks.guess_number import GuessNumber
+    from ppojax.errors import RunInterrupted
     from tests.test_reliability import metric_rows
 
-    class Interrupting(GuessNumber):
-        resets, armed, fired = 0, False, False
-
-        def reset(self, **row):
-            type(self).resets += 1
-            return super().reset(**row)
-
-        def step(self, action):
-            cls = type(self)
-            if cls.armed and not cls.fired and 16 < cls.resets <= 32:  # an episode of update 2
-                cls.fired = True
-                os.kill(os.getpid(), signal.SIGINT)
-            return super().step(action)
-
-    module = types.ModuleType("interrupting_env_test")
-    module.Interrupting = Interrupting
-    monkeypatch.setitem(sys.modules, "interrupting_env_test", module)
-
-    def train(out, armed):
-        Interrupting.resets, Interrupting.armed, Interrupting.fired = 0, armed, False
-        config = config_for(tmp_path, output_dir=str(tmp_path / out), total_episodes=16 * 4, num_eval_prompts=0,
-                            environment_factory="interrupting_env_test:Interrupting", resume="auto")
-        trainer = trainer_for(config, games(40))
-        return trainer, trainer.train(progress=False)
-
-    from ppojax.errors import RunInterrupted
-
     with pytest.raises(RunInterrupted, match="stopped by SIGINT after update 2; checkpoint .*step_2 written"):
-        train("interrupted", armed=True)
+        train_interrupting(tmp_path, "interrupted", armed=True)
     assert Interrupting.fired and len(metric_rows(tmp_path / "interrupted" / "metrics.jsonl")) == 2
     assert sorted(p.name for p in (tmp_path / "interrupted" / "checkpoints").glob("step_*")) == ["step_1", "step_2"]
-    resumed, rest = train("interrupted", armed=False)
+    resumed, rest = train_interrupting(tmp_path, "interrupted")
     assert len(rest) == 2
-    reference, whole = train("reference", armed=False)
-    assert len(whole) == 4 and max(m["episodes/turns"] for m in whole) > 1.05
-    assert (metric_rows(tmp_path / "interrupted" / "metrics.jsonl")
-            == metric_rows(tmp_path / "reference" / "metrics.jsonl"))
-    for a, b in zip(jax.tree.leaves(resumed.run.state.params), jax.tree.leaves(reference.run.state.params)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_equals_the_uninterrupted_run(tmp_path / "interrupted", resumed, uninterrupted)
+
+
+def test_an_agent_run_killed_mid_episode_resumes_as_the_uninterrupted_run(tmp_path, uninterrupted):
+    """SIGKILL while an environment steps an episode of update 3 (a process of its own, update 2's checkpoint in
+    place): the update in flight is lost, nothing of it is written (metrics hold updates 1-2); ``resume=auto``
+    plays updates 3 and 4 again from step_2 and equals the run never interrupted."""
+    from tests.test_reliability import metric_rows
+
+    out = tmp_path / "killed"
+    script = ("import sys; from pathlib import Path; from tests.test_agent_runs import train_interrupting; "
+              "train_interrupting(Path(sys.argv[1]), 'killed')")
+    # ppojax's CPU backend off, as in this process (tests/conftest.py): the same programs on both sides of the kill
+    env = {**os.environ, "PYTHONPATH": str(REPO), BLOCK_IN_STEP: f"3:{out}", "PPOJAX_CPU_BACKEND": "0"}
+    log = tmp_path / "killed.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], cwd=REPO, env=env, stdout=f,
+                                stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 300
+        while "PPOJAX_BLOCKED" not in log.read_text():
+            assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert len(metric_rows(out / "metrics.jsonl")) == 2
+    assert not (out / "checkpoints" / "step_3").exists()
+    resumed, rest = train_interrupting(tmp_path, "killed")
+    assert len(rest) == 2  # updates 3 and 4
+    assert_equals_the_uninterrupted_run(out, resumed, uninterrupted)
 
 
 def test_the_calculator_evaluates_arithmetic_only():
