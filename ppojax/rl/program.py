@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from ppojax import core as ppo
-from ppojax.rl import dynamic_sampling, rollout
+from ppojax.rl import dynamic_sampling, pipeline, rollout
 from ppojax import parallel
 from ppojax.rl.actor_critic import ActorCritic
 from ppojax.rl.rewards import GivenScores, RewardSource
@@ -75,11 +75,26 @@ def iteration_keys(key):
 
 def ppo_iteration(program: PPOProgram, state, prompts, key):
     """One PPO iteration on left-padded ``prompts`` (``Prompts``, or token ids i32[B / G, P]; with dynamic
-    sampling i32[T, Q, P], the rounds' prompts). Pure: trace it under jit/scan/vmap."""
+    sampling i32[T, Q, P], the rounds' prompts). Pure: trace it under jit/scan/vmap. An asynchronous program
+    (``settings.asynchronous``) learns from the oldest batch in flight instead (:func:`pipelined_iteration`)."""
+    if program.settings.asynchronous is not None:
+        return pipelined_iteration(program, state, prompts, key)
     sample_key, update_key = iteration_keys(key)
     experience, failures, rollout_metrics = _collect(program, state, prompts, sample_key)
     state, metrics = learn_unless_reward_failed(program, state, experience, update_key, failures)
     return state, {**metrics, **rollout_metrics}
+
+
+def pipelined_iteration(program: PPOProgram, state, prompts, key):
+    """One iteration of an asynchronous run (``ppojax.rl.pipeline``): the current policy samples and the reward
+    scores ``prompts``; the update learns from the oldest batch in flight (sampled ``max_staleness`` updates
+    earlier; this one's own with nothing in flight). A reward failure on this iteration's samples applies no
+    optimizer step, as in ``ppo_iteration``."""
+    sample_key, update_key = iteration_keys(key)
+    fresh, failures = pipeline.sampled_batch(program, state, as_prompts(prompts), sample_key)
+    oldest, in_flight = pipeline.advance(state.in_flight, fresh)
+    experience = pipeline.experience_of(program, state, oldest)
+    return learn_unless_reward_failed(program, state.replace(in_flight=in_flight), experience, update_key, failures)
 
 
 def learn_unless_reward_failed(program: PPOProgram, state, experience, key, failures):
@@ -198,6 +213,27 @@ def _placed(program: PPOProgram, jitted):
     def call(state, prompts, key):
         prompts, key = _place(program, prompts, key)
         return jitted(state, prompts, key)
+
+    call.jitted = jitted
+    return call
+
+
+def make_fill(program: PPOProgram, state_shardings=None):
+    """``fill(state, prompts [k, B / G, P], keys [k]) -> (state, reward failures i32[])``: an asynchronous run's
+    first k = ``max_staleness`` batches sampled by the state's policy into its ``in_flight`` queue
+    (``ppojax.rl.pipeline.fill``), the state donated; keys: the iterations' keys, as ``train_step`` takes them."""
+    def fill(state, prompts, keys):
+        sample_keys = jax.vmap(lambda key: iteration_keys(key)[0])(keys)
+        return pipeline.fill(program, state, as_prompts(prompts), sample_keys)
+
+    jitted = _jit(program, fill, state_shardings)
+
+    def call(state, prompts, keys):
+        prompts = as_prompts(prompts)
+        if program.mesh is not None:
+            prompts = jax.tree.map(lambda x: parallel.shard_batch_axis(x, program.mesh, axis=1), prompts)
+            keys = parallel.put_replicated(keys, program.mesh)
+        return jitted(state, prompts, keys)
 
     call.jitted = jitted
     return call

@@ -7,8 +7,10 @@ Static settings, one small frozen dataclass per concern, each function taking th
     AlgorithmSettings  rewards, advantages, the form of the loss and the legacy controllers
     OptimSettings      the update's structure (epochs, mini-batches, accumulation) and the learning-rate schedule
     BatchSettings      the global batch sizes over the mesh and the forwards' row and logits chunks
+    AsyncSettings      asynchronous RL: the sampled batches kept in flight between sampling and learning (or None)
 
-:class:`StepSettings` bundles them (a ``PPOProgram`` holds one; the dynamic sampling's is None when it is off);
+:class:`StepSettings` bundles them (a ``PPOProgram`` holds one; the dynamic sampling's and the asynchronous
+settings are None when off);
 :meth:`StepSettings.from_config` is the one place they are built from a ``PPOConfig`` and the values the build
 derives from the models, the tokenizer and the mesh. All are hashable: equal settings reuse a compiled program.
 
@@ -71,6 +73,15 @@ class DynamicSamplingSettings:
     prompts_per_round: int
     max_rounds: int
     metric: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class AsyncSettings:
+    """Asynchronous RL with bounded staleness (``ppojax.rl.pipeline``): each update learns from the batch sampled
+    ``max_staleness`` updates earlier, that many sampled and scored batches waiting in the state's ``in_flight``.
+    0 runs the pipeline's code with nothing in flight (the synchronous run's numbers)."""
+
+    max_staleness: int = 0
 
 
 @dataclass(frozen=True)
@@ -223,13 +234,15 @@ class BatchSettings:
 
 @dataclass(frozen=True)
 class StepSettings:
-    """The static settings of a PPO program, built by :meth:`from_config`. dynamic_sampling: None when off."""
+    """The static settings of a PPO program, built by :meth:`from_config`. dynamic_sampling, asynchronous: None
+    when off."""
 
     sampling: SamplingSettings
     algorithm: AlgorithmSettings
     optim: OptimSettings
     batch: BatchSettings
     dynamic_sampling: Optional[DynamicSamplingSettings] = None
+    asynchronous: Optional[AsyncSettings] = None
 
     @classmethod
     def from_config(cls, config, *, pad_token_id: int, num_updates: int = 1, stop_token_id: Optional[int] = None,
@@ -291,7 +304,8 @@ class StepSettings:
             vocab_size=vocab_size)
         dynamic = (DynamicSamplingSettings(prompts_per_round=sizes.prompts_per_round, max_rounds=c.max_num_gen_batches,
                                            metric=c.filter_groups_metric) if c.filter_groups else None)
-        return cls(sampling, algorithm, optim, batch, dynamic)
+        asynchronous = AsyncSettings(max_staleness=c.max_staleness) if c.max_staleness else None
+        return cls(sampling, algorithm, optim, batch, dynamic, asynchronous)
 
 
 @struct.dataclass

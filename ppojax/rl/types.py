@@ -138,6 +138,8 @@ class TrainState:
     nonfinite_streak / nonfinite_total: i32[] optimizer steps skipped for a non-finite loss or gradient.
     episode:        i32[] episodes (sampled responses: prompts x ``num_generations``) trained on so far (TRL's
                     ``episode``).
+    in_flight:      an asynchronous run's sampled batches not learned yet, oldest first
+                    (``ppojax.rl.pipeline.SampledBatch`` with a leading [max_staleness] axis); None when synchronous.
     """
 
     params: Any
@@ -151,6 +153,7 @@ class TrainState:
     nonfinite_streak: jax.Array
     nonfinite_total: jax.Array
     episode: jax.Array
+    in_flight: Any = None
 
     def without_frozen(self) -> "TrainState":
         """The state a checkpoint stores (the frozen models are rebuilt from the config)."""

@@ -379,6 +379,25 @@ _IMPORTANCE_SAMPLING_OPTIONS = ("vllm_importance_sampling_mode", "vllm_importanc
                                 "vllm_importance_sampling_clip_min")
 
 
+def _async_problems(c: PPOConfig) -> list[str]:
+    """Asynchronous RL (``max_staleness`` > 0): what the pipeline of in-flight batches supports."""
+    k = c.max_staleness
+    if not k:
+        return []
+    out = []
+    if c.behaviour_logprobs != "sampler":
+        out.append(f"max_staleness={k} learns from batches an older policy sampled, whose log-probs only the sampler "
+                   f"kept, but behaviour_logprobs={c.behaviour_logprobs!r} would recompute them with the current "
+                   "policy (the stale tokens would pass for on-policy ones). Set behaviour_logprobs: sampler.")
+    if c.filter_groups:
+        out.append(f"max_staleness={k} with filter_groups: true is not supported (dynamic sampling's rounds are "
+                   "sampled and filtered inside one update). Remove filter_groups, or set max_staleness: 0.")
+    if c.is_agent_run:
+        out.append(f"max_staleness={k} with tools or an environment is not supported: a multi-turn run's episodes "
+                   "are learned by the update that played them. Set max_staleness: 0.")
+    return out
+
+
 def _off_policy_problems(c: PPOConfig) -> list[str]:
     """The off-policy corrections (docs/algorithm.md, "Off-policy corrections") against each other, the behaviour
     log-probs and the policy objective."""

@@ -13,9 +13,9 @@ from typing import Any, Optional
 import yaml
 
 from ppojax.errors import ConfigError
-from ppojax.trainer.config.checks import (_agent_problems, _checked_value, _dynamic_sampling_problems,
-                                          _estimator_problems, _objective_problems, _off_policy_problems,
-                                          _problems_together, _registry_problems)
+from ppojax.trainer.config.checks import (_agent_problems, _async_problems, _checked_value,
+                                          _dynamic_sampling_problems, _estimator_problems, _objective_problems,
+                                          _off_policy_problems, _problems_together, _registry_problems)
 from ppojax.trainer.config.names import normalise_keys
 from ppojax.trainer.config.schema import FIELD_NAMES, STATIC_FIELDS, Settings, StaticSettings
 from ppojax.trainer.config.sections.run import REPORT_SINKS
@@ -132,7 +132,7 @@ class PPOConfig(Settings):
             problems += [str(err) for err in _registry_problems(self)]
         if not problems:
             problems += (_estimator_problems(self) + _objective_problems(self) + _off_policy_problems(self)
-                         + _dynamic_sampling_problems(self) + _agent_problems(self))
+                         + _dynamic_sampling_problems(self) + _agent_problems(self) + _async_problems(self))
         if len(problems) == 1:
             raise ConfigError(problems[0])
         if problems:

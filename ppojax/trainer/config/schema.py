@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 
 from ppojax.trainer.config.fields import IGNORED, MAY_CHANGE, MUST_MATCH
 from ppojax.trainer.config.sections.agents import AgentSettings
+from ppojax.trainer.config.sections.asynchronous import AsyncSettings
 from ppojax.trainer.config.sections.batches import BatchSettings
 from ppojax.trainer.config.sections.data import DataSettings
 from ppojax.trainer.config.sections.mesh import MeshSettings
@@ -19,7 +20,8 @@ from ppojax.trainer.config.sections.run import OutputSettings, RunSettings
 from ppojax.trainer.config.sections.sampling import SamplingSettings
 
 SECTIONS = (ModelSettings, LoraSettings, DataSettings, RunSettings, BatchSettings, OptimizerSettings,
-            ObjectiveSettings, OffPolicySettings, SamplingSettings, AgentSettings, OutputSettings, MeshSettings)
+            ObjectiveSettings, OffPolicySettings, AsyncSettings, SamplingSettings, AgentSettings, OutputSettings,
+            MeshSettings)
 """The sections in the order their fields are listed: ``ppojax train --help``, docs/configuration.md,
 ``PPOConfig.to_dict`` and checkpoints' config.json."""
 

@@ -9,6 +9,7 @@
     optimizer.py  AdamW, its learning-rate schedule and gradient clipping
     objective.py  the policy and value losses, advantage estimators, KL penalties, score shaping
     offpolicy.py  off-policy corrections: behaviour importance weights, off-policy sequence masking
+    asynchronous.py  asynchronous RL: how many updates the rollout may run ahead of the update
     sampling.py   the rollout's sampling: response length, temperature, stop tokens, decode loop
     agents.py     tools and environments for multi-turn episodes, and the sizes of their turns
     mesh.py       the device mesh
@@ -16,6 +17,6 @@
 Adding a field: declare it in the section of its concern (its docstring is its ``--help`` text and its row in
 docs/configuration.md: regenerate that file). A check that involves other fields goes to
 ``ppojax.trainer.config.checks``; the names TRL or verl give it, when they differ, to
-``ppojax.trainer.config.names``. A new concern (asynchronous RL's staleness bounds) is a new module here with its
-section, added to ``SECTIONS`` where its fields should be listed.
+``ppojax.trainer.config.names``. A new concern is a new module here with its section, added to ``SECTIONS`` where
+its fields should be listed.
 """

@@ -1,0 +1,24 @@
+"""The asynchronous section: how far the policy that sampled a batch may lag behind the one that learns from it
+(docs/async.md; ``ppojax.rl.pipeline``).
+
+TRL's AsyncGRPOTrainer and AReaL call the bound ``max_staleness``. Pair it with a correction from the off-policy
+section (``use_decoupled_loss``, or ``vllm_importance_sampling_correction``): without one, the clipped ratio is
+taken against the stale sampler's own log-probs, which is plain PPO on stale data.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ppojax.trainer.config.fields import MUST_MATCH, at_least, setting
+
+
+@dataclass
+class AsyncSettings:
+    """Asynchronous RL: the rollout runs ahead of the update by a bounded number of policy versions."""
+
+    max_staleness: int = setting(0, static=True, on_resume=MUST_MATCH, rule=at_least(0))
+    """Each update learns from the batch sampled max_staleness updates earlier (TRL's and AReaL's name): the run
+    keeps that many sampled, scored batches in flight (in the train state, so checkpoints carry them), filled by
+    sampling the first max_staleness batches with the initial policy before update 1. 0: synchronous (each update
+    learns from its own samples). Needs behaviour_logprobs: sampler (the behaviour policy's log-probs are the
+    sampler's, kept with the batch); single-turn runs without filter_groups."""

@@ -1,0 +1,122 @@
+"""Asynchronous RL with bounded staleness (``ppojax.rl.pipeline``): the update learns from the batch sampled
+``max_staleness`` updates earlier.
+
+- with nothing in flight the pipeline's program equals the synchronous ``train_step`` (metrics and weights);
+- with k = 2 it equals a plain loop written here over the synchronous program's pieces: a Python list of
+  experiences sampled by older states, each re-scored by the forwards of the state that learns from it, with
+  plain PPO and with AReaL's decoupled objective; the staleness metrics count the lag;
+- a config that cannot run asynchronously is refused before compute.
+"""
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from ppojax.errors import ConfigError
+from ppojax.rl import rollout
+from ppojax.rl.program import (collect_experience, iteration_keys, make_fill, make_train_step, make_update)
+from ppojax.rl.settings import AsyncSettings, StepSettings
+from ppojax.trainer.config import PPOConfig
+from ppojax.trainer.loop import step_key
+from tests.test_train_step import init_state, prompt_blocks, tiny_program
+
+NUM_UPDATES = 4
+TIGHT = dict(rtol=1e-6, atol=1e-6)
+
+
+def program_with(max_staleness, **config):
+    """tests.test_train_step's tiny program (a JAX reward; nothing leaves the device) with the sampler's
+    log-probs as the behaviour policy's, asynchronous with ``max_staleness`` (None: synchronous)."""
+    base = tiny_program(NUM_UPDATES)
+    values = dict(batch_size=16, response_length=6, max_prompt_length=6, learning_rate=1e-2, temperature=1.0,
+                  num_ppo_epochs=2, num_mini_batches=2, kl_coef=0.05, behaviour_logprobs="sampler", **config)
+    settings = StepSettings.from_config(PPOConfig(**values), pad_token_id=0, stop_token_id=1, eos_token_id=1,
+                                        num_updates=NUM_UPDATES)
+    asynchronous = None if max_staleness is None else AsyncSettings(max_staleness)
+    return dataclasses.replace(base, settings=dataclasses.replace(settings, asynchronous=asynchronous))
+
+
+def fill_keys(k):
+    return [jax.random.fold_in(jax.random.key(0), 1000 + i) for i in range(k)]
+
+
+def test_nothing_in_flight_equals_the_synchronous_step():
+    sync, pipelined = program_with(None), program_with(0)
+    prompts = prompt_blocks(NUM_UPDATES)
+    runs = []
+    for program in (sync, pipelined):
+        step, state, history = make_train_step(program), init_state(program, 0), []
+        for i in range(NUM_UPDATES):
+            state, metrics = step(state, prompts[i], step_key(0, i))
+            history.append(jax.device_get(metrics))
+        runs.append((state, history))
+    (a_state, a), (b_state, b) = runs
+    assert b_state.in_flight is None
+    for step, (x, y) in enumerate(zip(a, b)):
+        assert x.keys() == y.keys()
+        for name in x:
+            np.testing.assert_allclose(x[name], y[name], **TIGHT, err_msg=f"update {step + 1}: {name}")
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, **TIGHT), a_state.params, b_state.params)
+
+
+def plain_loop(program, state, prompts, keys, k):
+    """The reference: experiences sampled by the state of their time (the synchronous program's rollout), kept in a
+    Python list; each update re-runs the forwards of the batch it learns from with its own state, keeping the
+    batch's sampler log-probs, scores and policy versions, then the synchronous program's update."""
+    collect = jax.jit(lambda s, p, key: collect_experience(program, s, p, key)[0])
+    forwards = jax.jit(lambda s, qr, behaviour: rollout.experience_forwards(program, s, qr, 6, behaviour))
+    update = make_update(program)
+    queue = [collect(state, prompts[i], iteration_keys(key)[0]) for i, key in enumerate(fill_keys(k))]
+    history = []
+    for i, key in enumerate(keys):
+        sample_key, update_key = iteration_keys(key)
+        queue.append(collect(state, prompts[k + i], sample_key))
+        old = queue.pop(0)
+        experience = forwards(state, old.query_responses, old.logprobs).replace(
+            scores=old.scores, reward_components=old.reward_components, policy_versions=old.policy_versions)
+        state, metrics = update(state, experience, update_key)
+        history.append(jax.device_get(metrics))
+    return state, history
+
+
+@pytest.mark.parametrize("objective", ["plain", "decoupled"])
+def test_staleness_two_equals_a_plain_loop(objective):
+    k = 2
+    config = dict(use_decoupled_loss=True) if objective == "decoupled" else {}
+    pipelined, sync = program_with(k, **config), program_with(None, **config)
+    blocks = prompt_blocks(NUM_UPDATES)  # the tiny prompts make 4 batches: the fill samples 2 of them again
+    prompts = jax.numpy.concatenate([blocks[2:], blocks])
+    keys = [step_key(0, i) for i in range(NUM_UPDATES)]
+
+    state, failures = make_fill(pipelined)(init_state(pipelined, 0), prompts[:k], jax.numpy.stack(fill_keys(k)))
+    assert int(failures) == 0 and state.in_flight.query_responses.shape == (k, 16, 12)
+    step, history = make_train_step(pipelined), []
+    for i, key in enumerate(keys):
+        state, metrics = step(state, prompts[k + i], key)
+        history.append(jax.device_get(metrics))
+    ref_state, reference = plain_loop(sync, init_state(sync, 0), prompts, keys, k)
+
+    for update, (got, want) in enumerate(zip(history, reference)):
+        for name, value in want.items():
+            np.testing.assert_allclose(got[name], value, **TIGHT, err_msg=f"update {update + 1}: {name}")
+        # update u (0-based) learns the batch of version max(u - k, 0): the fill's batches are version 0
+        assert got["offpolicy/staleness_max"] == min(update, k)
+        np.testing.assert_allclose(got["offpolicy/staleness_mean"], min(update, k))
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, **TIGHT), state.params, ref_state.params)
+    # the queue holds the last k batches sampled, by the policies of the last k updates
+    np.testing.assert_array_equal(state.in_flight.policy_versions[:, 0, 0], [NUM_UPDATES - 2, NUM_UPDATES - 1])
+    if objective == "decoupled":  # stale batches: the behaviour weights pi_prox / pi_behav move away from 1
+        assert history[-1]["sampling/sampling_logp_difference/mean"] > 1e-3
+        assert history[0]["sampling/sampling_logp_difference/mean"] < 1e-5  # version 0 learned at version 0
+
+
+@pytest.mark.parametrize("values, message", [
+    (dict(max_staleness=2), "Set behaviour_logprobs: sampler"),
+    (dict(max_staleness=2, behaviour_logprobs="sampler", filter_groups=True, num_generations=2,
+          max_num_gen_batches=2), "with filter_groups: true is not supported"),
+    (dict(max_staleness=-1), "max_staleness"),
+])
+def test_configs_that_cannot_run_asynchronously_are_refused(values, message):
+    with pytest.raises(ConfigError, match=message):
+        PPOConfig(batch_size=16, **values)
