@@ -120,3 +120,31 @@ def test_staleness_two_equals_a_plain_loop(objective):
 def test_configs_that_cannot_run_asynchronously_are_refused(values, message):
     with pytest.raises(ConfigError, match=message):
         PPOConfig(batch_size=16, **values)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The trainer: the fill before update 1, the queue in checkpoints
+# ------------------------------------------------------------------------------------------------------------
+def async_trainer(path, **overrides):
+    from tests.test_trainer import make_trainer
+    return make_trainer(path, total_episodes=16 * 4, behaviour_logprobs="sampler", max_staleness=2,
+                        use_decoupled_loss=True, **overrides)
+
+
+def test_an_asynchronous_run_resumed_equals_the_run_never_stopped(tmp_path):
+    """A Python reward (a host callback in the program) on stale batches; the queue of 2 batches in flight is saved
+    with update 2's checkpoint and learned from by updates 3 and 4 of the resumed run."""
+    straight = async_trainer(tmp_path / "a")
+    expected = straight.train(progress=False)
+    assert [m["offpolicy/staleness_max"] for m in expected] == [0, 1, 2, 2]
+    first = async_trainer(tmp_path / "b", save_steps=2)
+    first.train(num_updates=2, progress=False)
+    resumed = async_trainer(tmp_path / "b", resume="auto")
+    got = resumed.train(progress=False)
+    assert int(resumed.state.update_count) == 4 and len(got) == 2
+    for a, b in zip(expected[2:], got):
+        for name in ("objective/scores", "objective/kl", "loss/policy_avg", "loss/value_avg",
+                     "sampling/sampling_logp_difference/mean", "offpolicy/staleness_mean"):
+            assert a[name] == b[name], name
+    jax.tree.map(np.testing.assert_array_equal, straight.state.params, resumed.state.params)
+    jax.tree.map(np.testing.assert_array_equal, straight.state.in_flight, resumed.state.in_flight)

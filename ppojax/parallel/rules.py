@@ -175,7 +175,8 @@ def train_state_shardings(state, mesh: Mesh, rules: Mapping[str, Any] = TRAIN_RU
     params and the frozen models: by the rules. opt_state: every subtree with the structure of ``params``
     (Adam's ``mu``, ``nu``, any optax state that mirrors the parameters) takes the parameters' shardings;
     other leaves (step counts, scalars) are replicated, or use the :data:`UNNAMED` fallback if they are
-    arrays. The KL coefficient, score moments and counters: replicated.
+    arrays. The KL coefficient, score moments and counters: replicated. An asynchronous run's ``in_flight``
+    batches [k, B, ...]: rows over the batch axes, as the batches they were sampled from.
     """
     params_sh = param_shardings(state.params, mesh, rules, logical_axes=logical_axes)
     params_def = jax.tree.structure(state.params)
@@ -196,7 +197,9 @@ def train_state_shardings(state, mesh: Mesh, rules: Mapping[str, Any] = TRAIN_RU
                          kl_coef=rep, hyperparams=jax.tree.map(lambda _: rep, state.hyperparams),
                          score_moments=jax.tree.map(lambda _: rep, state.score_moments),
                          update_count=rep, optimizer_steps=rep, nonfinite_streak=rep, nonfinite_total=rep,
-                         episode=rep)
+                         episode=rep,
+                         in_flight=None if state.in_flight is None else jax.tree.map(
+                             lambda _: NamedSharding(mesh, batch_partition_spec(mesh, rules, axis=1)), state.in_flight))
 
 
 def batch_partition_spec(mesh: Mesh, rules: Mapping[str, Any] = TRAIN_RULES, axis: int = 0) -> PartitionSpec:

@@ -28,7 +28,8 @@ from flax import struct
 
 from ppojax.core.masks import contains_stop_token, response_masks, truncate_response
 from ppojax.rl import rollout
-from ppojax.rl.types import Experience, Prompts, TrainState
+from ppojax.rl.settings import Hyperparams
+from ppojax.rl.types import Experience, Prompts, TrainState, init_train_state
 
 
 @struct.dataclass
@@ -100,11 +101,21 @@ def fill(program, state: TrainState, prompts: Prompts, keys) -> tuple[TrainState
     return state.replace(in_flight=queue), jnp.sum(failures)
 
 
-def abstract_in_flight(program, state: TrainState, prompt_shape: tuple[int, int]):
-    """The ``in_flight`` queue's shapes and dtypes (``jax.ShapeDtypeStruct``s) for prompts i32[B / G, P]: what a
-    checkpoint of an asynchronous run is restored into, and what its state shardings are built for."""
+def in_flight_shapes(program, params, frozen, prompt_length: int):
+    """The ``in_flight`` queue's shapes and dtypes (``jax.ShapeDtypeStruct``s) of an asynchronous program (None for
+    a synchronous one), for the state of ``params`` / ``frozen`` (arrays or ``jax.ShapeDtypeStruct``s) and prompts
+    of ``prompt_length`` tokens: what ``init_train_state`` gives a fresh state (zeros, until :func:`fill`), what a
+    checkpoint is restored into and what the state's shardings are built for."""
+    if program.settings.asynchronous is None:
+        return None
     k = program.settings.asynchronous.max_staleness
-    prompts = Prompts(jax.ShapeDtypeStruct((k, *prompt_shape), jnp.int32),
-                      jax.ShapeDtypeStruct((k, prompt_shape[0]), jnp.int32))
+    rows = program.settings.batch.batch_size // program.settings.sampling.num_generations
+    prompts = Prompts(jax.ShapeDtypeStruct((k, rows, prompt_length), jnp.int32),
+                      jax.ShapeDtypeStruct((k, rows), jnp.int32))
     keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), k))
-    return jax.eval_shape(lambda s, p, ks: fill(program, s, p, ks)[0].in_flight, state, prompts, keys)
+
+    def queue(params, frozen, prompts, keys):
+        state = init_train_state(params, program.optimizer, hyperparams=Hyperparams.create(), frozen=frozen)
+        return fill(program, state, prompts, keys)[0].in_flight
+
+    return jax.eval_shape(queue, params, frozen, prompts, keys)

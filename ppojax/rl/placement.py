@@ -13,15 +13,18 @@ from ppojax.rl.types import init_train_state
 
 
 def init_sharded_train_state(params, optimizer, mesh: Mesh, rules: Mapping[str, Any] = parallel.TRAIN_RULES, *,
-                             hyperparams, frozen=None, kl_coef=0.05, logical_axes=None, donate: bool = False):
+                             hyperparams, frozen=None, kl_coef=0.05, logical_axes=None, donate: bool = False,
+                             in_flight=None):
     """``ppojax.rl.types.init_train_state`` with params, frozen models and optimizer state created directly in
     their shardings (the optimizer state is never materialised whole on one device).
 
     donate: the caller hands ``params`` and ``frozen`` over: the state holds their very buffers (once sharded),
     so building it never holds the weights twice; the caller's arrays are deleted. Without it the state holds
-    copies (the state is donated at every step, so it may not share the caller's buffers).
+    copies (the state is donated at every step, so it may not share the caller's buffers). in_flight: an
+    asynchronous run's queue shapes (``init_train_state``'s).
     -> (state, state_shardings)."""
-    init = lambda p, f: init_train_state(p, optimizer, hyperparams=hyperparams, frozen=f, kl_coef=kl_coef)  # noqa: E731
+    init = lambda p, f: init_train_state(p, optimizer, hyperparams=hyperparams, frozen=f, kl_coef=kl_coef,  # noqa: E731
+                                         in_flight=in_flight)
     shardings = parallel.train_state_shardings(jax.eval_shape(init, params, frozen), mesh, rules,
                                                logical_axes=logical_axes)
     params = parallel.shard_params(params, mesh, rules, logical_axes=logical_axes)

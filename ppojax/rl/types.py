@@ -160,10 +160,13 @@ class TrainState:
         return self.replace(frozen=None)
 
 
-def init_train_state(params, optimizer, *, hyperparams: Hyperparams, frozen=None, kl_coef=0.05) -> TrainState:
+def init_train_state(params, optimizer, *, hyperparams: Hyperparams, frozen=None, kl_coef=0.05,
+                     in_flight=None) -> TrainState:
     """A fresh state: optimizer initialised on ``params``, counters at 0, score moments at mean 0 / std 1.
 
-    hyperparams: the traced hyperparameters (``Hyperparams.from_config(config)`` or ``Hyperparams.create(...)``)."""
+    hyperparams: the traced hyperparameters (``Hyperparams.from_config(config)`` or ``Hyperparams.create(...)``).
+    in_flight: an asynchronous run's queue shapes (``ppojax.rl.pipeline.in_flight_shapes``): zeros of them, which
+    ``ppojax.rl.pipeline.fill`` replaces with the first sampled batches; None: synchronous."""
     def zero():  # distinct buffers: the state is donated, and one buffer may not be donated twice
         return jnp.zeros((), jnp.int32)
 
@@ -172,4 +175,6 @@ def init_train_state(params, optimizer, *, hyperparams: Hyperparams, frozen=None
                       hyperparams=jax.tree.map(lambda x: jnp.array(x, jnp.float32), hyperparams),
                       score_moments=RunningMoments.create(),
                       update_count=zero(), optimizer_steps=zero(), nonfinite_streak=zero(),
-                      nonfinite_total=zero(), episode=zero())
+                      nonfinite_total=zero(), episode=zero(),
+                      in_flight=None if in_flight is None else jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
+                                                                            in_flight))

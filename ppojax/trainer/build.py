@@ -24,7 +24,7 @@ from ppojax.core.advantages import advantage_estimator
 from ppojax.models.kernels import XLA
 from ppojax.models.lora import LoraSpec
 from ppojax import parallel
-from ppojax.rl import placement
+from ppojax.rl import pipeline, placement
 from ppojax.rl.actor_critic import ActorCritic
 from ppojax.rl.episodes import EpisodeSource, first_turn_only
 from ppojax.rl.optimizer import optimizer_from_config
@@ -144,10 +144,11 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
         program, train_step = ahead[1].program, ahead[1].train_step
     else:  # no compile ahead, or its structure guess differs from the loaded models' (the step compiles later)
         program, train_step = program_for(models), None
+    in_flight = pipeline.in_flight_shapes(program, models.params, models.frozen, config.max_prompt_length)
     state, state_shardings = placement.init_sharded_train_state(models.params, program.optimizer, mesh,
                                                                hyperparams=Hyperparams.from_config(config),
                                                                frozen=models.frozen, kl_coef=config.kl_coef,
-                                                               donate=True)
+                                                               donate=True, in_flight=in_flight)
     return Run(config=config, tokenizer=tokens.tokenizer, model_config=models.policy_cfg, mesh=mesh,
                program=program, state=state, state_shardings=state_shardings, num_updates=prompts.num_updates,
                train_queries=prompts.train_queries, eval_queries=prompts.eval_queries, batches=prompts.batches,
@@ -166,9 +167,11 @@ def _compile_ahead(config, program_for, sources: dict, batches: PromptBatches):
         prompts_shape = (batches.batch_size // batches.process_count, batches.input_ids.shape[1])
         if config.filter_groups:  # one batch per generation round
             prompts_shape = (config.max_num_gen_batches, *prompts_shape)
-        return abstract, start_train_step(program_for(abstract), abstract.params, abstract.frozen,
+        program = program_for(abstract)
+        in_flight = pipeline.in_flight_shapes(program, abstract.params, abstract.frozen, config.max_prompt_length)
+        return abstract, start_train_step(program, abstract.params, abstract.frozen,
                                           hyperparams=Hyperparams.from_config(config), kl_coef=config.kl_coef,
-                                          prompts_shape=prompts_shape)
+                                          prompts_shape=prompts_shape, in_flight=in_flight)
     except Exception as err:  # noqa: BLE001 - a head start only: the real build below reports real problems
         log.info("train_step not compiled ahead: %s: %s", type(err).__name__, err)
         return None

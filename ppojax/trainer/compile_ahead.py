@@ -47,14 +47,16 @@ class CompileAhead:
         return self
 
 
-def start_train_step(program, params, frozen, *, hyperparams, kl_coef: float, prompts_shape: tuple) -> CompileAhead:
+def start_train_step(program, params, frozen, *, hyperparams, kl_coef: float, prompts_shape: tuple,
+                     in_flight=None) -> CompileAhead:
     """``make_train_step(program, shardings)`` with its compile started on a background thread, for the
     ``TrainState`` of ``params`` / ``frozen`` (``jax.ShapeDtypeStruct`` trees, e.g. the states of
     ``abstract_pretrained`` models; the state ``init_sharded_train_state`` makes from their arrays) and prompts
-    i32[prompts_shape] (this process's rows, placed as the step places them). -> ``CompileAhead``, whose
-    ``train_step`` is the step to call with the real state."""
+    i32[prompts_shape] (this process's rows, placed as the step places them); in_flight: an asynchronous run's
+    queue shapes (``init_train_state``'s). -> ``CompileAhead``, whose ``train_step`` is the step to call with the
+    real state."""
     state = jax.eval_shape(lambda p, f: init_train_state(p, program.optimizer, hyperparams=hyperparams, frozen=f,
-                                                         kl_coef=kl_coef), params, frozen)
+                                                         kl_coef=kl_coef, in_flight=in_flight), params, frozen)
     state_shardings = parallel.train_state_shardings(state, program.mesh)
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s, weak_type=x.weak_type),
                          state, state_shardings)

@@ -61,6 +61,31 @@ def step_key(seed: int, update_index: int):
     return jax.random.fold_in(jax.random.key(seed), update_index)
 
 
+FILL_STREAM = 2 ** 31 - 1
+"""The index under which the seed's key derives the keys of an asynchronous run's first batches (no update has it)."""
+
+
+def fill_key(seed: int, batch_index: int):
+    """The key of an asynchronous run's ``batch_index``-th batch sampled before update 1 (``ppojax.rl.pipeline``)."""
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), FILL_STREAM), batch_index)
+
+
+def fill_in_flight(run, fill) -> None:
+    """An asynchronous run before its first update: its first ``max_staleness`` prompt batches sampled by the
+    initial policy into the state's ``in_flight`` queue. fill: ``ppojax.rl.program.make_fill``'s. A reward function
+    that fails on them stops the run here (``RewardFunctionError``), before any update."""
+    k = run.settings.asynchronous.max_staleness
+    batches = [update_prompts(run) for _ in range(k)]
+    prompts = Prompts(np.stack([b.input_ids for b in batches]), np.stack([b.rows for b in batches]))
+    keys = jax.numpy.stack([fill_key(run.config.seed, i) for i in range(k)])
+    with stage(f"max_staleness={k}: sampling the first {k} batches with the initial policy"):
+        run.state, failures = fill(run.state, prompts, keys)
+        if int(parallel.to_host(failures)):
+            run.reward.raise_pending()
+            raise RewardFunctionError("the reward function failed on another process while the first batches of "
+                                      "an asynchronous run were sampled (see that process's log).")
+
+
 def run_updates(run, train_step, total: int, hooks: list[Hook], *, should_stop: Callable[[], bool] = lambda: False
                 ) -> list[dict]:
     """Run updates ``state.update_count .. total-1``; returns this call's host metrics, one dict per update.

@@ -35,9 +35,9 @@ from ppojax.trainer.config import ConfigError, PPOConfig, resume_compatibility
 from ppojax.trainer.build import NO_REWARD, build_run
 from ppojax.trainer.legacy import LegacyAPI
 from ppojax.errors import RunInterrupted
-from ppojax.trainer.loop import (Hook, StopSignals, environment_check, nonfinite_check, reward_failure_check,
-                                 run_updates)
-from ppojax.rl.program import make_train_step
+from ppojax.trainer.loop import (Hook, StopSignals, environment_check, fill_in_flight, nonfinite_check,
+                                 reward_failure_check, run_updates)
+from ppojax.rl.program import make_fill, make_train_step
 
 SAMPLE_TEMPERATURE = 0.01  # TRL's near-greedy sample completions
 
@@ -185,6 +185,8 @@ class PPOTrainer(LegacyAPI):
                  Hook(lambda end: self.log_samples(end.step), every=sample_every, at_end=sample_every > 0,
                       reads_state=True),
                  Hook(save, every=args.save_steps, reads_state=True)]
+        if run.settings.asynchronous is not None and start == 0:  # a checkpoint carries its own queue
+            fill_in_flight(run, make_fill(run.program, run.state_shardings))
         stop = StopSignals()
         try:
             with stop:
