@@ -1,0 +1,122 @@
+"""A staleness study in miniature (AReaL's table on a toy): a tiny random Llama learns to write the word "good"
+(reward: the share of its response tokens that are token 2), at ``max_staleness`` 0, 2 and 4, with plain PPO (the
+clipped ratio against the stale sampler's log-probs) and with AReaL's decoupled objective.
+
+Each configuration is ONE compiled program: whole runs (init from the seed, the fill of the first k batches,
+``--updates`` iterations in a ``lax.scan``, then the held-out score) ``jax.vmap``-ed over the seeds. The held-out
+score: the mean reward of near-greedy (T = 0.01) responses to prompts never trained on. Prints a table and writes
+(``--json``) every run's score, the host and the commit.
+
+    python -m benchmarks.staleness --seeds 3 --updates 40 --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from benchmarks.common import machine_info, source_commit
+from ppojax.core.masks import truncate_response
+from ppojax.models import CausalLM, ModelConfig, ScoreModel
+from ppojax.rl import pipeline, rollout
+from ppojax.rl.actor_critic import ActorCritic
+from ppojax.rl.optimizer import make_optimizer
+from ppojax.rl.program import PPOProgram, iteration_keys, ppo_iteration
+from ppojax.rl.rewards import TracedScores
+from ppojax.rl.settings import AsyncSettings, Hyperparams, StepSettings
+from ppojax.rl.types import NO_ROW, Prompts, init_train_state
+from ppojax.trainer.config import PPOConfig
+
+VOCAB, GOOD, STOP, PROMPT_LENGTH, RESPONSE_LENGTH, BATCH = 16, 2, 1, 6, 8, 16
+MODEL = ModelConfig.from_hf(dict(
+    model_type="llama", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=1e4,
+    tie_word_embeddings=False, bos_token_id=STOP, eos_token_id=STOP, pad_token_id=0))
+
+
+def good_share(queries, responses):
+    """f32[B]: the share of the response's tokens that are GOOD."""
+    live = responses != 0
+    return jnp.sum((responses == GOOD) & live, axis=1) / jnp.maximum(jnp.sum(live, axis=1), 1)
+
+
+def program_for(max_staleness: int, decoupled: bool, learning_rate: float, num_updates: int) -> PPOProgram:
+    config = PPOConfig(batch_size=BATCH, response_length=RESPONSE_LENGTH, max_prompt_length=PROMPT_LENGTH,
+                       learning_rate=learning_rate, temperature=1.0, num_ppo_epochs=2, num_mini_batches=2,
+                       kl_coef=0.05, behaviour_logprobs="sampler", use_decoupled_loss=decoupled)
+    settings = StepSettings.from_config(config, pad_token_id=0, stop_token_id=STOP, eos_token_id=STOP,
+                                        num_updates=num_updates)  # the learning rate decays to 0 over them
+    settings = dataclasses.replace(settings, asynchronous=AsyncSettings(max_staleness))
+    policy_def = nnx.graphdef(nnx.eval_shape(lambda: CausalLM(MODEL, rngs=nnx.Rngs(0))))
+    value_def = nnx.graphdef(nnx.eval_shape(lambda: ScoreModel(MODEL, rngs=nnx.Rngs(0))))
+    return PPOProgram(ActorCritic(policy_def, value_def, 0, 1.0), TracedScores(good_share), settings,
+                      make_optimizer()), Hyperparams.from_config(config)
+
+
+def whole_run(program, hyperparams, seed, train_prompts, eval_prompts):
+    """init -> fill -> updates -> held-out score, pure. train_prompts i32[k + N, BATCH, P]; eval i32[E, P]."""
+    key = jax.random.key(seed)
+    policy = nnx.state(CausalLM(MODEL, rngs=nnx.Rngs(params=key)))
+    value = nnx.state(ScoreModel(MODEL, rngs=nnx.Rngs(params=jax.random.fold_in(key, 1))))
+    state = init_train_state({"policy": policy, "value": value}, program.optimizer, hyperparams=hyperparams,
+                             frozen={"ref": jax.tree.map(jnp.copy, policy), "reward": None}, kl_coef=0.05)
+    k = program.settings.asynchronous.max_staleness
+    rows = lambda ids: jnp.full(ids.shape[:-1], NO_ROW, jnp.int32)  # noqa: E731
+    if k:
+        fill_keys = jax.vmap(lambda i: iteration_keys(jax.random.fold_in(key, 10_000 + i))[0])(jnp.arange(k))
+        state, _ = pipeline.fill(program, state, Prompts(train_prompts[:k], rows(train_prompts[:k])), fill_keys)
+    updates = train_prompts[k:]
+    keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(updates.shape[0]))
+    state, metrics = jax.lax.scan(lambda s, xs: ppo_iteration(program, s, Prompts(xs[0], rows(xs[0])), xs[1]),
+                                  state, (updates, keys))
+    greedy = dataclasses.replace(program.settings, sampling=dataclasses.replace(program.settings.sampling,
+                                                                                temperature=0.01))
+    query_responses, _ = rollout.sample(dataclasses.replace(program, settings=greedy), state, eval_prompts,
+                                        jax.random.fold_in(key, 99))
+    responses = truncate_response(query_responses[:, PROMPT_LENGTH:], STOP, 0)
+    return jnp.mean(good_share(None, responses)), metrics["objective/scores"], metrics["objective/kl"]
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--updates", type=int, default=40)
+    parser.add_argument("--learning-rate", type=float, default=1e-2)
+    parser.add_argument("--staleness", type=int, nargs="+", default=[0, 2, 4])
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    k_max = max(args.staleness)
+    draw = jax.random.randint(jax.random.key(123), ((k_max + args.updates) * BATCH + 64, PROMPT_LENGTH), 3, VOCAB)
+    eval_prompts, train_all = draw[:64], draw[64:].reshape(k_max + args.updates, BATCH, PROMPT_LENGTH)
+    runs = []
+    for k in args.staleness:
+        for decoupled in (False, True):
+            program, hyperparams = program_for(k, decoupled, args.learning_rate, args.updates)
+            train_prompts = train_all[k_max - k:]  # k batches to fill, then the N batches every k's updates sample
+            start = time.perf_counter()
+            held_out, scores, kl = jax.jit(jax.vmap(
+                lambda seed: whole_run(program, hyperparams, seed, train_prompts, eval_prompts)))(
+                jnp.arange(args.seeds))
+            seconds = time.perf_counter() - start
+            runs.append(dict(max_staleness=k, objective="decoupled" if decoupled else "plain",
+                             held_out=[round(float(x), 4) for x in held_out],
+                             final_batch_score=[round(float(x), 4) for x in scores[:, -1]],
+                             final_kl=[round(float(x), 4) for x in kl[:, -1]], seconds=round(seconds, 1)))
+            print(f"staleness {k} {runs[-1]['objective']:9s}: held-out {runs[-1]['held_out']} "
+                  f"(mean {float(jnp.mean(held_out)):.3f}), final KL {runs[-1]['final_kl']}, {seconds:.0f} s",
+                  flush=True)
+    report = dict(seeds=args.seeds, updates=args.updates, learning_rate=args.learning_rate, runs=runs,
+                  machine=machine_info(), commit=source_commit())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return report
+
+
+if __name__ == "__main__":
+    main()
