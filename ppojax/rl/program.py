@@ -135,7 +135,7 @@ def legacy_iteration(program: PPOProgram, state, query_responses, prompt_length,
 # --------------------------------------------------------------------------------------------------
 # Compiled entry points
 # --------------------------------------------------------------------------------------------------
-def _jit(program: PPOProgram, fn, state_shardings):
+def jit_donating_state(program: PPOProgram, fn, state_shardings):
     """jit with the state donated; on a mesh the state keeps ``state_shardings`` and metrics come back
     replicated (so ``jax.device_get`` works on every process)."""
     if program.mesh is None:
@@ -150,8 +150,8 @@ def make_train_step(program: PPOProgram, state_shardings=None):
     batch axes); key: a PRNG key. The state's ``hyperparams`` are traced: ``state.replace(hyperparams=...)`` between
     calls does not recompile. The returned function's ``.jitted`` is the jit object (for cache counts).
     """
-    return _placed(program, _jit(program, lambda state, prompts, key: ppo_iteration(program, state, prompts, key),
-                                 state_shardings))
+    return _placed(program, jit_donating_state(
+        program, lambda state, prompts, key: ppo_iteration(program, state, prompts, key), state_shardings))
 
 
 def make_train_steps(program: PPOProgram, state_shardings=None):
@@ -162,7 +162,7 @@ def make_train_steps(program: PPOProgram, state_shardings=None):
     def steps(state, prompts, keys):
         return jax.lax.scan(lambda s, xs: ppo_iteration(program, s, *xs), state, (prompts, keys))
 
-    jitted = _jit(program, steps, state_shardings)
+    jitted = jit_donating_state(program, steps, state_shardings)
 
     def train_steps(state, prompts, keys):
         prompts = as_prompts(prompts)
@@ -226,7 +226,7 @@ def make_fill(program: PPOProgram, state_shardings=None):
         sample_keys = jax.vmap(lambda key: iteration_keys(key)[0])(keys)
         return pipeline.fill(program, state, as_prompts(prompts), sample_keys)
 
-    jitted = _jit(program, fill, state_shardings)
+    jitted = jit_donating_state(program, fill, state_shardings)
 
     def call(state, prompts, keys):
         prompts = as_prompts(prompts)
@@ -242,13 +242,13 @@ def make_fill(program: PPOProgram, state_shardings=None):
 def make_update(program: PPOProgram, state_shardings=None):
     """``update(state, experience, key) -> (state, metrics)``: the update half of :func:`ppo_iteration`
     (``learn``) as its own jit object, the state donated (``ppojax.trainer.plan`` compiles it alone)."""
-    return _jit(program, lambda state, experience, key: learn(program, state, experience, key), state_shardings)
+    return jit_donating_state(program, lambda state, experience, key: learn(program, state, experience, key), state_shardings)
 
 
 def make_legacy_step(program: PPOProgram, prompt_length: int, state_shardings=None):
     """``step(state, query_responses i32[B, P+R], scores f32[B], key) -> (state, metrics)``: the legacy API's
     update on caller-given tokens and scores, one compiled program."""
-    jitted = _jit(program, lambda state, qr, scores, key: legacy_iteration(program, state, qr, prompt_length,
+    jitted = jit_donating_state(program, lambda state, qr, scores, key: legacy_iteration(program, state, qr, prompt_length,
                                                                            scores, key), state_shardings)
 
     def step(state, query_responses, scores, key):
