@@ -86,9 +86,8 @@ def main(rollout_devices: int, K: int):
     program, params, frozen, hyperparams = program_on(train_mesh, K)
     state, shardings = filled(program, params, frozen, hyperparams, prompts, K)
     split = disaggregated.DisaggregatedProgram(program, rollout_mesh)
-    sample, update = disaggregated.make_sample(split), disaggregated.make_update(split, shardings)
-    state, history, failures = disaggregated.run_disaggregated(split, state, prompts[K:], keys, sample=sample,
-                                                               update=update)
+    step = disaggregated.DisaggregatedStep(split, shardings)
+    state, history = disaggregated.run_disaggregated(split, state, prompts[K:], keys, step=step)
     got = [{k: float(v) for k, v in parallel.to_host(m).items()} for m in history]
     got_state = parallel.to_host(state)
 
@@ -102,8 +101,8 @@ def main(rollout_devices: int, K: int):
                       zip(jax.tree.leaves(got_state.in_flight.query_responses),
                           jax.tree.leaves(expected_state.in_flight.query_responses)))
     print(json.dumps(dict(max_staleness=K, metric_diff=metric_diff, param_diff=param_diff, param_far_share=float(np.mean(gaps > 1e-5)), queue_equal=queue_equal,
-                          staleness=[g["offpolicy/staleness_max"] for g in got], failures=int(failures),
-                          sample_compiles=sample.jitted._cache_size(), update_compiles=update.jitted._cache_size(),
+                          staleness=[g["offpolicy/staleness_max"] for g in got], 
+                          sample_compiles=step.sample.jitted._cache_size(), update_compiles=step.update.jitted._cache_size(),
                           keys=sorted(set(expected[0]) ^ set(got[0])))))
 
 

@@ -168,23 +168,66 @@ def full_queue(state, transit):
                                                 transit))
 
 
+class DisaggregatedStep:
+    """``step(state, prompts, key) -> (state, metrics)`` of a disaggregated run, as ``train_step`` is called: one
+    iteration's rollout and update dispatched together (neither waits for the other), the batch sampled now kept
+    in transit for the next update. The state given first is in the single program's layout (``in_flight`` of
+    max_staleness batches: after ``make_fill``, or restored); the states returned hold the first k - 1 of them
+    (:func:`split_queue`); :meth:`full_state` is the single program's layout again (what a checkpoint stores), and
+    :meth:`settle` returns to it. state_shardings: ``init_sharded_train_state``'s, or None."""
+
+    def __init__(self, program: DisaggregatedProgram, state_shardings=None):
+        self.program = program
+        self.sample = make_sample(program)
+        self.update = make_update(program, state_shardings)
+        self.jitted = self.update.jitted  # the update's jit object (compile counts), as train_step's ``.jitted``
+        self.transit = self.failures = self.frozen = None
+
+    def __call__(self, state, prompts, key):
+        if self.transit is None:  # the single program's layout: the last batch of the queue goes in transit
+            self.frozen = rollout_frozen(self.program, state)
+            state, self.transit = split_queue(self.program, state)
+            self.failures = jnp.zeros((), jnp.int32)
+        weights = rollout_weights(self.program, state, self.frozen)  # before the update donates the state
+        fresh, fresh_failures = self.sample(weights, prompts, key)
+        state, metrics = self.update(state, self.transit, key, self.failures)
+        self.transit, self.failures = fresh, fresh_failures
+        return state, metrics
+
+    def fill(self, state, prompts, keys):
+        """``ppojax.rl.program.make_fill``'s, sampled by the rollout program: the first max_staleness batches, by
+        the state's policy, into its ``in_flight`` queue. prompts: ``Prompts`` i32[k, B / G, P]; keys: [k] the
+        iterations' keys. -> (state, reward failures i32[])."""
+        weights = rollout_weights(self.program, state, rollout_frozen(self.program, state))
+        prompts = as_prompts(prompts)
+        sampled = [self.sample(weights, Prompts(prompts.input_ids[i], prompts.rows[i]), keys[i])
+                   for i in range(prompts.input_ids.shape[0])]
+        mesh = self.program.program.mesh
+        rows = jax.sharding.NamedSharding(mesh, parallel.batch_partition_spec(mesh, axis=1))
+        queue = jax.tree.map(lambda *batches: jnp.stack(batches), *[batch for batch, _ in sampled])
+        queue = jax.device_put(queue, jax.tree.map(lambda _: rows, queue))
+        failures = sum(int(parallel.to_host(failed)) for _, failed in sampled)
+        return state.replace(in_flight=queue), jnp.int32(failures)
+
+    def full_state(self, state):
+        """``state`` (as returned by the step) with the batch in transit appended to its queue."""
+        return state if self.transit is None else full_queue(state, self.transit)
+
+    def settle(self, state):
+        """:meth:`full_state`, the step then starting afresh from it (the next call splits it again)."""
+        state = self.full_state(state)
+        self.transit = self.failures = None
+        return state
+
+
 def run_disaggregated(program: DisaggregatedProgram, state, prompts, keys, *, state_shardings=None,
-                      sample=None, update=None) -> tuple[Any, list, Optional[Any]]:
-    """Iterations of a disaggregated run from a state in the single program's layout (``in_flight`` of
-    max_staleness batches: after ``make_fill``, or restored): prompts: a sequence of ``Prompts`` (one per
-    iteration); keys: the iterations' keys. -> (the state in the single program's layout, each iteration's
-    metrics (device arrays), the transit batch's reward failures). Both programs of an iteration are dispatched
-    before either is waited for."""
-    sample = sample or make_sample(program)
-    update = update or make_update(program, state_shardings)
-    frozen = rollout_frozen(program, state)
-    state, transit = split_queue(program, state)
-    failures = jnp.zeros((), jnp.int32)
+                      step: Optional[DisaggregatedStep] = None) -> tuple[Any, list]:
+    """Iterations of a disaggregated run from a state in the single program's layout: prompts, a sequence of
+    ``Prompts`` (one per iteration); keys, the iterations' keys. -> (the state in the single program's layout,
+    each iteration's metrics (device arrays))."""
+    step = step or DisaggregatedStep(program, state_shardings)
     history = []
     for batch_prompts, key in zip(prompts, keys):
-        weights = rollout_weights(program, state, frozen)  # before the update donates the state
-        fresh, fresh_failures = sample(weights, batch_prompts, key)
-        state, metrics = update(state, transit, key, failures)
+        state, metrics = step(state, batch_prompts, key)
         history.append(metrics)
-        transit, failures = fresh, fresh_failures
-    return full_queue(state, transit), history, failures
+    return step.settle(state), history

@@ -17,10 +17,12 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+import jax
 import numpy as np
 
 from ppojax import backends
 from ppojax.core.advantages import advantage_estimator
+from ppojax.errors import ConfigError
 from ppojax.models.kernels import XLA
 from ppojax.models.lora import LoraSpec
 from ppojax import parallel
@@ -73,6 +75,7 @@ class Run:
     train_step: Optional[Callable] = None  # the step compiled ahead (build_run's compile_ahead), else None
     prompt_texts: Optional[list] = None  # what the user wrote of each prompt, rows as train_queries + eval_queries
     agents: Optional[RunAgents] = None  # an agent run's tools and environment (None: one response per prompt)
+    rollout_mesh: Any = None  # rollout_devices' mesh: the devices that sample apart from ``mesh`` (None: the same)
 
     @property
     def settings(self) -> StepSettings:
@@ -102,7 +105,7 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
               functions_given=reward_funcs is not None, dataset_given=True)
     texts, columns, n_train_texts = read_prompt_texts(config, train_dataset)
     cache_dir = enable_compilation_cache(config.compilation_cache_dir)
-    mesh = as_config_error(parallel.mesh_from_config, config)
+    mesh, rollout_mesh = as_config_error(meshes_of, config)
     uses_critic = advantage_estimator(config.advantage_estimator).uses_critic
     data_parallel = parallel.data_parallel_size(mesh)
     config.derived(data_parallel)  # batch sizes must split over the data-parallel devices (before loading)
@@ -122,7 +125,8 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
                           template_kwargs=None if agents is None else agents.template_kwargs)
     if agents is not None:
         agents.attach(prompts.raw_texts, prompts.table)
-    rewards.call_on_host(tokens.tokenizer, tokens.pad_token_id, prompts.table, mesh)
+    # the reward runs where the samples are: with rollout_devices, in the rollout program on its own mesh
+    rewards.call_on_host(tokens.tokenizer, tokens.pad_token_id, prompts.table, rollout_mesh or mesh)
 
     def program_for(models: RunModels) -> PPOProgram:
         return make_program(config, mesh, (models.policy_graphdef, models.value_graphdef, models.ref_graphdef),
@@ -137,7 +141,7 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
                    reward_model=rewards.reward_model, value_model=value_model, uses_critic=uses_critic,
                    has_reward_function=bool(rewards.calls))
     ahead = _compile_ahead(config, program_for, sources, prompts.batches) \
-        if compile_ahead and prompts.batches is not None and rewards.any else None
+        if compile_ahead and prompts.batches is not None and rewards.any and rollout_mesh is None else None
     # every weight goes straight into its place on the mesh (read shard by shard: never whole on one device)
     models = load_models(functools.partial(load_model, mesh=mesh), **sources)
     if ahead is not None and ahead[0].static == models.static:
@@ -153,7 +157,22 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
                program=program, state=state, state_shardings=state_shardings, num_updates=prompts.num_updates,
                train_queries=prompts.train_queries, eval_queries=prompts.eval_queries, batches=prompts.batches,
                compilation_cache_dir=cache_dir, lora=models.lora_spec, model_path=model_path, train_step=train_step,
-               prompt_texts=prompts.texts, agents=agents)
+               prompt_texts=prompts.texts, agents=agents, rollout_mesh=rollout_mesh)
+
+
+def meshes_of(config: PPOConfig):
+    """(the training mesh, the rollout mesh or None): with ``rollout_devices`` = r, the first r devices sample
+    (data-parallel) and the others train on the mesh the ``mesh_*`` fields describe; else one mesh for both."""
+    if not config.rollout_devices:
+        return parallel.mesh_from_config(config), None
+    devices, r = jax.devices(), config.rollout_devices
+    if jax.process_count() > 1:
+        raise ConfigError(f"rollout_devices={r} runs in one process ({jax.process_count()} were started); remove "
+                          "rollout_devices (every device then samples and trains) or start one process.")
+    if r >= len(devices):
+        raise ConfigError(f"rollout_devices={r} leaves none of the {len(devices)} devices to train on; set it below "
+                          f"{len(devices)}.")
+    return parallel.mesh_from_config(config, devices=devices[r:]), parallel.make_mesh(devices=devices[:r])
 
 
 def _compile_ahead(config, program_for, sources: dict, batches: PromptBatches):

@@ -37,6 +37,7 @@ from ppojax.trainer.legacy import LegacyAPI
 from ppojax.errors import RunInterrupted
 from ppojax.trainer.loop import (Hook, StopSignals, environment_check, fill_in_flight, nonfinite_check,
                                  reward_failure_check, run_updates)
+from ppojax.rl.disaggregated import DisaggregatedProgram, DisaggregatedStep
 from ppojax.rl.program import make_fill, make_train_step
 
 SAMPLE_TEMPERATURE = 0.01  # TRL's near-greedy sample completions
@@ -61,6 +62,9 @@ class PPOTrainer(LegacyAPI):
         self.run = build_run(args, processing_class, model, ref_model, reward_model, train_dataset, value_model,
                              reward_funcs=reward_funcs, compile_ahead=args.compile_ahead)
         self.train_step = self.run.train_step or make_train_step(self.run.program, self.run.state_shardings)
+        if self.run.rollout_mesh is not None:  # rollout_devices: the rollout and the update on their own devices
+            self.train_step = DisaggregatedStep(DisaggregatedProgram(self.run.program, self.run.rollout_mesh),
+                                                self.run.state_shardings)
         self.logger = logger
         self.claim = claim  # the run's hold on output_dir (ppojax.io.run_dir); train() takes one if None
         # one CheckpointManager from the first save to the end of each train() (closed on errors and signals too)
@@ -186,11 +190,14 @@ class PPOTrainer(LegacyAPI):
                       reads_state=True),
                  Hook(save, every=args.save_steps, reads_state=True)]
         if run.settings.asynchronous is not None and start == 0:  # a checkpoint carries its own queue
-            fill_in_flight(run, make_fill(run.program, run.state_shardings))
+            fill_in_flight(run, self.train_step.fill if isinstance(self.train_step, DisaggregatedStep)
+                           else make_fill(run.program, run.state_shardings))
         stop = StopSignals()
         try:
             with stop:
                 history = run_updates(run, self.train_step, total, hooks, should_stop=stop.requested)
+            if isinstance(self.train_step, DisaggregatedStep):  # the state whole again, as the next call takes it
+                run.state = self.train_step.settle(run.state)
             path = self.save_checkpoint() if int(run.state.update_count) > start else None
         except BaseException:  # the save in flight is finished (its failure one line): the run's error is reported
             try:
@@ -245,8 +252,11 @@ class PPOTrainer(LegacyAPI):
     def save_checkpoint(self, wait: bool = True) -> Path:
         """Checkpoint the run's state at its update count. ``wait=False``: return while orbax writes it (the
         next save, or the end of the run, waits for it)."""
-        return self.checkpoints.save(int(self.run.state.update_count), self.run.state.without_frozen(),
-                                     self.host_state(), self.args.to_dict(), wait=wait)
+        state = self.run.state
+        if isinstance(self.train_step, DisaggregatedStep):  # the batch in transit belongs to the queue it stores
+            state = self.train_step.full_state(state)
+        return self.checkpoints.save(int(state.update_count), state.without_frozen(), self.host_state(),
+                                     self.args.to_dict(), wait=wait)
 
     def _checkpoint_on_disk(self, step: int) -> None:
         if self.logger is not None:

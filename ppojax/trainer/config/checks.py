@@ -383,7 +383,10 @@ def _async_problems(c: PPOConfig) -> list[str]:
     """Asynchronous RL (``max_staleness`` > 0): what the pipeline of in-flight batches supports."""
     k = c.max_staleness
     if not k:
-        return []
+        return [] if not c.rollout_devices else [
+            f"rollout_devices={c.rollout_devices} samples on devices of their own while the others train on older "
+            "batches, which needs max_staleness >= 1 (the batches in flight between the two). Set max_staleness: 1 "
+            "(or more), or remove rollout_devices."]
     out = []
     if c.behaviour_logprobs != "sampler":
         out.append(f"max_staleness={k} learns from batches an older policy sampled, whose log-probs only the sampler "

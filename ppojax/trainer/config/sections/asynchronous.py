@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ppojax.trainer.config.fields import MUST_MATCH, at_least, setting
+from ppojax.trainer.config.fields import MAY_CHANGE, MUST_MATCH, at_least, setting
 
 
 @dataclass
@@ -22,3 +22,8 @@ class AsyncSettings:
     sampling the first max_staleness batches with the initial policy before update 1. 0: synchronous (each update
     learns from its own samples). Needs behaviour_logprobs: sampler (the behaviour policy's log-probs are the
     sampler's, kept with the batch); single-turn runs without filter_groups."""
+    rollout_devices: int = setting(0, static=True, on_resume=MAY_CHANGE, rule=at_least(0))
+    """With max_staleness >= 1: the devices that sample (the first ones of the host); the others train, on the
+    mesh the mesh_* fields describe. The rollout and the update of an iteration then run at the same time on their
+    own devices, the policy copied device to device after each update. 0: every device samples and trains, in
+    one program. A checkpoint is the same either way (resuming may change this). One process only."""

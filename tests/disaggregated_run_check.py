@@ -1,0 +1,73 @@
+"""Disaggregated trainer runs (``rollout_devices``) in a process with 8 virtual CPU devices (run by
+tests/test_pipeline.py): ``python tests/disaggregated_run_check.py OUT_DIR``.
+
+tests/test_trainer.py's tiny run (a Python reward: its host callback runs in the rollout program), max_staleness 2,
+4 updates, the rollout on 4 devices and the update on the other 4:
+- ``straight``: the 4 updates in one call;
+- ``resumed``: 2 updates (their checkpoint holds the whole queue: the state's batch and the one in transit), then
+  a new trainer resumes from it and runs updates 3 and 4;
+- ``single``: the same run as one program on all 8 devices (``rollout_devices: 0``).
+Prints one JSON line: the largest differences of metrics and weights between them, and the update counts."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from tests.test_trainer import make_trainer  # noqa: E402
+
+NAMES = ("objective/scores", "objective/kl", "loss/policy_avg", "loss/value_avg", "offpolicy/staleness_mean",
+         "sampling/sampling_logp_difference/mean")
+
+
+def trainer(path, **overrides):
+    values = dict(total_episodes=16 * 4, behaviour_logprobs="sampler", max_staleness=2, use_decoupled_loss=True,
+                  rollout_devices=4, save_steps=2)
+    values.update(overrides)
+    return make_trainer(path, **values)
+
+
+def metric_gap(a, b):
+    return max(abs(x[name] - y[name]) for x, y in zip(a, b) for name in NAMES)
+
+
+def weight_gap(a, b):
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+               for x, y in zip(jax.tree.leaves(jax.device_get(a)), jax.tree.leaves(jax.device_get(b))))
+
+
+def main(out: Path):
+    assert jax.device_count() == 8
+    straight = trainer(out / "straight")
+    expected = straight.train(progress=False)
+
+    first = trainer(out / "resumed")
+    first.train(num_updates=2, progress=False)
+    resumed = trainer(out / "resumed", resume="auto")
+    got = resumed.train(progress=False)
+
+    single = trainer(out / "single", rollout_devices=0)
+    one_program = single.train(progress=False)
+
+    print(json.dumps(dict(
+        updates=[int(straight.state.update_count), int(resumed.state.update_count), len(got)],
+        staleness=[m["offpolicy/staleness_max"] for m in expected],
+        resumed_metric_gap=metric_gap(expected[2:], got),
+        resumed_weight_gap=weight_gap(straight.state.params, resumed.state.params),
+        resumed_queue_equal=all(np.array_equal(x, y) for x, y in zip(
+            jax.tree.leaves(jax.device_get(straight.state.in_flight)),
+            jax.tree.leaves(jax.device_get(resumed.state.in_flight)))),
+        single_metric_gap=metric_gap(expected, one_program),
+        single_weight_gap=weight_gap(straight.state.params, single.state.params),
+        update_compiles=straight.train_step.update.jitted._cache_size(),
+        sample_compiles=straight.train_step.sample.jitted._cache_size())))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
