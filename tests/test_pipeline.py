@@ -204,3 +204,91 @@ def test_disaggregated_trainer_runs_resume_exactly_and_equal_one_program(tmp_pat
     assert report["resumed_queue_equal"], report
     assert report["single_metric_gap"] < 1e-5 and report["single_weight_gap"] < 1e-4, report
     assert report["update_compiles"] == 1 and report["sample_compiles"] == 1, report
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Killed in the middle of an asynchronous run
+# ------------------------------------------------------------------------------------------------------------
+ASYNC_BLOCK_ENV = "PPOJAX_TEST_ASYNC_BLOCK"  # "<reward call>:<checkpoint step to wait for>"
+_async_reward_calls = [0]
+
+
+def blocking_good_fraction_async(prompts, completions):
+    """tests.test_trainer's good_fraction; with PPOJAX_TEST_ASYNC_BLOCK="n:s" its n-th call (the fill makes the first
+    max_staleness of them) waits for checkpoint step_s, prints a marker and blocks until the process is killed."""
+    from pathlib import Path
+    import os
+    import sys
+    import time
+    from tests.test_trainer import good_fraction
+
+    _async_reward_calls[0] += 1
+    call, _, step = os.environ.get(ASYNC_BLOCK_ENV, "0:0").partition(":")
+    if int(call) == _async_reward_calls[0]:
+        output_dir = next(Path(a.split("=", 1)[1]) for a in sys.argv if a.startswith("output_dir="))
+        deadline = time.time() + 60
+        while not (output_dir / "checkpoints" / f"step_{step}").is_dir() and time.time() < deadline:
+            time.sleep(0.01)
+        print("PPOJAX_BLOCKED", flush=True)
+        while True:
+            time.sleep(3600)
+    return good_fraction(prompts, completions)
+
+
+def test_an_asynchronous_run_killed_mid_rollout_resumes_to_the_uninterrupted_run(tmp_path):
+    """`ppojax train configs/tiny.yaml` with max_staleness 2 (a checkpoint after every update) SIGKILLed while its
+    reward scores the batch sampled in update 3, then resumed: the metrics rows and the final train state (the
+    queue in flight included) equal a run never interrupted."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import orbax.checkpoint as ocp
+
+    from tests.test_reliability import REPO, TINY_YAML, assert_trees_equal, host_copy, metric_rows
+    from tests.tiny_setup import write_tiny_run_inputs
+    from tests.xla_test_flags import CHEAP_COMPILES
+
+    dirs = write_tiny_run_inputs(tmp_path / "inputs")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO), "JAX_COMPILATION_CACHE_DIR":
+           str(tmp_path / "cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {CHEAP_COMPILES}".strip()}
+
+    def args(out):
+        return [sys.executable, "-m", "ppojax.trainer.cli", "train", TINY_YAML, f"model_name_or_path={dirs / 'model'}",
+                f"dataset={dirs / 'prompts.jsonl'}", f"output_dir={out}", "num_eval_prompts=0",
+                "num_sample_generations=0", "save_steps=1", "max_staleness=2", "behaviour_logprobs=sampler",
+                "use_decoupled_loss=true", "reward_function=tests.test_pipeline:blocking_good_fraction_async"]
+
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    done = subprocess.run(args(straight), cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    log = tmp_path / "killed.log"
+    with open(log, "w") as f:  # calls 1-2: the fill; call 5: update 3's samples, once update 2 is saved
+        proc = subprocess.Popen(args(killed), cwd=REPO, env={**env, ASYNC_BLOCK_ENV: "5:2"}, stdout=f,
+                                stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 300
+        while "PPOJAX_BLOCKED" not in log.read_text():
+            assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert sorted(p.name for p in (killed / "checkpoints").iterdir() if p.name.startswith("step_"))[-1] == "step_2"
+    resumed = subprocess.run(args(killed) + ["resume=auto"], cwd=REPO, env=env, capture_output=True, text=True,
+                             timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "sampling the first 2 batches" in done.stdout
+    assert "sampling the first 2 batches" not in resumed.stdout  # the queue came from the checkpoint
+
+    assert metric_rows(killed / "metrics.jsonl") == metric_rows(straight / "metrics.jsonl")
+    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
+        want = host_copy(checkpointer.restore(straight / "checkpoints" / "step_4" / "train_state"))
+        got = host_copy(checkpointer.restore(killed / "checkpoints" / "step_4" / "train_state"))
+    assert np.asarray(want["in_flight"]["query_responses"]).shape[0] == 2  # the queue is in the checkpoint
+    assert_trees_equal(got, want)
