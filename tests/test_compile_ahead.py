@@ -98,7 +98,8 @@ def _first_update(run, train_step):
 @pytest.mark.parametrize("fields", [
     dict(value_head="policy", lora_r=4, lora_alpha=8),  # the demo's kind of run: LoRA, a value head, a function
     dict(reward_function=None, reward_model_path="REWARD"),  # a reward model (with a bias); the value its copy
-], ids=["lora-value-head", "reward-model"])
+    dict(max_staleness=2, behaviour_logprobs="sampler"),  # the state's queue of batches in flight
+], ids=["lora-value-head", "reward-model", "asynchronous"])
 def test_the_step_compiled_ahead_compiles_nothing_at_its_first_call_and_equals_the_plain_step(
         checkpoints, tmp_path, fields):
     fields = {k: str(checkpoints / "reward") if v == "REWARD" else v for k, v in fields.items()}

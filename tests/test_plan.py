@@ -137,6 +137,23 @@ def test_a_dynamic_sampling_program_is_planned_with_its_rounds_prompts(tiny_mode
     assert compile_program(run, "train_step").temp_bytes > 0
 
 
+def test_an_asynchronous_program_is_planned_with_its_batches_in_flight(tiny_model):
+    """max_staleness: the state holds that many sampled batches (their tokens, log-probs, scores, versions): the
+    plan's state has them, and the step compiles with them."""
+    from ppojax import parallel
+    from ppojax.trainer.config import PPOConfig
+    from ppojax.trainer.plan import abstract_run, compile_program
+
+    config = PPOConfig.from_yaml(REPO / "configs/plan.yaml", [*SETTINGS, "max_staleness=3",
+                                                             "behaviour_logprobs=sampler"])
+    model_cfg, _, _ = model_config_for(str(tiny_model))
+    run = abstract_run(config, model_cfg, parallel.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    R = config.response_length
+    assert run.state.in_flight.query_responses.shape == (3, 16, 8 + R)
+    assert run.state.in_flight.behaviour_logprobs.shape == (3, 16, R)
+    assert compile_program(run, "train_step").temp_bytes > 0
+
+
 def test_an_agent_program_is_planned_with_its_episode_buffers(tiny_model):
     """An agent run's step (tools / environment_factory) compiles without its environment: a stand-in ends every
     episode after one turn, the buffers and loops keep the config's shapes."""
