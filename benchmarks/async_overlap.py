@@ -38,7 +38,7 @@ from ppojax.models import CausalLM, ModelConfig, ScoreModel  # noqa: E402
 from ppojax.rl import disaggregated, pipeline, placement  # noqa: E402
 from ppojax.rl.actor_critic import ActorCritic  # noqa: E402
 from ppojax.rl.optimizer import make_optimizer  # noqa: E402
-from ppojax.rl.program import PPOProgram, make_fill, make_train_step  # noqa: E402
+from ppojax.rl.program import PPOProgram, make_train_step  # noqa: E402
 from ppojax.rl.rewards import ModelScores  # noqa: E402
 from ppojax.rl.settings import AsyncSettings, Hyperparams, StepSettings  # noqa: E402
 from ppojax.rl.types import Prompts  # noqa: E402

@@ -100,9 +100,11 @@ def main(rollout_devices: int, K: int):
     queue_equal = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in
                       zip(jax.tree.leaves(got_state.in_flight.query_responses),
                           jax.tree.leaves(expected_state.in_flight.query_responses)))
-    print(json.dumps(dict(max_staleness=K, metric_diff=metric_diff, param_diff=param_diff, param_far_share=float(np.mean(gaps > 1e-5)), queue_equal=queue_equal,
-                          staleness=[g["offpolicy/staleness_max"] for g in got], 
-                          sample_compiles=step.sample.jitted._cache_size(), update_compiles=step.update.jitted._cache_size(),
+    print(json.dumps(dict(max_staleness=K, metric_diff=metric_diff, param_diff=param_diff,
+                          param_far_share=float(np.mean(gaps > 1e-5)), queue_equal=queue_equal,
+                          staleness=[g["offpolicy/staleness_max"] for g in got],
+                          sample_compiles=step.sample.jitted._cache_size(),
+                          update_compiles=step.update.jitted._cache_size(),
                           keys=sorted(set(expected[0]) ^ set(got[0])))))
 
 

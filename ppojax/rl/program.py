@@ -242,14 +242,16 @@ def make_fill(program: PPOProgram, state_shardings=None):
 def make_update(program: PPOProgram, state_shardings=None):
     """``update(state, experience, key) -> (state, metrics)``: the update half of :func:`ppo_iteration`
     (``learn``) as its own jit object, the state donated (``ppojax.trainer.plan`` compiles it alone)."""
-    return jit_donating_state(program, lambda state, experience, key: learn(program, state, experience, key), state_shardings)
+    return jit_donating_state(program, lambda state, experience, key: learn(program, state, experience, key),
+                              state_shardings)
 
 
 def make_legacy_step(program: PPOProgram, prompt_length: int, state_shardings=None):
     """``step(state, query_responses i32[B, P+R], scores f32[B], key) -> (state, metrics)``: the legacy API's
     update on caller-given tokens and scores, one compiled program."""
-    jitted = jit_donating_state(program, lambda state, qr, scores, key: legacy_iteration(program, state, qr, prompt_length,
-                                                                           scores, key), state_shardings)
+    jitted = jit_donating_state(
+        program, lambda state, qr, scores, key: legacy_iteration(program, state, qr, prompt_length, scores, key),
+        state_shardings)
 
     def step(state, query_responses, scores, key):
         if program.mesh is not None:
