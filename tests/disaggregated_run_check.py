@@ -55,7 +55,15 @@ def main(out: Path):
     single = trainer(out / "single", rollout_devices=0)
     one_program = single.train(progress=False)
 
+    # the held-out scoring's reward (a Python function: its callback bound to the rollout devices)
+    queries = np.asarray(straight.train_queries[:16])
+    _, completions = straight.sample_completions(queries)
+    responses = np.asarray(straight.tokenizer(completions, add_special_tokens=False, padding="max_length",
+                                              max_length=8, truncation=True)["input_ids"])
+    scored, scored_single = straight.score_samples(queries, responses), single.score_samples(queries, responses)
+
     print(json.dumps(dict(
+        scores_equal=scored == scored_single and len(scored[0]) == 16,
         updates=[int(straight.state.update_count), int(resumed.state.update_count), len(got)],
         staleness=[m["offpolicy/staleness_max"] for m in expected],
         resumed_metric_gap=metric_gap(expected[2:], got),

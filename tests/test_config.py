@@ -156,6 +156,8 @@ def test_derived_sets_are_what_the_fields_declare():
         "vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
         "vllm_importance_sampling_clip_min", "off_policy_mask_threshold", "use_decoupled_loss",
         "behav_imp_weight_cap",
+        # where an asynchronous run samples (issue 62): a checkpoint is the same with or without it
+        "rollout_devices",
         # how an agent run's tools are called (issue 60)
         "max_tool_calling_iterations", "tool_call_parser", "tool_timeout",
         # the KV cache's storage (issue 63)

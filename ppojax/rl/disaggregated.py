@@ -185,20 +185,26 @@ class DisaggregatedStep:
 
     def __call__(self, state, prompts, key):
         if self.transit is None:  # the single program's layout: the last batch of the queue goes in transit
-            self.frozen = rollout_frozen(self.program, state)
             state, self.transit = split_queue(self.program, state)
             self.failures = jnp.zeros((), jnp.int32)
-        weights = rollout_weights(self.program, state, self.frozen)  # before the update donates the state
+        weights = rollout_weights(self.program, state, self.rollout_frozen(state))  # before the update donates it
         fresh, fresh_failures = self.sample(weights, prompts, key)
         state, metrics = self.update(state, self.transit, key, self.failures)
         self.transit, self.failures = fresh, fresh_failures
         return state, metrics
 
+    def rollout_frozen(self, state):
+        """The frozen models on the rollout devices (:func:`rollout_frozen`), moved at the first call: they never
+        change during a run. What the reward source reads wherever it runs on the rollout mesh (evaluation)."""
+        if self.frozen is None:
+            self.frozen = rollout_frozen(self.program, state)
+        return self.frozen
+
     def fill(self, state, prompts, keys):
         """``ppojax.rl.program.make_fill``'s, sampled by the rollout program: the first max_staleness batches, by
         the state's policy, into its ``in_flight`` queue. prompts: ``Prompts`` i32[k, B / G, P]; keys: [k] the
         iterations' keys. -> (state, reward failures i32[])."""
-        weights = rollout_weights(self.program, state, rollout_frozen(self.program, state))
+        weights = rollout_weights(self.program, state, self.rollout_frozen(state))
         prompts = as_prompts(prompts)
         sampled = [self.sample(weights, Prompts(prompts.input_ids[i], prompts.rows[i]), keys[i])
                    for i in range(prompts.input_ids.shape[0])]

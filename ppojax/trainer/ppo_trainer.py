@@ -393,7 +393,10 @@ class PPOTrainer(LegacyAPI):
         table_rows[:rows] = NO_ROW if first_row is None else np.arange(first_row, first_row + rows)
         if not hasattr(self, "_score_tokens"):
             self._score_tokens = jax.jit(lambda frozen, q, r, k: reward.scores(frozen, q, r, k))
-        out = self._score_tokens(self.run.state.frozen, jnp.asarray(queries, jnp.int32),
+        frozen = self.run.state.frozen
+        if isinstance(self.train_step, DisaggregatedStep):  # the reward source runs on the rollout devices
+            frozen = self.train_step.rollout_frozen(self.run.state)
+        out = self._score_tokens(frozen, jnp.asarray(queries, jnp.int32),
                                  jnp.asarray(responses, jnp.int32), jnp.asarray(table_rows))
         if int(parallel.to_host(out.failures)):
             reward.raise_pending()
