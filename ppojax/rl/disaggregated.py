@@ -1,5 +1,5 @@
 """Asynchronous RL on disjoint devices: the rollout on one sub-mesh, the update on another, the two running at
-once (docs/async.md, "Disaggregated").
+once (docs/async.md, "Two layouts").
 
     weights_t          = rollout_weights(state_t, frozen)         # the policy moved to the rollout devices
     fresh_t, failures  = sample(weights_t, prompts_t, sample_key) # rollout devices: sample, score
@@ -48,7 +48,8 @@ class RolloutWeights:
 class DisaggregatedProgram:
     """The two programs of a disaggregated run. program: the update's ``PPOProgram`` (on the training mesh, with
     ``settings.asynchronous.max_staleness`` >= 1); rollout_mesh: the devices that sample (disjoint from the
-    program's). Build it once: its jit objects live on it."""
+    program's). The rollout's program is the same but for its mesh (its settings keep the training mesh's
+    data-parallel size, which only the update's batch layout reads)."""
 
     program: PPOProgram
     rollout_mesh: Any
