@@ -75,7 +75,7 @@ def prompts_for(args, n):
     return [Prompts(ids[i], np.full((args.rows,), -1, np.int32)) for i in range(n)]
 
 
-def timed(step, state, prompts, keys, wait_each_phase=False):
+def timed(step, state, prompts, keys):
     """Seconds per iteration after the first (the compiles)."""
     state, metrics = step(state, prompts[0], keys[0])
     jax.block_until_ready((state, metrics))
