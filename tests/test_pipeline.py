@@ -116,10 +116,28 @@ def test_staleness_two_equals_a_plain_loop(objective):
     (dict(max_staleness=2, behaviour_logprobs="sampler", filter_groups=True, num_generations=2,
           max_num_gen_batches=2), "with filter_groups: true is not supported"),
     (dict(max_staleness=-1), "max_staleness"),
+    (dict(rollout_devices=2), "needs max_staleness >= 1"),
 ])
 def test_configs_that_cannot_run_asynchronously_are_refused(values, message):
     with pytest.raises(ConfigError, match=message):
         PPOConfig(batch_size=16, **values)
+
+
+@pytest.mark.parametrize("rollout_devices, processes, message", [
+    (1, 1, "leaves none of the 1 devices to train on; set it below 1"),
+    (1, 2, "runs in one process \\(2 were started\\)"),
+])
+def test_rollout_devices_that_cannot_be_laid_out_are_refused_before_compute(monkeypatch, rollout_devices, processes,
+                                                                             message):
+    """The suite's process has one device: rollout_devices=1 leaves none to train; several processes (faked) are
+    refused whatever the count."""
+    from ppojax.trainer.build import meshes_of
+
+    assert jax.device_count() == 1
+    monkeypatch.setattr(jax, "process_count", lambda: processes)
+    config = PPOConfig(batch_size=16, behaviour_logprobs="sampler", max_staleness=1, rollout_devices=rollout_devices)
+    with pytest.raises(ConfigError, match=message):
+        meshes_of(config)
 
 
 # ------------------------------------------------------------------------------------------------------------

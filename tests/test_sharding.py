@@ -7,6 +7,7 @@ The main test process has ONE device, so this file runs twice:
 - in that subprocess: the tests below ``if CHILD:`` (one rollout + update per mesh against one device,
   FSDP memory per device, global whitening, the KV-cache constraint).
 """
+import functools
 import os
 import subprocess
 import sys
@@ -342,12 +343,17 @@ if CHILD:
         return H.run_updates(mesh, ac, {"policy": params["policy"]}, H.synthetic_experience(), 1, settings,
                              hyperparams)
 
+    @functools.cache
+    def _one_device_critic_free_updates(estimator):
+        """The reference on ONE device, computed once per estimator (grpo is compared on three meshes)."""
+        return _critic_free_updates(sh.make_mesh(devices=jax.devices()[:1]), estimator)
+
     @pytest.mark.parametrize("estimator, shape", [("grpo", (8, 1, 1)), ("grpo", (2, 4, 1)), ("grpo", (4, 2, 1)),
                                                   ("rloo", (2, 4, 1)), ("reinforce_pp", (2, 4, 1))])
     def test_group_statistics_equal_one_device(estimator, shape):
         """The group mean/std (and REINFORCE++'s global whitening) inside the program see the whole batch on
         every mesh, even where a group's 4 rows straddle data-parallel shards (8 shards of 2 rows)."""
-        one_state, one = _critic_free_updates(sh.make_mesh(devices=jax.devices()[:1]), estimator)
+        one_state, one = _one_device_critic_free_updates(estimator)
         state, history = _critic_free_updates(sh.make_mesh(*shape), estimator)
         assert "loss/value_avg" not in history[0] and "loss/kl_avg" in history[0]
         for name, value in history[0].items():
