@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -42,10 +43,27 @@ def weight_gap(a, b):
                for x, y in zip(jax.tree.leaves(jax.device_get(a)), jax.tree.leaves(jax.device_get(b))))
 
 
+UTILISATION = ("time/rollout_s", "time/update_s", "time/trainer_idle_fraction", "time/sampler_idle_fraction")
+
+
+def utilisation(rows, single_rows, wall):
+    """The host-measured utilisation metrics of a disaggregated run's rows (none in the single program's)."""
+    return dict(
+        every_row=all(all(name in row for name in UTILISATION) for row in rows),
+        none_in_single=not any(name in row for row in single_rows for name in UTILISATION),
+        positive=all(row["time/rollout_s"] > 0 and row["time/update_s"] > 0 for row in rows),
+        fractions=all(0 <= row[name] <= 1 for row in rows for name in UTILISATION[2:]),
+        # the programs' times are parts of the run's wall time (each update's iterations run one after another)
+        within_wall=max(sum(row["time/rollout_s"] for row in rows), sum(row["time/update_s"] for row in rows)) < wall,
+        rows=[{name: round(row[name], 4) for name in UTILISATION if name in row} for row in rows])
+
+
 def main(out: Path):
     assert jax.device_count() == 8
     straight = trainer(out / "straight")
+    started = time.perf_counter()
     expected = straight.train(progress=False)
+    wall = time.perf_counter() - started
 
     first = trainer(out / "resumed")
     first.train(num_updates=2, progress=False)
@@ -73,6 +91,7 @@ def main(out: Path):
             jax.tree.leaves(jax.device_get(resumed.state.in_flight)))),
         single_metric_gap=metric_gap(expected, one_program),
         single_weight_gap=weight_gap(straight.state.params, single.state.params),
+        utilisation=utilisation(expected, one_program, wall),
         update_compiles=straight.train_step.update.jitted._cache_size(),
         sample_compiles=straight.train_step.sample.jitted._cache_size())))
 

@@ -140,6 +140,23 @@ def test_rollout_devices_that_cannot_be_laid_out_are_refused_before_compute(monk
         meshes_of(config)
 
 
+def test_utilisation_metrics_follow_the_iterations_dependencies():
+    """Iteration 2 is dispatched at 1.0 while iteration 1's rollout runs to 3.0 (its update ended at 2.0): both
+    programs of iteration 2 start at 3.0 (the rollout needs the weights of update 1, the update its transit batch);
+    the rollout ends at 4.0 and the update at 7.0, so the sampler idles 3 of the 4 seconds."""
+    from ppojax.rl.utilisation import utilisation_metrics
+
+    first = utilisation_metrics(0.0, rollout_end=3.0, update_end=2.0)
+    assert first == {"time/rollout_s": 3.0, "time/update_s": 2.0, "time/trainer_idle_fraction": 1 / 3,
+                     "time/sampler_idle_fraction": 0.0}
+    second = utilisation_metrics(1.0, rollout_end=4.0, update_end=7.0, previous_ends=(3.0, 2.0))
+    assert second == {"time/rollout_s": 1.0, "time/update_s": 4.0, "time/trainer_idle_fraction": 0.0,
+                      "time/sampler_idle_fraction": 0.75}
+    # dispatched late (the host was busy): the programs start at their dispatch
+    late = utilisation_metrics(9.0, rollout_end=10.0, update_end=10.5, previous_ends=(4.0, 7.0))
+    assert late["time/rollout_s"] == 1.0 and late["time/update_s"] == 1.5
+
+
 # ------------------------------------------------------------------------------------------------------------
 # The trainer: the fill before update 1, the queue in checkpoints
 # ------------------------------------------------------------------------------------------------------------
@@ -203,7 +220,7 @@ def test_disaggregated_rollout_and_update_equal_the_single_program():
 def test_disaggregated_trainer_runs_resume_exactly_and_equal_one_program(tmp_path):
     """tests/disaggregated_run_check.py in 8 virtual devices (rollout_devices: 4 of them): a run stopped after
     update 2 and resumed equals the run never stopped (metrics, weights, the queue left in flight); the same run
-    as one program on all 8 devices agrees to float rounding; each phase compiles once."""
+    as one program on all 8 devices agrees to float rounding; each phase compiles once; the utilisation metrics."""
     import json
     import os
     import subprocess
@@ -223,6 +240,9 @@ def test_disaggregated_trainer_runs_resume_exactly_and_equal_one_program(tmp_pat
     assert report["single_metric_gap"] < 1e-5 and report["single_weight_gap"] < 1e-4, report
     assert report["update_compiles"] == 1 and report["sample_compiles"] == 1, report
     assert report["scores_equal"], report  # the held-out scoring with the reward on the rollout devices
+    # how busy each device set was: in every row of the disaggregated run (none in the single program's), the two
+    # programs' times positive and within the run's wall time, the idle fractions in [0, 1]
+    assert all(report["utilisation"].values()), report["utilisation"]  # (its rows: the figures, for the reader)
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ state), which is what a checkpoint stores.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Optional
 
 import jax
@@ -31,6 +32,7 @@ from ppojax import parallel
 from ppojax.rl import pipeline
 from ppojax.rl.program import PPOProgram, iteration_keys, jit_donating_state, learn_unless_reward_failed
 from ppojax.rl.types import Prompts, as_prompts
+from ppojax.rl.utilisation import IterationClock
 
 
 @struct.dataclass
@@ -183,16 +185,24 @@ class DisaggregatedStep:
         self.update = make_update(program, state_shardings)
         self.jitted = self.update.jitted  # the update's jit object (compile counts), as train_step's ``.jitted``
         self.transit = self.failures = self.frozen = None
+        self.clock = IterationClock()
 
     def __call__(self, state, prompts, key):
+        dispatched = time.perf_counter()
         if self.transit is None:  # the single program's layout: the last batch of the queue goes in transit
             state, self.transit = split_queue(self.program, state)
             self.failures = jnp.zeros((), jnp.int32)
         weights = rollout_weights(self.program, state, self.rollout_frozen(state))  # before the update donates it
         fresh, fresh_failures = self.sample(weights, prompts, key)
         state, metrics = self.update(state, self.transit, key, self.failures)
+        self.clock.watch(dispatched, fresh_failures, metrics)
         self.transit, self.failures = fresh, fresh_failures
         return state, metrics
+
+    def host_timings(self, metrics: dict) -> dict[str, float]:
+        """The utilisation metrics (``time/rollout_s``, ``time/update_s``, the idle fractions of both device
+        sets: ``ppojax.rl.utilisation``) of the iteration that returned ``metrics``, once they are on the host."""
+        return self.clock.report(metrics)
 
     def rollout_frozen(self, state):
         """The frozen models on the rollout devices (:func:`rollout_frozen`), moved at the first call: they never
@@ -224,6 +234,7 @@ class DisaggregatedStep:
         """:meth:`full_state`, the step then starting afresh from it (the next call splits it again)."""
         state = self.full_state(state)
         self.transit = self.failures = None
+        self.clock.reset()
         return state
 
 

@@ -19,7 +19,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import jax
 import numpy as np
@@ -86,14 +86,15 @@ def fill_in_flight(run, fill) -> None:
                                       "an asynchronous run were sampled (see that process's log).")
 
 
-def run_updates(run, train_step, total: int, hooks: list[Hook], *, should_stop: Callable[[], bool] = lambda: False
-                ) -> list[dict]:
+def run_updates(run, train_step, total: int, hooks: list[Hook], *, should_stop: Callable[[], bool] = lambda: False,
+                host_timings: Optional[Callable[[dict], dict]] = None) -> list[dict]:
     """Run updates ``state.update_count .. total-1``; returns this call's host metrics, one dict per update.
 
-    ``should_stop()`` is asked after every update's hooks: True ends the loop early (a signal). Each update's
-    ``time/step_s`` runs from when the device could start it (its dispatch, or the previous update's end,
-    whichever is later) to its end: its metrics arriving, or, where they were ready by the time the next
-    update's dispatch returned (a step with a host callback dispatches synchronously), that dispatch's start.
+    ``should_stop()`` is asked after every update's hooks: True ends the loop early (a signal). ``host_timings``
+    (a disaggregated step's): the update's device metrics -> host-measured ``time/*`` metrics added to its row.
+    Each update's ``time/step_s`` runs from when the device could start it (its dispatch, or the previous
+    update's end, whichever is later) to its end: its metrics arriving, or, where they were ready by the time the
+    next update's dispatch returned (a step with a host callback dispatches synchronously), that dispatch's start.
     """
     history: list[dict] = []
     ready = time.perf_counter()  # when the previous update ended
@@ -106,6 +107,8 @@ def run_updates(run, train_step, total: int, hooks: list[Hook], *, should_stop: 
         seconds, ready = end - max(dispatched, ready), end
         metrics["eps"] = run.settings.batch.batch_size / seconds
         metrics["time/step_s"] = seconds
+        if host_timings is not None:  # a disaggregated run: how busy each device set was
+            metrics.update(host_timings(device_metrics))
         if "perf/real_tokens" in metrics:  # prompt and response tokens, padding left out
             metrics["time/real_tokens_per_s"] = metrics["perf/real_tokens"] / seconds
         history.append(metrics)

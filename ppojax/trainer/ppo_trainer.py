@@ -195,7 +195,9 @@ class PPOTrainer(LegacyAPI):
         stop = StopSignals()
         try:
             with stop:
-                history = run_updates(run, self.train_step, total, hooks, should_stop=stop.requested)
+                history = run_updates(run, self.train_step, total, hooks, should_stop=stop.requested,
+                                      host_timings=self.train_step.host_timings
+                                      if isinstance(self.train_step, DisaggregatedStep) else None)
             if isinstance(self.train_step, DisaggregatedStep):  # the state whole again, as the next call takes it
                 run.state = self.train_step.settle(run.state)
             path = self.save_checkpoint() if int(run.state.update_count) > start else None
