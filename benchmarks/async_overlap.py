@@ -11,7 +11,8 @@ iterations after one warm-up iteration (the compiles):
 - ``one_program``: the synchronous program (``max_staleness`` 0) on all the devices.
 
 Needs several devices: on a CPU host ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (set here when
-absent). Prints and writes (``--json``) the seconds per iteration, the ratios, the host and the commit.
+absent). Prints and writes (``--json``) the seconds per iteration, the ratios, the overlapped run's utilisation
+metrics (each program's seconds and each device set's idle fraction per iteration), the host and the commit.
 
     python -m benchmarks.async_overlap --rollout-devices 4 --iterations 5 --json out.json
 """
@@ -76,14 +77,23 @@ def prompts_for(args, n):
 
 
 def timed(step, state, prompts, keys):
-    """Seconds per iteration after the first (the compiles)."""
+    """(seconds per iteration after the first (the compiles), each iteration's metrics)."""
     state, metrics = step(state, prompts[0], keys[0])
+    history = [metrics]
     jax.block_until_ready((state, metrics))
     start = time.perf_counter()
     for batch, key in zip(prompts[1:], keys[1:]):
         state, metrics = step(state, batch, key)
+        history.append(metrics)
     jax.block_until_ready((state, metrics))
-    return (time.perf_counter() - start) / (len(prompts) - 1), state
+    return (time.perf_counter() - start) / (len(prompts) - 1), history
+
+
+def mean_utilisation(step, history) -> dict:
+    """The overlapped step's host-measured utilisation metrics (``ppojax.rl.utilisation``), averaged over the
+    iterations after the first."""
+    rows = [step.host_timings(metrics) for metrics in history][1:]
+    return {name.removeprefix("time/"): sum(row[name] for row in rows) / len(rows) for name in rows[0]}
 
 
 class Sequential(disaggregated.DisaggregatedStep):
@@ -126,12 +136,14 @@ def main(argv=None) -> dict:
         split = disaggregated.DisaggregatedProgram(program, rollout_mesh)
         step = step_class(split, shardings)
         state, _ = step.fill(state, fill_prompts, jnp.stack(keys[:1]))
-        seconds[form], _ = timed(step, state, prompts_for(args, n), keys)
+        seconds[form], history = timed(step, state, prompts_for(args, n), keys)
         print(f"{form}: {seconds[form]:.3f} s per iteration", flush=True)
+    utilisation = mean_utilisation(step, history)  # the overlapped step's
+    print("overlapped, per iteration: " + ", ".join(f"{name} {value:.3f}" for name, value in utilisation.items()))
     program, state, shardings = build(args, parallel.make_mesh(devices=devices), 0)
     seconds["one_program"], _ = timed(make_train_step(program, shardings), state, prompts_for(args, n), keys)
     print(f"one_program: {seconds['one_program']:.3f} s per iteration", flush=True)
-    report = dict(vars(args), devices=len(devices), seconds_per_iteration=seconds,
+    report = dict(vars(args), devices=len(devices), seconds_per_iteration=seconds, overlapped_utilisation=utilisation,
                   overlapped_vs_sequential=seconds["sequential"] / seconds["overlapped"],
                   overlapped_vs_one_program=seconds["one_program"] / seconds["overlapped"],
                   machine=machine_info(), commit=source_commit())
