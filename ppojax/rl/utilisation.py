@@ -49,8 +49,8 @@ class IterationClock:
     update's metrics are on the host (it may wait for its rollout, which the next update needs anyway)."""
 
     def __init__(self):
-        self._watched: dict[int, tuple[dict, float, _Ready, _Ready]] = {}  # id -> (the dict kept alive, ...)
-        self._order: list[int] = []
+        # id of the metrics dict -> (the dict, kept alive, dispatch time, rollout, update), in dispatch order
+        self._watched: dict[int, tuple[dict, float, _Ready, _Ready]] = {}
         self._last_ends: Optional[tuple[float, float]] = None  # (rollout end, update end) of the last reported
 
     def watch(self, dispatched: float, rollout_outputs: Any, update_metrics: dict) -> None:
@@ -58,7 +58,6 @@ class IterationClock:
         identity names the iteration in :meth:`report`)."""
         self._watched[id(update_metrics)] = (update_metrics, dispatched, _Ready(rollout_outputs),
                                              _Ready(update_metrics))
-        self._order.append(id(update_metrics))
 
     def report(self, update_metrics: dict) -> dict[str, float]:
         """The ``time/*`` utilisation metrics of the iteration that returned ``update_metrics`` ({} if it was not
@@ -66,10 +65,9 @@ class IterationClock:
         key = id(update_metrics)
         if key not in self._watched:
             return {}
-        while self._order and self._order[0] != key:  # an iteration whose metrics were never read
-            self._watched.pop(self._order.pop(0))
+        while next(iter(self._watched)) != key:  # an iteration whose metrics were never read
+            del self._watched[next(iter(self._watched))]
             self._last_ends = None
-        self._order.pop(0)
         _, dispatched, rollout, update = self._watched.pop(key)
         ends = (rollout.time(), update.time())
         metrics = utilisation_metrics(dispatched, *ends, previous_ends=self._last_ends)
@@ -79,7 +77,6 @@ class IterationClock:
     def reset(self) -> None:
         """Forget what was watched (the step starts afresh from a settled state)."""
         self._watched.clear()
-        self._order.clear()
         self._last_ends = None
 
 
