@@ -46,10 +46,12 @@ def good_share(queries, responses):
     return jnp.sum((responses == GOOD) & live, axis=1) / jnp.maximum(jnp.sum(live, axis=1), 1)
 
 
-def program_for(max_staleness: int, decoupled: bool, learning_rate: float, num_updates: int) -> PPOProgram:
+def program_for(max_staleness: int, decoupled: bool, learning_rate: float, num_updates: int,
+                behav_imp_weight_cap: float | None = None) -> PPOProgram:
     config = PPOConfig(batch_size=BATCH, response_length=RESPONSE_LENGTH, max_prompt_length=PROMPT_LENGTH,
                        learning_rate=learning_rate, temperature=1.0, num_ppo_epochs=2, num_mini_batches=2,
-                       kl_coef=0.05, behaviour_logprobs="sampler", use_decoupled_loss=decoupled)
+                       kl_coef=0.05, behaviour_logprobs="sampler", use_decoupled_loss=decoupled,
+                       behav_imp_weight_cap=behav_imp_weight_cap if decoupled else None)
     settings = StepSettings.from_config(config, pad_token_id=0, stop_token_id=STOP, eos_token_id=STOP,
                                         num_updates=num_updates)  # the learning rate decays to 0 over them
     settings = dataclasses.replace(settings, asynchronous=AsyncSettings(max_staleness))
@@ -91,6 +93,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--updates", type=int, default=40)
     parser.add_argument("--learning-rate", type=float, default=2e-3)
     parser.add_argument("--staleness", type=int, nargs="+", default=[0, 2, 4])
+    parser.add_argument("--objectives", nargs="+", choices=["plain", "decoupled"], default=["plain", "decoupled"])
+    parser.add_argument("--behav-imp-weight-cap", type=float, default=None,
+                        help="AReaL's cap on the decoupled objective's behaviour weights (default: none)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     k_max = max(args.staleness)
@@ -98,8 +103,9 @@ def main(argv=None) -> dict:
     eval_prompts, train_all = draw[:64], draw[64:].reshape(k_max + args.updates, BATCH, PROMPT_LENGTH)
     runs = []
     for k in args.staleness:
-        for decoupled in (False, True):
-            program, hyperparams = program_for(k, decoupled, args.learning_rate, args.updates)
+        for decoupled in [objective == "decoupled" for objective in args.objectives]:
+            program, hyperparams = program_for(k, decoupled, args.learning_rate, args.updates,
+                                               args.behav_imp_weight_cap)
             train_prompts = train_all[k_max - k:]  # k batches to fill, then the N batches every k's updates sample
             start = time.perf_counter()
             (held_out, greedy), scores, kl = jax.jit(jax.vmap(
@@ -114,7 +120,8 @@ def main(argv=None) -> dict:
             print(f"staleness {k} {runs[-1]['objective']:9s}: held-out {runs[-1]['held_out']} "
                   f"(mean {float(jnp.mean(held_out)):.3f}), final KL {runs[-1]['final_kl']}, {seconds:.0f} s",
                   flush=True)
-    report = dict(seeds=args.seeds, updates=args.updates, learning_rate=args.learning_rate, runs=runs,
+    report = dict(seeds=args.seeds, updates=args.updates, learning_rate=args.learning_rate,
+                  behav_imp_weight_cap=args.behav_imp_weight_cap, runs=runs,
                   machine=machine_info(), commit=source_commit())
     if args.json:
         with open(args.json, "w") as f:
