@@ -3,7 +3,8 @@ prompts in order, inside one compiled loop.
 
 - each sequence gets exactly the padded sampler's tokens for the same key (greedy, categorical, top-k/top-p,
   stop tokens, any number of slots), in the prompts' order, and its log-probs to float rounding;
-- the decode steps the loop runs are those of a plain Python simulation of the slot schedule;
+- the decode steps the loop runs are those of a plain Python simulation of the slot schedule, and the share of
+  busy row-steps (``sampling/slot_occupancy``) that simulation's count, for the padded sampler too;
 - a second call with other prompts and another key does not recompile;
 - the pieces: the model's per-row cache index (``write_slots``), per-row sampling keys (``sample_rows``);
 - ``rollout_slots`` in a whole train_step equals the padded sampler's step; the config refuses bad values;
@@ -42,7 +43,12 @@ def lengths_of(responses, stop_token_id):
 def simulated_steps(lengths, slots):
     """The decode steps of the slot schedule, simulated in Python: free slots take the waiting prompts in
     order (a prefill samples token 0), each step gives every busy slot one more token."""
-    remaining, waiting, steps = [0] * slots, list(lengths), 0
+    return simulated_schedule(lengths, slots)[0]
+
+
+def simulated_schedule(lengths, slots):
+    """simulated_steps' schedule -> (decode steps, busy slot-steps: a slot holding an unfinished sequence)."""
+    remaining, waiting, steps, busy = [0] * slots, list(lengths), 0, 0
 
     def refill():
         for s in range(slots):
@@ -51,9 +57,10 @@ def simulated_steps(lengths, slots):
     refill()
     while any(remaining):
         steps += 1
+        busy += sum(r > 0 for r in remaining)
         remaining = [max(r - 1, 0) for r in remaining]
         refill()
-    return steps
+    return steps, busy
 
 
 # --------------------------------------------------------------------------------------------------- pieces
@@ -172,6 +179,32 @@ def test_decode_steps_follow_the_sum_of_the_lengths(policy):
     assert int(one_slot) == (lengths - 1).sum()
 
 
+def test_the_occupancy_is_the_share_of_busy_row_steps(policy):
+    """decode_occupancy (the ``sampling/slot_occupancy`` metric) against Python counts: the padded loop computes
+    all B rows at each of its steps until the longest row is done; the slots stay busy while prompts wait."""
+    from ppojax.rl.sampler import decode_occupancy
+
+    graphdef, params = policy
+    kwargs = dict(response_length=R, pad_token_id=PAD, temperature=1.0, stop_token_id=1)
+    padded = np.asarray(generate_jit(graphdef, params, jnp.asarray(PROMPTS), KEY, **kwargs))
+    lengths = lengths_of(padded, 1)
+    assert lengths.min() < lengths.max() - 1, "test precondition: long and short responses"
+    busy = sum(int((lengths > t).sum()) for t in range(1, lengths.max()))  # rows still sampling at step t
+    want = busy / (B * (lengths.max() - 1))
+    np.testing.assert_allclose(float(decode_occupancy(jnp.asarray(padded), 1, B)), want, rtol=1e-6)
+    for slots in (1, 2, 4):
+        out, steps = generate_continuous_jit(graphdef, params, jnp.asarray(PROMPTS), KEY, slots=slots,
+                                             return_steps=True, **kwargs)
+        simulated, busy = simulated_schedule(lengths_of(np.asarray(out), 1).tolist(), slots)
+        got = float(decode_occupancy(out, 1, slots, steps))
+        np.testing.assert_allclose(got, busy / (simulated * slots), rtol=1e-6)
+        assert slots > 1 or got == 1.0  # one slot is never idle
+    assert want < 1  # the short rows wasted some of the padded loop's row-steps
+    # without a stop token every row samples R tokens; every row stopped at its first token ran no step at all
+    np.testing.assert_allclose(float(decode_occupancy(jnp.asarray(padded), None, B)), 1.0)
+    np.testing.assert_allclose(float(decode_occupancy(jnp.ones((B, R), jnp.int32), 1, B)), 1.0)
+
+
 def test_no_recompilation_for_other_prompts_and_keys(policy):
     graphdef, params = policy
     traces = []
@@ -192,7 +225,8 @@ def test_no_recompilation_for_other_prompts_and_keys(policy):
 # ------------------------------------------------------------------------------------------ in the program
 def test_a_train_step_with_rollout_slots_equals_the_padded_one(monkeypatch):
     """Two PPO iterations of the tiny program (stop token: responses of several lengths): the same metrics and
-    parameters with 5 slots as with the padded sampler, and the slots' sampler really ran."""
+    parameters with 5 slots as with the padded sampler, and the slots' sampler really ran; the occupancy of each
+    sampler's decode loop is in the metrics (its own)."""
     import dataclasses
 
     from ppojax.rl import rollout
@@ -213,6 +247,8 @@ def test_a_train_step_with_rollout_slots_equals_the_padded_one(monkeypatch):
     assert calls == [5]
     (state_a, metrics_a), (state_b, metrics_b) = runs
     assert (np.asarray(metrics_a["val/num_eos_tokens"]) > 0).all(), "test precondition: some responses stop early"
+    occupancy = [np.asarray(metrics.pop(rollout.SLOT_OCCUPANCY)) for metrics in (metrics_a, metrics_b)]
+    assert all(((0 < o) & (o <= 1)).all() for o in occupancy) and not np.array_equal(*occupancy), occupancy
     for name, value in metrics_a.items():
         np.testing.assert_allclose(value, metrics_b[name], rtol=1e-6, atol=1e-6, err_msg=name)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), state_a.params,

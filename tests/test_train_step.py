@@ -66,14 +66,14 @@ def two_program_step(program):
 
     def rollout_program(state, prompts, key):
         sample_key, update_key = iteration_keys(key)
-        query_responses, sampler_logprobs = rollout.sample(program, state, prompts, sample_key)
+        query_responses, sampler_logprobs, occupancy = rollout.sample_measured(program, state, prompts, sample_key)
         if on_host:
             return rollout.experience_forwards(program, state, query_responses, prompts.shape[1],
-                                               sampler_logprobs), update_key
+                                               sampler_logprobs), update_key, occupancy
         return rollout.experience(program, state, query_responses, prompts.shape[1],
-                                  sampler_logprobs=sampler_logprobs)[0], update_key
+                                  sampler_logprobs=sampler_logprobs)[0], update_key, occupancy
 
-    def update_program(state, experience, components, update_key):
+    def update_program(state, experience, components, update_key, occupancy):
         if on_host:  # one function: its values are the scores
             experience = rollout.with_scores(experience, components[0], program.settings).replace(
                 reward_components=dict(zip(reward.names, components)))
@@ -81,18 +81,19 @@ def two_program_step(program):
         metrics["reward/failures"] = jnp.zeros((), jnp.int32)
         metrics["ppo/nonfinite_streak"] = state.nonfinite_streak
         metrics.update(reward_component_metrics(experience.reward_components))
+        metrics[rollout.SLOT_OCCUPANCY] = occupancy
         return state, metrics
 
     rollout_jit, update_jit = jax.jit(rollout_program), jax.jit(update_program, donate_argnums=(0,))
 
     def train_step(state, prompts, key):
-        experience, update_key = rollout_jit(state, jnp.asarray(prompts.input_ids, jnp.int32), key)
+        experience, update_key, occupancy = rollout_jit(state, jnp.asarray(prompts.input_ids, jnp.int32), key)
         components = None
         if on_host:
             rows = np.repeat(np.asarray(prompts.rows), program.settings.sampling.num_generations)
             components = jnp.asarray(reward.host_components(
                 *parallel.to_host((experience.queries, experience.responses)), rows))
-        return update_jit(state, experience, components, update_key)
+        return update_jit(state, experience, components, update_key, occupancy)
 
     return train_step
 

@@ -2,7 +2,7 @@
 once (docs/async.md, "Two layouts").
 
     weights_t          = rollout_weights(state_t, frozen)         # the policy moved to the rollout devices
-    fresh_t, failures  = sample(weights_t, prompts_t, sample_key) # rollout devices: sample, score
+    fresh_t, failures, sampling_metrics = sample(weights_t, prompts_t, sample_key)  # rollout devices: sample, score
     state_t+1, metrics = update(state_t, fresh_t-1, update_key)   # training devices: learn the oldest batch
 
 The update of iteration t learns from the batch of ``max_staleness`` (k >= 1) iterations earlier: k - 1 batches
@@ -98,7 +98,8 @@ def rollout_weights(program: DisaggregatedProgram, state, frozen) -> RolloutWeig
 
 
 def make_sample(program: DisaggregatedProgram):
-    """``sample(weights, prompts, key) -> (SampledBatch on the training devices, failures i32[])``: the rollout
+    """``sample(weights, prompts, key) -> (SampledBatch on the training devices, failures i32[], the sampling's
+    metrics on the rollout devices)``: the rollout
     program (:func:`ppojax.rl.pipeline.sampled_batch` on the rollout mesh; key: the iteration's key, as
     ``train_step`` takes it), its batch then moved to the training mesh, rows over its batch axes."""
     rollout = program.rollout
@@ -108,8 +109,8 @@ def make_sample(program: DisaggregatedProgram):
     def sample(weights: RolloutWeights, prompts, key):
         prompts = as_prompts(prompts)
         prompts = Prompts(*parallel.shard_batch(tuple(prompts), program.rollout_mesh))
-        fresh, failures = jitted(weights, prompts, parallel.put_replicated(key, program.rollout_mesh))
-        return _to_training_mesh(program, fresh), failures
+        fresh, failures, metrics = jitted(weights, prompts, parallel.put_replicated(key, program.rollout_mesh))
+        return _to_training_mesh(program, fresh), failures, metrics
 
     sample.jitted = jitted
     return sample
@@ -193,8 +194,9 @@ class DisaggregatedStep:
             state, self.transit = split_queue(self.program, state)
             self.failures = jnp.zeros((), jnp.int32)
         weights = rollout_weights(self.program, state, self.rollout_frozen(state))  # before the update donates it
-        fresh, fresh_failures = self.sample(weights, prompts, key)
+        fresh, fresh_failures, sampling_metrics = self.sample(weights, prompts, key)
         state, metrics = self.update(state, self.transit, key, self.failures)
+        metrics = {**metrics, **sampling_metrics}  # the row of iteration t: its update's and its rollout's
         self.clock.watch(dispatched, fresh_failures, metrics)
         self.transit, self.failures = fresh, fresh_failures
         return state, metrics
@@ -221,9 +223,9 @@ class DisaggregatedStep:
                    for i in range(prompts.input_ids.shape[0])]
         mesh = self.program.program.mesh
         rows = jax.sharding.NamedSharding(mesh, parallel.batch_partition_spec(mesh, axis=1))
-        queue = jax.tree.map(lambda *batches: jnp.stack(batches), *[batch for batch, _ in sampled])
+        queue = jax.tree.map(lambda *batches: jnp.stack(batches), *[batch for batch, _, _ in sampled])
         queue = jax.device_put(queue, jax.tree.map(lambda _: rows, queue))
-        failures = sum(int(parallel.to_host(failed)) for _, failed in sampled)
+        failures = sum(int(parallel.to_host(failed)) for _, failed, _ in sampled)
         return state.replace(in_flight=queue), jnp.int32(failures)
 
     def full_state(self, state):

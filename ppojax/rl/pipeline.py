@@ -1,7 +1,7 @@
 """Asynchronous RL with bounded staleness, as pure functions: each update learns from the batch that the policy of
 ``max_staleness`` updates earlier sampled (AReaL's and TRL's ``max_staleness``; docs/async.md).
 
-    fresh, failures   = sampled_batch(program, state, prompts, sample_key)  # the current policy samples; the
+    fresh, failures, _ = sampled_batch(program, state, prompts, sample_key) # the current policy samples; the
                                                                            # reward scores (version update_count)
     oldest, in_flight = advance(state.in_flight, fresh)                    # k = max_staleness batches wait
     experience        = experience_of(program, state, oldest)              # forwards with the CURRENT parameters
@@ -50,12 +50,12 @@ class SampledBatch:
     policy_versions: jax.Array
 
 
-def sampled_batch(program, state: TrainState, prompts: Prompts, key) -> tuple[SampledBatch, jax.Array]:
+def sampled_batch(program, state: TrainState, prompts: Prompts, key) -> tuple[SampledBatch, jax.Array, dict]:
     """The current policy samples ``prompts`` (``Prompts`` of B / G rows; each sampled G = ``num_generations``
     times) with ``key`` and the program's reward source scores the truncated responses.
-    -> (SampledBatch of B rows, reward failures i32[])."""
+    -> (SampledBatch of B rows, reward failures i32[], the sampling's own metrics: ``sampling/slot_occupancy``)."""
     sampling = program.settings.sampling
-    query_responses, sampler_logprobs = rollout.sample(program, state, prompts.input_ids, key)
+    query_responses, sampler_logprobs, occupancy = rollout.sample_measured(program, state, prompts.input_ids, key)
     P = prompts.input_ids.shape[1]
     responses = truncate_response(query_responses[:, P:], sampling.stop_token_id, sampling.pad_token_id)
     masks = response_masks(responses, sampling.pad_token_id)
@@ -65,7 +65,8 @@ def sampled_batch(program, state: TrainState, prompts: Prompts, key) -> tuple[Sa
                                       masks.last_index, program.settings)
     return SampledBatch(query_responses=query_responses, behaviour_logprobs=sampler_logprobs, scores=scores,
                         reward_components=dict(rewarded.components or {}),
-                        policy_versions=jnp.full(responses.shape, state.update_count, jnp.int32)), rewarded.failures
+                        policy_versions=jnp.full(responses.shape, state.update_count, jnp.int32)), \
+        rewarded.failures, {rollout.SLOT_OCCUPANCY: occupancy}
 
 
 def experience_of(program, state: TrainState, batch: SampledBatch) -> Experience:
@@ -95,7 +96,8 @@ def fill(program, state: TrainState, prompts: Prompts, keys) -> tuple[TrainState
     failures i32[] summed over them)."""
     def one(_, xs):
         batch_prompts, key = xs
-        return None, sampled_batch(program, state, batch_prompts, key)
+        batch, failures, _ = sampled_batch(program, state, batch_prompts, key)
+        return None, (batch, failures)
 
     _, (queue, failures) = jax.lax.scan(one, None, (prompts, keys))
     return state.replace(in_flight=queue), jnp.sum(failures)

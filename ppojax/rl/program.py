@@ -91,10 +91,12 @@ def pipelined_iteration(program: PPOProgram, state, prompts, key):
     earlier; this one's own with nothing in flight). A reward failure on this iteration's samples applies no
     optimizer step, as in ``ppo_iteration``."""
     sample_key, update_key = iteration_keys(key)
-    fresh, failures = pipeline.sampled_batch(program, state, as_prompts(prompts), sample_key)
+    fresh, failures, sampling_metrics = pipeline.sampled_batch(program, state, as_prompts(prompts), sample_key)
     oldest, in_flight = pipeline.advance(state.in_flight, fresh)
     experience = pipeline.experience_of(program, state, oldest)
-    return learn_unless_reward_failed(program, state.replace(in_flight=in_flight), experience, update_key, failures)
+    state, metrics = learn_unless_reward_failed(program, state.replace(in_flight=in_flight), experience, update_key,
+                                                failures)
+    return state, {**metrics, **sampling_metrics}
 
 
 def learn_unless_reward_failed(program: PPOProgram, state, experience, key, failures):
@@ -193,11 +195,12 @@ def _collect(program: PPOProgram, state, prompts, sample_key):
     if program.settings.sampling.episodes is not None:
         experience, failures, metrics = rollout.episode_experience(program, state, prompts, sample_key)
         return experience, failures, metrics
-    query_responses, sampler_logprobs = rollout.sample(program, state, prompts.input_ids, sample_key)
+    query_responses, sampler_logprobs, occupancy = rollout.sample_measured(program, state, prompts.input_ids,
+                                                                           sample_key)
     rows = jnp.repeat(prompts.rows, program.settings.sampling.num_generations, axis=0)  # as sample() repeats
     experience, failures = rollout.experience(program, state, query_responses, prompts.input_ids.shape[1],
                                               sampler_logprobs=sampler_logprobs, rows=rows)
-    return experience, failures, {}
+    return experience, failures, {rollout.SLOT_OCCUPANCY: occupancy}
 
 
 def make_rollout(program: PPOProgram):

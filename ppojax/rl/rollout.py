@@ -27,7 +27,7 @@ from ppojax.rl import placement
 from ppojax.rl.continuous import generate_continuous
 from ppojax.rl.episodes import Episodes, generate_episodes
 from ppojax.rl.packed_rollout import packed_rollout_forwards, rollout_packed_shape
-from ppojax.rl.sampler import generate
+from ppojax.rl.sampler import decode_occupancy, generate
 from ppojax.core.masks import INVALID_LOGPROB, contains_stop_token, response_masks, truncate_response
 from ppojax.core.overlong import soft_overlong_punishment
 from ppojax.core.shaping import penalise_missing_stop
@@ -49,15 +49,31 @@ def sample(program, state, prompts, key):
     in order, so a group never straddles two data-parallel shards when each shard's prompt count is whole
     (``PPOConfig.derived`` checks it).
     """
+    query_responses, sampler_logprobs, _ = sample_measured(program, state, prompts, key)
+    return query_responses, sampler_logprobs
+
+
+#: the metric of how busy the decode loop was (:func:`sample_measured`)
+SLOT_OCCUPANCY = "sampling/slot_occupancy"
+
+
+def sample_measured(program, state, prompts, key):
+    """:func:`sample`, and how busy its decode loop was: -> (query_responses, sampler log-probs or None,
+    ``sampling/slot_occupancy`` f32[]: ``ppojax.rl.sampler.decode_occupancy`` of the padded sampler's B rows or the
+    continuous sampler's ``rollout_slots``)."""
     sampling = program.settings.sampling
     group_size = sampling.num_generations
     if group_size > 1 and sampling.rollout_slots:
         prompts, group_size = jnp.repeat(prompts, group_size, axis=0), 1
     graphdef, weights = program.actor_critic.sampling_policy(state.params, state.frozen)
     keep_logprobs = sampling.behaviour_logprobs == "sampler"
-    out = _sample_policy(graphdef, weights, prompts, key, sampling, sampling.temperature, mesh=program.mesh,
-                         return_logprobs=keep_logprobs, group_size=group_size)
-    return out if keep_logprobs else (out, None)
+    out, steps = _sample_policy(graphdef, weights, prompts, key, sampling, sampling.temperature, mesh=program.mesh,
+                                return_logprobs=keep_logprobs, group_size=group_size, return_steps=True)
+    query_responses, sampler_logprobs = out if keep_logprobs else (out, None)
+    rows_per_step = min(sampling.rollout_slots, query_responses.shape[0]) if sampling.rollout_slots else \
+        query_responses.shape[0]
+    occupancy = decode_occupancy(query_responses[:, prompts.shape[1]:], sampling.stop_token_id, rows_per_step, steps)
+    return query_responses, sampler_logprobs, occupancy
 
 
 def sample_episodes(program, params, frozen, prompts, key, temperature=None, group_size=None) -> Episodes:
@@ -91,26 +107,32 @@ def _decode_placement(graphdef, params, mesh):
 
 
 def _sample_policy(policy_graphdef, policy_params, queries, key, sampling, temperature, *, greedy=False, mesh=None,
-                   return_logprobs=False, group_size=1):
+                   return_logprobs=False, group_size=1, return_steps=False):
     """queries i32[B / G, P] -> query_responses i32[B, P+R] (and the sampled tokens' log-probs f32[B, R] with
     ``return_logprobs``): each query sampled G = ``group_size`` times (its rows consecutive; continuous batching
     takes G = 1). ``sampling.rollout_slots`` > 0 decodes with continuous batching (the same tokens). On a
     mesh, the weights are read under ``GENERATE_RULES`` (gathered over fsdp once for the whole decode loop) and
-    the KV cache is sharded by rows."""
+    the KV cache is sharded by rows. With ``return_steps``: (that, the continuous sampler's decode steps i32[] or
+    None for the padded sampler's)."""
     policy_params, init_cache_fn = _decode_placement(policy_graphdef, policy_params, mesh)
     decode = functools.partial(generate, segments=sampling.decode_segments, group_size=group_size)
+    steps = None
     if sampling.rollout_slots:  # continuous batching: S slots refilled from the waiting rows
-        decode = functools.partial(generate_continuous, slots=sampling.rollout_slots)
+        decode = functools.partial(generate_continuous, slots=sampling.rollout_slots, return_steps=return_steps)
     responses = decode(policy_graphdef, policy_params, queries, key, response_length=sampling.response_length,
                        pad_token_id=sampling.pad_token_id, temperature=temperature, top_k=sampling.top_k,
                        top_p=sampling.top_p, greedy=greedy, stop_token_id=sampling.stop_token_id,
                        init_cache_fn=init_cache_fn, return_logprobs=return_logprobs,
                        cache_dtype=sampling.kv_cache_dtype)
+    if return_steps and sampling.rollout_slots:
+        responses, steps = responses
     queries = jnp.repeat(queries, group_size, axis=0) if group_size > 1 else queries
+    logprobs = None
     if return_logprobs:
         responses, logprobs = responses
-        return jnp.concatenate([queries.astype(jnp.int32), responses], axis=1), logprobs
-    return jnp.concatenate([queries.astype(jnp.int32), responses], axis=1)
+    query_responses = jnp.concatenate([queries.astype(jnp.int32), responses], axis=1)
+    out = (query_responses, logprobs) if return_logprobs else query_responses
+    return (out, steps) if return_steps else out
 
 
 def _in_compute_dtype(graphdef, params):

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ppojax.core.masks import first_true_indices
 from ppojax.models import XLA, Kernels, init_cache
 from ppojax.rl.forward import TEMPERATURE_EPS, sequence_inputs
 
@@ -297,6 +298,24 @@ def decode_step(graphdef, params, cache, token, position, pad_token_id):
     model = nnx.merge(graphdef, params)
     hidden, cache = model(jnp.where(live, token, 0)[:, None], live[:, None], position[:, None], cache=cache)
     return model.logits(hidden)[:, 0], cache, live
+
+
+def decode_occupancy(responses, stop_token_id, rows_per_step, steps=None):
+    """f32[]: the share of the decode loop's row-steps that sampled a token of an unfinished sequence (1: no row
+    was computed for nothing; the rest went to rows already done or to free slots).
+
+    responses: i32[B, R] as a sampler returns them (pad after the stop token); each row's first token comes from
+    its prefill, the others from decode steps. rows_per_step: the rows each step computes (B for
+    :func:`generate`, the slots for ``ppojax.rl.continuous.generate_continuous``). steps: i32[] the decode steps
+    run (``generate_continuous``'s ``return_steps``); None: :func:`generate`'s, which stops when its longest row
+    is done. No decode step at all (every row stopped at its first token) counts as fully occupied."""
+    batch, response_length = responses.shape
+    lengths = jnp.full((batch,), response_length, jnp.int32)  # tokens sampled per row, its stop token included
+    if stop_token_id is not None:
+        lengths = jnp.minimum(first_true_indices(responses == stop_token_id) + 1, response_length)
+    steps = jnp.max(lengths) - 1 if steps is None else steps
+    useful = jnp.sum(lengths - 1).astype(jnp.float32)
+    return jnp.where(steps > 0, useful / (jnp.maximum(steps, 1) * rows_per_step).astype(jnp.float32), 1.0)
 
 
 GENERATE_STATIC = ("graphdef", "response_length", "pad_token_id", "top_k", "top_p", "greedy", "stop_token_id",
