@@ -40,6 +40,7 @@ from ppojax.rl import disaggregated, pipeline, placement  # noqa: E402
 from ppojax.rl.actor_critic import ActorCritic  # noqa: E402
 from ppojax.rl.optimizer import make_optimizer  # noqa: E402
 from ppojax.rl.program import PPOProgram, make_train_step  # noqa: E402
+from ppojax.rl.rollout import SLOT_OCCUPANCY  # noqa: E402
 from ppojax.rl.rewards import ModelScores  # noqa: E402
 from ppojax.rl.settings import AsyncSettings, Hyperparams, StepSettings  # noqa: E402
 from ppojax.rl.types import Prompts  # noqa: E402
@@ -90,10 +91,10 @@ def timed(step, state, prompts, keys):
 
 
 def mean_utilisation(step, history) -> dict:
-    """The overlapped step's host-measured utilisation metrics (``ppojax.rl.utilisation``), averaged over the
-    iterations after the first."""
-    rows = [step.host_timings(metrics) for metrics in history][1:]
-    return {name.removeprefix("time/"): sum(row[name] for row in rows) / len(rows) for name in rows[0]}
+    """The overlapped step's host-measured utilisation metrics (``ppojax.rl.utilisation``) and its decode loop's
+    occupancy (``sampling/slot_occupancy``), averaged over the iterations after the first."""
+    rows = [{**step.host_timings(metrics), SLOT_OCCUPANCY: float(metrics[SLOT_OCCUPANCY])} for metrics in history][1:]
+    return {name.split("/")[-1]: sum(row[name] for row in rows) / len(rows) for name in rows[0]}
 
 
 class Sequential(disaggregated.DisaggregatedStep):
@@ -105,10 +106,10 @@ class Sequential(disaggregated.DisaggregatedStep):
             state, self.transit = disaggregated.split_queue(self.program, state)
             self.failures = jnp.zeros((), jnp.int32)
         weights = disaggregated.rollout_weights(self.program, state, self.frozen)
-        fresh, fresh_failures = jax.block_until_ready(self.sample(weights, prompts, key))
+        fresh, fresh_failures, sampling_metrics = jax.block_until_ready(self.sample(weights, prompts, key))
         state, metrics = jax.block_until_ready(self.update(state, self.transit, key, self.failures))
         self.transit, self.failures = fresh, fresh_failures
-        return state, metrics
+        return state, {**metrics, **sampling_metrics}
 
 
 def main(argv=None) -> dict:

@@ -136,11 +136,17 @@ def wait_for_updates(out: Path, proc, log: Path, n: int, timeout=240):
     raise AssertionError(log.read_text()[-3000:])
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+ASYNCHRONOUS = ("max_staleness=2", "behaviour_logprobs=sampler", "use_decoupled_loss=true")
+
+
+@pytest.mark.parametrize("signum, extra", [(signal.SIGTERM, ()), (signal.SIGINT, ()),
+                                           pytest.param(signal.SIGINT, ASYNCHRONOUS, id="SIGINT-asynchronous")])
 def test_a_signal_finishes_the_update_writes_a_checkpoint_and_exits_with_a_hint(tiny_dirs, tmp_path, cli_env,
-                                                                                signum, capsys):
+                                                                                signum, extra, capsys):
+    """Also in an asynchronous run (2 batches in flight): the checkpoint holds the queue, so the run resumes
+    without sampling its first batches again."""
     out = tmp_path / "run"
-    proc, log = start(tiny_dirs, out, cli_env)
+    proc, log = start(tiny_dirs, out, cli_env, *extra)
     wait_for_updates(out, proc, log, 2)
     proc.send_signal(signum)
     proc.wait(timeout=120)
@@ -155,10 +161,15 @@ def test_a_signal_finishes_the_update_writes_a_checkpoint_and_exits_with_a_hint(
     assert (out / "checkpoints" / f"step_{step}" / "COMPLETE").exists()
     assert not (out / "run.lock").exists()
     # the run continues from there
+    capsys.readouterr()
     assert main(args_for(tiny_dirs, out, "total_episodes=" + str(16 * (step + 1)), "save_steps=0",
-                         "learning_rate=1e-4", "resume=auto", "resume_with_changes=true")) == 0
+                         "learning_rate=1e-4", "resume=auto", "resume_with_changes=true", *extra)) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, step + 2))
+    if extra:
+        assert "sampling the first 2 batches" in text  # before update 1, and never again:
+        assert "sampling the first" not in capsys.readouterr().out  # the queue came back from the checkpoint
+        assert rows[-1]["offpolicy/staleness_max"] == 2
 
 
 def test_two_runs_cannot_share_a_directory(tiny_dirs, tmp_path, cli_env, capsys):
