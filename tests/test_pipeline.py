@@ -274,15 +274,20 @@ def blocking_good_fraction_async(prompts, completions):
     return good_fraction(prompts, completions)
 
 
-def test_an_asynchronous_run_killed_mid_rollout_resumes_to_the_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("rollout_devices", [0, pytest.param(1, id="disaggregated")])
+def test_an_asynchronous_run_killed_mid_rollout_resumes_to_the_uninterrupted_run(tmp_path, rollout_devices):
     """`ppojax train configs/tiny.yaml` with max_staleness 2 (a checkpoint after every update) SIGKILLed while its
     reward scores the batch sampled in update 3, then resumed: the metrics rows and the final train state (the
-    queue in flight included) equal a run never interrupted."""
+    queue in flight included) equal a run never interrupted. Also disaggregated (2 devices: the rollout on one,
+    the update on the other), where the killed rollout runs beside update 3 and the batch in transit is saved in
+    the checkpoint's queue."""
     import os
     import signal
     import subprocess
     import sys
     import time
+
+    import json
 
     import orbax.checkpoint as ocp
 
@@ -294,12 +299,16 @@ def test_an_asynchronous_run_killed_mid_rollout_resumes_to_the_uninterrupted_run
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO), "JAX_COMPILATION_CACHE_DIR":
            str(tmp_path / "cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
            "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {CHEAP_COMPILES}".strip()}
+    layout = []
+    if rollout_devices:
+        env["XLA_FLAGS"] += " --xla_force_host_platform_device_count=2"
+        layout = [f"rollout_devices={rollout_devices}"]
 
     def args(out):
         return [sys.executable, "-m", "ppojax.trainer.cli", "train", TINY_YAML, f"model_name_or_path={dirs / 'model'}",
                 f"dataset={dirs / 'prompts.jsonl'}", f"output_dir={out}", "num_eval_prompts=0",
                 "num_sample_generations=0", "save_steps=1", "max_staleness=2", "behaviour_logprobs=sampler",
-                "use_decoupled_loss=true", "reward_function=tests.test_pipeline:blocking_good_fraction_async"]
+                "use_decoupled_loss=true", "reward_function=tests.test_pipeline:blocking_good_fraction_async", *layout]
 
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     done = subprocess.run(args(straight), cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -326,8 +335,17 @@ def test_an_asynchronous_run_killed_mid_rollout_resumes_to_the_uninterrupted_run
     assert "sampling the first 2 batches" not in resumed.stdout  # the queue came from the checkpoint
 
     assert metric_rows(killed / "metrics.jsonl") == metric_rows(straight / "metrics.jsonl")
-    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
-        want = host_copy(checkpointer.restore(straight / "checkpoints" / "step_4" / "train_state"))
-        got = host_copy(checkpointer.restore(killed / "checkpoints" / "step_4" / "train_state"))
+    rows = [json.loads(line) for line in (killed / "metrics.jsonl").read_text().splitlines()]
+    assert all(("time/rollout_s" in row) == bool(rollout_devices) for row in rows)  # disaggregated where asked
+    def on_host(path):  # into NumPy arrays: the runs' device layout need not exist in this process
+        with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
+            shapes = checkpointer.metadata(path)
+            shapes = getattr(shapes, "item_metadata", shapes)
+            shapes = getattr(shapes, "tree", shapes)
+            target = jax.tree.map(lambda leaf: np.zeros(leaf.shape, leaf.dtype), shapes)
+            return host_copy(checkpointer.restore(path, args=ocp.args.StandardRestore(target)))
+
+    want = on_host(straight / "checkpoints" / "step_4" / "train_state")
+    got = on_host(killed / "checkpoints" / "step_4" / "train_state")
     assert np.asarray(want["in_flight"]["query_responses"]).shape[0] == 2  # the queue is in the checkpoint
     assert_trees_equal(got, want)
