@@ -31,7 +31,8 @@ from ppojax.models import hf_io  # noqa: E402
 from ppojax.trainer.config import PPOConfig  # noqa: E402
 from ppojax.rl.rewards import ModelScores  # noqa: E402
 from ppojax.rl.settings import Hyperparams, StepSettings  # noqa: E402
-from ppojax.rl.program import PPOProgram, make_rollout  # noqa: E402
+from ppojax.rl import pipeline  # noqa: E402
+from ppojax.rl.program import PPOProgram, make_fill, make_rollout, make_train_step  # noqa: E402
 from ppojax.rl.types import Experience  # noqa: E402
 from ppojax.rl.optimizer import make_optimizer  # noqa: E402
 from ppojax.rl.update import learn  # noqa: E402
@@ -131,6 +132,32 @@ def run_updates(mesh, ac, params, experience, num_updates, settings=SETTINGS, hy
     return state, history
 
 
+ASYNC_ITERATIONS = 3
+
+
+def asynchronous_run(mesh):
+    """An asynchronous run in one program on ``mesh`` (``max_staleness`` 1, the decoupled objective, the reward
+    model scoring inside the program): the fill, then ASYNC_ITERATIONS train steps, each sampling the next batch
+    while it learns from the previous one. -> (metrics array, params and the queue left in flight on the host)."""
+    ac, params, frozen, (_, value_def) = build_models()
+    settings, hyperparams = settings_of(max_staleness=1, behaviour_logprobs="sampler", use_decoupled_loss=True)
+    program = PPOProgram(ac, ModelScores(value_def, PAD), settings, make_optimizer(), mesh)
+    queue = pipeline.in_flight_shapes(program, params, frozen, P)
+    state, shardings = placement.init_sharded_train_state(params, program.optimizer, mesh, hyperparams=hyperparams,
+                                                         frozen=frozen, in_flight=queue)
+    keys = [jax.random.key(200 + i) for i in range(ASYNC_ITERATIONS + 1)]
+    batches = [prompts(seed) for seed in range(ASYNC_ITERATIONS + 1)]
+    state, failures = make_fill(program, shardings)(state, jnp.asarray(batches[0])[None], jnp.stack(keys[:1]))
+    assert int(sh.to_host(failures)) == 0
+    step, history = make_train_step(program, shardings), []
+    for batch, key in zip(batches[1:], keys[1:]):
+        state, metrics = step(state, jnp.asarray(batch), key)
+        history.append({k: float(v) for k, v in sh.to_host(metrics).items()})
+    assert step.jitted._cache_size() == 1
+    assert [h["offpolicy/staleness_max"] for h in history] == [0] + [1] * (ASYNC_ITERATIONS - 1)  # the fill: v0
+    return metrics_array(history), sh.to_host({"params": state.params, "in_flight": state.in_flight})
+
+
 def worker(out_path):
     """One process of the two-process test: 2 local CPU devices; mesh (data=1, fsdp=2, tensor=2) over the
     4 devices of both processes, so parameters, optimizer state and batch rows are split ACROSS processes.
@@ -157,8 +184,10 @@ def worker(out_path):
         jax.tree.map(np.testing.assert_array_equal, on_main, params_host)
     else:
         assert on_main is None
+    async_metrics, async_state = asynchronous_run(mesh)  # the batch rows over both processes' devices
     if sh.is_main_process():
-        np.savez(out_path, rows=rows, metrics=metrics_array(history), **flat_params(params_host))
+        np.savez(out_path, rows=rows, metrics=metrics_array(history), async_metrics=async_metrics,
+                 **flat_params(params_host), **{"async" + k: v for k, v in flat_params(async_state).items()})
     jax.distributed.shutdown()
 
 
@@ -199,7 +228,9 @@ def single_process_reference(out_path):
     ac, params, _, _ = build_models()
     one = sh.make_mesh(devices=jax.devices()[:1])
     state, history = run_updates(one, ac, params, synthetic_experience(), num_updates=NUM_MULTIHOST_UPDATES)
-    np.savez(out_path, metrics=metrics_array(history), **flat_params(sh.to_host(state.params)))
+    async_metrics, async_state = asynchronous_run(one)
+    np.savez(out_path, metrics=metrics_array(history), async_metrics=async_metrics,
+             **flat_params(sh.to_host(state.params)), **{"async" + k: v for k, v in flat_params(async_state).items()})
 
 
 def metrics_array(history):
