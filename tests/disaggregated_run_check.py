@@ -6,10 +6,14 @@ tests/test_trainer.py's tiny run (a Python reward: its host callback runs in the
 - ``straight``: the 4 updates in one call;
 - ``resumed``: 2 updates (their checkpoint holds the whole queue: the state's batch and the one in transit), then
   a new trainer resumes from it and runs updates 3 and 4;
-- ``single``: the same run as one program on all 8 devices (``rollout_devices: 0``).
+- ``single``: the same run as one program on all 8 devices (``rollout_devices: 0``);
+- ``raising``: its reward raises while scoring the batch sampled in update 2 (each batch is scored in 4 calls, one
+  per rollout device's rows: call 13, after the fill's 8 and update 1's 4): the run stops with the function's
+  error, and no update learns from that batch.
 Prints one JSON line: the largest differences of metrics and weights between them, and the update counts."""
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -21,7 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from tests.test_trainer import make_trainer  # noqa: E402
+from ppojax.errors import RewardFunctionError  # noqa: E402
+from tests.test_trainer import good_fraction, make_trainer  # noqa: E402
 
 NAMES = ("objective/scores", "objective/kl", "loss/policy_avg", "loss/value_avg", "offpolicy/staleness_mean",
          "sampling/sampling_logp_difference/mean")
@@ -73,6 +78,24 @@ def main(out: Path):
     single = trainer(out / "single", rollout_devices=0)
     one_program = single.train(progress=False)
 
+    raising = trainer(out / "raising", save_steps=1)
+    counter = itertools.count(1)  # the rollout devices' calls may come from several threads
+    calls = []
+
+    def fails_at_call_13(prompts, completions):
+        calls.append(next(counter))
+        if calls[-1] == 13:
+            raise RuntimeError("reward server unreachable")
+        return good_fraction(prompts, completions)
+
+    raising.reward_fn = fails_at_call_13
+    try:
+        raising.train(progress=False)
+        raised = ""
+    except RewardFunctionError as err:
+        raised = str(err)
+    raised_rows = [json.loads(line) for line in (out / "raising" / "run" / "metrics.jsonl").read_text().splitlines()]
+
     # the held-out scoring's reward (a Python function: its callback bound to the rollout devices)
     queries = np.asarray(straight.train_queries[:16])
     _, completions = straight.sample_completions(queries)
@@ -92,6 +115,10 @@ def main(out: Path):
         single_metric_gap=metric_gap(expected, one_program),
         single_weight_gap=weight_gap(straight.state.params, single.state.params),
         utilisation=utilisation(expected, one_program, wall),
+        raising=dict(message=raised, calls=len(calls), update_count=int(raising.state.update_count),
+                     optimizer_steps=int(raising.state.optimizer_steps), rows=[row["step"] for row in raised_rows],
+                     # the rows before the failure are the straight run's (the same reward until then)
+                     metric_gap=metric_gap(expected[:len(raised_rows)], raised_rows)),
         update_compiles=straight.train_step.update.jitted._cache_size(),
         sample_compiles=straight.train_step.sample.jitted._cache_size())))
 

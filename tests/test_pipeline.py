@@ -220,7 +220,8 @@ def test_disaggregated_rollout_and_update_equal_the_single_program():
 def test_disaggregated_trainer_runs_resume_exactly_and_equal_one_program(tmp_path):
     """tests/disaggregated_run_check.py in 8 virtual devices (rollout_devices: 4 of them): a run stopped after
     update 2 and resumed equals the run never stopped (metrics, weights, the queue left in flight); the same run
-    as one program on all 8 devices agrees to float rounding; each phase compiles once; the utilisation metrics."""
+    as one program on all 8 devices agrees to float rounding; each phase compiles once; the utilisation metrics; a
+    reward that raises mid-run stops it with one error and no update on the failed batch."""
     import json
     import os
     import subprocess
@@ -240,6 +241,12 @@ def test_disaggregated_trainer_runs_resume_exactly_and_equal_one_program(tmp_pat
     assert report["single_metric_gap"] < 1e-5 and report["single_weight_gap"] < 1e-4, report
     assert report["update_compiles"] == 1 and report["sample_compiles"] == 1, report
     assert report["scores_equal"], report  # the held-out scoring with the reward on the rollout devices
+    # the reward raising on update 2's batch (scored on the rollout devices while update 2 trains): the run stops
+    # naming the function; updates 1 and 2 stand as in the straight run (2 x 2 x 2 optimizer steps), no more
+    raising = report["raising"]
+    assert "fails_at_call_13 raised RuntimeError: reward server unreachable" in raising["message"], raising
+    assert raising["rows"] == [1, 2] and raising["update_count"] == 2 and raising["optimizer_steps"] == 8, raising
+    assert raising["metric_gap"] == 0, raising
     # how busy each device set was: in every row of the disaggregated run (none in the single program's), the two
     # programs' times positive and within the run's wall time, the idle fractions in [0, 1]
     assert all(report["utilisation"].values()), report["utilisation"]  # (its rows: the figures, for the reader)
