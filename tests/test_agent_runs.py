@@ -21,7 +21,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -38,6 +37,7 @@ from ppojax.rl import rollout
 from ppojax.tasks.calculator import calculate
 from ppojax.tasks.guess_number import GuessNumber
 from ppojax import PPOConfig, PPOTrainer
+from tests.kill_points import block_once_saved, wait_for_marker
 from tests.tiny_setup import tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -259,13 +259,8 @@ class Interrupting(GuessNumber):
             os.kill(os.getpid(), signal.SIGINT)
         block = os.environ.get(BLOCK_IN_STEP)
         if block and update == int(block.split(":", 1)[0]):
-            previous = Path(block.split(":", 1)[1]) / "checkpoints" / f"step_{update - 1}"
-            deadline = time.time() + 60
-            while not previous.is_dir() and time.time() < deadline:  # orbax renames it into place when written
-                time.sleep(0.01)
-            print(f"PPOJAX_BLOCKED in an episode of update {update}", flush=True)
-            while True:
-                time.sleep(3600)
+            block_once_saved(Path(block.split(":", 1)[1]) / "checkpoints" / f"step_{update - 1}",
+                             f"PPOJAX_BLOCKED in an episode of update {update}")
         return super().step(action)
 
 
@@ -330,10 +325,7 @@ def test_an_agent_run_killed_mid_episode_resumes_as_the_uninterrupted_run(tmp_pa
         proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], cwd=REPO, env=env, stdout=f,
                                 stderr=subprocess.STDOUT)
     try:
-        deadline = time.time() + 300
-        while "PPOJAX_BLOCKED" not in log.read_text():
-            assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
-            time.sleep(0.1)
+        wait_for_marker(proc, log)
     finally:
         proc.kill()
         proc.wait()

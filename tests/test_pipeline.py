@@ -265,19 +265,14 @@ def blocking_good_fraction_async(prompts, completions):
     from pathlib import Path
     import os
     import sys
-    import time
+    from tests.kill_points import block_once_saved
     from tests.test_trainer import good_fraction
 
     _async_reward_calls[0] += 1
     call, _, step = os.environ.get(ASYNC_BLOCK_ENV, "0:0").partition(":")
     if int(call) == _async_reward_calls[0]:
         output_dir = next(Path(a.split("=", 1)[1]) for a in sys.argv if a.startswith("output_dir="))
-        deadline = time.time() + 60
-        while not (output_dir / "checkpoints" / f"step_{step}").is_dir() and time.time() < deadline:
-            time.sleep(0.01)
-        print("PPOJAX_BLOCKED", flush=True)
-        while True:
-            time.sleep(3600)
+        block_once_saved(output_dir / "checkpoints" / f"step_{step}", "PPOJAX_BLOCKED")
     return good_fraction(prompts, completions)
 
 
@@ -288,16 +283,15 @@ def test_an_asynchronous_run_killed_mid_rollout_resumes_to_the_uninterrupted_run
     queue in flight included) equal a run never interrupted. Also disaggregated (2 devices: the rollout on one,
     the update on the other), where the killed rollout runs beside update 3 and the batch in transit is saved in
     the checkpoint's queue."""
+    import json
     import os
     import signal
     import subprocess
     import sys
-    import time
-
-    import json
 
     import orbax.checkpoint as ocp
 
+    from tests.kill_points import wait_for_marker
     from tests.test_reliability import REPO, TINY_YAML, assert_trees_equal, host_copy, metric_rows
     from tests.tiny_setup import write_tiny_run_inputs
     from tests.xla_test_flags import CHEAP_COMPILES
@@ -325,10 +319,7 @@ def test_an_asynchronous_run_killed_mid_rollout_resumes_to_the_uninterrupted_run
         proc = subprocess.Popen(args(killed), cwd=REPO, env={**env, ASYNC_BLOCK_ENV: "5:2"}, stdout=f,
                                 stderr=subprocess.STDOUT)
     try:
-        deadline = time.time() + 300
-        while "PPOJAX_BLOCKED" not in log.read_text():
-            assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
-            time.sleep(0.05)
+        wait_for_marker(proc, log)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     finally:

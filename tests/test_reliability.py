@@ -30,6 +30,7 @@ from ppojax.trainer.cli import main
 from ppojax.trainer.config import ConfigError, PPOConfig
 from ppojax.models import save_pretrained
 from ppojax.rl.rewards import RewardFunctionError
+from tests.kill_points import block_once_saved, wait_for_marker
 from tests.xla_test_flags import CHEAP_COMPILES
 from tests.test_trainer import good_fraction, make_trainer
 from tests.tiny_setup import write_tiny_run_inputs, PROMPTS, WORDS, tiny_config, tiny_tokenizer
@@ -49,13 +50,8 @@ def blocking_good_fraction(prompts, completions):
     _reward_calls[0] += 1
     if os.environ.get(BLOCK_ENV) == str(_reward_calls[0]):
         output_dir = next(Path(a.split("=", 1)[1]) for a in sys.argv if a.startswith("output_dir="))
-        previous = output_dir / "checkpoints" / f"step_{_reward_calls[0] - 1}"
-        deadline = time.time() + 60
-        while not previous.is_dir() and time.time() < deadline:  # orbax renames it into place when it is written
-            time.sleep(0.01)
-        print(f"PPOJAX_BLOCKED reward call {_reward_calls[0]}", flush=True)
-        while True:
-            time.sleep(3600)
+        block_once_saved(output_dir / "checkpoints" / f"step_{_reward_calls[0] - 1}",
+                         f"PPOJAX_BLOCKED reward call {_reward_calls[0]}")
     return good_fraction(prompts, completions)
 
 
@@ -366,17 +362,10 @@ def first_killed_run(request, tmp_path_factory):
 
 
 def _kill_at_marker(proc, log: Path, deadline: float) -> None:
-    while time.time() < deadline:
-        text = log.read_text() if log.exists() else ""
-        if any(m in text for m in MARKERS):
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(timeout=30)
-            assert proc.returncode == -signal.SIGKILL
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"the run ended (code {proc.returncode}) before its kill point:\n{text[-3000:]}")
-        time.sleep(0.05)
-    raise AssertionError(f"no kill point within {TIMEOUT} s:\n{(log.read_text() if log.exists() else '')[-3000:]}")
+    wait_for_marker(proc, log, MARKERS, timeout=deadline - time.time())
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
 
 
 def test_sigkill_then_resume_equals_an_uninterrupted_run(tiny_dirs, kill_env, first_killed_run, tmp_path):
