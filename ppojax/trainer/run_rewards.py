@@ -71,11 +71,11 @@ def reward_calls_of(config: PPOConfig, reward_model, reward_funcs) -> tuple[list
     else:
         given = config.reward_function_specs
     resolved = [resolve_reward_function(f, reward_field(config)) for f in given]
-    python = [i for i, f in enumerate(resolved) if not isinstance(f, TracedScores)]
+    traced = [i for i, f in enumerate(resolved) if isinstance(f, TracedScores)]
+    python = [i for i in range(len(resolved)) if i not in traced]
     calls = [RewardCall.of(resolved[i], given[i].rpartition(":")[2] if isinstance(given[i], str) else None)
              for i in python]
-    traced = [f for f in resolved if isinstance(f, TracedScores)]
-    return calls, traced, python + [i for i, f in enumerate(resolved) if isinstance(f, TracedScores)]
+    return calls, [resolved[i] for i in traced], python + traced
 
 
 def weights_in_part_order(weights, order: list):
