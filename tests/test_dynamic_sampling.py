@@ -63,8 +63,9 @@ def select(scores, trainable):
     ids = (jnp.arange(T)[:, None, None] * 100 + jnp.arange(Q)[None, :, None] * 10
            + jnp.arange(G)[None, None, :]).reshape(T, Q * G)
 
-    def sample_round(r):
-        return Round(dict(id=ids[r], score=scores[r]), scores[r], trainable[r], jnp.int32(r == 1))
+    def sample_round(r):  # round r's decode loop: (r + 1) busy of 4 * (r + 1) computed row-steps
+        work = (jnp.float32(r + 1), jnp.float32(4 * (r + 1)))
+        return Round(dict(id=ids[r], score=scores[r]), scores[r], trainable[r], jnp.int32(r == 1), None, work)
 
     return select_groups(sample_round, groups_wanted=K, group_size=G, max_rounds=T)
 
@@ -103,6 +104,8 @@ def test_the_selection_equals_the_reference(name, case):
     sampled = scores[:rounds].reshape(-1)
     np.testing.assert_allclose(got.sampled_score_sum, np.sum(sampled[np.isfinite(sampled)]), rtol=1e-6)
     assert int(got.sampled_score_count) == np.isfinite(sampled).sum()
+    ran = np.arange(1, rounds + 1)  # the decode work of the rounds that ran, summed
+    assert (float(got.decode_busy), float(got.decode_computed)) == (ran.sum(), 4 * ran.sum())
 
 
 def test_groups_judged_by_one_reward_ignore_the_rows_it_does_not_apply_to():
@@ -377,8 +380,12 @@ def test_a_run_fills_every_batch_and_reports_what_it_cost(straight):
 @WHOLE_RUN
 def test_the_first_round_samples_what_a_run_without_it_samples(tmp_path, straight):
     _, _, calls = straight
-    _, _, plain_calls = run_for(tmp_path, "plain", updates=1, filter_groups=False)
+    _, plain_history, plain_calls = run_for(tmp_path, "plain", updates=1, filter_groups=False)
     assert plain_calls[0]["completions"] == calls[0]["completions"] and plain_calls[0]["index"] == calls[0]["index"]
+    # the decode loop's occupancy (the rounds' work summed): with one round at most, the run without it's
+    _, one_round, _ = run_for(tmp_path, "one_round", updates=1, max_num_gen_batches=1)
+    assert one_round[0]["dynamic_sampling/rounds"] == 1
+    assert one_round[0]["sampling/slot_occupancy"] == plain_history[0]["sampling/slot_occupancy"] < 1
 
 
 COMPARED = ("objective/scores", "loss/policy_avg", "objective/kl", "lr", "dynamic_sampling/rounds",

@@ -18,7 +18,7 @@ from ppojax.rl.actor_critic import ActorCritic
 from ppojax.trainer.config import PPOConfig
 from ppojax.models import CausalLM, ScoreModel
 from ppojax.rl.rewards import TracedScores
-from ppojax.rl import rollout
+from ppojax.rl import rollout, sampler
 from ppojax.rl.settings import Hyperparams, StepSettings
 from ppojax.rl.update import learn
 from ppojax.trainer.loop import step_key
@@ -66,12 +66,12 @@ def two_program_step(program):
 
     def rollout_program(state, prompts, key):
         sample_key, update_key = iteration_keys(key)
-        query_responses, sampler_logprobs, occupancy = rollout.sample_measured(program, state, prompts, sample_key)
+        query_responses, sampler_logprobs, work = rollout.sample_measured(program, state, prompts, sample_key)
         if on_host:
             return rollout.experience_forwards(program, state, query_responses, prompts.shape[1],
-                                               sampler_logprobs), update_key, occupancy
+                                               sampler_logprobs), update_key, sampler.occupancy(*work)
         return rollout.experience(program, state, query_responses, prompts.shape[1],
-                                  sampler_logprobs=sampler_logprobs)[0], update_key, occupancy
+                                  sampler_logprobs=sampler_logprobs)[0], update_key, sampler.occupancy(*work)
 
     def update_program(state, experience, components, update_key, occupancy):
         if on_host:  # one function: its values are the scores

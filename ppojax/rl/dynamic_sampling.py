@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from ppojax.core.masks import contains_stop_token, response_masks, truncate_response
 from ppojax.rl import rollout
+from ppojax.rl.sampler import occupancy
 
 PREFIX = "dynamic_sampling/"
 
@@ -40,13 +41,15 @@ class Round(NamedTuple):
     """One generation round of Q groups of G rows. rows: a pytree of [Q*G, ...] arrays (what the batch keeps of a
     row); scores: f32[Q*G] the rows' scores; trainable: bool[Q*G] rows the loss could train (None: all); failures:
     i32[] rows the reward source could not score; judged: f32[Q*G] the values groups are judged by when not the
-    scores, one reward's (NaN where it does not apply), or None."""
+    scores, one reward's (NaN where it does not apply), or None; decode_work: the round's decode loop's (busy,
+    computed) f32[] row-steps (``ppojax.rl.sampler.decode_work``), or None."""
 
     rows: Any
     scores: Any
     trainable: Any
     failures: Any
     judged: Any = None
+    decode_work: Any = None
 
 
 class Selection(NamedTuple):
@@ -54,7 +57,8 @@ class Selection(NamedTuple):
     spare ones where the batch is not full), trained bool[K*G] (the kept groups' rows), and the counts of the
     update (i32[]): rounds, kept (<= K), dropped (groups with equal scores, or no trainable row), all_truncated
     (groups with no trainable row), failures; sampled_score_sum f32[] / sampled_score_count i32[] over the finite
-    scores of every row sampled."""
+    scores of every row sampled; decode_busy / decode_computed f32[]: the rounds' decode work summed (0 without
+    it)."""
 
     rows: Any
     trained: Any
@@ -65,6 +69,8 @@ class Selection(NamedTuple):
     failures: Any
     sampled_score_sum: Any
     sampled_score_count: Any
+    decode_busy: Any
+    decode_computed: Any
 
 
 def informative_groups(scores, group_size: int, trainable=None, *, reward_values=False):
@@ -107,7 +113,7 @@ def select_groups(sample_round: Callable[[Any], Round], *, groups_wanted: int, g
     zero = jnp.zeros((), jnp.int32)
     start = dict(round=zero, kept=empty, spare=jax.tree.map(jnp.copy, empty), num_kept=zero, num_spare=zero,
                  dropped=zero, all_truncated=zero, failures=zero, score_sum=jnp.zeros((), jnp.float32),
-                 score_count=zero)
+                 score_count=zero, busy=jnp.zeros((), jnp.float32), computed=jnp.zeros((), jnp.float32))
 
     def more(carry):
         return (carry["num_kept"] < K) & (carry["round"] < max_rounds)
@@ -129,7 +135,9 @@ def select_groups(sample_round: Callable[[Any], Round], *, groups_wanted: int, g
                     all_truncated=carry["all_truncated"] + all_truncated,
                     failures=carry["failures"] + jnp.asarray(sampled.failures, jnp.int32),
                     score_sum=carry["score_sum"] + jnp.sum(jnp.where(finite, sampled.scores, 0.0)),
-                    score_count=carry["score_count"] + jnp.sum(finite, dtype=jnp.int32))
+                    score_count=carry["score_count"] + jnp.sum(finite, dtype=jnp.int32),
+                    busy=carry["busy"] + (0.0 if sampled.decode_work is None else sampled.decode_work[0]),
+                    computed=carry["computed"] + (0.0 if sampled.decode_work is None else sampled.decode_work[1]))
 
     done = jax.lax.while_loop(more, one_round, start)
     # slot k: the k-th kept group, or (past the kept ones) the (k - kept)-th spare
@@ -140,7 +148,8 @@ def select_groups(sample_round: Callable[[Any], Round], *, groups_wanted: int, g
                         done["kept"], done["spare"])
     return Selection(rows=rows, trained=jnp.repeat(filled, G), rounds=done["round"], kept=done["num_kept"],
                      dropped=done["dropped"], all_truncated=done["all_truncated"], failures=done["failures"],
-                     sampled_score_sum=done["score_sum"], sampled_score_count=done["score_count"])
+                     sampled_score_sum=done["score_sum"], sampled_score_count=done["score_count"],
+                     decode_busy=done["busy"], decode_computed=done["computed"])
 
 
 def selection_metrics(selection: Selection, *, groups_wanted: int, group_size: int, prompts_per_round: int,
@@ -184,7 +193,8 @@ def collect(program, state, prompts, sample_key):
     def sample_round(index):
         ids = jax.lax.dynamic_index_in_dim(prompts.input_ids, index, keepdims=False)
         rows = jnp.repeat(jax.lax.dynamic_index_in_dim(prompts.rows, index, keepdims=False), G)
-        query_responses, sampler_logprobs = rollout.sample(program, state, ids, round_key(sample_key, index))
+        query_responses, sampler_logprobs, work = rollout.sample_measured(program, state, ids,
+                                                                          round_key(sample_key, index))
         responses = truncate_response(query_responses[:, P:], sampling.stop_token_id, sampling.pad_token_id)
         rewarded = rollout.reward_scores(program, state, query_responses[:, :P], responses, rows)
         stopped = contains_stop_token(responses, sampling.stop_token_id)
@@ -195,7 +205,7 @@ def collect(program, state, prompts, sample_key):
             kept["sampler_logprobs"] = sampler_logprobs
         trainable = stopped if mask_truncated else None
         judged = None if dynamic.metric is None else rewarded.components[dynamic.metric]
-        return Round(kept, scores, trainable, rewarded.failures, judged)
+        return Round(kept, scores, trainable, rewarded.failures, judged, work)
 
     selection = select_groups(sample_round, groups_wanted=K, group_size=G, max_rounds=dynamic.max_rounds)
     rows = selection.rows
@@ -205,4 +215,5 @@ def collect(program, state, prompts, sample_key):
                                     trained=selection.trained)
     metrics = selection_metrics(selection, groups_wanted=K, group_size=G, prompts_per_round=dynamic.prompts_per_round,
                                 with_truncation=mask_truncated)
+    metrics[rollout.SLOT_OCCUPANCY] = occupancy(selection.decode_busy, selection.decode_computed)  # over the rounds
     return experience, selection.failures, metrics

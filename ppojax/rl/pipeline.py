@@ -28,6 +28,7 @@ from flax import struct
 
 from ppojax.core.masks import contains_stop_token, response_masks, truncate_response
 from ppojax.rl import rollout
+from ppojax.rl.sampler import occupancy
 from ppojax.rl.settings import Hyperparams
 from ppojax.rl.types import Experience, Prompts, TrainState, init_train_state
 
@@ -55,7 +56,7 @@ def sampled_batch(program, state: TrainState, prompts: Prompts, key) -> tuple[Sa
     times) with ``key`` and the program's reward source scores the truncated responses.
     -> (SampledBatch of B rows, reward failures i32[], the sampling's own metrics: ``sampling/slot_occupancy``)."""
     sampling = program.settings.sampling
-    query_responses, sampler_logprobs, occupancy = rollout.sample_measured(program, state, prompts.input_ids, key)
+    query_responses, sampler_logprobs, work = rollout.sample_measured(program, state, prompts.input_ids, key)
     P = prompts.input_ids.shape[1]
     responses = truncate_response(query_responses[:, P:], sampling.stop_token_id, sampling.pad_token_id)
     masks = response_masks(responses, sampling.pad_token_id)
@@ -66,7 +67,7 @@ def sampled_batch(program, state: TrainState, prompts: Prompts, key) -> tuple[Sa
     return SampledBatch(query_responses=query_responses, behaviour_logprobs=sampler_logprobs, scores=scores,
                         reward_components=dict(rewarded.components or {}),
                         policy_versions=jnp.full(responses.shape, state.update_count, jnp.int32)), \
-        rewarded.failures, {rollout.SLOT_OCCUPANCY: occupancy}
+        rewarded.failures, {rollout.SLOT_OCCUPANCY: occupancy(*work)}
 
 
 def experience_of(program, state: TrainState, batch: SampledBatch) -> Experience:

@@ -27,6 +27,7 @@ from ppojax.rl import dynamic_sampling, pipeline, rollout
 from ppojax import parallel
 from ppojax.rl.actor_critic import ActorCritic
 from ppojax.rl.rewards import GivenScores, RewardSource
+from ppojax.rl.sampler import occupancy
 from ppojax.rl.types import Prompts, as_prompts
 from ppojax.rl.settings import StepSettings
 from ppojax.rl.update import learn
@@ -195,12 +196,11 @@ def _collect(program: PPOProgram, state, prompts, sample_key):
     if program.settings.sampling.episodes is not None:
         experience, failures, metrics = rollout.episode_experience(program, state, prompts, sample_key)
         return experience, failures, metrics
-    query_responses, sampler_logprobs, occupancy = rollout.sample_measured(program, state, prompts.input_ids,
-                                                                           sample_key)
+    query_responses, sampler_logprobs, work = rollout.sample_measured(program, state, prompts.input_ids, sample_key)
     rows = jnp.repeat(prompts.rows, program.settings.sampling.num_generations, axis=0)  # as sample() repeats
     experience, failures = rollout.experience(program, state, query_responses, prompts.input_ids.shape[1],
                                               sampler_logprobs=sampler_logprobs, rows=rows)
-    return experience, failures, {rollout.SLOT_OCCUPANCY: occupancy}
+    return experience, failures, {rollout.SLOT_OCCUPANCY: occupancy(*work)}
 
 
 def make_rollout(program: PPOProgram):

@@ -27,7 +27,7 @@ from ppojax.rl import placement
 from ppojax.rl.continuous import generate_continuous
 from ppojax.rl.episodes import Episodes, generate_episodes
 from ppojax.rl.packed_rollout import packed_rollout_forwards, rollout_packed_shape
-from ppojax.rl.sampler import decode_occupancy, generate
+from ppojax.rl.sampler import decode_work, generate
 from ppojax.core.masks import INVALID_LOGPROB, contains_stop_token, response_masks, truncate_response
 from ppojax.core.overlong import soft_overlong_punishment
 from ppojax.core.shaping import penalise_missing_stop
@@ -53,14 +53,15 @@ def sample(program, state, prompts, key):
     return query_responses, sampler_logprobs
 
 
-#: the metric of how busy the decode loop was (:func:`sample_measured`)
+#: the metric of how busy the decode loop was (``ppojax.rl.sampler.occupancy`` of :func:`sample_measured`'s work)
 SLOT_OCCUPANCY = "sampling/slot_occupancy"
 
 
 def sample_measured(program, state, prompts, key):
-    """:func:`sample`, and how busy its decode loop was: -> (query_responses, sampler log-probs or None,
-    ``sampling/slot_occupancy`` f32[]: ``ppojax.rl.sampler.decode_occupancy`` of the padded sampler's B rows or the
-    continuous sampler's ``rollout_slots``)."""
+    """:func:`sample`, and how much of its decode loop's work sampled tokens: -> (query_responses, sampler
+    log-probs or None, (busy, computed) f32[] row-steps: ``ppojax.rl.sampler.decode_work`` of the padded sampler's
+    B rows or the continuous sampler's ``rollout_slots``; ``ppojax.rl.sampler.occupancy`` of them is
+    ``sampling/slot_occupancy``)."""
     sampling = program.settings.sampling
     group_size = sampling.num_generations
     if group_size > 1 and sampling.rollout_slots:
@@ -72,8 +73,8 @@ def sample_measured(program, state, prompts, key):
     query_responses, sampler_logprobs = out if keep_logprobs else (out, None)
     rows_per_step = min(sampling.rollout_slots, query_responses.shape[0]) if sampling.rollout_slots else \
         query_responses.shape[0]
-    occupancy = decode_occupancy(query_responses[:, prompts.shape[1]:], sampling.stop_token_id, rows_per_step, steps)
-    return query_responses, sampler_logprobs, occupancy
+    work = decode_work(query_responses[:, prompts.shape[1]:], sampling.stop_token_id, rows_per_step, steps)
+    return query_responses, sampler_logprobs, work
 
 
 def sample_episodes(program, params, frozen, prompts, key, temperature=None, group_size=None) -> Episodes:

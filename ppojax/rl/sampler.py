@@ -300,22 +300,35 @@ def decode_step(graphdef, params, cache, token, position, pad_token_id):
     return model.logits(hidden)[:, 0], cache, live
 
 
-def decode_occupancy(responses, stop_token_id, rows_per_step, steps=None):
-    """f32[]: the share of the decode loop's row-steps that sampled a token of an unfinished sequence (1: no row
-    was computed for nothing; the rest went to rows already done or to free slots).
+def decode_work(responses, stop_token_id, rows_per_step, steps=None):
+    """How much of the decode loop's work sampled tokens -> (busy f32[]: the row-steps that sampled a token of an
+    unfinished sequence, computed f32[]: every row-step the loop computed). Their ratio is the loop's occupancy
+    (:func:`occupancy`); sums over several loops (dynamic sampling's rounds) give theirs.
 
     responses: i32[B, R] as a sampler returns them (pad after the stop token); each row's first token comes from
     its prefill, the others from decode steps. rows_per_step: the rows each step computes (B for
     :func:`generate`, the slots for ``ppojax.rl.continuous.generate_continuous``). steps: i32[] the decode steps
     run (``generate_continuous``'s ``return_steps``); None: :func:`generate`'s, which stops when its longest row
-    is done. No decode step at all (every row stopped at its first token) counts as fully occupied."""
+    is done."""
     batch, response_length = responses.shape
     lengths = jnp.full((batch,), response_length, jnp.int32)  # tokens sampled per row, its stop token included
     if stop_token_id is not None:
         lengths = jnp.minimum(first_true_indices(responses == stop_token_id) + 1, response_length)
     steps = jnp.max(lengths) - 1 if steps is None else steps
-    useful = jnp.sum(lengths - 1).astype(jnp.float32)
-    return jnp.where(steps > 0, useful / (jnp.maximum(steps, 1) * rows_per_step).astype(jnp.float32), 1.0)
+    return jnp.sum(lengths - 1).astype(jnp.float32), (steps * rows_per_step).astype(jnp.float32)
+
+
+def occupancy(busy, computed):
+    """f32[]: the share of the computed row-steps that were busy (:func:`decode_work`); 1 when the loop computed
+    nothing (every row stopped at its first token)."""
+    return jnp.where(computed > 0, busy / jnp.maximum(computed, 1.0), 1.0)
+
+
+def decode_occupancy(responses, stop_token_id, rows_per_step, steps=None):
+    """f32[]: the share of the decode loop's row-steps that sampled a token of an unfinished sequence (1: no row
+    was computed for nothing; the rest went to rows already done or to free slots). Arguments as
+    :func:`decode_work`'s."""
+    return occupancy(*decode_work(responses, stop_token_id, rows_per_step, steps))
 
 
 GENERATE_STATIC = ("graphdef", "response_length", "pad_token_id", "top_k", "top_p", "greedy", "stop_token_id",
