@@ -180,9 +180,12 @@ def test_decode_steps_follow_the_sum_of_the_lengths(policy):
 
 
 def test_the_occupancy_is_the_share_of_busy_row_steps(policy):
-    """decode_occupancy (the ``sampling/slot_occupancy`` metric) against Python counts: the padded loop computes
+    """occupancy of decode_work (the ``sampling/slot_occupancy`` metric) against Python counts: the padded loop computes
     all B rows at each of its steps until the longest row is done; the slots stay busy while prompts wait."""
-    from ppojax.rl.sampler import decode_occupancy
+    from ppojax.rl.sampler import decode_work, occupancy
+
+    def decode_occupancy(*args):
+        return occupancy(*decode_work(*args))
 
     graphdef, params = policy
     kwargs = dict(response_length=R, pad_token_id=PAD, temperature=1.0, stop_token_id=1)

@@ -324,13 +324,6 @@ def occupancy(busy, computed):
     return jnp.where(computed > 0, busy / jnp.maximum(computed, 1.0), 1.0)
 
 
-def decode_occupancy(responses, stop_token_id, rows_per_step, steps=None):
-    """f32[]: the share of the decode loop's row-steps that sampled a token of an unfinished sequence (1: no row
-    was computed for nothing; the rest went to rows already done or to free slots). Arguments as
-    :func:`decode_work`'s."""
-    return occupancy(*decode_work(responses, stop_token_id, rows_per_step, steps))
-
-
 GENERATE_STATIC = ("graphdef", "response_length", "pad_token_id", "top_k", "top_p", "greedy", "stop_token_id",
                    "cache_dtype", "init_cache_fn", "return_logprobs", "segments", "slot_alignment", "group_size")
 
