@@ -36,7 +36,7 @@ from flax import nnx  # noqa: E402
 from benchmarks.common import machine_info, source_commit  # noqa: E402
 from ppojax import parallel  # noqa: E402
 from ppojax.models import CausalLM, ModelConfig, ScoreModel  # noqa: E402
-from ppojax.rl import disaggregated, pipeline, placement  # noqa: E402
+from ppojax.rl import disaggregated, in_flight_updates, placement  # noqa: E402
 from ppojax.rl.actor_critic import ActorCritic  # noqa: E402
 from ppojax.rl.optimizer import make_optimizer  # noqa: E402
 from ppojax.rl.program import PPOProgram, make_train_step  # noqa: E402
@@ -65,7 +65,7 @@ def build(args, mesh, max_staleness):
     program = PPOProgram(ActorCritic(policy_def, value_def, 0, 1.0), ModelScores(value_def, 0), settings,
                          make_optimizer(), mesh)
     params, frozen = {"policy": policy, "value": value}, {"ref": jax.tree.map(jnp.copy, policy), "reward": reward}
-    in_flight = pipeline.in_flight_shapes(program, params, frozen, args.prompt_length)
+    in_flight = in_flight_updates.in_flight_shapes(program, params, frozen, args.prompt_length)
     state, shardings = placement.init_sharded_train_state(params, program.optimizer, mesh,
                                                           hyperparams=Hyperparams.from_config(config),
                                                           frozen=frozen, in_flight=in_flight)

@@ -19,7 +19,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from ppojax import parallel  # noqa: E402
-from ppojax.rl import disaggregated, pipeline, placement  # noqa: E402
+from ppojax.rl import disaggregated, in_flight_updates, placement  # noqa: E402
 from ppojax.rl.optimizer import make_optimizer  # noqa: E402
 from ppojax.rl.program import PPOProgram, make_fill, make_train_step  # noqa: E402
 from ppojax.rl.rewards import ModelScores  # noqa: E402
@@ -51,7 +51,7 @@ def prompt_batches(K):
 def filled(program, params, frozen, hyperparams, prompts, K):
     """A fresh state on the program's mesh (None: the default device) with its first K batches in flight.
     -> (state, state shardings or None)."""
-    in_flight = pipeline.in_flight_shapes(program, params, frozen, H.P)
+    in_flight = in_flight_updates.in_flight_shapes(program, params, frozen, H.P)
     if program.mesh is None:
         state = init_train_state(params, program.optimizer, hyperparams=hyperparams, frozen=frozen,
                                  in_flight=in_flight)

@@ -31,7 +31,7 @@ from ppojax.models import hf_io  # noqa: E402
 from ppojax.trainer.config import PPOConfig  # noqa: E402
 from ppojax.rl.rewards import ModelScores  # noqa: E402
 from ppojax.rl.settings import Hyperparams, StepSettings  # noqa: E402
-from ppojax.rl import pipeline  # noqa: E402
+from ppojax.rl import in_flight_updates  # noqa: E402
 from ppojax.rl.program import PPOProgram, make_fill, make_rollout, make_train_step  # noqa: E402
 from ppojax.rl.types import Experience  # noqa: E402
 from ppojax.rl.optimizer import make_optimizer  # noqa: E402
@@ -142,7 +142,7 @@ def asynchronous_run(mesh):
     ac, params, frozen, (_, value_def) = build_models()
     settings, hyperparams = settings_of(max_staleness=1, behaviour_logprobs="sampler", use_decoupled_loss=True)
     program = PPOProgram(ac, ModelScores(value_def, PAD), settings, make_optimizer(), mesh)
-    queue = pipeline.in_flight_shapes(program, params, frozen, P)
+    queue = in_flight_updates.in_flight_shapes(program, params, frozen, P)
     state, shardings = placement.init_sharded_train_state(params, program.optimizer, mesh, hyperparams=hyperparams,
                                                          frozen=frozen, in_flight=queue)
     keys = [jax.random.key(200 + i) for i in range(ASYNC_ITERATIONS + 1)]

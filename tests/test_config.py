@@ -135,7 +135,8 @@ def test_derived_sets_are_what_the_fields_declare():
                                                 # an agent run's tools, environment, template and buffer shapes
                                                 "tools", "environment_factory", "tool_chat_template", "turn_length",
                                                 "observation_length",
-                                                "max_staleness"}  # the train state's queue of batches in flight
+                                                # the train state's queue of batches in flight, and its kind
+                                                "max_staleness", "in_flight_weight_updates"}
     # fields added since those lists, each classified deliberately
     assert C.IGNORED_ON_RESUME_FIELDS == OLD_HARMLESS | {"overwrite_output_dir", "resume_with_changes",
                                                          "compile_ahead", "export_check", "eval_steps"}

@@ -29,8 +29,8 @@ def program_with(max_staleness, **config):
     """tests.test_train_step's tiny program (a JAX reward; nothing leaves the device) with the sampler's
     log-probs as the behaviour policy's, asynchronous with ``max_staleness`` (None: synchronous)."""
     base = tiny_program(NUM_UPDATES)
-    values = dict(batch_size=16, response_length=6, max_prompt_length=6, learning_rate=1e-2, temperature=1.0,
-                  num_ppo_epochs=2, num_mini_batches=2, kl_coef=0.05, behaviour_logprobs="sampler", **config)
+    values = {**dict(batch_size=16, response_length=6, max_prompt_length=6, learning_rate=1e-2, temperature=1.0,
+                     num_ppo_epochs=2, num_mini_batches=2, kl_coef=0.05, behaviour_logprobs="sampler"), **config}
     settings = StepSettings.from_config(PPOConfig(**values), pad_token_id=0, stop_token_id=1, eos_token_id=1,
                                         num_updates=NUM_UPDATES)
     asynchronous = None if max_staleness is None else AsyncSettings(max_staleness)
@@ -117,6 +117,11 @@ def test_staleness_two_equals_a_plain_loop(objective):
           max_num_gen_batches=2), "with filter_groups: true is not supported"),
     (dict(max_staleness=-1), "max_staleness"),
     (dict(rollout_devices=2), "needs max_staleness >= 1"),
+    (dict(in_flight_weight_updates=True), "in_flight_weight_updates: true spreads each batch's decode"),
+    (dict(max_staleness=1, behaviour_logprobs="sampler", in_flight_weight_updates=True, rollout_devices=1),
+     "Remove one of the two"),
+    (dict(max_staleness=1, behaviour_logprobs="sampler", in_flight_weight_updates=True, rollout_slots=4),
+     "rollout_slots=4 \\(continuous batching\\) is not supported"),
 ])
 def test_configs_that_cannot_run_asynchronously_are_refused(values, message):
     with pytest.raises(ConfigError, match=message):

@@ -29,8 +29,7 @@ from flax import struct
 from ppojax.core.masks import contains_stop_token, response_masks, truncate_response
 from ppojax.rl import rollout
 from ppojax.rl.sampler import occupancy
-from ppojax.rl.settings import Hyperparams
-from ppojax.rl.types import Experience, Prompts, TrainState, init_train_state
+from ppojax.rl.types import Experience, Prompts, TrainState
 
 
 @struct.dataclass
@@ -55,19 +54,28 @@ def sampled_batch(program, state: TrainState, prompts: Prompts, key) -> tuple[Sa
     """The current policy samples ``prompts`` (``Prompts`` of B / G rows; each sampled G = ``num_generations``
     times) with ``key`` and the program's reward source scores the truncated responses.
     -> (SampledBatch of B rows, reward failures i32[], the sampling's own metrics: ``sampling/slot_occupancy``)."""
-    sampling = program.settings.sampling
     query_responses, sampler_logprobs, work = rollout.sample_measured(program, state, prompts.input_ids, key)
-    P = prompts.input_ids.shape[1]
+    rows = jnp.repeat(prompts.rows, program.settings.sampling.num_generations, axis=0)  # as sample() repeats them
+    versions = jnp.full(sampler_logprobs.shape, state.update_count, jnp.int32)
+    batch, failures = scored_batch(program, state, query_responses, sampler_logprobs, rows, versions)
+    return batch, failures, {rollout.SLOT_OCCUPANCY: occupancy(*work)}
+
+
+def scored_batch(program, state: TrainState, query_responses, behaviour_logprobs, rows, policy_versions
+                 ) -> tuple[SampledBatch, jax.Array]:
+    """Sampled rows scored by the program's reward source: query_responses i32[B, P+R] (untruncated responses),
+    behaviour_logprobs f32[B, R], rows i32[B] (each row's dataset row), policy_versions i32[B, R].
+    -> (SampledBatch, reward failures i32[])."""
+    sampling = program.settings.sampling
+    P = query_responses.shape[1] - behaviour_logprobs.shape[1]
     responses = truncate_response(query_responses[:, P:], sampling.stop_token_id, sampling.pad_token_id)
     masks = response_masks(responses, sampling.pad_token_id)
-    rows = jnp.repeat(prompts.rows, sampling.num_generations, axis=0)  # as sample() repeats the prompts
     rewarded = rollout.reward_scores(program, state, query_responses[:, :P], responses, rows)
     scores = rollout.penalised_scores(rewarded.scores, contains_stop_token(responses, sampling.stop_token_id),
                                       masks.last_index, program.settings)
-    return SampledBatch(query_responses=query_responses, behaviour_logprobs=sampler_logprobs, scores=scores,
+    return SampledBatch(query_responses=query_responses, behaviour_logprobs=behaviour_logprobs, scores=scores,
                         reward_components=dict(rewarded.components or {}),
-                        policy_versions=jnp.full(responses.shape, state.update_count, jnp.int32)), \
-        rewarded.failures, {rollout.SLOT_OCCUPANCY: occupancy(*work)}
+                        policy_versions=policy_versions), rewarded.failures
 
 
 def experience_of(program, state: TrainState, batch: SampledBatch) -> Experience:
@@ -102,23 +110,3 @@ def fill(program, state: TrainState, prompts: Prompts, keys) -> tuple[TrainState
 
     _, (queue, failures) = jax.lax.scan(one, None, (prompts, keys))
     return state.replace(in_flight=queue), jnp.sum(failures)
-
-
-def in_flight_shapes(program, params, frozen, prompt_length: int):
-    """The ``in_flight`` queue's shapes and dtypes (``jax.ShapeDtypeStruct``s) of an asynchronous program (None for
-    a synchronous one), for the state of ``params`` / ``frozen`` (arrays or ``jax.ShapeDtypeStruct``s) and prompts
-    of ``prompt_length`` tokens: what ``init_train_state`` gives a fresh state (zeros, until :func:`fill`), what a
-    checkpoint is restored into and what the state's shardings are built for."""
-    if program.settings.asynchronous is None:
-        return None
-    k = program.settings.asynchronous.max_staleness
-    rows = program.settings.batch.batch_size // program.settings.sampling.num_generations
-    prompts = Prompts(jax.ShapeDtypeStruct((k, rows, prompt_length), jnp.int32),
-                      jax.ShapeDtypeStruct((k, rows), jnp.int32))
-    keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), k))
-
-    def queue(params, frozen, prompts, keys):
-        state = init_train_state(params, program.optimizer, hyperparams=Hyperparams.create(), frozen=frozen)
-        return fill(program, state, prompts, keys)[0].in_flight
-
-    return jax.eval_shape(queue, params, frozen, prompts, keys)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from ppojax import core as ppo
 from ppojax.rl import dynamic_sampling, pipeline, rollout
+from ppojax.rl import in_flight_updates
 from ppojax import parallel
 from ppojax.rl.actor_critic import ActorCritic
 from ppojax.rl.rewards import GivenScores, RewardSource
@@ -89,11 +90,16 @@ def ppo_iteration(program: PPOProgram, state, prompts, key):
 def pipelined_iteration(program: PPOProgram, state, prompts, key):
     """One iteration of an asynchronous run (``ppojax.rl.pipeline``): the current policy samples and the reward
     scores ``prompts``; the update learns from the oldest batch in flight (sampled ``max_staleness`` updates
-    earlier; this one's own with nothing in flight). A reward failure on this iteration's samples applies no
-    optimizer step, as in ``ppo_iteration``."""
+    earlier; this one's own with nothing in flight). With in-flight weight updates (``ppojax.rl.in_flight_updates``) the
+    current policy instead decodes a chunk of every batch in flight and the update learns from the one it
+    completes. A reward failure on this iteration's samples applies no optimizer step, as in ``ppo_iteration``."""
     sample_key, update_key = iteration_keys(key)
-    fresh, failures, sampling_metrics = pipeline.sampled_batch(program, state, as_prompts(prompts), sample_key)
-    oldest, in_flight = pipeline.advance(state.in_flight, fresh)
+    if program.settings.asynchronous.in_flight_weight_updates:
+        oldest, failures, sampling_metrics, in_flight = in_flight_updates.advance(program, state, as_prompts(prompts),
+                                                                                 sample_key)
+    else:
+        fresh, failures, sampling_metrics = pipeline.sampled_batch(program, state, as_prompts(prompts), sample_key)
+        oldest, in_flight = pipeline.advance(state.in_flight, fresh)
     experience = pipeline.experience_of(program, state, oldest)
     state, metrics = learn_unless_reward_failed(program, state.replace(in_flight=in_flight), experience, update_key,
                                                 failures)
@@ -224,10 +230,11 @@ def _placed(program: PPOProgram, jitted):
 def make_fill(program: PPOProgram, state_shardings=None):
     """``fill(state, prompts [k, B / G, P], keys [k]) -> (state, reward failures i32[])``: an asynchronous run's
     first k = ``max_staleness`` batches sampled by the state's policy into its ``in_flight`` queue
-    (``ppojax.rl.pipeline.fill``), the state donated; keys: the iterations' keys, as ``train_step`` takes them."""
+    (``ppojax.rl.in_flight_updates.fill_queue``), the state donated; keys: the iterations' keys, as ``train_step``
+    takes them."""
     def fill(state, prompts, keys):
         sample_keys = jax.vmap(lambda key: iteration_keys(key)[0])(keys)
-        return pipeline.fill(program, state, as_prompts(prompts), sample_keys)
+        return in_flight_updates.fill_queue(program, state, as_prompts(prompts), sample_keys)
 
     jitted = jit_donating_state(program, fill, state_shardings)
 

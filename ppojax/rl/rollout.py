@@ -88,7 +88,7 @@ def sample_episodes(program, params, frozen, prompts, key, temperature=None, gro
     if group_size > 1:
         prompts = jnp.repeat(prompts, group_size, axis=0)
     graphdef, weights = program.actor_critic.sampling_policy(params, frozen)
-    weights, init_cache_fn = _decode_placement(graphdef, weights, program.mesh)
+    weights, init_cache_fn = decode_placement(graphdef, weights, program.mesh)
     return generate_episodes(graphdef, weights, prompts, key, shape=sampling.episodes,
                              host_turn=program.episodes.host_turn, pad_token_id=sampling.pad_token_id,
                              stop_token_id=sampling.stop_token_id,
@@ -97,7 +97,7 @@ def sample_episodes(program, params, frozen, prompts, key, temperature=None, gro
                              slots=sampling.rollout_slots, cache_dtype=sampling.kv_cache_dtype)
 
 
-def _decode_placement(graphdef, params, mesh):
+def decode_placement(graphdef, params, mesh):
     """The weights in the compute dtype and, on a mesh, read under ``GENERATE_RULES`` (gathered over fsdp once for
     the whole decode loop), with the cache sharded by rows -> (params, init_cache_fn or None)."""
     params = _in_compute_dtype(graphdef, params)
@@ -115,7 +115,7 @@ def _sample_policy(policy_graphdef, policy_params, queries, key, sampling, tempe
     mesh, the weights are read under ``GENERATE_RULES`` (gathered over fsdp once for the whole decode loop) and
     the KV cache is sharded by rows. With ``return_steps``: (that, the continuous sampler's decode steps i32[] or
     None for the padded sampler's)."""
-    policy_params, init_cache_fn = _decode_placement(policy_graphdef, policy_params, mesh)
+    policy_params, init_cache_fn = decode_placement(policy_graphdef, policy_params, mesh)
     decode = functools.partial(generate, segments=sampling.decode_segments, group_size=group_size)
     steps = None
     if sampling.rollout_slots:  # continuous batching: S slots refilled from the waiting rows

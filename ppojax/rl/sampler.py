@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -139,6 +140,14 @@ def _init_cache(model, batch_size, max_length, dtype):
     return init_cache(_model_config(model), batch_size, max_length, dtype, model_kernels(model))
 
 
+def empty_cache(graphdef, params, batch_size, max_length, cache_dtype=None, init_cache_fn=None):
+    """An empty KV cache of ``batch_size`` rows and ``max_length`` slots as :func:`generate` makes it for the model
+    ``nnx.merge(graphdef, params)``: ``cache_dtype`` (default: the model's compute dtype) in the kernels' storage
+    form, placed by ``init_cache_fn`` where given."""
+    model = nnx.merge(graphdef, params)
+    return (init_cache_fn or _init_cache)(model, batch_size, max_length, _cache_dtype(model, params, cache_dtype))
+
+
 def prefill_one_row(model, prompt, pad_token_id, max_length, dtype):
     """One prompt i32[1, P] (left padded) through the model on a fresh one-row cache of ``max_length`` slots ->
     (its next-token logits f32[1, V], the cache, the prompt's real tokens i32[]): what a slot takes in when a
@@ -192,6 +201,118 @@ def decode_segments(prompt_length: int, response_length: int, segments: int,
     return [(end, read) for i, (end, read) in enumerate(plan) if i + 1 == len(plan) or plan[i + 1][1] != read]
 
 
+@flax.struct.dataclass
+class Decoding:
+    """A padded decode in progress (:func:`start_decoding`, :func:`continue_decoding`): B rows, R response tokens.
+
+    cache: the KVCache of B rows (its ``read_length`` as the last loop left it); step: i32[] the index of the next
+    token to sample (1 after the prefill); responses: i32[B, R] (pad where not sampled yet or after the stop token);
+    logprobs: f32[B, R] the sampled tokens' log-probs (f32[B, 0] when not kept); token: i32[B] the last sampled
+    token (fed next); done: bool[B]; next_position: i32[B] the real tokens seen so far (the fed token's position).
+    """
+
+    cache: object
+    step: jax.Array
+    responses: jax.Array
+    logprobs: jax.Array
+    token: jax.Array
+    done: jax.Array
+    next_position: jax.Array
+
+
+@flax.struct.dataclass
+class Draw:
+    """How a decode draws its tokens (``generate``'s options of the same names): temperature (float or traced
+    f32[]), top_k (0 = off), top_p (1.0 = off), greedy, pad_token_id, stop_token_id (None = never stop),
+    return_logprobs (keep each sampled token's log-prob). All static but ``temperature``."""
+
+    temperature: object
+    top_k: int = flax.struct.field(pytree_node=False, default=0)
+    top_p: float = flax.struct.field(pytree_node=False, default=1.0)
+    greedy: bool = flax.struct.field(pytree_node=False, default=False)
+    pad_token_id: int = flax.struct.field(pytree_node=False, default=0)
+    stop_token_id: object = flax.struct.field(pytree_node=False, default=None)
+    return_logprobs: bool = flax.struct.field(pytree_node=False, default=False)
+
+    def sampler(self, model):
+        return functools.partial(sample_rows, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                                 greedy=self.greedy, argmax=model_kernels(model).argmax)
+
+
+def start_decoding(graphdef, params, prompt_ids, key, draw: Draw, *, response_length, cache_dtype=None,
+                   init_cache_fn=None, slot_alignment=SLOT_ALIGNMENT, group_size=1) -> Decoding:
+    """The prefill and each row's token 0 -> the ``Decoding`` at step 1. prompt_ids: i32[B / G, P] left padded;
+    each prompt is prefilled ONCE and its keys and values serve its G = ``group_size`` rows (consecutive). The
+    cache holds P + R positions. Options as :func:`generate`'s."""
+    prompts, prompt_length = prompt_ids.shape
+    batch = prompts * group_size
+    if response_length < 1:
+        raise ValueError(f"response_length={response_length}; expected >= 1")
+    model = nnx.merge(graphdef, params)
+    init_cache_fn = init_cache_fn or _init_cache
+    pad = jnp.asarray(draw.pad_token_id, jnp.int32)
+    dtype = _cache_dtype(model, params, cache_dtype)
+    cache = init_cache_fn(model, prompts, prompt_length + response_length, dtype)
+    input_ids, attention_mask, position_ids = sequence_inputs(prompt_ids, draw.pad_token_id)
+    # the prefill reads (and attends over) the prompt's own slots only
+    prefill_reads = prefill_slots(prompt_length, cache.max_length, slot_alignment)
+    hidden, cache = model(input_ids, attention_mask, position_ids, cache=cache.replace(read_length=prefill_reads))
+    logits = model.logits(hidden[:, -1:])[:, 0]
+    if group_size > 1:
+        cache = _rows_repeated(cache, group_size, init_cache_fn(model, batch, cache.max_length, dtype))
+        logits, attention_mask = (jnp.repeat(x, group_size, axis=0) for x in (logits, attention_mask))
+    token = draw.sampler(model)(logits, row_keys(key, 0, jnp.arange(batch, dtype=jnp.int32)))
+    done = jnp.zeros((batch,), bool) if draw.stop_token_id is None else token == draw.stop_token_id
+    # the sampled tokens' log-probs f32[B, R]; f32[B, 0] (free to carry) when not asked for
+    logprobs = jnp.zeros((batch, response_length if draw.return_logprobs else 0), jnp.float32)
+    if draw.return_logprobs:
+        logprobs = logprobs.at[:, 0].set(token_logprobs(logits, token, draw.temperature))
+    return Decoding(cache=cache, step=jnp.int32(1), responses=jnp.full((batch, response_length), pad, jnp.int32)
+                    .at[:, 0].set(token), logprobs=logprobs, token=token, done=done,
+                    next_position=jnp.sum(attention_mask, axis=-1, dtype=jnp.int32))
+
+
+def continue_decoding(graphdef, params, decoding: Decoding, key, draw: Draw, *, end: int,
+                      slots_read: int | None = None) -> Decoding:
+    """``decoding`` advanced with ``params`` to step ``end`` (exclusive; at most R), or until every row is done.
+
+    The cache is kept as it is: ``params`` may differ from those that wrote it (a policy swapped between decode
+    chunks, ``ppojax.rl.pipeline``); each new token's keys and values are then ``params``'. key: the key the
+    decode started with (row b's token t draws with ``fold_in(fold_in(key, t), b)``). slots_read: the cache slots
+    attention reads in this loop (every slot written before ``end`` must lie below it; None: all)."""
+    rows = jnp.arange(decoding.token.shape[0], dtype=jnp.int32)
+    pad = jnp.asarray(draw.pad_token_id, jnp.int32)
+    sample = draw.sampler(nnx.merge(graphdef, params))
+
+    def cond(d):
+        return (d.step < end) & ~jnp.all(d.done)
+
+    def body(d):
+        # Feed the token sampled at step-1, get the distribution of step `step`.
+        logits, cache, live = decode_step(graphdef, params, d.cache, d.token, d.next_position, draw.pad_token_id)
+        new = jnp.where(d.done, pad, sample(logits, row_keys(key, d.step, rows)))
+        done = d.done if draw.stop_token_id is None else d.done | (new == draw.stop_token_id)
+        at = (jnp.int32(0), d.step)
+        logprobs = d.logprobs
+        if draw.return_logprobs:
+            logprobs = jax.lax.dynamic_update_slice(logprobs, token_logprobs(logits, new, draw.temperature)[:, None],
+                                                    at)
+        return Decoding(cache=cache, step=d.step + 1, logprobs=logprobs, token=new, done=done,
+                        responses=jax.lax.dynamic_update_slice(d.responses, new[:, None], at),
+                        next_position=d.next_position + live.astype(jnp.int32))
+
+    return jax.lax.while_loop(cond, body, decoding.replace(cache=decoding.cache.replace(read_length=slots_read)))
+
+
+def chunk_ends(response_length: int, chunks: int) -> list[int]:
+    """The decode of R tokens cut into ``chunks`` pieces of about equal decode steps: each piece's end step
+    (exclusive; the last is R). Piece 0 starts at step 1, after the prefill's token 0; a piece may be empty."""
+    if chunks < 1:
+        raise ValueError(f"chunks={chunks}; expected >= 1")
+    steps = response_length - 1
+    return [1 + -(-steps * (j + 1) // chunks) for j in range(chunks)]
+
+
 def generate(graphdef, params, prompt_ids, key, *, response_length, pad_token_id, temperature=1.0,
              top_k=0, top_p=1.0, greedy=False, stop_token_id=None, cache_dtype=None, init_cache_fn=None,
              return_logprobs=False, segments=1, slot_alignment=SLOT_ALIGNMENT, group_size=1):
@@ -212,67 +333,18 @@ def generate(graphdef, params, prompt_ids, key, *, response_length, pad_token_id
     give; each prompt is prefilled ONCE and its keys and values serve its G rows).
     Returns responses: i32[B, R]; after a stop token every position holds ``pad_token_id``. With
     ``return_logprobs``: (responses, logprobs f32[B, R]); logprobs after a row's stop token are meaningless.
+
+    It is :func:`start_decoding`, then :func:`continue_decoding` once per segment; the decode stops as soon as
+    every row is done (the output keeps its static shape).
     """
-    prompts, prompt_length = prompt_ids.shape
-    batch = prompts * group_size
-    if response_length < 1:
-        raise ValueError(f"response_length={response_length}; expected >= 1")
-    model = nnx.merge(graphdef, params)
-    sample = functools.partial(sample_rows, temperature=temperature, top_k=top_k, top_p=top_p,
-                               greedy=greedy, argmax=model_kernels(model).argmax)
-    rows = jnp.arange(batch, dtype=jnp.int32)
-    init_cache_fn = init_cache_fn or _init_cache
-    pad = jnp.asarray(pad_token_id, jnp.int32)
-
-    # Prefill: the whole prompt in one call, then the next-token logits of its last position; once per prompt, its
-    # cache and logits then repeated for its group's rows
-    dtype = _cache_dtype(model, params, cache_dtype)
-    cache = init_cache_fn(model, prompts, prompt_length + response_length, dtype)
-    input_ids, attention_mask, position_ids = sequence_inputs(prompt_ids, pad_token_id)
-    # the prefill reads (and attends over) the prompt's own slots only
-    prefill_reads = prefill_slots(prompt_length, cache.max_length, slot_alignment)
-    hidden, cache = model(input_ids, attention_mask, position_ids, cache=cache.replace(read_length=prefill_reads))
-    logits = model.logits(hidden[:, -1:])[:, 0]
-    if group_size > 1:
-        cache = _rows_repeated(cache, group_size, init_cache_fn(model, batch, cache.max_length, dtype))
-        logits, attention_mask = (jnp.repeat(x, group_size, axis=0) for x in (logits, attention_mask))
-    token = sample(logits, row_keys(key, 0, rows))
-    done = jnp.zeros((batch,), bool)
-    if stop_token_id is not None:
-        done = token == stop_token_id
-    responses = jnp.full((batch, response_length), pad, jnp.int32).at[:, 0].set(token)
-    # the sampled tokens' log-probs f32[B, R]; f32[B, 0] (free to carry) when not asked for
-    logprobs = jnp.zeros((batch, response_length if return_logprobs else 0), jnp.float32)
-    if return_logprobs:
-        logprobs = logprobs.at[:, 0].set(token_logprobs(logits, token, temperature))
-    next_position = jnp.sum(attention_mask, axis=-1, dtype=jnp.int32)  # real tokens seen so far
-
-    def cond_until(end):
-        def cond(carry):
-            step, _, _, _, _, done, _ = carry
-            return (step < end) & ~jnp.all(done)
-        return cond
-
-    def body(carry):
-        step, cache, responses, logprobs, token, done, next_position = carry
-        # Feed the token sampled at step-1, get the distribution of step `step`.
-        logits, cache, live = decode_step(graphdef, params, cache, token, next_position, pad_token_id)
-        new = sample(logits, row_keys(key, step, rows))
-        new = jnp.where(done, pad, new)
-        if stop_token_id is not None:
-            done = done | (new == stop_token_id)
-        responses = jax.lax.dynamic_update_slice(responses, new[:, None], (jnp.int32(0), step))
-        if return_logprobs:
-            logprobs = jax.lax.dynamic_update_slice(logprobs, token_logprobs(logits, new, temperature)[:, None],
-                                                    (jnp.int32(0), step))
-        return step + 1, cache, responses, logprobs, new, done, next_position + live.astype(jnp.int32)
-
-    carry = (jnp.int32(1), cache, responses, logprobs, token, done, next_position)
-    for end, slots_read in decode_segments(prompt_length, response_length, segments, slot_alignment):
-        step, cache, *rest = carry
-        carry = jax.lax.while_loop(cond_until(end), body, (step, cache.replace(read_length=slots_read), *rest))
-    _, _, responses, logprobs, _, _, _ = carry
-    return (responses, logprobs) if return_logprobs else responses
+    draw = Draw(temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy, pad_token_id=pad_token_id,
+                stop_token_id=stop_token_id, return_logprobs=return_logprobs)
+    decoding = start_decoding(graphdef, params, prompt_ids, key, draw, response_length=response_length,
+                              cache_dtype=cache_dtype, init_cache_fn=init_cache_fn, slot_alignment=slot_alignment,
+                              group_size=group_size)
+    for end, slots_read in decode_segments(prompt_ids.shape[1], response_length, segments, slot_alignment):
+        decoding = continue_decoding(graphdef, params, decoding, key, draw, end=end, slots_read=slots_read)
+    return (decoding.responses, decoding.logprobs) if return_logprobs else decoding.responses
 
 
 def _rows_repeated(cache, group_size: int, empty):

@@ -82,6 +82,9 @@ class AsyncSettings:
     0 runs the pipeline's code with nothing in flight (the synchronous run's numbers)."""
 
     max_staleness: int = 0
+    #: each batch's decode spread over max_staleness + 1 updates, the policy swapped between its chunks
+    #: (``ppojax.rl.in_flight_updates``)
+    in_flight_weight_updates: bool = False
 
 
 @dataclass(frozen=True)
@@ -304,7 +307,9 @@ class StepSettings:
             vocab_size=vocab_size)
         dynamic = (DynamicSamplingSettings(prompts_per_round=sizes.prompts_per_round, max_rounds=c.max_num_gen_batches,
                                            metric=c.filter_groups_metric) if c.filter_groups else None)
-        asynchronous = AsyncSettings(max_staleness=c.max_staleness) if c.max_staleness else None
+        asynchronous = (AsyncSettings(max_staleness=c.max_staleness,
+                                      in_flight_weight_updates=c.in_flight_weight_updates)
+                        if c.max_staleness else None)
         return cls(sampling, algorithm, optim, batch, dynamic, asynchronous)
 
 

@@ -165,8 +165,8 @@ def init_train_state(params, optimizer, *, hyperparams: Hyperparams, frozen=None
     """A fresh state: optimizer initialised on ``params``, counters at 0, score moments at mean 0 / std 1.
 
     hyperparams: the traced hyperparameters (``Hyperparams.from_config(config)`` or ``Hyperparams.create(...)``).
-    in_flight: an asynchronous run's queue shapes (``ppojax.rl.pipeline.in_flight_shapes``): zeros of them, which
-    ``ppojax.rl.pipeline.fill`` replaces with the first sampled batches; None: synchronous."""
+    in_flight: an asynchronous run's queue shapes (``ppojax.rl.in_flight_updates.in_flight_shapes``): zeros of
+    them, which ``ppojax.rl.in_flight_updates.fill_queue`` replaces with the first batches; None: synchronous."""
     def zero():  # distinct buffers: the state is donated, and one buffer may not be donated twice
         return jnp.zeros((), jnp.int32)
 

@@ -26,7 +26,7 @@ from ppojax.errors import ConfigError
 from ppojax.models.kernels import XLA
 from ppojax.models.lora import LoraSpec
 from ppojax import parallel
-from ppojax.rl import pipeline, placement
+from ppojax.rl import in_flight_updates, placement
 from ppojax.rl.actor_critic import ActorCritic
 from ppojax.rl.episodes import EpisodeSource, first_turn_only
 from ppojax.rl.optimizer import optimizer_from_config
@@ -148,7 +148,7 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
         program, train_step = ahead[1].program, ahead[1].train_step
     else:  # no compile ahead, or its structure guess differs from the loaded models' (the step compiles later)
         program, train_step = program_for(models), None
-    in_flight = pipeline.in_flight_shapes(program, models.params, models.frozen, config.max_prompt_length)
+    in_flight = in_flight_updates.in_flight_shapes(program, models.params, models.frozen, config.max_prompt_length)
     state, state_shardings = placement.init_sharded_train_state(models.params, program.optimizer, mesh,
                                                                hyperparams=Hyperparams.from_config(config),
                                                                frozen=models.frozen, kl_coef=config.kl_coef,
@@ -187,7 +187,8 @@ def _compile_ahead(config, program_for, sources: dict, batches: PromptBatches):
         if config.filter_groups:  # one batch per generation round
             prompts_shape = (config.max_num_gen_batches, *prompts_shape)
         program = program_for(abstract)
-        in_flight = pipeline.in_flight_shapes(program, abstract.params, abstract.frozen, config.max_prompt_length)
+        in_flight = in_flight_updates.in_flight_shapes(program, abstract.params, abstract.frozen,
+                                                       config.max_prompt_length)
         return abstract, start_train_step(program, abstract.params, abstract.frozen,
                                           hyperparams=Hyperparams.from_config(config), kl_coef=config.kl_coef,
                                           prompts_shape=prompts_shape, in_flight=in_flight)

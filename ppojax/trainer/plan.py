@@ -42,7 +42,7 @@ from ppojax.core.advantages import advantage_estimator
 from ppojax.models import CausalLM, CausalLMWithValueHead, ModelConfig, ScoreModel, count_params, init_cache
 from ppojax.models.errors import ModelLoadError, UnsupportedModelError
 from ppojax.models.flops import Dims, ppo_update_flops
-from ppojax.rl import pipeline
+from ppojax.rl import in_flight_updates
 from ppojax.rl.program import collect_experience, make_rollout, make_train_step, make_update
 from ppojax.rl.rewards import ModelScores
 from ppojax.rl.settings import Hyperparams
@@ -178,7 +178,7 @@ def abstract_run(config: PPOConfig, model_cfg, mesh) -> AbstractRun:
                            lora_scale=None if models.lora_spec is None else models.lora_spec.scale,
                            kernels=kernels)
     hyperparams = Hyperparams.from_config(config)
-    in_flight = pipeline.in_flight_shapes(program, models.params, models.frozen, config.max_prompt_length)
+    in_flight = in_flight_updates.in_flight_shapes(program, models.params, models.frozen, config.max_prompt_length)
     state = jax.eval_shape(lambda p, f: init_train_state(p, program.optimizer, hyperparams=hyperparams, frozen=f,
                                                          kl_coef=config.kl_coef, in_flight=in_flight),
                            models.params, models.frozen)

@@ -27,3 +27,10 @@ class AsyncSettings:
     mesh the mesh_* fields describe. The rollout and the update of an iteration then run at the same time on their
     own devices, the policy copied device to device after each update. 0: every device samples and trains, in
     one program. A checkpoint is the same either way (resuming may change this). One process only."""
+    in_flight_weight_updates: bool = setting(False, static=True, on_resume=MUST_MATCH)
+    """With max_staleness = k >= 1 (PipelineRL's in-flight weight updates): each batch's decode is spread over
+    k + 1 updates, a chunk of about (response_length - 1) / (k + 1) decode steps per update, each chunk sampled by
+    that update's policy on the KV cache the earlier chunks left (not recomputed). The batch is learned by the
+    update that decodes its last chunk, so its newest tokens are on-policy and its oldest k versions behind
+    (each token's version is recorded). The decode states in flight live in the train state. Not with
+    rollout_devices or rollout_slots."""
