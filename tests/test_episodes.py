@@ -198,3 +198,34 @@ def test_fewer_rows_than_episodes_play_the_same_episodes(policy, stop_token, epi
     np.testing.assert_array_equal(out.completed, episodes.completed)
     np.testing.assert_array_equal(out.environment_reward, episodes.environment_reward)
     np.testing.assert_allclose(out.logprobs, episodes.logprobs, atol=2e-5, rtol=0)
+
+
+def list_schedule_steps(durations, rows):
+    """The steps a loop of ``rows`` rows takes to play episodes of ``durations`` model tokens each (one token per
+    row per step), each waiting episode taking, in order, the first row to come free: plain list scheduling."""
+    import heapq
+    free = [0] * rows
+    end = 0
+    for duration in durations:
+        start = heapq.heappop(free)
+        heapq.heappush(free, start + duration)
+        end = max(end, start + duration)
+    return end
+
+
+@pytest.mark.parametrize("slots", [0, 5])
+def test_the_decode_work_counts_each_model_token_once_and_every_row_step(policy, stop_token, episodes, slots):
+    """busy: the model's tokens of the batch (one per row-step that drew one); computed: the loop's steps times its
+    rows, the steps those of list scheduling the episodes' model tokens onto the rows (every episode's own row
+    with slots 0)."""
+    graphdef, params = policy
+    played = episodes if not slots else jax.tree.map(np.asarray, jax.jit(
+        lambda params, prompts, key: generate_episodes(
+            graphdef, params, prompts, key, shape=SHAPE, host_turn=scripted_host, pad_token_id=PAD,
+            stop_token_id=stop_token, temperature=TEMPERATURE, top_k=TOP_K, slots=slots))(
+        params, jnp.asarray(PROMPTS), jax.random.key(3)))
+    model_tokens = np.sum(played.logprobs != INVALID_LOGPROB, axis=1)
+    assert float(played.busy_row_steps) == model_tokens.sum()
+    rows = slots or len(PROMPTS)
+    assert float(played.computed_row_steps) == rows * list_schedule_steps(model_tokens, rows)
+    assert slots == 0 or float(played.computed_row_steps) < len(PROMPTS) * model_tokens.max()  # refills pay

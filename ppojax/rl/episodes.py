@@ -116,6 +116,9 @@ class Episodes(NamedTuple):
                         (not truncated): the multi-turn ``contains_stop``.
     environment_reward: f32[B] the sum of the environment's turn rewards (NaN where it gave none).
     turns:              i32[B] model turns taken.
+    busy_row_steps:     f32[] the loop's row-steps that drew a model token (``ppojax.rl.sampler.decode_work``'s busy).
+    computed_row_steps: f32[] every row-step its decode steps computed (steps x cache rows); the observations' and
+                        the refills' prefills are counted in neither, as the continuous sampler's refills are not.
     """
 
     stream: jax.Array
@@ -124,6 +127,8 @@ class Episodes(NamedTuple):
     completed: jax.Array
     environment_reward: jax.Array
     turns: jax.Array
+    busy_row_steps: Optional[jax.Array] = None
+    computed_row_steps: Optional[jax.Array] = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -200,7 +205,8 @@ class _Rows:
 @flax.struct.dataclass
 class _Played:
     """What the loop writes per episode (B): stream, environment, logprobs [B, T]; completed, reward, turns and
-    stream_length (its stream's tokens) [B]."""
+    stream_length (its stream's tokens) [B]; and of its own work: busy f32[] (row-steps that drew a model token),
+    steps i32[] (decode steps run)."""
 
     stream: jax.Array
     environment: jax.Array
@@ -209,6 +215,8 @@ class _Played:
     reward: jax.Array
     turns: jax.Array
     stream_length: jax.Array
+    busy: jax.Array
+    steps: jax.Array
 
 
 def _one_row(cache, slot):
@@ -267,7 +275,8 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
         at = jnp.where(writing, rows.stream_length, length)  # out of range: dropped
         out = out.replace(stream=out.stream.at[episode, at].set(token, mode="drop"),
                           logprobs=out.logprobs.at[episode, at].set(
-                              token_logprobs(rows.logits, drawn, temperature), mode="drop"))
+                              token_logprobs(rows.logits, drawn, temperature), mode="drop"),
+                          busy=out.busy + jnp.sum(writing, dtype=jnp.float32), steps=out.steps + 1)
         stream_length = rows.stream_length + writing.astype(jnp.int32)
         turn_tokens = rows.turn_tokens.at[row_ids, jnp.where(rows.running, rows.turn_step, turn_length)].set(
             token, mode="drop")
@@ -350,8 +359,9 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
     out = _Played(stream=jnp.full((batch, length), pad), environment=jnp.zeros((batch, length), bool),
                   logprobs=jnp.zeros((batch, length), jnp.float32), completed=jnp.zeros((batch,), bool),
                   reward=jnp.full((batch,), jnp.nan, jnp.float32), turns=jnp.zeros((batch,), jnp.int32),
-                  stream_length=jnp.zeros((batch,), jnp.int32))
+                  stream_length=jnp.zeros((batch,), jnp.int32), busy=jnp.float32(0), steps=jnp.int32(0))
     _, out = jax.lax.while_loop(lambda carry: jnp.any(carry[0].running), step, (rows, out))
     written = jnp.arange(length)[None, :] < out.stream_length[:, None]
     logprobs = jnp.where(written & ~out.environment, out.logprobs, INVALID_LOGPROB)
-    return Episodes(out.stream, out.environment, logprobs, out.completed, out.reward, out.turns)
+    return Episodes(out.stream, out.environment, logprobs, out.completed, out.reward, out.turns,
+                    busy_row_steps=out.busy, computed_row_steps=(out.steps * num_rows).astype(jnp.float32))

@@ -27,7 +27,7 @@ from ppojax.rl import placement
 from ppojax.rl.continuous import generate_continuous
 from ppojax.rl.episodes import Episodes, generate_episodes
 from ppojax.rl.packed_rollout import packed_rollout_forwards, rollout_packed_shape
-from ppojax.rl.sampler import decode_work, generate
+from ppojax.rl.sampler import decode_work, generate, occupancy
 from ppojax.core.masks import INVALID_LOGPROB, contains_stop_token, response_masks, truncate_response
 from ppojax.core.overlong import soft_overlong_punishment
 from ppojax.core.shaping import penalise_missing_stop
@@ -294,5 +294,6 @@ def episode_experience(program, state, prompts: Prompts, key):
     metrics = {"episodes/turns": jnp.mean(episodes.turns.astype(jnp.float32)),
                "episodes/completed": jnp.mean(episodes.completed.astype(jnp.float32)),
                "episodes/environment_tokens": jnp.mean(environment_tokens.astype(jnp.float32)),
-               "episodes/model_tokens": jnp.mean((lengths - environment_tokens).astype(jnp.float32))}
+               "episodes/model_tokens": jnp.mean((lengths - environment_tokens).astype(jnp.float32)),
+               SLOT_OCCUPANCY: occupancy(episodes.busy_row_steps, episodes.computed_row_steps)}
     return exp, failures, metrics
