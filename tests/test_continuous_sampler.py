@@ -287,6 +287,10 @@ import tests.sharding_helpers as H
 ac, params, _, _ = H.build_models()
 prompts = jnp.asarray(H.prompts()[:8])
 kwargs = dict(response_length=6, pad_token_id=H.PAD, temperature=1.0)
+unstopped = jax.jit(lambda p, q, k: generate(ac.policy_graphdef, p, q, k, **kwargs))(
+    params["policy"], prompts, jax.random.key(0))
+stop = int(unstopped[0, 2])  # a token this policy draws: the responses end at different lengths
+kwargs["stop_token_id"] = stop
 one_device = jax.jit(lambda p, q, k: generate(ac.policy_graphdef, p, q, k, **kwargs))(
     params["policy"], prompts, jax.random.key(0))
 mesh = sh.make_mesh(data=2, fsdp=2, tensor=2)
@@ -294,6 +298,20 @@ sharded = jax.jit(lambda p, q, k: generate_continuous(ac.policy_graphdef, p, q, 
                   init_cache_fn=placement.make_init_cache_fn(mesh)))(
     sh.shard_params(params["policy"], mesh, sh.GENERATE_RULES), sh.shard_batch(prompts, mesh), jax.random.key(0))
 np.testing.assert_array_equal(np.asarray(sharded), np.asarray(one_device))
+# each data-parallel shard on its own: 4 shards of 2 rows, 1 slot each, refilled from the shard's own rows
+from ppojax.rl.continuous import generate_continuous_per_shard
+(tokens, logprobs), steps, slots = jax.jit(lambda p, q, k: generate_continuous_per_shard(
+    ac.policy_graphdef, p, q, k, mesh=mesh, slots=4, return_logprobs=True, **kwargs))(
+    sh.shard_params(params["policy"], mesh, sh.GENERATE_RULES), sh.shard_batch(prompts, mesh), jax.random.key(0))
+np.testing.assert_array_equal(np.asarray(tokens), np.asarray(one_device))
+_, want_logprobs = jax.jit(lambda p, q, k: generate(ac.policy_graphdef, p, q, k, return_logprobs=True, **kwargs))(
+    params["policy"], prompts, jax.random.key(0))
+hits = np.asarray(one_device) == stop
+lengths = np.where(hits.any(1), hits.argmax(1) + 1, 6)
+sampled = np.arange(6)[None, :] < lengths[:, None]  # after the stop token the log-probs mean nothing
+np.testing.assert_allclose(np.asarray(logprobs)[sampled], np.asarray(want_logprobs)[sampled], atol=2e-5, rtol=0)
+assert {s.data.shape[0] for s in tokens.addressable_shards} == {2} and slots == 1
+print("SHARD-STEPS", [int(x) for x in steps], ";", [int(x) for x in lengths])
 print("SHARDED-OK")
 """
 
@@ -301,7 +319,10 @@ print("SHARDED-OK")
 @pytest.mark.slow
 def test_the_slots_decode_sharded_over_a_mesh():
     """On 8 virtual CPU devices (data 2, fsdp 2, tensor 2: the slot cache split by rows and kv heads), the slots
-    give the one-device padded sampler's tokens (the refills cross shards: XLA adds the communication)."""
+    give the one-device padded sampler's tokens: one slot cache for the mesh (the refills cross shards: XLA adds the
+    communication), and each data-parallel shard with slots of its own refilled from its own rows (what a run on a
+    mesh uses), whose steps are each shard's own schedule."""
+    import json
     import os
     import subprocess
     import sys
@@ -315,3 +336,8 @@ def test_the_slots_decode_sharded_over_a_mesh():
     done = subprocess.run([sys.executable, "-c", SHARDED], cwd=root, env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0 and "SHARDED-OK" in done.stdout, done.stderr[-3000:]
+    # per shard: the decode steps of its own 2 rows through 1 slot, as the Python schedule plays them
+    line = done.stdout.split("SHARD-STEPS")[1].splitlines()[0]
+    got, lengths = (json.loads(part) for part in line.split(";"))
+    assert got == [simulated_steps(lengths[2 * i:2 * i + 2], 1) for i in range(4)], (got, lengths)
+    assert len(set(lengths)) > 1  # the stop token made the lengths differ

@@ -489,6 +489,39 @@ if CHILD:
         assert_trees_close(state.params, one_state.params, what="params")
         np.testing.assert_array_equal(np.asarray(state.in_flight.responses), np.asarray(one_state.in_flight.responses))
 
+    # ---- continuous batching per data-parallel shard ----
+    def test_a_train_step_with_slots_per_shard_equals_one_device():
+        """rollout_slots 4 on a (data 2, fsdp 2) mesh: each of the 4 shards decodes its 4 rows in 1 slot of its own;
+        the step's metrics (the slot occupancy included: each shard's steps x its slot) and weights equal one
+        device's 4 slots over the 16 rows (the occupancy is each schedule's own)."""
+        import dataclasses
+
+        from ppojax.rl.program import make_train_step
+        from tests.test_pipeline import program_with
+        from tests.test_train_step import init_state, prompt_blocks
+
+        results = []
+        for mesh in (sh.make_mesh(devices=jax.devices()[:1]), sh.make_mesh(2, 2, 1, devices=jax.devices()[:4])):
+            program = program_with(None, rollout_slots=4, learning_rate=1e-3, behaviour_logprobs="forward")
+            batch = dataclasses.replace(program.settings.batch, data_parallel_size=sh.data_parallel_size(mesh))
+            program = dataclasses.replace(program, mesh=mesh,
+                                          settings=dataclasses.replace(program.settings, batch=batch))
+            plain = init_state(program, 0)
+            state, shardings = placement.init_sharded_train_state(
+                plain.params, program.optimizer, mesh, hyperparams=plain.hyperparams, frozen=plain.frozen,
+                kl_coef=0.05)
+            state, metrics = make_train_step(program, shardings)(state, prompt_blocks(1)[0], jax.random.key(5))
+            results.append((state, {k: float(v) for k, v in sh.to_host(metrics).items()}))
+        (one_state, one), (state, metrics) = results
+        occupancy = "sampling/slot_occupancy"
+        for name, value in one.items():
+            if name != occupancy:
+                np.testing.assert_allclose(metrics[name], value, atol=1e-5, rtol=1e-5, err_msg=name)
+        assert 0 < metrics[occupancy] <= 1 and 0 < one[occupancy] <= 1
+        # Adam's first step (about lr x sign(g)) turns the float rounding of near-zero gradients, 4 shards' sums
+        # against one, into differences up to a tenth of the learning rate
+        assert_trees_close(state.params, one_state.params, atol=1e-4, what="params")
+
     # ---- checkpoints load straight into their shards ----
     GPT2_FUSED = dict(model_type="gpt2", vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=32)
 

@@ -28,19 +28,23 @@ rounding of computing a row in a batch of another shape (one-row prefills, ``S``
 Output: the padded sampler's layout, responses i32[B, R] in the prompts' order (pad after the stop token) and
 with ``return_logprobs`` the f32[B, R] log-probs, so everything downstream is unchanged.
 
-Sharding. Under a mesh the slot cache is sharded by rows like the padded sampler's (``init_cache_fn``), but a
-refill reads the prompt and writes the row of whichever slot is free, across shards: XLA inserts the
-communication, and a refill runs one prompt at a time for the whole mesh. Shard-local slots (each
-data-parallel shard refilling from its own rows) are not implemented.
+Sharding. On a mesh, :func:`generate_continuous_per_shard` runs the loop on each data-parallel shard apart: the
+shard's rows, its own slots, its own refills (no prompt or cache row crosses shards, and a shard whose responses
+are short stops early instead of waiting for the others' refills). Each row keeps its index in the whole batch for
+its keys, so the tokens do not depend on the mesh.
 """
 from __future__ import annotations
 
 import functools
+import math
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
+
+from ppojax.parallel import batch_partition_spec
 
 from ppojax.rl.sampler import (_cache_dtype, _init_cache, copy_into_slot, decode_step, model_kernels,
                                prefill_one_row, row_keys, sample_rows, token_logprobs)
@@ -70,7 +74,7 @@ class _Slots:
 
 def generate_continuous(graphdef, params, prompt_ids, key, *, slots, response_length, pad_token_id,
                         temperature=1.0, top_k=0, top_p=1.0, greedy=False, stop_token_id=None, cache_dtype=None,
-                        init_cache_fn=None, return_logprobs=False, return_steps=False):
+                        init_cache_fn=None, return_logprobs=False, return_steps=False, first_row=0):
     """:func:`ppojax.rl.sampler.generate` with ``slots`` sequences decoded at a time. Pure; call it under jit.
 
     prompt_ids: i32[B, P] left padded; key, temperature and the static options as ``generate``'s (row b's token
@@ -78,7 +82,8 @@ def generate_continuous(graphdef, params, prompt_ids, key, *, slots, response_le
     capped at B). init_cache_fn builds the S-row slot cache (its index is replaced by one per row); refills use
     a plain one-row cache. Returns what ``generate`` returns (responses i32[B, R] in the prompts' order, and
     f32[B, R] log-probs with ``return_logprobs``); with ``return_steps`` also the decode steps the loop ran
-    (i32[], the prefills not counted): ``(out, steps)``.
+    (i32[], the prefills not counted): ``(out, steps)``. first_row: the index row 0 has in the whole batch
+    (may be traced; a shard's rows, :func:`generate_continuous_per_shard`): row b draws as row first_row + b.
     """
     batch, prompt_length = prompt_ids.shape
     if response_length < 1:
@@ -119,7 +124,7 @@ def generate_continuous(graphdef, params, prompt_ids, key, *, slots, response_le
         b = state.next_row
         prompt = jax.lax.dynamic_slice_in_dim(prompt_ids, b, 1, axis=0)  # [1, P]
         logits, one, real_tokens = prefill_one_row(model, prompt, pad_token_id, max_length, dtype)  # [1, V]
-        token = sample(logits, row_keys(key, 0, b[None]))  # [1]
+        token = sample(logits, row_keys(key, 0, first_row + b[None]))  # [1]
         state = record(state, b[None], jnp.zeros((1,), jnp.int32), token, logits)
         one_t = jnp.ones((1,), jnp.int32)
         return state.replace(
@@ -135,7 +140,7 @@ def generate_continuous(graphdef, params, prompt_ids, key, *, slots, response_le
         """One token in every slot (a free slot's row is computed and thrown away), then refill."""
         fed = jnp.where(state.live, state.token, pad)
         logits, cache, fed_live = decode_step(graphdef, params, state.cache, fed, state.position, pad_token_id)
-        token = jnp.where(state.live, sample(logits, row_keys(key, state.t, state.row)), pad)
+        token = jnp.where(state.live, sample(logits, row_keys(key, state.t, first_row + state.row)), pad)
         state = record(state, jnp.where(state.live, state.row, batch), state.t, token, logits)
         t = state.t + 1
         state = state.replace(cache=cache, t=t, token=token, position=state.position + fed_live.astype(jnp.int32),
@@ -145,6 +150,37 @@ def generate_continuous(graphdef, params, prompt_ids, key, *, slots, response_le
     state = jax.lax.while_loop(lambda s: jnp.any(s.live), decode, refill(state))
     out = (state.responses, state.logprobs) if return_logprobs else state.responses
     return (out, state.steps) if return_steps else out
+
+
+def generate_continuous_per_shard(graphdef, params, prompt_ids, key, *, mesh, slots, return_logprobs=False,
+                                  **options):
+    """:func:`generate_continuous` on each data-parallel shard of ``mesh`` apart: shard i decodes its own rows (its
+    block of ``prompt_ids`` over the batch axes, ``ppojax.parallel.batch_partition_spec``) in ceil(S / n) slots of
+    its own, refilled from its own waiting rows, with no communication between shards (``jax.shard_map`` over the
+    batch axes; the other mesh axes stay with the compiler). Each row draws with its index in the whole batch, so
+    the tokens are :func:`generate_continuous`'s on one device (up to float rounding).
+
+    params: replicated over the batch axes (the sampler reads them gathered, ``GENERATE_RULES``); prompt_ids
+    i32[B, P] with B a multiple of the n shards; options: :func:`generate_continuous`'s (``init_cache_fn`` is not
+    taken: each shard's cache is its own). -> (what ``generate_continuous`` returns, the decode steps of each
+    shard i32[n], the slots of each shard)."""
+    spec = batch_partition_spec(mesh)
+    axes = tuple(spec[0]) if len(spec) else ()
+    shards = math.prod(mesh.shape[a] for a in axes)
+    rows, local_slots = prompt_ids.shape[0] // shards, -(-slots // shards)
+    rows_spec, replicated = PartitionSpec(axes), PartitionSpec()
+
+    def local(params, prompt_ids, key):
+        first_row = jax.lax.axis_index(axes) * rows
+        out, steps = generate_continuous(graphdef, params, prompt_ids, key, slots=local_slots, first_row=first_row,
+                                         return_logprobs=return_logprobs, return_steps=True, **options)
+        return out, steps[None]
+
+    out_spec = (rows_spec, rows_spec) if return_logprobs else rows_spec
+    per_shard = jax.shard_map(local, mesh=mesh, in_specs=(replicated, rows_spec, replicated),
+                              out_specs=(out_spec, rows_spec), axis_names=frozenset(axes), check_vma=False)
+    out, steps = per_shard(params, prompt_ids, key)
+    return out, steps, min(local_slots, rows)
 
 
 CONTINUOUS_STATIC = ("graphdef", "slots", "response_length", "pad_token_id", "top_k", "top_p", "greedy",

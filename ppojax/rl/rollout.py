@@ -24,7 +24,7 @@ from flax import nnx
 
 from ppojax import parallel
 from ppojax.rl import placement
-from ppojax.rl.continuous import generate_continuous
+from ppojax.rl.continuous import generate_continuous, generate_continuous_per_shard
 from ppojax.rl.episodes import Episodes, generate_episodes
 from ppojax.rl.packed_rollout import packed_rollout_forwards, rollout_packed_shape
 from ppojax.rl.sampler import decode_work, generate, occupancy
@@ -68,11 +68,10 @@ def sample_measured(program, state, prompts, key):
         prompts, group_size = jnp.repeat(prompts, group_size, axis=0), 1
     graphdef, weights = program.actor_critic.sampling_policy(state.params, state.frozen)
     keep_logprobs = sampling.behaviour_logprobs == "sampler"
-    out, steps = _sample_policy(graphdef, weights, prompts, key, sampling, sampling.temperature, mesh=program.mesh,
-                                return_logprobs=keep_logprobs, group_size=group_size, return_steps=True)
+    out, steps, rows_per_step = _sample_policy(graphdef, weights, prompts, key, sampling, sampling.temperature,
+                                               mesh=program.mesh, return_logprobs=keep_logprobs,
+                                               group_size=group_size, return_steps=True)
     query_responses, sampler_logprobs = out if keep_logprobs else (out, None)
-    rows_per_step = min(sampling.rollout_slots, query_responses.shape[0]) if sampling.rollout_slots else \
-        query_responses.shape[0]
     work = decode_work(query_responses[:, prompts.shape[1]:], sampling.stop_token_id, rows_per_step, steps)
     return query_responses, sampler_logprobs, work
 
@@ -113,27 +112,34 @@ def _sample_policy(policy_graphdef, policy_params, queries, key, sampling, tempe
     ``return_logprobs``): each query sampled G = ``group_size`` times (its rows consecutive; continuous batching
     takes G = 1). ``sampling.rollout_slots`` > 0 decodes with continuous batching (the same tokens). On a
     mesh, the weights are read under ``GENERATE_RULES`` (gathered over fsdp once for the whole decode loop) and
-    the KV cache is sharded by rows. With ``return_steps``: (that, the continuous sampler's decode steps i32[] or
-    None for the padded sampler's)."""
+    the KV cache is sharded by rows; continuous batching runs on each data-parallel shard apart (its own rows, its
+    own ``ceil(rollout_slots / shards)`` slots). With ``return_steps``: (that, the decode steps i32[] (summed over
+    the shards) or None for the padded sampler's, the rows each step computes)."""
     policy_params, init_cache_fn = decode_placement(policy_graphdef, policy_params, mesh)
-    decode = functools.partial(generate, segments=sampling.decode_segments, group_size=group_size)
-    steps = None
-    if sampling.rollout_slots:  # continuous batching: S slots refilled from the waiting rows
-        decode = functools.partial(generate_continuous, slots=sampling.rollout_slots, return_steps=return_steps)
-    responses = decode(policy_graphdef, policy_params, queries, key, response_length=sampling.response_length,
-                       pad_token_id=sampling.pad_token_id, temperature=temperature, top_k=sampling.top_k,
-                       top_p=sampling.top_p, greedy=greedy, stop_token_id=sampling.stop_token_id,
-                       init_cache_fn=init_cache_fn, return_logprobs=return_logprobs,
-                       cache_dtype=sampling.kv_cache_dtype)
-    if return_steps and sampling.rollout_slots:
-        responses, steps = responses
+    options = dict(response_length=sampling.response_length, pad_token_id=sampling.pad_token_id,
+                   temperature=temperature, top_k=sampling.top_k, top_p=sampling.top_p, greedy=greedy,
+                   stop_token_id=sampling.stop_token_id, return_logprobs=return_logprobs,
+                   cache_dtype=sampling.kv_cache_dtype)
+    steps, rows_per_step = None, queries.shape[0] * group_size
+    if sampling.rollout_slots and mesh is not None and parallel.data_parallel_size(mesh) > 1:
+        responses, steps, rows_per_step = generate_continuous_per_shard(
+            policy_graphdef, policy_params, queries, key, mesh=mesh, slots=sampling.rollout_slots, **options)
+        steps = jnp.sum(steps)
+    elif sampling.rollout_slots:  # continuous batching: S slots refilled from the waiting rows
+        responses, steps = generate_continuous(policy_graphdef, policy_params, queries, key,
+                                               slots=sampling.rollout_slots, init_cache_fn=init_cache_fn,
+                                               return_steps=True, **options)
+        rows_per_step = min(sampling.rollout_slots, queries.shape[0])
+    else:
+        responses = generate(policy_graphdef, policy_params, queries, key, segments=sampling.decode_segments,
+                             group_size=group_size, init_cache_fn=init_cache_fn, **options)
     queries = jnp.repeat(queries, group_size, axis=0) if group_size > 1 else queries
     logprobs = None
     if return_logprobs:
         responses, logprobs = responses
     query_responses = jnp.concatenate([queries.astype(jnp.int32), responses], axis=1)
     out = (query_responses, logprobs) if return_logprobs else query_responses
-    return (out, steps) if return_steps else out
+    return (out, steps, rows_per_step) if return_steps else out
 
 
 def _in_compute_dtype(graphdef, params):

@@ -31,7 +31,8 @@ class SamplingSettings:
     """0: the rollout decodes all rows together until the longest response is done. S >= 1 (at most the
     batch_size): continuous batching, S sequences decoded at a time, each finished one replaced by the next
     waiting prompt, so the decode work follows the sum of the response lengths instead of batch x the longest.
-    Same tokens for the same seed; pays when a few responses run much longer than most (docs/algorithm.md). In an
+    Same tokens for the same seed; pays when a few responses run much longer than most (docs/algorithm.md). On a
+    mesh each data-parallel shard has ceil(S / shards) slots of its own, refilled from its own rows. In an
     agent run: the KV cache's rows, each playing one episode at a time and taking the next waiting one when its
     episode ends (docs/agents.md)."""
     decode_segments: int = setting(4, static=True, on_resume=MAY_CHANGE, rule=at_least(1))
