@@ -135,12 +135,15 @@ def run_updates(mesh, ac, params, experience, num_updates, settings=SETTINGS, hy
 ASYNC_ITERATIONS = 3
 
 
-def asynchronous_run(mesh):
+def asynchronous_run(mesh, in_flight_weight_updates=False):
     """An asynchronous run in one program on ``mesh`` (``max_staleness`` 1, the decoupled objective, the reward
     model scoring inside the program): the fill, then ASYNC_ITERATIONS train steps, each sampling the next batch
-    while it learns from the previous one. -> (metrics array, params and the queue left in flight on the host)."""
+    while it learns from the previous one (with ``in_flight_weight_updates``: decoding the second half of the
+    previous batch with the new policy, its KV cache in the state). -> (metrics array, params and the queue left in
+    flight on the host)."""
     ac, params, frozen, (_, value_def) = build_models()
-    settings, hyperparams = settings_of(max_staleness=1, behaviour_logprobs="sampler", use_decoupled_loss=True)
+    settings, hyperparams = settings_of(max_staleness=1, behaviour_logprobs="sampler", use_decoupled_loss=True,
+                                        in_flight_weight_updates=in_flight_weight_updates)
     program = PPOProgram(ac, ModelScores(value_def, PAD), settings, make_optimizer(), mesh)
     queue = in_flight_updates.in_flight_shapes(program, params, frozen, P)
     state, shardings = placement.init_sharded_train_state(params, program.optimizer, mesh, hyperparams=hyperparams,
@@ -185,9 +188,12 @@ def worker(out_path):
     else:
         assert on_main is None
     async_metrics, async_state = asynchronous_run(mesh)  # the batch rows over both processes' devices
+    swap_metrics, swap_state = asynchronous_run(mesh, in_flight_weight_updates=True)
     if sh.is_main_process():
         np.savez(out_path, rows=rows, metrics=metrics_array(history), async_metrics=async_metrics,
-                 **flat_params(params_host), **{"async" + k: v for k, v in flat_params(async_state).items()})
+                 swap_metrics=swap_metrics, **flat_params(params_host),
+                 **{"async" + k: v for k, v in flat_params(async_state).items()},
+                 **{"swap" + k: v for k, v in flat_params(swap_state).items()})
     jax.distributed.shutdown()
 
 
@@ -229,8 +235,10 @@ def single_process_reference(out_path):
     one = sh.make_mesh(devices=jax.devices()[:1])
     state, history = run_updates(one, ac, params, synthetic_experience(), num_updates=NUM_MULTIHOST_UPDATES)
     async_metrics, async_state = asynchronous_run(one)
-    np.savez(out_path, metrics=metrics_array(history), async_metrics=async_metrics,
-             **flat_params(sh.to_host(state.params)), **{"async" + k: v for k, v in flat_params(async_state).items()})
+    swap_metrics, swap_state = asynchronous_run(one, in_flight_weight_updates=True)
+    np.savez(out_path, metrics=metrics_array(history), async_metrics=async_metrics, swap_metrics=swap_metrics,
+             **flat_params(sh.to_host(state.params)), **{"async" + k: v for k, v in flat_params(async_state).items()},
+             **{"swap" + k: v for k, v in flat_params(swap_state).items()})
 
 
 def metrics_array(history):

@@ -1,6 +1,7 @@
 """Two processes on 127.0.0.1 with ``jax.distributed`` (2 CPU devices each) run the same PPO updates as one
 process on one device, and agree within 1e-5; so does an asynchronous run (``max_staleness`` 1: sampling,
-scoring and learning in one program across both processes, the batch in flight included).
+scoring and learning in one program across both processes, the batch in flight included), also with in-flight
+weight updates (the part-decoded batch and its KV cache in flight).
 
 Each worker (``tests/sharding_helpers.py worker``) starts ``jax.distributed`` from ``PPOJAX_COORDINATOR`` /
 ``PPOJAX_NUM_PROCESSES`` / ``PPOJAX_PROCESS_ID``, builds the mesh (data=1, fsdp=2, tensor=2) over the 4
@@ -72,12 +73,16 @@ def test_two_processes_match_a_single_process_run(tmp_path):
         assert len(params) > 10 and set(params) <= set(got.files)
         for name in params:
             np.testing.assert_allclose(got[name], expected[name], atol=1e-5, rtol=1e-5, err_msg=name)
-        # the asynchronous run (max_staleness 1, one program): sampled, scored and learned across both processes
-        np.testing.assert_allclose(got["async_metrics"], expected["async_metrics"], atol=1e-5, rtol=1e-5)
-        state = [name for name in expected.files if name.startswith("asyncparam")]
-        assert any("in_flight" in name for name in state) and set(state) <= set(got.files)
-        for name in state:
-            if np.issubdtype(expected[name].dtype, np.integer):  # the tokens and versions in flight
-                np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
-            else:
-                np.testing.assert_allclose(got[name], expected[name], atol=1e-4, rtol=1e-4, err_msg=name)
+        # the asynchronous runs (max_staleness 1, one program): sampled, scored and learned across both processes;
+        # with in-flight weight updates the part-decoded batch (its KV cache included) is split over both
+        for prefix in ("async", "swap"):
+            np.testing.assert_allclose(got[f"{prefix}_metrics"], expected[f"{prefix}_metrics"], atol=1e-5,
+                                       rtol=1e-5, err_msg=prefix)
+            state = [name for name in expected.files if name.startswith(f"{prefix}param")]
+            assert any("in_flight" in name for name in state) and set(state) <= set(got.files)
+            for name in state:
+                if np.issubdtype(expected[name].dtype, np.integer):  # the tokens and versions in flight
+                    np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+                else:
+                    np.testing.assert_allclose(got[name], expected[name], atol=1e-4, rtol=1e-4, err_msg=name)
+        assert any("keys" in name for name in expected.files if name.startswith("swapparam"))
