@@ -215,3 +215,102 @@ def test_an_in_flight_run_resumed_equals_the_run_never_stopped(tmp_path):
             assert a[name] == b[name], name
     jax.tree.map(np.testing.assert_array_equal, straight.state.params, resumed.state.params)
     jax.tree.map(np.testing.assert_array_equal, straight.state.in_flight, resumed.state.in_flight)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The continuous sampler: slots decoding on with a policy swapped in, chunks cut by sequences done
+# ------------------------------------------------------------------------------------------------------------
+def test_slots_swapped_mid_batch_sample_each_token_with_its_versions_policy():
+    """7 rows through 3 slots: the first policy until 3 sequences are done, then the second until all are. A row
+    whose tokens are all version 0 is the first policy's own sample, all version 1 the second's (rows draw with
+    their own keys); a row decoding across the swap starts as the first policy's sample; both kinds occur."""
+    from ppojax.rl.continuous import SlotLoop
+
+    graphdef, first, second = two_policies()
+    prompts = jnp.array(np.random.default_rng(1).integers(2, 16, size=(7, 5)), jnp.int32)
+    key, length = jax.random.key(5), 10
+    plain = [generate(graphdef, p, prompts, key, response_length=length, pad_token_id=PAD, temperature=1.0)
+             for p in (first, second)]
+    stop = int(plain[0][0, 1])  # a token the first policy draws early: sequences end at different lengths
+    plain = [np.asarray(generate(graphdef, p, prompts, key, response_length=length, pad_token_id=PAD,
+                                 temperature=1.0, stop_token_id=stop)) for p in (first, second)]
+
+    def loop(params, version):
+        return SlotLoop(graphdef, params, prompts, key, response_length=length, pad_token_id=PAD, stop_token_id=stop,
+                        version=version)
+
+    state = jax.jit(lambda: loop(first, 0).run(loop(first, 0).fresh(3), 3))()
+    state = jax.jit(lambda s: loop(second, 1).run(s, 7))(state)
+    tokens, versions = np.asarray(state.responses), np.asarray(state.versions)
+    lengths = np.where((tokens == stop).any(1), (tokens == stop).argmax(1) + 1, length)
+    kinds = []
+    for row in range(7):
+        sampled = versions[row, :lengths[row]]
+        if (sampled == 0).all():
+            np.testing.assert_array_equal(tokens[row], plain[0][row]), kinds.append("first")
+        elif (sampled == 1).all():
+            np.testing.assert_array_equal(tokens[row], plain[1][row]), kinds.append("second")
+        else:  # version 0 then 1, never back
+            swap = int(np.argmax(sampled == 1))
+            assert (sampled[:swap] == 0).all() and (sampled[swap:] == 1).all()
+            np.testing.assert_array_equal(tokens[row, :swap], plain[0][row, :swap]), kinds.append("across")
+    assert kinds.count("first") >= 3 and "second" in kinds and "across" in kinds, kinds
+
+
+@pytest.mark.parametrize("k", [1])
+def test_in_flight_updates_on_slots_equal_a_plain_loop(k):
+    """rollout_slots 4 (16 rows): each update's policy runs every batch in flight until its chunk's share of the
+    sequences is done; equal to a plain loop of the continuous sampler's pieces kept in a Python list."""
+    from ppojax.rl.continuous import SlotLoop
+
+    program = in_flight_program(k, use_decoupled_loss=True, rollout_slots=4)
+    blocks = prompt_blocks(NUM_UPDATES)
+    prompts = jnp.concatenate([blocks[NUM_UPDATES - k:], blocks])
+    keys = [step_key(0, i) for i in range(NUM_UPDATES)]
+    state, _ = make_fill(program)(init_state(program, 0), prompts[:k], jnp.stack(fill_keys(k)))
+    step, history = make_train_step(program), []
+    for i, key in enumerate(keys):
+        state, metrics = step(state, prompts[k + i], key)
+        history.append(jax.device_get(metrics))
+
+    sampling = program.settings.sampling
+    graphdef = program.actor_critic.policy_graphdef
+
+    def slot_loop(state, prompt_ids, key):
+        return SlotLoop(graphdef, state.params["policy"], prompt_ids, key, response_length=sampling.response_length,
+                        pad_token_id=sampling.pad_token_id, stop_token_id=sampling.stop_token_id,
+                        temperature=sampling.temperature, return_logprobs=True, version=state.update_count)
+
+    @functools.partial(jax.jit, static_argnums=3)
+    def chunk(state, slots, prompt_ids_and_key, target):
+        return slot_loop(state, *prompt_ids_and_key).run(slots, target)
+
+    @jax.jit
+    def begin(state, prompt_ids, key):
+        loop = slot_loop(state, prompt_ids, key)
+        return loop.run(loop.fresh(4), 8)  # half of the 16 sequences done: chunk 0 of 2
+
+    score = jax.jit(lambda state, qr, logprobs, versions: pipeline.scored_batch(
+        program, state, qr, logprobs, jnp.zeros(qr.shape[0], jnp.int32), versions)[0])
+    forwards = jax.jit(lambda s, qr, behaviour: rollout.experience_forwards(program, s, qr, 6, behaviour))
+    update = make_update(program)
+    ref = init_state(program, 0)
+    first_key = iteration_keys(fill_keys(1)[0])[0]
+    queue = [((prompts[0], first_key), begin(ref, prompts[0], first_key))]
+    reference = []
+    for i, key in enumerate(keys):
+        sample_key, update_key = iteration_keys(key)
+        (prompt_ids, decode_key), slots = queue.pop(0)
+        slots = chunk(ref, slots, (prompt_ids, decode_key), 16)
+        queue.append(((prompts[k + i], sample_key), begin(ref, prompts[k + i], sample_key)))
+        query_responses = jnp.concatenate([prompt_ids, slots.responses], axis=1)
+        batch = score(ref, query_responses, slots.logprobs, slots.versions)
+        experience = forwards(ref, query_responses, slots.logprobs).replace(
+            scores=batch.scores, reward_components=batch.reward_components, policy_versions=slots.versions)
+        ref, metrics = update(ref, experience, update_key)
+        reference.append(jax.device_get(metrics))
+    for update_index, (got, want) in enumerate(zip(history, reference)):
+        for name, value in want.items():
+            np.testing.assert_allclose(got[name], value, **TIGHT, err_msg=f"update {update_index + 1}: {name}")
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, **TIGHT), state.params, ref.params)
+    assert max(h["offpolicy/staleness_max"] for h in history) == 1

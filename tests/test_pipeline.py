@@ -120,8 +120,6 @@ def test_staleness_two_equals_a_plain_loop(objective):
     (dict(in_flight_weight_updates=True), "in_flight_weight_updates: true spreads each batch's decode"),
     (dict(max_staleness=1, behaviour_logprobs="sampler", in_flight_weight_updates=True, rollout_devices=1),
      "Remove one of the two"),
-    (dict(max_staleness=1, behaviour_logprobs="sampler", in_flight_weight_updates=True, rollout_slots=4),
-     "rollout_slots=4 \\(continuous batching\\) is not supported"),
 ])
 def test_configs_that_cannot_run_asynchronously_are_refused(values, message):
     with pytest.raises(ConfigError, match=message):

@@ -489,6 +489,44 @@ if CHILD:
         assert_trees_close(state.params, one_state.params, what="params")
         np.testing.assert_array_equal(np.asarray(state.in_flight.responses), np.asarray(one_state.in_flight.responses))
 
+    def test_in_flight_updates_on_slots_run_per_shard():
+        """rollout_slots 4 on a (data 2, fsdp 2) mesh: each shard keeps 1 slot of its own in the state (the slots
+        split by rows like the batch's rows) and swaps each update's policy into it. Update 1 learns a batch the
+        initial policy sampled whole (the fill and update 1 run the same policy), so its metrics equal one
+        device's; later batches differ by design (each shard cuts its own chunks)."""
+        import dataclasses
+
+        from ppojax.rl.in_flight_updates import in_flight_shapes
+        from ppojax.rl.program import make_fill, make_train_step
+        from tests.test_in_flight_updates import in_flight_program
+        from tests.test_pipeline import fill_keys
+        from tests.test_train_step import init_state, prompt_blocks
+
+        prompts = prompt_blocks(3)
+        results = []
+        for mesh in (sh.make_mesh(devices=jax.devices()[:1]), sh.make_mesh(2, 2, 1, devices=jax.devices()[:4])):
+            program = in_flight_program(1, learning_rate=1e-3, rollout_slots=4)
+            batch = dataclasses.replace(program.settings.batch, data_parallel_size=sh.data_parallel_size(mesh))
+            program = dataclasses.replace(program, mesh=mesh,
+                                          settings=dataclasses.replace(program.settings, batch=batch))
+            plain = init_state(program, 0)
+            state, shardings = placement.init_sharded_train_state(
+                plain.params, program.optimizer, mesh, hyperparams=plain.hyperparams, frozen=plain.frozen,
+                kl_coef=0.05, in_flight=in_flight_shapes(program, plain.params, plain.frozen, 6))
+            state, _ = make_fill(program, shardings)(state, prompts[:1], jnp.stack(fill_keys(1)))
+            step, history = make_train_step(program, shardings), []
+            for i in range(2):
+                state, metrics = step(state, prompts[1 + i], jax.random.key(i))
+                history.append({k: float(v) for k, v in sh.to_host(metrics).items()})
+            results.append((state, history))
+        (_, one), (state, history) = results
+        assert {shard.data.shape[1] for shard in state.in_flight.keys.addressable_shards} == {1}  # a slot a shard
+        assert {shard.data.shape[1] for shard in state.in_flight.responses.addressable_shards} == {4}
+        for name, value in one[0].items():
+            if name != "sampling/slot_occupancy":
+                np.testing.assert_allclose(history[0][name], value, atol=1e-5, rtol=1e-5, err_msg=name)
+        assert history[1]["offpolicy/staleness_max"] == 1 and np.isfinite(history[1]["loss/policy_avg"])
+
     # ---- continuous batching per data-parallel shard ----
     def test_a_train_step_with_slots_per_shard_equals_one_device():
         """rollout_slots 4 on a (data 2, fsdp 2) mesh: each of the 4 shards decodes its 4 rows in 1 slot of its own;

@@ -51,14 +51,15 @@ from ppojax.rl.sampler import (_cache_dtype, _init_cache, copy_into_slot, decode
 
 
 @flax.struct.dataclass
-class _Slots:
+class Slots:
     """The decode loop's carry. S slots, B sequences, R response tokens.
 
     cache: KVCache of S rows, index i32[S]; row: i32[S] the sequence each slot holds (B: none left);
     t: i32[S] the index of the token the slot samples next; token: i32[S] its last sampled token (fed next);
     position: i32[S] that token's position (real tokens before it); live: bool[S] the slot holds an unfinished
     sequence; next_row: i32[] the first prompt not started; responses: i32[B, R]; logprobs: f32[B, R] (f32[B, 0]
-    when not asked for); steps: i32[] decode steps run."""
+    when not asked for); steps: i32[] decode steps run; versions: i32[B, R] the policy version that sampled each
+    token (i32[B, 0] when not tracked)."""
 
     cache: object
     row: jax.Array
@@ -70,6 +71,100 @@ class _Slots:
     responses: jax.Array
     logprobs: jax.Array
     steps: jax.Array
+    versions: jax.Array
+
+    @property
+    def finished_rows(self) -> jax.Array:
+        """i32[]: the sequences started and done."""
+        return self.next_row - jnp.sum(self.live, dtype=jnp.int32)
+
+
+class SlotLoop:
+    """The continuous sampler's pieces for one policy and one batch of prompts: :meth:`fresh` (the slots filled with
+    the first prompts) and :meth:`run` (decode steps until a number of sequences are done). Options as
+    :func:`generate_continuous`'s; version: the policy version recorded for each token sampled (None: not tracked)."""
+
+    def __init__(self, graphdef, params, prompt_ids, key, *, response_length, pad_token_id, temperature=1.0, top_k=0,
+                 top_p=1.0, greedy=False, stop_token_id=None, cache_dtype=None, return_logprobs=False, first_row=0,
+                 version=None):
+        if response_length < 1:
+            raise ValueError(f"response_length={response_length}; expected >= 1")
+        self.graphdef, self.params, self.prompt_ids, self.key = graphdef, params, prompt_ids, key
+        self.batch, prompt_length = prompt_ids.shape
+        self.response_length, self.pad_token_id, self.stop_token_id = response_length, pad_token_id, stop_token_id
+        self.temperature, self.return_logprobs, self.first_row, self.version = (temperature, return_logprobs,
+                                                                                 first_row, version)
+        self.model = nnx.merge(graphdef, params)
+        self.sample = functools.partial(sample_rows, temperature=temperature, top_k=top_k, top_p=top_p,
+                                        greedy=greedy, argmax=model_kernels(self.model).argmax)
+        self.pad = jnp.asarray(pad_token_id, jnp.int32)
+        self.dtype = _cache_dtype(self.model, params, cache_dtype)
+        self.max_length = prompt_length + response_length
+
+    def fresh(self, slots, init_cache_fn=None) -> Slots:
+        """``slots`` slots (at most B), each holding one of the first prompts, its token 0 sampled."""
+        num_slots, batch = min(slots, self.batch), self.batch
+        cache = (init_cache_fn or _init_cache)(self.model, num_slots, self.max_length, self.dtype)
+        empty = jnp.zeros((num_slots,), jnp.int32)
+        return self.refill(Slots(
+            cache=cache.replace(index=empty), row=empty + batch, t=empty, token=empty + self.pad, position=empty,
+            live=jnp.zeros((num_slots,), bool), next_row=jnp.int32(0),
+            responses=jnp.full((batch, self.response_length), self.pad, jnp.int32),
+            logprobs=jnp.zeros((batch, self.response_length if self.return_logprobs else 0), jnp.float32),
+            steps=jnp.int32(0),
+            versions=jnp.zeros((batch, self.response_length if self.version is not None else 0), jnp.int32)))
+
+    def run(self, state: Slots, until_finished) -> Slots:
+        """Decode steps (each followed by refills) until ``until_finished`` (i32[] or int) sequences are done, or
+        all of them."""
+        return jax.lax.while_loop(lambda s: jnp.any(s.live) & (s.finished_rows < until_finished), self.decode, state)
+
+    def finished(self, token, t):
+        """bool[S]: the sequence is done after sampling `token` as its token `t - 1`."""
+        done = t >= self.response_length
+        return done if self.stop_token_id is None else done | (token == self.stop_token_id)
+
+    def record(self, state, rows, t, token, logits):
+        """Write each slot's token t into its sequence's row (rows == B: dropped)."""
+        responses = state.responses.at[rows, t].set(token, mode="drop")
+        logprobs, versions = state.logprobs, state.versions
+        if self.return_logprobs:
+            logprobs = logprobs.at[rows, t].set(token_logprobs(logits, token, self.temperature), mode="drop")
+        if self.version is not None:
+            versions = versions.at[rows, t].set(self.version, mode="drop")
+        return state.replace(responses=responses, logprobs=logprobs, versions=versions)
+
+    def refill_one(self, state):
+        """Prefill the next waiting prompt into the first free slot and sample its token 0."""
+        slot = jnp.argmax(~state.live).astype(jnp.int32)
+        b = state.next_row
+        prompt = jax.lax.dynamic_slice_in_dim(self.prompt_ids, b, 1, axis=0)  # [1, P]
+        logits, one, real_tokens = prefill_one_row(self.model, prompt, self.pad_token_id, self.max_length,
+                                                   self.dtype)  # [1, V]
+        token = self.sample(logits, row_keys(self.key, 0, self.first_row + b[None]))  # [1]
+        state = self.record(state, b[None], jnp.zeros((1,), jnp.int32), token, logits)
+        one_t = jnp.ones((1,), jnp.int32)
+        return state.replace(
+            cache=copy_into_slot(state.cache, one, slot), row=state.row.at[slot].set(b), t=state.t.at[slot].set(1),
+            token=state.token.at[slot].set(token[0]), position=state.position.at[slot].set(real_tokens),
+            live=state.live.at[slot].set(~self.finished(token, one_t)[0]), next_row=b + 1)
+
+    def refill(self, state):
+        """Fill the free slots with waiting prompts (a sequence done at its token 0 frees its slot again)."""
+        return jax.lax.while_loop(lambda s: jnp.any(~s.live) & (s.next_row < self.batch), self.refill_one, state)
+
+    def decode(self, state):
+        """One token in every slot (a free slot's row is computed and thrown away), then refill."""
+        fed = jnp.where(state.live, state.token, self.pad)
+        logits, cache, fed_live = decode_step(self.graphdef, self.params, state.cache, fed, state.position,
+                                              self.pad_token_id)
+        token = jnp.where(state.live, self.sample(logits, row_keys(self.key, state.t, self.first_row + state.row)),
+                          self.pad)
+        state = self.record(state, jnp.where(state.live, state.row, self.batch), state.t, token, logits)
+        t = state.t + 1
+        state = state.replace(cache=cache, t=t, token=token, position=state.position + fed_live.astype(jnp.int32),
+                              live=state.live & ~self.finished(token, t), steps=state.steps + 1)
+        return self.refill(state)
 
 
 def generate_continuous(graphdef, params, prompt_ids, key, *, slots, response_length, pad_token_id,
@@ -85,69 +180,12 @@ def generate_continuous(graphdef, params, prompt_ids, key, *, slots, response_le
     (i32[], the prefills not counted): ``(out, steps)``. first_row: the index row 0 has in the whole batch
     (may be traced; a shard's rows, :func:`generate_continuous_per_shard`): row b draws as row first_row + b.
     """
-    batch, prompt_length = prompt_ids.shape
-    if response_length < 1:
-        raise ValueError(f"response_length={response_length}; expected >= 1")
     if slots < 1:
         raise ValueError(f"slots={slots}; expected >= 1 (or use ppojax.rl.sampler.generate)")
-    num_slots = min(slots, batch)
-    model = nnx.merge(graphdef, params)
-    sample = functools.partial(sample_rows, temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy,
-                               argmax=model_kernels(model).argmax)
-    pad = jnp.asarray(pad_token_id, jnp.int32)
-    dtype = _cache_dtype(model, params, cache_dtype)
-    max_length = prompt_length + response_length
-    cache = (init_cache_fn or _init_cache)(model, num_slots, max_length, dtype)
-    empty = jnp.zeros((num_slots,), jnp.int32)
-    state = _Slots(cache=cache.replace(index=empty), row=empty + batch, t=empty, token=empty + pad,
-                   position=empty, live=jnp.zeros((num_slots,), bool), next_row=jnp.int32(0),
-                   responses=jnp.full((batch, response_length), pad, jnp.int32),
-                   logprobs=jnp.zeros((batch, response_length if return_logprobs else 0), jnp.float32),
-                   steps=jnp.int32(0))
-
-    def finished(token, t):
-        """bool[S]: the sequence is done after sampling `token` as its token `t - 1`."""
-        done = t >= response_length
-        return done if stop_token_id is None else done | (token == stop_token_id)
-
-    def record(state, rows, t, token, logits):
-        """Write each slot's token t into its sequence's row (rows == B: dropped)."""
-        responses = state.responses.at[rows, t].set(token, mode="drop")
-        logprobs = state.logprobs
-        if return_logprobs:
-            logprobs = logprobs.at[rows, t].set(token_logprobs(logits, token, temperature), mode="drop")
-        return state.replace(responses=responses, logprobs=logprobs)
-
-    def refill_one(state):
-        """Prefill the next waiting prompt into the first free slot and sample its token 0."""
-        slot = jnp.argmax(~state.live).astype(jnp.int32)
-        b = state.next_row
-        prompt = jax.lax.dynamic_slice_in_dim(prompt_ids, b, 1, axis=0)  # [1, P]
-        logits, one, real_tokens = prefill_one_row(model, prompt, pad_token_id, max_length, dtype)  # [1, V]
-        token = sample(logits, row_keys(key, 0, first_row + b[None]))  # [1]
-        state = record(state, b[None], jnp.zeros((1,), jnp.int32), token, logits)
-        one_t = jnp.ones((1,), jnp.int32)
-        return state.replace(
-            cache=copy_into_slot(state.cache, one, slot), row=state.row.at[slot].set(b), t=state.t.at[slot].set(1),
-            token=state.token.at[slot].set(token[0]), position=state.position.at[slot].set(real_tokens),
-            live=state.live.at[slot].set(~finished(token, one_t)[0]), next_row=b + 1)
-
-    def refill(state):
-        """Fill the free slots with waiting prompts (a sequence done at its token 0 frees its slot again)."""
-        return jax.lax.while_loop(lambda s: jnp.any(~s.live) & (s.next_row < batch), refill_one, state)
-
-    def decode(state):
-        """One token in every slot (a free slot's row is computed and thrown away), then refill."""
-        fed = jnp.where(state.live, state.token, pad)
-        logits, cache, fed_live = decode_step(graphdef, params, state.cache, fed, state.position, pad_token_id)
-        token = jnp.where(state.live, sample(logits, row_keys(key, state.t, first_row + state.row)), pad)
-        state = record(state, jnp.where(state.live, state.row, batch), state.t, token, logits)
-        t = state.t + 1
-        state = state.replace(cache=cache, t=t, token=token, position=state.position + fed_live.astype(jnp.int32),
-                              live=state.live & ~finished(token, t), steps=state.steps + 1)
-        return refill(state)
-
-    state = jax.lax.while_loop(lambda s: jnp.any(s.live), decode, refill(state))
+    loop = SlotLoop(graphdef, params, prompt_ids, key, response_length=response_length, pad_token_id=pad_token_id,
+                    temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy, stop_token_id=stop_token_id,
+                    cache_dtype=cache_dtype, return_logprobs=return_logprobs, first_row=first_row)
+    state = loop.run(loop.fresh(slots, init_cache_fn), prompt_ids.shape[0])
     out = (state.responses, state.logprobs) if return_logprobs else state.responses
     return (out, state.steps) if return_steps else out
 

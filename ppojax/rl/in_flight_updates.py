@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from ppojax.rl import pipeline, rollout
+from ppojax.rl.in_flight_slots import SlotsDecoder
 from ppojax.rl.sampler import (Decoding, Draw, chunk_ends, continue_decoding, decode_work, empty_cache, occupancy,
                                prefill_slots, start_decoding)
 from ppojax.rl.settings import Hyperparams
@@ -132,6 +133,14 @@ class Decoder:
         return batch, failures, {rollout.SLOT_OCCUPANCY: occupancy(*work)}
 
 
+def make_decoder(program, state: TrainState):
+    """The chunked decode of ``state``'s policy: on the padded sampler (:class:`Decoder`), or on the continuous one
+    with ``rollout_slots`` (``ppojax.rl.in_flight_slots.SlotsDecoder``, chunks cut by sequences done)."""
+    if program.settings.sampling.rollout_slots:
+        return SlotsDecoder(program, state)
+    return Decoder(program, state)
+
+
 def stacked(parts: list) -> PartDecoded:
     return jax.tree.map(lambda *xs: jnp.stack(xs), *parts)
 
@@ -146,7 +155,7 @@ def advance(program, state: TrainState, prompts: Prompts, key
     """One update's sampling: ``state``'s policy starts ``prompts`` and decodes a chunk of each batch in flight; the
     oldest, now whole, is scored. -> (SampledBatch to learn, reward failures i32[], sampling metrics, the new
     queue [k, B, ...])."""
-    decoder = Decoder(program, state)
+    decoder = make_decoder(program, state)
     queue = unstacked(state.in_flight)
     k = len(queue)
     fresh = decoder.start(prompts, key)
@@ -159,7 +168,7 @@ def fill(program, state: TrainState, prompts: Prompts, keys) -> tuple[TrainState
     """The first k batches started by ``state``'s policy, as the k updates before update 1 would have left them
     (batch i decoded through chunk k - 1 - i): prompts ``Prompts`` with a leading [k] axis; keys: [k] sample keys.
     -> (state with ``in_flight`` of k part-decoded batches, reward failures i32[]: 0, nothing is scored yet)."""
-    decoder = Decoder(program, state)
+    decoder = make_decoder(program, state)
     k = program.settings.asynchronous.max_staleness
     parts = []
     for i in range(k):

@@ -397,10 +397,6 @@ def _async_problems(c: PPOConfig) -> list[str]:
         out.append(f"in_flight_weight_updates: true swaps new weights into the decode on the devices that train, but "
                    f"rollout_devices={c.rollout_devices} samples on devices of their own, which get the weights "
                    "after each update. Remove one of the two.")
-    if c.in_flight_weight_updates and c.rollout_slots:
-        out.append(f"in_flight_weight_updates: true decodes each batch in chunks on the padded sampler; "
-                   f"rollout_slots={c.rollout_slots} (continuous batching) is not supported with it. Set "
-                   "rollout_slots: 0, or remove in_flight_weight_updates.")
     if c.behaviour_logprobs != "sampler":
         out.append(f"max_staleness={k} learns from batches an older policy sampled, whose log-probs only the sampler "
                    f"kept, but behaviour_logprobs={c.behaviour_logprobs!r} would recompute them with the current "

@@ -32,5 +32,6 @@ class AsyncSettings:
     k + 1 updates, a chunk of about (response_length - 1) / (k + 1) decode steps per update, each chunk sampled by
     that update's policy on the KV cache the earlier chunks left (not recomputed). The batch is learned by the
     update that decodes its last chunk, so its newest tokens are on-policy and its oldest k versions behind
-    (each token's version is recorded). The decode states in flight live in the train state. Not with
-    rollout_devices or rollout_slots."""
+    (each token's version is recorded). The decode states in flight live in the train state. With rollout_slots
+    the chunks are cut by sequences done (chunk j ends when (j + 1) / (k + 1) of the batch's are). Not with
+    rollout_devices."""
