@@ -136,15 +136,18 @@ def wait_for_updates(out: Path, proc, log: Path, n: int, timeout=240):
     raise AssertionError(log.read_text()[-3000:])
 
 
-ASYNCHRONOUS = ("max_staleness=2", "behaviour_logprobs=sampler", "use_decoupled_loss=true")
+#: an asynchronous run whose 2 batches in flight are part-decoded (in-flight weight updates: their KV caches in the
+#: state); the plain pipeline's queue goes through the same loop and checkpoints (tests/test_pipeline.py kills it)
+ASYNCHRONOUS = ("max_staleness=2", "behaviour_logprobs=sampler", "use_decoupled_loss=true",
+                "in_flight_weight_updates=true")
 
 
 @pytest.mark.parametrize("signum, extra", [(signal.SIGTERM, ()), (signal.SIGINT, ()),
                                            pytest.param(signal.SIGINT, ASYNCHRONOUS, id="SIGINT-asynchronous")])
 def test_a_signal_finishes_the_update_writes_a_checkpoint_and_exits_with_a_hint(tiny_dirs, tmp_path, cli_env,
                                                                                 signum, extra, capsys):
-    """Also in an asynchronous run (2 batches in flight): the checkpoint holds the queue, so the run resumes
-    without sampling its first batches again."""
+    """Also in an asynchronous run (2 part-decoded batches in flight): the checkpoint holds the queue, so the run
+    resumes without sampling its first batches again."""
     out = tmp_path / "run"
     proc, log = start(tiny_dirs, out, cli_env, *extra)
     wait_for_updates(out, proc, log, 2)
