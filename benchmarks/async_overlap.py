@@ -8,7 +8,9 @@ iterations after one warm-up iteration (the compiles):
 
 - ``sequential``: the two programs of the disaggregated run, each waited for before the next is dispatched;
 - ``overlapped``: the same two programs, dispatched together (the disaggregated run);
-- ``one_program``: the synchronous program (``max_staleness`` 0) on all the devices.
+- ``one_program``: the synchronous program (``max_staleness`` 0) on all the devices;
+- ``one_program_staleness_1`` / ``one_program_in_flight_1``: the asynchronous program on all the devices at
+  ``max_staleness`` 1, whole batches / in-flight weight updates (each batch decoded in two chunks by two policies).
 
 Needs several devices: on a CPU host ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (set here when
 absent). Prints and writes (``--json``) the seconds per iteration, the ratios, the overlapped run's utilisation
@@ -39,7 +41,7 @@ from ppojax.models import CausalLM, ModelConfig, ScoreModel  # noqa: E402
 from ppojax.rl import disaggregated, in_flight_updates, placement  # noqa: E402
 from ppojax.rl.actor_critic import ActorCritic  # noqa: E402
 from ppojax.rl.optimizer import make_optimizer  # noqa: E402
-from ppojax.rl.program import PPOProgram, make_train_step  # noqa: E402
+from ppojax.rl.program import PPOProgram, make_fill, make_train_step  # noqa: E402
 from ppojax.rl.rollout import SLOT_OCCUPANCY  # noqa: E402
 from ppojax.rl.rewards import ModelScores  # noqa: E402
 from ppojax.rl.settings import AsyncSettings, Hyperparams, StepSettings  # noqa: E402
@@ -47,7 +49,7 @@ from ppojax.rl.types import Prompts  # noqa: E402
 from ppojax.trainer.config import PPOConfig  # noqa: E402
 
 
-def build(args, mesh, max_staleness):
+def build(args, mesh, max_staleness, in_flight=False):
     cfg = ModelConfig.from_hf(dict(model_type="llama", vocab_size=args.vocab, hidden_size=args.hidden,
                                    num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
                                    intermediate_size=4 * args.hidden, max_position_embeddings=1024,
@@ -58,7 +60,8 @@ def build(args, mesh, max_staleness):
                        learning_rate=1e-5, temperature=1.0, behaviour_logprobs="sampler")
     settings = StepSettings.from_config(config, pad_token_id=0, stop_token_id=None, num_updates=100,
                                         data_parallel_size=parallel.data_parallel_size(mesh))
-    settings = dataclasses.replace(settings, asynchronous=AsyncSettings(max_staleness) if max_staleness else None)
+    asynchronous = AsyncSettings(max_staleness, in_flight_weight_updates=in_flight) if max_staleness else None
+    settings = dataclasses.replace(settings, asynchronous=asynchronous)
     policy_def, policy = nnx.split(CausalLM(cfg, rngs=nnx.Rngs(0)))
     value_def, value = nnx.split(ScoreModel(cfg, rngs=nnx.Rngs(1)))
     _, reward = nnx.split(ScoreModel(cfg, rngs=nnx.Rngs(2)))
@@ -144,6 +147,11 @@ def main(argv=None) -> dict:
     program, state, shardings = build(args, parallel.make_mesh(devices=devices), 0)
     seconds["one_program"], _ = timed(make_train_step(program, shardings), state, prompts_for(args, n), keys)
     print(f"one_program: {seconds['one_program']:.3f} s per iteration", flush=True)
+    for form, in_flight in (("one_program_staleness_1", False), ("one_program_in_flight_1", True)):
+        program, state, shardings = build(args, parallel.make_mesh(devices=devices), 1, in_flight)
+        state, _ = make_fill(program, shardings)(state, fill_prompts, jnp.stack(keys[:1]))
+        seconds[form], _ = timed(make_train_step(program, shardings), state, prompts_for(args, n), keys)
+        print(f"{form}: {seconds[form]:.3f} s per iteration", flush=True)
     report = dict(vars(args), devices=len(devices), seconds_per_iteration=seconds, overlapped_utilisation=utilisation,
                   overlapped_vs_sequential=seconds["sequential"] / seconds["overlapped"],
                   overlapped_vs_one_program=seconds["one_program"] / seconds["overlapped"],
