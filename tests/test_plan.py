@@ -154,6 +154,25 @@ def test_an_asynchronous_program_is_planned_with_its_batches_in_flight(tiny_mode
     assert compile_program(run, "train_step").temp_bytes > 0
 
 
+def test_in_flight_weight_updates_are_planned_with_their_caches_in_flight(tiny_model):
+    """in_flight_weight_updates on the continuous sampler: the state holds each part-decoded batch's slots (their KV
+    cache rows first) and rows, and the step compiles with them."""
+    from ppojax import parallel
+    from ppojax.trainer.config import PPOConfig
+    from ppojax.trainer.plan import abstract_run, compile_program
+
+    config = PPOConfig.from_yaml(REPO / "configs/plan.yaml", [*SETTINGS, "max_staleness=2", "rollout_slots=4",
+                                                             "behaviour_logprobs=sampler",
+                                                             "in_flight_weight_updates=true"])
+    model_cfg, _, _ = model_config_for(str(tiny_model))
+    run = abstract_run(config, model_cfg, parallel.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    R = config.response_length
+    queue = run.state.in_flight
+    assert queue.keys.shape[:2] == (2, 4) and queue.keys.shape[3] == 8 + R  # [k, slots, layers, P + R, ...]
+    assert queue.responses.shape == (2, 16, R) and queue.versions.shape == (2, 16, R)
+    assert compile_program(run, "train_step").temp_bytes > 0
+
+
 def test_an_agent_program_is_planned_with_its_episode_buffers(tiny_model):
     """An agent run's step (tools / environment_factory) compiles without its environment: a stand-in ends every
     episode after one turn, the buffers and loops keep the config's shapes."""
