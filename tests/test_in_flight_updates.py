@@ -174,7 +174,7 @@ def test_in_flight_updates_equal_a_plain_loop_over_chunks(k):
     keys = [step_key(0, i) for i in range(NUM_UPDATES)]
 
     state, failures = make_fill(program)(init_state(program, 0), prompts[:k], jnp.stack(fill_keys(k)))
-    assert int(failures) == 0 and state.in_flight.responses.shape == (k, 16, 6)
+    assert int(failures) == 0 and state.in_flight.state.responses.shape == (k, 16, 6)
     step, history = make_train_step(program), []
     for i, key in enumerate(keys):
         state, metrics = step(state, prompts[k + i], key)

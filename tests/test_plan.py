@@ -167,8 +167,8 @@ def test_in_flight_weight_updates_are_planned_with_their_caches_in_flight(tiny_m
     model_cfg, _, _ = model_config_for(str(tiny_model))
     run = abstract_run(config, model_cfg, parallel.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
     R = config.response_length
-    queue = run.state.in_flight
-    assert queue.keys.shape[:2] == (2, 4) and queue.keys.shape[3] == 8 + R  # [k, slots, layers, P + R, ...]
+    queue = run.state.in_flight.state
+    assert queue.cache.keys.shape[:2] == (2, 4) and queue.cache.keys.shape[3] == 8 + R  # [k, slots, layers, P + R, ...]
     assert queue.responses.shape == (2, 16, R) and queue.versions.shape == (2, 16, R)
     assert compile_program(run, "train_step").temp_bytes > 0
 

@@ -451,9 +451,9 @@ if CHILD:
         assert_trees_close(state.params, one_state.params, what="params")
 
     # ---- in-flight weight updates on a mesh ----
-    def test_in_flight_updates_equal_one_device_on_a_2x2x2_mesh():
-        """k = 1 part-decoded batch in the state (its KV cache rows split over the batch axes like every batch in
-        flight): the fill and 2 updates on a (data 2, fsdp 2, tensor 2) mesh equal one device's."""
+    def in_flight_run(mesh, **config):
+        """The fill and 2 updates of tests.test_in_flight_updates' program (k = 1, learning rate 1e-3: Adam at 1e-2
+        magnifies float32 rounding) on ``mesh`` -> (final state, each update's metrics on the host)."""
         import dataclasses
 
         from ppojax.rl.in_flight_updates import in_flight_shapes
@@ -463,65 +463,45 @@ if CHILD:
         from tests.test_train_step import init_state, prompt_blocks
 
         prompts = prompt_blocks(3)
-        results = []
-        for mesh in (sh.make_mesh(devices=jax.devices()[:1]), sh.make_mesh(2, 2, 2)):
-            program = in_flight_program(1, learning_rate=1e-3)  # Adam at 1e-2 magnifies float32 rounding
-            batch = dataclasses.replace(program.settings.batch, data_parallel_size=sh.data_parallel_size(mesh))
-            program = dataclasses.replace(program, mesh=mesh,
-                                          settings=dataclasses.replace(program.settings, batch=batch))
-            plain = init_state(program, 0)
-            state, shardings = placement.init_sharded_train_state(
-                plain.params, program.optimizer, mesh, hyperparams=plain.hyperparams, frozen=plain.frozen,
-                kl_coef=0.05, in_flight=in_flight_shapes(program, plain.params, plain.frozen, 6))
-            state, _ = make_fill(program, shardings)(state, prompts[:1], jnp.stack(fill_keys(1)))
-            step, history = make_train_step(program, shardings), []
-            for i in range(2):
-                state, metrics = step(state, prompts[1 + i], jax.random.key(i))
-                history.append({k: float(v) for k, v in sh.to_host(metrics).items()})
-            results.append((state, history))
-        (one_state, one), (state, history) = results
-        keys = state.in_flight.keys
+        program = in_flight_program(1, learning_rate=1e-3, **config)
+        batch = dataclasses.replace(program.settings.batch, data_parallel_size=sh.data_parallel_size(mesh))
+        program = dataclasses.replace(program, mesh=mesh, settings=dataclasses.replace(program.settings, batch=batch))
+        plain = init_state(program, 0)
+        state, shardings = placement.init_sharded_train_state(
+            plain.params, program.optimizer, mesh, hyperparams=plain.hyperparams, frozen=plain.frozen,
+            kl_coef=0.05, in_flight=in_flight_shapes(program, plain.params, plain.frozen, 6))
+        state, _ = make_fill(program, shardings)(state, prompts[:1], jnp.stack(fill_keys(1)))
+        step, history = make_train_step(program, shardings), []
+        for i in range(2):
+            state, metrics = step(state, prompts[1 + i], jax.random.key(i))
+            history.append({k: float(v) for k, v in sh.to_host(metrics).items()})
+        return state, history
+
+    def test_in_flight_updates_equal_one_device_on_a_2x2x2_mesh():
+        """k = 1 part-decoded batch in the state (its KV cache rows split over the batch axes like every batch in
+        flight): the fill and 2 updates on a (data 2, fsdp 2, tensor 2) mesh equal one device's."""
+        one_state, one = in_flight_run(sh.make_mesh(devices=jax.devices()[:1]))
+        state, history = in_flight_run(sh.make_mesh(2, 2, 2))
+        keys = state.in_flight.state.cache.keys
         assert {shard.data.shape[1] for shard in keys.addressable_shards} == {16 // 4}  # rows over data x fsdp
         for update, (got, want) in enumerate(zip(history, one)):
             for name, value in want.items():
                 np.testing.assert_allclose(got[name], value, atol=1e-5, rtol=1e-5, err_msg=f"{update}: {name}")
         assert one[1]["offpolicy/staleness_max"] == 1
         assert_trees_close(state.params, one_state.params, what="params")
-        np.testing.assert_array_equal(np.asarray(state.in_flight.responses), np.asarray(one_state.in_flight.responses))
+        np.testing.assert_array_equal(np.asarray(state.in_flight.state.responses),
+                                      np.asarray(one_state.in_flight.state.responses))
 
     def test_in_flight_updates_on_slots_run_per_shard():
         """rollout_slots 4 on a (data 2, fsdp 2) mesh: each shard keeps 1 slot of its own in the state (the slots
         split by rows like the batch's rows) and swaps each update's policy into it. Update 1 learns a batch the
         initial policy sampled whole (the fill and update 1 run the same policy), so its metrics equal one
         device's; later batches differ by design (each shard cuts its own chunks)."""
-        import dataclasses
-
-        from ppojax.rl.in_flight_updates import in_flight_shapes
-        from ppojax.rl.program import make_fill, make_train_step
-        from tests.test_in_flight_updates import in_flight_program
-        from tests.test_pipeline import fill_keys
-        from tests.test_train_step import init_state, prompt_blocks
-
-        prompts = prompt_blocks(3)
-        results = []
-        for mesh in (sh.make_mesh(devices=jax.devices()[:1]), sh.make_mesh(2, 2, 1, devices=jax.devices()[:4])):
-            program = in_flight_program(1, learning_rate=1e-3, rollout_slots=4)
-            batch = dataclasses.replace(program.settings.batch, data_parallel_size=sh.data_parallel_size(mesh))
-            program = dataclasses.replace(program, mesh=mesh,
-                                          settings=dataclasses.replace(program.settings, batch=batch))
-            plain = init_state(program, 0)
-            state, shardings = placement.init_sharded_train_state(
-                plain.params, program.optimizer, mesh, hyperparams=plain.hyperparams, frozen=plain.frozen,
-                kl_coef=0.05, in_flight=in_flight_shapes(program, plain.params, plain.frozen, 6))
-            state, _ = make_fill(program, shardings)(state, prompts[:1], jnp.stack(fill_keys(1)))
-            step, history = make_train_step(program, shardings), []
-            for i in range(2):
-                state, metrics = step(state, prompts[1 + i], jax.random.key(i))
-                history.append({k: float(v) for k, v in sh.to_host(metrics).items()})
-            results.append((state, history))
-        (_, one), (state, history) = results
-        assert {shard.data.shape[1] for shard in state.in_flight.keys.addressable_shards} == {1}  # a slot a shard
-        assert {shard.data.shape[1] for shard in state.in_flight.responses.addressable_shards} == {4}
+        _, one = in_flight_run(sh.make_mesh(devices=jax.devices()[:1]), rollout_slots=4)
+        state, history = in_flight_run(sh.make_mesh(2, 2, 1, devices=jax.devices()[:4]), rollout_slots=4)
+        slots = state.in_flight.state
+        assert {shard.data.shape[1] for shard in slots.cache.keys.addressable_shards} == {1}  # a slot a shard
+        assert {shard.data.shape[1] for shard in slots.responses.addressable_shards} == {4}
         for name, value in one[0].items():
             if name != "sampling/slot_occupancy":
                 np.testing.assert_allclose(history[0][name], value, atol=1e-5, rtol=1e-5, err_msg=name)

@@ -9,72 +9,25 @@ policy; each token records the version that sampled it.
 
 On a mesh with n data-parallel shards each shard runs its own slots on its own rows (as
 ``ppojax.rl.continuous.generate_continuous_per_shard``): ceil(S / n) slots, its own chunk targets, no
-communication between shards. The parked state (:class:`PartSlots`) is rows-first, slot leaves [n x S / n, ...] and
-row leaves [B, ...], so a shard's block of each is its own.
+communication between shards. The parked carry (``ppojax.rl.parked``) is rows-first, slot leaves [n x S / n, ...]
+and row leaves [B, ...], so a shard's block of each is its own.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 from jax.sharding import PartitionSpec
 
 from ppojax import parallel
 from ppojax.rl import pipeline, rollout
-from ppojax.rl.continuous import Slots, SlotLoop
+from ppojax.rl.continuous import SlotLoop
+from ppojax.rl.parked import Parked, park, unpark
 from ppojax.rl.sampler import decode_work, empty_cache, occupancy
 from ppojax.rl.types import Prompts, TrainState
 
 
-@struct.dataclass
-class PartSlots:
-    """A batch of B rows decoding in S slots, every leaf rows-first (slot leaves [S, ...], row leaves [B, ...]).
-
-    queries: i32[B, P]; rows: i32[B] dataset rows; key_data: u32[B, ...] the decode's key on every row; keys,
-    values: [S, L, P+R, K, hd] the slots' KV cache (slots first); key_mask: bool[S, P+R]; cache_index, row, t,
-    token, position: i32[S]; live: bool[S]; next_row, steps: i32[S] (the shard's count on each of its slots);
-    responses, versions: i32[B, R]; logprobs: f32[B, R] (``ppojax.rl.continuous.Slots``' fields)."""
-
-    queries: jax.Array
-    rows: jax.Array
-    key_data: jax.Array
-    keys: jax.Array
-    values: jax.Array
-    key_mask: jax.Array
-    cache_index: jax.Array
-    row: jax.Array
-    t: jax.Array
-    token: jax.Array
-    position: jax.Array
-    live: jax.Array
-    next_row: jax.Array
-    steps: jax.Array
-    responses: jax.Array
-    logprobs: jax.Array
-    versions: jax.Array
-
-
-def park(state: Slots, queries, rows, key) -> PartSlots:
-    slots, batch = state.row.shape[0], queries.shape[0]
-    cache = state.cache
-    return PartSlots(queries=queries, rows=rows,
-                     key_data=jnp.broadcast_to(jax.random.key_data(key), (batch,) + jax.random.key_data(key).shape),
-                     keys=jnp.moveaxis(cache.keys, 1, 0), values=jnp.moveaxis(cache.values, 1, 0),
-                     key_mask=cache.key_mask, cache_index=cache.index, row=state.row, t=state.t, token=state.token,
-                     position=state.position, live=state.live, next_row=jnp.full((slots,), state.next_row),
-                     steps=jnp.full((slots,), state.steps), responses=state.responses, logprobs=state.logprobs,
-                     versions=state.versions)
-
-
-def resume(part: PartSlots, empty) -> tuple[Slots, jax.Array]:
-    """The slots parked in ``part``, their cache written into ``empty`` (S rows as the sampler makes them)."""
-    cache = empty.replace(keys=jnp.moveaxis(part.keys, 0, 1).astype(empty.keys.dtype),
-                          values=jnp.moveaxis(part.values, 0, 1).astype(empty.values.dtype), key_mask=part.key_mask,
-                          index=part.cache_index)
-    state = Slots(cache=cache, row=part.row, t=part.t, token=part.token, position=part.position, live=part.live,
-                  next_row=part.next_row[0], responses=part.responses, logprobs=part.logprobs, steps=part.steps[0],
-                  versions=part.versions)
-    return state, jax.random.wrap_key_data(part.key_data[0])
+#: the continuous sampler's carry's scalar fields (``ppojax.rl.continuous.Slots``), repeated per slot when parked
+SLOTS_SCALARS = ("next_row", "steps")
 
 
 class SlotsDecoder:
@@ -118,7 +71,7 @@ class SlotsDecoder:
         return SlotLoop(self.graphdef, weights, queries, key, first_row=first_row, version=self.version,
                         **self.options)
 
-    def start(self, prompts: Prompts, key) -> PartSlots:
+    def start(self, prompts: Prompts, key) -> Parked:
         """prompts (``Prompts`` of B / G rows, each sampled G times) into the slots, then chunk 0."""
         group = self.sampling.num_generations
         queries = jnp.repeat(prompts.input_ids, group, axis=0)
@@ -129,28 +82,29 @@ class SlotsDecoder:
             key = jax.random.wrap_key_data(key_data[0])
             loop = self._loop(weights, queries, key, first_row)
             state = loop.run(loop.fresh(self.local_slots), self._target(queries.shape[0], 0))
-            return park(state, queries, rows, key)
+            return park(state, SLOTS_SCALARS, queries, rows, key)
 
         return self._per_shard(local, queries, rows, key_data)
 
-    def run_chunk(self, part: PartSlots, chunk: int) -> PartSlots:
+    def run_chunk(self, part: Parked, chunk: int) -> Parked:
         """``part``'s slots decoded by this policy until chunk ``chunk``'s share of the sequences is done."""
         def local(weights, first_row, part):
-            slots, batch = part.row.shape[0], part.queries.shape[0]
+            slots, batch = part.state.row.shape[0], part.queries.shape[0]
             empty = empty_cache(self.graphdef, weights, slots, part.queries.shape[1] + self.sampling.response_length,
-                                self.sampling.kv_cache_dtype)
-            state, key = resume(part, empty)
+                                self.sampling.kv_cache_dtype)  # one write index per slot, as the loop keeps it
+            state, key = unpark(part, SLOTS_SCALARS, empty.replace(index=jnp.zeros((slots,), jnp.int32)))
             state = self._loop(weights, part.queries, key, first_row).run(state, self._target(batch, chunk))
-            return park(state, part.queries, part.rows, key)
+            return park(state, SLOTS_SCALARS, part.queries, part.rows, key)
 
         return self._per_shard(local, part)
 
-    def finish(self, program, state: TrainState, part: PartSlots) -> tuple[pipeline.SampledBatch, jax.Array, dict]:
+    def finish(self, program, state: TrainState, part: Parked) -> tuple[pipeline.SampledBatch, jax.Array, dict]:
         """A fully decoded batch scored -> (SampledBatch, reward failures i32[], ``sampling/slot_occupancy``): the
         decode work of every shard's steps times its slots (each slot holds its shard's step count)."""
-        query_responses = jnp.concatenate([part.queries, part.responses], axis=1)
-        batch, failures = pipeline.scored_batch(program, state, query_responses, part.logprobs, part.rows,
-                                                part.versions)
-        work = decode_work(part.responses, self.sampling.stop_token_id, 1, jnp.sum(part.steps))
+        slots = part.state
+        query_responses = jnp.concatenate([part.queries, slots.responses], axis=1)
+        batch, failures = pipeline.scored_batch(program, state, query_responses, slots.logprobs, part.rows,
+                                                slots.versions)
+        work = decode_work(slots.responses, self.sampling.stop_token_id, 1, jnp.sum(slots.steps))
         return batch, failures, {rollout.SLOT_OCCUPANCY: occupancy(*work)}
 

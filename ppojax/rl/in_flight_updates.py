@@ -15,71 +15,25 @@ chunks of about (R - 1) / (k + 1) steps), and every chunk but the oldest batch's
 the update, so the program is free to overlap them with it. Compared with plain ``max_staleness`` (the whole batch
 k versions behind), the tokens are fresher on average; the price is k KV caches kept in the train state.
 
-The parked decode (:class:`PartDecoded`) keeps every leaf rows-first, [B, ...] (stacked: [k, B, ...]), the layout
+A batch in flight is the sampler's carry parked rows-first (``ppojax.rl.parked``; stacked: [k, B, ...]), the layout
 every other batch in flight has, so the state's shardings, checkpoints and ``vmap`` treat it as they treat those.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
 from ppojax.rl import pipeline, rollout
 from ppojax.rl.in_flight_slots import SlotsDecoder
-from ppojax.rl.sampler import (Decoding, Draw, chunk_ends, continue_decoding, decode_work, empty_cache, occupancy,
-                               prefill_slots, start_decoding)
+from ppojax.rl.parked import Parked, park, unpark
+from ppojax.rl.sampler import (Draw, chunk_ends, continue_decoding, decode_work, empty_cache, occupancy, prefill_slots,
+                               start_decoding)
 from ppojax.rl.settings import Hyperparams
 from ppojax.rl.types import Prompts, TrainState, init_train_state
 
 
-@struct.dataclass
-class PartDecoded:
-    """A batch of B rows whose decode is under way (P prompt, R response tokens), every leaf rows-first.
-
-    queries: i32[B, P] each row's prompt (repeated over its group); rows: i32[B] each row's dataset row;
-    key_data: u32[B, ...] the decode's key (the same on every row: ``jax.random.key_data``); keys, values:
-    [B, L, P+R, K, hd] the KV cache's (rows first); key_mask: bool[B, P+R]; the rest as ``ppojax.rl.sampler.Decoding``'s
-    fields, scalars repeated per row (cache_index, step); policy_versions: i32[B, R] the version that sampled each
-    token so far.
-    """
-
-    queries: jax.Array
-    rows: jax.Array
-    key_data: jax.Array
-    keys: jax.Array
-    values: jax.Array
-    key_mask: jax.Array
-    cache_index: jax.Array
-    step: jax.Array
-    responses: jax.Array
-    logprobs: jax.Array
-    token: jax.Array
-    done: jax.Array
-    next_position: jax.Array
-    policy_versions: jax.Array
-
-
-def park(decoding: Decoding, queries, rows, key, policy_versions) -> PartDecoded:
-    """A decode in progress laid out rows-first for the train state."""
-    batch = queries.shape[0]
-    per_row = lambda x: jnp.broadcast_to(x, (batch,) + jnp.shape(x))  # noqa: E731
-    cache = decoding.cache
-    return PartDecoded(queries=queries, rows=rows, key_data=per_row(jax.random.key_data(key)),
-                       keys=jnp.moveaxis(cache.keys, 1, 0), values=jnp.moveaxis(cache.values, 1, 0),
-                       key_mask=cache.key_mask, cache_index=per_row(cache.index), step=per_row(decoding.step),
-                       responses=decoding.responses, logprobs=decoding.logprobs, token=decoding.token,
-                       done=decoding.done, next_position=decoding.next_position, policy_versions=policy_versions)
-
-
-def resume(part: PartDecoded, empty_cache) -> tuple[Decoding, jax.Array]:
-    """The decode parked in ``part``, its cache written into ``empty_cache`` (a cache of B rows as the sampler makes
-    it: its storage form and placement) -> (Decoding, its key)."""
-    cache = empty_cache.replace(keys=jnp.moveaxis(part.keys, 0, 1).astype(empty_cache.keys.dtype),
-                                values=jnp.moveaxis(part.values, 0, 1).astype(empty_cache.values.dtype),
-                                key_mask=part.key_mask, index=part.cache_index[0])
-    decoding = Decoding(cache=cache, step=part.step[0], responses=part.responses, logprobs=part.logprobs,
-                        token=part.token, done=part.done, next_position=part.next_position)
-    return decoding, jax.random.wrap_key_data(part.key_data[0])
+#: the padded sampler's carry's scalar fields (``ppojax.rl.sampler.Decoding``), repeated per row when parked
+DECODING_SCALARS = ("step",)
 
 
 class Decoder:
@@ -96,40 +50,37 @@ class Decoder:
                          return_logprobs=True)
         self.ends = chunk_ends(sampling.response_length, program.settings.asynchronous.max_staleness + 1)
 
-    def start(self, prompts: Prompts, key) -> PartDecoded:
+    def start(self, prompts: Prompts, key) -> Parked:
         """prompts (``Prompts`` of B / G rows, each sampled G = ``num_generations`` times) prefilled and each row's
         token 0 sampled, then chunk 0 decoded."""
         group = self.sampling.num_generations
         decoding = start_decoding(self.graphdef, self.weights, prompts.input_ids, key, self.draw,
                                   response_length=self.sampling.response_length,
                                   cache_dtype=self.sampling.kv_cache_dtype, init_cache_fn=self.init_cache_fn,
-                                  group_size=group)
-        part = park(decoding, jnp.repeat(prompts.input_ids, group, axis=0), jnp.repeat(prompts.rows, group, axis=0),
-                    key, jnp.zeros(decoding.responses.shape, jnp.int32))
-        return self.run_chunk(part, 0)
+                                  group_size=group, version=self.version)
+        return self.run_chunk(park(decoding, DECODING_SCALARS, jnp.repeat(prompts.input_ids, group, axis=0),
+                                   jnp.repeat(prompts.rows, group, axis=0), key), 0)
 
-    def run_chunk(self, part: PartDecoded, chunk: int) -> PartDecoded:
-        """``part`` decoded through chunk ``chunk`` by this policy (its steps up to ``ends[chunk]``; chunk 0 also
-        owns token 0, the prefill's); the chunk's tokens' versions set to this policy's."""
-        begin, end = (0 if chunk == 0 else self.ends[chunk - 1]), self.ends[chunk]
+    def run_chunk(self, part: Parked, chunk: int) -> Parked:
+        """``part`` decoded through chunk ``chunk`` by this policy (its steps up to ``ends[chunk]``)."""
         batch, prompt_length = part.queries.shape
         max_length = prompt_length + self.sampling.response_length
         empty = empty_cache(self.graphdef, self.weights, batch, max_length, self.sampling.kv_cache_dtype,
                             self.init_cache_fn)
-        decoding, key = resume(part, empty)
+        decoding, key = unpark(part, DECODING_SCALARS, empty)
+        end = self.ends[chunk]
         # the loop reads only the slots filled by its end, as the unchunked sampler's decode segments do
-        slots_read = prefill_slots(prompt_length + end - 1, max_length)
         decoding = continue_decoding(self.graphdef, self.weights, decoding, key, self.draw, end=end,
-                                     slots_read=slots_read)
-        versions = part.policy_versions.at[:, begin:end].set(self.version)
-        return park(decoding, part.queries, part.rows, key, versions)
+                                     slots_read=prefill_slots(prompt_length + end - 1, max_length),
+                                     version=self.version)
+        return park(decoding, DECODING_SCALARS, part.queries, part.rows, key)
 
-    def finish(self, program, state: TrainState, part: PartDecoded) -> tuple[pipeline.SampledBatch, jax.Array, dict]:
+    def finish(self, program, state: TrainState, part: Parked) -> tuple[pipeline.SampledBatch, jax.Array, dict]:
         """A fully decoded batch scored -> (SampledBatch, reward failures i32[], ``sampling/slot_occupancy``)."""
-        query_responses = jnp.concatenate([part.queries, part.responses], axis=1)
-        batch, failures = pipeline.scored_batch(program, state, query_responses, part.logprobs, part.rows,
-                                                part.policy_versions)
-        work = decode_work(part.responses, self.sampling.stop_token_id, part.responses.shape[0])
+        responses = part.state.responses
+        batch, failures = pipeline.scored_batch(program, state, jnp.concatenate([part.queries, responses], axis=1),
+                                                part.state.logprobs, part.rows, part.state.versions)
+        work = decode_work(responses, self.sampling.stop_token_id, responses.shape[0])
         return batch, failures, {rollout.SLOT_OCCUPANCY: occupancy(*work)}
 
 
@@ -141,17 +92,17 @@ def make_decoder(program, state: TrainState):
     return Decoder(program, state)
 
 
-def stacked(parts: list) -> PartDecoded:
+def stacked(parts: list) -> Parked:
     return jax.tree.map(lambda *xs: jnp.stack(xs), *parts)
 
 
-def unstacked(queue: PartDecoded) -> list:
+def unstacked(queue: Parked) -> list:
     k = queue.queries.shape[0]
     return [jax.tree.map(lambda x: x[i], queue) for i in range(k)]
 
 
 def advance(program, state: TrainState, prompts: Prompts, key
-            ) -> tuple[pipeline.SampledBatch, jax.Array, dict, PartDecoded]:
+            ) -> tuple[pipeline.SampledBatch, jax.Array, dict, Parked]:
     """One update's sampling: ``state``'s policy starts ``prompts`` and decodes a chunk of each batch in flight; the
     oldest, now whole, is scored. -> (SampledBatch to learn, reward failures i32[], sampling metrics, the new
     queue [k, B, ...])."""

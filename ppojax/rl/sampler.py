@@ -208,7 +208,8 @@ class Decoding:
     cache: the KVCache of B rows (its ``read_length`` as the last loop left it); step: i32[] the index of the next
     token to sample (1 after the prefill); responses: i32[B, R] (pad where not sampled yet or after the stop token);
     logprobs: f32[B, R] the sampled tokens' log-probs (f32[B, 0] when not kept); token: i32[B] the last sampled
-    token (fed next); done: bool[B]; next_position: i32[B] the real tokens seen so far (the fed token's position).
+    token (fed next); done: bool[B]; next_position: i32[B] the real tokens seen so far (the fed token's position);
+    versions: i32[B, R] the policy version that sampled each token (i32[B, 0] when not tracked).
     """
 
     cache: object
@@ -218,6 +219,7 @@ class Decoding:
     token: jax.Array
     done: jax.Array
     next_position: jax.Array
+    versions: jax.Array
 
 
 @flax.struct.dataclass
@@ -240,10 +242,11 @@ class Draw:
 
 
 def start_decoding(graphdef, params, prompt_ids, key, draw: Draw, *, response_length, cache_dtype=None,
-                   init_cache_fn=None, slot_alignment=SLOT_ALIGNMENT, group_size=1) -> Decoding:
+                   init_cache_fn=None, slot_alignment=SLOT_ALIGNMENT, group_size=1, version=None) -> Decoding:
     """The prefill and each row's token 0 -> the ``Decoding`` at step 1. prompt_ids: i32[B / G, P] left padded;
     each prompt is prefilled ONCE and its keys and values serve its G = ``group_size`` rows (consecutive). The
-    cache holds P + R positions. Options as :func:`generate`'s."""
+    cache holds P + R positions. Options as :func:`generate`'s; version: the policy version recorded for each token
+    sampled (i32[] or int; None: versions not tracked)."""
     prompts, prompt_length = prompt_ids.shape
     batch = prompts * group_size
     if response_length < 1:
@@ -267,19 +270,23 @@ def start_decoding(graphdef, params, prompt_ids, key, draw: Draw, *, response_le
     logprobs = jnp.zeros((batch, response_length if draw.return_logprobs else 0), jnp.float32)
     if draw.return_logprobs:
         logprobs = logprobs.at[:, 0].set(token_logprobs(logits, token, draw.temperature))
+    versions = jnp.zeros((batch, response_length if version is not None else 0), jnp.int32)
+    if version is not None:
+        versions = versions.at[:, 0].set(version)
     return Decoding(cache=cache, step=jnp.int32(1), responses=jnp.full((batch, response_length), pad, jnp.int32)
                     .at[:, 0].set(token), logprobs=logprobs, token=token, done=done,
-                    next_position=jnp.sum(attention_mask, axis=-1, dtype=jnp.int32))
+                    next_position=jnp.sum(attention_mask, axis=-1, dtype=jnp.int32), versions=versions)
 
 
 def continue_decoding(graphdef, params, decoding: Decoding, key, draw: Draw, *, end: int,
-                      slots_read: int | None = None) -> Decoding:
+                      slots_read: int | None = None, version=None) -> Decoding:
     """``decoding`` advanced with ``params`` to step ``end`` (exclusive; at most R), or until every row is done.
 
     The cache is kept as it is: ``params`` may differ from those that wrote it (a policy swapped between decode
     chunks, ``ppojax.rl.pipeline``); each new token's keys and values are then ``params``'. key: the key the
     decode started with (row b's token t draws with ``fold_in(fold_in(key, t), b)``). slots_read: the cache slots
-    attention reads in this loop (every slot written before ``end`` must lie below it; None: all)."""
+    attention reads in this loop (every slot written before ``end`` must lie below it; None: all). version: recorded
+    for each token sampled (where ``decoding`` tracks versions)."""
     rows = jnp.arange(decoding.token.shape[0], dtype=jnp.int32)
     pad = jnp.asarray(draw.pad_token_id, jnp.int32)
     sample = draw.sampler(nnx.merge(graphdef, params))
@@ -293,13 +300,16 @@ def continue_decoding(graphdef, params, decoding: Decoding, key, draw: Draw, *, 
         new = jnp.where(d.done, pad, sample(logits, row_keys(key, d.step, rows)))
         done = d.done if draw.stop_token_id is None else d.done | (new == draw.stop_token_id)
         at = (jnp.int32(0), d.step)
-        logprobs = d.logprobs
+        logprobs, versions = d.logprobs, d.versions
         if draw.return_logprobs:
             logprobs = jax.lax.dynamic_update_slice(logprobs, token_logprobs(logits, new, draw.temperature)[:, None],
                                                     at)
+        if version is not None and versions.shape[1]:
+            versions = jax.lax.dynamic_update_slice(versions, jnp.full((versions.shape[0], 1), version, jnp.int32),
+                                                    at)
         return Decoding(cache=cache, step=d.step + 1, logprobs=logprobs, token=new, done=done,
                         responses=jax.lax.dynamic_update_slice(d.responses, new[:, None], at),
-                        next_position=d.next_position + live.astype(jnp.int32))
+                        next_position=d.next_position + live.astype(jnp.int32), versions=versions)
 
     return jax.lax.while_loop(cond, body, decoding.replace(cache=decoding.cache.replace(read_length=slots_read)))
 
