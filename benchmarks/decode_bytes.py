@@ -2,7 +2,7 @@
 the whole KV cache (a measurement without a TPU: run it by hand, not in the tests).
 
     python -m benchmarks.decode_bytes [--model llama-3.2-1b] [--target tpu:v5e:1x1] [--batch 8]
-        [--prompt 512 --response 1024] [--segments 4] [--json out.json]
+        [--prompt 512 --response 1024] [--segments 4] [--attention auto|xla] [--json out.json]
 
 Compiles ONE step of the sampler's decode loop (``ppojax.rl.sampler.decode_step`` and the sampling of the next
 token), as the rollout runs it, for one chip with the config's batch rows on it: the policy in bfloat16 with its
@@ -42,7 +42,7 @@ from benchmarks import hlo_text
 
 
 def measure(model: str, target_text: str, batch: int, prompt: int, response: int, scan_layers: bool = True,
-            read_length: int | None = None) -> dict:
+            read_length: int | None = None, attention: str = "auto") -> dict:
     from ppojax.trainer import plan, plan_targets
 
     spec = plan_targets.parse_target(target_text)
@@ -50,17 +50,21 @@ def measure(model: str, target_text: str, batch: int, prompt: int, response: int
         raise SystemExit("--target: a TPU target (tpu:<chip>:<topology>); the CPU's cost analysis is not the floor's")
     plan.use_host_for_tracing()
 
-    from ppojax.models import XLA, CausalLM, init_cache, precision_dtypes
+    from ppojax import backends
+    from ppojax.models import CausalLM, init_cache, precision_dtypes
     from ppojax.rl.sampler import decode_step, sample_logits
 
     target = plan_targets.load_target(spec)
+    # the attention a run on this chip takes ("auto": the TPU's Pallas decode kernel) or XLA's ("xla")
+    kernels = backends.kernels_for([], devices=target.devices[:1], attention_implementation=attention)
     model_cfg, _, _ = plan.model_config_for(model)
     compute, weights = precision_dtypes("bfloat16")
     policy = nnx.eval_shape(lambda: CausalLM(model_cfg, rngs=nnx.Rngs(0), dtype=compute, param_dtype=weights,
-                                             scan_layers=scan_layers))
+                                             scan_layers=scan_layers, kernels=kernels))
     graphdef, params = nnx.split(policy)
     length = prompt + response
-    cache = jax.eval_shape(lambda: init_cache(model_cfg, batch, length, compute, XLA)).replace(read_length=read_length)
+    cache = jax.eval_shape(lambda: init_cache(model_cfg, batch, length, compute, kernels))
+    cache = cache.replace(read_length=read_length)
     mesh = Mesh(np.array(target.devices[:1]), ("chip",))
     on_chip = NamedSharding(mesh, PartitionSpec())
 
@@ -96,6 +100,7 @@ def measure(model: str, target_text: str, batch: int, prompt: int, response: int
     cache_copies = sum(1 for line in text.splitlines()
                        if " copy(" in line and f"[{','.join(map(str, cache.keys.shape))}]" in line.split("copy(")[0])
     return {"model": model, "target": spec.text, "compiler": target.compiler, "batch": batch,
+            "attention": kernels.name, "kernel_calls": len(re.findall(r"ppojax_decode_attention[.\d]* = ", text)),
             "layers": "scan" if scan_layers else "unrolled", "cache_copies": cache_copies,
             "cache_slots": length, "slots_read": cache.slots_read, "kv_read_bytes": kv_read_bytes,
             "bytes_accessed": moved, "weight_bytes": weight_bytes, "kv_cache_bytes": kv_bytes,
@@ -115,15 +120,18 @@ def main(argv=None) -> int:
     parser.add_argument("--response", type=int, default=1024)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--segments", type=int, default=4, help="decode_segments (the config's default: 4)")
+    parser.add_argument("--attention", default="auto", choices=["auto", "xla"],
+                        help="attention_implementation: 'auto' takes the TPU's Pallas decode kernel")
     args = parser.parse_args(argv)
     from ppojax.rl.sampler import decode_segments
 
-    results = [measure(args.model, args.target, args.batch, args.prompt, args.response, scan_layers=scan)
-               for scan in (True, False)]
+    results = [measure(args.model, args.target, args.batch, args.prompt, args.response, scan_layers=scan,
+                       attention=args.attention) for scan in (True, False)]
     start, segments = 1, []
     for end, slots in decode_segments(args.prompt, args.response, args.segments):
         segments.append({**measure(args.model, args.target, args.batch, args.prompt, args.response,
-                                   scan_layers=False, read_length=slots), "steps": end - start})
+                                   scan_layers=False, read_length=slots, attention=args.attention),
+                         "steps": end - start})
         start = end
     steps = sum(seg["steps"] for seg in segments)
     mean = lambda key: sum(seg[key] * seg["steps"] for seg in segments) / steps  # noqa: E731
@@ -133,7 +141,8 @@ def main(argv=None) -> int:
                  "per_segment": segments}
     gb = 1e9
     for result in results:
-        print(f"{result['model']} decode step on {result['target']} ({result['compiler']}), {result['batch']} rows "
+        print(f"{result['model']} decode step on {result['target']} ({result['compiler']}), attention "
+              f"{result['attention']} ({result['kernel_calls']} kernel calls), {result['batch']} rows "
               f"x {result['cache_slots']} cache slots, layers {result['layers']}:\n"
               f"  bytes accessed (the compiler's count) {result['bytes_accessed'] / gb:.3f} GB; temporaries "
               f"{result['temp_bytes'] / gb:.3f} GB; cache-sized copies {result['cache_copies']}\n"

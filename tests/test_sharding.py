@@ -314,6 +314,36 @@ if CHILD:
         text = lowered.as_text()
         assert "sharding_constraint" in text and '{"tensor"}' in text, text[:2000]
 
+    def test_the_tpu_decode_kernel_runs_per_shard_and_equals_one_device():
+        """The TPU's Pallas decode attention (interpreted) on a (data 2, fsdp 2, tensor 2) mesh runs per shard (4
+        rows and one of the 2 key heads each) and samples the tokens XLA's attention samples on one device, with
+        their log-probs within 1e-5."""
+        from ppojax import backends
+        from ppojax.backends.tpu.kernels import TpuKernels
+        from ppojax.rl.sampler import generate
+
+        mesh = sh.make_mesh(data=2, fsdp=2, tensor=2)
+        ac, params, _, _ = H.build_models()
+        kernels = TpuKernels(mesh=mesh, interpret=True)
+        model = nnx.merge(ac.policy_graphdef, params["policy"])
+        backends.use_kernels(kernels, model)
+        tpu_graphdef = nnx.split(model)[0]
+        queries = jnp.asarray(H.prompts())
+
+        def sample(graphdef, policy, queries, init_cache_fn=None):
+            return jax.jit(lambda p, q, k: generate(graphdef, p, q, k, response_length=H.R, pad_token_id=H.PAD,
+                                                    return_logprobs=True, init_cache_fn=init_cache_fn))(
+                policy, queries, jax.random.key(3))
+
+        policy = sh.shard_params(params["policy"], mesh, sh.GENERATE_RULES)
+        program = str(jax.make_jaxpr(lambda p, q, k: generate(tpu_graphdef, p, q, k, response_length=H.R,
+                                                              pad_token_id=H.PAD))(policy, queries, jax.random.key(3)))
+        assert "pallas_call" in program and "shard_map" in program
+        got = sample(tpu_graphdef, policy, sh.shard_batch(queries, mesh), placement.make_init_cache_fn(mesh))
+        want = sample(ac.policy_graphdef, params["policy"], queries)
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+        np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), atol=1e-5)
+
     @pytest.mark.parametrize("mesh_shape, rows, kv_heads, rows_axes, heads_axis", [
         ((1, 2, 4), 4, 4, "fsdp", "tensor"),
         ((1, 2, 4), 4, 2, "fsdp", None),  # 2 key heads do not split 4 ways: no operand splits its heads

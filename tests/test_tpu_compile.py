@@ -101,9 +101,10 @@ def test_the_chip_memory_table_is_the_compilers(target):
 
 def test_the_attention_a_tpu_user_gets_is_the_one_compiled(tiny_model, target, config):
     """The plan chooses the models' kernels for the target's chips (``backends.kernels_for`` on the mesh's
-    devices), as a user's run on the TPU chooses them for its own: XLA's attention (cuDNN is an NVIDIA GPU's), so
-    the program the plan compiles is the one a user runs."""
+    devices), as a user's run on the TPU chooses them for its own: the TPU's kernels (the Pallas decode attention,
+    per shard of the mesh; cuDNN is an NVIDIA GPU's), so the program the plan compiles is the one a user runs."""
     from ppojax import backends
+    from ppojax.backends.tpu.kernels import TpuKernels
     from ppojax.models import XLA
     from ppojax import parallel
     from ppojax.rl.program import make_train_step
@@ -113,11 +114,13 @@ def test_the_attention_a_tpu_user_gets_is_the_one_compiled(tiny_model, target, c
     mesh = parallel.make_mesh(*MESH, devices=target.devices)
     assert mesh.devices.flat[0].platform == "tpu"
     run = abstract_run(config, model_cfg, mesh)
-    assert run.program.actor_critic.kernels is XLA
-    assert backends.kernels_for([], mesh=mesh) is XLA  # what build_run takes on the slice itself
+    assert run.program.actor_critic.kernels == TpuKernels(mesh=mesh)
+    assert backends.kernels_for([], mesh=mesh) == TpuKernels(mesh=mesh)  # what build_run takes on the slice itself
+    assert backends.kernels_for([], mesh=mesh, attention_implementation="xla") is XLA
     as_planned = make_train_step(run.program, run.state_shardings).jitted.lower(run.state, run.prompts,
                                                                                 run.key).as_text()
     assert "cudnn" not in as_planned and "CustomSPMDPartitioning" not in as_planned
+    assert "ppojax_decode_attention" in as_planned
 
 
 def test_several_slices_put_data_across_the_slices():
@@ -156,21 +159,25 @@ def test_a_mesh_axis_across_two_torus_sides_still_makes_a_mesh():
     assert dict(mesh.shape) == {"data": 1, "fsdp": 8, "tensor": 8} and len(set(mesh.devices.flat)) == 64
 
 
-@pytest.mark.parametrize("segments", [1, 4])
-def test_the_decode_loop_writes_the_kv_cache_in_place(target, segments):
+@pytest.mark.parametrize("segments,kernels", [(1, "xla"), (4, "xla"), (1, "tpu"), (4, "tpu")])
+def test_the_decode_loop_writes_the_kv_cache_in_place(target, segments, kernels):
     """The whole sampler (prefill, then the decode loop with the layer loop inside) compiled for one v5e chip: no
     instruction inside the decode loop copies the KV cache; each step writes its new keys and values into the cache
     it carries. (Outside the loop the cache may be copied once per call: the TPU compiler gives the loop's cache
     its own layout.) With decode segments, each loop's attention reads its first slots where they lie: no
-    instruction of a loop makes a layer's slots into an array of their own."""
+    instruction of a loop makes a layer's slots into an array of their own. Both with XLA's attention and with the
+    TPU's kernels (the Pallas decode attention, which reads each layer's slots from the cache the loop carries)."""
     import re
 
     from benchmarks import hlo_text
-    from ppojax.models import CausalLM, ModelConfig
-    from ppojax.rl.sampler import generate
+    from ppojax.backends.tpu.kernels import TpuKernels
+    from ppojax.models import XLA, CausalLM, ModelConfig
+    from ppojax.rl.sampler import decode_segments, generate
 
     cfg = ModelConfig.from_hf({**TINY, "num_hidden_layers": 4, "max_position_embeddings": 256})
-    policy = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16))
+    chosen = XLA if kernels == "xla" else TpuKernels()
+    policy = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                                             kernels=chosen))
     graphdef, params = nnx.split(policy)
     chip = NamedSharding(Mesh(np.array(target.devices[:1]), ("chip",)), PartitionSpec())
     placed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=chip), params)
@@ -200,6 +207,11 @@ def test_the_decode_loop_writes_the_kv_cache_in_place(target, segments):
                      if " while(" in line and bodies.get(body_of(line))]
     assert len(decode_bodies) == segments
     decode_lines = [line for body in decode_bodies for name in [body, *bodies[body]] for line in module[name]]
+    kernel_calls = [line for line in decode_lines if "tpu_custom_call" in line and "ppojax_decode_attention" in line]
+    # the kernel takes a loop whose slots read split into blocks of 128 lanes, or the whole cache in one block
+    reads = [read for _, read in decode_segments(64, 128, segments, alignment=8)]
+    taken = [read for read in reads if read % 128 == 0 or read == 192]
+    assert len(kernel_calls) == (len(taken) if kernels == "tpu" else 0) and len(taken) >= 1, (reads, kernel_calls)
     layer_slots = [line.strip()[:160] for line in decode_lines
                    if re.match(r"\s+(ROOT )?%?[\w.\-]+ = bf16\[8,([2-9]|\d\d+),4,8\]", line)]
     assert layer_slots == [], layer_slots

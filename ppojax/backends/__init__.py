@@ -2,10 +2,11 @@
 is built and handed to the programs as data (nothing below the trainer tests the platform while tracing).
 
 - `kernels_for(modules, ...)`: the models' `Kernels` (`ppojax.models.kernels`), attention included: NVIDIA GPUs'
-  (`gpu.kernels.GpuKernels`: cuDNN's fused attention where it fits, laid out for the run's mesh); the CPU's
-  (`cpu.kernels.CpuKernels`) on CPU devices with ppojax's CPU backend on; XLA's everywhere else (TPU, and the CPU
-  with `PPOJAX_CPU_BACKEND=0`). Building C++ handlers and measuring GEMM libraries happen here, never while a
-  program is traced.
+  (`gpu.kernels.GpuKernels`: cuDNN's fused attention where it fits, laid out for the run's mesh); TPUs'
+  (`tpu.kernels.TpuKernels`: a Pallas decode-attention kernel reading the KV cache where it lies); the CPU's
+  (`cpu.kernels.CpuKernels`) on CPU devices with ppojax's CPU backend on; XLA's everywhere else (the CPU with
+  `PPOJAX_CPU_BACKEND=0`, and wherever attention_implementation is 'xla'). Building C++ handlers and measuring
+  GEMM libraries happen here, never while a program is traced.
 - `use_kernels(kernels, *modules)`: set them on every backbone of the models.
 - `optimizer_step_for(...)`: AdamW's step implementation (`ppojax.rl.optimizer`): optax's, or the CPU's one pass
   over each parameter (`cpu.adam_in_place.InPlaceAdamStep`) on a single CPU device.
@@ -129,6 +130,10 @@ def kernels_for(modules: Iterable, *, matmul_implementation: str = "auto", atten
         if attention_implementation == "xla":
             return XLA
         return GpuKernels(attention_implementation, capability, mesh)
+    if devices and devices[0].platform == "tpu":
+        from ppojax.backends.tpu.kernels import TpuKernels  # noqa: PLC0415 - JAX after XLA's options (above)
+
+        return XLA if attention_implementation == "xla" else TpuKernels(mesh=mesh)
     if not cpu_backend or not _cpu_backend_on(devices):
         return XLA
     from ppojax.backends.cpu.kernels import CpuKernels  # noqa: PLC0415 - JAX after XLA's options (above)

@@ -4,10 +4,13 @@ A model holds one `Kernels` object (a static attribute of its backbone, part of 
 run or plan is built (`ppojax.backends.kernels_for`) and never while tracing: tracing only reads what it decided.
 This base class is XLA's own operations in their plain `jnp` forms, which every backend compiles (TPU, GPU and CPU
 alike); it is the default of every model. A backend that does better subclasses it (the CPU's:
-`ppojax.backends.cpu.kernels.CpuKernels`; NVIDIA GPUs': `ppojax.backends.gpu.kernels.GpuKernels`).
+`ppojax.backends.cpu.kernels.CpuKernels`; NVIDIA GPUs': `ppojax.backends.gpu.kernels.GpuKernels`; TPUs':
+`ppojax.backends.tpu.kernels.TpuKernels`).
 
 What a backend may change, and nothing else:
-  - `attention`: masked grouped-query attention (XLA's by default, `attention.xla_attention`);
+  - `attention`: masked grouped-query attention (XLA's by default, `attention.xla_attention`), and
+    `cache_attention`: the same over a KV cache read where it lies in the stacked cache (a kernel that must not
+    copy a layer's slots out first: TPUs' decode, `ppojax.backends.tpu.kernels.TpuKernels`);
   - `matmul`: a 2-D product in the compute dtype (the layers' projections and LoRA's thin products);
   - `output_projection`: the attention output projection `[B, S, H, hd] x [H, hd, D]`;
   - `split_layer_kernels` / `layer_products`: projections that read their layer's kernel where it lies in the
@@ -51,6 +54,14 @@ class Kernels:
         every implementation equals): q [B, S, H, hd], k and v [B, T, K, hd], mask bool[B, S, T] -> [B, S, H, hd]."""
         return xla_attention(q, k, v, mask, scale=scale)
 
+    def cache_attention(self, q: Array, keys: Array, values: Array, layer_idx: Array, mask: Array, *,
+                        scale: float, slots_read: int) -> Optional[Array]:
+        """Attention over a KV cache read where it lies: q [B, S, H, hd]; keys, values the whole stacked cache
+        [L, B, T, K, hd] as stored; layer_idx i32[] (which layer's slots); mask bool[B, S, slots_read] over the first
+        `slots_read` slots -> [B, S, H, hd], equal to `attention` over that layer's slots; or None where these
+        kernels have no such form for the call (the caller then reads the slots and calls `attention`). XLA's: None
+        (its reads of the slots fuse into the attention's products)."""
+        return None
 
     def matmul(self, x: Array, w: Array) -> Array:
         """x [N, D] @ w [D, F] -> [N, F], operands and result in the compute dtype."""

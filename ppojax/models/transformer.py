@@ -303,6 +303,12 @@ def _block(cfg: ModelConfig, dtype, inv_freq, p: dict, x: Array, positions: Arra
     if cfg.position_embedding == "rope":
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
+    if cfg.attn_scale_by_inverse_layer_idx:
+        # GPT-2's scores / (layer_idx + 1): layer_idx is traced under the layer scan and fused kernels take the
+        # scale as a constant, so the per-layer factor is folded into q
+        q = q * (1.0 / (layer_idx + 1).astype(jnp.float32)).astype(q.dtype)
+    scale = cfg.head_dim ** -0.5
+    o = None
     if kv is not None:
         all_k, all_v = kv
 
@@ -318,13 +324,14 @@ def _block(cfg: ModelConfig, dtype, inv_freq, p: dict, x: Array, positions: Arra
             return kernels.from_slots(layer, cache_dtype).astype(dtype)
 
         all_k, all_v = write(all_k, k), write(all_v, v)
-        k, v = read(all_k), read(all_v)
         kv = (all_k, all_v)
-    if cfg.attn_scale_by_inverse_layer_idx:
-        # GPT-2's scores / (layer_idx + 1): layer_idx is traced under the layer scan and cuDNN takes the scale as
-        # a constant, so the per-layer factor is folded into q
-        q = q * (1.0 / (layer_idx + 1).astype(jnp.float32)).astype(q.dtype)
-    o = kernels.attention(q, k, v, mask, scale=cfg.head_dim ** -0.5, **attn_kwargs)
+        if not kv_int8.is_int8(all_k):  # a backend's kernel may read the layer's slots where they lie
+            o = kernels.cache_attention(q, all_k, all_v, layer_idx, mask, scale=scale,
+                                        slots_read=slots_read or all_k.shape[2])
+        if o is None:
+            k, v = read(all_k), read(all_v)
+    if o is None:
+        o = kernels.attention(q, k, v, mask, scale=scale, **attn_kwargs)
     if ("attn", "o") in products:
         attn_out = products["attn", "o"](o.reshape(o.shape[0] * o.shape[1], -1)).reshape(*o.shape[:2], -1)
     else:

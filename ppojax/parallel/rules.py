@@ -261,6 +261,21 @@ def attention_operand_placement(mesh: Mesh, rules: Mapping[str, Any] = TRAIN_RUL
     return place
 
 
+def cache_attention_specs(mesh: Mesh, rows: int, heads: int, kv_heads: int,
+                          rules: Mapping[str, Any] = GENERATE_RULES) -> tuple[PartitionSpec, ...]:
+    """(q, cache, mask) specs for a decode-attention kernel run per shard (``ppojax.backends.tpu.kernels``), as
+    the KV cache is laid out (``kv_cache_shardings``): q [B, H, hd] rows over the ``batch`` rule's axes and heads
+    over the ``kv_heads`` rule's where both H and K divide (each shard keeps whole groups of query heads with
+    their key head); the cache [L, B, T, K, hd] alike; the mask [B, T] by rows."""
+    row_spec = logical_to_spec((rows,), ("batch",), mesh, rules)
+    row_axes = row_spec[0] if len(row_spec) else None
+    head_spec = logical_to_spec((heads,), ("kv_heads",), mesh, rules)
+    kv_spec = logical_to_spec((kv_heads,), ("kv_heads",), mesh, rules)
+    head_axes = head_spec[0] if len(head_spec) and head_spec == kv_spec else None
+    return (PartitionSpec(row_axes, head_axes), PartitionSpec(None, row_axes, None, head_axes),
+            PartitionSpec(row_axes))
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 

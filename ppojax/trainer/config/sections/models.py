@@ -72,7 +72,8 @@ class ModelSettings:
     only each layer's input, recompute the rest: least memory). The gradients are the same."""
     attention_implementation: str = setting("auto", static=True, on_resume=MAY_CHANGE,
                                             rule=one_of("auto", "xla", "cudnn"))
-    """'auto' (cuDNN's fused kernel on an NVIDIA GPU when it applies, XLA elsewhere), 'xla', or 'cudnn'."""
+    """'auto' (cuDNN's fused kernel on an NVIDIA GPU when it applies; on a TPU a Pallas kernel for decode attention,
+    which reads the KV cache where it lies; XLA elsewhere), 'xla', or 'cudnn'."""
     matmul_implementation: str = setting("auto", static=True, on_resume=MAY_CHANGE,
                                          rule=one_of(*MATMUL_IMPLEMENTATIONS))
     """The layers' projections (and the LM head, at calls of at least 64 rows) of a float32 model on a single CPU

@@ -1,0 +1,1 @@
+"""TPUs' backend: Pallas (Mosaic) kernels behind the models' `Kernels` seam (`kernels.TpuKernels`)."""

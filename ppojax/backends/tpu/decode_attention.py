@@ -1,0 +1,129 @@
+"""A Pallas (Mosaic) kernel for decode attention on TPUs: one query per row over a layer's KV-cache slots, read
+where they lie in the stacked cache, with the model's boolean mask.
+
+Why our own kernel rather than JAX's `ragged_paged_attention` / `paged_attention`: those take a length per
+sequence (keys `[0, kv_len)` are real), and ppojax's mask is not a prefix. Rows are LEFT padded, a sampled pad id
+inside a response is a hole, and an episode's observation padding is a hole too; the mask is the single source of
+truth (`ppojax.models.attention`). This kernel takes the mask as the model computes it.
+
+Layout. The cache is `[L, B, T, K, hd]`; the TPU compiler keeps it with the slots as the minor (lane) axis, so
+an `hd` of 64 is not padded to 128 lanes. The kernel reads it in that form, as `[L, B, K, hd, T]` (a transpose
+that is a relabelling of the same bytes; the compiler lays the cache out so), one block of `bt` slots of all K key
+heads at a time, the layer chosen by a scalar-prefetched index, so no copy of the layer's slots is made. Per key
+head, its G = H / K query heads make one product `[G, hd] x [hd, bt]`.
+
+Values: an online (flash) softmax over the blocks in float32, masked logits at XLA's constant (-0.7 x float32
+max), so a row whose every key is masked averages its keys as `xla_attention` does. It equals
+`ppojax.models.attention.xla_attention` up to the order of summation (float32) and bfloat16's rounding of the
+unnormalised probabilities (16-bit caches).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+Array = jax.Array
+
+#: XLA's masked logit (`ppojax.models.attention.xla_attention`)
+MASKED = -0.7 * float(np.finfo(np.float32).max)
+#: most bytes one block of keys (or values) holds: keys and values, double-buffered, stay far inside a TPU core's
+#: VMEM
+MAX_BLOCK_BYTES = 1 << 20
+LANES = 128
+
+
+def block_slots(slots_read: int, max_length: int, kv_heads: int, head_dim: int, dtype) -> int | None:
+    """The slots per block for a read of `slots_read` of a cache's `max_length` slots: the largest multiple of 128
+    (the lanes) that divides `slots_read` with a block of at most MAX_BLOCK_BYTES, or all slots in one block
+    where the read is the whole (short) cache; None where neither fits (XLA's attention)."""
+    per_slot = kv_heads * head_dim * jnp.dtype(dtype).itemsize
+    if slots_read == max_length and max_length * per_slot <= MAX_BLOCK_BYTES:
+        return max_length
+    for bt in range(MAX_BLOCK_BYTES // per_slot // LANES * LANES, 0, -LANES):
+        if slots_read % bt == 0:
+            return bt
+    return None
+
+
+def _kernel(layer_ref, q_ref, k_ref, v_ref, mask_ref, o_ref, m_ref, l_ref, acc_ref, *, scale: float,
+            kv_heads: int, n_blocks: int):
+    del layer_ref  # read by the index maps
+    j = pl.program_id(1)
+
+    @pl.when(j == 0)
+    def _start():
+        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    valid = mask_ref[...] != 0  # [1, bt]
+    for head in range(kv_heads):
+        q = q_ref[head]  # [G, hd]
+        s = jax.lax.dot(q, k_ref[head], preferred_element_type=jnp.float32) * scale  # [G, bt]
+        s = jnp.where(valid, s, MASKED)
+        m_prev = m_ref[head]  # [G, 1]
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        p = jnp.exp(s - m_new)
+        alpha = jnp.exp(m_prev - m_new)
+        l_ref[head] = alpha * l_ref[head] + jnp.sum(p, axis=1, keepdims=True)
+        v = v_ref[head]  # [hd, bt]
+        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        acc_ref[head] = alpha * acc_ref[head] + pv  # [G, hd]
+        m_ref[head] = m_new
+
+    @pl.when(j == n_blocks - 1)
+    def _finish():
+        o_ref[...] = (acc_ref[...] / l_ref[...]).astype(o_ref.dtype)
+
+
+def decode_attention(q: Array, keys: Array, values: Array, layer: Array, mask: Array, *, scale: float,
+                     slots_read: int, bt: int, interpret: bool = False) -> Array:
+    """q [B, H, hd]; keys, values [L, B, T, K, hd] (the stacked cache, q's dtype); layer i32[] (which layer);
+    mask bool[B, slots_read] (True = may attend); bt: slots per block (`block_slots`: dividing slots_read, a
+    multiple of 128 or the whole cache).
+    Returns [B, H, hd] in q.dtype: attention over the layer's first `slots_read` slots. interpret: run Pallas's
+    interpreter (any backend; the tests' CPU)."""
+    b, h, hd = q.shape
+    kv_heads = keys.shape[3]
+    group = h // kv_heads
+    n_blocks = slots_read // bt
+    q = q.reshape(b, kv_heads, group, hd)
+    keys, values = (jnp.transpose(x, (0, 1, 3, 4, 2)) for x in (keys, values))  # [L, B, K, hd, T]
+    mask = mask.astype(jnp.int32)[:, None, :]  # [B, 1, slots_read]
+    cache_block = pl.BlockSpec((None, None, kv_heads, hd, bt), lambda i, j, layer: (layer[0], i, 0, 0, j))
+    row_block = pl.BlockSpec((None, kv_heads, group, hd), lambda i, j, layer: (i, 0, 0, 0))
+    itemsize = jnp.dtype(keys.dtype).itemsize
+    cost = pl.CostEstimate(
+        flops=4 * b * h * slots_read * hd, transcendentals=b * h * slots_read,
+        bytes_accessed=(2 * b * slots_read * kv_heads * hd * itemsize + 4 * b * slots_read
+                        + 2 * b * h * hd * jnp.dtype(q.dtype).itemsize))
+    call = pl.pallas_call(
+        functools.partial(_kernel, scale=float(scale), kv_heads=kv_heads, n_blocks=n_blocks),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(b, n_blocks),
+            in_specs=[row_block, cache_block, cache_block,
+                      pl.BlockSpec((None, 1, bt), lambda i, j, layer: (i, 0, j))],
+            out_specs=row_block,
+            scratch_shapes=[pltpu.VMEM((kv_heads, group, 1), jnp.float32),
+                            pltpu.VMEM((kv_heads, group, 1), jnp.float32),
+                            pltpu.VMEM((kv_heads, group, hd), jnp.float32)]),
+        out_shape=jax.ShapeDtypeStruct((b, kv_heads, group, hd), q.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        cost_estimate=cost, interpret=interpret, name="ppojax_decode_attention")
+    return call(jnp.asarray(layer, jnp.int32).reshape(1), q, keys, values, mask).reshape(b, h, hd)
+
+
+def fits(q_shape, cache_shape, dtype, slots_read: int) -> int | None:
+    """The slots per block (`block_slots`) where a call of these static shapes runs the kernel, else None: q
+    [B, S, H, hd] with one query per row (decode), a cache [B, T, K, hd] (one layer's shape), H a multiple of K."""
+    _, s, h, hd = q_shape
+    max_length, kv_heads = cache_shape[1:3]
+    if s != 1 or h % kv_heads or math.prod(cache_shape) == 0:
+        return None
+    return block_slots(slots_read, max_length, kv_heads, hd, dtype)

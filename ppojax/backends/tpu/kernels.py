@@ -1,0 +1,45 @@
+"""TPUs' `Kernels` (`ppojax.models.kernels`): decode attention as a Pallas (Mosaic) kernel that reads the KV cache
+where it lies (`decode_attention`), XLA's operations for the rest.
+
+The kernel takes a call with one query per row over a cache stored in the compute dtype whose slots read split
+into blocks of a multiple of 128 (`decode_attention.fits`); any other call (a prefill, a packed forward, an 8-bit
+cache, a cache of another dtype) is XLA's attention, which reads the layer's slots in its fused products.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Optional
+
+import jax
+from jax.sharding import PartitionSpec
+
+from ppojax.backends.tpu.decode_attention import decode_attention, fits
+from ppojax.models.kernels import Kernels
+from ppojax.parallel.rules import cache_attention_specs
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuKernels(Kernels):
+    """mesh: the run's device mesh (None: one device); a Pallas kernel is one device's program, so on a mesh it
+    runs per shard (`shard_map`) on the rows and key heads the KV cache holds there. interpret: run the kernels in
+    Pallas's interpreter (any backend: the tests run them on the CPU)."""
+
+    mesh: Any = None
+    interpret: bool = False
+    name: str = dataclasses.field(default="tpu", init=False)
+
+    def cache_attention(self, q: Array, keys: Array, values: Array, layer_idx: Array, mask: Array, *,
+                        scale: float, slots_read: int) -> Optional[Array]:
+        bt = fits(q.shape, keys.shape[1:], keys.dtype, slots_read) if keys.dtype == q.dtype else None
+        if bt is None:
+            return None
+        call = functools.partial(decode_attention, scale=scale, slots_read=slots_read, bt=bt,
+                                 interpret=self.interpret)
+        if self.mesh is not None and self.mesh.size > 1:
+            q_spec, cache_spec, mask_spec = cache_attention_specs(self.mesh, q.shape[0], q.shape[2], keys.shape[3])
+            specs = (q_spec, cache_spec, cache_spec, PartitionSpec(), mask_spec)
+            call = jax.shard_map(call, mesh=self.mesh, in_specs=specs, out_specs=q_spec, check_vma=False)
+        return call(q[:, 0], keys, values, layer_idx, mask[:, 0])[:, None]

@@ -1,0 +1,84 @@
+"""The TPU's Pallas decode attention (`ppojax.backends.tpu`) run in Pallas's interpreter on the CPU: it equals XLA's
+attention (`xla_attention`) and the float64 formula, on left padding, holes in a row, a row with no valid key, GQA,
+several blocks and a chosen layer of the stacked cache; inside a model's sampler it samples the tokens XLA's
+attention samples. Its compiles for a TPU chip are tests/test_tpu_compile.py's."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from ppojax.backends.tpu.decode_attention import block_slots, decode_attention, fits
+from ppojax.backends.tpu.kernels import TpuKernels
+from ppojax.models import XLA, CausalLM, ModelConfig
+from ppojax.models.attention import xla_attention
+from ppojax.rl.sampler import generate
+from tests.test_attention import reference_attention
+
+
+def cache_case(dtype, rows=3, layers=2, slots=512, kv_heads=2, group=3, head_dim=16, seed=0):
+    """(q [B, H, hd], keys, values [L, B, T, K, hd], mask bool[B, T]): row 0 sees no key, row 1 is left padded with
+    holes (a sampled pad inside its response), row 2 sees the slots written so far."""
+    rng = np.random.default_rng(seed)
+    heads = kv_heads * group
+    q = rng.normal(size=(rows, heads, head_dim))
+    keys = rng.normal(size=(layers, rows, slots, kv_heads, head_dim))
+    values = rng.normal(size=(layers, rows, slots, kv_heads, head_dim))
+    mask = np.zeros((rows, slots), bool)
+    mask[1, 40:300] = True
+    mask[1, [77, 190, 191]] = False
+    mask[2, :301] = True
+    return tuple(jnp.asarray(x, dtype) for x in (q, keys, values)) + (jnp.asarray(mask),)
+
+
+@pytest.mark.parametrize("dtype,atol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_the_kernel_equals_xla_attention_and_the_formula(dtype, atol):
+    """float32 within 1e-5; bfloat16 within its rounding (the unnormalised probabilities are rounded to bfloat16
+    before the product with the values, as XLA's rounds the normalised ones)."""
+    q, keys, values, mask = cache_case(dtype)
+    layer, slots_read = 1, 384  # the first 384 of 512 slots, in 3 blocks of 128
+    got = jax.jit(lambda *a: decode_attention(*a, scale=0.25, slots_read=slots_read, bt=128, interpret=True))(
+        q, keys, values, jnp.int32(layer), mask[:, :slots_read])
+    assert got.shape == q.shape and got.dtype == q.dtype
+    k, v = keys[layer, :, :slots_read], values[layer, :, :slots_read]
+    want = xla_attention(q[:, None], k, v, mask[:, None, :slots_read], scale=0.25)[:, 0]
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=atol)
+    assert not np.allclose(np.asarray(got[1:], np.float32), np.asarray(want[0], np.float32))  # rows differ
+    as64 = [np.asarray(x, np.float32) for x in (q[:, None], k, v)]
+    formula = reference_attention(*as64, np.asarray(mask[:, None, :slots_read]), 0.25)[:, 0]
+    np.testing.assert_allclose(np.asarray(got[1:], np.float32), formula[1:], atol=atol)  # row 0 sees no key
+
+
+def test_the_blocks_a_call_takes():
+    """Blocks of a multiple of 128 slots that divide the read (at most 1 MiB of keys), the whole cache where it is
+    read whole and small; nothing else (XLA's attention then)."""
+    assert block_slots(1536, 1536, 8, 64, jnp.bfloat16) == 768
+    assert block_slots(384, 1536, 8, 64, jnp.bfloat16) == 384
+    assert block_slots(640, 1536, 8, 64, jnp.bfloat16) == 640
+    assert block_slots(12, 12, 4, 8, jnp.bfloat16) == 12
+    assert block_slots(96, 192, 4, 8, jnp.bfloat16) is None
+    assert fits((8, 1, 32, 64), (8, 1536, 8, 64), jnp.bfloat16, 1536) == 768
+    assert fits((8, 4, 32, 64), (8, 1536, 8, 64), jnp.bfloat16, 1536) is None  # a prefill: XLA's
+
+
+def test_a_model_samples_with_the_kernel_as_with_xla_attention():
+    """A float32 llama (GQA, 2 layers) sampling 112 tokens after left-padded prompts of 16 with the TPU's kernels
+    (interpreted) draws the tokens XLA's attention draws, with their log-probs within 1e-5; the kernel is the
+    program's decode attention."""
+    cfg = ModelConfig.from_hf(dict(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
+                                   max_position_embeddings=256, pad_token_id=0, eos_token_id=1))
+    prompts = np.asarray(np.random.default_rng(3).integers(2, 64, (3, 16)), np.int32)
+    prompts[1, :5] = 0
+    prompts[2, :12] = 0
+    results = {}
+    for name, kernels in (("xla", XLA), ("tpu", TpuKernels(interpret=True))):
+        graphdef, params = nnx.split(CausalLM(cfg, rngs=nnx.Rngs(0), kernels=kernels))
+        sample = jax.jit(lambda p, q, k: generate(graphdef, p, q, k, response_length=112, pad_token_id=0,
+                                                  return_logprobs=True))
+        if name == "tpu":
+            assert "pallas_call" in str(jax.make_jaxpr(sample)(params, prompts, jax.random.key(0)))
+        results[name] = sample(params, prompts, jax.random.key(0))
+    np.testing.assert_array_equal(results["tpu"][0], results["xla"][0])
+    np.testing.assert_allclose(results["tpu"][1], results["xla"][1], atol=1e-5)
