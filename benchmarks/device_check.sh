@@ -10,7 +10,8 @@
 #   gpu-tests  the model / generation / attention (cuDNN's tests run only there) / LoRA / train_step tests on
 #              the GPU, one line per test as it ends (`-v`), on the remaining cores;
 #   gpu-bench  `benchmarks.gpu` (tiny, SmolLM2, a random 1B Llama under mixed and bfloat16: update MFU and the
-#              decode step against the HBM roofline) and TRL on the same GPU (`trl_ppo --device cuda --bf16`);
+#              decode step against the HBM roofline; the 1B decode again with the Pallas decode kernel,
+#              `--attention pallas`) and TRL on the same GPU (`trl_ppo --device cuda --bf16`);
 #              ~4 min;
 #   cpu-quiet  alone (no other part): `benchmarks.run` as ONE process on two cores with nothing else running:
 #              TRL, then ppojax float32, SmolLM2 only (BENCH_EXTRA="--sizes tiny,smollm2" adds tiny;
@@ -131,6 +132,9 @@ if want gpu-bench; then
   stamp "benchmarks.gpu"
   $GPU_ENV taskset -c "$CPU_GPU" timeout 240 python3 -m benchmarks.gpu --only tiny,smollm2,llama1b \
     --json "$OUT/gpu.json" 2>&1 | grep -v "^WARNING\|^I0000\|^W0000" | cut -c1-300
+  stamp "benchmarks.gpu: the Pallas decode kernel at 1B"
+  $GPU_ENV taskset -c "$CPU_GPU" timeout 120 python3 -m benchmarks.gpu --only llama1b --precisions bfloat16 \
+    --attention pallas --json "$OUT/gpu_pallas.json" 2>&1 | grep -v "^WARNING\|^I0000\|^W0000" | cut -c1-300
   stamp "TRL on the GPU"
   $GPU_ENV taskset -c "$CPU_GPU" timeout 100 python3 -m benchmarks.trl_ppo --size smollm2 --device cuda --bf16 \
     --json "$OUT/trl_gpu.json" 2>&1 | tail -1

@@ -67,7 +67,7 @@ def measure_peaks() -> dict:
     return {"bf16_matmul_flops_per_s": 2 * n ** 3 / matmul_s, "copy_bytes_per_s": 2 * x.nbytes / copy_s}
 
 
-def run_case(name: str, precision: str, peaks: dict, fused: bool) -> dict:
+def run_case(name: str, precision: str, peaks: dict, fused: bool, attention: str = "auto") -> dict:
     from benchmarks.ppojax_ppo import build
     from ppojax.rl import rollout
     from ppojax.rl.sampler import decode_segments, generate
@@ -78,12 +78,13 @@ def run_case(name: str, precision: str, peaks: dict, fused: bool) -> dict:
     epochs = PPO_SETTINGS["num_ppo_epochs"]
     config = dict(PPO_SETTINGS, model=dict(model, pad_token_id=0, bos_token_id=1, eos_token_id=2), batch_size=B,
                   prompt_length=P, response_length=R, num_updates=4, num_mini_batches=1, pad_token_id=0,
-                  bos_token_id=1, eos_token_id=2, precision=precision, model_dir=None)
+                  bos_token_id=1, eos_token_id=2, precision=precision, model_dir=None,
+                  attention_implementation=attention)
     prompts = np.asarray(make_prompts(4 * B, P, model["vocab_size"]), np.int32)
     t0 = time.perf_counter()
     program, state, shardings = build(config)
-    out = {"case": name, "precision": precision, "batch_size": B, "prompt_length": P, "response_length": R,
-           "setup_s": time.perf_counter() - t0}
+    out = {"case": name, "precision": precision, "attention": attention, "batch_size": B, "prompt_length": P,
+           "response_length": R, "setup_s": time.perf_counter() - t0}
     key = jax.random.key(0)
 
     sample = jax.jit(lambda s, q, k: rollout.sample(program, s, q, k)[0])
@@ -153,6 +154,9 @@ def main(argv=None):
     parser.add_argument("--only", default=",".join(CASES))
     parser.add_argument("--precisions", default="mixed,bfloat16")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--attention", default="auto",
+                        help="attention_implementation values, comma-separated (e.g. auto,pallas: the Pallas decode "
+                             "kernel against XLA's decode)")
     args = parser.parse_args(argv)
     device = jax.devices()[0]
     report = {"device": getattr(device, "device_kind", str(device)), "platform": device.platform,
@@ -160,15 +164,18 @@ def main(argv=None):
     print(json.dumps(report), flush=True)
     for name in args.only.split(","):
         for precision in args.precisions.split(","):
-            try:
-                result = run_case(name, precision, report["peaks"], fused=name == "smollm2")
-            except Exception as err:  # keep the other cases' figures
-                result = {"case": name, "precision": precision, "error": f"{type(err).__name__}: {err}"}
-            report["cases"].append(result)
-            print(json.dumps(result), flush=True)
-            if args.json:
-                with open(args.json, "w") as f:
-                    json.dump(report, f, indent=1)
+            for attention in args.attention.split(","):
+                try:
+                    result = run_case(name, precision, report["peaks"], fused=name == "smollm2" and
+                                      attention == "auto", attention=attention)
+                except Exception as err:  # keep the other cases' figures
+                    result = {"case": name, "precision": precision, "attention": attention,
+                              "error": f"{type(err).__name__}: {err}"}
+                report["cases"].append(result)
+                print(json.dumps(result), flush=True)
+                if args.json:
+                    with open(args.json, "w") as f:
+                        json.dump(report, f, indent=1)
 
 
 if __name__ == "__main__":

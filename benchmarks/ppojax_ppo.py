@@ -61,6 +61,7 @@ def _models(config, abstract: bool = False):
         policy, reward = new(CausalLM, 0), new(ScoreModel, 1)
     # the backend's kernels, chosen once for the models' shapes as a run chooses them
     kernels = backends.kernels_for([policy, reward], matmul_implementation=config.get("matmul_implementation", "auto"),
+                                   attention_implementation=config.get("attention_implementation", "auto"),
                                    devices=jax.devices()[:1])
     backends.use_kernels(kernels, policy, reward)
     return policy, reward, cfg

@@ -123,7 +123,7 @@ def test_the_attention_is_chosen_when_the_run_is_built_and_errors_name_the_fix()
                                    num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
     f32, bf16 = CausalLM(cfg, rngs=nnx.Rngs(0)), CausalLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
     hopper, ampere = [_FakeGpu("9.0")], [_FakeGpu("8.0")]
-    with pytest.raises(ValueError, match=r"attention_implementation='flash' is not one of \('auto', 'xla', 'cudnn'\)"):
+    with pytest.raises(ValueError, match=r"'flash' is not one of \('auto', 'xla', 'cudnn', 'pallas'\)"):
         backends.kernels_for([f32], attention_implementation="flash", devices=hopper)
     with pytest.raises(ValueError, match="'cudnn' needs a bfloat16 or float16 compute dtype, got float32"):
         backends.kernels_for([f32], attention_implementation="cudnn", devices=hopper)
@@ -134,6 +134,10 @@ def test_the_attention_is_chosen_when_the_run_is_built_and_errors_name_the_fix()
                              attention_implementation="cudnn", devices=hopper)
     with pytest.raises(ValueError, match="'cudnn' needs an NVIDIA GPU, but the run's devices are 'cpu'"):
         backends.kernels_for([bf16], attention_implementation="cudnn", devices=jax.devices("cpu"))
+    with pytest.raises(ValueError, match="'pallas' needs a TPU or an NVIDIA GPU, but the run's devices are 'cpu'"):
+        backends.kernels_for([bf16], attention_implementation="pallas", devices=jax.devices("cpu"))
+    assert backends.kernels_for([bf16], attention_implementation="pallas", devices=hopper) == \
+        GpuKernels("pallas", (9, 0))
     # on a GPU: cuDNN's kernels, told the device's capability; "xla" keeps XLA's; elsewhere XLA's
     assert backends.kernels_for([bf16], devices=hopper) == GpuKernels("auto", (9, 0))
     assert backends.kernels_for([bf16], attention_implementation="xla", devices=hopper) is XLA

@@ -7,7 +7,12 @@ Skipped where JAX's CUDA plugin is not installed (pip install 'ppojax[cuda]', ab
 import json
 import re
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ppojax.trainer.plan_targets import cuda_plugin
 
@@ -77,3 +82,34 @@ def test_xla_attention_compiles_on_an_fsdp_mesh(tiny_model, target):
     result = plan.plan(_config(attention_implementation="xla"), tiny_model, mesh_shape=(2, 2, 2), target=target,
                        programs=("train_step",))
     assert result.fits and result.programs[0].out_of_memory is None
+
+
+def test_the_pallas_decode_kernel_compiles_in_the_decode_loop(target):
+    """With attention_implementation 'pallas', the whole sampler compiled for one H100: the decode loop's attention
+    is the Pallas (Triton) kernel, reading the cache the loop carries (no cache-sized copy inside the loop)."""
+    from benchmarks import hlo_text
+    from ppojax import backends
+    from ppojax.models import CausalLM, ModelConfig
+    from ppojax.rl.sampler import generate
+
+    cfg = ModelConfig.from_hf({**TINY, "hidden_size": 128, "max_position_embeddings": 256})  # head_dim 16
+    kernels = backends.kernels_for([], devices=target.devices[:1], attention_implementation="pallas")
+    policy = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                                             kernels=kernels))
+    graphdef, params = nnx.split(policy)
+    chip = NamedSharding(Mesh(np.array(target.devices[:1]), ("gpu",)), PartitionSpec())
+    placed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=chip), params)
+    prompts = jax.ShapeDtypeStruct((8, 64), jnp.int32, sharding=chip)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=chip)
+    sample = jax.jit(lambda p, q, k: generate(graphdef, p, q, k, response_length=128, pad_token_id=0,
+                                              stop_token_id=2, slot_alignment=64))
+    hlo = sample.lower(placed, prompts, key).compile().as_text()
+    module = hlo_text.computations(hlo)
+    loops = [name for lines in module.values() for line in lines if " while(" in line
+             for name in hlo_text.called(line)]
+    loop_lines = [line for name in hlo_text.reachable(module, loops) for line in module[name]]
+    kernel_lines = [line for line in loop_lines if "ppojax_decode_attention" in line and "custom-call(" in line]
+    assert len(kernel_lines) == 1 and "triton" in kernel_lines[0], kernel_lines  # in the scanned layer loop
+    cache_shape = "bf16[2,8,192,4,16]"  # [layers, rows, prompt + response slots, kv heads, head dim]
+    assert [line for line in loop_lines if re.search(re.escape(cache_shape) + r"\S* copy\(", line)] == []

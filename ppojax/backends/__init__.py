@@ -101,7 +101,7 @@ def kernels_for(modules: Iterable, *, matmul_implementation: str = "auto", atten
     all of jax's; compile-only devices of another machine too).
 
     matmul_implementation: the config's ("auto", "xla", or a GEMM library's name; only the CPU's kernels read it);
-    attention_implementation: "auto", "xla" or "cudnn" (`ppojax.models.attention.ATTENTION_IMPLEMENTATIONS`);
+    attention_implementation: "auto", "xla", "cudnn" or "pallas" (`ppojax.models.attention.ATTENTION_IMPLEMENTATIONS`);
     mesh: the run's device mesh (fused attention lays its operands out for it); cpu_backend: False keeps XLA's
     kernels on CPU devices (a plan whose virtual CPU devices stand in for accelerators).
     Raises `ValueError` naming why where an implementation named explicitly cannot run here."""
@@ -134,6 +134,9 @@ def kernels_for(modules: Iterable, *, matmul_implementation: str = "auto", atten
         from ppojax.backends.tpu.kernels import TpuKernels  # noqa: PLC0415 - JAX after XLA's options (above)
 
         return XLA if attention_implementation == "xla" else TpuKernels(mesh=mesh)
+    if attention_implementation == "pallas":
+        raise ValueError(f"attention_implementation='pallas' needs a TPU or an NVIDIA GPU, but the run's devices are "
+                         f"{devices[0].platform!r}; use attention_implementation='auto' or 'xla'")
     if not cpu_backend or not _cpu_backend_on(devices):
         return XLA
     from ppojax.backends.cpu.kernels import CpuKernels  # noqa: PLC0415 - JAX after XLA's options (above)

@@ -21,8 +21,9 @@ import jax
 import jax.numpy as jnp
 
 #: the config's `attention_implementation` values: "auto" (a backend's fused kernel where it applies, else XLA's),
-#: "xla", "cudnn" (NVIDIA GPUs; `ppojax.backends.gpu`)
-ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
+#: "xla", "cudnn" (NVIDIA GPUs; `ppojax.backends.gpu`), "pallas" (the Pallas decode-attention kernels: TPUs' as
+#: "auto", NVIDIA GPUs' on top of "auto")
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")
 
 Array = jax.Array
 

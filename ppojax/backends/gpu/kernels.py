@@ -1,5 +1,7 @@
 """NVIDIA GPUs' `Kernels` (`ppojax.models.kernels`): cuDNN's fused flash attention, through JAX's own
-`jax.nn.dot_product_attention(implementation="cudnn")`, where the call fits it; XLA's operations for the rest.
+`jax.nn.dot_product_attention(implementation="cudnn")`, where the call fits it; with attention_implementation
+'pallas', also decode attention as a Pallas (Triton) kernel that reads the KV cache where it lies
+(`decode_attention`); XLA's operations for the rest.
 
 Why the mask goes in as a boolean tensor. Rows are LEFT padded: a real query at slot i attends to the real keys
 in `[first_real, i]`. `jax.nn.dot_product_attention`'s cheap padding form (`query_seq_lengths` /
@@ -7,6 +9,9 @@ in `[first_real, i]`. `jax.nn.dot_product_attention`'s cheap padding form (`quer
 first `p_b` slots". So the mask is passed whole; cuDNN's path turns it into an additive bias `[B, 1, S, T]`, read
 per block in the forward and written as a bias gradient in the backward, and `is_causal` still lets it skip the
 blocks above the diagonal. GQA: cuDNN groups the H query heads over the K key heads natively.
+
+Why decode takes the Pallas kernel only when asked ('pallas'): its speed against XLA's fused products has not been
+measured on a GPU yet (`benchmarks/gpu.py` measures both); 'pallas' otherwise chooses as 'auto' does.
 
 "auto" takes the kernel on an Ampere-or-later GPU when the call fits: a 16-bit dtype, head_dim a multiple of 8 and
 <= 128 (<= 256 from Hopper on), and (because the mask enters as a bias, whose backward cuDNN runs only on even
@@ -21,11 +26,14 @@ shardings on an fsdp mesh (their projections' weights differ), so the kernels la
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 
+from ppojax.backends.gpu import decode_attention
+from ppojax.backends.per_shard import cache_attention_per_shard
 from ppojax.models.kernels import Kernels
 from ppojax.parallel.rules import attention_operand_placement
 
@@ -57,13 +65,25 @@ def check_cudnn_fits(dtype, head_dim: int) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class GpuKernels(Kernels):
-    """implementation: "auto" or "cudnn" (module doc); capability: the GPUs' compute capability (major, minor);
-    mesh: the run's device mesh, on which cuDNN's operands are laid out alike (None: one device)."""
+    """implementation: "auto", "cudnn" or "pallas" (module doc); capability: the GPUs' compute capability (major,
+    minor); mesh: the run's device mesh, on which cuDNN's operands are laid out alike and the Pallas kernel runs
+    per shard (None: one device); interpret: the Pallas kernel in Pallas's interpreter (the tests' CPU)."""
 
     implementation: str = "auto"
     capability: tuple = (8, 0)
     mesh: Any = None
+    interpret: bool = False
     name: str = dataclasses.field(default="gpu", init=False)
+
+    def cache_attention(self, q: Array, keys: Array, values: Array, layer_idx: Array, mask: Array, *,
+                        scale: float, slots_read: int) -> Optional[Array]:
+        if self.implementation != "pallas" or keys.dtype != q.dtype or \
+                not decode_attention.fits(q.shape, keys.shape[1:], keys.dtype, slots_read):
+            return None
+        call = functools.partial(decode_attention.decode_attention, scale=scale, slots_read=slots_read,
+                                 interpret=self.interpret)
+        call = cache_attention_per_shard(call, self.mesh, q.shape[0], q.shape[2], keys.shape[3])
+        return call(q[:, 0], keys, values, layer_idx, mask[:, 0])[:, None]
 
     def takes_cudnn(self, dtype, head_dim: int, q_len: int, kv_len: int) -> bool:
         """Whether a call of these static shapes runs cuDNN's kernel (module doc)."""

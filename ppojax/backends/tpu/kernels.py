@@ -12,20 +12,19 @@ import functools
 from typing import Any, Optional
 
 import jax
-from jax.sharding import PartitionSpec
 
+from ppojax.backends.per_shard import cache_attention_per_shard
 from ppojax.backends.tpu.decode_attention import decode_attention, fits
 from ppojax.models.kernels import Kernels
-from ppojax.parallel.rules import cache_attention_specs
 
 Array = jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
 class TpuKernels(Kernels):
-    """mesh: the run's device mesh (None: one device); a Pallas kernel is one device's program, so on a mesh it
-    runs per shard (`shard_map`) on the rows and key heads the KV cache holds there. interpret: run the kernels in
-    Pallas's interpreter (any backend: the tests run them on the CPU)."""
+    """mesh: the run's device mesh (None: one device), on which the kernel runs per shard
+    (`ppojax.backends.per_shard`). interpret: run the kernels in Pallas's interpreter (any backend: the tests run
+    them on the CPU)."""
 
     mesh: Any = None
     interpret: bool = False
@@ -38,8 +37,5 @@ class TpuKernels(Kernels):
             return None
         call = functools.partial(decode_attention, scale=scale, slots_read=slots_read, bt=bt,
                                  interpret=self.interpret)
-        if self.mesh is not None and self.mesh.size > 1:
-            q_spec, cache_spec, mask_spec = cache_attention_specs(self.mesh, q.shape[0], q.shape[2], keys.shape[3])
-            specs = (q_spec, cache_spec, cache_spec, PartitionSpec(), mask_spec)
-            call = jax.shard_map(call, mesh=self.mesh, in_specs=specs, out_specs=q_spec, check_vma=False)
+        call = cache_attention_per_shard(call, self.mesh, q.shape[0], q.shape[2], keys.shape[3])
         return call(q[:, 0], keys, values, layer_idx, mask[:, 0])[:, None]

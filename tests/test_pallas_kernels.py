@@ -1,7 +1,9 @@
-"""The TPU's Pallas decode attention (`ppojax.backends.tpu`) run in Pallas's interpreter on the CPU: it equals XLA's
-attention (`xla_attention`) and the float64 formula, on left padding, holes in a row, a row with no valid key, GQA,
-several blocks and a chosen layer of the stacked cache; inside a model's sampler it samples the tokens XLA's
-attention samples. Its compiles for a TPU chip are tests/test_tpu_compile.py's."""
+"""The Pallas decode-attention kernels, TPUs' (`ppojax.backends.tpu`, Mosaic) and NVIDIA GPUs'
+(`ppojax.backends.gpu.decode_attention`, Triton), run in Pallas's interpreter on the CPU: each equals XLA's attention
+(`xla_attention`) and the float64 formula, on left padding, holes in a row, a row with no valid key, GQA, several
+blocks (and splits) and a chosen layer of the stacked cache; inside a model's sampler each samples the tokens XLA's
+attention samples. Their compiles for a TPU chip and for H100s are tests/test_tpu_compile.py's and
+tests/test_gpu_compile.py's."""
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +11,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import functools
+
+from ppojax.backends.gpu import decode_attention as gpu_decode
+from ppojax.backends.gpu.kernels import GpuKernels
 from ppojax.backends.tpu.decode_attention import block_slots, decode_attention, fits
 from ppojax.backends.tpu.kernels import TpuKernels
 from ppojax.models import XLA, CausalLM, ModelConfig
@@ -32,13 +38,20 @@ def cache_case(dtype, rows=3, layers=2, slots=512, kv_heads=2, group=3, head_dim
     return tuple(jnp.asarray(x, dtype) for x in (q, keys, values)) + (jnp.asarray(mask),)
 
 
+KERNELS = {  # the first 384 of 512 slots: the TPU's in 3 blocks of 128, the GPU's in splits of 64-slot blocks
+    "tpu": functools.partial(decode_attention, bt=128, interpret=True),
+    "gpu": functools.partial(gpu_decode.decode_attention, interpret=True),
+}
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
 @pytest.mark.parametrize("dtype,atol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
-def test_the_kernel_equals_xla_attention_and_the_formula(dtype, atol):
+def test_the_kernel_equals_xla_attention_and_the_formula(backend, dtype, atol):
     """float32 within 1e-5; bfloat16 within its rounding (the unnormalised probabilities are rounded to bfloat16
     before the product with the values, as XLA's rounds the normalised ones)."""
     q, keys, values, mask = cache_case(dtype)
-    layer, slots_read = 1, 384  # the first 384 of 512 slots, in 3 blocks of 128
-    got = jax.jit(lambda *a: decode_attention(*a, scale=0.25, slots_read=slots_read, bt=128, interpret=True))(
+    layer, slots_read = 1, 384
+    got = jax.jit(lambda *a: KERNELS[backend](*a, scale=0.25, slots_read=slots_read))(
         q, keys, values, jnp.int32(layer), mask[:, :slots_read])
     assert got.shape == q.shape and got.dtype == q.dtype
     k, v = keys[layer, :, :slots_read], values[layer, :, :slots_read]
@@ -60,25 +73,34 @@ def test_the_blocks_a_call_takes():
     assert block_slots(96, 192, 4, 8, jnp.bfloat16) is None
     assert fits((8, 1, 32, 64), (8, 1536, 8, 64), jnp.bfloat16, 1536) == 768
     assert fits((8, 4, 32, 64), (8, 1536, 8, 64), jnp.bfloat16, 1536) is None  # a prefill: XLA's
+    # the GPU's: one query per row, up to 16 query heads per key head, hd a power of two, whole 64-slot blocks
+    assert gpu_decode.fits((8, 1, 32, 64), (8, 1536, 8, 64), jnp.bfloat16, 1536)
+    assert not gpu_decode.fits((8, 2, 32, 64), (8, 1536, 8, 64), jnp.bfloat16, 1536)
+    assert not gpu_decode.fits((8, 1, 32, 96), (8, 1536, 8, 96), jnp.bfloat16, 1536)
+    assert not gpu_decode.fits((8, 1, 32, 64), (8, 1536, 8, 64), jnp.bfloat16, 1000)
+    assert not gpu_decode.fits((8, 1, 64, 64), (8, 1536, 2, 64), jnp.bfloat16, 1536)
+    assert gpu_decode.splits_for(8, 8, 1536) == 8 and gpu_decode.splits_for(128, 8, 1536) == 1
 
 
-def test_a_model_samples_with_the_kernel_as_with_xla_attention():
-    """A float32 llama (GQA, 2 layers) sampling 112 tokens after left-padded prompts of 16 with the TPU's kernels
-    (interpreted) draws the tokens XLA's attention draws, with their log-probs within 1e-5; the kernel is the
-    program's decode attention."""
-    cfg = ModelConfig.from_hf(dict(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=96,
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_a_model_samples_with_the_kernel_as_with_xla_attention(backend):
+    """A float32 llama (GQA, 2 layers) sampling 112 tokens after left-padded prompts of 16 with a backend's kernels
+    (interpreted; the GPU's with attention_implementation 'pallas') draws the tokens XLA's attention draws, with
+    their log-probs within 1e-5; the kernel is the program's decode attention."""
+    cfg = ModelConfig.from_hf(dict(model_type="llama", vocab_size=64, hidden_size=96, intermediate_size=96,
                                    num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
                                    max_position_embeddings=256, pad_token_id=0, eos_token_id=1))
     prompts = np.asarray(np.random.default_rng(3).integers(2, 64, (3, 16)), np.int32)
     prompts[1, :5] = 0
     prompts[2, :12] = 0
     results = {}
-    for name, kernels in (("xla", XLA), ("tpu", TpuKernels(interpret=True))):
+    pallas = TpuKernels(interpret=True) if backend == "tpu" else GpuKernels("pallas", (9, 0), interpret=True)
+    for name, kernels in (("xla", XLA), ("pallas", pallas)):
         graphdef, params = nnx.split(CausalLM(cfg, rngs=nnx.Rngs(0), kernels=kernels))
         sample = jax.jit(lambda p, q, k: generate(graphdef, p, q, k, response_length=112, pad_token_id=0,
                                                   return_logprobs=True))
-        if name == "tpu":
+        if name == "pallas":
             assert "pallas_call" in str(jax.make_jaxpr(sample)(params, prompts, jax.random.key(0)))
         results[name] = sample(params, prompts, jax.random.key(0))
-    np.testing.assert_array_equal(results["tpu"][0], results["xla"][0])
-    np.testing.assert_allclose(results["tpu"][1], results["xla"][1], atol=1e-5)
+    np.testing.assert_array_equal(results["pallas"][0], results["xla"][0])
+    np.testing.assert_allclose(results["pallas"][1], results["xla"][1], atol=1e-5)
