@@ -15,7 +15,7 @@ import functools
 
 from ppojax.backends.gpu import decode_attention as gpu_decode
 from ppojax.backends.gpu.kernels import GpuKernels
-from ppojax.backends.tpu.decode_attention import block_slots, decode_attention, fits
+from ppojax.backends.tpu.decode_attention import block_slots, cache_layout, decode_attention, fits
 from ppojax.backends.tpu.kernels import TpuKernels
 from ppojax.models import XLA, CausalLM, ModelConfig
 from ppojax.models.attention import xla_attention
@@ -38,13 +38,14 @@ def cache_case(dtype, rows=3, layers=2, slots=512, kv_heads=2, group=3, head_dim
     return tuple(jnp.asarray(x, dtype) for x in (q, keys, values)) + (jnp.asarray(mask),)
 
 
-KERNELS = {  # the first 384 of 512 slots: the TPU's in 3 blocks of 128, the GPU's in splits of 64-slot blocks
-    "tpu": functools.partial(decode_attention, bt=128, interpret=True),
+KERNELS = {  # the first 384 of 512 slots: the TPU's in 3 blocks of 128 (its 3 layouts), the GPU's in splits
+    **{f"tpu-{layout}": functools.partial(decode_attention, bt=128, layout=layout, interpret=True)
+       for layout in ("slots_minor", "rows_major", "heads_major")},
     "gpu": functools.partial(gpu_decode.decode_attention, interpret=True),
 }
 
 
-@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+@pytest.mark.parametrize("backend", list(KERNELS))
 @pytest.mark.parametrize("dtype,atol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
 def test_the_kernel_equals_xla_attention_and_the_formula(backend, dtype, atol):
     """float32 within 1e-5; bfloat16 within its rounding (the unnormalised probabilities are rounded to bfloat16
@@ -65,7 +66,10 @@ def test_the_kernel_equals_xla_attention_and_the_formula(backend, dtype, atol):
 
 def test_the_blocks_a_call_takes():
     """Blocks of a multiple of 128 slots that divide the read (at most 1 MiB of keys), the whole cache where it is
-    read whole and small; nothing else (XLA's attention then)."""
+    read whole and small; nothing else (XLA's attention then). The cache read as the TPU compiler lays it out."""
+    assert [cache_layout(k, hd) for k, hd in ((8, 64), (3, 32), (8, 128), (2, 256), (3, 128), (1, 128))] == \
+        ["slots_minor"] * 2 + ["rows_major"] * 2 + ["heads_major"] * 2
+    assert cache_layout(8, 192) is None and fits((8, 1, 16, 192), (8, 1536, 8, 192), jnp.bfloat16, 1536) is None
     assert block_slots(1536, 1536, 8, 64, jnp.bfloat16) == 768
     assert block_slots(384, 1536, 8, 64, jnp.bfloat16) == 384
     assert block_slots(640, 1536, 8, 64, jnp.bfloat16) == 640

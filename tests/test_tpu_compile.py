@@ -159,22 +159,34 @@ def test_a_mesh_axis_across_two_torus_sides_still_makes_a_mesh():
     assert dict(mesh.shape) == {"data": 1, "fsdp": 8, "tensor": 8} and len(set(mesh.devices.flat)) == 64
 
 
-@pytest.mark.parametrize("segments,kernels", [(1, "xla"), (4, "xla"), (1, "tpu"), (4, "tpu")])
-def test_the_decode_loop_writes_the_kv_cache_in_place(target, segments, kernels):
+#: (query heads, key heads, head_dim) -> the layout the TPU kernel reads the cache in (decode_attention.cache_layout)
+HEADS = {"slots_minor": (8, 4, 8), "rows_major": (8, 2, 128), "heads_major": (6, 3, 128)}
+
+
+@pytest.mark.parametrize("segments,kernels,layout", [(1, "xla", "slots_minor"), (4, "xla", "slots_minor"),
+                                                     (1, "tpu", "slots_minor"), (4, "tpu", "slots_minor"),
+                                                     (1, "tpu", "rows_major"), (1, "tpu", "heads_major")])
+def test_the_decode_loop_writes_the_kv_cache_in_place(target, segments, kernels, layout):
     """The whole sampler (prefill, then the decode loop with the layer loop inside) compiled for one v5e chip: no
     instruction inside the decode loop copies the KV cache; each step writes its new keys and values into the cache
     it carries. (Outside the loop the cache may be copied once per call: the TPU compiler gives the loop's cache
     its own layout.) With decode segments, each loop's attention reads its first slots where they lie: no
     instruction of a loop makes a layer's slots into an array of their own. Both with XLA's attention and with the
-    TPU's kernels (the Pallas decode attention, which reads each layer's slots from the cache the loop carries)."""
+    TPU's kernels (the Pallas decode attention, which reads each layer's slots from the cache the loop carries, in
+    each of the layouts the compiler gives caches of different head counts and sizes)."""
     import re
 
     from benchmarks import hlo_text
+    from ppojax.backends.tpu.decode_attention import cache_layout
     from ppojax.backends.tpu.kernels import TpuKernels
     from ppojax.models import XLA, CausalLM, ModelConfig
     from ppojax.rl.sampler import decode_segments, generate
 
-    cfg = ModelConfig.from_hf({**TINY, "num_hidden_layers": 4, "max_position_embeddings": 256})
+    heads, kv_heads, head_dim = HEADS[layout]
+    cfg = ModelConfig.from_hf({**TINY, "num_hidden_layers": 4, "max_position_embeddings": 256,
+                               "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+                               "hidden_size": heads * head_dim})
+    assert cache_layout(kv_heads, head_dim) == layout
     chosen = XLA if kernels == "xla" else TpuKernels()
     policy = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
                                              kernels=chosen))
@@ -188,7 +200,7 @@ def test_the_decode_loop_writes_the_kv_cache_in_place(target, segments, kernels)
                                               stop_token_id=2, segments=segments,
                                               slot_alignment=8))
     hlo = sample.lower(placed, prompts, key).compile().as_text()
-    cache_shape = "bf16[4,8,192,4,8]"  # [layers, rows, prompt + response slots, kv heads, head dim]
+    cache_shape = f"bf16[4,8,192,{kv_heads},{head_dim}]"  # [layers, rows, prompt + response slots, kv heads, hd]
     module = hlo_text.computations(hlo)
     loops = [name for lines in module.values() for line in lines if " while(" in line
              for name in hlo_text.called(line)]
@@ -213,5 +225,5 @@ def test_the_decode_loop_writes_the_kv_cache_in_place(target, segments, kernels)
     taken = [read for read in reads if read % 128 == 0 or read == 192]
     assert len(kernel_calls) == (len(taken) if kernels == "tpu" else 0) and len(taken) >= 1, (reads, kernel_calls)
     layer_slots = [line.strip()[:160] for line in decode_lines
-                   if re.match(r"\s+(ROOT )?%?[\w.\-]+ = bf16\[8,([2-9]|\d\d+),4,8\]", line)]
+                   if re.match(rf"\s+(ROOT )?%?[\w.\-]+ = bf16\[8,([2-9]|\d\d+),{kv_heads},{head_dim}\]", line)]
     assert layer_slots == [], layer_slots

@@ -6,11 +6,12 @@ sequence (keys `[0, kv_len)` are real), and ppojax's mask is not a prefix. Rows 
 inside a response is a hole, and an episode's observation padding is a hole too; the mask is the single source of
 truth (`ppojax.models.attention`). This kernel takes the mask as the model computes it.
 
-Layout. The cache is `[L, B, T, K, hd]`; the TPU compiler keeps it with the slots as the minor (lane) axis, so
-an `hd` of 64 is not padded to 128 lanes. The kernel reads it in that form, as `[L, B, K, hd, T]` (a transpose
-that is a relabelling of the same bytes; the compiler lays the cache out so), one block of `bt` slots of all K key
-heads at a time, the layer chosen by a scalar-prefetched index, so no copy of the layer's slots is made. Per key
-head, its G = H / K query heads make one product `[G, hd] x [hd, bt]`.
+Layout. The cache is `[L, B, T, K, hd]`, and the kernel reads it as the TPU compiler lays it out (`cache_layout`):
+with an `hd` below 128 the slots are the minor (lane) axis, so `hd` is not padded to 128 lanes, and the kernel
+views the cache as `[L, B, K, hd, T]` (a transpose that relabels the same bytes); with an `hd` of 128 or more, as
+written (or each key head's slots together). One block holds `bt` slots of all K key heads, the layer chosen by a
+scalar-prefetched index, so no copy of the layer's slots is made. Per key head, its G = H / K query heads make one
+product with the block's slots of that head.
 
 Values: an online (flash) softmax over the blocks in float32, masked logits at XLA's constant (-0.7 x float32
 max), so a row whose every key is masked averages its keys as `xla_attention` does. It equals
@@ -51,8 +52,30 @@ def block_slots(slots_read: int, max_length: int, kv_heads: int, head_dim: int, 
     return None
 
 
+def cache_layout(kv_heads: int, head_dim: int) -> str | None:
+    """How the TPU compiler lays out a KV cache [L, B, T, K, hd] (its default layout for such arrays, which the
+    kernel reads as it lies; tests/test_tpu_compile.py checks that no copy is made): "slots_minor" (hd below 128:
+    the slots are the lanes, hd is not padded), "rows_major" (hd a multiple of 128 and K a power of two: as
+    written), "heads_major" (hd a multiple of 128, other K, one included: each key head's slots together); None for
+    any other head_dim (XLA's attention)."""
+    if head_dim < 128:
+        return "slots_minor"
+    if head_dim % 128:
+        return None
+    return "rows_major" if kv_heads > 1 and kv_heads & (kv_heads - 1) == 0 else "heads_major"
+
+
+#: per layout: the cache's view (a transpose that is a relabelling of the bytes as the compiler lays them out), a
+#: block of it for bt slots of all K heads, and that block's index
+VIEWS = {
+    "slots_minor": ((0, 1, 3, 4, 2), lambda k, hd, bt: (k, hd, bt), lambda j: (0, 0, j)),  # [L, B, K, hd, T]
+    "rows_major": ((0, 1, 2, 3, 4), lambda k, hd, bt: (bt, k, hd), lambda j: (j, 0, 0)),  # [L, B, T, K, hd]
+    "heads_major": ((0, 1, 3, 2, 4), lambda k, hd, bt: (k, bt, hd), lambda j: (0, j, 0)),  # [L, B, K, T, hd]
+}
+
+
 def _kernel(layer_ref, q_ref, k_ref, v_ref, mask_ref, o_ref, m_ref, l_ref, acc_ref, *, scale: float,
-            kv_heads: int, n_blocks: int):
+            kv_heads: int, n_blocks: int, layout: str):
     del layer_ref  # read by the index maps
     j = pl.program_id(1)
 
@@ -62,18 +85,23 @@ def _kernel(layer_ref, q_ref, k_ref, v_ref, mask_ref, o_ref, m_ref, l_ref, acc_r
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
+    def head_slots(ref, head):  # one key head's bt slots: [hd, bt] (slots minor) or [bt, hd]
+        return ref[:, head, :] if layout == "rows_major" else ref[head]
+
+    slots_last = (((1,), (0,)), ((), ())) if layout == "slots_minor" else (((1,), (1,)), ((), ()))
     valid = mask_ref[...] != 0  # [1, bt]
     for head in range(kv_heads):
         q = q_ref[head]  # [G, hd]
-        s = jax.lax.dot(q, k_ref[head], preferred_element_type=jnp.float32) * scale  # [G, bt]
-        s = jnp.where(valid, s, MASKED)
+        s = jax.lax.dot_general(q, head_slots(k_ref, head), slots_last, preferred_element_type=jnp.float32)
+        s = jnp.where(valid, s * scale, MASKED)  # [G, bt]
         m_prev = m_ref[head]  # [G, 1]
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         p = jnp.exp(s - m_new)
         alpha = jnp.exp(m_prev - m_new)
         l_ref[head] = alpha * l_ref[head] + jnp.sum(p, axis=1, keepdims=True)
-        v = v_ref[head]  # [hd, bt]
-        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        v = head_slots(v_ref, head)
+        pv_dims = (((1,), (1,)), ((), ())) if layout == "slots_minor" else (((1,), (0,)), ((), ()))
+        pv = jax.lax.dot_general(p.astype(v.dtype), v, pv_dims, preferred_element_type=jnp.float32)
         acc_ref[head] = alpha * acc_ref[head] + pv  # [G, hd]
         m_ref[head] = m_new
 
@@ -83,20 +111,23 @@ def _kernel(layer_ref, q_ref, k_ref, v_ref, mask_ref, o_ref, m_ref, l_ref, acc_r
 
 
 def decode_attention(q: Array, keys: Array, values: Array, layer: Array, mask: Array, *, scale: float,
-                     slots_read: int, bt: int, interpret: bool = False) -> Array:
+                     slots_read: int, bt: int, layout: str | None = None, interpret: bool = False) -> Array:
     """q [B, H, hd]; keys, values [L, B, T, K, hd] (the stacked cache, q's dtype); layer i32[] (which layer);
     mask bool[B, slots_read] (True = may attend); bt: slots per block (`block_slots`: dividing slots_read, a
-    multiple of 128 or the whole cache).
-    Returns [B, H, hd] in q.dtype: attention over the layer's first `slots_read` slots. interpret: run Pallas's
-    interpreter (any backend; the tests' CPU)."""
+    multiple of 128 or the whole cache); layout: how the compiler lays the cache out (`cache_layout`, its
+    default). Returns [B, H, hd] in q.dtype: attention over the layer's first `slots_read` slots. interpret: run
+    Pallas's interpreter (any backend; the tests' CPU)."""
     b, h, hd = q.shape
     kv_heads = keys.shape[3]
+    layout = layout or cache_layout(kv_heads, hd)
     group = h // kv_heads
     n_blocks = slots_read // bt
     q = q.reshape(b, kv_heads, group, hd)
-    keys, values = (jnp.transpose(x, (0, 1, 3, 4, 2)) for x in (keys, values))  # [L, B, K, hd, T]
+    order, block_shape, block_index = VIEWS[layout]
+    keys, values = (jnp.transpose(x, order) for x in (keys, values))
     mask = mask.astype(jnp.int32)[:, None, :]  # [B, 1, slots_read]
-    cache_block = pl.BlockSpec((None, None, kv_heads, hd, bt), lambda i, j, layer: (layer[0], i, 0, 0, j))
+    cache_block = pl.BlockSpec((None, None, *block_shape(kv_heads, hd, bt)),
+                               lambda i, j, layer: (layer[0], i, *block_index(j)))
     row_block = pl.BlockSpec((None, kv_heads, group, hd), lambda i, j, layer: (i, 0, 0, 0))
     itemsize = jnp.dtype(keys.dtype).itemsize
     cost = pl.CostEstimate(
@@ -104,7 +135,7 @@ def decode_attention(q: Array, keys: Array, values: Array, layer: Array, mask: A
         bytes_accessed=(2 * b * slots_read * kv_heads * hd * itemsize + 4 * b * slots_read
                         + 2 * b * h * hd * jnp.dtype(q.dtype).itemsize))
     call = pl.pallas_call(
-        functools.partial(_kernel, scale=float(scale), kv_heads=kv_heads, n_blocks=n_blocks),
+        functools.partial(_kernel, scale=float(scale), kv_heads=kv_heads, n_blocks=n_blocks, layout=layout),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1, grid=(b, n_blocks),
             in_specs=[row_block, cache_block, cache_block,
@@ -124,6 +155,6 @@ def fits(q_shape, cache_shape, dtype, slots_read: int) -> int | None:
     [B, S, H, hd] with one query per row (decode), a cache [B, T, K, hd] (one layer's shape), H a multiple of K."""
     _, s, h, hd = q_shape
     max_length, kv_heads = cache_shape[1:3]
-    if s != 1 or h % kv_heads or math.prod(cache_shape) == 0:
+    if s != 1 or h % kv_heads or math.prod(cache_shape) == 0 or cache_layout(kv_heads, hd) is None:
         return None
     return block_slots(slots_read, max_length, kv_heads, hd, dtype)
