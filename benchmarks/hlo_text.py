@@ -85,8 +85,9 @@ def bytes_by_instruction(hlo_text: str) -> list[dict]:
     """Each top-level instruction of the ENTRY computation with the bytes it reads and writes: ``[{name, op,
     op_name, read, written}]``. Reads follow an operand into a fusion: an operand the fusion only slices counts
     its slices, one it only updates in place counts nothing; a result written in place by a dynamic-update-slice
-    counts the update. Tuples, bitcasts and parameters are free. An estimate to find where bytes go, not the
-    compiler's own count (``cost_analysis()``)."""
+    counts the update; a kernel that declares its cost (a Pallas call's ``cost_estimate``) counts the bytes it
+    declares. Tuples, bitcasts and parameters are free. An estimate to find where bytes go, not the compiler's own
+    count (``cost_analysis()``)."""
     module = computations(hlo_text)
     entry = next(line.split()[1].lstrip("%") for line in hlo_text.splitlines() if line.startswith("ENTRY"))
     parsed = {name: _ops(lines) for name, lines in module.items()}
@@ -128,6 +129,9 @@ def bytes_by_instruction(hlo_text: str) -> list[dict]:
             elif not (op["op"] == "dynamic-update-slice" and i == 0):
                 read += full
         written = _shape_bytes(op["result"])
+        declared = re.search(r'"cost_estimate":\{[^}]*"bytes_accessed":"(\d+)"', op["line"])
+        if op["op"] == "custom-call" and declared:  # a Pallas kernel reads the blocks it says, not its operands whole
+            read, written = int(declared.group(1)), 0
         root = next((o for o in parsed.get(fused, {}).values() if "ROOT" in o["line"]), None) if fused else op
         if root is not None and root["op"] == "dynamic-update-slice":
             scope = parsed[fused] if fused else ops

@@ -375,3 +375,20 @@ def test_math_run_record_reads_the_dynamic_sampling_figures(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")
     assert "dynamic_sampling" not in run_record(tmp_path, 0, "train ...")  # a run without it
     assert "filter_groups=true" in VARIANTS["dapo"] and "importance_sampling_level=sequence" in VARIANTS["gspo"]
+
+
+def test_the_bytes_estimate_takes_a_kernels_declared_cost():
+    """A Pallas kernel's custom call is counted at the bytes its cost estimate declares (the blocks it reads), not
+    its operands whole (a stacked KV cache of which it reads one layer); other operations at their operands and
+    results."""
+    from benchmarks import hlo_text
+
+    cost = '{"flops":"1","transcendentals":"0","bytes_accessed":"2048","remote_bytes_transferred":"0"}'
+    text = (
+        "HloModule m\n\nENTRY %main (p0: bf16[4,1024], p1: s32[1]) -> bf16[4,64] {\n"
+        "  %p0 = bf16[4,1024]{1,0} parameter(0)\n  %p1 = s32[1]{0} parameter(1)\n"
+        '  %k = bf16[4,64]{1,0} custom-call(%p1, %p0), custom_call_target="tpu_custom_call", '
+        f'backend_config={{"custom_call_config":{{"cost_estimate":{cost}}}}}\n'
+        "  ROOT %n = bf16[4,64]{1,0} negate(%k)\n}\n")
+    rows = {row["name"]: (row["read"], row["written"]) for row in hlo_text.bytes_by_instruction(text)}
+    assert rows == {"k": (2048, 0), "n": (512, 512)}
