@@ -113,3 +113,21 @@ def test_the_pallas_decode_kernel_compiles_in_the_decode_loop(target):
     assert len(kernel_lines) == 1 and "triton" in kernel_lines[0], kernel_lines  # in the scanned layer loop
     cache_shape = "bf16[2,8,192,4,16]"  # [layers, rows, prompt + response slots, kv heads, head dim]
     assert [line for line in loop_lines if re.search(re.escape(cache_shape) + r"\S* copy\(", line)] == []
+
+
+def test_the_pallas_decode_kernel_compiles_for_a_sweep_of_models(target):
+    """Under vmap (two models of a sweep) the Triton kernel compiles for an H100 as ONE kernel over both caches."""
+    from ppojax.backends.gpu.decode_attention import decode_attention
+
+    chip = NamedSharding(Mesh(np.array(target.devices[:1]), ("gpu",)), PartitionSpec())
+
+    def shaped(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=chip)
+
+    cache = shaped((2, 4, 8, 1536, 8, 64), jnp.bfloat16)
+    fn = jax.jit(jax.vmap(lambda q, k, v, layer, m: decode_attention(q, k, v, layer, m, scale=0.125,
+                                                                      slots_read=1536)))
+    text = fn.lower(shaped((2, 8, 32, 64), jnp.bfloat16), cache, cache, shaped((2,), jnp.int32),
+                    shaped((2, 8, 1536), jnp.bool_)).compile().as_text()
+    calls = [line for line in text.splitlines() if "ppojax_decode_attention" in line and "custom-call(" in line]
+    assert len(calls) == 1, calls

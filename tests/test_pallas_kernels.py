@@ -108,3 +108,35 @@ def test_a_model_samples_with_the_kernel_as_with_xla_attention(backend):
         results[name] = sample(params, prompts, jax.random.key(0))
     np.testing.assert_array_equal(results["pallas"][0], results["xla"][0])
     np.testing.assert_allclose(results["pallas"][1], results["xla"][1], atol=1e-5)
+
+
+def _pallas_outputs(jaxpr):
+    """The output shapes of every pallas_call in a jaxpr and the jaxprs inside it."""
+    shapes = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            shapes.append(tuple(eqn.outvars[0].aval.shape))
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                shapes += _pallas_outputs(inner)
+    return shapes
+
+
+@pytest.mark.parametrize("backend", ["tpu-slots_minor", "gpu"])
+def test_a_sweep_of_models_runs_one_kernel_over_them(backend):
+    """Under vmap (a sweep over seeds or learning rates: one model per element, each its own cache and here its own
+    layer) the kernel equals XLA's attention per model, and ONE kernel call covers both models (their caches
+    stacked into its leading axis), not a loop that slices each model's cache out."""
+    caches = [cache_case(jnp.float32, seed=seed) for seed in (0, 1)]
+    q, keys, values, mask = (jnp.stack(parts) for parts in zip(*caches))
+    layers, slots_read = jnp.asarray([1, 0], jnp.int32), 384
+    fn = jax.vmap(lambda *a: KERNELS[backend](*a, scale=0.25, slots_read=slots_read))
+    got = jax.jit(fn)(q, keys, values, layers, mask[:, :, :slots_read])
+    want = jax.vmap(lambda q, k, v, layer, m: xla_attention(q[:, None], k[layer, :, :slots_read],
+                                                            v[layer, :, :slots_read], m[:, None, :slots_read],
+                                                            scale=0.25)[:, 0])(q, keys, values, layers, mask)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+    outputs = _pallas_outputs(jax.make_jaxpr(fn)(q, keys, values, layers, mask[:, :, :slots_read]).jaxpr)
+    models_axis = 0 if backend.startswith("tpu") else 1  # the GPU's partial results lead with the splits
+    assert len(outputs) == 1 and outputs[0][models_axis] == 2, outputs

@@ -1,11 +1,13 @@
-"""A backend's decode-attention kernel on a device mesh: a Pallas kernel is one device's program, so on a mesh it
-runs per shard (`shard_map`) on the rows and key heads the KV cache holds there
-(`ppojax.parallel.rules.cache_attention_specs`)."""
+"""A backend's decode-attention kernel where the program is more than one model on one device: on a device mesh a
+Pallas kernel is one device's program, so it runs per shard (`shard_map`) on the rows and key heads the KV cache
+holds there (`ppojax.parallel.rules.cache_attention_specs`); under `vmap` (a sweep over seeds or learning rates,
+one model per element) it runs once over the stacked models' caches (`over_models`)."""
 from __future__ import annotations
 
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from ppojax.parallel.rules import cache_attention_specs
@@ -19,3 +21,33 @@ def cache_attention_per_shard(call: Callable, mesh, rows: int, heads: int, kv_he
     q_spec, cache_spec, mask_spec = cache_attention_specs(mesh, rows, heads, kv_heads)
     specs = (q_spec, cache_spec, cache_spec, PartitionSpec(), mask_spec)
     return jax.shard_map(call, mesh=mesh, in_specs=specs, out_specs=q_spec, check_vma=False)
+
+
+def over_models(kernel: Callable) -> Callable:
+    """`kernel(q [M, B, H, hd], keys, values [M, L, B, T, K, hd], layer i32[M], mask bool[M, B, T']) -> [M, B, H, hd]`
+    as the function of ONE model's arrays (q [B, H, hd], keys, values [L, B, T, K, hd], layer i32[], mask
+    bool[B, T']). Why: Pallas batches a kernel under `vmap` as a loop that slices each element's operands out,
+    here each model's whole cache per call; this rule stacks the vmapped models into the kernel's leading axis
+    instead (nested vmaps flatten into it), one kernel over all of them. No gradient (decode only)."""
+
+    @jax.custom_batching.custom_vmap
+    def models(q, keys, values, layer, mask):
+        return kernel(q, keys, values, layer, mask)
+
+    @models.def_vmap
+    def _models_vmapped(axis_size, in_batched, *args):  # [V, M, ...] -> [V * M, ...] and back
+        args = [x if batched else jnp.broadcast_to(x, (axis_size, *x.shape)) for x, batched in zip(args, in_batched)]
+        flat = [x.reshape(axis_size * x.shape[1], *x.shape[2:]) for x in args]
+        out = models(*flat)
+        return out.reshape(axis_size, -1, *out.shape[1:]), True
+
+    @jax.custom_batching.custom_vmap
+    def one(q, keys, values, layer, mask):
+        return kernel(q[None], keys[None], values[None], layer[None], mask[None])[0]
+
+    @one.def_vmap
+    def _one_vmapped(axis_size, in_batched, *args):
+        args = [x if batched else jnp.broadcast_to(x, (axis_size, *x.shape)) for x, batched in zip(args, in_batched)]
+        return models(*args), True
+
+    return one

@@ -24,6 +24,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ppojax.backends.per_shard import over_models
+
 Array = jax.Array
 
 #: XLA's masked logit (`ppojax.models.attention.xla_attention`)
@@ -43,39 +45,40 @@ def splits_for(rows: int, kv_heads: int, slots_read: int) -> int:
 
 
 def _kernel(layer_ref, q_ref, k_ref, v_ref, mask_ref, o_ref, sums_ref, maxima_ref, *, scale: float, group: int,
-            split_slots: int):
-    b, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    layer = layer_ref[0]
+            split_slots: int, rows_per_model: int):
+    row, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    m, b = row // rows_per_model, row % rows_per_model  # the model (a vmapped sweep's element) and its row
+    layer = layer_ref[m]
     rows = jnp.arange(QUERY_ROWS) < group
-    q = plgpu.load(q_ref.at[b, head, pl.ds(0, QUERY_ROWS), :], mask=rows[:, None], other=0.0)  # [16, hd]
+    q = plgpu.load(q_ref.at[m, b, head, pl.ds(0, QUERY_ROWS), :], mask=rows[:, None], other=0.0)  # [16, hd]
     head_dim = q.shape[-1]
     start = split * split_slots
 
     def block(i, carry):
         acc, m_prev, l_prev = carry
         slots = pl.ds(start + i * BLOCK_SLOTS, BLOCK_SLOTS)
-        k = k_ref[layer, b, slots, head, :]  # [bt, hd]
+        k = k_ref[m, layer, b, slots, head, :]  # [bt, hd]
         s = plgpu.dot(q, k.T).astype(jnp.float32) * scale  # [16, bt]
-        valid = mask_ref[b, slots] != 0
+        valid = mask_ref[m, b, slots] != 0
         s = jnp.where(valid[None, :], s, MASKED)
         m_new = jnp.maximum(m_prev, s.max(axis=1))
         p = jnp.exp(s - m_new[:, None])
         alpha = jnp.exp(m_prev - m_new)
-        v = v_ref[layer, b, slots, head, :]
+        v = v_ref[m, layer, b, slots, head, :]
         acc = alpha[:, None] * acc + plgpu.dot(p.astype(v.dtype), v).astype(jnp.float32)
         return acc, m_new, alpha * l_prev + p.sum(axis=1)
 
     init = (jnp.zeros((QUERY_ROWS, head_dim), jnp.float32), jnp.full((QUERY_ROWS,), -jnp.inf, jnp.float32),
             jnp.zeros((QUERY_ROWS,), jnp.float32))
     acc, maxima, sums = jax.lax.fori_loop(0, split_slots // BLOCK_SLOTS, block, init)
-    plgpu.store(o_ref.at[split, b, head, pl.ds(0, QUERY_ROWS), :], acc, mask=rows[:, None])
-    plgpu.store(sums_ref.at[split, b, head, pl.ds(0, QUERY_ROWS)], sums, mask=rows)
-    plgpu.store(maxima_ref.at[split, b, head, pl.ds(0, QUERY_ROWS)], maxima, mask=rows)
+    plgpu.store(o_ref.at[split, m, b, head, pl.ds(0, QUERY_ROWS), :], acc, mask=rows[:, None])
+    plgpu.store(sums_ref.at[split, m, b, head, pl.ds(0, QUERY_ROWS)], sums, mask=rows)
+    plgpu.store(maxima_ref.at[split, m, b, head, pl.ds(0, QUERY_ROWS)], maxima, mask=rows)
 
 
 def _merge(out, sums, maxima):
-    """The splits' unnormalised outputs [S, B, K, G, hd], their softmax sums and maxima [S, B, K, G] ->
-    [B, K, G, hd]."""
+    """The splits' unnormalised outputs [S, M, B, K, G, hd], their softmax sums and maxima [S, M, B, K, G] ->
+    [M, B, K, G, hd]."""
     weight = jnp.exp(maxima - maxima.max(axis=0)[None])
     return (out * weight[..., None]).sum(axis=0) / (sums * weight).sum(axis=0)[..., None]
 
@@ -84,21 +87,31 @@ def decode_attention(q: Array, keys: Array, values: Array, layer: Array, mask: A
                      slots_read: int, interpret: bool = False) -> Array:
     """q [B, H, hd]; keys, values [L, B, T, K, hd] (the stacked cache, q's dtype); layer i32[] (which layer);
     mask bool[B, slots_read] (True = may attend), slots_read a multiple of BLOCK_SLOTS. Returns [B, H, hd] in
-    q.dtype: attention over the layer's first `slots_read` slots. interpret: Pallas's interpreter (any backend)."""
-    b, h, hd = q.shape
-    kv_heads = keys.shape[3]
+    q.dtype: attention over the layer's first `slots_read` slots. interpret: Pallas's interpreter (any backend).
+    Under `vmap` (a sweep's models) ONE kernel runs over the stacked models (`per_shard.over_models`)."""
+    kernel = functools.partial(_models_decode_attention, scale=scale, slots_read=slots_read, interpret=interpret)
+    return over_models(kernel)(q, keys, values, layer, mask)
+
+
+def _models_decode_attention(q: Array, keys: Array, values: Array, layer: Array, mask: Array, *, scale: float,
+                             slots_read: int, interpret: bool) -> Array:
+    """`decode_attention` of M models at once: q [M, B, H, hd]; keys, values [M, L, B, T, K, hd]; layer i32[M];
+    mask bool[M, B, slots_read] -> [M, B, H, hd]."""
+    models, b, h, hd = q.shape
+    kv_heads = keys.shape[4]
     group = h // kv_heads
-    splits = splits_for(b, kv_heads, slots_read)
-    q = q.reshape(b, kv_heads, group, hd)
-    partial = jax.ShapeDtypeStruct((splits, b, kv_heads, group), jnp.float32)
+    splits = splits_for(models * b, kv_heads, slots_read)
+    q = q.reshape(models, b, kv_heads, group, hd)
+    partial = jax.ShapeDtypeStruct((splits, models, b, kv_heads, group), jnp.float32)
     out, sums, maxima = pl.pallas_call(
-        functools.partial(_kernel, scale=float(scale), group=group, split_slots=slots_read // splits),
-        grid=(b, kv_heads, splits),
-        out_shape=(jax.ShapeDtypeStruct((splits, b, kv_heads, group, hd), jnp.float32), partial, partial),
+        functools.partial(_kernel, scale=float(scale), group=group, split_slots=slots_read // splits,
+                          rows_per_model=b),
+        grid=(models * b, kv_heads, splits),
+        out_shape=(jax.ShapeDtypeStruct((splits, models, b, kv_heads, group, hd), jnp.float32), partial, partial),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret, name="ppojax_decode_attention",
-    )(jnp.asarray(layer, jnp.int32).reshape(1), q, keys, values, mask.astype(jnp.int32))
-    return _merge(out, sums, maxima).astype(q.dtype).reshape(b, h, hd)
+    )(layer.astype(jnp.int32), q, keys, values, mask.astype(jnp.int32))
+    return _merge(out, sums, maxima).astype(q.dtype).reshape(models, b, h, hd)
 
 
 def fits(q_shape, cache_shape, dtype, slots_read: int) -> bool:

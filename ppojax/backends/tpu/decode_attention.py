@@ -29,6 +29,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from ppojax.backends.per_shard import over_models
+
 Array = jax.Array
 
 #: XLA's masked logit (`ppojax.models.attention.xla_attention`)
@@ -77,7 +79,7 @@ VIEWS = {
 def _kernel(layer_ref, q_ref, k_ref, v_ref, mask_ref, o_ref, m_ref, l_ref, acc_ref, *, scale: float,
             kv_heads: int, n_blocks: int, layout: str):
     del layer_ref  # read by the index maps
-    j = pl.program_id(1)
+    j = pl.program_id(2)
 
     @pl.when(j == 0)
     def _start():
@@ -116,38 +118,49 @@ def decode_attention(q: Array, keys: Array, values: Array, layer: Array, mask: A
     mask bool[B, slots_read] (True = may attend); bt: slots per block (`block_slots`: dividing slots_read, a
     multiple of 128 or the whole cache); layout: how the compiler lays the cache out (`cache_layout`, its
     default). Returns [B, H, hd] in q.dtype: attention over the layer's first `slots_read` slots. interpret: run
-    Pallas's interpreter (any backend; the tests' CPU)."""
-    b, h, hd = q.shape
-    kv_heads = keys.shape[3]
-    layout = layout or cache_layout(kv_heads, hd)
+    Pallas's interpreter (any backend; the tests' CPU). Under `vmap` (a sweep's models) ONE kernel runs over the
+    stacked models (`ppojax.backends.per_shard.over_models`)."""
+    layout = layout or cache_layout(keys.shape[3], q.shape[-1])
+    kernel = functools.partial(_models_decode_attention, scale=scale, slots_read=slots_read, bt=bt, layout=layout,
+                               interpret=interpret)
+    return over_models(kernel)(q, keys, values, layer, mask)
+
+
+def _models_decode_attention(q: Array, keys: Array, values: Array, layer: Array, mask: Array, *, scale: float,
+                             slots_read: int, bt: int, layout: str, interpret: bool) -> Array:
+    """`decode_attention` of M models at once: q [M, B, H, hd]; keys, values [M, L, B, T, K, hd]; layer i32[M];
+    mask bool[M, B, slots_read] -> [M, B, H, hd]."""
+    models, b, h, hd = q.shape
+    kv_heads = keys.shape[4]
     group = h // kv_heads
     n_blocks = slots_read // bt
-    q = q.reshape(b, kv_heads, group, hd)
+    q = q.reshape(models, b, kv_heads, group, hd)
     order, block_shape, block_index = VIEWS[layout]
+    order = (0,) + tuple(axis + 1 for axis in order)
     keys, values = (jnp.transpose(x, order) for x in (keys, values))
-    mask = mask.astype(jnp.int32)[:, None, :]  # [B, 1, slots_read]
-    cache_block = pl.BlockSpec((None, None, *block_shape(kv_heads, hd, bt)),
-                               lambda i, j, layer: (layer[0], i, *block_index(j)))
-    row_block = pl.BlockSpec((None, kv_heads, group, hd), lambda i, j, layer: (i, 0, 0, 0))
+    mask = mask.astype(jnp.int32)[:, :, None, :]  # [M, B, 1, slots_read]
+    cache_block = pl.BlockSpec((None, None, None, *block_shape(kv_heads, hd, bt)),
+                               lambda m, i, j, layer: (m, layer[m], i, *block_index(j)))
+    row_block = pl.BlockSpec((None, None, kv_heads, group, hd), lambda m, i, j, layer: (m, i, 0, 0, 0))
     itemsize = jnp.dtype(keys.dtype).itemsize
     cost = pl.CostEstimate(
-        flops=4 * b * h * slots_read * hd, transcendentals=b * h * slots_read,
-        bytes_accessed=(2 * b * slots_read * kv_heads * hd * itemsize + 4 * b * slots_read
-                        + 2 * b * h * hd * jnp.dtype(q.dtype).itemsize))
+        flops=4 * models * b * h * slots_read * hd, transcendentals=models * b * h * slots_read,
+        bytes_accessed=models * (2 * b * slots_read * kv_heads * hd * itemsize + 4 * b * slots_read
+                                 + 2 * b * h * hd * jnp.dtype(q.dtype).itemsize))
     call = pl.pallas_call(
         functools.partial(_kernel, scale=float(scale), kv_heads=kv_heads, n_blocks=n_blocks, layout=layout),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1, grid=(b, n_blocks),
+            num_scalar_prefetch=1, grid=(models, b, n_blocks),
             in_specs=[row_block, cache_block, cache_block,
-                      pl.BlockSpec((None, 1, bt), lambda i, j, layer: (i, 0, j))],
+                      pl.BlockSpec((None, None, 1, bt), lambda m, i, j, layer: (m, i, 0, j))],
             out_specs=row_block,
             scratch_shapes=[pltpu.VMEM((kv_heads, group, 1), jnp.float32),
                             pltpu.VMEM((kv_heads, group, 1), jnp.float32),
                             pltpu.VMEM((kv_heads, group, hd), jnp.float32)]),
-        out_shape=jax.ShapeDtypeStruct((b, kv_heads, group, hd), q.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        out_shape=jax.ShapeDtypeStruct((models, b, kv_heads, group, hd), q.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         cost_estimate=cost, interpret=interpret, name="ppojax_decode_attention")
-    return call(jnp.asarray(layer, jnp.int32).reshape(1), q, keys, values, mask).reshape(b, h, hd)
+    return call(layer.astype(jnp.int32), q, keys, values, mask).reshape(models, b, h, hd)
 
 
 def fits(q_shape, cache_shape, dtype, slots_read: int) -> int | None:
