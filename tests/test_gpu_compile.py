@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ppojax.trainer.plan_targets import cuda_plugin
@@ -89,22 +88,12 @@ def test_the_pallas_decode_kernel_compiles_in_the_decode_loop(target):
     is the Pallas (Triton) kernel, reading the cache the loop carries (no cache-sized copy inside the loop)."""
     from benchmarks import hlo_text
     from ppojax import backends
-    from ppojax.models import CausalLM, ModelConfig
-    from ppojax.rl.sampler import generate
+    from ppojax.models import ModelConfig
+    from tests.compiled_sampler import sampler_hlo
 
     cfg = ModelConfig.from_hf({**TINY, "hidden_size": 128, "max_position_embeddings": 256})  # head_dim 16
     kernels = backends.kernels_for([], devices=target.devices[:1], attention_implementation="pallas")
-    policy = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
-                                             kernels=kernels))
-    graphdef, params = nnx.split(policy)
-    chip = NamedSharding(Mesh(np.array(target.devices[:1]), ("gpu",)), PartitionSpec())
-    placed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=chip), params)
-    prompts = jax.ShapeDtypeStruct((8, 64), jnp.int32, sharding=chip)
-    key = jax.eval_shape(lambda: jax.random.key(0))
-    key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=chip)
-    sample = jax.jit(lambda p, q, k: generate(graphdef, p, q, k, response_length=128, pad_token_id=0,
-                                              stop_token_id=2, slot_alignment=64))
-    hlo = sample.lower(placed, prompts, key).compile().as_text()
+    hlo = sampler_hlo(cfg, kernels, target.devices[0], slot_alignment=64)
     module = hlo_text.computations(hlo)
     loops = [name for lines in module.values() for line in lines if " while(" in line
              for name in hlo_text.called(line)]

@@ -179,8 +179,9 @@ def test_the_decode_loop_writes_the_kv_cache_in_place(target, segments, kernels,
     from benchmarks import hlo_text
     from ppojax.backends.tpu.decode_attention import cache_layout
     from ppojax.backends.tpu.kernels import TpuKernels
-    from ppojax.models import XLA, CausalLM, ModelConfig
-    from ppojax.rl.sampler import decode_segments, generate
+    from ppojax.models import XLA, ModelConfig
+    from ppojax.rl.sampler import decode_segments
+    from tests.compiled_sampler import sampler_hlo
 
     heads, kv_heads, head_dim = HEADS[layout]
     cfg = ModelConfig.from_hf({**TINY, "num_hidden_layers": 4, "max_position_embeddings": 256,
@@ -188,18 +189,7 @@ def test_the_decode_loop_writes_the_kv_cache_in_place(target, segments, kernels,
                                "hidden_size": heads * head_dim})
     assert cache_layout(kv_heads, head_dim) == layout
     chosen = XLA if kernels == "xla" else TpuKernels()
-    policy = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
-                                             kernels=chosen))
-    graphdef, params = nnx.split(policy)
-    chip = NamedSharding(Mesh(np.array(target.devices[:1]), ("chip",)), PartitionSpec())
-    placed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=chip), params)
-    prompts = jax.ShapeDtypeStruct((8, 64), jnp.int32, sharding=chip)
-    key = jax.eval_shape(lambda: jax.random.key(0))
-    key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=chip)
-    sample = jax.jit(lambda p, q, k: generate(graphdef, p, q, k, response_length=128, pad_token_id=0,
-                                              stop_token_id=2, segments=segments,
-                                              slot_alignment=8))
-    hlo = sample.lower(placed, prompts, key).compile().as_text()
+    hlo = sampler_hlo(cfg, chosen, target.devices[0], segments=segments)
     cache_shape = f"bf16[4,8,192,{kv_heads},{head_dim}]"  # [layers, rows, prompt + response slots, kv heads, hd]
     module = hlo_text.computations(hlo)
     loops = [name for lines in module.values() for line in lines if " while(" in line

@@ -23,6 +23,13 @@ def cache_attention_per_shard(call: Callable, mesh, rows: int, heads: int, kv_he
     return jax.shard_map(call, mesh=mesh, in_specs=specs, out_specs=q_spec, check_vma=False)
 
 
+def run_decode_kernel(call: Callable, mesh, q, keys, values, layer_idx, mask):
+    """A `Kernels.cache_attention` call (q [B, 1, H, hd], mask bool[B, 1, T']) through a backend's decode kernel
+    `call` (one query per row: q [B, H, hd], mask [B, T']), per shard of `mesh` -> [B, 1, H, hd]."""
+    call = cache_attention_per_shard(call, mesh, q.shape[0], q.shape[2], keys.shape[3])
+    return call(q[:, 0], keys, values, layer_idx, mask[:, 0])[:, None]
+
+
 def over_models(kernel: Callable) -> Callable:
     """`kernel(q [M, B, H, hd], keys, values [M, L, B, T, K, hd], layer i32[M], mask bool[M, B, T']) -> [M, B, H, hd]`
     as the function of ONE model's arrays (q [B, H, hd], keys, values [L, B, T, K, hd], layer i32[], mask

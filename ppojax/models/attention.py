@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 #: the config's `attention_implementation` values: "auto" (a backend's fused kernel where it applies, else XLA's),
 #: "xla", "cudnn" (NVIDIA GPUs; `ppojax.backends.gpu`), "pallas" (the Pallas decode-attention kernels: TPUs' as
@@ -26,6 +27,10 @@ import jax.numpy as jnp
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")
 
 Array = jax.Array
+
+#: the logit of a masked key (`jax.nn.dot_product_attention`'s constant): finite, so a query whose every key is
+#: masked averages the keys; every backend's kernel uses it too
+MASKED_LOGIT = -0.7 * float(np.finfo(np.float32).max)
 
 
 def xla_attention(q: Array, k: Array, v: Array, mask: Array, *, scale: float) -> Array:
@@ -42,7 +47,7 @@ def xla_attention(q: Array, k: Array, v: Array, mask: Array, *, scale: float) ->
     rows = jnp.transpose(q.reshape(b, s, kv, g, hd), (0, 2, 3, 1, 4)).reshape(b, kv, g * s, hd)
     logits = jnp.einsum("bkqd,btkd->bkqt", rows, k, preferred_element_type=jnp.float32) * jnp.float32(scale)
     row_mask = jnp.broadcast_to(mask[:, None, None], (b, kv, g, s, t)).reshape(b, kv, g * s, t)
-    logits = jnp.where(row_mask, logits, -0.7 * jnp.finfo(jnp.float32).max)
+    logits = jnp.where(row_mask, logits, MASKED_LOGIT)
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkqt,btkd->bkqd", probs, v)  # [B, K, G*S, hd]
     return jnp.transpose(out.reshape(b, kv, g, s, hd), (0, 3, 1, 2, 4)).reshape(b, s, h, hd).astype(q.dtype)

@@ -20,16 +20,14 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ppojax.backends.per_shard import over_models
+from ppojax.models.attention import MASKED_LOGIT as MASKED
 
 Array = jax.Array
 
-#: XLA's masked logit (`ppojax.models.attention.xla_attention`)
-MASKED = -0.7 * float(np.finfo(np.float32).max)
 #: slots per block of the inner loop, and the query rows a program computes (its G heads padded)
 BLOCK_SLOTS = 64
 QUERY_ROWS = 16

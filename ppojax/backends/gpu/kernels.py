@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from ppojax.backends.gpu import decode_attention
-from ppojax.backends.per_shard import cache_attention_per_shard
+from ppojax.backends.per_shard import run_decode_kernel
 from ppojax.models.kernels import Kernels
 from ppojax.parallel.rules import attention_operand_placement
 
@@ -82,8 +82,7 @@ class GpuKernels(Kernels):
             return None
         call = functools.partial(decode_attention.decode_attention, scale=scale, slots_read=slots_read,
                                  interpret=self.interpret)
-        call = cache_attention_per_shard(call, self.mesh, q.shape[0], q.shape[2], keys.shape[3])
-        return call(q[:, 0], keys, values, layer_idx, mask[:, 0])[:, None]
+        return run_decode_kernel(call, self.mesh, q, keys, values, layer_idx, mask)
 
     def takes_cudnn(self, dtype, head_dim: int, q_len: int, kv_len: int) -> bool:
         """Whether a call of these static shapes runs cuDNN's kernel (module doc)."""

@@ -25,16 +25,14 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ppojax.backends.per_shard import over_models
+from ppojax.models.attention import MASKED_LOGIT as MASKED
 
 Array = jax.Array
 
-#: XLA's masked logit (`ppojax.models.attention.xla_attention`)
-MASKED = -0.7 * float(np.finfo(np.float32).max)
 #: most bytes one block of keys (or values) holds: keys and values, double-buffered, stay far inside a TPU core's
 #: VMEM
 MAX_BLOCK_BYTES = 1 << 20

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import jax
 
-from ppojax.backends.per_shard import cache_attention_per_shard
+from ppojax.backends.per_shard import run_decode_kernel
 from ppojax.backends.tpu.decode_attention import decode_attention, fits
 from ppojax.models.kernels import Kernels
 
@@ -37,5 +37,4 @@ class TpuKernels(Kernels):
             return None
         call = functools.partial(decode_attention, scale=scale, slots_read=slots_read, bt=bt,
                                  interpret=self.interpret)
-        call = cache_attention_per_shard(call, self.mesh, q.shape[0], q.shape[2], keys.shape[3])
-        return call(q[:, 0], keys, values, layer_idx, mask[:, 0])[:, None]
+        return run_decode_kernel(call, self.mesh, q, keys, values, layer_idx, mask)
