@@ -2,7 +2,8 @@
 the whole KV cache (a measurement without a TPU: run it by hand, not in the tests).
 
     python -m benchmarks.decode_bytes [--model llama-3.2-1b] [--target tpu:v5e:1x1] [--batch 8]
-        [--prompt 512 --response 1024] [--segments 4] [--attention auto|xla] [--json out.json]
+        [--prompt 512 --response 1024] [--segments 4] [--attention auto|xla] [--weight-layout default|auto]
+        [--json out.json]
 
 Compiles ONE step of the sampler's decode loop (``ppojax.rl.sampler.decode_step`` and the sampling of the next
 token), as the rollout runs it, for one chip with the config's batch rows on it: the policy in bfloat16 with its
@@ -22,6 +23,11 @@ Then the decode loop as the sampler runs it by default, cut into ``--segments`` 
 reading only the cache slots filled by its end: the unrolled step compiled once per segment with the cache's
 ``read_length``, and the mean over the loop's steps (each segment weighted by its steps), against the mean floor
 (the weights plus the slots read).
+
+``--weight-layout auto`` lets the compiler choose how the weights lie in memory (``Layout.AUTO`` for the
+parameters) instead of taking them row-major as a program's arguments arrive by default: the layout a dot wants
+for a ``[D, heads, head_dim]`` projection kernel is not row-major on TPUs, and with row-major weights each step
+slices that kernel out of the stacked layers and transposes it.
 """
 from __future__ import annotations
 
@@ -36,13 +42,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental.layout import Format, Layout
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from benchmarks import hlo_text
 
 
 def measure(model: str, target_text: str, batch: int, prompt: int, response: int, scan_layers: bool = True,
-            read_length: int | None = None, attention: str = "auto") -> dict:
+            read_length: int | None = None, attention: str = "auto", weight_layout: str = "default") -> dict:
     from ppojax.trainer import plan, plan_targets
 
     spec = plan_targets.parse_target(target_text)
@@ -80,7 +87,9 @@ def measure(model: str, target_text: str, batch: int, prompt: int, response: int
     rows = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=on_chip)
     key = jax.eval_shape(lambda: jax.random.key(0))
     key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=on_chip)
-    jitted = jax.jit(step, donate_argnums=(1,))
+    # the weights as a program's arguments arrive by default (row-major), or in the layout the compiler picks
+    weights_in = jax.tree.map(lambda _: Format(Layout.AUTO, on_chip), params) if weight_layout == "auto" else on_chip
+    jitted = jax.jit(step, donate_argnums=(1,), in_shardings=(weights_in, on_chip, on_chip, on_chip, on_chip))
     compiled = jitted.lower(placed(params), placed(cache), rows, rows, key).compile()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -100,7 +109,8 @@ def measure(model: str, target_text: str, batch: int, prompt: int, response: int
     cache_copies = sum(1 for line in text.splitlines()
                        if " copy(" in line and f"[{','.join(map(str, cache.keys.shape))}]" in line.split("copy(")[0])
     return {"model": model, "target": spec.text, "compiler": target.compiler, "batch": batch,
-            "attention": kernels.name, "kernel_calls": len(re.findall(r"ppojax_decode_attention[.\d]* = ", text)),
+            "attention": kernels.name, "weight_layout": weight_layout,
+            "kernel_calls": len(re.findall(r"ppojax_decode_attention[.\d]* = ", text)),
             "layers": "scan" if scan_layers else "unrolled", "cache_copies": cache_copies,
             "cache_slots": length, "slots_read": cache.slots_read, "kv_read_bytes": kv_read_bytes,
             "bytes_accessed": moved, "weight_bytes": weight_bytes, "kv_cache_bytes": kv_bytes,
@@ -122,15 +132,19 @@ def main(argv=None) -> int:
     parser.add_argument("--segments", type=int, default=4, help="decode_segments (the config's default: 4)")
     parser.add_argument("--attention", default="auto", choices=["auto", "xla"],
                         help="attention_implementation: 'auto' takes the TPU's Pallas decode kernel")
+    parser.add_argument("--weight-layout", default="default", choices=["default", "auto"],
+                        help="the weights row-major as arguments arrive ('default') or laid out as the compiler "
+                             "chooses ('auto')")
     args = parser.parse_args(argv)
     from ppojax.rl.sampler import decode_segments
 
     results = [measure(args.model, args.target, args.batch, args.prompt, args.response, scan_layers=scan,
-                       attention=args.attention) for scan in (True, False)]
+                       attention=args.attention, weight_layout=args.weight_layout) for scan in (True, False)]
     start, segments = 1, []
     for end, slots in decode_segments(args.prompt, args.response, args.segments):
         segments.append({**measure(args.model, args.target, args.batch, args.prompt, args.response,
-                                   scan_layers=False, read_length=slots, attention=args.attention),
+                                   scan_layers=False, read_length=slots, attention=args.attention,
+                                   weight_layout=args.weight_layout),
                          "steps": end - start})
         start = end
     steps = sum(seg["steps"] for seg in segments)
@@ -142,7 +156,8 @@ def main(argv=None) -> int:
     gb = 1e9
     for result in results:
         print(f"{result['model']} decode step on {result['target']} ({result['compiler']}), attention "
-              f"{result['attention']} ({result['kernel_calls']} kernel calls), {result['batch']} rows "
+              f"{result['attention']} ({result['kernel_calls']} kernel calls), weights laid out "
+              f"{result['weight_layout']}, {result['batch']} rows "
               f"x {result['cache_slots']} cache slots, layers {result['layers']}:\n"
               f"  bytes accessed (the compiler's count) {result['bytes_accessed'] / gb:.3f} GB; temporaries "
               f"{result['temp_bytes'] / gb:.3f} GB; cache-sized copies {result['cache_copies']}\n"
