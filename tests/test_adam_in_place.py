@@ -135,6 +135,27 @@ def test_the_critic_warmup_keeps_the_policys_leaves_and_moments():
     _assert_same(step(jnp.bool_(False)), whole)
 
 
+@pytest.mark.parametrize("with_step", ["in place", "optax"])
+def test_a_critic_learning_rate_steps_the_critics_leaves_by_it(with_step):
+    """With critic_lr, the critic's leaves take the step at critic_lr and the rest at lr: each group equals a whole
+    step at its own rate (one Adam update, the moments alike), on both step implementations."""
+    rng = np.random.default_rng(3)
+    optimizer = AdamW(max_grad_norm=0.5) if with_step == "in place" else OptaxAdamW(max_grad_norm=0.5)
+    params = _params(rng)
+    state = optimizer.init(params)
+    params, state = apply(optimizer, _gradients(rng, params), state, params, 1e-2)  # non-zero moments
+    grads = _gradients(rng, params)
+    critic_leaf = lambda path: path[0].key == "value"  # noqa: E731
+    mixed = jax.jit(lambda: apply(optimizer, grads, state, params, 1e-2, critic_lr=3e-4, critic_leaf=critic_leaf))()
+    at_lr, at_critic_lr = (jax.jit(lambda lr=lr: apply(optimizer, grads, state, params, lr))() for lr in (1e-2, 3e-4))
+    _assert_same(mixed[0]["policy"], at_lr[0]["policy"])
+    _assert_same(mixed[0]["value"], at_critic_lr[0]["value"])
+    assert not np.allclose(at_lr[0]["value"]["head"], at_critic_lr[0]["value"]["head"])  # the rates differ there
+    _assert_same(mixed[1], at_lr[1])  # the moments do not depend on the rate
+    with pytest.raises(ValueError, match="critic_lr and critic_leaf come together"):
+        apply(optimizer, grads, state, params, 1e-2, critic_lr=3e-4)
+
+
 def _scanned_step(optimizer, grads):
     """Three optimizer steps in a scan, each behind a `lax.cond` (as `ppojax.rl.update.learn` runs them), donated."""
     def run(params, state):

@@ -139,11 +139,12 @@ def test_derived_sets_are_what_the_fields_declare():
                                                 "max_staleness", "in_flight_weight_updates"}
     # fields added since those lists, each classified deliberately
     assert C.IGNORED_ON_RESUME_FIELDS == OLD_HARMLESS | {"overwrite_output_dir", "resume_with_changes",
-                                                         "compile_ahead", "export_check", "eval_steps"}
+                                                         "compile_ahead", "export_check", "eval_steps",
+                                                         "value_head_init"}
     assert C.MAY_CHANGE_FIELDS == OLD_TUNABLE | {
         "remat", "attention_implementation", "matmul_implementation", "optimizer_implementation", "scale_rewards",
         "normalize_advantages",
-        "critic_warmup",
+        "critic_warmup", "critic_learning_rate",
         "kl_loss_coef", "kl_loss_type", "cliprange_low", "cliprange_high", "dual_clip_c", "loss_agg_mode",
         "lora_dropout", "behaviour_logprobs", "rollout_slots", "padding_free", "max_tokens_per_micro_batch",
         "decode_segments",

@@ -79,6 +79,21 @@ def test_critic_warmup_trains_only_the_value_function(tmp_path):
     assert max(jax.tree.leaves(moved)) > 1e-4
 
 
+def test_a_critic_learning_rate_of_zero_keeps_the_value_model_while_the_policy_learns(tmp_path):
+    """critic_learning_rate is the critic's own: at 0 the value model (started at zero: value_head_init) stays
+    exactly as it was while the policy moves at learning_rate."""
+    trainer = make_trainer(tmp_path, total_episodes=16 * 2, critic_learning_rate=0.0, value_head_init="zeros")
+    head = np.asarray(trainer.state.params["value"]["score"]["kernel"])
+    np.testing.assert_array_equal(head, np.zeros_like(head))
+    policy_before = jax.tree.map(np.asarray, trainer.state.params["policy"])
+    value_before = jax.tree.map(np.asarray, trainer.state.params["value"])
+    trainer.train(num_updates=2, progress=False)
+    same = jax.tree.map(lambda a, b: np.array_equal(a, np.asarray(b)), value_before, trainer.state.params["value"])
+    assert all(jax.tree.leaves(same))
+    moved = jax.tree.map(lambda a, b: np.abs(a - np.asarray(b)).max(), policy_before, trainer.state.params["policy"])
+    assert max(jax.tree.leaves(moved)) > 1e-4
+
+
 @pytest.mark.parametrize("values, message", [
     (dict(advantage_estimator="grpo"), "needs num_generations >= 2"),
     (dict(advantage_estimator="rloo", num_generations=1), "needs num_generations >= 2"),
@@ -86,6 +101,7 @@ def test_critic_warmup_trains_only_the_value_function(tmp_path):
     (dict(advantage_estimator="grpo", num_generations=4, normalize_advantages=True),
      "normalize_advantages=True only applies to"),
     (dict(advantage_estimator="reinforce_pp", critic_warmup=3), "has no critic to warm up"),
+    (dict(advantage_estimator="grpo", num_generations=4, critic_learning_rate=1e-5), "has no critic to train"),
     (dict(advantage_estimator="grpo", num_generations=4, value_model_path="x"), "uses no value model"),
     (dict(advantage_estimator="grpo", num_generations=3, batch_size=16), "does not split into num_generations=3"),
     (dict(dual_clip_c=1.0), "dual_clip_c=1.0: expected null or a number > 1"),

@@ -216,6 +216,14 @@ def test_value_head_round_trip(tmp_path):
     # a score (value) model may start from a causal-LM checkpoint: fresh score head, as transformers does
     score_model, _ = load_pretrained(path, kind="score")
     assert score_model.score["kernel"].shape == (cfg.hidden_size, 1)
+    assert np.abs(np.asarray(score_model.score["kernel"][...])).max() > 0
+    # head_init="zeros": a missing head starts at zero (every value 0), the rest of the model as read
+    zeroed, _ = load_pretrained(path, kind="value_head", seed=3, head_init="zeros")
+    zero_logits, zero_values, _ = _forward_value(*nnx.split(zeroed), ids, mask)
+    np.testing.assert_array_equal(zero_values, np.zeros(ids.shape, np.float32))
+    np.testing.assert_array_equal(zero_logits, logits)
+    zero_score, _ = load_pretrained(path, kind="score", head_init="zeros")
+    np.testing.assert_array_equal(zero_score.score["kernel"][...], np.zeros((cfg.hidden_size, 1), np.float32))
 
 
 def test_sharded_checkpoints_both_ways(tmp_path):

@@ -29,6 +29,7 @@ from ppojax.models.transformer import (
     last_token_index,
     last_token_scores,
     logical_axes,
+    new_score_head,
     position_ids_from_mask,
 )
 from ppojax.models.kernels import XLA, Kernels
@@ -41,7 +42,7 @@ __all__ = [
     "abstract_pretrained", "load_config", "load_pretrained", "load_tokenizer", "read_params", "save_pretrained",
     "Backbone", "CausalLM", "CausalLMWithValueHead", "KVCache", "ScoreModel",
     "apply_causal_lm", "apply_causal_lm_with_value", "apply_score_model", "count_params", "init_cache",
-    "last_token_index", "last_token_scores", "logical_axes", "position_ids_from_mask",
+    "last_token_index", "last_token_scores", "logical_axes", "new_score_head", "position_ids_from_mask",
     "Kernels", "XLA",
     "ATTENTION_IMPLEMENTATIONS", "PRECISIONS", "REMAT_POLICIES", "precision_dtypes",
 ]

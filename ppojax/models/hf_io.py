@@ -30,7 +30,7 @@ from ppojax.models.config import ModelConfig
 from ppojax.models.errors import ModelLoadError
 from ppojax.models.families import family_for, hf_to_params, params_to_hf, tensor_name
 from ppojax.models.families.keys import LayerStack, stack_on_host
-from ppojax.models.transformer import CausalLM, CausalLMWithValueHead, ScoreModel, init_value_head
+from ppojax.models.transformer import CausalLM, CausalLMWithValueHead, ScoreModel, init_value_head, new_score_head
 
 log = logging.getLogger(__name__)
 
@@ -232,20 +232,19 @@ def _stored_head_differs(ckpt: SafetensorsCheckpoint, cfg: ModelConfig, kind: st
 
 def load_pretrained(path: str | os.PathLike, *, kind: str = "causal_lm", dtype=jnp.float32, param_dtype=None,
                     scan_layers: bool = True, remat: str = "none", kernels: Kernels = XLA, seed: int = 0,
-                    score_label: int | None = None, mesh=None, rules=None):
+                    score_label: int | None = None, mesh=None, rules=None, head_init: str = "random"):
     """Load a Hugging Face checkpoint directory into a ppojax model.
 
     kind: "causal_lm" -> `CausalLM`; "score" -> `ScoreModel` (reward/value models, `XForSequenceClassification`);
     "value_head" -> `CausalLMWithValueHead`. A head missing from the checkpoint (`v_head.summary.*`, or
     `score.weight` when a score model starts from a causal-LM checkpoint) is initialised randomly from `seed`,
-    with a warning. dtype: compute dtype; param_dtype: storage dtype (default: dtype). remat, kernels,
-    scan_layers: as the model classes' (`transformer.Backbone`).
-    score_label: for a
-    classifier with several labels loaded as a "score" model, the label whose logit is the score (None: the
-    checkpoint must have one label). mesh, rules: place every weight straight into its sharding on `mesh` by
-    `rules` (a `ppojax.parallel.rules` rule table, default `TRAIN_RULES`), reading the checkpoint shard by shard:
-    no process or device holds a sharded weight whole, and each process reads only its own devices' shards.
-    Without a mesh the weights go to the default device.
+    with a warning (head_init "zeros": a missing head starts at zero instead). dtype: compute dtype;
+    param_dtype: storage dtype (default: dtype). remat, kernels, scan_layers: as the model classes'
+    (`transformer.Backbone`). score_label: for a classifier with several labels loaded as a "score" model, the
+    label whose logit is the score (None: the checkpoint must have one label). mesh, rules: place every weight
+    straight into its sharding on `mesh` by `rules` (a `ppojax.parallel.rules` rule table, default
+    `TRAIN_RULES`), reading the checkpoint shard by shard: no process or device holds a sharded weight whole, and
+    each process reads only its own devices' shards. Without a mesh the weights go to the default device.
     Returns `(model, cfg)`. :func:`abstract_pretrained` with the same arguments gives the same model's
     structure without reading a weight.
     """
@@ -260,13 +259,13 @@ def load_pretrained(path: str | os.PathLike, *, kind: str = "causal_lm", dtype=j
     graphdef, state = nnx.split(abstract)
     key = jax.random.key(seed)
     if kind == "value_head" and "v_head" not in loaded:
-        log.warning("no v_head.summary.* in %s: value head initialised randomly (seed %d)", path, seed)
-        loaded["v_head"] = jax.tree.map(np.asarray, init_value_head(cfg, key, param_dtype))
+        log.warning("no v_head.summary.* in %s: value head initialised %s", path,
+                    "at zero" if head_init == "zeros" else f"randomly (seed {seed})")
+        loaded["v_head"] = jax.tree.map(np.asarray, init_value_head(cfg, key, param_dtype, head_init))
     if kind == "score" and "score" not in loaded:
-        log.warning("no score.weight in %s: score head initialised randomly (seed %d), as transformers' "
-                    "AutoModelForSequenceClassification does", path, seed)
-        loaded["score"] = {"kernel": np.asarray(cfg.initializer_range * jax.random.normal(
-            key, (cfg.hidden_size, 1), param_dtype))}
+        log.warning("no score.weight in %s: score head initialised %s", path, "at zero" if head_init == "zeros"
+                    else f"randomly (seed {seed}), as transformers' AutoModelForSequenceClassification does")
+        loaded["score"] = {"kernel": np.asarray(new_score_head(cfg, key, param_dtype, head_init))}
     state = fill_state(state, loaded, param_dtype, _shardings(state, mesh, rules))
     return nnx.merge(graphdef, state), cfg
 
@@ -311,12 +310,12 @@ def read_shard(source, index: tuple, dtype) -> np.ndarray:
 
 def abstract_pretrained(path: str | os.PathLike, *, kind: str = "causal_lm", dtype=jnp.float32, param_dtype=None,
                         scan_layers: bool = True, remat: str = "none", kernels: Kernels = XLA, seed: int = 0,
-                        score_label: int | None = None):
-    """The model :func:`load_pretrained` returns for the same arguments, abstract: the same graphdef with
-    `jax.ShapeDtypeStruct` weights (`nnx.eval_shape`), from the checkpoint's config.json and tensor names
-    alone (no weight is read; a tied config whose checkpoint stores its own LM head reads those two tensors,
-    as `load_pretrained` does). What programs are traced and compiled from while the weights load.
-    Returns `(model, cfg)`."""
+                        score_label: int | None = None, head_init: str = "random"):
+    """The model :func:`load_pretrained` returns for the same arguments, abstract (no value is drawn: head_init
+    changes nothing here): the same graphdef with `jax.ShapeDtypeStruct` weights (`nnx.eval_shape`), from the
+    checkpoint's config.json and tensor names alone (no weight is read; a tied config whose checkpoint stores its
+    own LM head reads those two tensors, as `load_pretrained` does). What programs are traced and compiled from
+    while the weights load. Returns `(model, cfg)`."""
     param_dtype = dtype if param_dtype is None else param_dtype
     structure = _open_pretrained(path, kind, score_label, warn=False)
     return structure.abstract_model(seed=seed, dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers,

@@ -628,12 +628,27 @@ class CausalLM(nnx.Module):
         return matmul_float32_out(hidden.astype(self.dtype), w.T if tied else w)  # the transpose folds into the dot
 
 
-def init_value_head(cfg: ModelConfig, key: Array, param_dtype=jnp.float32) -> dict:
-    """torch.nn.Linear's default init, as TRL's `ValueHead`: kernel [D, 1] and bias [1] ~ U(-1/sqrt(D), 1/sqrt(D))."""
+def init_value_head(cfg: ModelConfig, key: Array, param_dtype=jnp.float32, init: str = "random") -> dict:
+    """A new value head, kernel [D, 1] and bias [1]: "random", torch.nn.Linear's default init as TRL's `ValueHead`
+    (both ~ U(-1/sqrt(D), 1/sqrt(D))), or "zeros" (every value starts at 0)."""
+    if init == "zeros":
+        return {"kernel": jnp.zeros((cfg.hidden_size, 1), param_dtype), "bias": jnp.zeros((1,), param_dtype)}
+    if init != "random":
+        raise ValueError(f"init={init!r}: a value head starts 'random' or 'zeros'")
     bound = 1.0 / math.sqrt(cfg.hidden_size)
     k1, k2 = jax.random.split(key)
     return {"kernel": jax.random.uniform(k1, (cfg.hidden_size, 1), param_dtype, -bound, bound),
             "bias": jax.random.uniform(k2, (1,), param_dtype, -bound, bound)}
+
+
+def new_score_head(cfg: ModelConfig, key: Array, param_dtype=jnp.float32, init: str = "random") -> Array:
+    """A new score head's kernel [D, 1]: "random", normal(0, initializer_range) as transformers initialises a
+    missing score head, or "zeros"."""
+    if init == "zeros":
+        return jnp.zeros((cfg.hidden_size, 1), param_dtype)
+    if init != "random":
+        raise ValueError(f"init={init!r}: a score head starts 'random' or 'zeros'")
+    return cfg.initializer_range * jax.random.normal(key, (cfg.hidden_size, 1), param_dtype)
 
 
 class CausalLMWithValueHead(CausalLM):

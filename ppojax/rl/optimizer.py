@@ -27,16 +27,21 @@ class OptaxStep:
     The interface of every step implementation (a backend's too; frozen and hashable, it is part of the program):
     ``name``; ``applies(optimizer, params, opt_state) -> bool`` (read at trace time, from shapes and dtypes only:
     where False, :func:`apply` runs optax's step instead); ``__call__(optimizer, grads, opt_state, params, lr,
-    kept, frozen) -> (params, opt_state)``."""
+    kept, frozen, critic_lr, critic_leaf) -> (params, opt_state)``."""
 
     name: str = dataclasses.field(default="optax", init=False)
 
     def applies(self, optimizer, params, opt_state) -> bool:
         return True
 
-    def __call__(self, optimizer, grads, opt_state, params, lr, kept=None, frozen=None):
+    def __call__(self, optimizer, grads, opt_state, params, lr, kept=None, frozen=None, critic_lr=None,
+                 critic_leaf=None):
         updates, new_opt_state = optimizer.update(grads, opt_state, params)
-        new_params = jax.tree.map(lambda p, u: p - (lr * u).astype(p.dtype), params, updates)
+
+        def stepped(path, p, u):
+            rate = critic_lr if critic_lr is not None and critic_leaf(path) else lr
+            return p - (rate * u).astype(p.dtype)
+        new_params = jax.tree_util.tree_map_with_path(stepped, params, updates)
         if kept is not None:
             new_params = _keep(kept, frozen, new_params, params)
             new_opt_state = _keep(kept, frozen, new_opt_state, opt_state)
@@ -93,17 +98,21 @@ def optimizer_from_config(config, step=None) -> AdamW:
                           max_grad_norm=config.max_grad_norm, step=step)
 
 
-def apply(optimizer, grads, opt_state, params, lr, kept=None, frozen=None):
+def apply(optimizer, grads, opt_state, params, lr, kept=None, frozen=None, critic_lr=None, critic_leaf=None):
     """One optimizer step -> (new params, new opt_state), by the optimizer's step implementation (`AdamW.step`;
     `OPTAX_STEP` for any other optax transformation).
 
     kept: a function of a parameter's tree path, True for a leaf (and its moments, which mirror the parameters)
     kept as it is while `frozen` (a traced bool[]): the policy's during the critic's warm-up. Leaves of neither
-    (Adam's step count) follow the step."""
+    (Adam's step count) follow the step. critic_lr (f32[]) with critic_leaf (a function of a parameter's path):
+    the learning rate of the leaves critic_leaf names (the critic's own), ``lr`` the rest's."""
+    if (critic_lr is None) != (critic_leaf is None):
+        raise ValueError("critic_lr and critic_leaf come together (the critic's learning rate and which leaves "
+                         "are the critic's)")
     step = (optimizer.step if isinstance(optimizer, AdamW) else None) or OPTAX_STEP
     if not step.applies(optimizer, params, opt_state):
         step = OPTAX_STEP
-    return step(optimizer, grads, opt_state, params, lr, kept, frozen)
+    return step(optimizer, grads, opt_state, params, lr, kept, frozen, critic_lr, critic_leaf)
 
 
 def _keep(kept, frozen, new, old):

@@ -174,7 +174,8 @@ class OptimSettings:
     """The update's structure and the learning-rate schedule's shape (its base value is traced).
 
     num_updates: PPO iterations of the run (the linear schedule decays to 0 over them); warmup_steps, critic_warmup:
-    in updates. ratio_threshold / early_stopping with target_kl: legacy mini-batch skipping (None / False: off)."""
+    in updates. critic_learning_rate: the critic's base learning rate, static (None: the traced learning rate, as
+    the policy's). ratio_threshold / early_stopping with target_kl: legacy mini-batch skipping (None / False: off)."""
 
     num_ppo_epochs: int = 4
     num_mini_batches: int = 1
@@ -183,6 +184,7 @@ class OptimSettings:
     lr_scheduler_type: str = "linear"
     warmup_steps: int = 0
     critic_warmup: int = 0
+    critic_learning_rate: Optional[float] = None
     ratio_threshold: Optional[float] = None
     early_stopping: bool = False
     target_kl: float = 1.0
@@ -297,7 +299,8 @@ class StepSettings:
             num_ppo_epochs=c.num_ppo_epochs, num_mini_batches=c.num_mini_batches,
             gradient_accumulation_steps=c.gradient_accumulation_steps, num_updates=num_updates,
             lr_scheduler_type=c.lr_scheduler_type, warmup_steps=c.warmup_steps, critic_warmup=c.critic_warmup,
-            ratio_threshold=c.ratio_threshold, early_stopping=c.early_stopping, target_kl=c.target_kl)
+            critic_learning_rate=c.critic_learning_rate, ratio_threshold=c.ratio_threshold,
+            early_stopping=c.early_stopping, target_kl=c.target_kl)
         batch = BatchSettings(
             batch_size=sizes.batch_size, mini_batch_size=sizes.mini_batch_size,
             micro_batch_size=sizes.micro_batch_size, data_parallel_size=data_parallel_size,

@@ -278,9 +278,15 @@ def optimizer_step(program, state, grads, stats, stopped, lr, withheld=None):
     policy_frozen = state.update_count < optim.critic_warmup if optim.critic_warmup else None
     policy_leaf = (lambda path: actor_critic.owner(path) == "policy") if optim.critic_warmup else None
 
+    # The critic's own learning rate, where it has one: the same schedule, its own base value.
+    critic_lr = critic_leaf = None
+    if optim.critic_learning_rate is not None:
+        critic_lr = learning_rate_at(optim, optim.critic_learning_rate, state.update_count)
+        critic_leaf = lambda path: actor_critic.owner(path) == "critic"  # noqa: E731
+
     def step(params, opt_state):
         return apply_optimizer(program.optimizer, grads, opt_state, params, lr, kept=policy_leaf,
-                               frozen=policy_frozen)
+                               frozen=policy_frozen, critic_lr=critic_lr, critic_leaf=critic_leaf)
 
     # A branch, not where(apply, new, old): with both values live XLA copies every carried parameter and
     # Adam moment at each step; the branch updates them in place.

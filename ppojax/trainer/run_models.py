@@ -14,7 +14,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ppojax import backends
-from ppojax.models import Backbone, ScoreModel, abstract_pretrained, load_pretrained, precision_dtypes
+from ppojax.models import (Backbone, ScoreModel, abstract_pretrained, load_pretrained, new_score_head,
+                           precision_dtypes)
 from ppojax.models.kernels import XLA
 from ppojax.models.lora import LoraSpec, with_lora
 from ppojax import parallel
@@ -122,13 +123,15 @@ def _model_inputs(load, *, config, mesh, model_path, model, ref_model, reward_mo
     model_options = model_kwargs(config)
     if model is None:
         kind = "value_head" if config.value_head == "policy" and uses_critic else "causal_lm"
-        model, _ = load("policy", model_path, kind=kind, seed=config.seed, **model_options)
+        head = {"head_init": config.value_head_init} if kind == "value_head" else {}
+        model, _ = load("policy", model_path, kind=kind, seed=config.seed, **head, **model_options)
     if reward_model is None and config.reward_model_path is not None:
         reward_model, _ = load("reward model", config.reward_model_path, kind="score",
                                score_label=config.reward_model_label, **model_options)
     if uses_critic and config.value_head == "separate" and value_model is None \
             and config.value_model_path is not None:
-        value_model, _ = load("value model", config.value_model_path, kind="score", **model_options)
+        value_model, _ = load("value model", config.value_model_path, kind="score",
+                              head_init=config.value_head_init, **model_options)
     _use_backend_kernels(config, mesh, model, ref_model, reward_model, value_model)
     return dict(policy=model, ref_model=ref_model, reward_module=reward_model, value_module=value_model)
 
@@ -210,12 +213,12 @@ def _new_value_model(config, policy, model_options):
     """The value model when there is neither a given one nor a reward model (TRL initialises the value model
     from the reward model; with a reward function there is none): the policy's backbone with a fresh score head."""
     # Built abstractly: the backbone is the policy's (copied), only the new head is drawn (as transformers
-    # initialises a missing score head: normal(0, initializer_range)). An eager init of the whole model would
-    # compile and run a random draw per weight shape, only to be overwritten.
+    # initialises a missing score head: normal(0, initializer_range); or zeros). An eager init of the whole model
+    # would compile and run a random draw per weight shape, only to be overwritten.
     abstract = nnx.eval_shape(lambda: ScoreModel(policy.cfg, rngs=nnx.Rngs(config.seed + 1), **model_options))
     graphdef, state = nnx.split(abstract)
-    head = state["score"]["kernel"]
-    kernel = policy.cfg.initializer_range * jax.random.normal(jax.random.key(config.seed + 1), head.shape, head.dtype)
+    kernel = new_score_head(policy.cfg, jax.random.key(config.seed + 1), state["score"]["kernel"].dtype,
+                            config.value_head_init)
     backbone = parallel.copy_arrays(nnx.state(policy.backbone))
     state = nnx.State({"backbone": backbone, "score": {"kernel": kernel}})
     return nnx.merge(graphdef, state)

@@ -107,19 +107,24 @@ class InPlaceAdamStep:
     def applies(self, optimizer, params, opt_state) -> bool:
         return float32_adam(params, opt_state)
 
-    def __call__(self, optimizer, grads, opt_state, params, lr, kept=None, frozen=None):
-        frozen_leaves = None if kept is None else \
-            tuple(bool(kept(path)) for path, _ in jax.tree_util.tree_leaves_with_path(params))
-        return step(optimizer, grads, opt_state, params, lr, frozen_leaves, frozen)
+    def __call__(self, optimizer, grads, opt_state, params, lr, kept=None, frozen=None, critic_lr=None,
+                 critic_leaf=None):
+        paths = [path for path, _ in jax.tree_util.tree_leaves_with_path(params)]
+        frozen_leaves = None if kept is None else tuple(bool(kept(path)) for path in paths)
+        critic_leaves = None if critic_lr is None else tuple(bool(critic_leaf(path)) for path in paths)
+        return step(optimizer, grads, opt_state, params, lr, frozen_leaves, frozen, critic_lr, critic_leaves)
 
 
-def step(optimizer, grads, opt_state, params, lr, frozen_leaves=None, frozen=None):
+def step(optimizer, grads, opt_state, params, lr, frozen_leaves=None, frozen=None, critic_lr=None,
+         critic_leaves=None):
     """One AdamW step -> (new params, new opt_state), as ``optimizer.update`` then ``p - lr * u`` give them.
 
     optimizer: `ppojax.rl.optimizer.AdamW`; grads, params: trees of float32 leaves alike; opt_state: its chained
     state; lr: f32[]. frozen_leaves: a tuple of bools, one per leaf of `params` in tree order, True for a leaf (and its
     moments) kept as it is while `frozen` (a traced bool[]): the policy's during the critic's warm-up. Adam's step
-    count advances either way, as optax's does. Call only where :func:`float32_adam` and the handler is registered."""
+    count advances either way, as optax's does. critic_lr (f32[]) with critic_leaves (a bool per leaf, as
+    frozen_leaves): the leaves stepped by ``p - critic_lr * u`` instead. Call only where :func:`float32_adam` and
+    the handler is registered."""
     index = adam_state_index(opt_state)
     adam = opt_state[index]
     count = optax.safe_increment(adam.count)
@@ -130,7 +135,9 @@ def step(optimizer, grads, opt_state, params, lr, frozen_leaves=None, frozen=Non
         clip = ~jnp.squeeze(norm < optimizer.max_grad_norm)
     else:
         norm, clip = jnp.float32(1), jnp.bool_(False)
-    scalars = jnp.stack([jnp.asarray(lr, jnp.float32), *corrections, norm.astype(jnp.float32)])
+    lr = jnp.asarray(lr, jnp.float32)
+    critic_lr = lr if critic_lr is None else jnp.asarray(critic_lr, jnp.float32)
+    scalars = jnp.stack([lr, critic_lr, *corrections, norm.astype(jnp.float32)])
     flags = jnp.stack([clip, jnp.bool_(False) if frozen is None else frozen]).astype(jnp.int32)
 
     p_leaves, treedef = jax.tree.flatten(params)
@@ -143,11 +150,13 @@ def step(optimizer, grads, opt_state, params, lr, frozen_leaves=None, frozen=Non
     for i in range(len(p_leaves)):  # p, m, v of leaf i are written where they lie
         aliases.update({2 + 4 * i: 3 * i, 4 + 4 * i: 3 * i + 1, 5 + 4 * i: 3 * i + 2})
     kept = frozen_leaves if frozen_leaves is not None else (False,) * len(p_leaves)
+    critic = critic_leaves if critic_leaves is not None else (False,) * len(p_leaves)
     out = jax.ffi.ffi_call(TARGET, results, input_output_aliases=aliases, vmap_method="sequential")(
         *operands, b1=np.float32(optimizer.b1), one_minus_b1=np.float32(1 - optimizer.b1),
         b2=np.float32(optimizer.b2), one_minus_b2=np.float32(1 - optimizer.b2), eps=np.float32(optimizer.eps),
         weight_decay=np.float32(optimizer.weight_decay),
-        max_norm=np.float32(optimizer.max_grad_norm or 0.0), frozen_leaves=np.asarray(kept, np.int64))
+        max_norm=np.float32(optimizer.max_grad_norm or 0.0), frozen_leaves=np.asarray(kept, np.int64),
+        critic_leaves=np.asarray(critic, np.int64))
     new_params = treedef.unflatten(out[0::3])
     new_adam = adam._replace(count=count, mu=treedef.unflatten(out[1::3]), nu=treedef.unflatten(out[2::3]))
     return new_params, tuple(new_adam if i == index else part for i, part in enumerate(opt_state))

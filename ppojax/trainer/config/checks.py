@@ -265,6 +265,9 @@ def _estimator_problems(c: PPOConfig) -> list[str]:
     if critic_free and c.critic_warmup:
         out.append(f"critic_warmup={c.critic_warmup} but advantage_estimator={c.advantage_estimator!r} has no critic "
                    "to warm up; remove critic_warmup (or use advantage_estimator: gae).")
+    if critic_free and c.critic_learning_rate is not None:
+        out.append(f"critic_learning_rate={c.critic_learning_rate} but advantage_estimator={c.advantage_estimator!r} "
+                   "has no critic to train; remove critic_learning_rate (or use advantage_estimator: gae).")
     if critic_free and c.value_model_path is not None:
         out.append(f"value_model_path={c.value_model_path!r} is set but advantage_estimator="
                    f"{c.advantage_estimator!r} uses no value model; remove value_model_path.")

@@ -6,7 +6,7 @@
 // 40 bytes read or written per parameter); this reads p, g, m, v once and writes p, m, v in place (28 bytes).
 // The arithmetic is optax's (clip_by_global_norm, scale_by_adam, add_decayed_weights, then p - lr * u), operation
 // by operation, each rounded to float32 (-ffp-contract=off: no fused multiply-adds; XLA fuses some, so the two agree
-// to a few units in the last place). The scalars that depend on the step (the learning rate, the bias
+// to a few units in the last place). The scalars that depend on the step (the learning rates, the bias
 // corrections, the gradients' global norm) come in computed by optax's own expressions.
 #include <algorithm>
 #include <cmath>
@@ -25,7 +25,7 @@ struct Hyper {
   float b1, one_minus_b1, b2, one_minus_b2, eps, weight_decay, max_norm;
 };
 
-struct Step {  // this step's scalars
+struct Step {  // this step's scalars (lr: the leaf's own, the policy's or the critic's)
   float lr, bias_correction1, bias_correction2, grad_norm;
   bool clip;
 };
@@ -35,6 +35,7 @@ struct Leaf {  // p, m and v are read and written in place; four distinct buffer
   const float* g;
   float *m, *v;
   int64_t n;
+  float lr;
 };
 
 // One stretch of one leaf, with or without clipping and weight decay (a loop each: GCC vectorises neither test
@@ -82,21 +83,24 @@ __attribute__((target_clones(PPOJAX_UPDATE_CLONES))) void Update(const Leaf& l, 
 
 constexpr int64_t kStretch = 1 << 16;  // elements per unit of work: 256 KiB of each buffer
 
-// args: scalars f32[4] {lr, bias_correction1, bias_correction2, grad_norm}, flags s32[2] {clip, frozen}, then p, g,
-// m, v of each leaf; rets: p, m, v of each leaf (aliased to the args). frozen_leaves: 1 for each leaf kept as it
-// is while `frozen` (the policy's), else 0.
+// args: scalars f32[5] {lr, critic_lr, bias_correction1, bias_correction2, grad_norm}, flags s32[2] {clip,
+// frozen}, then p, g, m, v of each leaf; rets: p, m, v of each leaf (aliased to the args). frozen_leaves: 1 for
+// each leaf kept as it is while `frozen` (the policy's), else 0. critic_leaves: 1 for each leaf stepped by
+// critic_lr (the critic's, when it has a learning rate of its own), else 0 (lr).
 ffi::Error AdamImpl(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::RemainingRets rets, float b1,
                     float one_minus_b1, float b2, float one_minus_b2, float eps, float weight_decay,
-                    float max_norm, ffi::Span<const int64_t> frozen_leaves) {
+                    float max_norm, ffi::Span<const int64_t> frozen_leaves, ffi::Span<const int64_t> critic_leaves) {
   auto scalars = args.get<ffi::Buffer<ffi::F32>>(0);
   auto flags = args.get<ffi::Buffer<ffi::S32>>(1);
-  if (scalars.has_error() || flags.has_error() || scalars->element_count() != 4 || flags->element_count() != 2)
-    return ffi::Error::InvalidArgument("adam_in_place: the scalars f32[4] and flags s32[2] come first");
+  if (scalars.has_error() || flags.has_error() || scalars->element_count() != 5 || flags->element_count() != 2)
+    return ffi::Error::InvalidArgument("adam_in_place: the scalars f32[5] and flags s32[2] come first");
   const size_t leaves = (args.size() - 2) / 4;
-  if (args.size() != 2 + 4 * leaves || rets.size() != 3 * leaves || frozen_leaves.size() != leaves)
+  if (args.size() != 2 + 4 * leaves || rets.size() != 3 * leaves || frozen_leaves.size() != leaves ||
+      critic_leaves.size() != leaves)
     return ffi::Error::InvalidArgument("adam_in_place: p, g, m, v per leaf in, p, m, v per leaf out");
   const float* s = scalars->typed_data();
-  const Step step{s[0], s[1], s[2], s[3], flags->typed_data()[0] != 0};
+  const float lr = s[0], critic_lr = s[1];
+  const Step step{lr, s[2], s[3], s[4], flags->typed_data()[0] != 0};
   const bool frozen = flags->typed_data()[1] != 0;
   const Hyper hyper{b1, one_minus_b1, b2, one_minus_b2, eps, weight_decay, max_norm};
 
@@ -121,7 +125,7 @@ ffi::Error AdamImpl(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Remainin
                             std::pair{v->typed_data(), v_at}})
       if (from != to) std::copy_n(from, n, to);
     if (frozen && frozen_leaves[i]) continue;  // kept as it is (the policy's, during the critic's warm-up)
-    const Leaf leaf{p_at, g->typed_data(), m_at, v_at, n};
+    const Leaf leaf{p_at, g->typed_data(), m_at, v_at, n, critic_leaves[i] ? critic_lr : lr};
     for (int64_t first = 0; first < n; first += kStretch) stretches.emplace_back(updated.size(), first);
     updated.push_back(leaf);
   }
@@ -134,7 +138,9 @@ ffi::Error AdamImpl(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Remainin
     for (size_t k = first; k < last; ++k) {
       const Leaf& leaf = updated[stretches[k].first];
       const int64_t begin = stretches[k].second;
-      Update(leaf, begin, std::min(leaf.n, begin + kStretch), hyper, step);
+      Step leaf_step = step;
+      leaf_step.lr = leaf.lr;
+      Update(leaf, begin, std::min(leaf.n, begin + kStretch), hyper, leaf_step);
     }
   });
   return ffi::Error::Success();
@@ -154,4 +160,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AdamInPlace, AdamImpl,
                                   .Attr<float>("eps")
                                   .Attr<float>("weight_decay")
                                   .Attr<float>("max_norm")
-                                  .Attr<ffi::Span<const int64_t>>("frozen_leaves"));
+                                  .Attr<ffi::Span<const int64_t>>("frozen_leaves")
+                                  .Attr<ffi::Span<const int64_t>>("critic_leaves"));

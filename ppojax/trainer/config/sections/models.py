@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from ppojax.trainer.config.fields import (MAY_CHANGE, MUST_MATCH, NON_EMPTY, Rule, above, at_least, between, one_of,
-                                          setting)
+from ppojax.trainer.config.fields import (IGNORED, MAY_CHANGE, MUST_MATCH, NON_EMPTY, Rule, above, at_least, between,
+                                          one_of, setting)
 
 #: the models' `matmul_implementation` values (`ppojax.backends.cpu.stacked_matmul.IMPLEMENTATIONS`, spelled here
 #: without jax): the in-place ones name the GEMM library of ppojax's handlers
@@ -60,6 +60,10 @@ class ModelSettings:
     """Value model checkpoint. None: TRL's choice (the reward model), or the policy backbone + a new head."""
     value_head: str = setting("separate", static=True, on_resume=MUST_MATCH, rule=one_of("separate", "policy"))
     """'separate': a value model of its own (TRL); 'policy': a Linear head on the policy backbone (legacy)."""
+    value_head_init: str = setting("random", static=True, on_resume=IGNORED, rule=one_of("random", "zeros"))
+    """How a value head the checkpoint lacks starts: 'random' (TRL's: torch.nn.Linear's init for the head on the
+    policy, transformers' normal(0, initializer_range) for a separate model's score head) or 'zeros' (every value
+    starts at 0, so the first advantages are the rewards' alone, not a random head's noise)."""
     precision: str = setting("float32", static=True, on_resume=MUST_MATCH,
                              rule=one_of("float32", "bfloat16", "mixed"))
     """Precision policy of every model: 'float32'; 'bfloat16' (parameters, optimizer moments and matmuls in

@@ -9,10 +9,16 @@ from ppojax.trainer.config.fields import MAY_CHANGE, above, at_least, between, o
 
 @dataclass
 class OptimizerSettings:
-    """AdamW and its schedule (policy and value model alike)."""
+    """AdamW and its schedule (policy and value model alike, unless the critic has a learning rate of its own)."""
 
     learning_rate: float = setting(3e-6, static=False, on_resume=MAY_CHANGE, rule=at_least(0))
     """Peak learning rate of AdamW (policy and value model); a traced value of the state (``Hyperparams``)."""
+    critic_learning_rate: Optional[float] = setting(None, static=True, on_resume=MAY_CHANGE, rule=at_least(0))
+    """The critic's own peak learning rate (the value head, or the separate value model's trainable weights;
+    OpenRLHF's critic_learning_rate, verl's critic.optim.lr), on the same schedule; None: learning_rate, as TRL.
+    A linear value head reads hidden states whose entries add up to hundreds in absolute value, so an Adam step
+    at a LoRA-sized learning_rate moves its values by about as much as the rewards' whole range; 0 freezes the
+    critic."""
     lr_scheduler_type: str = setting("linear", static=True, on_resume=MAY_CHANGE, rule=one_of("linear", "constant"))
     """'linear' (to 0 over the updates, as TRL) or 'constant'."""
     warmup_steps: int = setting(0, static=True, on_resume=MAY_CHANGE, rule=at_least(0))
