@@ -62,21 +62,31 @@ def test_groups_are_one_prompts_samples_on_consecutive_rows(tmp_path):
     assert any(len({tuple(r) for r in group}) > 1 for group in responses)  # samples differ within a group
 
 
+def _params_after_two_updates(trainer):
+    """(policy, value) parameters before, as numpy, after two updates of `trainer`."""
+    before = {name: jax.tree.map(np.asarray, trainer.state.params[name]) for name in ("policy", "value")}
+    trainer.train(num_updates=2, progress=False)
+    return before["policy"], before["value"]
+
+
+def _unchanged(before, after) -> bool:
+    return all(jax.tree.leaves(jax.tree.map(lambda a, b: np.array_equal(a, np.asarray(b)), before, after)))
+
+
+def _largest_move(before, after) -> float:
+    return max(jax.tree.leaves(jax.tree.map(lambda a, b: np.abs(a - np.asarray(b)).max(), before, after)))
+
+
 def test_critic_warmup_trains_only_the_value_function(tmp_path):
     trainer = make_trainer(tmp_path, total_episodes=16 * 3, critic_warmup=2)
-    policy_before = jax.tree.map(np.asarray, trainer.state.params["policy"])
-    value_before = jax.tree.map(np.asarray, trainer.state.params["value"])
-    trainer.train(num_updates=2, progress=False)
-    same = jax.tree.map(lambda a, b: np.array_equal(a, np.asarray(b)), policy_before, trainer.state.params["policy"])
-    assert all(jax.tree.leaves(same))
-    moved = jax.tree.map(lambda a, b: np.abs(a - np.asarray(b)).max(), value_before, trainer.state.params["value"])
-    assert max(jax.tree.leaves(moved)) > 1e-4
+    policy_before, value_before = _params_after_two_updates(trainer)
+    assert _unchanged(policy_before, trainer.state.params["policy"])
+    assert _largest_move(value_before, trainer.state.params["value"]) > 1e-4
     counts = [int(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(trainer.state.opt_state)
               if "count" in jax.tree_util.keystr(path)]
     assert counts == [2 * trainer.run.settings.optim.steps_per_update]  # Adam's step count (the critic's) advanced
     trainer.train(progress=False)  # update 3: the policy moves too
-    moved = jax.tree.map(lambda a, b: np.abs(a - np.asarray(b)).max(), policy_before, trainer.state.params["policy"])
-    assert max(jax.tree.leaves(moved)) > 1e-4
+    assert _largest_move(policy_before, trainer.state.params["policy"]) > 1e-4
 
 
 def test_a_critic_learning_rate_of_zero_keeps_the_value_model_while_the_policy_learns(tmp_path):
@@ -85,13 +95,9 @@ def test_a_critic_learning_rate_of_zero_keeps_the_value_model_while_the_policy_l
     trainer = make_trainer(tmp_path, total_episodes=16 * 2, critic_learning_rate=0.0, value_head_init="zeros")
     head = np.asarray(trainer.state.params["value"]["score"]["kernel"])
     np.testing.assert_array_equal(head, np.zeros_like(head))
-    policy_before = jax.tree.map(np.asarray, trainer.state.params["policy"])
-    value_before = jax.tree.map(np.asarray, trainer.state.params["value"])
-    trainer.train(num_updates=2, progress=False)
-    same = jax.tree.map(lambda a, b: np.array_equal(a, np.asarray(b)), value_before, trainer.state.params["value"])
-    assert all(jax.tree.leaves(same))
-    moved = jax.tree.map(lambda a, b: np.abs(a - np.asarray(b)).max(), policy_before, trainer.state.params["policy"])
-    assert max(jax.tree.leaves(moved)) > 1e-4
+    policy_before, value_before = _params_after_two_updates(trainer)
+    assert _unchanged(value_before, trainer.state.params["value"])
+    assert _largest_move(policy_before, trainer.state.params["policy"]) > 1e-4
 
 
 @pytest.mark.parametrize("values, message", [
