@@ -28,10 +28,10 @@ $(TPU_STAMP): $(STAMP)
 
 # ruff first (pyproject.toml's [tool.ruff]), then the tests: two workers, one test file each at a time (module
 # fixtures are built once): XLA's compiles are single-threaded, so the second core would otherwise idle through most
-# of the suite.
+# of the suite. The 30 slowest tests are listed at the end (where the suite's time goes).
 test: $(TPU_STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -n 2 --dist loadfile tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=30 tests
 
 # The development lane (not CI's): the unit tests on the pure-XLA / optax path, no subprocesses, no C++ builds
 # (tests/conftest.py: END_TO_END_TESTS and the slow marks go to `make test`).

@@ -7,7 +7,9 @@
 - the environment mask is True exactly on the observations' tokens;
 - a turn's prefill is its new tokens (the model calls traced: the prompt once, one token per row and step, and an
   observation with the stop token before it, 1 + O tokens on its row alone);
-- one compiled program for every turn, and a second batch with other prompts and key does not recompile.
+- one compiled program for every turn, and a second batch with other prompts and key does not recompile;
+- with fewer rows than episodes, or G episodes per prompt, the same episodes as one row per episode with every
+  prompt written out, the prompts prefilled once (a refill is a copy).
 """
 import jax
 import jax.numpy as jnp
@@ -184,20 +186,43 @@ def test_one_program_for_every_turn_and_batch(policy, stop_token):
 
 def test_fewer_rows_than_episodes_play_the_same_episodes(policy, stop_token, episodes, model_calls):
     """``slots`` rows refilled as episodes end: every episode's stream, mask, log-probs, reward and turns are those
-    of the batch played with one row per episode (the same keys per episode); a refill prefills one prompt."""
+    of the batch played with one row per episode (the same keys per episode); the prompts are prefilled once,
+    together, and a refill copies its prompt's keys and values (no model call of its own)."""
     graphdef, params = policy
     seen = model_calls
     refilled = jax.jit(lambda params, prompts, key: generate_episodes(
         graphdef, params, prompts, key, shape=SHAPE, host_turn=scripted_host, pad_token_id=PAD,
         stop_token_id=stop_token, temperature=TEMPERATURE, top_k=TOP_K, slots=5))
     out = jax.tree.map(np.asarray, refilled(params, jnp.asarray(PROMPTS), jax.random.key(3)))
-    assert sorted(set(seen)) == sorted({(5, P), (1, P), (5, 1), (1, 1 + SHAPE.observation_length)})
-    np.testing.assert_array_equal(out.stream, episodes.stream)
-    np.testing.assert_array_equal(out.environment_mask, episodes.environment_mask)
-    np.testing.assert_array_equal(out.turns, episodes.turns)
-    np.testing.assert_array_equal(out.completed, episodes.completed)
-    np.testing.assert_array_equal(out.environment_reward, episodes.environment_reward)
-    np.testing.assert_allclose(out.logprobs, episodes.logprobs, atol=2e-5, rtol=0)
+    assert sorted(set(seen)) == sorted({(B, P), (5, 1), (1, 1 + SHAPE.observation_length)})
+    assert seen.count((B, P)) == 1
+    assert_same_episodes(out, episodes)
+
+
+def assert_same_episodes(out, expected):
+    np.testing.assert_array_equal(out.stream, expected.stream)
+    np.testing.assert_array_equal(out.environment_mask, expected.environment_mask)
+    np.testing.assert_array_equal(out.turns, expected.turns)
+    np.testing.assert_array_equal(out.completed, expected.completed)
+    np.testing.assert_array_equal(out.environment_reward, expected.environment_reward)
+    np.testing.assert_allclose(out.logprobs, expected.logprobs, atol=2e-5, rtol=0)
+
+
+def test_a_groups_prompt_is_prefilled_once(policy, stop_token, model_calls):
+    """G = 3 episodes per prompt (GRPO's groups) on 5 refilled rows: the 4 prompts are prefilled once, in one call,
+    and the 12 episodes equal those of the prompts written out 3 times each, one row per episode."""
+    graphdef, params = policy
+    group, prompts = 3, PROMPTS[:B // 3]
+    expected = jax.tree.map(np.asarray, run(policy, stop_token, prompts=np.repeat(prompts, group, axis=0)))
+    model_calls.clear()
+    out = jax.tree.map(np.asarray, jax.jit(lambda params, prompts, key: generate_episodes(
+        graphdef, params, prompts, key, shape=SHAPE, host_turn=scripted_host, pad_token_id=PAD,
+        stop_token_id=stop_token, temperature=TEMPERATURE, top_k=TOP_K, slots=5, group_size=group))(
+        params, jnp.asarray(prompts), jax.random.key(3)))
+    assert sorted(set(model_calls)) == sorted({(B // group, P), (5, 1), (1, 1 + SHAPE.observation_length)})
+    assert model_calls.count((B // group, P)) == 1
+    assert int(np.max(out.turns)) > 1
+    assert_same_episodes(out, expected)
 
 
 def list_schedule_steps(durations, rows):

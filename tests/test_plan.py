@@ -189,7 +189,14 @@ def test_an_agent_program_is_planned_with_its_episode_buffers(tiny_model):
     assert run.program.settings.sampling.episodes.max_turns == 3
     # a row holds the prompt, 3 turns of 4 tokens and 2 observations of 3 with the stop token before each
     from ppojax.trainer.plan import rollout_kv_cache
-    assert rollout_kv_cache(run, model_cfg, config)["slots"] == 8 + 3 * 4 + 2 * (1 + 3)
+    kv = rollout_kv_cache(run, model_cfg, config)
+    assert kv["slots"] == 8 + 3 * 4 + 2 * (1 + 3)
+    # each prompt prefilled once (num_generations episodes each) on the prompts' own slots (the whole row's here:
+    # fewer than the 128 a prefill's reads are rounded up to)
+    sampling = run.program.settings.sampling
+    prompts = run.program.settings.batch.batch_size // sampling.num_generations
+    assert kv["prompt_bank"] == {
+        "rows": prompts, "slots": kv["slots"], "bytes": (kv["bytes"] - 4) // kv["rows"] * prompts + 4}  # + the index
     assert compile_program(run, "train_step").temp_bytes > 0
 
 

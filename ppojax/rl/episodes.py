@@ -23,10 +23,15 @@ positions count only the tokens fed, so every row's keys, values and positions a
 contiguous sequence: a plain forward over ``[prompt | stream]`` gives the sampler's log-probs
 (tests/test_episodes.py).
 
+Prompts. ``prompt_ids`` holds each prompt once; its G = ``group_size`` episodes (GRPO's group) are consecutive.
+Every prompt is prefilled ONCE, in one call, on a bank of B / G rows holding the prompts' slots only; a row
+starting an episode takes its prompt's keys, values and key mask from the bank (the slots past the prompt empty),
+so a group's G episodes and every refill cost a copy, not a prefill.
+
 Rows. With ``slots`` S below the batch's B episodes, the cache has S rows: when an episode ends, its row takes the
-next waiting episode (in order) at once: the prompt is prefilled on a one-row cache copied over the row's (nothing
-of the previous episode survives). The episodes' tokens are the ones S >= B would sample (the same keys per
-episode, below), up to the float rounding of another batch shape.
+next waiting episode (in order) at once, from the bank (nothing of the previous episode survives). The episodes'
+tokens are the ones S >= B would sample (the same keys per episode, below), up to the float rounding of another
+batch shape.
 
 An episode ends when its environment says so, when a turn ends without the stop token (``turn_length`` reached,
 the stream's ``T`` tokens used, or the pad token drawn, which ends a response for the update too: the episode is
@@ -49,8 +54,8 @@ from jax.experimental import io_callback
 from ppojax.core.masks import INVALID_LOGPROB
 from ppojax.parallel import batch_partition_spec
 from ppojax.rl.forward import sequence_inputs
-from ppojax.rl.sampler import (_cache_dtype, _init_cache, copy_into_slot, model_kernels,
-                               prefill_one_row, row_keys, sample_rows, token_logprobs)
+from ppojax.rl.sampler import (_cache_dtype, _init_cache, copy_into_slot, model_kernels, prefill_slots, row_keys,
+                               sample_rows, token_logprobs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,6 +232,33 @@ def _one_row(cache, slot):
                          index=cache.index[slot])
 
 
+def _prefill_prompts(model, prompt_ids, pad_token_id, cache_length: int, dtype):
+    """Each prompt of ``prompt_ids`` i32[N, P] (left padded) through the model once -> (next-token logits f32[N, V],
+    the bank: a cache of N rows holding the prompts' (aligned) slots only, each row its own write index, real
+    tokens i32[N])."""
+    prompts, prompt_length = prompt_ids.shape
+    bank = _init_cache(model, prompts, prefill_slots(prompt_length, cache_length), dtype)
+    bank = bank.replace(index=jnp.zeros((prompts,), jnp.int32))
+    input_ids, attention_mask, position_ids = sequence_inputs(prompt_ids, pad_token_id)
+    hidden, bank = model(input_ids, attention_mask, position_ids, cache=bank)
+    return model.logits(hidden[:, -1:])[:, 0], bank, jnp.sum(attention_mask, axis=-1, dtype=jnp.int32)
+
+
+def _bank_rows(bank, rows, cache_length: int):
+    """Rows ``rows`` (i32[n]) of the prompt bank as a cache of n rows and ``cache_length`` slots: the prompt's
+    keys, values and key mask, the slots past it empty (as a fresh cache's), each row's write index after its
+    prompt."""
+    extra = cache_length - bank.max_length
+
+    def take(x, batch_axis):  # the slot axis follows the batch axis in keys, values and the key mask
+        widths = [(0, 0)] * x.ndim
+        widths[batch_axis + 1] = (0, extra)
+        return jnp.pad(jnp.take(x, rows, axis=batch_axis), widths)
+
+    return bank.replace(keys=take(bank.keys, 1), values=take(bank.values, 1), key_mask=take(bank.key_mask, 0),
+                        index=bank.index[rows], read_length=None)
+
+
 def _nan_sum(total, value):
     """NaN-as-absent addition: a NaN ``value`` leaves ``total``; a NaN ``total`` counts as 0 when one arrives."""
     return jnp.where(jnp.isnan(value), total, jnp.where(jnp.isnan(total), 0.0, total) + value)
@@ -234,16 +266,19 @@ def _nan_sum(total, value):
 
 def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape, host_turn: HostTurn,
                       pad_token_id: int, stop_token_id: int, temperature=1.0, top_k: int = 0, top_p: float = 1.0,
-                      greedy: bool = False, cache_dtype=None, init_cache_fn=None, slots: int = 0) -> Episodes:
+                      greedy: bool = False, cache_dtype=None, init_cache_fn=None, slots: int = 0,
+                      group_size: int = 1) -> Episodes:
     """Sample a batch of multi-turn episodes (module docstring). Pure apart from ``host_turn``; call it under jit.
 
-    graphdef, params: ``nnx.split(causal_lm)``; prompt_ids: i32[B, P] left padded, one per episode; key: a PRNG
-    key; temperature may be traced. Static: shape, host_turn, pad_token_id, stop_token_id (the end of a turn),
-    top_k, top_p, greedy, cache_dtype, init_cache_fn (as ``ppojax.rl.sampler.generate``'s), slots: the cache's
-    rows, S (0 or at least B: one row per episode); with fewer, an episode that ends frees its row for the next
-    waiting one (module docstring, "Rows").
+    graphdef, params: ``nnx.split(causal_lm)``; prompt_ids: i32[B / G, P] left padded, each prompt once (its G =
+    ``group_size`` episodes consecutive: episode b plays prompt b // G); key: a PRNG key; temperature may be
+    traced. Static: shape, host_turn, pad_token_id, stop_token_id (the end of a turn), top_k, top_p, greedy,
+    cache_dtype, init_cache_fn (as ``ppojax.rl.sampler.generate``'s), slots: the cache's rows, S (0 or at least B:
+    one row per episode); with fewer, an episode that ends frees its row for the next waiting one (module
+    docstring, "Rows"), group_size. -> ``Episodes`` of B rows.
     """
-    batch, prompt_length = prompt_ids.shape
+    prompts, prompt_length = prompt_ids.shape
+    batch = prompts * group_size
     num_rows = batch if not slots else min(slots, batch)
     turn_length, obs_length, length = shape.turn_length, shape.observation_length, shape.episode_length
     model = nnx.merge(graphdef, params)
@@ -254,11 +289,18 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
     dtype, cache_length = _cache_dtype(model, params, cache_dtype), shape.cache_length(prompt_length)
     row_ids = jnp.arange(num_rows, dtype=jnp.int32)
 
-    cache = (init_cache_fn or _init_cache)(model, num_rows, cache_length, dtype)
-    cache = cache.replace(index=jnp.zeros((num_rows,), jnp.int32))  # one write index per row: rows run apart
-    input_ids, attention_mask, position_ids = sequence_inputs(prompt_ids[:num_rows], pad_token_id)
-    hidden, cache = model(input_ids, attention_mask, position_ids, cache=cache)
-    logits = model.logits(hidden[:, -1:])[:, 0]
+    # every prompt prefilled once (module docstring, "Prompts"); the first S episodes' rows copied from the bank
+    bank_logits, bank, bank_tokens = _prefill_prompts(model, prompt_ids, pad_token_id, cache_length, dtype)
+    first = row_ids // group_size
+    started = _bank_rows(bank, first, cache_length)
+    empty = (init_cache_fn or _init_cache)(model, num_rows, cache_length, dtype)
+    cache = empty.replace(  # written into the empty cache: its placement on a mesh
+        keys=jax.lax.dynamic_update_slice(empty.keys, started.keys.astype(empty.keys.dtype), (0,) * empty.keys.ndim),
+        values=jax.lax.dynamic_update_slice(empty.values, started.values.astype(empty.values.dtype),
+                                            (0,) * empty.values.ndim),
+        key_mask=jax.lax.dynamic_update_slice(empty.key_mask, started.key_mask, (0, 0)),
+        index=started.index)  # one write index per row: rows run apart
+    logits = bank_logits[first]
 
     def no_answer(*_):
         return HostAnswer(jnp.full((num_rows, obs_length), pad), jnp.zeros((num_rows,), jnp.int32),
@@ -333,16 +375,16 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
         return rows, out, waiting.at[slot].set(False), answer
 
     def refill_one(rows):
-        """The next waiting episode into the first free row: its prompt prefilled on a one-row cache copied over
-        the row's (``ppojax.rl.continuous`` does the same for single responses)."""
+        """The next waiting episode into the first free row: its prompt's row of the bank copied over the row's."""
         slot, e = jnp.argmax(~rows.running).astype(jnp.int32), rows.next_episode
-        prompt = jax.lax.dynamic_slice_in_dim(prompt_ids, e, 1, axis=0)
-        row_logits, one, real_tokens = prefill_one_row(model, prompt, pad_token_id, cache_length, dtype)
+        prompt = e // group_size
+        one = _bank_rows(bank, prompt[None], cache_length)
         return rows.replace(
-            cache=copy_into_slot(rows.cache, one, slot), logits=rows.logits.at[slot].set(row_logits[0]),
+            cache=copy_into_slot(rows.cache, one.replace(index=one.index[0]), slot),
+            logits=rows.logits.at[slot].set(bank_logits[prompt]),
             episode=rows.episode.at[slot].set(e), turn=rows.turn.at[slot].set(0),
             turn_tokens=rows.turn_tokens.at[slot].set(pad), turn_step=rows.turn_step.at[slot].set(0),
-            next_position=rows.next_position.at[slot].set(real_tokens),
+            next_position=rows.next_position.at[slot].set(bank_tokens[prompt]),
             stream_length=rows.stream_length.at[slot].set(0), reward=rows.reward.at[slot].set(jnp.nan),
             running=rows.running.at[slot].set(True), next_episode=e + 1)
 
@@ -353,7 +395,7 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
 
     rows = _Rows(cache=cache, logits=logits, episode=row_ids, turn=jnp.zeros_like(row_ids),
                  turn_tokens=jnp.full((num_rows, turn_length), pad), turn_step=jnp.zeros_like(row_ids),
-                 next_position=jnp.sum(attention_mask, axis=-1, dtype=jnp.int32),
+                 next_position=bank_tokens[first],
                  stream_length=jnp.zeros_like(row_ids), reward=jnp.full((num_rows,), jnp.nan, jnp.float32),
                  running=jnp.ones((num_rows,), bool), next_episode=jnp.int32(num_rows))
     out = _Played(stream=jnp.full((batch, length), pad), environment=jnp.zeros((batch, length), bool),

@@ -77,15 +77,13 @@ def sample_measured(program, state, prompts, key):
 
 
 def sample_episodes(program, params, frozen, prompts, key, temperature=None, group_size=None) -> Episodes:
-    """Step 1 of a multi-turn run: each prompt's ``G`` episodes (rows consecutive; default ``num_generations``)
-    played against ``program.episodes`` on one KV cache (``ppojax.rl.episodes``; ``rollout_slots`` rows of it,
-    each refilled with the next waiting episode when its episode ends, where set). params, frozen: the state's;
-    prompts: i32[B / G, P]; temperature: default the run's (evaluation passes a near-greedy one). -> ``Episodes``
-    of B rows."""
+    """Step 1 of a multi-turn run: each prompt's ``G`` episodes (rows consecutive; default ``num_generations``; the
+    prompt prefilled once for its G) played against ``program.episodes`` on one KV cache (``ppojax.rl.episodes``;
+    ``rollout_slots`` rows of it, each refilled with the next waiting episode when its episode ends, where set).
+    params, frozen: the state's; prompts: i32[B / G, P]; temperature: default the run's (evaluation passes a
+    near-greedy one). -> ``Episodes`` of B rows."""
     sampling = program.settings.sampling
     group_size = sampling.num_generations if group_size is None else group_size
-    if group_size > 1:
-        prompts = jnp.repeat(prompts, group_size, axis=0)
     graphdef, weights = program.actor_critic.sampling_policy(params, frozen)
     weights, init_cache_fn = decode_placement(graphdef, weights, program.mesh)
     return generate_episodes(graphdef, weights, prompts, key, shape=sampling.episodes,
@@ -93,7 +91,8 @@ def sample_episodes(program, params, frozen, prompts, key, temperature=None, gro
                              stop_token_id=sampling.stop_token_id,
                              temperature=sampling.temperature if temperature is None else temperature,
                              top_k=sampling.top_k, top_p=sampling.top_p, init_cache_fn=init_cache_fn,
-                             slots=sampling.rollout_slots, cache_dtype=sampling.kv_cache_dtype)
+                             slots=sampling.rollout_slots, cache_dtype=sampling.kv_cache_dtype,
+                             group_size=group_size)
 
 
 def decode_placement(graphdef, params, mesh):

@@ -45,6 +45,7 @@ from ppojax.models.flops import Dims, ppo_update_flops
 from ppojax.rl import in_flight_updates
 from ppojax.rl.program import collect_experience, make_rollout, make_train_step, make_update
 from ppojax.rl.rewards import ModelScores
+from ppojax.rl.sampler import prefill_slots
 from ppojax.rl.settings import Hyperparams
 from ppojax.rl.types import init_train_state
 from ppojax.trainer import plan_targets
@@ -302,8 +303,14 @@ def rollout_kv_cache(run: AbstractRun, model_cfg, config: PPOConfig) -> dict:
     shardings = parallel.kv_cache_shardings(cache, mesh)
     placed = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), cache, shardings)
     total = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(cache))
-    return {"rows": rows, "slots": slots, "dtype": jnp.dtype(dtype).name, "bytes": total,
-            "bytes_per_device": device_bytes(placed)}
+    out = {"rows": rows, "slots": slots, "dtype": jnp.dtype(dtype).name, "bytes": total,
+           "bytes_per_device": device_bytes(placed)}
+    if sampling.episodes is not None:  # every prompt prefilled once, its rows copied from there (ppojax.rl.episodes)
+        bank_rows, bank_slots = batch // sampling.num_generations, prefill_slots(prompt, slots)
+        bank = jax.eval_shape(lambda: init_cache(model_cfg, bank_rows, bank_slots, dtype))
+        out["prompt_bank"] = {"rows": bank_rows, "slots": bank_slots, "bytes": sum(
+            math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(bank))}
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -453,6 +460,10 @@ def format_plan(p: Plan) -> str:
         lines.append(f"  rollout KV cache: {kv['rows']} rows x {kv['slots']} slots, {kv['dtype']}: "
                      f"{_gb(kv['bytes'])} GB in all, {_gb(kv['bytes_per_device'])} GB per device (inside the "
                      "rollout's temporaries)")
+        if "prompt_bank" in kv:
+            bank = kv["prompt_bank"]
+            lines.append(f"  episodes' prompt bank (each prompt prefilled once): {bank['rows']} rows x {bank['slots']} "
+                         f"slots, {_gb(bank['bytes'])} GB")
     lines += [
         "",
         f"  {'per device (GB)':<16}{'arguments':>11}{'resident':>10}{'outputs':>9}{'aliased':>9}{'temporaries':>13}"
