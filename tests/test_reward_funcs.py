@@ -14,6 +14,7 @@ from ppojax.errors import ConfigError, RewardFunctionError
 from ppojax.agents.calls import call
 from ppojax.host import event_loop
 from ppojax.rl.reward_calls import RewardBatch, RewardCall, call_all
+from ppojax.rl.rewards import TracedScores
 from ppojax.tasks import arithmetic
 from ppojax.tasks.math_answers import answer_format, extract_answer, gsm8k_flexible, gsm8k_strict, boxed_answer
 from ppojax.trainer.config import PPOConfig
@@ -392,6 +393,30 @@ def test_async_rewards_tools_and_environments_share_one_event_loop():
 
     call_all([RewardCall.of(reward)], _batch())
     assert call(tool) is loops[0] is event_loop()
+
+
+def _first_token_is_even(queries, responses):
+    return (responses[:, 0] % 2 == 0).astype(jnp.float32)
+
+
+#: a JAX reward whose own name differs from the module attribute a config names it by
+parity_reward = TracedScores(_first_token_is_even, name="even_first_token")
+
+
+def test_a_traced_reward_named_by_a_spec_reports_under_the_specs_name(tmp_path):
+    """'module:name' naming a TracedScores that calls itself something else: the run's source is named after
+    the spec, as a function is and as config.reward_names (reward_weights' messages) says; the user's object keeps
+    its own name."""
+    from ppojax.trainer.run_rewards import reward_calls_of
+
+    config = PPOConfig.from_dict(dict(output_dir=str(tmp_path / "run"), report_to="none",
+                                      reward_funcs=["tests.test_reward_funcs:parity_reward"]))
+    calls, traced, _ = reward_calls_of(config, None, None)
+    assert calls == [] and traced[0].names == config.reward_names == ["parity_reward"]
+    assert parity_reward.names == ["even_first_token"]
+    ids = jnp.asarray([[3, 4], [5, 7]])
+    np.testing.assert_array_equal(traced[0].components(None, ids, ids)[0], [[0.0, 0.0]])
+    np.testing.assert_array_equal(traced[0].components(None, ids, ids[:, ::-1])[0], [[1.0, 0.0]])
 
 
 def test_a_traced_reward_named_in_the_config_runs_in_the_program_and_equals_its_python_twin(tmp_path):

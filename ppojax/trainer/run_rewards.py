@@ -4,6 +4,7 @@ or ``module:function``), Python ones as host calls, JAX ones traced, a reward mo
 """
 from __future__ import annotations
 
+import copy
 import importlib
 from pathlib import Path
 from typing import Callable, Optional
@@ -71,11 +72,20 @@ def reward_calls_of(config: PPOConfig, reward_model, reward_funcs) -> tuple[list
     else:
         given = config.reward_function_specs
     resolved = [resolve_reward_function(f, reward_field(config)) for f in given]
+    # a reward named by a spec is named after it (what config.reward_names and the metrics say), whatever its kind
+    names = [f.rpartition(":")[2] if isinstance(f, str) else None for f in given]
     traced = [i for i, f in enumerate(resolved) if isinstance(f, TracedScores)]
     python = [i for i in range(len(resolved)) if i not in traced]
-    calls = [RewardCall.of(resolved[i], given[i].rpartition(":")[2] if isinstance(given[i], str) else None)
-             for i in python]
-    return calls, [resolved[i] for i in traced], python + traced
+    calls = [RewardCall.of(resolved[i], names[i]) for i in python]
+    sources = [_renamed(resolved[i], names[i]) if names[i] else resolved[i] for i in traced]
+    return calls, sources, python + traced
+
+
+def _renamed(source: TracedScores, name: str) -> TracedScores:
+    """A copy of ``source`` reporting as ``name`` (the user's object is left as it is)."""
+    renamed = copy.copy(source)
+    renamed.names = [name]
+    return renamed
 
 
 def weights_in_part_order(weights, order: list):
