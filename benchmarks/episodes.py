@@ -57,6 +57,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--turn-length", type=int, default=12)
     parser.add_argument("--observation-length", type=int, default=16)
+    parser.add_argument("--group-size", type=int, default=1,
+                        help="episodes per prompt (GRPO's num_generations), each prompt prefilled once; the single "
+                             "responses take the same groups")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     path = smollm2_checkpoint(log=lambda *a, **k: None)
@@ -67,18 +70,21 @@ def main(argv=None) -> dict:
     shape = EpisodeShape(turn_length=args.turn_length, observation_length=args.observation_length,
                          max_turns=args.turns, episode_length=args.turns * (args.turn_length + args.observation_length))
     games, rows = list(records(0, args.episodes)), min(args.slots or args.episodes, args.episodes)
+    group = args.group_size
+    if args.episodes % group or rows % group:
+        parser.error(f"--group-size {group} must divide --episodes {args.episodes} and the rows {rows}")
     renderer = ChatRenderer(tokenizer, end_of_turn="<|im_end|>")
     host = TimedHost(EpisodeHost(EnvironmentFactory(GuessNumber), renderer, tokenizer, stop_token_id=stop,
                                  pad_token_id=pad, observation_length=shape.observation_length,
                                  episode_length=shape.episode_length, max_turns=shape.max_turns))
     messages = [[{"role": "user", "content": g["prompt"]}] for g in games]
     prompt_ids = [renderer.prompt_ids(m) for m in messages]
-    prompts = jnp.asarray(left_pad(prompt_ids, max(map(len, prompt_ids)), pad))
+    prompts = jnp.asarray(left_pad(prompt_ids, max(map(len, prompt_ids)), pad))[::group]  # each group's once
 
     play = jax.jit(lambda p, x, k: generate_episodes(graphdef, p, x, k, shape=shape,
                                                      host_turn=host_callback(host.turn, shape),
                                                      pad_token_id=pad, stop_token_id=stop, temperature=0.7,
-                                                     slots=args.slots))
+                                                     slots=args.slots, group_size=group))
     def play_once(repeat):
         host.host.begin(games, list(range(args.episodes)), messages)
         host.seconds = 0.0
@@ -91,14 +97,14 @@ def main(argv=None) -> dict:
     first_tokens = play_once(0)[2]  # the compile
     length = max(1, round(first_tokens / rows))  # the same rows, as many tokens in all
     single = jax.jit(lambda p, x, k: generate(graphdef, p, x, k, response_length=length, pad_token_id=pad,
-                                              temperature=0.7))
-    jax.block_until_ready(single(params, prompts[:rows], jax.random.key(0)))  # the compile
+                                              temperature=0.7, group_size=group))
+    jax.block_until_ready(single(params, prompts[:rows // group], jax.random.key(0)))  # the compile
     # the two alternate, so a slower spell of the host weighs on both: each pair's ratio, then their median
     episode_times, host_shares, tokens, turns, single_times, ratios = [], [], [], [], [], []
     for repeat in range(1, args.repeats + 1):
         seconds, share, n, mean_turns = play_once(repeat)
         start = time.perf_counter()
-        jax.block_until_ready(single(params, prompts[:rows], jax.random.key(repeat)))
+        jax.block_until_ready(single(params, prompts[:rows // group], jax.random.key(repeat)))
         single_times.append(time.perf_counter() - start)
         episode_times.append(seconds)
         host_shares.append(share)
@@ -108,7 +114,7 @@ def main(argv=None) -> dict:
     episode_s, single_s = statistics.median(episode_times), statistics.median(single_times)
     episode_tokens = int(statistics.median(tokens))
     episode_rate, single_rate = episode_tokens / episode_s, rows * length / single_s
-    report = dict(episodes=args.episodes, rows=rows, shape=dict(turn_length=shape.turn_length,
+    report = dict(episodes=args.episodes, rows=rows, group_size=group, shape=dict(turn_length=shape.turn_length,
                                                observation_length=shape.observation_length,
                                                max_turns=shape.max_turns, episode_length=shape.episode_length),
                   mean_turns=statistics.median(turns), episode_tokens=episode_tokens, episode_s=episode_s,
