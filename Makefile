@@ -28,15 +28,16 @@ $(TPU_STAMP): $(STAMP)
 
 # ruff first (pyproject.toml's [tool.ruff]), then the tests: two workers, one test file each at a time (module
 # fixtures are built once): XLA's compiles are single-threaded, so the second core would otherwise idle through most
-# of the suite. The 30 slowest tests are listed at the end (where the suite's time goes).
+# of the suite. The slowest files start first (tests/conftest.py, SLOWEST_FILES; --no-loadscope-reorder keeps that order),
+# and the 30 slowest tests are listed at the end (where the suite's time goes).
 test: $(TPU_STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=30 tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=30 tests
 
 # The development lane (not CI's): the unit tests on the pure-XLA / optax path, no subprocesses, no C++ builds
 # (tests/conftest.py: END_TO_END_TESTS and the slow marks go to `make test`).
 test-fast: $(STAMP)
-	PPOJAX_TESTS_FAST=1 $(PY) -m pytest -q -n 2 --dist loadfile tests
+	PPOJAX_TESTS_FAST=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
 
 # docs/scaling.md's TPU plan table, its 1B rows recompiled by the TPU compiler (minutes per row; not in `make test`)
 test-plan-table: $(TPU_STAMP)

@@ -4,6 +4,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -87,7 +88,26 @@ END_TO_END_TESTS = {"test_trust", "test_reliability", "test_trainer", "test_cli"
                     "test_export_dir", "test_multihost", "test_smollm2_export", "test_assets", "test_plan"}
 
 
+#: the files that take longest (their tests' times summed; `make test` lists the slowest tests), slowest first. `make
+#: test` hands whole files to its two workers in the order of the collection (--no-loadscope-reorder): a long file
+#: started last would leave one worker running it alone at the end, so these start first and the many short files
+#: fill in after them (by number of tests, as pytest-xdist orders by default).
+SLOWEST_FILES = ("test_pipeline", "test_trust", "test_sharding", "test_train_step", "test_reliability",
+                 "test_in_flight_updates", "test_stacked_matmul", "test_tpu_compile", "test_benchmarks", "test_trainer",
+                 "test_checkpoint", "test_quiet_runs", "test_logging", "test_continuous_sampler", "test_plan",
+                 "test_docs", "test_agent_runs", "test_multihost", "test_packing", "test_assets", "test_notebook")
+
+
+def _file_order(items) -> dict:
+    """Each test file's place in the run: SLOWEST_FILES first, then the rest by number of tests (most first)."""
+    counts = Counter(Path(str(item.fspath)).stem for item in items)
+    rest = sorted((stem for stem in counts if stem not in SLOWEST_FILES), key=lambda stem: (-counts[stem], stem))
+    return {stem: i for i, stem in enumerate([s for s in SLOWEST_FILES if s in counts] + rest)}
+
+
 def pytest_collection_modifyitems(config, items):
     if FAST_LANE:
         items[:] = [item for item in items if item.get_closest_marker("slow") is None
                     and Path(str(item.fspath)).stem not in END_TO_END_TESTS | CPU_BACKEND_TESTS]
+    order = _file_order(items)
+    items.sort(key=lambda item: order[Path(str(item.fspath)).stem])  # stable: a file's tests keep their order
