@@ -92,10 +92,11 @@ END_TO_END_TESTS = {"test_trust", "test_reliability", "test_trainer", "test_cli"
 #: test` hands whole files to its two workers in the order of the collection (--no-loadscope-reorder): a long file
 #: started last would leave one worker running it alone at the end, so these start first and the many short files
 #: fill in after them (by number of tests, as pytest-xdist orders by default).
-SLOWEST_FILES = ("test_pipeline", "test_trust", "test_sharding", "test_train_step", "test_reliability",
-                 "test_in_flight_updates", "test_stacked_matmul", "test_tpu_compile", "test_benchmarks", "test_trainer",
-                 "test_checkpoint", "test_quiet_runs", "test_logging", "test_continuous_sampler", "test_plan",
-                 "test_docs", "test_agent_runs", "test_multihost", "test_packing", "test_assets", "test_notebook")
+SLOWEST_FILES = ("test_pipeline", "test_sharding", "test_trust", "test_train_step", "test_stacked_matmul",
+                 "test_in_flight_updates", "test_trainer", "test_packing", "test_reliability", "test_docs",
+                 "test_multihost", "test_agent_runs", "test_update", "test_tpu_compile", "test_dynamic_sampling",
+                 "test_quiet_runs", "test_plan", "test_continuous_sampler", "test_benchmarks", "test_logging",
+                 "test_generate")
 
 
 def _file_order(items) -> dict:
