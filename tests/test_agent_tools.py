@@ -17,6 +17,8 @@ from ppojax.agents import (CHATML_TOOLS_TEMPLATE, Environment, EnvironmentFactor
                            parse_llama3, register_tool_call_parser, reset_environment, step_all, step_environment,
                            supports_tool_calling, tool_schema, tool_schemas)
 from ppojax.errors import ConfigError, EnvironmentCallError
+from ppojax.tasks.calculator import calculate
+from ppojax.trainer.data import arithmetic_split
 
 
 # ------------------------------------------------------------------------------------------------ tools used below
@@ -586,3 +588,30 @@ def test_tools_rendered_by_the_chatml_template(smollm2_tokenizer):
                                    add_generation_prompt=True, chat_template=CHATML_TOOLS_TEMPLATE)
     assert full == with_call + "<|im_start|>user\n<tool_response>\n12\n</tool_response><|im_end|>\n" \
         "<|im_start|>assistant\n"
+
+
+def test_arithmetic_tools_prompts_open_with_worked_calculator_calls(smollm2_tokenizer):
+    """The built-in dataset `arithmetic_tools`: the problems of `arithmetic` (the same questions and answers), each
+    prompt a conversation opening with worked problems. Rendered by the ChatML tools template, every worked call
+    parses back (hermes) to `calculate` with an expression whose value by Python's own arithmetic is the tool's
+    answer and the number after '####' in the assistant's final answer."""
+    def records(name):
+        return [json.loads(line) for line in arithmetic_split(name, log=lambda *a: None).read_text().splitlines()]
+
+    plain, worked = records("arithmetic:test"), records("arithmetic_tools:test")
+    assert len(worked) == len(plain) == 200
+    assert [r["answer"] for r in worked] == [r["answer"] for r in plain]
+    assert all(w["prompt"][-1] == {"role": "user", "content": p["prompt"]} for w, p in zip(worked, plain))
+    assert all(w["prompt"][:-1] == worked[0]["prompt"][:-1] for w in worked)  # the same worked problems each time
+
+    text = smollm2_tokenizer.apply_chat_template(worked[0]["prompt"], tools=[calculate], tokenize=False,
+                                                 add_generation_prompt=True, chat_template=CHATML_TOOLS_TEMPLATE)
+    assert text.endswith(plain[0]["prompt"] + "<|im_end|>\n<|im_start|>assistant\n")
+    turns = [t.split("<|im_end|>")[0] for t in text.split("<|im_start|>")[2:-2]]  # after the system message
+    assert [t.split("\n")[0] for t in turns] == ["user", "assistant", "user", "assistant"] * 2  # tool answers: user
+    for call_turn, answer_turn, final_turn in zip(turns[1::4], turns[2::4], turns[3::4]):
+        (call,) = parse_hermes(call_turn.removeprefix("assistant")).calls
+        assert call.name == "calculate" and set(call.arguments) == {"expression"}
+        value = eval(call.arguments["expression"], {"__builtins__": {}})  # plain Python arithmetic
+        assert answer_turn == f"user\n<tool_response>\n{value}\n</tool_response>"
+        assert final_turn.endswith(f"\n#### {value}")

@@ -4,13 +4,17 @@ problem out instead of computing in its head.
 ``calculate`` evaluates one arithmetic expression of numbers, ``+ - * /``, parentheses and unary minus, parsed
 with Python's ``ast`` (no names, calls or attributes: nothing but arithmetic runs). A bad expression raises, and
 the model gets the error as the tool's answer (ppojax.agents.tools).
+
+``with_tool_examples`` turns an arithmetic record's prompt into a conversation that opens with two worked problems,
+each answered by a call to ``calculate``, its result and the final ``#### <n>`` (the built-in dataset
+``arithmetic_tools``): a model too small to call a tool it has only seen described may copy one it has seen used.
 """
 from __future__ import annotations
 
 import ast
 import operator
 
-__all__ = ["calculate"]
+__all__ = ["TOOL_EXAMPLES", "calculate", "with_tool_examples"]
 
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 _MAX_DIGITS = 30
@@ -44,3 +48,27 @@ def calculate(expression: str) -> str:
     if isinstance(result, float) and result.is_integer():
         result = int(result)
     return str(result)
+
+
+#: (question, expression, answer's wording with {result}) of the worked problems ``with_tool_examples`` opens with
+TOOL_EXAMPLES = (
+    ("Kim has 14 pens. Kim gets 9 more pens. How many pens does Kim have now?", "14 + 9",
+     "Kim has 14 + 9 = {result} pens."),
+    ("Joe has 6 boxes with 7 cups in each box. How many cups does Joe have in all?", "6 * 7",
+     "Joe has 6 * 7 = {result} cups."),
+)
+
+
+def with_tool_examples(record: dict, instruction: str) -> dict:
+    """``record`` (``ppojax.tasks.arithmetic``'s: its prompt a question + ``instruction``) with the prompt as a
+    conversation: each of ``TOOL_EXAMPLES`` as user -> assistant calling ``calculate`` -> the tool's answer ->
+    assistant's final answer, then the record's own question as the last user message."""
+    messages = []
+    for question, expression, wording in TOOL_EXAMPLES:
+        result = calculate(expression)
+        call = {"type": "function", "function": {"name": "calculate", "arguments": {"expression": expression}}}
+        messages += [{"role": "user", "content": f"{question} {instruction}"},
+                     {"role": "assistant", "content": "", "tool_calls": [call]},
+                     {"role": "tool", "content": result},
+                     {"role": "assistant", "content": wording.format(result=result) + f"\n#### {result}"}]
+    return dict(record, prompt=messages + [{"role": "user", "content": record["prompt"]}])

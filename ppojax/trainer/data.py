@@ -18,6 +18,7 @@ import csv
 import hashlib
 import io
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -25,7 +26,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import numpy as np
 
 from ppojax.assets import cache_dir, movie_review_prompts
-from ppojax.tasks.arithmetic import write_splits
+from ppojax.tasks.arithmetic import INSTRUCTION, write_splits
+from ppojax.tasks.calculator import TOOL_EXAMPLES, with_tool_examples
 from ppojax.tasks.guess_number import HIGH as GAME_HIGH
 from ppojax.tasks.guess_number import LOW as GAME_LOW
 from ppojax.tasks.guess_number import PROMPT as GAME_PROMPT
@@ -44,8 +46,11 @@ __all__ = [
 ]
 
 BUILTIN_MOVIE_REVIEWS = "builtin:movie_reviews"
-BUILTIN_ARITHMETIC = {"arithmetic": "train", "arithmetic:test": "test"}
-"""Dataset names of the generated arithmetic word problems (``ppojax.tasks.arithmetic``) -> their split."""
+BUILTIN_ARITHMETIC = {"arithmetic": "train", "arithmetic:test": "test",
+                      "arithmetic_tools": "train", "arithmetic_tools:test": "test"}
+"""Dataset names of the generated arithmetic word problems (``ppojax.tasks.arithmetic``) -> their split; the
+``arithmetic_tools`` ones are the same problems, each prompt a conversation opening with two worked problems that
+call the calculator (``ppojax.tasks.calculator.with_tool_examples``)."""
 ARITHMETIC_SETTINGS = {"seed": 0, "train": 2000, "test": 200, "max_number": 20}
 """The built-in arithmetic task's problems (the cache folder's name changes with them)."""
 
@@ -79,7 +84,18 @@ def arithmetic_split(name: str, *, log: Optional[Callable[..., None]] = None) ->
         log(f"[ppojax] writing the arithmetic word problems ({settings['train']} train, {settings['test']} test, "
             f"seed {settings['seed']}) to {folder}")
         write_splits(folder, **settings)
-    return path
+    if not name.startswith("arithmetic_tools"):
+        return path
+    # the folder's name changes with the worked examples, so that a cached file is never a stale version
+    version = hashlib.sha1(json.dumps([TOOL_EXAMPLES, INSTRUCTION]).encode()).hexdigest()[:8]
+    tools_path = folder.with_name(f"{folder.name}-tool_examples-{version}") / path.name
+    if not tools_path.is_file():
+        records = [with_tool_examples(json.loads(line), INSTRUCTION) for line in path.read_text().splitlines()]
+        tools_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tools_path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+        os.replace(tmp, tools_path)  # never half-written
+    return tools_path
 
 
 def _log(*args, **kwargs):
