@@ -18,7 +18,6 @@ import csv
 import hashlib
 import io
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -26,6 +25,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import numpy as np
 
 from ppojax.assets import cache_dir, movie_review_prompts
+from ppojax.io.strict_json import write_text_atomic
 from ppojax.tasks.arithmetic import INSTRUCTION, write_splits
 from ppojax.tasks.calculator import TOOL_EXAMPLES, with_tool_examples
 from ppojax.tasks.guess_number import HIGH as GAME_HIGH
@@ -92,9 +92,7 @@ def arithmetic_split(name: str, *, log: Optional[Callable[..., None]] = None) ->
     if not tools_path.is_file():
         records = [with_tool_examples(json.loads(line), INSTRUCTION) for line in path.read_text().splitlines()]
         tools_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = tools_path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
-        os.replace(tmp, tools_path)  # never half-written
+        write_text_atomic(tools_path, "".join(json.dumps(r) + "\n" for r in records))  # never half-written
     return tools_path
 
 
