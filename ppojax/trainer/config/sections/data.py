@@ -12,8 +12,9 @@ class DataSettings:
     """The prompts of a run."""
 
     dataset: str = setting("movie_reviews", static=False, on_resume=MUST_MATCH, rule=NON_EMPTY)
-    """Prompts: 'movie_reviews' (bundled), 'arithmetic' (generated word problems with an answer column), or a
-    local json/jsonl/csv/parquet file or HF datasets directory. Its other columns reach reward_funcs."""
+    """Prompts: 'movie_reviews' (bundled), 'arithmetic' (generated word problems with an answer column),
+    'arithmetic_tools' (the same, each prompt opening with two worked calculator calls), 'guess_number' (the game),
+    or a local json/jsonl/csv/parquet file or HF datasets directory. Its other columns reach reward_funcs."""
     eval_dataset: Optional[str] = setting(None, static=False, on_resume=MUST_MATCH, rule=NON_EMPTY)
     """Held-out prompts from another dataset (e.g. 'arithmetic:test', or a test.jsonl): its first
     num_eval_prompts prompts. None: num_eval_prompts are taken off the end of dataset."""
