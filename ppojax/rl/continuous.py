@@ -46,7 +46,7 @@ from jax.sharding import PartitionSpec
 
 from ppojax.parallel import batch_partition_spec
 
-from ppojax.rl.sampler import (_cache_dtype, _init_cache, copy_into_slot, decode_step, model_kernels,
+from ppojax.rl.sampler import (_cache_dtype, _init_cache, copy_into_rows, decode_step, model_kernels,
                                prefill_one_row, row_keys, sample_rows, token_logprobs)
 
 
@@ -145,7 +145,7 @@ class SlotLoop:
         state = self.record(state, b[None], jnp.zeros((1,), jnp.int32), token, logits)
         one_t = jnp.ones((1,), jnp.int32)
         return state.replace(
-            cache=copy_into_slot(state.cache, one, slot), row=state.row.at[slot].set(b), t=state.t.at[slot].set(1),
+            cache=copy_into_rows(state.cache, one, slot), row=state.row.at[slot].set(b), t=state.t.at[slot].set(1),
             token=state.token.at[slot].set(token[0]), position=state.position.at[slot].set(real_tokens),
             live=state.live.at[slot].set(~self.finished(token, one_t)[0]), next_row=b + 1)
 

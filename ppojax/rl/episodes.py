@@ -54,7 +54,7 @@ from jax.experimental import io_callback
 from ppojax.core.masks import INVALID_LOGPROB
 from ppojax.parallel import batch_partition_spec
 from ppojax.rl.forward import sequence_inputs
-from ppojax.rl.sampler import (_cache_dtype, _init_cache, copy_into_slot, model_kernels, prefill_slots, row_keys,
+from ppojax.rl.sampler import (_cache_dtype, _init_cache, copy_into_rows, model_kernels, prefill_slots, row_keys,
                                sample_rows, token_logprobs)
 
 
@@ -244,11 +244,11 @@ def _prefill_prompts(model, prompt_ids, pad_token_id, cache_length: int, dtype):
     return model.logits(hidden[:, -1:])[:, 0], bank, jnp.sum(attention_mask, axis=-1, dtype=jnp.int32)
 
 
-def _bank_rows(bank, rows, cache_length: int):
-    """Rows ``rows`` (i32[n]) of the prompt bank as a cache of n rows and ``cache_length`` slots: the prompt's
-    keys, values and key mask, the slots past it empty (as a fresh cache's), each row's write index after its
-    prompt."""
-    extra = cache_length - bank.max_length
+def _bank_rows(bank, rows, cache_length: Optional[int] = None):
+    """Rows ``rows`` (i32[n]) of the prompt bank as a cache of n rows: the prompt's keys, values and key mask, each
+    row's write index after its prompt; with ``cache_length``, ``cache_length`` slots, those past the prompt empty
+    (as a fresh cache's: what a refilled row must hold), else the bank's slots only (what an empty cache takes)."""
+    extra = 0 if cache_length is None else cache_length - bank.max_length
 
     def take(x, batch_axis):  # the slot axis follows the batch axis in keys, values and the key mask
         widths = [(0, 0)] * x.ndim
@@ -292,14 +292,9 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
     # every prompt prefilled once (module docstring, "Prompts"); the first S episodes' rows copied from the bank
     bank_logits, bank, bank_tokens = _prefill_prompts(model, prompt_ids, pad_token_id, cache_length, dtype)
     first = row_ids // group_size
-    started = _bank_rows(bank, first, cache_length)
-    empty = (init_cache_fn or _init_cache)(model, num_rows, cache_length, dtype)
-    cache = empty.replace(  # written into the empty cache: its placement on a mesh
-        keys=jax.lax.dynamic_update_slice(empty.keys, started.keys.astype(empty.keys.dtype), (0,) * empty.keys.ndim),
-        values=jax.lax.dynamic_update_slice(empty.values, started.values.astype(empty.values.dtype),
-                                            (0,) * empty.values.ndim),
-        key_mask=jax.lax.dynamic_update_slice(empty.key_mask, started.key_mask, (0, 0)),
-        index=started.index)  # one write index per row: rows run apart
+    started = _bank_rows(bank, first)  # the prompts' slots only: the empty cache's other slots stay empty
+    # written into the empty cache (its placement on a mesh), one write index per row: rows run apart
+    cache = copy_into_rows((init_cache_fn or _init_cache)(model, num_rows, cache_length, dtype), started)
     logits = bank_logits[first]
 
     def no_answer(*_):
@@ -368,7 +363,7 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
         e, at = rows.episode[slot], jnp.where(observed, rows.stream_length[slot] + columns - (obs_length - n), length)
         out = out.replace(stream=out.stream.at[e, at].set(ids[1:], mode="drop"),
                           environment=out.environment.at[e, at].set(True, mode="drop"))
-        rows = rows.replace(cache=copy_into_slot(rows.cache, one, slot),
+        rows = rows.replace(cache=copy_into_rows(rows.cache, one, slot),
                             logits=rows.logits.at[slot].set(model.logits(hidden[:, -1:])[0, 0]),
                             next_position=rows.next_position.at[slot].add(1 + n),
                             stream_length=rows.stream_length.at[slot].add(n))
@@ -380,7 +375,7 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
         prompt = e // group_size
         one = _bank_rows(bank, prompt[None], cache_length)
         return rows.replace(
-            cache=copy_into_slot(rows.cache, one.replace(index=one.index[0]), slot),
+            cache=copy_into_rows(rows.cache, one, slot),
             logits=rows.logits.at[slot].set(bank_logits[prompt]),
             episode=rows.episode.at[slot].set(e), turn=rows.turn.at[slot].set(0),
             turn_tokens=rows.turn_tokens.at[slot].set(pad), turn_step=rows.turn_step.at[slot].set(0),

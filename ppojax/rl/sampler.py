@@ -151,21 +151,36 @@ def empty_cache(graphdef, params, batch_size, max_length, cache_dtype=None, init
 def prefill_one_row(model, prompt, pad_token_id, max_length, dtype):
     """One prompt i32[1, P] (left padded) through the model on a fresh one-row cache of ``max_length`` slots ->
     (its next-token logits f32[1, V], the cache, the prompt's real tokens i32[]): what a slot takes in when a
-    sampler refills it (:func:`copy_into_slot`)."""
+    sampler refills it (:func:`copy_into_rows`)."""
     one = _init_cache(model, 1, max_length, dtype).replace(read_length=prefill_slots(prompt.shape[1], max_length))
     input_ids, attention_mask, position_ids = sequence_inputs(prompt, pad_token_id)
     hidden, one = model(input_ids, attention_mask, position_ids, cache=one)
     return model.logits(hidden[:, -1:])[:, 0], one, jnp.sum(attention_mask, dtype=jnp.int32)
 
 
-def copy_into_slot(cache, one, slot):
-    """``cache`` (S rows, one write index per row) with row ``slot`` replaced by the one-row cache ``one``: its
-    keys, values and key mask (nothing of the slot's previous sequence survives) and its write index."""
-    return cache.replace(
-        keys=jax.lax.dynamic_update_slice_in_dim(cache.keys, one.keys.astype(cache.keys.dtype), slot, axis=1),
-        values=jax.lax.dynamic_update_slice_in_dim(cache.values, one.values.astype(cache.values.dtype), slot, axis=1),
-        key_mask=jax.lax.dynamic_update_slice_in_dim(cache.key_mask, one.key_mask, slot, axis=0),
-        index=cache.index.at[slot].set(one.index))
+def copy_into_rows(cache, part, start=0):
+    """``cache`` (B rows) with rows ``[start, start + n)`` replaced by the n-row cache ``part``: its keys, values
+    and key mask from the first slot (a part of fewer slots leaves the rest of those rows as they were) and its
+    write index. ``cache``'s index is one per row (i32[B]), or i32[] when ``part`` is the whole batch (then the
+    result takes ``part``'s index, one per row or one for all). The writes are in place: ``cache`` is the buffer
+    (and the placement on a mesh) the result lives in."""
+    rows = part.key_mask.shape[0]
+
+    def put(into, new, batch_axis):
+        starts = [0] * into.ndim
+        starts[batch_axis] = start
+        return jax.lax.dynamic_update_slice(into, new.astype(into.dtype), starts)
+
+    if cache.index.ndim == 0:
+        if rows != cache.key_mask.shape[0]:
+            raise ValueError(f"a cache with one write index takes a whole batch of {cache.key_mask.shape[0]} rows, "
+                             f"not {rows}")
+        index = part.index
+    else:
+        index = jax.lax.dynamic_update_slice(cache.index, jnp.broadcast_to(part.index, (rows,)).astype(jnp.int32),
+                                             (start,))
+    return cache.replace(keys=put(cache.keys, part.keys, 1), values=put(cache.values, part.values, 1),
+                         key_mask=put(cache.key_mask, part.key_mask, 0), index=index)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -262,7 +277,12 @@ def start_decoding(graphdef, params, prompt_ids, key, draw: Draw, *, response_le
     hidden, cache = model(input_ids, attention_mask, position_ids, cache=cache.replace(read_length=prefill_reads))
     logits = model.logits(hidden[:, -1:])[:, 0]
     if group_size > 1:
-        cache = _rows_repeated(cache, group_size, init_cache_fn(model, batch, cache.max_length, dtype))
+        # each prompt's row repeated G times (its G rows consecutive), written into an empty cache of B rows: its
+        # placement on a mesh
+        repeated = cache.replace(keys=jnp.repeat(cache.keys, group_size, axis=1),
+                                 values=jnp.repeat(cache.values, group_size, axis=1),
+                                 key_mask=jnp.repeat(cache.key_mask, group_size, axis=0))
+        cache = copy_into_rows(init_cache_fn(model, batch, cache.max_length, dtype), repeated)
         logits, attention_mask = (jnp.repeat(x, group_size, axis=0) for x in (logits, attention_mask))
     token = draw.sampler(model)(logits, row_keys(key, 0, jnp.arange(batch, dtype=jnp.int32)))
     done = jnp.zeros((batch,), bool) if draw.stop_token_id is None else token == draw.stop_token_id
@@ -355,18 +375,6 @@ def generate(graphdef, params, prompt_ids, key, *, response_length, pad_token_id
     for end, slots_read in decode_segments(prompt_ids.shape[1], response_length, segments, slot_alignment):
         decoding = continue_decoding(graphdef, params, decoding, key, draw, end=end, slots_read=slots_read)
     return (decoding.responses, decoding.logprobs) if return_logprobs else decoding.responses
-
-
-def _rows_repeated(cache, group_size: int, empty):
-    """``cache`` (a prefilled KVCache of B / G rows) with each row repeated G times, written into ``empty`` (a
-    cache of B rows as ``init_cache_fn`` makes it: its placement on a mesh) -> B rows, each prompt's rows
-    consecutive."""
-    def fill(into, rows, batch_axis):
-        return jax.lax.dynamic_update_slice(into, jnp.repeat(rows, group_size, axis=batch_axis),
-                                            (0,) * into.ndim)
-
-    return empty.replace(keys=fill(empty.keys, cache.keys, 1), values=fill(empty.values, cache.values, 1),
-                         key_mask=fill(empty.key_mask, cache.key_mask, 0), index=cache.index)
 
 
 def decode_step(graphdef, params, cache, token, position, pad_token_id):
