@@ -1,8 +1,10 @@
 """Multi-turn episodes against single-turn sampling at the same total tokens: SmolLM2-135M-Instruct (the bundled
 checkpoint) plays ``--episodes`` games of guess-the-number (``ppojax.tasks.guess_number``: real turns, the environment
 answering "Higher." or "Lower." after each guess) on ``--slots`` cache rows (0: one row per episode; fewer: a row
-whose episode ends takes the next waiting one), then the same rows sample single responses, no early stop, as many
-tokens in all as the episodes' streams held.
+whose episode ends takes the next waiting one; the batch's tail on a quarter of the rows, as a run plays it:
+``ppojax.rl.episodes.tail_rows_for``), then the same rows sample single responses, no early stop, as many tokens in
+all as the episodes' streams held. Both cut their decode loops as a run does (``--segments``, a run's
+``decode_segments``).
 
 Reported: tokens per second of each (an episode's tokens: the model's and the observations', prompt excluded; a
 single response's: its tokens), their ratio, the mean turns, and the share of the episodes' wall time spent on the
@@ -29,8 +31,9 @@ from benchmarks.common import machine_info, source_commit
 from ppojax.agents import ChatRenderer, EnvironmentFactory, EpisodeHost
 from ppojax.assets import smollm2_checkpoint
 from ppojax.models import load_pretrained
-from ppojax.rl.episodes import EpisodeShape, generate_episodes, host_callback
+from ppojax.rl.episodes import EpisodeShape, generate_episodes, host_callback, tail_rows_for
 from ppojax.rl.sampler import generate
+from ppojax.rl.settings import SamplingSettings
 from ppojax.tasks.guess_number import GuessNumber, records
 from ppojax.trainer.data import left_pad
 
@@ -60,6 +63,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--group-size", type=int, default=1,
                         help="episodes per prompt (GRPO's num_generations), each prompt prefilled once; the single "
                              "responses take the same groups")
+    parser.add_argument("--segments", type=int, default=SamplingSettings.decode_segments,
+                        help="the loops each sampler cuts its decode into, each reading only the cache slots filled "
+                             "by its end (a run's decode_segments)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     path = smollm2_checkpoint(log=lambda *a, **k: None)
@@ -84,7 +90,8 @@ def main(argv=None) -> dict:
     play = jax.jit(lambda p, x, k: generate_episodes(graphdef, p, x, k, shape=shape,
                                                      host_turn=host_callback(host.turn, shape),
                                                      pad_token_id=pad, stop_token_id=stop, temperature=0.7,
-                                                     slots=args.slots, group_size=group))
+                                                     slots=args.slots, group_size=group,
+                                                     tail_rows=tail_rows_for(rows), segments=args.segments))
     def play_once(repeat):
         host.host.begin(games, list(range(args.episodes)), messages)
         host.seconds = 0.0
@@ -97,7 +104,7 @@ def main(argv=None) -> dict:
     first_tokens = play_once(0)[2]  # the compile
     length = max(1, round(first_tokens / rows))  # the same rows, as many tokens in all
     single = jax.jit(lambda p, x, k: generate(graphdef, p, x, k, response_length=length, pad_token_id=pad,
-                                              temperature=0.7, group_size=group))
+                                              temperature=0.7, group_size=group, segments=args.segments))
     jax.block_until_ready(single(params, prompts[:rows // group], jax.random.key(0)))  # the compile
     # the two alternate, so a slower spell of the host weighs on both: each pair's ratio, then their median
     episode_times, host_shares, tokens, turns, single_times, ratios = [], [], [], [], [], []
@@ -114,7 +121,8 @@ def main(argv=None) -> dict:
     episode_s, single_s = statistics.median(episode_times), statistics.median(single_times)
     episode_tokens = int(statistics.median(tokens))
     episode_rate, single_rate = episode_tokens / episode_s, rows * length / single_s
-    report = dict(episodes=args.episodes, rows=rows, group_size=group, shape=dict(turn_length=shape.turn_length,
+    report = dict(episodes=args.episodes, rows=rows, group_size=group, tail_rows=tail_rows_for(rows),
+                  single_segments=args.segments, shape=dict(turn_length=shape.turn_length,
                                                observation_length=shape.observation_length,
                                                max_turns=shape.max_turns, episode_length=shape.episode_length),
                   mean_turns=statistics.median(turns), episode_tokens=episode_tokens, episode_s=episode_s,

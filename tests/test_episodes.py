@@ -225,32 +225,85 @@ def test_a_groups_prompt_is_prefilled_once(policy, stop_token, model_calls):
     assert_same_episodes(out, expected)
 
 
-def list_schedule_steps(durations, rows):
-    """The steps a loop of ``rows`` rows takes to play episodes of ``durations`` model tokens each (one token per
-    row per step), each waiting episode taking, in order, the first row to come free: plain list scheduling."""
+def list_schedule(durations, rows):
+    """Episodes of ``durations`` model tokens each (one token per row per step) on a loop of ``rows`` rows, each
+    waiting episode taking, in order, the first row to come free (plain list scheduling) -> (the steps, the rows
+    busy at each step, the step the last episode starts at)."""
     import heapq
-    free = [0] * rows
-    end = 0
+    free, spans = [0] * rows, []
     for duration in durations:
         start = heapq.heappop(free)
         heapq.heappush(free, start + duration)
-        end = max(end, start + duration)
-    return end
+        spans.append((start, start + duration))
+    end = max(stop for _, stop in spans)
+    busy = [sum(start <= t < stop for start, stop in spans) for t in range(end)]
+    return end, busy, max(start for start, _ in spans)
 
 
-@pytest.mark.parametrize("slots", [0, 5])
-def test_the_decode_work_counts_each_model_token_once_and_every_row_step(policy, stop_token, episodes, slots):
-    """busy: the model's tokens of the batch (one per row-step that drew one); computed: the loop's steps times its
-    rows, the steps those of list scheduling the episodes' model tokens onto the rows (every episode's own row
-    with slots 0)."""
+def computed_row_steps(durations, rows, tail_rows=0):
+    """The row-steps the loop computes: every row at every step, until no episode waits and at most ``tail_rows``
+    rows play; from then on ``tail_rows`` rows."""
+    end, busy, last_start = list_schedule(durations, rows)
+    if not tail_rows:
+        return rows * end
+    switch = next(t for t in range(end + 1) if t == end or (t >= last_start and busy[t] <= tail_rows))
+    return rows * switch + tail_rows * (end - switch)
+
+
+def play(policy, stop_token, prompts=PROMPTS, **options):
     graphdef, params = policy
-    played = episodes if not slots else jax.tree.map(np.asarray, jax.jit(
-        lambda params, prompts, key: generate_episodes(
-            graphdef, params, prompts, key, shape=SHAPE, host_turn=scripted_host, pad_token_id=PAD,
-            stop_token_id=stop_token, temperature=TEMPERATURE, top_k=TOP_K, slots=slots))(
-        params, jnp.asarray(PROMPTS), jax.random.key(3)))
+    return jax.tree.map(np.asarray, jax.jit(lambda params, prompts, key: generate_episodes(
+        graphdef, params, prompts, key, shape=SHAPE, host_turn=scripted_host, pad_token_id=PAD,
+        stop_token_id=stop_token, temperature=TEMPERATURE, top_k=TOP_K, **options))(
+        params, jnp.asarray(prompts), jax.random.key(3)))
+
+
+@pytest.mark.parametrize("slots,tail_rows,segments", [(0, 0, 1), (5, 0, 1), (5, 2, 3), (0, 3, 1)])
+def test_the_decode_work_counts_each_model_token_once_and_every_row_step(policy, stop_token, episodes, slots,
+                                                                       tail_rows, segments):
+    """busy: the model's tokens of the batch (one per row-step that drew one); computed: each step's rows, the
+    steps those of list scheduling the episodes' model tokens onto the rows (every episode's own row with slots 0),
+    the batch's tail on ``tail_rows`` rows."""
+    played = episodes if not (slots or tail_rows) else play(policy, stop_token, slots=slots, tail_rows=tail_rows,
+                                                            segments=segments, slot_alignment=4)
     model_tokens = np.sum(played.logprobs != INVALID_LOGPROB, axis=1)
     assert float(played.busy_row_steps) == model_tokens.sum()
     rows = slots or len(PROMPTS)
-    assert float(played.computed_row_steps) == rows * list_schedule_steps(model_tokens, rows)
+    assert float(played.computed_row_steps) == computed_row_steps(model_tokens, rows, tail_rows)
     assert slots == 0 or float(played.computed_row_steps) < len(PROMPTS) * model_tokens.max()  # refills pay
+    if tail_rows:
+        assert float(played.computed_row_steps) < computed_row_steps(model_tokens, rows)  # the tail saves
+
+
+def test_the_loops_read_only_the_slots_filled_and_play_the_same_episodes(policy, stop_token, episodes,
+                                                                        monkeypatch):
+    """The loop over every row cut into loops reading 16, 28 and all 35 slots of the cache (P + the turns and
+    observations): the same episodes; each model call reads no more slots than its loop's bound, and the first
+    loops' calls fewer than the cache holds."""
+    from ppojax.rl.episodes import read_bounds
+
+    cache_length = SHAPE.cache_length(P)
+    assert read_bounds(P, cache_length, 3, alignment=4) == [16, 28, cache_length] == [16, 28, 35]
+    assert read_bounds(P, cache_length, 1, alignment=4) == [cache_length]
+    reads = []
+    original = CausalLM.__call__
+
+    def recording(self, input_ids, *args, cache=None, **kwargs):
+        reads.append((tuple(input_ids.shape), cache.slots_read))
+        return original(self, input_ids, *args, cache=cache, **kwargs)
+
+    monkeypatch.setattr(CausalLM, "__call__", recording)
+    out = play(policy, stop_token, segments=3, slot_alignment=4)
+    assert {read for shape, read in reads if shape[1] == 1} == {16, 28, cache_length}  # one decode body per loop
+    assert {read for shape, read in reads if shape == (1, 1 + SHAPE.observation_length)} == {16, 28, cache_length}
+    assert_same_episodes(out, episodes)
+
+
+@pytest.mark.parametrize("slots,tail_rows", [(5, 2), (0, 3)])
+def test_the_tail_on_fewer_rows_plays_the_same_episodes(policy, stop_token, episodes, model_calls, slots,
+                                                       tail_rows):
+    """Once no episode waits, the last playing rows gathered into ``tail_rows`` rows: every episode as the batch
+    with one row per episode played it; the tail's steps are one token on each of its rows."""
+    out = play(policy, stop_token, slots=slots, tail_rows=tail_rows)
+    assert (tail_rows, 1) in model_calls and (slots or B, 1) in model_calls
+    assert_same_episodes(out, episodes)

@@ -33,6 +33,16 @@ next waiting episode (in order) at once, from the bank (nothing of the previous 
 tokens are the ones S >= B would sample (the same keys per episode, below), up to the float rounding of another
 batch shape.
 
+Slots read. With ``segments`` above 1 the loop over every row runs as up to that many loops, each reading only the
+first slots of the cache (its ``read_length``), as the single-turn sampler's decode segments do: a loop hands on
+to the next, which reads more, when a playing row's next step could write past its slots (a decode token, then an
+observation). Each is a loop body compiled once.
+
+The tail. A batch ends with its few longest episodes, the other rows idle; a decode step costs about as much for
+them as for busy rows where the step is compute-bound (a CPU). With ``tail_rows`` R (below the cache's rows), once
+no episode waits and at most R rows still play, those rows are gathered into a cache of R rows and the loop goes
+on there (a second loop body, compiled once, for R rows).
+
 An episode ends when its environment says so, when a turn ends without the stop token (``turn_length`` reached,
 the stream's ``T`` tokens used, or the pad token drawn, which ends a response for the update too: the episode is
 truncated), or after ``max_turns`` turns. Episode ``b``'s stream token ``t`` draws with
@@ -54,8 +64,8 @@ from jax.experimental import io_callback
 from ppojax.core.masks import INVALID_LOGPROB
 from ppojax.parallel import batch_partition_spec
 from ppojax.rl.forward import sequence_inputs
-from ppojax.rl.sampler import (_cache_dtype, _init_cache, copy_into_rows, model_kernels, prefill_slots, row_keys,
-                               sample_rows, token_logprobs)
+from ppojax.rl.sampler import (SLOT_ALIGNMENT, _aligned, _cache_dtype, _init_cache, copy_into_rows, model_kernels,
+                               prefill_slots, row_keys, sample_rows, token_logprobs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,8 +132,9 @@ class Episodes(NamedTuple):
     environment_reward: f32[B] the sum of the environment's turn rewards (NaN where it gave none).
     turns:              i32[B] model turns taken.
     busy_row_steps:     f32[] the loop's row-steps that drew a model token (``ppojax.rl.sampler.decode_work``'s busy).
-    computed_row_steps: f32[] every row-step its decode steps computed (steps x cache rows); the observations' and
-                        the refills' prefills are counted in neither, as the continuous sampler's refills are not.
+    computed_row_steps: f32[] every row-step its decode steps computed (each step: the rows its cache holds then);
+                        the observations' and the refills' prefills are counted in neither, as the continuous
+                        sampler's refills are not.
     """
 
     stream: jax.Array
@@ -211,7 +222,7 @@ class _Rows:
 class _Played:
     """What the loop writes per episode (B): stream, environment, logprobs [B, T]; completed, reward, turns and
     stream_length (its stream's tokens) [B]; and of its own work: busy f32[] (row-steps that drew a model token),
-    steps i32[] (decode steps run)."""
+    computed f32[] (row-steps its decode steps computed)."""
 
     stream: jax.Array
     environment: jax.Array
@@ -221,7 +232,7 @@ class _Played:
     turns: jax.Array
     stream_length: jax.Array
     busy: jax.Array
-    steps: jax.Array
+    computed: jax.Array
 
 
 def _one_row(cache, slot):
@@ -259,6 +270,45 @@ def _bank_rows(bank, rows, cache_length: Optional[int] = None):
                         index=bank.index[rows], read_length=None)
 
 
+def _gather_rows(rows: _Rows, order) -> _Rows:
+    """The rows ``order`` (i32[n]) of ``rows``, in that order: a loop of n rows."""
+    def take(x, axis=0):
+        return jnp.take(x, order, axis=axis)
+
+    cache = rows.cache
+    cache = cache.replace(keys=take(cache.keys, 1), values=take(cache.values, 1), key_mask=take(cache.key_mask),
+                          index=take(cache.index))
+    return rows.replace(cache=cache, logits=take(rows.logits), episode=take(rows.episode), turn=take(rows.turn),
+                        turn_tokens=take(rows.turn_tokens), turn_step=take(rows.turn_step),
+                        next_position=take(rows.next_position), stream_length=take(rows.stream_length),
+                        reward=take(rows.reward), running=take(rows.running))
+
+
+def read_bounds(prompt_length: int, cache_length: int, segments: int, alignment: int = SLOT_ALIGNMENT) -> list[int]:
+    """The slots each of the step loops reads (module docstring, "Slots read"): up to ``segments`` bounds spread
+    evenly from the prompt to the cache's end, rounded up to ``alignment``; the last is the whole cache. A loop
+    of its own is worth its compile only where it reads at least half an ``alignment`` fewer slots than the next."""
+    if segments < 1:
+        raise ValueError(f"segments={segments}; expected >= 1")
+    spread = cache_length - prompt_length
+    bounds = sorted({_aligned(prompt_length + -(-spread * k // segments), cache_length, alignment)
+                     for k in range(1, segments + 1)} | {cache_length})
+    kept = [cache_length]
+    for bound in reversed(bounds[:-1]):
+        if kept[0] - bound >= alignment // 2:
+            kept.insert(0, bound)
+    return kept
+
+
+def tail_rows_for(rows: int, mesh=None) -> int:
+    """The rows a batch's tail plays on (``generate_episodes``' ``tail_rows``): a quarter of the cache's ``rows``;
+    0 (the whole loop on every row) on a mesh of several devices, whose rows are split over the devices and whose
+    host callback takes each device's own."""
+    if mesh is not None and mesh.size > 1:
+        return 0
+    return max(1, rows // 4) if rows >= 4 else 0
+
+
 def _nan_sum(total, value):
     """NaN-as-absent addition: a NaN ``value`` leaves ``total``; a NaN ``total`` counts as 0 when one arrives."""
     return jnp.where(jnp.isnan(value), total, jnp.where(jnp.isnan(total), 0.0, total) + value)
@@ -267,7 +317,8 @@ def _nan_sum(total, value):
 def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape, host_turn: HostTurn,
                       pad_token_id: int, stop_token_id: int, temperature=1.0, top_k: int = 0, top_p: float = 1.0,
                       greedy: bool = False, cache_dtype=None, init_cache_fn=None, slots: int = 0,
-                      group_size: int = 1) -> Episodes:
+                      group_size: int = 1, tail_rows: int = 0, segments: int = 1,
+                      slot_alignment: int = SLOT_ALIGNMENT) -> Episodes:
     """Sample a batch of multi-turn episodes (module docstring). Pure apart from ``host_turn``; call it under jit.
 
     graphdef, params: ``nnx.split(causal_lm)``; prompt_ids: i32[B / G, P] left padded, each prompt once (its G =
@@ -275,7 +326,9 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
     traced. Static: shape, host_turn, pad_token_id, stop_token_id (the end of a turn), top_k, top_p, greedy,
     cache_dtype, init_cache_fn (as ``ppojax.rl.sampler.generate``'s), slots: the cache's rows, S (0 or at least B:
     one row per episode); with fewer, an episode that ends frees its row for the next waiting one (module
-    docstring, "Rows"), group_size. -> ``Episodes`` of B rows.
+    docstring, "Rows"), group_size, tail_rows: the rows the batch's tail plays on (module docstring, "The tail"; 0 or
+    at least the cache's rows: off; :func:`tail_rows_for`), segments and slot_alignment: the loops over every row and
+    the slots each reads (module docstring, "Slots read"; :func:`read_bounds`). -> ``Episodes`` of B rows.
     """
     prompts, prompt_length = prompt_ids.shape
     batch = prompts * group_size
@@ -297,14 +350,16 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
     cache = copy_into_rows((init_cache_fn or _init_cache)(model, num_rows, cache_length, dtype), started)
     logits = bank_logits[first]
 
-    def no_answer(*_):
-        return HostAnswer(jnp.full((num_rows, obs_length), pad), jnp.zeros((num_rows,), jnp.int32),
-                          jnp.zeros((num_rows,), bool), jnp.full((num_rows,), jnp.nan, jnp.float32))
+    def no_answer(turn, *_):
+        n = turn.shape[0]
+        return HostAnswer(jnp.full((n, obs_length), pad), jnp.zeros((n,), jnp.int32), jnp.zeros((n,), bool),
+                          jnp.full((n,), jnp.nan, jnp.float32))
 
-    def step(carry):
+    def step(carry, refills=True):
         """One token for every row writing a turn; the host for the rows whose turns ended; the observations of
-        those that go on appended; the freed rows refilled."""
+        those that go on appended; the freed rows refilled (``refills``). Any number of rows."""
         rows, out = carry
+        row_ids = jnp.arange(rows.running.shape[0], dtype=jnp.int32)
         writing = rows.running & (rows.stream_length < length)
         drawn = sample(rows.logits, row_keys(key, rows.stream_length, rows.episode))
         token = jnp.where(writing, drawn, pad)
@@ -313,7 +368,8 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
         out = out.replace(stream=out.stream.at[episode, at].set(token, mode="drop"),
                           logprobs=out.logprobs.at[episode, at].set(
                               token_logprobs(rows.logits, drawn, temperature), mode="drop"),
-                          busy=out.busy + jnp.sum(writing, dtype=jnp.float32), steps=out.steps + 1)
+                          busy=out.busy + jnp.sum(writing, dtype=jnp.float32),
+                          computed=out.computed + rows.running.shape[0])
         stream_length = rows.stream_length + writing.astype(jnp.int32)
         turn_tokens = rows.turn_tokens.at[row_ids, jnp.where(rows.running, rows.turn_step, turn_length)].set(
             token, mode="drop")
@@ -343,7 +399,7 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
             next_position=rows.next_position + live.astype(jnp.int32), stream_length=stream_length,
             reward=reward, running=rows.running & ~(turn_over & ~goes_on))
         rows, out, _, _ = jax.lax.while_loop(lambda state: jnp.any(state[2]), append_one, (rows, out, goes_on, answer))
-        return refill(rows), out
+        return (refill(rows) if refills else rows), out
 
     def append_one(state):
         """The first row in ``waiting`` (bool[S]) takes in its observation: the turn's stop token and the
@@ -396,9 +452,35 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
     out = _Played(stream=jnp.full((batch, length), pad), environment=jnp.zeros((batch, length), bool),
                   logprobs=jnp.zeros((batch, length), jnp.float32), completed=jnp.zeros((batch,), bool),
                   reward=jnp.full((batch,), jnp.nan, jnp.float32), turns=jnp.zeros((batch,), jnp.int32),
-                  stream_length=jnp.zeros((batch,), jnp.int32), busy=jnp.float32(0), steps=jnp.int32(0))
-    _, out = jax.lax.while_loop(lambda carry: jnp.any(carry[0].running), step, (rows, out))
+                  stream_length=jnp.zeros((batch,), jnp.int32), busy=jnp.float32(0), computed=jnp.float32(0))
+
+    def playing(carry):
+        return jnp.any(carry[0].running)
+
+    tail = tail_rows if 0 < tail_rows < num_rows else 0
+
+    def needs_every_row(carry):  # an episode waits, or more rows play than the tail's
+        rows = carry[0]
+        return playing(carry) & ((rows.next_episode < batch) | (jnp.sum(rows.running) > tail))
+
+    every_row = needs_every_row if tail else playing
+
+    def reading(rows, bound):
+        return rows.replace(cache=rows.cache.replace(read_length=None if bound == cache_length else bound))
+
+    for bound in read_bounds(prompt_length, cache_length, segments, slot_alignment):
+        def within(carry, bound=bound):  # a decode token, then the stop token and an observation, fit below bound
+            rows = carry[0]
+            furthest = jnp.max(jnp.where(rows.running, rows.cache.index, 0))
+            return every_row(carry) & (furthest + 2 + obs_length <= bound)
+
+        rows, out = jax.lax.while_loop(every_row if bound == cache_length else within, step,
+                                       (reading(rows, bound), out))
+    if tail:
+        playing_first = jnp.argsort(~rows.running, stable=True)[:tail].astype(jnp.int32)
+        _, out = jax.lax.while_loop(playing, functools.partial(step, refills=False),
+                                    (_gather_rows(rows, playing_first), out))
     written = jnp.arange(length)[None, :] < out.stream_length[:, None]
     logprobs = jnp.where(written & ~out.environment, out.logprobs, INVALID_LOGPROB)
     return Episodes(out.stream, out.environment, logprobs, out.completed, out.reward, out.turns,
-                    busy_row_steps=out.busy, computed_row_steps=(out.steps * num_rows).astype(jnp.float32))
+                    busy_row_steps=out.busy, computed_row_steps=out.computed)

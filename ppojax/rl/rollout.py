@@ -25,7 +25,7 @@ from flax import nnx
 from ppojax import parallel
 from ppojax.rl import placement
 from ppojax.rl.continuous import generate_continuous, generate_continuous_per_shard
-from ppojax.rl.episodes import Episodes, generate_episodes
+from ppojax.rl.episodes import Episodes, generate_episodes, tail_rows_for
 from ppojax.rl.packed_rollout import packed_rollout_forwards, rollout_packed_shape
 from ppojax.rl.sampler import decode_work, generate, occupancy
 from ppojax.core.masks import INVALID_LOGPROB, contains_stop_token, response_masks, truncate_response
@@ -79,20 +79,24 @@ def sample_measured(program, state, prompts, key):
 def sample_episodes(program, params, frozen, prompts, key, temperature=None, group_size=None) -> Episodes:
     """Step 1 of a multi-turn run: each prompt's ``G`` episodes (rows consecutive; default ``num_generations``; the
     prompt prefilled once for its G) played against ``program.episodes`` on one KV cache (``ppojax.rl.episodes``;
-    ``rollout_slots`` rows of it, each refilled with the next waiting episode when its episode ends, where set).
+    ``rollout_slots`` rows of it, each refilled with the next waiting episode when its episode ends, where set; its
+    loop cut as ``decode_segments`` says, the batch's tail on a quarter of the rows off a mesh: ``tail_rows_for``).
     params, frozen: the state's; prompts: i32[B / G, P]; temperature: default the run's (evaluation passes a
     near-greedy one). -> ``Episodes`` of B rows."""
     sampling = program.settings.sampling
     group_size = sampling.num_generations if group_size is None else group_size
     graphdef, weights = program.actor_critic.sampling_policy(params, frozen)
     weights, init_cache_fn = decode_placement(graphdef, weights, program.mesh)
+    batch = prompts.shape[0] * group_size
+    rows = min(sampling.rollout_slots, batch) if sampling.rollout_slots else batch
     return generate_episodes(graphdef, weights, prompts, key, shape=sampling.episodes,
                              host_turn=program.episodes.host_turn, pad_token_id=sampling.pad_token_id,
                              stop_token_id=sampling.stop_token_id,
                              temperature=sampling.temperature if temperature is None else temperature,
                              top_k=sampling.top_k, top_p=sampling.top_p, init_cache_fn=init_cache_fn,
                              slots=sampling.rollout_slots, cache_dtype=sampling.kv_cache_dtype,
-                             group_size=group_size)
+                             group_size=group_size, tail_rows=tail_rows_for(rows, program.mesh),
+                             segments=sampling.decode_segments)
 
 
 def decode_placement(graphdef, params, mesh):

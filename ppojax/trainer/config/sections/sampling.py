@@ -39,7 +39,8 @@ class SamplingSettings:
     """The decode loop as this many loops of about equal steps, each one's attention reading only the KV-cache
     slots filled by its end (prompt + tokens so far) instead of all prompt + response_length. Same tokens; each
     segment is one more compiled loop body (none where a cut would save fewer than 128 slots a step). 1: one loop
-    over the whole cache. Not used with rollout_slots."""
+    over the whole cache. Not used with rollout_slots by single responses; an agent run's episodes cut their loop
+    over every row alike (docs/agents.md)."""
     kv_cache_dtype: str = setting("auto", static=True, on_resume=MAY_CHANGE, rule=one_of(
         "auto", "int8", fix="Fix: 'auto' keeps the keys and values in the policy's compute dtype (bfloat16 under "
         "precision bfloat16 or mixed); 'int8' stores 8-bit codes with their scales."))
