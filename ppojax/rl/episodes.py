@@ -64,8 +64,8 @@ from jax.experimental import io_callback
 from ppojax.core.masks import INVALID_LOGPROB
 from ppojax.parallel import batch_partition_spec
 from ppojax.rl.forward import sequence_inputs
-from ppojax.rl.sampler import (SLOT_ALIGNMENT, _aligned, _cache_dtype, _init_cache, copy_into_rows, model_kernels,
-                               prefill_slots, row_keys, sample_rows, token_logprobs)
+from ppojax.rl.sampler import (SLOT_ALIGNMENT, _aligned, _cache_dtype, _init_cache, cache_rows, copy_into_rows,
+                               model_kernels, prefill_slots, row_keys, sample_rows, token_logprobs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,21 +255,6 @@ def _prefill_prompts(model, prompt_ids, pad_token_id, cache_length: int, dtype):
     return model.logits(hidden[:, -1:])[:, 0], bank, jnp.sum(attention_mask, axis=-1, dtype=jnp.int32)
 
 
-def _bank_rows(bank, rows, cache_length: Optional[int] = None):
-    """Rows ``rows`` (i32[n]) of the prompt bank as a cache of n rows: the prompt's keys, values and key mask, each
-    row's write index after its prompt; with ``cache_length``, ``cache_length`` slots, those past the prompt empty
-    (as a fresh cache's: what a refilled row must hold), else the bank's slots only (what an empty cache takes)."""
-    extra = 0 if cache_length is None else cache_length - bank.max_length
-
-    def take(x, batch_axis):  # the slot axis follows the batch axis in keys, values and the key mask
-        widths = [(0, 0)] * x.ndim
-        widths[batch_axis + 1] = (0, extra)
-        return jnp.pad(jnp.take(x, rows, axis=batch_axis), widths)
-
-    return bank.replace(keys=take(bank.keys, 1), values=take(bank.values, 1), key_mask=take(bank.key_mask, 0),
-                        index=bank.index[rows], read_length=None)
-
-
 def _gather_rows(rows: _Rows, order) -> _Rows:
     """The rows ``order`` (i32[n]) of ``rows``, in that order: a loop of n rows."""
     def take(x, axis=0):
@@ -345,7 +330,7 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
     # every prompt prefilled once (module docstring, "Prompts"); the first S episodes' rows copied from the bank
     bank_logits, bank, bank_tokens = _prefill_prompts(model, prompt_ids, pad_token_id, cache_length, dtype)
     first = row_ids // group_size
-    started = _bank_rows(bank, first)  # the prompts' slots only: the empty cache's other slots stay empty
+    started = cache_rows(bank, first)  # the prompts' slots only: the empty cache's other slots stay empty
     # written into the empty cache (its placement on a mesh), one write index per row: rows run apart
     cache = copy_into_rows((init_cache_fn or _init_cache)(model, num_rows, cache_length, dtype), started)
     logits = bank_logits[first]
@@ -429,7 +414,7 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
         """The next waiting episode into the first free row: its prompt's row of the bank copied over the row's."""
         slot, e = jnp.argmax(~rows.running).astype(jnp.int32), rows.next_episode
         prompt = e // group_size
-        one = _bank_rows(bank, prompt[None], cache_length)
+        one = cache_rows(bank, prompt[None], cache_length)
         return rows.replace(
             cache=copy_into_rows(rows.cache, one, slot),
             logits=rows.logits.at[slot].set(bank_logits[prompt]),

@@ -158,6 +158,22 @@ def prefill_one_row(model, prompt, pad_token_id, max_length, dtype):
     return model.logits(hidden[:, -1:])[:, 0], one, jnp.sum(attention_mask, dtype=jnp.int32)
 
 
+def cache_rows(cache, rows, cache_length: int | None = None):
+    """Rows ``rows`` (i32[n]) of ``cache`` as a cache of n rows: their keys, values, key mask and write index; with
+    ``cache_length``, that many slots, those past ``cache``'s own empty (as a fresh cache's), else ``cache``'s slots.
+    E.g. a bank of prefilled prompts: the rows that start from them (:func:`copy_into_rows` writes them in)."""
+    extra = 0 if cache_length is None else cache_length - cache.max_length
+
+    def take(x, batch_axis):  # the slot axis follows the batch axis in keys, values and the key mask
+        widths = [(0, 0)] * x.ndim
+        widths[batch_axis + 1] = (0, extra)
+        return jnp.pad(jnp.take(x, rows, axis=batch_axis), widths)
+
+    index = cache.index if jnp.ndim(cache.index) == 0 else cache.index[rows]
+    return cache.replace(keys=take(cache.keys, 1), values=take(cache.values, 1), key_mask=take(cache.key_mask, 0),
+                         index=index, read_length=None)
+
+
 def copy_into_rows(cache, part, start=0):
     """``cache`` (B rows) with rows ``[start, start + n)`` replaced by the n-row cache ``part``: its keys, values
     and key mask from the first slot (a part of fewer slots leaves the rest of those rows as they were) and its
@@ -277,11 +293,9 @@ def start_decoding(graphdef, params, prompt_ids, key, draw: Draw, *, response_le
     hidden, cache = model(input_ids, attention_mask, position_ids, cache=cache.replace(read_length=prefill_reads))
     logits = model.logits(hidden[:, -1:])[:, 0]
     if group_size > 1:
-        # each prompt's row repeated G times (its G rows consecutive), written into an empty cache of B rows: its
+        # each prompt's row taken G times (its G rows consecutive), written into an empty cache of B rows: its
         # placement on a mesh
-        repeated = cache.replace(keys=jnp.repeat(cache.keys, group_size, axis=1),
-                                 values=jnp.repeat(cache.values, group_size, axis=1),
-                                 key_mask=jnp.repeat(cache.key_mask, group_size, axis=0))
+        repeated = cache_rows(cache, jnp.arange(batch, dtype=jnp.int32) // group_size)
         cache = copy_into_rows(init_cache_fn(model, batch, cache.max_length, dtype), repeated)
         logits, attention_mask = (jnp.repeat(x, group_size, axis=0) for x in (logits, attention_mask))
     token = draw.sampler(model)(logits, row_keys(key, 0, jnp.arange(batch, dtype=jnp.int32)))
