@@ -257,13 +257,11 @@ def _prefill_prompts(model, prompt_ids, pad_token_id, cache_length: int, dtype):
 
 def _gather_rows(rows: _Rows, order) -> _Rows:
     """The rows ``order`` (i32[n]) of ``rows``, in that order: a loop of n rows."""
-    def take(x, axis=0):
-        return jnp.take(x, order, axis=axis)
+    def take(x):
+        return jnp.take(x, order, axis=0)
 
-    cache = rows.cache
-    cache = cache.replace(keys=take(cache.keys, 1), values=take(cache.values, 1), key_mask=take(cache.key_mask),
-                          index=take(cache.index))
-    return rows.replace(cache=cache, logits=take(rows.logits), episode=take(rows.episode), turn=take(rows.turn),
+    return rows.replace(cache=cache_rows(rows.cache, order), logits=take(rows.logits), episode=take(rows.episode),
+                        turn=take(rows.turn),
                         turn_tokens=take(rows.turn_tokens), turn_step=take(rows.turn_step),
                         next_position=take(rows.next_position), stream_length=take(rows.stream_length),
                         reward=take(rows.reward), running=take(rows.running))
