@@ -6,7 +6,8 @@
   turns, with the rows' idle slots masked, is the contiguous conversation);
 - the environment mask is True exactly on the observations' tokens;
 - a turn's prefill is its new tokens (the model calls traced: the prompt once, one token per row and step, and an
-  observation with the stop token before it, 1 + O tokens on its row alone);
+  observation with the stop token before it on its row alone; the calls run counted: each observation of n tokens
+  in the smallest call size that holds 1 + n);
 - one compiled program for every turn, and a second batch with other prompts and key does not recompile;
 - with fewer rows than episodes, or G episodes per prompt, the same episodes as one row per episode with every
   prompt written out, the prompts prefilled once (a refill is a copy).
@@ -19,13 +20,14 @@ from flax import nnx
 
 from ppojax.models import CausalLM
 from ppojax.core.masks import INVALID_LOGPROB
-from ppojax.rl.episodes import EpisodeShape, HostAnswer, generate_episodes
+from ppojax.rl.episodes import EpisodeShape, HostAnswer, generate_episodes, observation_call_sizes
 from ppojax.rl.forward import response_logprobs
 from ppojax.rl.sampler import generate_jit
 from tests.tiny_setup import tiny_policy
 
 PAD, B, P = 0, 12, 5
 SHAPE = EpisodeShape(turn_length=6, observation_length=5, max_turns=3, episode_length=24)
+OBSERVATION_CALLS = {(1, size) for size in observation_call_sizes(SHAPE.observation_length)}
 TEMPERATURE, TOP_K = 1.3, 3
 PROMPTS = np.random.default_rng(0).integers(2, 16, size=(B, P)).astype(np.int32)
 for _i in range(B):
@@ -171,8 +173,32 @@ def test_a_turns_prefill_is_its_new_tokens(policy, stop_token, model_calls):
         policy[0], params, jnp.asarray(PROMPTS), jax.random.key(0), shape=SHAPE, host_turn=scripted_host,
         pad_token_id=PAD, stop_token_id=stop_token))(policy[1])
     # the prompt once, one token per row and step, a row's stop token and observation: never the conversation
-    assert sorted(set(seen)) == sorted({(B, P), (B, 1), (1, 1 + SHAPE.observation_length)})
+    assert observation_call_sizes(SHAPE.observation_length) == (2, 3, 5, 6)
+    assert sorted(set(seen)) == sorted({(B, P), (B, 1)} | OBSERVATION_CALLS)
     assert seen.count((B, P)) == 1
+
+
+def test_each_observation_runs_in_the_smallest_call_that_holds_it(policy, stop_token, episodes, monkeypatch):
+    """The model calls that RUN (recorded by a callback inside each): one per observation taken in, of the
+    smallest size that holds its stop token and its n tokens, whatever the longest observation allowed; the
+    episodes those of a single call size of 1 + O tokens (a slot for every padding token)."""
+    ran = []
+    original = CausalLM.__call__
+
+    def recording(self, input_ids, *args, **kwargs):
+        jax.debug.callback(lambda: ran.append(tuple(input_ids.shape)))
+        return original(self, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(CausalLM, "__call__", recording)
+    played = play(policy, stop_token)
+    sizes = observation_call_sizes(SHAPE.observation_length)
+    expected = sorted((1, min(s for s in sizes if s >= 1 + len(tokens)))
+                      for e in range(B) for kind, tokens in replay(played.stream[e], played.environment_mask[e],
+                                                                   stop_token) if kind == "env")
+    assert len(expected) >= 6 and len({size for _, size in expected}) == 3
+    assert sorted(shape for shape in ran if shape[0] == 1) == expected
+    assert_same_episodes(played, episodes)
+    assert_same_episodes(play(policy, stop_token, observation_buckets=1), episodes)
 
 
 def test_one_program_for_every_turn_and_batch(policy, stop_token):
@@ -194,7 +220,7 @@ def test_fewer_rows_than_episodes_play_the_same_episodes(policy, stop_token, epi
         graphdef, params, prompts, key, shape=SHAPE, host_turn=scripted_host, pad_token_id=PAD,
         stop_token_id=stop_token, temperature=TEMPERATURE, top_k=TOP_K, slots=5))
     out = jax.tree.map(np.asarray, refilled(params, jnp.asarray(PROMPTS), jax.random.key(3)))
-    assert sorted(set(seen)) == sorted({(B, P), (5, 1), (1, 1 + SHAPE.observation_length)})
+    assert sorted(set(seen)) == sorted({(B, P), (5, 1)} | OBSERVATION_CALLS)
     assert seen.count((B, P)) == 1
     assert_same_episodes(out, episodes)
 
@@ -219,7 +245,7 @@ def test_a_groups_prompt_is_prefilled_once(policy, stop_token, model_calls):
         graphdef, params, prompts, key, shape=SHAPE, host_turn=scripted_host, pad_token_id=PAD,
         stop_token_id=stop_token, temperature=TEMPERATURE, top_k=TOP_K, slots=5, group_size=group))(
         params, jnp.asarray(prompts), jax.random.key(3)))
-    assert sorted(set(model_calls)) == sorted({(B // group, P), (5, 1), (1, 1 + SHAPE.observation_length)})
+    assert sorted(set(model_calls)) == sorted({(B // group, P), (5, 1)} | OBSERVATION_CALLS)
     assert model_calls.count((B // group, P)) == 1
     assert int(np.max(out.turns)) > 1
     assert_same_episodes(out, expected)
@@ -295,7 +321,7 @@ def test_the_loops_read_only_the_slots_filled_and_play_the_same_episodes(policy,
     monkeypatch.setattr(CausalLM, "__call__", recording)
     out = play(policy, stop_token, segments=3, slot_alignment=4)
     assert {read for shape, read in reads if shape[1] == 1} == {16, 28, cache_length}  # one decode body per loop
-    assert {read for shape, read in reads if shape == (1, 1 + SHAPE.observation_length)} == {16, 28, cache_length}
+    assert {read for shape, read in reads if shape in OBSERVATION_CALLS} == {16, 28, cache_length}
     assert_same_episodes(out, episodes)
 
 

@@ -8,10 +8,11 @@ draws a token; a row's turn ends at the end-of-turn token (the stop token) or af
 step where any row's turn ends, ``host_turn`` (the environment, reached through one host callback under a
 ``lax.cond``, :class:`~ppojax.rl.episodes.HostTurn`) reads those rows' turns and answers each with its observation,
 already rendered through the chat template and tokenized once; each row that goes on takes in its observation at
-once (the stop token and the observation through the model on that row's cache alone, ``1 + observation_length``
-tokens) and starts its next turn at the next step, while the other rows go on writing theirs: no row waits for
-another's turn. The loop is a ``lax.while_loop``, so the program compiles once whatever the number of turns, and
-the cache is never rebuilt: a turn's prefill is its new tokens only.
+once (the stop token and the observation's n tokens through the model on that row's cache alone, in the smallest
+of a few fixed call sizes that holds 1 + n: ``observation_call_sizes``; its write index moves by 1 + n) and starts
+its next turn at the next step, while the other rows go on writing theirs: no row waits for another's turn. The
+loop is a ``lax.while_loop``, so the program compiles once whatever the number of turns, and the cache is never
+rebuilt: a turn's prefill is its new tokens only.
 
 The trained stream. Each row's tokens in the order they entered the conversation, with no gaps:
 
@@ -283,6 +284,16 @@ def read_bounds(prompt_length: int, cache_length: int, segments: int, alignment:
     return kept
 
 
+def observation_call_sizes(observation_length: int, buckets: int = 4) -> tuple[int, ...]:
+    """The token counts of the model calls that take in an observation (its stop token and up to
+    ``observation_length`` tokens): ``buckets`` sizes spread evenly up to ``1 + observation_length``; an observation
+    of n tokens takes the smallest that holds 1 + n. Each is a model call compiled once."""
+    if buckets < 1:
+        raise ValueError(f"observation buckets={buckets}; expected >= 1")
+    full = 1 + observation_length
+    return tuple(sorted({-(-full * k // buckets) for k in range(1, buckets + 1)}))
+
+
 def tail_rows_for(rows: int, mesh=None) -> int:
     """The rows a batch's tail plays on (``generate_episodes``' ``tail_rows``): a quarter of the cache's ``rows``;
     0 (the whole loop on every row) on a mesh of several devices, whose rows are split over the devices and whose
@@ -301,7 +312,7 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
                       pad_token_id: int, stop_token_id: int, temperature=1.0, top_k: int = 0, top_p: float = 1.0,
                       greedy: bool = False, cache_dtype=None, init_cache_fn=None, slots: int = 0,
                       group_size: int = 1, tail_rows: int = 0, segments: int = 1,
-                      slot_alignment: int = SLOT_ALIGNMENT) -> Episodes:
+                      slot_alignment: int = SLOT_ALIGNMENT, observation_buckets: int = 4) -> Episodes:
     """Sample a batch of multi-turn episodes (module docstring). Pure apart from ``host_turn``; call it under jit.
 
     graphdef, params: ``nnx.split(causal_lm)``; prompt_ids: i32[B / G, P] left padded, each prompt once (its G =
@@ -311,7 +322,8 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
     one row per episode); with fewer, an episode that ends frees its row for the next waiting one (module
     docstring, "Rows"), group_size, tail_rows: the rows the batch's tail plays on (module docstring, "The tail"; 0 or
     at least the cache's rows: off; :func:`tail_rows_for`), segments and slot_alignment: the loops over every row and
-    the slots each reads (module docstring, "Slots read"; :func:`read_bounds`). -> ``Episodes`` of B rows.
+    the slots each reads (module docstring, "Slots read"; :func:`read_bounds`), observation_buckets: the sizes of
+    the calls that take in an observation (:func:`observation_call_sizes`). -> ``Episodes`` of B rows.
     """
     prompts, prompt_length = prompt_ids.shape
     batch = prompts * group_size
@@ -384,26 +396,42 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
         rows, out, _, _ = jax.lax.while_loop(lambda state: jnp.any(state[2]), append_one, (rows, out, goes_on, answer))
         return (refill(rows) if refills else rows), out
 
+    call_sizes = observation_call_sizes(obs_length, observation_buckets)
+
+    def take_in(one, slot_ids, live, positions, last):
+        """The one-row cache ``one`` after the call of ``size`` tokens (a branch per size) -> (the cache, the logits
+        f32[V] at column ``last``)."""
+        def call(size):
+            def run(one):
+                hidden, one = model(jnp.where(live, slot_ids, 0)[None, :size], live[None, :size],
+                                    positions[None, :size], cache=one)
+                return one, model.logits(jax.lax.dynamic_slice_in_dim(hidden, last, 1, axis=1))[0, 0]
+            return run
+
+        index = jnp.sum(jnp.asarray(call_sizes) < last + 1)  # the smallest call that holds the live tokens
+        return jax.lax.switch(index, [call(size) for size in call_sizes], one)
+
     def append_one(state):
-        """The first row in ``waiting`` (bool[S]) takes in its observation: the turn's stop token and the
-        observation through the model in one call of 1 + O tokens on that row's cache alone (the other rows'
-        are not touched), its tokens appended to the episode's stream; its last logits start the row's next turn."""
+        """The first row in ``waiting`` (bool[S]) takes in its observation: the turn's stop token and the n tokens
+        of the observation through the model in one call on that row's cache alone (the other rows' are not
+        touched), the smallest of ``call_sizes`` that holds them, live tokens first; the row's write index moves
+        by 1 + n (the call's padding slots are masked and written over next). Its tokens are appended to the
+        episode's stream; its last live logits start the row's next turn."""
         rows, out, waiting, answer = state
         slot = jnp.argmax(waiting).astype(jnp.int32)
         n = answer.observation_length[slot]
         columns = jnp.arange(obs_length, dtype=jnp.int32)
-        observed = columns >= obs_length - n
-        ids = jnp.concatenate([stop[None], answer.observation[slot].astype(jnp.int32)])
-        live = jnp.concatenate([jnp.ones((1,), bool), observed])
-        counted = live.astype(jnp.int32)
-        positions = rows.next_position[slot] + jnp.cumsum(counted) - counted
-        one = _one_row(rows.cache, slot)
-        hidden, one = model(jnp.where(live, ids, 0)[None], live[None], positions[None], cache=one)
-        e, at = rows.episode[slot], jnp.where(observed, rows.stream_length[slot] + columns - (obs_length - n), length)
-        out = out.replace(stream=out.stream.at[e, at].set(ids[1:], mode="drop"),
+        observation = jnp.roll(answer.observation[slot].astype(jnp.int32), n - obs_length)  # live tokens first
+        ids = jnp.concatenate([stop[None], observation])
+        live = jnp.arange(1 + obs_length) <= n
+        positions = rows.next_position[slot] + jnp.arange(1 + obs_length, dtype=jnp.int32)
+        start = rows.cache.index[slot]
+        one, logits = take_in(_one_row(rows.cache, slot), ids, live, positions, n)
+        e, at = rows.episode[slot], jnp.where(columns < n, rows.stream_length[slot] + columns, length)
+        out = out.replace(stream=out.stream.at[e, at].set(observation, mode="drop"),
                           environment=out.environment.at[e, at].set(True, mode="drop"))
-        rows = rows.replace(cache=copy_into_rows(rows.cache, one, slot),
-                            logits=rows.logits.at[slot].set(model.logits(hidden[:, -1:])[0, 0]),
+        rows = rows.replace(cache=copy_into_rows(rows.cache, one.replace(index=start + 1 + n), slot),
+                            logits=rows.logits.at[slot].set(logits),
                             next_position=rows.next_position.at[slot].add(1 + n),
                             stream_length=rows.stream_length.at[slot].add(n))
         return rows, out, waiting.at[slot].set(False), answer
