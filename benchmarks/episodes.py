@@ -4,7 +4,7 @@ answering "Higher." or "Lower." after each guess) on ``--slots`` cache rows (0: 
 whose episode ends takes the next waiting one; the batch's tail on a quarter of the rows, as a run plays it:
 ``ppojax.rl.episodes.tail_rows_for``), then the same rows sample single responses, no early stop, as many tokens in
 all as the episodes' streams held. Both cut their decode loops as a run does (``--segments``, a run's
-``decode_segments``).
+``decode_segments``), with the kernels a run on this backend takes (``ppojax.backends.kernels_for``).
 
 Reported: tokens per second of each (an episode's tokens: the model's and the observations', prompt excluded; a
 single response's: its tokens), their ratio, the mean turns, and the share of the episodes' wall time spent on the
@@ -30,6 +30,7 @@ from transformers import AutoTokenizer
 from benchmarks.common import machine_info, source_commit
 from ppojax.agents import ChatRenderer, EnvironmentFactory, EpisodeHost
 from ppojax.assets import smollm2_checkpoint
+from ppojax.backends import kernels_for, use_kernels
 from ppojax.models import load_pretrained
 from ppojax.rl.episodes import EpisodeShape, generate_episodes, host_callback, tail_rows_for
 from ppojax.rl.sampler import generate
@@ -66,11 +67,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--segments", type=int, default=SamplingSettings.decode_segments,
                         help="the loops each sampler cuts its decode into, each reading only the cache slots filled "
                              "by its end (a run's decode_segments)")
+    parser.add_argument("--slot-alignment", type=int, default=None,
+                        help="what both samplers round the cache slots they read up to (default: the kernels', "
+                             "Kernels.slot_alignment)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     path = smollm2_checkpoint(log=lambda *a, **k: None)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     model, _ = load_pretrained(path)
+    use_kernels(kernels_for([model]), model)  # the backend's kernels, as a run takes them
     graphdef, params = nnx.split(model)
     stop, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.pad_token_id
     shape = EpisodeShape(turn_length=args.turn_length, observation_length=args.observation_length,
@@ -91,7 +96,8 @@ def main(argv=None) -> dict:
                                                      host_turn=host_callback(host.turn, shape),
                                                      pad_token_id=pad, stop_token_id=stop, temperature=0.7,
                                                      slots=args.slots, group_size=group,
-                                                     tail_rows=tail_rows_for(rows), segments=args.segments))
+                                                     tail_rows=tail_rows_for(rows), segments=args.segments,
+                                                     slot_alignment=args.slot_alignment))
     def play_once(repeat):
         host.host.begin(games, list(range(args.episodes)), messages)
         host.seconds = 0.0
@@ -104,7 +110,8 @@ def main(argv=None) -> dict:
     first_tokens = play_once(0)[2]  # the compile
     length = max(1, round(first_tokens / rows))  # the same rows, as many tokens in all
     single = jax.jit(lambda p, x, k: generate(graphdef, p, x, k, response_length=length, pad_token_id=pad,
-                                              temperature=0.7, group_size=group, segments=args.segments))
+                                              temperature=0.7, group_size=group, segments=args.segments,
+                                              slot_alignment=args.slot_alignment))
     jax.block_until_ready(single(params, prompts[:rows // group], jax.random.key(0)))  # the compile
     # the two alternate, so a slower spell of the host weighs on both: each pair's ratio, then their median
     episode_times, host_shares, tokens, turns, single_times, ratios = [], [], [], [], [], []
@@ -122,9 +129,10 @@ def main(argv=None) -> dict:
     episode_tokens = int(statistics.median(tokens))
     episode_rate, single_rate = episode_tokens / episode_s, rows * length / single_s
     report = dict(episodes=args.episodes, rows=rows, group_size=group, tail_rows=tail_rows_for(rows),
-                  single_segments=args.segments, shape=dict(turn_length=shape.turn_length,
-                                               observation_length=shape.observation_length,
-                                               max_turns=shape.max_turns, episode_length=shape.episode_length),
+                  single_segments=args.segments, kernels=model.kernels.name,
+                  slot_alignment=args.slot_alignment or model.kernels.slot_alignment,
+                  shape=dict(turn_length=shape.turn_length, observation_length=shape.observation_length,
+                             max_turns=shape.max_turns, episode_length=shape.episode_length),
                   mean_turns=statistics.median(turns), episode_tokens=episode_tokens, episode_s=episode_s,
                   episode_tokens_per_s=episode_rate, single_response_length=length, single_s=single_s,
                   single_tokens_per_s=single_rate, ratio=statistics.median(ratios), ratios=ratios,

@@ -377,3 +377,38 @@ def test_one_prefill_per_group_samples_what_g_prefills_sample(tiny):
         return compiled.cost_analysis()["flops"]
 
     assert prefill_flops(prompts, G) < 0.4 * prefill_flops(repeated, 1)  # G = 3: about a third
+
+
+def test_the_slots_read_are_aligned_as_the_models_kernels_say(tmp_path, monkeypatch):
+    """A sampler reads its cache in the slot alignment of the model's kernels (``Kernels.slot_alignment``): XLA's
+    (and TPUs') 128 leaves a cache of P + 100 = 106 slots one loop reading all of it; the CPU's 32 cuts the decode
+    into loops reading 32, 64, 96 and all 106 slots, the prefill its 32; the greedy tokens are those of one loop."""
+    from ppojax.backends.cpu.kernels import CpuKernels
+    from ppojax.models import CausalLM
+    from ppojax.rl.sampler import decode_segments
+
+    build_tiny_hf("llama", tmp_path)
+    prompts, response_length = jnp.asarray(PROMPTS), 100
+    assert CpuKernels().slot_alignment == 32 and XLA.slot_alignment == 128
+    reads = []
+    original = CausalLM.__call__
+
+    def recording(self, input_ids, *args, cache=None, **kwargs):
+        reads.append((input_ids.shape[1], cache.slots_read))
+        return original(self, input_ids, *args, cache=cache, **kwargs)
+
+    monkeypatch.setattr(CausalLM, "__call__", recording)
+    tokens = {}
+    for kernels in (XLA, CpuKernels()):
+        reads.clear()
+        graphdef, params = nnx.split(load_pretrained(tmp_path, kernels=kernels)[0])
+        tokens[kernels.name] = np.asarray(jax.jit(lambda p, x: generate(
+            graphdef, p, x, jax.random.key(0), response_length=response_length, pad_token_id=PAD, greedy=True,
+            segments=4))(params, prompts))
+        length = PROMPTS.shape[1] + response_length
+        expected = {read for _, read in decode_segments(PROMPTS.shape[1], response_length, 4,
+                                                        kernels.slot_alignment)}
+        assert {read for s, read in reads if s == 1} == expected
+        assert {read for s, read in reads if s > 1} == {min(length, kernels.slot_alignment)}  # the prefill's
+    assert {read for s, read in reads if s == 1} == {32, 64, 96, 106}
+    np.testing.assert_array_equal(tokens["cpu"], tokens["xla"])

@@ -20,7 +20,9 @@ What a backend may change, and nothing else:
     how a forward with a KV cache reads its stacked weights (`read_only_layers`) and what the layer scan carries
     between layers (`residual_carry`);
   - `dots_policy`: what `remat: dots` saves (it must recognise the backend's own products);
-  - `all_finite` (the update's check of its gradients) and `argmax` (the sampler's draw).
+  - `all_finite` (the update's check of its gradients) and `argmax` (the sampler's draw);
+  - `slot_alignment`: what the KV-cache slots a sampler's loop reads are rounded up to (each distinct count is a
+    loop body of its own).
 Values: every implementation computes the same results; only the summation order of products may differ.
 """
 from __future__ import annotations
@@ -47,6 +49,10 @@ class Kernels:
 
     #: a short name for logs and reports
     name: str = dataclasses.field(default="xla", init=False)
+    #: the slots a sampler's loop reads are rounded up to a multiple of this: a TPU's cache layout keeps the slots
+    #: as its 128 lanes (and its decode kernel reads whole blocks of them); a backend without such tiles may read
+    #: closer to the slots filled
+    slot_alignment: int = dataclasses.field(default=128, init=False)
 
     def attention(self, q: Array, k: Array, v: Array, mask: Array, *, scale: float, is_causal: bool = False,
                   window: Optional[int] = None) -> Array:

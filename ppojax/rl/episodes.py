@@ -66,7 +66,8 @@ from ppojax.core.masks import INVALID_LOGPROB
 from ppojax.parallel import batch_partition_spec
 from ppojax.rl.forward import sequence_inputs
 from ppojax.rl.sampler import (SLOT_ALIGNMENT, _aligned, _cache_dtype, _init_cache, cache_rows, copy_into_rows,
-                               model_kernels, prefill_slots, row_keys, sample_rows, token_logprobs)
+                               model_kernels, prefill_slots, row_keys, sample_rows, slot_alignment_of,
+                               token_logprobs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,12 +245,12 @@ def _one_row(cache, slot):
                          index=cache.index[slot])
 
 
-def _prefill_prompts(model, prompt_ids, pad_token_id, cache_length: int, dtype):
+def _prefill_prompts(model, prompt_ids, pad_token_id, cache_length: int, dtype, alignment: int):
     """Each prompt of ``prompt_ids`` i32[N, P] (left padded) through the model once -> (next-token logits f32[N, V],
-    the bank: a cache of N rows holding the prompts' (aligned) slots only, each row its own write index, real
-    tokens i32[N])."""
+    the bank: a cache of N rows holding the prompts' slots only (rounded up to ``alignment``), each row its own
+    write index, real tokens i32[N])."""
     prompts, prompt_length = prompt_ids.shape
-    bank = _init_cache(model, prompts, prefill_slots(prompt_length, cache_length), dtype)
+    bank = _init_cache(model, prompts, prefill_slots(prompt_length, cache_length, alignment), dtype)
     bank = bank.replace(index=jnp.zeros((prompts,), jnp.int32))
     input_ids, attention_mask, position_ids = sequence_inputs(prompt_ids, pad_token_id)
     hidden, bank = model(input_ids, attention_mask, position_ids, cache=bank)
@@ -312,7 +313,7 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
                       pad_token_id: int, stop_token_id: int, temperature=1.0, top_k: int = 0, top_p: float = 1.0,
                       greedy: bool = False, cache_dtype=None, init_cache_fn=None, slots: int = 0,
                       group_size: int = 1, tail_rows: int = 0, segments: int = 1,
-                      slot_alignment: int = SLOT_ALIGNMENT, observation_buckets: int = 4) -> Episodes:
+                      slot_alignment: int | None = None, observation_buckets: int = 4) -> Episodes:
     """Sample a batch of multi-turn episodes (module docstring). Pure apart from ``host_turn``; call it under jit.
 
     graphdef, params: ``nnx.split(causal_lm)``; prompt_ids: i32[B / G, P] left padded, each prompt once (its G =
@@ -322,7 +323,8 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
     one row per episode); with fewer, an episode that ends frees its row for the next waiting one (module
     docstring, "Rows"), group_size, tail_rows: the rows the batch's tail plays on (module docstring, "The tail"; 0 or
     at least the cache's rows: off; :func:`tail_rows_for`), segments and slot_alignment: the loops over every row and
-    the slots each reads (module docstring, "Slots read"; :func:`read_bounds`), observation_buckets: the sizes of
+    the slots each reads (module docstring, "Slots read"; :func:`read_bounds`; None: the model's kernels'
+    alignment, ``ppojax.rl.sampler.slot_alignment_of``), observation_buckets: the sizes of
     the calls that take in an observation (:func:`observation_call_sizes`). -> ``Episodes`` of B rows.
     """
     prompts, prompt_length = prompt_ids.shape
@@ -336,9 +338,10 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
     pad, stop = jnp.int32(pad_token_id), jnp.int32(stop_token_id)
     dtype, cache_length = _cache_dtype(model, params, cache_dtype), shape.cache_length(prompt_length)
     row_ids = jnp.arange(num_rows, dtype=jnp.int32)
+    alignment = slot_alignment_of(model, slot_alignment)
 
     # every prompt prefilled once (module docstring, "Prompts"); the first S episodes' rows copied from the bank
-    bank_logits, bank, bank_tokens = _prefill_prompts(model, prompt_ids, pad_token_id, cache_length, dtype)
+    bank_logits, bank, bank_tokens = _prefill_prompts(model, prompt_ids, pad_token_id, cache_length, dtype, alignment)
     first = row_ids // group_size
     started = cache_rows(bank, first)  # the prompts' slots only: the empty cache's other slots stay empty
     # written into the empty cache (its placement on a mesh), one write index per row: rows run apart
@@ -479,7 +482,7 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
     def reading(rows, bound):
         return rows.replace(cache=rows.cache.replace(read_length=None if bound == cache_length else bound))
 
-    for bound in read_bounds(prompt_length, cache_length, segments, slot_alignment):
+    for bound in read_bounds(prompt_length, cache_length, segments, alignment):
         def within(carry, bound=bound):  # a decode token, then the stop token and an observation, fit below bound
             rows = carry[0]
             furthest = jnp.max(jnp.where(rows.running, rows.cache.index, 0))

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from ppojax.rl import pipeline, rollout
 from ppojax.rl.in_flight_slots import SlotsDecoder
 from ppojax.rl.parked import Parked, park, unpark
 from ppojax.rl.sampler import (Draw, chunk_ends, continue_decoding, decode_work, empty_cache, occupancy, prefill_slots,
-                               start_decoding)
+                               slot_alignment_of, start_decoding)
 from ppojax.rl.settings import Hyperparams
 from ppojax.rl.types import Prompts, TrainState, init_train_state
 
@@ -70,8 +71,9 @@ class Decoder:
         decoding, key = unpark(part, DECODING_SCALARS, empty)
         end = self.ends[chunk]
         # the loop reads only the slots filled by its end, as the unchunked sampler's decode segments do
+        alignment = slot_alignment_of(nnx.merge(self.graphdef, self.weights))
         decoding = continue_decoding(self.graphdef, self.weights, decoding, key, self.draw, end=end,
-                                     slots_read=prefill_slots(prompt_length + end - 1, max_length),
+                                     slots_read=prefill_slots(prompt_length + end - 1, max_length, alignment),
                                      version=self.version)
         return park(decoding, DECODING_SCALARS, part.queries, part.rows, key)
 

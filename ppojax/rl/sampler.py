@@ -152,7 +152,8 @@ def prefill_one_row(model, prompt, pad_token_id, max_length, dtype):
     """One prompt i32[1, P] (left padded) through the model on a fresh one-row cache of ``max_length`` slots ->
     (its next-token logits f32[1, V], the cache, the prompt's real tokens i32[]): what a slot takes in when a
     sampler refills it (:func:`copy_into_rows`)."""
-    one = _init_cache(model, 1, max_length, dtype).replace(read_length=prefill_slots(prompt.shape[1], max_length))
+    one = _init_cache(model, 1, max_length, dtype).replace(
+        read_length=prefill_slots(prompt.shape[1], max_length, slot_alignment_of(model)))
     input_ids, attention_mask, position_ids = sequence_inputs(prompt, pad_token_id)
     hidden, one = model(input_ids, attention_mask, position_ids, cache=one)
     return model.logits(hidden[:, -1:])[:, 0], one, jnp.sum(attention_mask, dtype=jnp.int32)
@@ -202,9 +203,15 @@ def copy_into_rows(cache, part, start=0):
 # --------------------------------------------------------------------------------------------------
 # generate
 # --------------------------------------------------------------------------------------------------
-#: slots read are rounded up to a multiple of this: the slot axis is the minor one of a TPU's cache layout, whose
-#: tiles hold 128 lanes, and a loop body of its own is worth its compile only where it reads that many fewer slots
-SLOT_ALIGNMENT = 128
+#: slots read are rounded up to a multiple of this where no model says otherwise: the slot axis is the minor one of
+#: a TPU's cache layout, whose tiles hold 128 lanes, and a loop body of its own is worth its compile only where it
+#: reads that many fewer slots. A sampler takes its model's kernels' ``slot_alignment`` (:func:`slot_alignment_of`).
+SLOT_ALIGNMENT = XLA.slot_alignment
+
+
+def slot_alignment_of(model, alignment: int | None = None) -> int:
+    """``alignment``, or where None the one the model's kernels read the cache in (``Kernels.slot_alignment``)."""
+    return alignment or model_kernels(model).slot_alignment
 
 
 def _aligned(slots: int, max_length: int, alignment: int) -> int:
@@ -273,7 +280,7 @@ class Draw:
 
 
 def start_decoding(graphdef, params, prompt_ids, key, draw: Draw, *, response_length, cache_dtype=None,
-                   init_cache_fn=None, slot_alignment=SLOT_ALIGNMENT, group_size=1, version=None) -> Decoding:
+                   init_cache_fn=None, slot_alignment=None, group_size=1, version=None) -> Decoding:
     """The prefill and each row's token 0 -> the ``Decoding`` at step 1. prompt_ids: i32[B / G, P] left padded;
     each prompt is prefilled ONCE and its keys and values serve its G = ``group_size`` rows (consecutive). The
     cache holds P + R positions. Options as :func:`generate`'s; version: the policy version recorded for each token
@@ -289,7 +296,7 @@ def start_decoding(graphdef, params, prompt_ids, key, draw: Draw, *, response_le
     cache = init_cache_fn(model, prompts, prompt_length + response_length, dtype)
     input_ids, attention_mask, position_ids = sequence_inputs(prompt_ids, draw.pad_token_id)
     # the prefill reads (and attends over) the prompt's own slots only
-    prefill_reads = prefill_slots(prompt_length, cache.max_length, slot_alignment)
+    prefill_reads = prefill_slots(prompt_length, cache.max_length, slot_alignment_of(model, slot_alignment))
     hidden, cache = model(input_ids, attention_mask, position_ids, cache=cache.replace(read_length=prefill_reads))
     logits = model.logits(hidden[:, -1:])[:, 0]
     if group_size > 1:
@@ -359,7 +366,7 @@ def chunk_ends(response_length: int, chunks: int) -> list[int]:
 
 def generate(graphdef, params, prompt_ids, key, *, response_length, pad_token_id, temperature=1.0,
              top_k=0, top_p=1.0, greedy=False, stop_token_id=None, cache_dtype=None, init_cache_fn=None,
-             return_logprobs=False, segments=1, slot_alignment=SLOT_ALIGNMENT, group_size=1):
+             return_logprobs=False, segments=1, slot_alignment=None, group_size=1):
     """Sample ``response_length`` tokens after each left-padded prompt. Pure; call it under jit.
 
     graphdef, params: ``nnx.split(causal_lm)``; the model is merged inside, so ``params`` may be traced.
@@ -372,9 +379,10 @@ def generate(graphdef, params, prompt_ids, key, *, response_length, pad_token_id
     return_logprobs (also return each sampled token's log-prob, :func:`token_logprobs` of the step's logits),
     segments (the decode loop as that many loops, each reading only the cache slots filled by its end:
     :func:`decode_segments`; each is its own compiled loop body), slot_alignment (what the slots read are rounded
-    up to: ``SLOT_ALIGNMENT``), group_size G (each prompt sampled G times, its samples on consecutive rows:
-    ``prompt_ids`` is i32[B / G, P] and the result has B rows, as ``jnp.repeat(prompt_ids, G, axis=0)`` would
-    give; each prompt is prefilled ONCE and its keys and values serve its G rows).
+    up to; None: the model's kernels', :func:`slot_alignment_of`), group_size G (each prompt sampled G times, its
+    samples on consecutive rows: ``prompt_ids`` is i32[B / G, P] and the result has B rows, as
+    ``jnp.repeat(prompt_ids, G, axis=0)`` would give; each prompt is prefilled ONCE and its keys and values serve
+    its G rows).
     Returns responses: i32[B, R]; after a stop token every position holds ``pad_token_id``. With
     ``return_logprobs``: (responses, logprobs f32[B, R]); logprobs after a row's stop token are meaningless.
 
@@ -386,7 +394,8 @@ def generate(graphdef, params, prompt_ids, key, *, response_length, pad_token_id
     decoding = start_decoding(graphdef, params, prompt_ids, key, draw, response_length=response_length,
                               cache_dtype=cache_dtype, init_cache_fn=init_cache_fn, slot_alignment=slot_alignment,
                               group_size=group_size)
-    for end, slots_read in decode_segments(prompt_ids.shape[1], response_length, segments, slot_alignment):
+    alignment = slot_alignment_of(nnx.merge(graphdef, params), slot_alignment)
+    for end, slots_read in decode_segments(prompt_ids.shape[1], response_length, segments, alignment):
         decoding = continue_decoding(graphdef, params, decoding, key, draw, end=end, slots_read=slots_read)
     return (decoding.responses, decoding.logprobs) if return_logprobs else decoding.responses
 

@@ -45,6 +45,8 @@ class CpuKernels(Kernels):
     few_rows: int = 0
     bits: bool = True
     name: str = dataclasses.field(default="cpu", init=False)
+    # no lane tiles to fill, and a decode step's attention costs about in proportion to the slots it reads
+    slot_alignment: int = dataclasses.field(default=32, init=False)
 
     @classmethod
     def for_shapes(cls, implementation: str, groups, device_count: int) -> "CpuKernels":
