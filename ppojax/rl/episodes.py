@@ -324,8 +324,8 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
     docstring, "Rows"), group_size, tail_rows: the rows the batch's tail plays on (module docstring, "The tail"; 0 or
     at least the cache's rows: off; :func:`tail_rows_for`), segments and slot_alignment: the loops over every row and
     the slots each reads (module docstring, "Slots read"; :func:`read_bounds`; None: the model's kernels'
-    alignment, ``ppojax.rl.sampler.slot_alignment_of``), observation_buckets: the sizes of
-    the calls that take in an observation (:func:`observation_call_sizes`). -> ``Episodes`` of B rows.
+    alignment, ``ppojax.rl.sampler.slot_alignment_of``), observation_buckets: the sizes of the calls that take in
+    an observation (:func:`observation_call_sizes`). -> ``Episodes`` of B rows.
     """
     prompts, prompt_length = prompt_ids.shape
     batch = prompts * group_size
@@ -401,12 +401,13 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
 
     call_sizes = observation_call_sizes(obs_length, observation_buckets)
 
-    def take_in(one, slot_ids, live, positions, last):
-        """The one-row cache ``one`` after the call of ``size`` tokens (a branch per size) -> (the cache, the logits
-        f32[V] at column ``last``)."""
+    def take_in(one, ids, live, positions, last):
+        """``ids`` i32[1 + O] (live first: ``live``, at ``positions``) through the model on the one-row cache
+        ``one``, as the first ``size`` of them for the smallest of ``call_sizes`` that holds ``last + 1`` (one
+        ``lax.switch`` branch per size) -> (the cache, the logits f32[V] at column ``last``)."""
         def call(size):
             def run(one):
-                hidden, one = model(jnp.where(live, slot_ids, 0)[None, :size], live[None, :size],
+                hidden, one = model(jnp.where(live, ids, 0)[None, :size], live[None, :size],
                                     positions[None, :size], cache=one)
                 return one, model.logits(jax.lax.dynamic_slice_in_dim(hidden, last, 1, axis=1))[0, 0]
             return run
