@@ -39,13 +39,14 @@ DECODING_SCALARS = ("step",)
 
 class Decoder:
     """The policy of ``state`` decoding for ``program`` in chunks: its weights in the compute dtype (placed for the
-    decode on a mesh), the draw options, the k + 1 chunks' end steps."""
+    decode on a mesh), the draw options, the k + 1 chunks' end steps, the slot alignment its kernels read in."""
 
     def __init__(self, program, state: TrainState):
         self.sampling = sampling = program.settings.sampling
         self.version = state.update_count
         self.graphdef, weights = program.actor_critic.sampling_policy(state.params, state.frozen)
         self.weights, self.init_cache_fn = rollout.decode_placement(self.graphdef, weights, program.mesh)
+        self.slot_alignment = slot_alignment_of(nnx.merge(self.graphdef, self.weights))
         self.draw = Draw(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                          pad_token_id=sampling.pad_token_id, stop_token_id=sampling.stop_token_id,
                          return_logprobs=True)
@@ -71,9 +72,9 @@ class Decoder:
         decoding, key = unpark(part, DECODING_SCALARS, empty)
         end = self.ends[chunk]
         # the loop reads only the slots filled by its end, as the unchunked sampler's decode segments do
-        alignment = slot_alignment_of(nnx.merge(self.graphdef, self.weights))
         decoding = continue_decoding(self.graphdef, self.weights, decoding, key, self.draw, end=end,
-                                     slots_read=prefill_slots(prompt_length + end - 1, max_length, alignment),
+                                     slots_read=prefill_slots(prompt_length + end - 1, max_length,
+                                                              self.slot_alignment),
                                      version=self.version)
         return park(decoding, DECODING_SCALARS, part.queries, part.rows, key)
 
