@@ -344,6 +344,24 @@ if CHILD:
         np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
         np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), atol=1e-5)
 
+    def test_the_tpu_splash_kernel_runs_per_shard_and_equals_one_device():
+        """TPUs' splash attention (interpreted) in a forward and backward on a (data 2, fsdp 2, tensor 2) mesh runs
+        per shard (one row and one of the 2 key heads with its 3 query heads each) and gives the hidden states,
+        loss and gradients XLA's attention gives on one device (left padding, a hole, a packed row)."""
+        from ppojax.backends.tpu.kernels import TpuKernels
+        from ppojax.models import XLA, CausalLM, ModelConfig
+        from tests.test_splash_attention import CONFIG, assert_equal_forwards, loss_and_grads, model_inputs
+
+        mesh = sh.make_mesh(data=2, fsdp=2, tensor=2)
+        cfg = ModelConfig.from_hf(CONFIG)
+        inputs = model_inputs(rows=4)
+        want = loss_and_grads(*nnx.split(CausalLM(cfg, rngs=nnx.Rngs(0), kernels=XLA)), inputs)[0]
+        graphdef, params = nnx.split(CausalLM(cfg, rngs=nnx.Rngs(0), kernels=TpuKernels(mesh=mesh, interpret=True)))
+        placed = sh.shard_batch(inputs[:4], mesh) + inputs[4:]
+        got, program = loss_and_grads(graphdef, sh.shard_params(params, mesh), placed)
+        assert "pallas_call" in program and "shard_map" in program
+        assert_equal_forwards(got, want, inputs[-1])
+
     @pytest.mark.parametrize("mesh_shape, rows, kv_heads, rows_axes, heads_axis", [
         ((1, 2, 4), 4, 4, "fsdp", "tensor"),
         ((1, 2, 4), 4, 2, "fsdp", None),  # 2 key heads do not split 4 ways: no operand splits its heads

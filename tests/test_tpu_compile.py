@@ -243,3 +243,36 @@ def test_a_sweep_of_models_reads_each_cache_once(target):
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     slots_read_bytes = 2 * models * rows * slots * kv_heads * head_dim * 2
     assert cost["bytes accessed"] < 1.05 * slots_read_bytes
+
+
+def test_a_forward_without_a_cache_takes_splash_attention_per_shard(target):
+    """A model's forward and backward on packed rows of 1024 tokens (bfloat16, GQA 8 over 4 heads of 64) compiled
+    for a v5e-8 on a data x fsdp x tensor mesh with TPUs' kernels: splash attention's forward, dq and dkv kernels
+    (segmented), run per shard; no [G * 1024, 1024] scores anywhere in the program, which XLA's attention writes."""
+    from ppojax import parallel
+    from ppojax.backends.tpu.kernels import TpuKernels
+    from ppojax.models import XLA, CausalLM, ModelConfig
+
+    mesh = parallel.make_mesh(*MESH, devices=target.devices)
+    length, rows = 1024, 8
+    cfg = ModelConfig.from_hf({**TINY, "hidden_size": 512, "intermediate_size": 512, "max_position_embeddings": length})
+    by_rows = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+    tokens = jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=by_rows)
+    mask = jax.ShapeDtypeStruct((rows, length), jnp.bool_, sharding=by_rows)
+    texts = {}
+    for name, kernels in (("xla", XLA), ("tpu", TpuKernels(mesh=mesh))):
+        graphdef, params = nnx.split(nnx.eval_shape(lambda: CausalLM(
+            cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, kernels=kernels)))
+        params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params,
+                              parallel.param_shardings(params, mesh))
+
+        def loss(p, ids, mask, segments):
+            hidden, _ = nnx.merge(graphdef, p)(ids, mask, None, segment_ids=segments)
+            return jnp.sum(jnp.where(mask[..., None], hidden.astype(jnp.float32), 0) ** 2)
+
+        texts[name] = jax.jit(jax.grad(loss)).lower(params, tokens, mask, tokens).compile().as_text()
+    kernels = set(re.findall(r"splash_mha_\w+", texts["tpu"]))
+    assert kernels == {"splash_mha_fwd_segmented_residuals", "splash_mha_dq_segmented_no_residuals",
+                       "splash_mha_dkv_segmented_no_residuals"}, kernels
+    scores = re.compile(r"(f32|bf16)\[[\d,]*\d{4},1024\]")  # [.., G * S, S]: a key head's query rows
+    assert scores.search(texts["xla"]) and not scores.search(texts["tpu"])

@@ -1,7 +1,8 @@
-"""A backend's decode-attention kernel where the program is more than one model on one device: on a device mesh a
-Pallas kernel is one device's program, so it runs per shard (`shard_map`) on the rows and key heads the KV cache
-holds there (`ppojax.parallel.rules.cache_attention_specs`); under `vmap` (a sweep over seeds or learning rates,
-one model per element) it runs once over the stacked models' caches (`over_models`)."""
+"""A backend's attention kernel where the program is more than one model on one device: on a device mesh a Pallas
+kernel is one device's program, so it runs per shard (`shard_map`): a decode kernel on the rows and key heads the
+KV cache holds there (`ppojax.parallel.rules.cache_attention_specs`), a full forward's kernel on the rows and heads
+of its operands (`ppojax.parallel.rules.attention_specs`); under `vmap` (a sweep over seeds or learning rates,
+one model per element) a decode kernel runs once over the stacked models' caches (`over_models`)."""
 from __future__ import annotations
 
 from typing import Callable
@@ -10,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from ppojax.parallel.rules import cache_attention_specs
+from ppojax.parallel.rules import attention_specs, cache_attention_specs
 
 
 def cache_attention_per_shard(call: Callable, mesh, rows: int, heads: int, kv_heads: int) -> Callable:
@@ -28,6 +29,17 @@ def run_decode_kernel(call: Callable, mesh, q, keys, values, layer_idx, mask):
     `call` (one query per row: q [B, H, hd], mask [B, T']), per shard of `mesh` -> [B, 1, H, hd]."""
     call = cache_attention_per_shard(call, mesh, q.shape[0], q.shape[2], keys.shape[3])
     return call(q[:, 0], keys, values, layer_idx, mask[:, 0])[:, None]
+
+
+def run_attention_kernel(call: Callable, mesh, q, k, v, segments):
+    """A `Kernels.attention` call of a forward without a cache through a backend's kernel `call(q [B, S, H, hd],
+    k, v [B, S, K, hd], segments i32[B, S]) -> [B, S, H, hd]`, per shard of `mesh` (unchanged without a mesh or on
+    one device): each shard's rows and heads, whole groups of query heads with their key head."""
+    if mesh is None or mesh.size == 1:
+        return call(q, k, v, segments)
+    qkv_spec, segments_spec = attention_specs(mesh, q.shape[0], q.shape[2], k.shape[2])
+    return jax.shard_map(call, mesh=mesh, in_specs=(qkv_spec, qkv_spec, qkv_spec, segments_spec),
+                         out_specs=qkv_spec, check_vma=False)(q, k, v, segments)
 
 
 def over_models(kernel: Callable) -> Callable:

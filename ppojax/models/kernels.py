@@ -8,7 +8,8 @@ alike); it is the default of every model. A backend that does better subclasses 
 `ppojax.backends.tpu.kernels.TpuKernels`).
 
 What a backend may change, and nothing else:
-  - `attention`: masked grouped-query attention (XLA's by default, `attention.xla_attention`), and
+  - `attention`: masked grouped-query attention (XLA's by default, `attention.xla_attention`; TPUs' splash kernel
+    reads the `segments` hint of a forward without a cache), and
     `cache_attention`: the same over a KV cache read where it lies in the stacked cache (a kernel that must not
     copy a layer's slots out first: TPUs' decode, `ppojax.backends.tpu.kernels.TpuKernels`);
   - `matmul`: a 2-D product in the compute dtype (the layers' projections and LoRA's thin products);
@@ -55,9 +56,12 @@ class Kernels:
     slot_alignment: int = dataclasses.field(default=128, init=False)
 
     def attention(self, q: Array, k: Array, v: Array, mask: Array, *, scale: float, is_causal: bool = False,
-                  window: Optional[int] = None) -> Array:
+                  window: Optional[int] = None, segments: Optional[Array] = None) -> Array:
         """Grouped-query attention, shapes and hints as `ppojax.models.attention.xla_attention` (whose result
-        every implementation equals): q [B, S, H, hd], k and v [B, T, K, hd], mask bool[B, S, T] -> [B, S, H, hd]."""
+        every implementation equals at every query that sees a key): q [B, S, H, hd], k and v [B, T, K, hd], mask
+        bool[B, S, T] -> [B, S, H, hd]. Hints the mask implies: `is_causal`; `window` (a sliding window's length);
+        `segments` i32[B, S], given only where it and the two others say the whole mask (a forward without a
+        cache): a real token's sequence id, -1 at every key the mask hides."""
         return xla_attention(q, k, v, mask, scale=scale)
 
     def cache_attention(self, q: Array, keys: Array, values: Array, layer_idx: Array, mask: Array, *,

@@ -527,6 +527,9 @@ class Backbone(nnx.Module):
             attn_kwargs["is_causal"] = True
             if sliding.all():
                 attn_kwargs["window"] = cfg.sliding_window
+            if sliding.all() or not sliding.any():  # then causality, the window and these ids say the whole mask
+                packed = jnp.zeros_like(input_ids) if segment_ids is None else segment_ids
+                attn_kwargs["segments"] = jnp.where(attention_mask, packed, -1).astype(jnp.int32)
         else:
             index = cache.index
             key_mask = write_slots(cache.key_mask, attention_mask, None, index)

@@ -261,6 +261,20 @@ def attention_operand_placement(mesh: Mesh, rules: Mapping[str, Any] = TRAIN_RUL
     return place
 
 
+def attention_specs(mesh: Mesh, rows: int, heads: int, kv_heads: int,
+                    rules: Mapping[str, Any] = TRAIN_RULES) -> tuple[PartitionSpec, PartitionSpec]:
+    """(q/k/v, segments) specs for a full forward's attention kernel run per shard
+    (``ppojax.backends.tpu.kernels``): q [B, S, H, hd] and k, v [B, S, K, hd] rows over the ``batch`` rule's axes
+    and heads over the ``heads`` rule's where both H and K divide (each shard keeps whole groups of query heads
+    with their key head); segments [B, S] by rows."""
+    row_spec = logical_to_spec((rows,), ("batch",), mesh, rules)
+    row_axes = row_spec[0] if len(row_spec) else None
+    head_spec = logical_to_spec((heads,), ("heads",), mesh, rules)
+    kv_spec = logical_to_spec((kv_heads,), ("heads",), mesh, rules)
+    head_axes = head_spec[0] if len(head_spec) and head_spec == kv_spec else None
+    return PartitionSpec(row_axes, None, head_axes, None), PartitionSpec(row_axes)
+
+
 def cache_attention_specs(mesh: Mesh, rows: int, heads: int, kv_heads: int,
                           rules: Mapping[str, Any] = GENERATE_RULES) -> tuple[PartitionSpec, ...]:
     """(q, cache, mask) specs for a decode-attention kernel run per shard (``ppojax.backends.tpu.kernels``), as

@@ -94,7 +94,7 @@ class GpuKernels(Kernels):
                 and q_len > 1 and q_len % 2 == 0 and kv_len % 2 == 0)
 
     def attention(self, q: Array, k: Array, v: Array, mask: Array, *, scale: float, is_causal: bool = False,
-                  window: Optional[int] = None) -> Array:
+                  window: Optional[int] = None, segments: Optional[Array] = None) -> Array:
         if not self.takes_cudnn(q.dtype, q.shape[3], q.shape[1], k.shape[1]):
             return super().attention(q, k, v, mask, scale=scale)
         if self.mesh is not None:

@@ -1,9 +1,12 @@
 """TPUs' `Kernels` (`ppojax.models.kernels`): decode attention as a Pallas (Mosaic) kernel that reads the KV cache
-where it lies (`decode_attention`), XLA's operations for the rest.
+where it lies (`decode_attention`); a forward without a cache (the update's, the scoring forwards', packed rows)
+through JAX's splash attention (`splash_attention`); XLA's operations for the rest.
 
-The kernel takes a call with one query per row over a cache stored in the compute dtype whose slots read split
-into blocks of a multiple of 128 (`decode_attention.fits`); any other call (a prefill, a packed forward, an 8-bit
-cache, a cache of another dtype) is XLA's attention, which reads the layer's slots in its fused products.
+The decode kernel takes a call with one query per row over a cache stored in the compute dtype whose slots read
+split into blocks of a multiple of 128 (`decode_attention.fits`); splash takes a forward without a cache whose rows
+are a multiple of 128 tokens and whose mask the model described by its `segments` hint (`splash_attention.fits`).
+Any other call (a prefill or an observation into a cache, an 8-bit cache, a cache of another dtype, rows of
+another length, layers of mixed sliding windows) is XLA's attention.
 """
 from __future__ import annotations
 
@@ -13,7 +16,8 @@ from typing import Any, Optional
 
 import jax
 
-from ppojax.backends.per_shard import run_decode_kernel
+from ppojax.backends.per_shard import run_attention_kernel, run_decode_kernel
+from ppojax.backends.tpu import splash_attention
 from ppojax.backends.tpu.decode_attention import decode_attention, fits
 from ppojax.models.kernels import Kernels
 
@@ -29,6 +33,15 @@ class TpuKernels(Kernels):
     mesh: Any = None
     interpret: bool = False
     name: str = dataclasses.field(default="tpu", init=False)
+
+    def attention(self, q: Array, k: Array, v: Array, mask: Array, *, scale: float, is_causal: bool = False,
+                  window: Optional[int] = None, segments: Optional[Array] = None) -> Array:
+        block = None if segments is None else splash_attention.fits(q.shape, k.shape)
+        if block is None:
+            return super().attention(q, k, v, mask, scale=scale)
+        call = functools.partial(splash_attention.splash_attention, scale=scale, block=block, window=window,
+                                 interpret=self.interpret)
+        return run_attention_kernel(call, self.mesh, q, k, v, segments)
 
     def cache_attention(self, q: Array, keys: Array, values: Array, layer_idx: Array, mask: Array, *,
                         scale: float, slots_read: int) -> Optional[Array]:

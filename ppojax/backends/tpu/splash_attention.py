@@ -1,0 +1,77 @@
+"""TPUs' attention for a forward without a KV cache (the update's, the scoring forwards', packed rows): JAX's splash
+attention (`jax.experimental.pallas.ops.tpu.splash_attention`), a flash kernel whose softmax never leaves the core,
+so no `[S, S]` float32 scores are written to HBM and read back, and whose causal mask skips the blocks above the
+diagonal (half the products).
+
+How ppojax's mask reaches it. The mask of a full forward is causal (within a window on sliding-window models),
+hides the keys of left padding and of holes (a sampled pad id inside a response), and, on packed rows, keeps each
+query inside its own sequence. The model passes that as `segments` i32[B, S] (`Backbone.forward`): a real token's
+sequence id (0 on an unpacked row), -1 at every hidden key. The kernel's static mask is the causal one (or
+`LocalMask`'s window), its segment ids are `segments` for queries and keys alike: a real query sees exactly the
+earlier real keys of its own sequence. A hidden query (-1) sees hidden keys only, where XLA's attention averages
+every key: positions no caller reads (module doc of `ppojax.models.attention`).
+
+GQA: the kernel's multi-head form takes H query heads over K key heads itself. One kernel per row (`vmap` over the
+rows and, in a sweep, the models: Pallas adds them to its grid). The scale is folded into q.
+
+Values: an online softmax in float32 with XLA's masking constant (the kernel's default, -0.7 x float32 max); equal to
+`xla_attention` at every real query up to the order of summation, and in bfloat16 up to its rounding.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+
+Array = jax.Array
+
+#: the query and key block sizes tried, largest first; a block is a multiple of the TPU's 128 lanes
+BLOCKS = (512, 256, 128)
+
+
+def block_size(length: int) -> int | None:
+    """The largest of BLOCKS that divides a row of `length` tokens (None: no block fits; XLA's attention)."""
+    return next((b for b in BLOCKS if length % b == 0), None)
+
+
+def fits(q_shape, k_shape) -> int | None:
+    """The block size where a call of these static shapes runs the kernel, else None: q [B, S, H, hd] over keys
+    [B, S, K, hd] of the same S (a forward without a cache), H a multiple of K, S a multiple of 128."""
+    _, s, h, _ = q_shape
+    t, kv = k_shape[1:3]
+    if s != t or h % kv or s == 0:
+        return None
+    return block_size(s)
+
+
+def _kernel(length: int, heads: int, window: int | None, block: int, interpret: bool):
+    """The splash kernel of one row: q [H, S, hd], k and v [K, S, hd], causal (within `window` when given). Its
+    mask's block structure is worked out on the host (JAX caches it per mask and block) and held as arrays of
+    the trace that makes the kernel: made again for every trace, never kept."""
+    shape = (length, length)
+    one_head = splash_mask.CausalMask(shape) if window is None else \
+        splash_mask.LocalMask(shape, window_size=(window - 1, 0), offset=0)
+    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                              block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+    return splash.make_splash_mha_single_device(splash_mask.MultiHeadMask([one_head] * heads), block_sizes=sizes,
+                                                interpret=interpret)
+
+
+def splash_attention(q: Array, k: Array, v: Array, segments: Array, *, scale: float, block: int,
+                     window: int | None = None, interpret: bool = False) -> Array:
+    """q [B, S, H, hd]; k, v [B, S, K, hd] (q's dtype); segments i32[B, S] (module doc); block: `fits`'s;
+    window: a sliding window's length (None: causal over the whole row). Returns [B, S, H, hd] in q.dtype.
+    interpret: run Pallas's interpreter (any backend: the tests' CPU)."""
+    heads = q.shape[2]
+    kernel = _kernel(q.shape[1], heads, window, block, interpret)
+    heads_first = functools.partial(jnp.transpose, axes=(0, 2, 1, 3))  # [B, S, N, hd] <-> [B, N, S, hd]
+
+    def one_row(q, k, v, ids):  # q [H, S, hd], k and v [K, S, hd], ids [S]
+        return kernel(q, k, v, segment_ids=splash.SegmentIds(q=ids, kv=ids))
+
+    scaled = q * jnp.asarray(scale, q.dtype)
+    out = jax.vmap(one_row)(heads_first(scaled), heads_first(k), heads_first(v), segments.astype(jnp.int32))
+    return heads_first(out).astype(q.dtype)
