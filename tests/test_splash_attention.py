@@ -164,7 +164,8 @@ def test_a_sweep_of_models_runs_the_kernel_per_model():
         graphdef, _ = nnx.split(CausalLM(cfg, rngs=nnx.Rngs(0), kernels=kernels))
         stacked = jax.tree.map(lambda *x: jnp.stack(x), *(nnx.split(CausalLM(cfg, rngs=nnx.Rngs(seed)))[1]
                                                           for seed in (0, 1)))
-        outputs[name] = jax.jit(jax.vmap(lambda p: nnx.merge(graphdef, p)(ids, mask, None, segment_ids=segments)[0]))(stacked)
+        forward = jax.vmap(lambda p: nnx.merge(graphdef, p)(ids, mask, None, segment_ids=segments)[0])
+        outputs[name] = jax.jit(forward)(stacked)
     assert not np.allclose(np.asarray(outputs["xla"][0]), np.asarray(outputs["xla"][1]), atol=1e-3)
     np.testing.assert_allclose(np.asarray(outputs["splash"])[:, real], np.asarray(outputs["xla"])[:, real],
                                atol=1e-5)
