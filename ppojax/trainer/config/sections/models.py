@@ -77,8 +77,9 @@ class ModelSettings:
     attention_implementation: str = setting("auto", static=True, on_resume=MAY_CHANGE,
                                             rule=one_of("auto", "xla", "cudnn", "pallas"))
     """'auto' (cuDNN's fused kernel on an NVIDIA GPU when it applies; on a TPU a Pallas kernel for decode attention,
-    which reads the KV cache where it lies; XLA elsewhere), 'xla', 'cudnn', or 'pallas' ('auto' plus, on an NVIDIA
-    GPU, the Pallas decode-attention kernel, not yet measured against XLA's there)."""
+    which reads the KV cache where it lies, and JAX's splash attention for forwards without a cache whose rows are
+    a multiple of 128 tokens; XLA elsewhere), 'xla', 'cudnn', or 'pallas' ('auto' plus, on an NVIDIA GPU, the
+    Pallas decode-attention kernel, not yet measured against XLA's there)."""
     matmul_implementation: str = setting("auto", static=True, on_resume=MAY_CHANGE,
                                          rule=one_of(*MATMUL_IMPLEMENTATIONS))
     """The layers' projections (and the LM head, at calls of at least 64 rows) of a float32 model on a single CPU
