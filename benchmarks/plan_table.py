@@ -92,11 +92,11 @@ CANDIDATES = {
 #: the pair chosen from each group's candidates: the smallest slice where the PPO 1k row fits, and on it the mesh
 #: with the lowest peak (tests/test_plan_table.py checks the choice against the stored compiles)
 CHOSEN = {
-    ("1b", False): ("tpu:v5e:2x2", "1,2,2"),
+    ("1b", False): ("tpu:v5e:2x2", "1,1,4"),
     ("1b", True): ("tpu:v5e:2x2", "1,1,4"),
-    ("8b", False): ("tpu:v5e:4x4", "1,4,4"),
+    ("8b", False): ("tpu:v6e:4x4", "1,4,4"),
     ("8b", True): ("tpu:v5e:2x2", "1,1,4"),
-    ("70b", False): ("tpu:v5p:4x4x4", "1,16,4"),
+    ("70b", False): ("tpu:v5p:4x4x4", "1,8,8"),
     ("70b", True): ("tpu:v5p:2x2x2", "1,1,8"),
 }
 
@@ -111,9 +111,7 @@ ROWS = _rows()
 
 #: 4k-response rows that do not fit their group's chosen slice, compiled again on a slice where they do: v5p chips
 #: (95 GiB each) in place of v5e's 16 GiB, the same mesh and 8 rollout rows per chip
-LONG_ROWS = [Row("8b", False, "ppo", 4096, "tpu:v5p:2x2x4", "1,4,4"),
-             Row("8b", False, "grpo", 4096, "tpu:v5p:2x2x4", "1,4,4"),
-             Row("8b", True, "ppo", 4096, "tpu:v5p:2x2x1", "1,1,4")]
+LONG_ROWS = [Row("8b", True, "ppo", 4096, "tpu:v5p:2x2x1", "1,1,4")]
 LONG_START, LONG_END = "<!-- plan-long:start -->", "<!-- plan-long:end -->"
 
 
