@@ -243,20 +243,13 @@ def attention_operand_placement(mesh: Mesh, rules: Mapping[str, Any] = TRAIN_RUL
     """``place(q, k, v, mask) -> (q, k, v, mask)`` for a fused attention kernel on ``mesh``
     (``ppojax.backends.gpu.kernels``): q [B, S, H, hd], k and v [B, T, K, hd] constrained to ONE spec, rows over
     the ``batch`` rule's axes and heads over the ``heads`` rule's where both H and K divide (cuDNN's partitioner
-    takes nothing else); mask bool[B, S, T] by
-    the same rows."""
-
-    def axes(size, name):  # the mesh axes one dimension of `size` named `name` is split over (None: unsplit)
-        spec = logical_to_spec((size,), (name,), mesh, rules)
-        return spec[0] if len(spec) else None
+    takes nothing else; the specs of ``attention_specs``, which TPUs' splash kernel runs per shard on); mask
+    bool[B, S, T] by the same rows."""
 
     def place(q, k, v, mask):
-        rows = axes(q.shape[0], "batch")
-        heads = axes(q.shape[2], "heads")
-        heads = heads if heads == axes(k.shape[2], "heads") else None
-        operands = NamedSharding(mesh, PartitionSpec(rows, None, heads, None))
-        q, k, v = (jax.lax.with_sharding_constraint(x, operands) for x in (q, k, v))
-        return q, k, v, jax.lax.with_sharding_constraint(mask, NamedSharding(mesh, PartitionSpec(rows)))
+        qkv_spec, rows_spec = attention_specs(mesh, q.shape[0], q.shape[2], k.shape[2], rules)
+        q, k, v = (jax.lax.with_sharding_constraint(x, NamedSharding(mesh, qkv_spec)) for x in (q, k, v))
+        return q, k, v, jax.lax.with_sharding_constraint(mask, NamedSharding(mesh, rows_spec))
 
     return place
 
