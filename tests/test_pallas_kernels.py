@@ -15,9 +15,9 @@ import functools
 
 from ppojax.backends.gpu import decode_attention as gpu_decode
 from ppojax.backends.gpu.kernels import GpuKernels
-from ppojax.backends.tpu.decode_attention import block_slots, cache_layout, decode_attention, fits
+from ppojax.backends.tpu.decode_attention import block_slots, cache_layout, decode_attention, fits, merged_slots
 from ppojax.backends.tpu.kernels import TpuKernels
-from ppojax.models import XLA, CausalLM, ModelConfig
+from ppojax.models import XLA, CausalLM, ModelConfig, init_cache
 from ppojax.models.attention import xla_attention
 from ppojax.rl.sampler import generate
 from tests.test_attention import reference_attention
@@ -38,9 +38,16 @@ def cache_case(dtype, rows=3, layers=2, slots=512, kv_heads=2, group=3, head_dim
     return tuple(jnp.asarray(x, dtype) for x in (q, keys, values)) + (jnp.asarray(mask),)
 
 
-KERNELS = {  # the first 384 of 512 slots: the TPU's in 3 blocks of 128 (its 3 layouts), the GPU's in splits
+def merged_decode_attention(q, keys, values, *args, **options):
+    """The TPU's kernel over the cache stored with a slot's key heads side by side, [L, B, T, K * hd]."""
+    keys, values = (x.reshape(*x.shape[:3], -1) for x in (keys, values))
+    return decode_attention(q, keys, values, *args, bt=128, interpret=True, **options)
+
+
+KERNELS = {  # the first 384 of 512 slots: the TPU's in 3 blocks of 128 (its 4 layouts), the GPU's in splits
     **{f"tpu-{layout}": functools.partial(decode_attention, bt=128, layout=layout, interpret=True)
        for layout in ("slots_minor", "rows_major", "heads_major")},
+    "tpu-merged": merged_decode_attention,
     "gpu": functools.partial(gpu_decode.decode_attention, interpret=True),
 }
 
@@ -70,6 +77,12 @@ def test_the_blocks_a_call_takes():
     assert [cache_layout(k, hd) for k, hd in ((8, 64), (3, 32), (8, 128), (2, 256), (3, 128), (1, 128))] == \
         ["slots_minor"] * 2 + ["rows_major"] * 2 + ["heads_major"] * 2
     assert cache_layout(8, 192) is None and fits((8, 1, 16, 192), (8, 1536, 8, 192), jnp.bfloat16, 1536) is None
+    # key heads side by side where they fill whole lanes (hd below 128): a cache [B, T, K * hd] per layer
+    assert [merged_slots(k, hd) for k, hd in ((8, 64), (2, 64), (4, 32), (3, 32), (8, 128), (1, 64))] == \
+        [True, True, True, False, False, False]
+    assert TpuKernels().slot_shape(8, 64) == (512,) and TpuKernels().slot_shape(3, 32) == (3, 32)
+    assert fits((8, 1, 32, 64), (8, 1536, 512), jnp.bfloat16, 1536) == 768
+    assert fits((8, 1, 32, 32), (8, 1536, 96), jnp.bfloat16, 1536) is None  # 3 heads of 32: not whole lanes
     assert block_slots(1536, 1536, 8, 64, jnp.bfloat16) == 768
     assert block_slots(384, 1536, 8, 64, jnp.bfloat16) == 384
     assert block_slots(640, 1536, 8, 64, jnp.bfloat16) == 640
@@ -86,19 +99,23 @@ def test_the_blocks_a_call_takes():
     assert gpu_decode.splits_for(8, 8, 1536) == 8 and gpu_decode.splits_for(128, 8, 1536) == 1
 
 
-@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+@pytest.mark.parametrize("backend", ["tpu", "tpu-merged", "gpu"])
 def test_a_model_samples_with_the_kernel_as_with_xla_attention(backend):
     """A float32 llama (GQA, 2 layers) sampling 112 tokens after left-padded prompts of 16 with a backend's kernels
     (interpreted; the GPU's with attention_implementation 'pallas') draws the tokens XLA's attention draws, with
-    their log-probs within 1e-5; the kernel is the program's decode attention."""
+    their log-probs within 1e-5; the kernel is the program's decode attention. tpu-merged: 2 key heads of 64, which
+    the TPU's kernels store side by side (a cache [L, B, T, 128])."""
+    head_dim = 64 if backend == "tpu-merged" else 16
     cfg = ModelConfig.from_hf(dict(model_type="llama", vocab_size=64, hidden_size=96, intermediate_size=96,
                                    num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
-                                   max_position_embeddings=256, pad_token_id=0, eos_token_id=1))
+                                   head_dim=head_dim, max_position_embeddings=256, pad_token_id=0, eos_token_id=1))
     prompts = np.asarray(np.random.default_rng(3).integers(2, 64, (3, 16)), np.int32)
     prompts[1, :5] = 0
     prompts[2, :12] = 0
     results = {}
-    pallas = TpuKernels(interpret=True) if backend == "tpu" else GpuKernels("pallas", (9, 0), interpret=True)
+    pallas = GpuKernels("pallas", (9, 0), interpret=True) if backend == "gpu" else TpuKernels(interpret=True)
+    stored = init_cache(cfg, 3, 128, jnp.float32, pallas).keys.shape
+    assert stored == ((2, 3, 128, 128) if backend == "tpu-merged" else (2, 3, 128, 2, head_dim))
     for name, kernels in (("xla", XLA), ("pallas", pallas)):
         graphdef, params = nnx.split(CausalLM(cfg, rngs=nnx.Rngs(0), kernels=kernels))
         sample = jax.jit(lambda p, q, k: generate(graphdef, p, q, k, response_length=112, pad_token_id=0,

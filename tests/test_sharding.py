@@ -7,6 +7,7 @@ The main test process has ONE device, so this file runs twice:
 - in that subprocess: the tests below ``if CHILD:`` (one rollout + update per mesh against one device,
   FSDP memory per device, global whitening, the KV-cache constraint).
 """
+import dataclasses
 import functools
 import os
 import subprocess
@@ -314,21 +315,32 @@ if CHILD:
         text = lowered.as_text()
         assert "sharding_constraint" in text and '{"tensor"}' in text, text[:2000]
 
-    def test_the_tpu_decode_kernel_runs_per_shard_and_equals_one_device():
+    @pytest.mark.parametrize("head_dim", [8, 64], ids=["slots-minor", "merged-slots"])
+    def test_the_tpu_decode_kernel_runs_per_shard_and_equals_one_device(head_dim):
         """The TPU's Pallas decode attention (interpreted) on a (data 2, fsdp 2, tensor 2) mesh runs per shard (4
         rows and one of the 2 key heads each) and samples the tokens XLA's attention samples on one device, with
-        their log-probs within 1e-5."""
+        their log-probs within 1e-5; with 2 key heads of 64 (128 lanes) the cache stores them side by side,
+        [L, B, T, 128], split over `tensor` as the heads."""
         from ppojax import backends
         from ppojax.backends.tpu.kernels import TpuKernels
+        from ppojax.models import CausalLM, init_cache
         from ppojax.rl.sampler import generate
 
         mesh = sh.make_mesh(data=2, fsdp=2, tensor=2)
-        ac, params, _, _ = H.build_models()
+        cfg = dataclasses.replace(H.CFG, head_dim=head_dim)
+        graphdef, policy_params = nnx.split(CausalLM(cfg, rngs=nnx.Rngs(0)))
+        params = {"policy": policy_params}
         kernels = TpuKernels(mesh=mesh, interpret=True)
-        model = nnx.merge(ac.policy_graphdef, params["policy"])
+        model = nnx.merge(graphdef, params["policy"])
         backends.use_kernels(kernels, model)
         tpu_graphdef = nnx.split(model)[0]
         queries = jnp.asarray(H.prompts())
+        stored = jax.eval_shape(lambda: init_cache(cfg, H.B, 16, jnp.float32, kernels)).keys.shape
+        assert stored == ((2, H.B, 16, 2 * head_dim) if head_dim == 64 else (2, H.B, 16, 2, head_dim))
+        if head_dim == 64:  # the merged axis splits over `tensor` as the key heads would
+            sharding = sh.kv_cache_shardings(jax.eval_shape(lambda: init_cache(cfg, H.B, 16, jnp.float32, kernels)),
+                                             mesh).keys
+            assert sharding.spec[3] == "tensor", sharding
 
         def sample(graphdef, policy, queries, init_cache_fn=None):
             return jax.jit(lambda p, q, k: generate(graphdef, p, q, k, response_length=H.R, pad_token_id=H.PAD,
@@ -340,7 +352,7 @@ if CHILD:
                                                               pad_token_id=H.PAD))(policy, queries, jax.random.key(3)))
         assert "pallas_call" in program and "shard_map" in program
         got = sample(tpu_graphdef, policy, sh.shard_batch(queries, mesh), placement.make_init_cache_fn(mesh))
-        want = sample(ac.policy_graphdef, params["policy"], queries)
+        want = sample(graphdef, params["policy"], queries)
         np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
         np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), atol=1e-5)
 

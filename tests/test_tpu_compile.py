@@ -160,13 +160,15 @@ def test_a_mesh_axis_across_two_torus_sides_still_makes_a_mesh():
     assert dict(mesh.shape) == {"data": 1, "fsdp": 8, "tensor": 8} and len(set(mesh.devices.flat)) == 64
 
 
-#: (query heads, key heads, head_dim) -> the layout the TPU kernel reads the cache in (decode_attention.cache_layout)
-HEADS = {"slots_minor": (8, 4, 8), "rows_major": (8, 2, 128), "heads_major": (6, 3, 128)}
+#: (query heads, key heads, head_dim) -> the layout the TPU kernel reads the cache in (decode_attention.cache_layout;
+#: "merged": the TPU's kernels store a slot's key heads side by side, decode_attention.merged_slots)
+HEADS = {"slots_minor": (8, 4, 8), "rows_major": (8, 2, 128), "heads_major": (6, 3, 128), "merged": (4, 2, 64)}
 
 
 @pytest.mark.parametrize("segments,kernels,layout", [(1, "xla", "slots_minor"), (4, "xla", "slots_minor"),
                                                      (1, "tpu", "slots_minor"), (4, "tpu", "slots_minor"),
-                                                     (1, "tpu", "rows_major"), (1, "tpu", "heads_major")])
+                                                     (1, "tpu", "rows_major"), (1, "tpu", "heads_major"),
+                                                     (4, "tpu", "merged")])
 def test_the_decode_loop_writes_the_kv_cache_in_place(target, segments, kernels, layout):
     """The whole sampler (prefill, then the decode loop with the layer loop inside) compiled for one v5e chip: no
     instruction inside the decode loop copies the KV cache; each step writes its new keys and values into the cache
@@ -174,10 +176,11 @@ def test_the_decode_loop_writes_the_kv_cache_in_place(target, segments, kernels,
     its own layout.) With decode segments, each loop's attention reads its first slots where they lie: no
     instruction of a loop makes a layer's slots into an array of their own. Both with XLA's attention and with the
     TPU's kernels (the Pallas decode attention, which reads each layer's slots from the cache the loop carries, in
-    each of the layouts the compiler gives caches of different head counts and sizes)."""
+    each of the layouts the compiler gives caches of different head counts and sizes, and over a cache the TPU's
+    kernels store with a slot's key heads side by side)."""
 
     from benchmarks import hlo_text
-    from ppojax.backends.tpu.decode_attention import cache_layout
+    from ppojax.backends.tpu.decode_attention import cache_layout, merged_slots
     from ppojax.backends.tpu.kernels import TpuKernels
     from ppojax.models import XLA, ModelConfig
     from ppojax.rl.sampler import decode_segments
@@ -187,10 +190,12 @@ def test_the_decode_loop_writes_the_kv_cache_in_place(target, segments, kernels,
     cfg = ModelConfig.from_hf({**TINY, "num_hidden_layers": 4, "max_position_embeddings": 256,
                                "num_attention_heads": heads, "num_key_value_heads": kv_heads,
                                "hidden_size": heads * head_dim})
-    assert cache_layout(kv_heads, head_dim) == layout
+    merged = merged_slots(kv_heads, head_dim) and kernels == "tpu"
+    assert ("merged" if merged else cache_layout(kv_heads, head_dim)) == layout
     chosen = XLA if kernels == "xla" else TpuKernels()
     hlo = sampler_hlo(cfg, chosen, target.devices[0], segments=segments)
-    cache_shape = f"bf16[4,8,192,{kv_heads},{head_dim}]"  # [layers, rows, prompt + response slots, kv heads, hd]
+    slot = f"{kv_heads * head_dim}" if merged else f"{kv_heads},{head_dim}"  # how one slot's keys are stored
+    cache_shape = f"bf16[4,8,192,{slot}]"  # [layers, rows, prompt + response slots, one slot's keys]
     module = hlo_text.computations(hlo)
     loops = [name for lines in module.values() for line in lines if " while(" in line
              for name in hlo_text.called(line)]
@@ -215,7 +220,7 @@ def test_the_decode_loop_writes_the_kv_cache_in_place(target, segments, kernels,
     taken = [read for read in reads if read % 128 == 0 or read == 192]
     assert len(kernel_calls) == (len(taken) if kernels == "tpu" else 0) and len(taken) >= 1, (reads, kernel_calls)
     layer_slots = [line.strip()[:160] for line in decode_lines
-                   if re.match(rf"\s+(ROOT )?%?[\w.\-]+ = bf16\[8,([2-9]|\d\d+),{kv_heads},{head_dim}\]", line)]
+                   if re.match(rf"\s+(ROOT )?%?[\w.\-]+ = bf16\[8,([2-9]|\d\d+),{slot}\]", line)]
     assert layer_slots == [], layer_slots
 
 

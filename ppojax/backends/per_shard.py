@@ -27,7 +27,8 @@ def cache_attention_per_shard(call: Callable, mesh, rows: int, heads: int, kv_he
 def run_decode_kernel(call: Callable, mesh, q, keys, values, layer_idx, mask):
     """A `Kernels.cache_attention` call (q [B, 1, H, hd], mask bool[B, 1, T']) through a backend's decode kernel
     `call` (one query per row: q [B, H, hd], mask [B, T']), per shard of `mesh` -> [B, 1, H, hd]."""
-    call = cache_attention_per_shard(call, mesh, q.shape[0], q.shape[2], keys.shape[3])
+    kv_heads = keys.shape[3] if keys.ndim == 5 else keys.shape[3] // q.shape[-1]  # [L, B, T, K(, hd)]
+    call = cache_attention_per_shard(call, mesh, q.shape[0], q.shape[2], kv_heads)
     return call(q[:, 0], keys, values, layer_idx, mask[:, 0])[:, None]
 
 

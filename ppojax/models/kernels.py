@@ -17,7 +17,8 @@ What a backend may change, and nothing else:
   - `split_layer_kernels` / `layer_products`: projections that read their layer's kernel where it lies in the
     stacked `[L, ...]` weights instead of the layer scan's per-layer slice;
   - `head_logits`: the LM head's product;
-  - how values written or read slot by slot are stored (`slot_dtype`, `to_slots`, `from_slots`: the KV cache),
+  - how values written or read slot by slot are stored (`slot_shape`, `slot_dtype`, `to_slots`, `from_slots`: the
+    KV cache),
     how a forward with a KV cache reads its stacked weights (`read_only_layers`) and what the layer scan carries
     between layers (`residual_carry`);
   - `dots_policy`: what `remat: dots` saves (it must recognise the backend's own products);
@@ -97,6 +98,12 @@ class Kernels:
         return None
 
     # ---- values stored slot by slot (the KV cache) and the layer scan's carries ----
+    def slot_shape(self, kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """The shape one slot's keys (or values) are stored in: `(kv_heads, head_dim)` (the cache [L, B, T, K, hd]),
+        or `(kv_heads * head_dim,)` where a backend's tiles want the key heads side by side (the cache
+        [L, B, T, K * hd]); the model reshapes what it writes and reads."""
+        return (kv_heads, head_dim)
+
     def slot_dtype(self, dtype) -> jnp.dtype:
         """The dtype in which values of `dtype` written and read slot by slot are stored (the cache's arrays)."""
         return jnp.dtype(dtype)

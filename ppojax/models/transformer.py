@@ -196,6 +196,7 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_length: int, dtype=jnp.flo
         return KVCache(keys=jnp.zeros(shape, storage), values=jnp.zeros(shape, storage),
                        key_mask=jnp.zeros((batch_size, max_length), bool), index=jnp.zeros((), jnp.int32))
     storage = kernels.slot_dtype(dtype)
+    shape = shape[:3] + kernels.slot_shape(cfg.num_kv_heads, cfg.head_dim)
     return KVCache(
         keys=jnp.zeros(shape, storage),
         values=jnp.zeros(shape, storage),
@@ -312,8 +313,11 @@ def _block(cfg: ModelConfig, dtype, inv_freq, p: dict, x: Array, positions: Arra
     if kv is not None:
         all_k, all_v = kv
 
-        def write(stack, new):
-            stored = kv_int8.quantize(new[None]) if kv_int8.is_int8(stack) else kernels.to_slots(new[None], cache_dtype)
+        def write(stack, new):  # new [B, S, K, hd]
+            if kv_int8.is_int8(stack):
+                stored = kv_int8.quantize(new[None])
+            else:
+                stored = kernels.to_slots(new[None], cache_dtype).reshape(1, *new.shape[:2], *stack.shape[3:])
             return write_slots(stack, stored, layer_idx, cache_index)
 
         def read(stack):  # this layer's first `slots_read` slots, as ONE slice (fused into its readers)
@@ -321,7 +325,8 @@ def _block(cfg: ModelConfig, dtype, inv_freq, p: dict, x: Array, positions: Arra
             layer = jax.lax.dynamic_slice(stack, (layer_idx,) + (0,) * (stack.ndim - 1), sizes)[0]
             if kv_int8.is_int8(stack):
                 return kv_int8.dequantize(layer, dtype, cfg.head_dim)
-            return kernels.from_slots(layer, cache_dtype).astype(dtype)
+            layer = kernels.from_slots(layer, cache_dtype).astype(dtype)
+            return layer.reshape(*layer.shape[:2], cfg.num_kv_heads, cfg.head_dim)  # [B, T, K, hd]
 
         all_k, all_v = write(all_k, k), write(all_v, v)
         kv = (all_k, all_v)

@@ -52,7 +52,8 @@ TRAIN_RULES: Mapping[str, Any] = {
 GENERATE_RULES: Mapping[str, Any] = {**TRAIN_RULES, "embed": None, UNNAMED: None}
 
 
-#: Logical axes of the KV cache fields (``ppojax.models.KVCache``: keys/values [L, B, T, K, hd]).
+#: Logical axes of the KV cache fields (``ppojax.models.KVCache``: keys/values [L, B, T, K, hd], or [L, B, T, K * hd]
+#: where the kernels store a slot's key heads side by side: the first four, the merged axis split as the key heads).
 KV_CACHE_AXES = {
     "keys": ("layers", "batch", "length", "kv_heads", "head_dim"),
     "values": ("layers", "batch", "length", "kv_heads", "head_dim"),
@@ -234,8 +235,10 @@ def batch_shardings(tree, mesh: Mesh, rules: Mapping[str, Any] = TRAIN_RULES):
 def kv_cache_shardings(cache, mesh: Mesh, rules: Mapping[str, Any] = GENERATE_RULES):
     """Shardings of a ``ppojax.models.KVCache`` (concrete or abstract): batch over (data, fsdp), kv heads
     over tensor (replicated where they do not divide), layers / length / head_dim unsplit."""
-    fields = {name: NamedSharding(mesh, logical_to_spec(np.shape(getattr(cache, name)), axes, mesh, rules))
-              for name, axes in KV_CACHE_AXES.items()}
+    fields = {}
+    for name, axes in KV_CACHE_AXES.items():  # a cache stored [L, B, T, K * hd] (`Kernels.slot_shape`): 4 axes
+        shape = np.shape(getattr(cache, name))
+        fields[name] = NamedSharding(mesh, logical_to_spec(shape, axes[:len(shape)], mesh, rules))
     return cache.replace(**fields)  # the static fields (``value_dtype``) as the cache's
 
 
@@ -273,7 +276,7 @@ def cache_attention_specs(mesh: Mesh, rows: int, heads: int, kv_heads: int,
     """(q, cache, mask) specs for a decode-attention kernel run per shard (``ppojax.backends.tpu.kernels``), as
     the KV cache is laid out (``kv_cache_shardings``): q [B, H, hd] rows over the ``batch`` rule's axes and heads
     over the ``kv_heads`` rule's where both H and K divide (each shard keeps whole groups of query heads with
-    their key head); the cache [L, B, T, K, hd] alike; the mask [B, T] by rows."""
+    their key head); the cache [L, B, T, K, hd] (or [L, B, T, K * hd]) alike; the mask [B, T] by rows."""
     row_spec = logical_to_spec((rows,), ("batch",), mesh, rules)
     row_axes = row_spec[0] if len(row_spec) else None
     head_spec = logical_to_spec((heads,), ("kv_heads",), mesh, rules)

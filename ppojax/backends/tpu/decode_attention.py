@@ -6,12 +6,16 @@ sequence (keys `[0, kv_len)` are real), and ppojax's mask is not a prefix. Rows 
 inside a response is a hole, and an episode's observation padding is a hole too; the mask is the single source of
 truth (`ppojax.models.attention`). This kernel takes the mask as the model computes it.
 
-Layout. The cache is `[L, B, T, K, hd]`, and the kernel reads it as the TPU compiler lays it out (`cache_layout`):
-with an `hd` below 128 the slots are the minor (lane) axis, so `hd` is not padded to 128 lanes, and the kernel
-views the cache as `[L, B, K, hd, T]` (a transpose that relabels the same bytes); with an `hd` of 128 or more, as
-written (or each key head's slots together). One block holds `bt` slots of all K key heads, the layer chosen by a
-scalar-prefetched index, so no copy of the layer's slots is made. Per key head, its G = H / K query heads make one
-product with the block's slots of that head.
+Layout. Where a slot's K key heads of an `hd` below 128 fill whole lanes together (`merged_slots`: K * hd a
+multiple of 128), TPUs' kernels store the cache as `[L, B, T, K * hd]` (`TpuKernels.slot_shape`): the slots are
+rows of K * hd lanes, and a decode step's write of one slot touches one row of its tiles. Any other cache is
+`[L, B, T, K, hd]`, and the kernel reads it as the TPU compiler lays it out (`cache_layout`): with an `hd` below
+128 the slots are the minor (lane) axis, so `hd` is not padded to 128 lanes, and the kernel views the cache as
+`[L, B, K, hd, T]` (a transpose that relabels the same bytes; a one-slot write there rewrites whole tiles, which is
+why the merged form exists); with an `hd` of 128 or more, as written (or each key head's slots together). One
+block holds `bt` slots of all K key heads, the layer chosen by a scalar-prefetched index, so no copy of the
+layer's slots is made. Per key head, its G = H / K query heads make one product with the block's slots of that
+head (in the merged form, its hd lanes of the block).
 
 Values: an online (flash) softmax over the blocks in float32, masked logits at XLA's constant (-0.7 x float32
 max), so a row whose every key is masked averages its keys as `xla_attention` does. It equals
@@ -52,6 +56,11 @@ def block_slots(slots_read: int, max_length: int, kv_heads: int, head_dim: int, 
     return None
 
 
+def merged_slots(kv_heads: int, head_dim: int) -> bool:
+    """Whether a cache of these heads is stored `[L, B, T, K * hd]` on TPUs: hd below 128 and K * hd whole lanes."""
+    return head_dim < LANES and (kv_heads * head_dim) % LANES == 0
+
+
 def cache_layout(kv_heads: int, head_dim: int) -> str | None:
     """How the TPU compiler lays out a KV cache [L, B, T, K, hd] (its default layout for such arrays, which the
     kernel reads as it lies; tests/test_tpu_compile.py checks that no copy is made): "slots_minor" (hd below 128:
@@ -71,6 +80,7 @@ VIEWS = {
     "slots_minor": ((0, 1, 3, 4, 2), lambda k, hd, bt: (k, hd, bt), lambda j: (0, 0, j)),  # [L, B, K, hd, T]
     "rows_major": ((0, 1, 2, 3, 4), lambda k, hd, bt: (bt, k, hd), lambda j: (j, 0, 0)),  # [L, B, T, K, hd]
     "heads_major": ((0, 1, 3, 2, 4), lambda k, hd, bt: (k, bt, hd), lambda j: (0, j, 0)),  # [L, B, K, T, hd]
+    "merged": ((0, 1, 2, 3), lambda k, hd, bt: (bt, k * hd), lambda j: (j, 0)),  # [L, B, T, K * hd]
 }
 
 
@@ -85,7 +95,11 @@ def _kernel(layer_ref, q_ref, k_ref, v_ref, mask_ref, o_ref, m_ref, l_ref, acc_r
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
+    hd = q_ref.shape[-1]
+
     def head_slots(ref, head):  # one key head's bt slots: [hd, bt] (slots minor) or [bt, hd]
+        if layout == "merged":
+            return ref[:, head * hd:(head + 1) * hd]
         return ref[:, head, :] if layout == "rows_major" else ref[head]
 
     slots_last = (((1,), (0,)), ((), ())) if layout == "slots_minor" else (((1,), (1,)), ((), ()))
@@ -112,13 +126,14 @@ def _kernel(layer_ref, q_ref, k_ref, v_ref, mask_ref, o_ref, m_ref, l_ref, acc_r
 
 def decode_attention(q: Array, keys: Array, values: Array, layer: Array, mask: Array, *, scale: float,
                      slots_read: int, bt: int, layout: str | None = None, interpret: bool = False) -> Array:
-    """q [B, H, hd]; keys, values [L, B, T, K, hd] (the stacked cache, q's dtype); layer i32[] (which layer);
-    mask bool[B, slots_read] (True = may attend); bt: slots per block (`block_slots`: dividing slots_read, a
-    multiple of 128 or the whole cache); layout: how the compiler lays the cache out (`cache_layout`, its
-    default). Returns [B, H, hd] in q.dtype: attention over the layer's first `slots_read` slots. interpret: run
-    Pallas's interpreter (any backend; the tests' CPU). Under `vmap` (a sweep's models) ONE kernel runs over the
-    stacked models (`ppojax.backends.per_shard.over_models`)."""
-    layout = layout or cache_layout(keys.shape[3], q.shape[-1])
+    """q [B, H, hd]; keys, values [L, B, T, K, hd] or [L, B, T, K * hd] (the stacked cache, q's dtype; the merged
+    form: `merged_slots`); layer i32[] (which layer); mask bool[B, slots_read] (True = may attend); bt: slots per
+    block (`block_slots`: dividing slots_read, a multiple of 128 or the whole cache); layout: how the compiler lays
+    the cache out ("merged" for a 4-D cache, else `cache_layout`, its default). Returns [B, H, hd] in q.dtype:
+    attention over the layer's first `slots_read` slots. interpret: run Pallas's interpreter (any backend; the
+    tests' CPU). Under `vmap` (a sweep's models) ONE kernel runs over the stacked models
+    (`ppojax.backends.per_shard.over_models`)."""
+    layout = layout or ("merged" if keys.ndim == 4 else cache_layout(keys.shape[3], q.shape[-1]))
     kernel = functools.partial(_models_decode_attention, scale=scale, slots_read=slots_read, bt=bt, layout=layout,
                                interpret=interpret)
     return over_models(kernel)(q, keys, values, layer, mask)
@@ -126,10 +141,10 @@ def decode_attention(q: Array, keys: Array, values: Array, layer: Array, mask: A
 
 def _models_decode_attention(q: Array, keys: Array, values: Array, layer: Array, mask: Array, *, scale: float,
                              slots_read: int, bt: int, layout: str, interpret: bool) -> Array:
-    """`decode_attention` of M models at once: q [M, B, H, hd]; keys, values [M, L, B, T, K, hd]; layer i32[M];
+    """`decode_attention` of M models at once: q [M, B, H, hd]; keys, values [M, L, B, T, K(, hd)]; layer i32[M];
     mask bool[M, B, slots_read] -> [M, B, H, hd]."""
     models, b, h, hd = q.shape
-    kv_heads = keys.shape[4]
+    kv_heads = keys.shape[-1] // hd if layout == "merged" else keys.shape[4]
     group = h // kv_heads
     n_blocks = slots_read // bt
     q = q.reshape(models, b, kv_heads, group, hd)
@@ -163,9 +178,13 @@ def _models_decode_attention(q: Array, keys: Array, values: Array, layer: Array,
 
 def fits(q_shape, cache_shape, dtype, slots_read: int) -> int | None:
     """The slots per block (`block_slots`) where a call of these static shapes runs the kernel, else None: q
-    [B, S, H, hd] with one query per row (decode), a cache [B, T, K, hd] (one layer's shape), H a multiple of K."""
+    [B, S, H, hd] with one query per row (decode), a cache [B, T, K, hd] or [B, T, K * hd] (one layer's shape), H a
+    multiple of K."""
     _, s, h, hd = q_shape
-    max_length, kv_heads = cache_shape[1:3]
-    if s != 1 or h % kv_heads or math.prod(cache_shape) == 0 or cache_layout(kv_heads, hd) is None:
+    max_length = cache_shape[1]
+    kv_heads = cache_shape[2] if len(cache_shape) == 4 else cache_shape[2] // hd
+    layout = ("merged" if merged_slots(kv_heads, hd) else None) if len(cache_shape) == 3 else \
+        cache_layout(kv_heads, hd)
+    if s != 1 or h % kv_heads or math.prod(cache_shape) == 0 or layout is None:
         return None
     return block_slots(slots_read, max_length, kv_heads, hd, dtype)

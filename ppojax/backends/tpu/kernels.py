@@ -3,8 +3,10 @@ where it lies (`decode_attention`); a forward without a cache (the update's, the
 through JAX's splash attention (`splash_attention`); XLA's operations for the rest.
 
 The decode kernel takes a call with one query per row over a cache stored in the compute dtype whose slots read
-split into blocks of a multiple of 128 (`decode_attention.fits`); splash takes a forward without a cache whose rows
-are a multiple of 128 tokens and whose mask the model described by its `segments` hint (`splash_attention.fits`).
+split into blocks of a multiple of 128 (`decode_attention.fits`); a cache whose key heads fill whole lanes together
+is stored with them side by side (`slot_shape`, `decode_attention.merged_slots`). Splash takes a forward without a
+cache whose rows are a multiple of 128 tokens and whose mask the model described by its `segments` hint
+(`splash_attention.fits`).
 Any other call (a prefill or an observation into a cache, an 8-bit cache, a cache of another dtype, rows of
 another length, layers of mixed sliding windows) is XLA's attention.
 """
@@ -18,8 +20,9 @@ import jax
 
 from ppojax.backends.per_shard import run_attention_kernel, run_decode_kernel
 from ppojax.backends.tpu import splash_attention
-from ppojax.backends.tpu.decode_attention import decode_attention, fits
+from ppojax.backends.tpu.decode_attention import decode_attention, fits, merged_slots
 from ppojax.models.kernels import Kernels
+from ppojax.parallel.rules import GENERATE_RULES, logical_to_spec
 
 Array = jax.Array
 
@@ -42,6 +45,16 @@ class TpuKernels(Kernels):
         call = functools.partial(splash_attention.splash_attention, scale=scale, block=block, window=window,
                                  interpret=self.interpret)
         return run_attention_kernel(call, self.mesh, q, k, v, segments)
+
+    def slot_shape(self, kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        # K * hd lanes per slot where they fill whole lanes (a decode step's write then touches one row of the
+        # cache's tiles), unless the mesh would split the merged axis otherwise than the key heads
+        if not merged_slots(kv_heads, head_dim):
+            return (kv_heads, head_dim)
+        if self.mesh is not None and logical_to_spec((kv_heads,), ("kv_heads",), self.mesh, GENERATE_RULES) != \
+                logical_to_spec((kv_heads * head_dim,), ("kv_heads",), self.mesh, GENERATE_RULES):
+            return (kv_heads, head_dim)
+        return (kv_heads * head_dim,)
 
     def cache_attention(self, q: Array, keys: Array, values: Array, layer_idx: Array, mask: Array, *,
                         scale: float, slots_read: int) -> Optional[Array]:
