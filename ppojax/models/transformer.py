@@ -26,7 +26,8 @@ operations, attention included (`kernels.py`: XLA's by default; a run chooses th
 `ppojax.backends.kernels_for`).
 
 KV cache (`KVCache`, `init_cache`): keys/values `[L, B, T, K, hd]`, `key_mask bool[B, T]`, `index i32[]` (next write
-slot; the kernels say how its keys and values are stored, `Kernels.slot_dtype`). A call with a cache writes its S tokens
+slot; the kernels say how its keys and values are stored, `Kernels.slot_shape` and `Kernels.slot_dtype`: TPUs' keep
+a slot's small key heads side by side, `[L, B, T, K * hd]`). A call with a cache writes its S tokens
 at slots `[index, index + S)`, marks them valid where `attention_mask`, lets query slot `index + s` attend to valid
 slots `<= index + s`, and returns `index + S`. Prefill = the whole left-padded prompt on an empty cache; decode = S = 1
 calls. Static shapes, jit-friendly. `index` may also be i32[B], one per row (each row writes at its own slot;
@@ -154,7 +155,8 @@ def last_token_scores(scores: Array, attention_mask: Array) -> Array:
 class KVCache:
     """Stacked per-layer key/value cache.
 
-    keys, values: [L, B, T, K, hd] (the values' dtype, or the form the kernels store it in: `value_dtype`);
+    keys, values: [L, B, T, K, hd] (the values' dtype, or the form the kernels store it in: `value_dtype`; or
+        [L, B, T, K * hd] where the kernels store a slot's key heads side by side, `Kernels.slot_shape`);
     key_mask: bool[B, T] (True = slot holds a real token);
     index: i32[] (next slot to write; the same for every row, rows are left-padded), or i32[B] (each row's
     own next slot: rows holding sequences started at different times, `ppojax.rl.continuous`).
