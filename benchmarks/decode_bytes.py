@@ -14,7 +14,9 @@ inside the sampler the cache never leaves the program and the decode loop writes
 (tests/test_tpu_compile.py checks that no copy of the cache lies inside the loop). The unrolled step has no such
 copies: its bytes are a step's own traffic. Reported: XLA's cost analysis ("bytes
 accessed": reads and writes of every HLO op, fused ops counted once), the memory analysis, an estimate of the
-bytes per jax operation from the optimized HLO (``hlo_text.bytes_by_instruction``), and the floor: the
+bytes per jax operation from the optimized HLO (``hlo_text.bytes_by_instruction``) and the part of them that
+lies in HBM (the compiler's count adds the traffic of what it placed in a core's VMEM, ``S(1)`` in a layout:
+activations, prefetched weight slices; that traffic does not take HBM bandwidth), and the floor: the
 policy's weights (a decode step reads each one once; tied embeddings are the LM head) plus the KV cache's keys
 and values (the attention reads every slot: shapes are static). The time at the chip's HBM bandwidth follows for
 both.
@@ -102,9 +104,11 @@ def measure(model: str, target_text: str, batch: int, prompt: int, response: int
     bandwidth = spec.chip.hbm_gb_per_s * 1e9
     text = compiled.as_text()
     groups: dict[str, int] = {}
+    hbm = 0
     for row in hlo_text.bytes_by_instruction(text):  # where the bytes go, by the jax operation that made them
         group = re.sub(r"\d+", "#", row["op_name"].replace("jit(step)/", "")) or row["op"]
         groups[group] = groups.get(group, 0) + row["read"] + row["written"]
+        hbm += row["hbm_read"] + row["hbm_written"]
     by_op = dict(sorted(groups.items(), key=lambda kv: -kv[1])[:10])
     cache_copies = sum(1 for line in text.splitlines()
                        if " copy(" in line and f"[{','.join(map(str, cache.keys.shape))}]" in line.split("copy(")[0])
@@ -118,7 +122,8 @@ def measure(model: str, target_text: str, batch: int, prompt: int, response: int
             "argument_bytes": int(memory.argument_size_in_bytes), "temp_bytes": int(memory.temp_size_in_bytes),
             "hbm_gb_per_s": spec.chip.hbm_gb_per_s, "floor_ms": floor / bandwidth * 1e3,
             "compiler_bytes_ms": moved / bandwidth * 1e3,
-            "estimated_bytes_by_op": by_op, "estimated_bytes": sum(groups.values())}
+            "estimated_bytes_by_op": by_op, "estimated_bytes": sum(groups.values()), "estimated_hbm_bytes": hbm,
+            "floor_read_bytes": weight_bytes + kv_read_bytes}
 
 
 def main(argv=None) -> int:
@@ -152,6 +157,7 @@ def main(argv=None) -> int:
     segmented = {"segments": args.segments, "layers": "unrolled", "steps": steps,
                  "bytes_accessed_mean": mean("bytes_accessed"),
                  "floor_bytes_mean": segments[0]["weight_bytes"] + mean("kv_read_bytes"),
+                 "estimated_hbm_bytes_mean": mean("estimated_hbm_bytes"),
                  "per_segment": segments}
     gb = 1e9
     for result in results:
@@ -167,7 +173,8 @@ def main(argv=None) -> int:
               f"{result['compiler_bytes_ms']:.2f} ms vs the floor's {result['floor_ms']:.2f} ms")
     full = results[1]
     print("  where the unrolled step's bytes go (an estimate from its HLO, "
-          f"{full['estimated_bytes'] / gb:.3f} GB in all):")
+          f"{full['estimated_bytes'] / gb:.3f} GB in all; {full['estimated_hbm_bytes'] / gb:.3f} GB of it in HBM, "
+          f"x{full['estimated_hbm_bytes'] / full['floor_bytes']:.3f} the floor):")
     for group, moved in full["estimated_bytes_by_op"].items():
         print(f"    {moved / gb:7.3f} GB  {group}")
     print(f"the decode loop in {args.segments} segments (unrolled), slots read "
@@ -177,7 +184,10 @@ def main(argv=None) -> int:
           f"{segmented['bytes_accessed_mean'] / full['bytes_accessed']:.3f}); mean floor "
           f"{segmented['floor_bytes_mean'] / gb:.3f} GB, ratio "
           f"{segmented['bytes_accessed_mean'] / segmented['floor_bytes_mean']:.3f}; against the full cache's floor "
-          f"{segmented['bytes_accessed_mean'] / full['floor_bytes']:.3f}")
+          f"{segmented['bytes_accessed_mean'] / full['floor_bytes']:.3f}\n"
+          f"  of which in HBM (the estimate without what the compiler placed on chip): mean "
+          f"{segmented['estimated_hbm_bytes_mean'] / gb:.3f} GB, ratio "
+          f"{segmented['estimated_hbm_bytes_mean'] / segmented['floor_bytes_mean']:.3f}")
     if args.json:
         args.json.write_text(json.dumps(results + [segmented], indent=1) + "\n")
     return 0

@@ -54,15 +54,22 @@ def reachable(module: dict[str, list[str]], roots) -> set[str]:
 # --------------------------------------------------------------------------------------------------
 _ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
                "f64": 8, "s64": 8, "u64": 8}
-_ARRAY = re.compile(r"\b(" + "|".join(_ITEM_BYTES) + r")\[([0-9,]*)\]")
+_ARRAY = re.compile(r"\b(" + "|".join(_ITEM_BYTES) + r")\[([0-9,]*)\](\{[^}]*\})?")
+#: a layout's memory space other than the default (0: HBM on TPUs): S(1) is a TPU core's VMEM, others its SMEM and
+#: semaphores; what lies there moves no HBM bytes
+_ON_CHIP = re.compile(r"S\([1-9]\d*\)")
 _OP = re.compile(r"^\s+(?:ROOT )?%?([\w.\-]+) = (.*?) ([a-z\-]+)\((.*?)\)(?:, |$)")
 _SLICES = ("dynamic-slice", "slice", "gather")
 _FREE = {"parameter", "get-tuple-element", "bitcast", "constant", "tuple", "copy-start", "copy-done"}
 
 
-def _shape_bytes(text: str) -> int:
+def _shape_bytes(text: str, hbm_only: bool = False) -> int:
+    """The bytes of the arrays a shape names (a tuple's summed); ``hbm_only``: of those whose layout puts them in
+    HBM (no on-chip memory space)."""
     total = 0
-    for dtype, dims in _ARRAY.findall(text):
+    for dtype, dims, layout in _ARRAY.findall(text):
+        if hbm_only and _ON_CHIP.search(layout):
+            continue
         count = 1
         for d in filter(None, dims.split(",")):
             count *= int(d)
@@ -87,7 +94,11 @@ def bytes_by_instruction(hlo_text: str) -> list[dict]:
     its slices, one it only updates in place counts nothing; a result written in place by a dynamic-update-slice
     counts the update; a kernel that declares its cost (a Pallas call's ``cost_estimate``) counts the bytes it
     declares. Tuples, bitcasts and parameters are free. An estimate to find where bytes go, not the compiler's own
-    count (``cost_analysis()``)."""
+    count (``cost_analysis()``).
+
+    ``hbm_read`` and ``hbm_written`` count only what lies in HBM: an operand or result the compiler placed in an
+    on-chip memory space (a TPU's VMEM, ``S(1)`` in its layout) moves no HBM bytes, and an asynchronous copy
+    (``copy-start``) that prefetches an HBM value on chip reads it there."""
     module = computations(hlo_text)
     entry = next(line.split()[1].lstrip("%") for line in hlo_text.splitlines() if line.startswith("ENTRY"))
     parsed = {name: _ops(lines) for name, lines in module.items()}
@@ -117,26 +128,43 @@ def bytes_by_instruction(hlo_text: str) -> list[dict]:
         return full if name is None else value_reads(comp, name, full)
 
     ops, rows = parsed[entry], []
+
+    def in_hbm(value: str) -> bool:
+        return value not in ops or _shape_bytes(ops[value]["result"], hbm_only=True) > 0
+
     for name, op in ops.items():
+        if op["op"] == "copy-start":  # (destination, source, context): moves HBM bytes only where one end is there
+            source = _shape_bytes(ops[op["args"][0]]["result"]) if op["args"][0] in ops else 0
+            destination = _ARRAY.search(op["result"])
+            rows.append({"name": name, "op": op["op"], "op_name": "copy-start", "read": 0, "written": 0,
+                         "hbm_read": source if in_hbm(op["args"][0]) else 0,
+                         "hbm_written": _shape_bytes(destination.group(0), hbm_only=True) if destination else 0})
+            continue
         if op["op"] in _FREE:
             continue
         fused = called(op["line"])[0] if op["op"] == "fusion" else None
-        read = 0
+        read = hbm_read = 0
         for i, arg in enumerate(op["args"]):
             full = _shape_bytes(ops[arg]["result"]) if arg in ops else 0
             if fused:
-                read += param_reads(fused, i, full)
+                part = param_reads(fused, i, full)
             elif not (op["op"] == "dynamic-update-slice" and i == 0):
-                read += full
-        written = _shape_bytes(op["result"])
+                part = full
+            else:
+                part = 0
+            read += part
+            hbm_read += part if in_hbm(arg) else 0
+        written, hbm_written = _shape_bytes(op["result"]), _shape_bytes(op["result"], hbm_only=True)
         declared = re.search(r'"cost_estimate":\{[^}]*"bytes_accessed":"(\d+)"', op["line"])
         if op["op"] == "custom-call" and declared:  # a Pallas kernel reads the blocks it says, not its operands whole
-            read, written = int(declared.group(1)), 0
+            read, written = hbm_read, hbm_written = int(declared.group(1)), 0
         root = next((o for o in parsed.get(fused, {}).values() if "ROOT" in o["line"]), None) if fused else op
         if root is not None and root["op"] == "dynamic-update-slice":
             scope = parsed[fused] if fused else ops
-            written = _shape_bytes(scope[root["args"][1]]["result"]) if root["args"][1] in scope else written
+            if root["args"][1] in scope:
+                written = _shape_bytes(scope[root["args"][1]]["result"])
+                hbm_written = written if hbm_written else 0
         op_name = re.search(r'op_name="([^"]*)"', op["line"])
         rows.append({"name": name, "op": op["op"], "op_name": op_name.group(1) if op_name else "", "read": read,
-                     "written": written})
+                     "written": written, "hbm_read": hbm_read, "hbm_written": hbm_written})
     return rows

@@ -392,3 +392,25 @@ def test_the_bytes_estimate_takes_a_kernels_declared_cost():
         "  ROOT %n = bf16[4,64]{1,0} negate(%k)\n}\n")
     rows = {row["name"]: (row["read"], row["written"]) for row in hlo_text.bytes_by_instruction(text)}
     assert rows == {"k": (2048, 0), "n": (512, 512)}
+
+
+def test_the_hbm_bytes_leave_out_what_the_compiler_placed_on_chip():
+    """Of the bytes estimate, ``hbm_read`` / ``hbm_written`` count only values in HBM: a copy-start that prefetches a
+    weight into VMEM (``S(1)``) reads it from HBM once, an operation between VMEM values moves no HBM byte, and a
+    result written back to HBM counts there; the plain estimate counts every operand and result as before."""
+    from benchmarks import hlo_text
+
+    text = (
+        "HloModule m\n\nENTRY %main (w: bf16[64,64], x: bf16[4,64]) -> bf16[4,64] {\n"
+        "  %w = bf16[64,64]{1,0} parameter(0)\n  %x = bf16[4,64]{1,0} parameter(1)\n"
+        "  %cs = (bf16[64,64]{1,0:S(1)}, bf16[64,64]{1,0}, u32[]{:S(2)}) copy-start(%w)\n"
+        "  %cd = bf16[64,64]{1,0:S(1)} copy-done(%cs)\n"
+        "  %xv = bf16[4,64]{1,0:S(1)} copy(%x)\n"
+        "  %d = bf16[4,64]{1,0:S(1)} dot(%xv, %cd), lhs_contracting_dims={1}, rhs_contracting_dims={0}\n"
+        "  ROOT %n = bf16[4,64]{1,0} negate(%d)\n}\n")
+    rows = {row["name"]: row for row in hlo_text.bytes_by_instruction(text)}
+    hbm = {name: (row["hbm_read"], row["hbm_written"]) for name, row in rows.items()}
+    assert hbm == {"cs": (8192, 0), "xv": (512, 0), "d": (0, 0), "n": (0, 512)}
+    plain = {name: (row["read"], row["written"]) for name, row in rows.items() if name != "cs"}
+    assert plain == {"xv": (512, 512), "d": (512 + 8192, 512), "n": (512, 512)}
+    assert (rows["cs"]["read"], rows["cs"]["written"]) == (0, 0)  # the plain estimate keeps copies free
