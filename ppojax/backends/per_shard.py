@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from ppojax.models.kernels import stored_kv_heads
 from ppojax.parallel.rules import attention_specs, cache_attention_specs
 
 
@@ -27,7 +28,7 @@ def cache_attention_per_shard(call: Callable, mesh, rows: int, heads: int, kv_he
 def run_decode_kernel(call: Callable, mesh, q, keys, values, layer_idx, mask):
     """A `Kernels.cache_attention` call (q [B, 1, H, hd], mask bool[B, 1, T']) through a backend's decode kernel
     `call` (one query per row: q [B, H, hd], mask [B, T']), per shard of `mesh` -> [B, 1, H, hd]."""
-    kv_heads = keys.shape[3] if keys.ndim == 5 else keys.shape[3] // q.shape[-1]  # [L, B, T, K(, hd)]
+    kv_heads = stored_kv_heads(keys.shape[3:], q.shape[-1])  # keys [L, B, T, K, hd] or [L, B, T, K * hd]
     call = cache_attention_per_shard(call, mesh, q.shape[0], q.shape[2], kv_heads)
     return call(q[:, 0], keys, values, layer_idx, mask[:, 0])[:, None]
 

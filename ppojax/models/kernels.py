@@ -45,6 +45,12 @@ LAYER_PROJECTIONS = {("attn", "q"): 1, ("attn", "k"): 1, ("attn", "v"): 1, ("att
                      ("mlp", "up"): 1, ("mlp", "gate"): 1, ("mlp", "down"): 1}
 
 
+def stored_kv_heads(slot_dims: tuple[int, ...], head_dim: int) -> int:
+    """The key heads K of a cache whose slots are stored as `slot_dims` (what `Kernels.slot_shape` gave: `(K, hd)`,
+    or `(K * hd,)` with the heads side by side)."""
+    return slot_dims[0] if len(slot_dims) == 2 else slot_dims[0] // head_dim
+
+
 @dataclasses.dataclass(frozen=True)
 class Kernels:
     """XLA's operations (the default). Frozen and hashable: a model's graphdef, hence a jit cache key, holds it."""

@@ -34,6 +34,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ppojax.backends.per_shard import over_models
 from ppojax.models.attention import MASKED_LOGIT as MASKED
+from ppojax.models.kernels import stored_kv_heads
 
 Array = jax.Array
 
@@ -144,7 +145,7 @@ def _models_decode_attention(q: Array, keys: Array, values: Array, layer: Array,
     """`decode_attention` of M models at once: q [M, B, H, hd]; keys, values [M, L, B, T, K(, hd)]; layer i32[M];
     mask bool[M, B, slots_read] -> [M, B, H, hd]."""
     models, b, h, hd = q.shape
-    kv_heads = keys.shape[-1] // hd if layout == "merged" else keys.shape[4]
+    kv_heads = stored_kv_heads(keys.shape[4:], hd)  # keys [M, L, B, T, K, hd] or [M, L, B, T, K * hd]
     group = h // kv_heads
     n_blocks = slots_read // bt
     q = q.reshape(models, b, kv_heads, group, hd)
@@ -182,7 +183,7 @@ def fits(q_shape, cache_shape, dtype, slots_read: int) -> int | None:
     multiple of K."""
     _, s, h, hd = q_shape
     max_length = cache_shape[1]
-    kv_heads = cache_shape[2] if len(cache_shape) == 4 else cache_shape[2] // hd
+    kv_heads = stored_kv_heads(tuple(cache_shape[2:]), hd)
     layout = ("merged" if merged_slots(kv_heads, hd) else None) if len(cache_shape) == 3 else \
         cache_layout(kv_heads, hd)
     if s != 1 or h % kv_heads or math.prod(cache_shape) == 0 or layout is None:
