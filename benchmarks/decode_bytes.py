@@ -3,7 +3,7 @@ the whole KV cache (a measurement without a TPU: run it by hand, not in the test
 
     python -m benchmarks.decode_bytes [--model llama-3.2-1b] [--target tpu:v5e:1x1] [--batch 8]
         [--prompt 512 --response 1024] [--segments 4] [--attention auto|xla] [--weight-layout default|auto]
-        [--json out.json]
+        [--logprobs] [--json out.json]
 
 Compiles ONE step of the sampler's decode loop (``ppojax.rl.sampler.decode_step`` and the sampling of the next
 token), as the rollout runs it, for one chip with the config's batch rows on it: the policy in bfloat16 with its
@@ -51,7 +51,8 @@ from benchmarks import hlo_text
 
 
 def measure(model: str, target_text: str, batch: int, prompt: int, response: int, scan_layers: bool = True,
-            read_length: int | None = None, attention: str = "auto", weight_layout: str = "default") -> dict:
+            read_length: int | None = None, attention: str = "auto", weight_layout: str = "default",
+            logprobs: bool = False) -> dict:
     from ppojax.trainer import plan, plan_targets
 
     spec = plan_targets.parse_target(target_text)
@@ -61,7 +62,7 @@ def measure(model: str, target_text: str, batch: int, prompt: int, response: int
 
     from ppojax import backends
     from ppojax.models import CausalLM, init_cache, precision_dtypes
-    from ppojax.rl.sampler import decode_step, sample_logits
+    from ppojax.rl.sampler import decode_step, sample_logits, token_logprobs
 
     target = plan_targets.load_target(spec)
     # the attention a run on this chip takes ("auto": the TPU's Pallas decode kernel) or XLA's ("xla")
@@ -84,7 +85,10 @@ def measure(model: str, target_text: str, batch: int, prompt: int, response: int
 
     def step(params, cache, token, position, key):
         logits, cache, live = decode_step(graphdef, params, cache, token, position, pad)
-        return sample_logits(logits, key, temperature=1.0), cache, position + live.astype(jnp.int32)
+        new = sample_logits(logits, key, temperature=1.0)
+        if logprobs:  # as the sampler keeps each token's log-prob (behaviour_logprobs: sampler)
+            return new, token_logprobs(logits, new, 1.0), cache, position + live.astype(jnp.int32)
+        return new, cache, position + live.astype(jnp.int32)
 
     rows = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=on_chip)
     key = jax.eval_shape(lambda: jax.random.key(0))
@@ -112,7 +116,7 @@ def measure(model: str, target_text: str, batch: int, prompt: int, response: int
     by_op = dict(sorted(groups.items(), key=lambda kv: -kv[1])[:10])
     cache_copies = sum(1 for line in text.splitlines()
                        if " copy(" in line and f"[{','.join(map(str, cache.keys.shape))}]" in line.split("copy(")[0])
-    return {"model": model, "target": spec.text, "compiler": target.compiler, "batch": batch,
+    return {"model": model, "target": spec.text, "compiler": target.compiler, "batch": batch, "logprobs": logprobs,
             "attention": kernels.name, "weight_layout": weight_layout,
             "kernel_calls": len(re.findall(r"ppojax_decode_attention[.\d]* = ", text)),
             "layers": "scan" if scan_layers else "unrolled", "cache_copies": cache_copies,
@@ -140,16 +144,20 @@ def main(argv=None) -> int:
     parser.add_argument("--weight-layout", default="default", choices=["default", "auto"],
                         help="the weights row-major as arguments arrive ('default') or laid out as the compiler "
                              "chooses ('auto')")
+    parser.add_argument("--logprobs", action="store_true",
+                        help="the step also keeps the drawn token's log-prob, as a run sampling with "
+                             "behaviour_logprobs: sampler does")
     args = parser.parse_args(argv)
     from ppojax.rl.sampler import decode_segments
 
     results = [measure(args.model, args.target, args.batch, args.prompt, args.response, scan_layers=scan,
-                       attention=args.attention, weight_layout=args.weight_layout) for scan in (True, False)]
+                       attention=args.attention, weight_layout=args.weight_layout, logprobs=args.logprobs)
+               for scan in (True, False)]
     start, segments = 1, []
     for end, slots in decode_segments(args.prompt, args.response, args.segments):
         segments.append({**measure(args.model, args.target, args.batch, args.prompt, args.response,
                                    scan_layers=False, read_length=slots, attention=args.attention,
-                                   weight_layout=args.weight_layout),
+                                   weight_layout=args.weight_layout, logprobs=args.logprobs),
                          "steps": end - start})
         start = end
     steps = sum(seg["steps"] for seg in segments)
@@ -161,7 +169,8 @@ def main(argv=None) -> int:
                  "per_segment": segments}
     gb = 1e9
     for result in results:
-        print(f"{result['model']} decode step on {result['target']} ({result['compiler']}), attention "
+        print(f"{result['model']} decode step{' keeping log-probs' if result['logprobs'] else ''} on "
+              f"{result['target']} ({result['compiler']}), attention "
               f"{result['attention']} ({result['kernel_calls']} kernel calls), weights laid out "
               f"{result['weight_layout']}, {result['batch']} rows "
               f"x {result['cache_slots']} cache slots, layers {result['layers']}:\n"
