@@ -31,16 +31,22 @@ from ppojax.models.remat import REMAT_POLICIES
 from .test_model_policies import LLAMA, token_logprob_loss
 from .test_models import left_padded_batch
 
-pytestmark = pytest.mark.skipif(bool(stacked_matmul.unavailable_reason()),
-                                reason=f"oneDNN handlers unavailable: {stacked_matmul.unavailable_reason()}")
 
 CALL = "ppojax_stacked_matmul"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 #: each GEMM library the handlers build on, skipped where it cannot be had (MKL: torch's x86 wheel)
-LIBRARIES = [pytest.param(library, marks=pytest.mark.skipif(
-    bool(stacked_matmul.unavailable_reason(library)),
-    reason=f"{library} handlers unavailable: {stacked_matmul.unavailable_reason(library)}"))
-    for library in stacked_matmul.LIBRARIES]
+LIBRARIES = list(stacked_matmul.LIBRARIES)
+
+
+@pytest.fixture(autouse=True)
+def _handlers_built(request):
+    """Skips a test whose handlers cannot be built (oneDNN's, and the library it is parametrized with). Asked when
+    the test starts, not while the suite collects: every xdist worker collects every file, and a build takes
+    seconds (it is cached for the session after the first)."""
+    library = request.node.callspec.params.get("library") if hasattr(request.node, "callspec") else None
+    for name in dict.fromkeys(("onednn", library) if library else ("onednn",)):
+        if why := stacked_matmul.unavailable_reason(name):
+            pytest.skip(f"{name} handlers unavailable: {why}")
 
 
 def custom_calls(hlo: str, library: str) -> int:
@@ -216,8 +222,7 @@ def test_the_lm_head_reads_its_weight_in_place_from_64_rows(monkeypatch, tied):
 
 
 @pytest.mark.parametrize("library,remat", [("onednn", remat) for remat in REMAT_POLICIES]
-                         + [pytest.param(*p.values, "dots", marks=p.marks)
-                            for p in LIBRARIES if p.values[0] != "onednn"])
+                         + [(library, "dots") for library in LIBRARIES if library != "onednn"])
 def test_model_gradient_equals_xlas_and_dots_recomputes_no_projection(library, remat):
     ids, mask = _batch()
     grad = jax.jit(jax.value_and_grad(token_logprob_loss, argnums=1), static_argnums=0)
