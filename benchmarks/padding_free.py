@@ -6,11 +6,13 @@ decode loop padded vs continuous batching (``rollout_slots``), on realistic resp
 For each length distribution, one rollout batch of B rows (prompt P, response limit R) is built with those
 lengths (random tokens, left-padded prompts, a stop token at each response's end) and ONE PPO update (``learn``:
 GAE with a value model, 1 epoch, 1 mini-batch of B rows, 2 padded micro-batches of B/2 rows) is compiled and
-timed: padded, packed with the default budget (micro-batches of B/2 packed rows), and packed in micro-batches of
-2 rows (``max_tokens_per_micro_batch`` = 2 rows: finer steps), in turn, ``--repeats`` times each; the median is
-reported with the padding fraction, the real tokens per second and the compiler's temporaries (XLA:CPU's memory
-analysis). The rollout's forwards on the same batch (``experience_forwards``: policy, reference and value model,
-all rows at once when padded; 8-row and 2-row packed micro-batches) are timed alongside. Distributions:
+timed: padded, packed with the default budget (micro-batches of B/2 packed rows), packed in micro-batches of
+2 rows (``max_tokens_per_micro_batch`` = 2 rows: finer steps) and, with ``--long-rows K``, in micro-batches of one
+row of K padded rows' slots (``packed_row_length``: spans longer than half a padded row share it), in turn,
+``--repeats`` times each; the median is reported with the padding fraction, the real tokens per second and the
+compiler's temporaries (XLA:CPU's memory analysis). The rollout's forwards on the same batch
+(``experience_forwards``: policy, reference and value model, all rows at once when padded; 8-row and 2-row packed
+micro-batches, and the long rows) are timed alongside. Distributions:
 
 - ``lognormal``: responses drawn lognormally (median R/8) with a long tail, clipped to R (so some hit it);
 - ``lognormal_half``: the same with median R/3, about half the slots padding;
@@ -94,7 +96,7 @@ def experience(lengths, rng):
                       num_eos_tokens=jnp.int32(B))
 
 
-def programs():
+def programs(long_rows: int = 0):
     from ppojax.models import CausalLM, ModelConfig, ScoreModel
     from ppojax.rl.actor_critic import ActorCritic
     from ppojax.rl.optimizer import make_optimizer
@@ -111,6 +113,9 @@ def programs():
     out = {}
     variants = {"padded": dict(padding_free=False), "packed": dict(padding_free=True),
                 "packed_2_rows": dict(padding_free=True, max_tokens_per_micro_batch=2 * (P + R))}
+    if long_rows:  # one row of K padded rows' slots: spans longer than half a padded row share it
+        variants["packed_long_row"] = dict(padding_free=True, packed_row_length=long_rows * (P + R),
+                                           max_tokens_per_micro_batch=long_rows * (P + R))
     for variant, options in variants.items():
         config = PPOConfig(batch_size=B, max_prompt_length=P, response_length=R, num_ppo_epochs=1,
                            num_mini_batches=1, gradient_accumulation_steps=2, **options)
@@ -127,12 +132,12 @@ def programs():
 DISTRIBUTIONS = ("lognormal", "lognormal_half", "math_run", "half", "full")
 
 
-def measure(repeats: int, distributions=DISTRIBUTIONS) -> list:
+def measure(repeats: int, distributions=DISTRIBUTIONS, long_rows: int = 0) -> list:
     from ppojax.rl.rollout import experience_forwards
     from ppojax.rl.update import learn
 
     rng = np.random.default_rng(0)
-    built = programs()
+    built = programs(long_rows)
     rows, compiled, forwards = [], {}, {}
     for name in distributions:
         lengths = response_lengths(name, np.random.default_rng([0, DISTRIBUTIONS.index(name)]))
@@ -247,6 +252,8 @@ def main():
     parser.add_argument("--stop-tokens", type=int, default=128, help="tokens after which the stop token is likely")
     parser.add_argument("--only", choices=("update", "rollout"))
     parser.add_argument("--distributions", nargs="+", choices=DISTRIBUTIONS, default=DISTRIBUTIONS)
+    parser.add_argument("--long-rows", type=int, default=0, metavar="K",
+                        help="also pack into rows of K padded rows' slots (packed_row_length), one row per micro-batch")
     parser.add_argument("--json")
     args = parser.parse_args()
     from ppojax.backends import start_program
@@ -257,7 +264,7 @@ def main():
     out = {"machine": machine_info(), "shape": dict(prompt=P, response_limit=R, batch=B, model=MODEL),
            "update": "learn: GAE + value model, 1 epoch, 1 mini-batch, 2 micro-batches, float32"}
     if args.only != "rollout":
-        out["rows"] = measure(args.repeats, args.distributions)
+        out["rows"] = measure(args.repeats, args.distributions, args.long_rows)
     if args.only != "update":
         out["rollout"] = measure_rollout(args.repeats, args.stop_scale, args.stop_tokens)
     if args.json:

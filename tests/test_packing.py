@@ -74,6 +74,8 @@ def lengths_case(name, rng):
         live = np.minimum(rng.lognormal(0.5, 0.8, size=B).astype(int) + 1, R)
         live[3] = R
         return pads, live
+    if name == "over_half":  # every span longer than half a padded row: one span per padded-length row
+        return np.zeros(B, int), rng.integers(3, 6, size=B)
     if name == "empty_responses":
         live = rng.integers(0, 3, size=B)
         live[::4] = 0
@@ -93,12 +95,18 @@ def synthetic_rows(pads, live, rng):
     return jnp.asarray(qr, jnp.int32)
 
 
-def test_packing_copies_every_span_and_nothing_else():
+@pytest.mark.parametrize("case,row_length", [("uniform", None), ("over_half", 2 * (P + R))])
+def test_packing_copies_every_span_and_nothing_else(case, row_length):
+    """Rows of a padded row's slots, and rows twice as long, where spans longer than half a padded row share one."""
     rng = np.random.default_rng(0)
-    pads, live = lengths_case("uniform", rng)
+    pads, live = lengths_case(case, rng)
     qr = synthetic_rows(pads, live, rng)
-    plan = plan_packing(qr, jnp.asarray(live), P, PAD)
-    packed = pack_rows(qr, plan, B, PAD)
+    plan = plan_packing(qr, jnp.asarray(live), P, PAD, row_length)
+    packed = pack_rows(qr, plan, B, PAD, row_length)
+    assert packed.tokens.shape == (B, row_length or P + R)
+    want_row, want_offset, want_rows = python_first_fit([int(x) for x in plan.length], row_length or P + R)
+    assert ([int(x) for x in plan.row], [int(x) for x in plan.offset], int(plan.num_rows)) == (
+        want_row, want_offset, want_rows)
     qr, seg, tokens = np.asarray(qr), np.asarray(packed.segment_ids), np.asarray(packed.tokens)
     for i in range(B):
         start = min(next((c for c in range(P) if qr[i, c] != PAD), P - 1), P - 1)
@@ -159,12 +167,13 @@ def truncated(qr, live):
     return jnp.where(jnp.asarray(np.concatenate([np.zeros((B, P), bool), t >= live[:, None]], axis=1)), PAD, qr)
 
 
-@pytest.mark.parametrize("kind,with_full_kl,sampler_logprobs,rows_per_micro", [
-    ("value_model", True, False, 4), ("value_head", False, True, 2), ("grpo", False, True, 16),
-    ("grpo", True, False, 3)])
-def test_packed_rollout_forwards_equal_padded(kind, with_full_kl, sampler_logprobs, rows_per_micro):
+@pytest.mark.parametrize("kind,with_full_kl,sampler_logprobs,rows_per_micro,row_length", [
+    ("value_model", True, False, 4, None), ("value_head", False, True, 2, None), ("grpo", False, True, 16, None),
+    ("grpo", True, False, 3, None), ("value_model", True, False, 2, 3 * (P + R))])
+def test_packed_rollout_forwards_equal_padded(kind, with_full_kl, sampler_logprobs, rows_per_micro, row_length):
     """Behaviour and reference log-probs, values and the full KL on every position the rollout keeps, with a
-    reference that differs from the policy, 1 to 8 packed micro-batches."""
+    reference that differs from the policy, 1 to 8 packed micro-batches, rows of a padded row's slots or three
+    times as many."""
     rng = np.random.default_rng(2)
     pads, live = lengths_case("long_tail", rng)
     qr = synthetic_rows(pads, live, rng)
@@ -175,7 +184,7 @@ def test_packed_rollout_forwards_equal_padded(kind, with_full_kl, sampler_logpro
                                                       behaviour_logprobs=given, logits_chunk_size=4))(params, frozen)
     packed = jax.jit(lambda p, f: packed_rollout_forwards(
         ac, p, f, qr, P, jnp.asarray(live), rows_per_micro=rows_per_micro, with_full_kl=with_full_kl,
-        behaviour_logprobs=given))(params, frozen)
+        behaviour_logprobs=given, row_length=row_length))(params, frozen)
     t = np.arange(R)[None, :]
     keep = {"logprobs": t < live[:, None], "ref_logprobs": t < live[:, None], "values": t <= live[:, None],
             "full_kl": t < live[:, None]}
@@ -315,6 +324,20 @@ def test_packed_update_equals_padded_update(kind, case, accumulation):
     assert_same_update(runs[0], runs[1])
 
 
+@pytest.mark.parametrize("kind,accumulation", [("value_model", 2), ("grpo", 1)])
+def test_longer_packed_rows_equal_the_padded_update_and_share_rows(kind, accumulation):
+    """Spans longer than half a padded row (10-12 of 16 slots): in rows of 16 each takes a row of its own, in rows
+    of 32 two or three share one. Every metric and the parameters still equal the padded update's, with fewer
+    packed micro-batches for the same budget of 32 slots."""
+    padded = run_learn(kind, accumulation, False, "over_half", optax.sgd(1.0))
+    runs = {length: run_learn(kind, accumulation, True, "over_half", optax.sgd(1.0), packed_row_length=length,
+                              max_tokens_per_micro_batch=2 * (P + R)) for length in (P + R, 2 * (P + R))}
+    for packed in runs.values():
+        assert_same_update(padded, packed)
+    short, long = (float(runs[length][2]["perf/packed_micro_batches"]) for length in (P + R, 2 * (P + R)))
+    assert long < short, (long, short)
+
+
 @pytest.mark.parametrize("kind", ["value_model", "grpo"])
 def test_packed_update_equals_padded_update_with_environment_tokens(kind):
     """A multi-turn episode's environment tokens inside the responses: out of the loss on both paths, but still
@@ -340,6 +363,14 @@ def test_config_refuses_a_budget_below_one_row():
         PPOConfig(max_prompt_length=6, response_length=10, padding_free=True, max_tokens_per_micro_batch=10)
     with pytest.raises(Exception, match="padding_free is off"):
         PPOConfig(max_tokens_per_micro_batch=1000)
+    with pytest.raises(Exception, match=r"packed_row_length=12 is below a padded row .* at least 16, e\.g\. 32"):
+        PPOConfig(max_prompt_length=6, response_length=10, padding_free=True, packed_row_length=12)
+    with pytest.raises(Exception, match=r"max_tokens_per_micro_batch=16 is below one packed row "
+                                        r"\(packed_row_length=32\)"):
+        PPOConfig(max_prompt_length=6, response_length=10, padding_free=True, packed_row_length=32,
+                  max_tokens_per_micro_batch=16)
+    with pytest.raises(Exception, match="packed_row_length=32 is set but padding_free is off"):
+        PPOConfig(max_prompt_length=6, response_length=10, packed_row_length=32)
 
 
 # ------------------------------------------------------------------------------------- a whole train_step

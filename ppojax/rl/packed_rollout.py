@@ -17,26 +17,28 @@ from ppojax.rl.packed_update import packed_micro_batch_shape
 from ppojax.rl.packing import packed_layout, packed_map, packed_rows_for, span_ends, unpack_responses
 
 
-def rollout_packed_shape(batch_settings, row_length: int):
-    """(rows per packed rollout micro-batch over the mesh, logits chunk): ``max_tokens_per_micro_batch`` slots
-    per device, else ``local_rollout_forward_batch_size`` rows, else a padded update micro-batch's rows."""
-    return packed_micro_batch_shape(batch_settings, row_length,
+def rollout_packed_shape(batch_settings, row_length: int, packed_length=None):
+    """(rows per packed rollout micro-batch over the mesh, logits chunk) for padded rows of ``row_length`` slots
+    packed into rows of ``packed_length`` (None: the same): ``max_tokens_per_micro_batch`` slots per device, else
+    as many as ``local_rollout_forward_batch_size`` padded rows, else a padded update micro-batch's."""
+    return packed_micro_batch_shape(batch_settings, row_length, packed_length=packed_length,
                                     rows_without_budget=batch_settings.local_rollout_forward_batch_size,
                                     at_most=batch_settings.batch_size)
 
 
 def packed_rollout_forwards(actor_critic, params, frozen, query_responses, prompt_length: int, live_tokens, *,
                             rows_per_micro: int, logits_chunk_size=None, with_full_kl=False,
-                            behaviour_logprobs=None):
+                            behaviour_logprobs=None, row_length=None):
     """``ActorCritic.rollout_forwards`` on packed rows.
 
     query_responses: i32[B, P+R]; live_tokens: i32[B] real response tokens of each (truncated) response;
-    behaviour_logprobs: f32[B, R] or None, as ``rollout_forwards``. Returns (logprobs, ref_logprobs, values,
+    behaviour_logprobs: f32[B, R] or None, as ``rollout_forwards``; row_length: slots per packed row (None: a
+    padded row's). Returns (logprobs, ref_logprobs, values,
     full_kl or None), f32[B, R] each, 0 past a sequence's last real token + 1.
     """
     response_length = query_responses.shape[1] - prompt_length
     plan, rows = packed_rows_for(query_responses, live_tokens, prompt_length, actor_critic.pad_token_id,
-                                 rows_per_micro)
+                                 rows_per_micro, row_length)
 
     def outputs(part):
         named = zip(("logprobs", "ref_logprobs", "values", "full_kl"), actor_critic.rollout_outputs(

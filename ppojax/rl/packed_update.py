@@ -28,23 +28,33 @@ _POLICY_MEANS = ("approxkl", "pg_clipfrac", "entropy", "ratio", "policykl")
 _SHARES = ("pg_loss", "vf_loss", "kl_loss", "loss")
 
 
-def packed_micro_batch_shape(batch_settings, row_length: int, *, rows_without_budget=None, at_most=None):
-    """(rows per packed micro-batch over the mesh, logits chunk over its positions) for rows of ``row_length``
-    slots: ``max_tokens_per_micro_batch`` slots per device; without a budget ``rows_without_budget`` (None: a
-    padded micro-batch's rows). At most ``at_most`` rows (None: a mini-batch's)."""
-    budget = batch_settings.max_tokens_per_micro_batch
+def packed_row_length(batch_settings, row_length: int) -> int:
+    """Slots per packed row for padded rows of ``row_length``: ``packed_row_length`` where set, else the same."""
+    return batch_settings.packed_row_length or row_length
+
+
+def packed_micro_batch_shape(batch_settings, row_length: int, *, packed_length=None, rows_without_budget=None,
+                             at_most=None):
+    """(rows per packed micro-batch over the mesh, logits chunk over its positions) for padded rows of
+    ``row_length`` slots packed into rows of ``packed_length`` (None: ``row_length``): ``max_tokens_per_micro_batch``
+    slots per device; without a budget as many slots as ``rows_without_budget`` padded rows (None: a padded
+    micro-batch's). At most ``at_most`` rows (None: a mini-batch's)."""
+    width = packed_length or row_length
+    budget, data_parallel = batch_settings.max_tokens_per_micro_batch, batch_settings.data_parallel_size
     if budget is None:
         rows = rows_without_budget or batch_settings.micro_batch_size
+        if width > row_length:  # the padded rows' slots per device, in longer rows
+            rows = max(1, -(-rows // data_parallel) * row_length // width) * data_parallel
     else:
-        if budget < row_length:
-            raise ValueError(f"max_tokens_per_micro_batch={budget} is below one packed row of {row_length} slots "
-                             f"(prompt + response); set it to at least {row_length}")
-        rows = (budget // row_length) * batch_settings.data_parallel_size
+        if budget < width:
+            raise ValueError(f"max_tokens_per_micro_batch={budget} is below one packed row of {width} slots; "
+                             f"set it to at least {width}")
+        rows = (budget // width) * data_parallel
     rows = min(rows, at_most or batch_settings.mini_batch_size)
     chunk = batch_settings.logits_chunk_size
     if chunk is None and batch_settings.vocab_size is not None:
-        per_device = -(-rows // batch_settings.data_parallel_size)
-        chunk = forward.auto_chunk_size(per_device, row_length, batch_settings.vocab_size)
+        per_device = -(-rows // data_parallel)
+        chunk = forward.auto_chunk_size(per_device, width, batch_settings.vocab_size)
     elif chunk is None:
         chunk = batch_settings.update_logits_chunk
     return rows, chunk
@@ -102,20 +112,21 @@ def response_extent(padding_mask):
 
 
 def packed_gradients(loss_of_outputs, actor_critic, params, frozen, mini, *, groups: int, rows_per_micro: int,
-                     logits_chunk_size=None):
+                     logits_chunk_size=None, row_length=None):
     """The gradient of a mini-batch's loss, and its diagnostics per padded micro-batch, from packed forwards.
 
     loss_of_outputs: ``(part, logprobs, entropy, values) -> (loss, stats)`` on UpdateBatch rows (f32[M, R]
     outputs; ``ppojax.rl.update.loss_of_outputs`` with the mini-batch's counts bound). mini: the UpdateBatch
     [M, ...]; groups: the padded update's micro-batches per mini-batch (its diagnostics' groups of M / groups
-    rows). Returns (grads like params, stats {name: f32[groups]} plus ``packed_micro_batches``).
+    rows); row_length: slots per packed row (None: a padded row's). Returns (grads like params, stats
+    {name: f32[groups]} plus ``packed_micro_batches``).
     """
     m, width = mini.query_responses.shape
     response_length = mini.logprobs.shape[1]
     prompt_length = width - response_length
     pad = actor_critic.pad_token_id
     plan, packed = packed_rows_for(mini.query_responses, response_extent(mini.padding_mask), prompt_length, pad,
-                                   rows_per_micro)
+                                   rows_per_micro, row_length)
     micro_batches = -(-plan.num_rows // rows_per_micro)
     group = jnp.arange(m) // (m // groups)
 

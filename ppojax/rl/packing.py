@@ -4,14 +4,15 @@ A padded mini-batch row is ``P + R`` slots: left padding, the prompt, the respon
 real token. The loss reads, per response position ``t``, the hidden state at padded position ``P - 1 + t`` for
 ``t <= last + 1`` (the log-prob of response token ``t`` for ``t <= last``, the value one slot further), so a
 sequence's useful SPAN is the padded positions ``[start, P + last + 1)``: from its first real prompt token to its
-last real response token. Packing copies each span, unchanged, into packed rows of the same ``P + R`` slots, several
-spans per row side by side (first-fit over the spans sorted by length), with a segment id per span: attention
-never crosses a segment, and every token keeps the input id, mask and position the padded row gave it, so each
+last real response token. Packing copies each span, unchanged, into packed rows of ``W`` slots (a padded row's
+``P + R``, or longer with ``packed_row_length``, where spans longer than half a padded row can share a row),
+several spans per row side by side (first-fit over the spans sorted by length), with a segment id per span:
+attention never crosses a segment, and every token keeps the input id, mask and position the padded row gave it, so each
 sequence's forward is the padded one's.
 
     plan = plan_packing(query_responses, live_tokens, P, pad)         # where each sequence goes
-    rows = pack_rows(query_responses, plan, num_rows, pad)             # PackedRows [num_rows, P+R]
-    out  = per-position outputs of rows[j*n:(j+1)*n]                   # f32[n, P+R]
+    rows = pack_rows(query_responses, plan, num_rows, pad)             # PackedRows [num_rows, W]
+    out  = per-position outputs of rows[j*n:(j+1)*n]                   # f32[n, W]
     x    = unpack_responses(out, plan, j*n, P, R)                      # f32[M, R], 0 outside the micro-batch
 
 Shapes stay static (``num_rows`` packed rows, the worst case of one span per row); what the real lengths change
@@ -47,7 +48,7 @@ class PackingPlan(NamedTuple):
 
 
 class PackedRows(NamedTuple):
-    """Packed model inputs, all [N, S]: the raw tokens (log-prob targets), the model's ``input_ids``,
+    """Packed model inputs, all [N, W]: the raw tokens (log-prob targets), the model's ``input_ids``,
     ``attention_mask`` and ``position_ids`` exactly as the padded rows gave them, and ``segment_ids`` (the
     sequence's index in the mini-batch; ``NO_SEGMENT`` on unused slots)."""
 
@@ -95,10 +96,12 @@ def first_fit(lengths, capacity: int):
     return row, offset, jnp.sum(fill > 0).astype(jnp.int32)
 
 
-def plan_packing(query_responses, live_tokens, prompt_length: int, pad_id: int) -> PackingPlan:
-    """The packing of M padded rows i32[M, P+R] with ``live_tokens`` i32[M] real response tokens each."""
+def plan_packing(query_responses, live_tokens, prompt_length: int, pad_id: int,
+                 row_length: int | None = None) -> PackingPlan:
+    """The packing of M padded rows i32[M, P+R] with ``live_tokens`` i32[M] real response tokens each into rows of
+    ``row_length`` slots (None: P+R; at least P+R)."""
     start, length = sequence_spans(query_responses, live_tokens, prompt_length, pad_id)
-    row, offset, num_rows = first_fit(length, query_responses.shape[1])
+    row, offset, num_rows = first_fit(length, _row_length(query_responses, row_length))
     return PackingPlan(start, length, row, offset, num_rows)
 
 
@@ -111,16 +114,25 @@ def _span_slots(plan: PackingPlan, width: int):
     return packed_row, packed_column, inside
 
 
-def pack_rows(query_responses, plan: PackingPlan, num_rows: int, pad_id: int) -> PackedRows:
-    """The packed inputs [num_rows, S] of padded rows i32[M, S] under ``plan`` (``num_rows`` static, >= the
-    plan's rows in use)."""
+def _row_length(query_responses, row_length: int | None) -> int:
+    width = query_responses.shape[1]
+    if row_length is not None and row_length < width:
+        raise ValueError(f"packed rows of {row_length} slots cannot hold a padded row of {width}")
+    return row_length or width
+
+
+def pack_rows(query_responses, plan: PackingPlan, num_rows: int, pad_id: int,
+              row_length: int | None = None) -> PackedRows:
+    """The packed inputs [num_rows, W] of padded rows i32[M, S] under ``plan`` (``num_rows`` static, >= the
+    plan's rows in use; W = ``row_length``, the plan's, None: S)."""
     m, width = query_responses.shape
+    packed_width = _row_length(query_responses, row_length)
     input_ids, attention_mask, position_ids = sequence_inputs(query_responses, pad_id)
     packed_row, packed_column, inside = _span_slots(plan, width)
     target_row = jnp.where(inside, packed_row, num_rows)  # out of bounds: dropped
 
     def scatter(values, fill):
-        empty = jnp.full((num_rows, width), fill, values.dtype)
+        empty = jnp.full((num_rows, packed_width), fill, values.dtype)
         return empty.at[target_row, packed_column].set(values, mode="drop", unique_indices=True)
 
     segments = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32)[:, None], (m, width))
@@ -130,19 +142,19 @@ def pack_rows(query_responses, plan: PackingPlan, num_rows: int, pad_id: int) ->
 
 
 def next_tokens(rows: PackedRows):
-    """i32[N, S]: the token each packed position predicts (the next slot's; what follows a span is never read)."""
+    """i32[N, W]: the token each packed position predicts (the next slot's; what follows a span is never read)."""
     return jnp.concatenate([rows.tokens[:, 1:], rows.tokens[:, -1:]], axis=1)
 
 
 def packed_layout(rows: PackedRows) -> Layout:
-    """The forwards' view of packed rows [N, S]: every position read, predicting the next slot's token."""
+    """The forwards' view of packed rows [N, W]: every position read, predicting the next slot's token."""
     return Layout(rows.input_ids, rows.attention_mask, rows.position_ids, rows.segment_ids, next_tokens(rows))
 
 
 def unpack_responses(values, plan: PackingPlan, first_row, prompt_length: int, response_length: int):
     """Per-position outputs of packed rows ``[first_row, first_row + n)`` -> the padded response layout.
 
-    values: f32[n, S] (position c's output: what it predicts, i.e. the log-prob of the next token, or the value
+    values: f32[n, W] (position c's output: what it predicts, i.e. the log-prob of the next token, or the value
     of the sequence so far). Returns (f32[M, R], bool[M, R]): response position t of sequence i reads packed
     position ``P - 1 + t`` of its span; 0 and False where the span holds no such position (t > last + 1) or
     the sequence lies in another micro-batch.
@@ -167,8 +179,8 @@ def span_ends(plan: PackingPlan):
 def packed_map(fn, rows: PackedRows, rows_in_use, rows_per_micro: int):
     """``fn`` over packed micro-batches of ``rows_per_micro`` rows, only as many as ``rows_in_use`` (traced) needs.
 
-    fn: PackedRows [n, S] -> a pytree of f32[n, S] per-position outputs. rows: [N, S] with N a multiple of
-    ``rows_per_micro``. Returns the pytree with [N, S] leaves, 0 on rows past the last micro-batch run. One
+    fn: PackedRows [n, W] -> a pytree of f32[n, W] per-position outputs. rows: [N, W] with N a multiple of
+    ``rows_per_micro``. Returns the pytree with [N, W] leaves, 0 on rows past the last micro-batch run. One
     compiled program: a ``lax.while_loop`` whose trip count follows the real tokens.
     """
     total = rows.tokens.shape[0]
@@ -188,9 +200,10 @@ def packed_map(fn, rows: PackedRows, rows_in_use, rows_per_micro: int):
     return out
 
 
-def packed_rows_for(query_responses, live_tokens, prompt_length: int, pad_id: int, rows_per_micro: int):
+def packed_rows_for(query_responses, live_tokens, prompt_length: int, pad_id: int, rows_per_micro: int,
+                    row_length: int | None = None):
     """(plan, rows): the packing of M padded rows into ``ceil(M / rows_per_micro)`` micro-batches' worth of packed
-    rows (enough for one span per row)."""
-    plan = plan_packing(query_responses, live_tokens, prompt_length, pad_id)
+    rows of ``row_length`` slots (None: a padded row's; enough rows for one span per row)."""
+    plan = plan_packing(query_responses, live_tokens, prompt_length, pad_id, row_length)
     m = query_responses.shape[0]
-    return plan, pack_rows(query_responses, plan, -(-m // rows_per_micro) * rows_per_micro, pad_id)
+    return plan, pack_rows(query_responses, plan, -(-m // rows_per_micro) * rows_per_micro, pad_id, row_length)

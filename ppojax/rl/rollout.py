@@ -27,6 +27,7 @@ from ppojax.rl import placement
 from ppojax.rl.continuous import generate_continuous, generate_continuous_per_shard
 from ppojax.rl.episodes import Episodes, generate_episodes, tail_rows_for
 from ppojax.rl.packed_rollout import packed_rollout_forwards, rollout_packed_shape
+from ppojax.rl.packed_update import packed_row_length
 from ppojax.rl.sampler import decode_work, generate, occupancy
 from ppojax.core.masks import INVALID_LOGPROB, contains_stop_token, response_masks, truncate_response
 from ppojax.core.overlong import soft_overlong_punishment
@@ -196,11 +197,12 @@ def experience_forwards(program, state, query_responses, prompt_length, sampler_
     if proximal_wanted:  # the policy forward runs: its log-probs are pi_prox
         sampler_logprobs = None
     if batch.padding_free:  # the same numbers where the rollout keeps them, on packed rows
-        rows_per_micro, chunk = rollout_packed_shape(batch, query_responses.shape[1])
+        packed_length = packed_row_length(batch, query_responses.shape[1])
+        rows_per_micro, chunk = rollout_packed_shape(batch, query_responses.shape[1], packed_length)
         logprobs, ref_logprobs, values, full_kl = packed_rollout_forwards(
             program.actor_critic, state.params, state.frozen, query_responses, P, masks.last_index + 1,
             rows_per_micro=rows_per_micro, logits_chunk_size=chunk, with_full_kl=with_full_kl,
-            behaviour_logprobs=sampler_logprobs)
+            behaviour_logprobs=sampler_logprobs, row_length=packed_length)
     else:
         logprobs, ref_logprobs, values, full_kl = program.actor_critic.rollout_forwards(
             state.params, state.frozen, query_responses, P,
@@ -258,7 +260,7 @@ def with_scores(experience: Experience, scores, settings) -> Experience:
 
 def reward_scores(program, state, queries, responses, rows=None, reward=None):
     """The reward source's ``RewardOutput`` (default: the program's) for queries i32[n, P] and TRUNCATED responses
-    i32[n, R]; with ``padding_free`` a reward model packs its forward."""
+    i32[n, R]; with ``padding_free`` a reward model packs its forward (in rows of a padded row's slots)."""
     batch = program.settings.batch
     packed_rows = None
     if batch.padding_free:

@@ -221,7 +221,8 @@ class BatchSettings:
     local_rollout_forward_batch_size: rows per rollout forward (None: all). update_logits_chunk /
     rollout_logits_chunk: response positions per float32 logits chunk in the loss and in the rollout forwards
     (None: all at once). padding_free: the update's forwards run on packed rows (``ppojax.rl.packed_update``),
-    ``max_tokens_per_micro_batch`` tokens per device each (None: a padded micro-batch's rows); vocab_size sizes
+    ``max_tokens_per_micro_batch`` tokens per device each (None: a padded micro-batch's rows), in rows of
+    ``packed_row_length`` slots (None: a padded row's); vocab_size sizes
     their logits chunks when ``logits_chunk_size`` is None (None: ``update_logits_chunk``)."""
 
     batch_size: int
@@ -233,6 +234,7 @@ class BatchSettings:
     rollout_logits_chunk: Optional[int] = None
     padding_free: bool = False
     max_tokens_per_micro_batch: Optional[int] = None
+    packed_row_length: Optional[int] = None
     logits_chunk_size: Optional[int] = None
     vocab_size: Optional[int] = None
 
@@ -306,8 +308,8 @@ class StepSettings:
             micro_batch_size=sizes.micro_batch_size, data_parallel_size=data_parallel_size,
             local_rollout_forward_batch_size=c.local_rollout_forward_batch_size,
             update_logits_chunk=update_chunk, rollout_logits_chunk=rollout_chunk, padding_free=c.padding_free,
-            max_tokens_per_micro_batch=c.max_tokens_per_micro_batch, logits_chunk_size=c.logits_chunk_size,
-            vocab_size=vocab_size)
+            max_tokens_per_micro_batch=c.max_tokens_per_micro_batch, packed_row_length=c.packed_row_length,
+            logits_chunk_size=c.logits_chunk_size, vocab_size=vocab_size)
         dynamic = (DynamicSamplingSettings(prompts_per_round=sizes.prompts_per_round, max_rounds=c.max_num_gen_batches,
                                            metric=c.filter_groups_metric) if c.filter_groups else None)
         asynchronous = (AsyncSettings(max_staleness=c.max_staleness,

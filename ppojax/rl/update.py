@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from ppojax import core as ppo
 from ppojax.rl.optimizer import apply as apply_optimizer
-from ppojax.rl.packed_update import packed_gradients, packed_micro_batch_shape, rows_only
+from ppojax.rl.packed_update import packed_gradients, packed_micro_batch_shape, packed_row_length, rows_only
 from ppojax.rl.types import UpdateBatch
 
 
@@ -237,12 +237,14 @@ def mini_batch_gradients(program, params, frozen, hyperparams, mini: UpdateBatch
     policy_tokens = jnp.sum(~mini.padding_mask)
     value_tokens = jnp.sum(~mini.padding_mask_p1)
     if batch_settings.padding_free:
-        packed_rows, packed_chunk = packed_micro_batch_shape(batch_settings, mini.query_responses.shape[1])
+        row_length = mini.query_responses.shape[1]
+        packed_length = packed_row_length(batch_settings, row_length)
+        packed_rows, packed_chunk = packed_micro_batch_shape(batch_settings, row_length, packed_length=packed_length)
         return packed_gradients(
             lambda part, lp, ent, v: loss_of_outputs(actor_critic, algorithm, hyperparams, lp, ent, v, part,
                                                      policy_tokens, value_tokens, mini_size),
             actor_critic, params, frozen, mini, groups=optim.gradient_accumulation_steps,
-            rows_per_micro=packed_rows, logits_chunk_size=packed_chunk)
+            rows_per_micro=packed_rows, logits_chunk_size=packed_chunk, row_length=packed_length)
     grad_fn = jax.value_and_grad(
         lambda p, micro: micro_batch_loss(actor_critic, algorithm, hyperparams, p, micro, policy_tokens,
                                           value_tokens, mini_size, frozen, batch_settings.update_logits_chunk),

@@ -12,6 +12,7 @@ import yaml
 
 from ppojax.errors import ConfigError
 from ppojax.trainer.config.schema import _FIELDS, _HINTS, FIELD_NAMES
+from ppojax.trainer.config.sections.batches import packing_problems
 from ppojax.trainer.config.sections.models import IN_PLACE_MATMULS
 from ppojax.trainer.config.sections.offpolicy import _policy_objective_off_policy
 from ppojax.trainer.config.sections.objective import (POLICY_OBJECTIVE_NAME, _advantage_estimator_traits,
@@ -182,14 +183,7 @@ def _problems_together(c: PPOConfig) -> list[str]:
         out.append(f"value_model_path={c.value_model_path!r} is set but value_head='policy' puts the value head "
                    "on the policy (the value model would be ignored); remove value_model_path or set "
                    "value_head: separate.")
-    row = c.max_prompt_length + c.response_length
-    if c.max_tokens_per_micro_batch is not None and not c.padding_free:
-        out.append(f"max_tokens_per_micro_batch={c.max_tokens_per_micro_batch} is set but padding_free is off (the "
-                   "budget sizes packed micro-batches); set padding_free: true or remove max_tokens_per_micro_batch.")
-    elif c.max_tokens_per_micro_batch is not None and c.max_tokens_per_micro_batch < row:
-        out.append(f"max_tokens_per_micro_batch={c.max_tokens_per_micro_batch} is below one packed row "
-                   f"(max_prompt_length {c.max_prompt_length} + response_length {c.response_length} = {row} slots, "
-                   f"which a single sequence may fill); set it to at least {row}, e.g. {4 * row}.")
+    out.extend(packing_problems(c))
     lora_set = [f"{n}={getattr(c, n)!r}" for n in ("lora_alpha", "lora_dropout", "lora_target_modules")
                 if getattr(c, n) != _FIELDS[n].default]
     if c.lora_r == 0 and lora_set:
@@ -349,10 +343,6 @@ def _objective_problems(c: PPOConfig) -> list[str]:
     if sequence_advantages and not _per_sequence_advantages(c.advantage_estimator):
         out.append(f"{name} reads one advantage per sequence, but advantage_estimator={c.advantage_estimator!r} "
                    "gives each token its own; use advantage_estimator: grpo, rloo or reinforce_pp_baseline.")
-    if c.top_entropy_quantile < 1 and c.padding_free:
-        out.append(f"top_entropy_quantile={c.top_entropy_quantile} picks tokens by a micro-batch's entropy "
-                   "quantile, and padding_free's packed micro-batches hold other rows than the padded ones; set "
-                   "padding_free: false or top_entropy_quantile: 1.0.")
     if c.mask_truncated_completions and c.stop_token is None and c.stop_token_id is None:
         out.append("mask_truncated_completions=True leaves out the responses without the stop token, which is "
                    "every response without one: set stop_token: eos (or stop_token_id), or remove "

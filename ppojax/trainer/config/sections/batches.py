@@ -51,9 +51,43 @@ class BatchSettings:
     """With padding_free: token slots per device per packed micro-batch (a multiple of max_prompt_length +
     response_length; the rows it holds bound the activation memory). None: a padded micro-batch's rows (the
     rollout's forwards: local_rollout_forward_batch_size rows when set)."""
+    packed_row_length: Optional[int] = setting(None, static=True, on_resume=MAY_CHANGE, rule=at_least(1))
+    """With padding_free: slots per packed row in the update's and the rollout's policy, reference and value
+    forwards (None: max_prompt_length + response_length, a padded row). Longer rows let sequences longer than half
+    a padded row share one (at a padded row's length they never do); the attention of a row still spans the whole
+    row (docs/packing.md). A reward model's forward keeps rows of a padded row's length."""
     logits_chunk_size: Optional[int] = setting(None, static=True, on_resume=MAY_CHANGE, rule=at_least(1))
     """Response positions per float32 logits chunk in log-prob computations (bounds [rows, chunk, vocab]
     memory). None: all positions at once when a micro-batch's logits fit in 256 MB per device, else the
     largest chunk that fits (chunks are recomputed in the backward pass instead of stored)."""
     num_ppo_epochs: int = setting(4, static=True, on_resume=MAY_CHANGE, rule=at_least(1))
     """Passes over each rollout batch per update."""
+
+
+def packing_problems(c) -> list[str]:
+    """What is wrong with a config's packing settings (padding_free and what sizes its rows), each with its fix."""
+    out = []
+    row = c.max_prompt_length + c.response_length
+    if c.max_tokens_per_micro_batch is not None and not c.padding_free:
+        out.append(f"max_tokens_per_micro_batch={c.max_tokens_per_micro_batch} is set but padding_free is off (the "
+                   "budget sizes packed micro-batches); set padding_free: true or remove max_tokens_per_micro_batch.")
+    elif c.max_tokens_per_micro_batch is not None and c.max_tokens_per_micro_batch < row:
+        out.append(f"max_tokens_per_micro_batch={c.max_tokens_per_micro_batch} is below one packed row "
+                   f"(max_prompt_length {c.max_prompt_length} + response_length {c.response_length} = {row} slots, "
+                   f"which a single sequence may fill); set it to at least {row}, e.g. {4 * row}.")
+    if c.packed_row_length is not None and not c.padding_free:
+        out.append(f"packed_row_length={c.packed_row_length} is set but padding_free is off (it sizes packed rows); "
+                   "set padding_free: true or remove packed_row_length.")
+    elif c.packed_row_length is not None and c.packed_row_length < row:
+        out.append(f"packed_row_length={c.packed_row_length} is below a padded row (max_prompt_length "
+                   f"{c.max_prompt_length} + response_length {c.response_length} = {row} slots, which a single "
+                   f"sequence may fill); set it to at least {row}, e.g. {2 * row}, or remove it.")
+    elif (c.packed_row_length is not None and c.max_tokens_per_micro_batch is not None
+          and c.max_tokens_per_micro_batch < c.packed_row_length):
+        out.append(f"max_tokens_per_micro_batch={c.max_tokens_per_micro_batch} is below one packed row "
+                   f"(packed_row_length={c.packed_row_length}); set it to at least {c.packed_row_length}.")
+    if c.top_entropy_quantile < 1 and c.padding_free:
+        out.append(f"top_entropy_quantile={c.top_entropy_quantile} picks tokens by a micro-batch's entropy "
+                   "quantile, and padding_free's packed micro-batches hold other rows than the padded ones; set "
+                   "padding_free: false or top_entropy_quantile: 1.0.")
+    return out
