@@ -67,25 +67,23 @@ class BatchSettings:
 def packing_problems(c) -> list[str]:
     """What is wrong with a config's packing settings (padding_free and what sizes its rows), each with its fix."""
     out = []
+    for name, what in (("max_tokens_per_micro_batch", "the budget sizes packed micro-batches"),
+                       ("packed_row_length", "it sizes packed rows")):
+        if getattr(c, name) is not None and not c.padding_free:
+            out.append(f"{name}={getattr(c, name)} is set but padding_free is off ({what}); set padding_free: true "
+                       f"or remove {name}.")
     row = c.max_prompt_length + c.response_length
-    if c.max_tokens_per_micro_batch is not None and not c.padding_free:
-        out.append(f"max_tokens_per_micro_batch={c.max_tokens_per_micro_batch} is set but padding_free is off (the "
-                   "budget sizes packed micro-batches); set padding_free: true or remove max_tokens_per_micro_batch.")
-    elif c.max_tokens_per_micro_batch is not None and c.max_tokens_per_micro_batch < row:
-        out.append(f"max_tokens_per_micro_batch={c.max_tokens_per_micro_batch} is below one packed row "
-                   f"(max_prompt_length {c.max_prompt_length} + response_length {c.response_length} = {row} slots, "
-                   f"which a single sequence may fill); set it to at least {row}, e.g. {4 * row}.")
-    if c.packed_row_length is not None and not c.padding_free:
-        out.append(f"packed_row_length={c.packed_row_length} is set but padding_free is off (it sizes packed rows); "
-                   "set padding_free: true or remove packed_row_length.")
-    elif c.packed_row_length is not None and c.packed_row_length < row:
-        out.append(f"packed_row_length={c.packed_row_length} is below a padded row (max_prompt_length "
-                   f"{c.max_prompt_length} + response_length {c.response_length} = {row} slots, which a single "
-                   f"sequence may fill); set it to at least {row}, e.g. {2 * row}, or remove it.")
-    elif (c.packed_row_length is not None and c.max_tokens_per_micro_batch is not None
-          and c.max_tokens_per_micro_batch < c.packed_row_length):
-        out.append(f"max_tokens_per_micro_batch={c.max_tokens_per_micro_batch} is below one packed row "
-                   f"(packed_row_length={c.packed_row_length}); set it to at least {c.packed_row_length}.")
+    padded_row = (f"max_prompt_length {c.max_prompt_length} + response_length {c.response_length} = {row} slots, "
+                  "which a single sequence may fill")
+    longer_rows = c.packed_row_length is not None and c.packed_row_length >= row
+    if c.padding_free and c.packed_row_length is not None and not longer_rows:
+        out.append(f"packed_row_length={c.packed_row_length} is below a padded row ({padded_row}); set it to at "
+                   f"least {row}, e.g. {2 * row}, or remove it.")
+    packed_row = c.packed_row_length if longer_rows else row
+    if c.padding_free and c.max_tokens_per_micro_batch is not None and c.max_tokens_per_micro_batch < packed_row:
+        size = f"packed_row_length={packed_row}" if longer_rows else padded_row
+        out.append(f"max_tokens_per_micro_batch={c.max_tokens_per_micro_batch} is below one packed row ({size}); "
+                   f"set it to at least {packed_row}, e.g. {4 * packed_row}.")
     if c.top_entropy_quantile < 1 and c.padding_free:
         out.append(f"top_entropy_quantile={c.top_entropy_quantile} picks tokens by a micro-batch's entropy "
                    "quantile, and padding_free's packed micro-batches hold other rows than the padded ones; set "
