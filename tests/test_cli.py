@@ -44,7 +44,8 @@ def tiny_dirs(tmp_path_factory):
 def test_train_command_writes_every_output(tiny_dirs, tmp_path, capsys):
     out = tmp_path / "run"
     code = main(["train", str(REPO / "configs/tiny.yaml"), f"model_name_or_path={tiny_dirs / 'model'}",
-                 f"dataset={tiny_dirs / 'prompts.jsonl'}", f"output_dir={out}", "eval_steps=2", "logging_steps=3"])
+                 f"dataset={tiny_dirs / 'prompts.jsonl'}", f"output_dir={out}", "eval_steps=2", "logging_steps=3",
+                 "export_check=null"])
     assert code == 0
     summary = json.loads((out / "summary.json").read_text())
     # the held-out prompts scored before, every eval_steps updates (the last one is the after-training score)
@@ -111,7 +112,8 @@ def test_a_policy_too_large_for_the_automatic_export_check_is_exported_unchecked
     monkeypatch.setattr(ppojax.trainer.export_check, "AUTO_MAX_PARAMS", 1000)
     out = tmp_path / "run"
     code = main(["train", str(REPO / "configs/tiny.yaml"), f"model_name_or_path={tiny_dirs / 'model'}",
-                 f"dataset={tiny_dirs / 'prompts.jsonl'}", f"output_dir={out}", "total_episodes=16"])
+                 f"dataset={tiny_dirs / 'prompts.jsonl'}", f"output_dir={out}", "total_episodes=16",
+                 "export_check=null"])
     assert code == 0
     printed = capsys.readouterr().out
     assert "the export is not checked against transformers: the policy has" in printed

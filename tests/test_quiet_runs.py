@@ -91,7 +91,7 @@ def test_the_export_check_prints_no_load_report(tiny_dirs, tmp_path, cli_env):
     line about the check."""
     out = tmp_path / "run"
     proc = _train(tiny_dirs, out, cli_env, "value_head=policy", "num_eval_prompts=4", "total_episodes=16",
-                  "save_steps=0", "learning_rate=1e-4")
+                  "save_steps=0", "learning_rate=1e-4", "export_check=true")
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text[-3000:]
     assert "ppojax: transformers reproduces ppojax's greedy continuations: True" in proc.stdout
