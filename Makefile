@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.ppojax-installed
-INSTALL := sh -c '$(VENV)/bin/uv pip install -q --python $(PY) "$$@" || $(PIP) install -q "$$@"' install
+INSTALL := sh -c '$(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) "$$@" || $(PIP) install -q "$$@"' install
 
 .PHONY: demo test test-fast test-plan-table install bench bench-quick
 
