@@ -8,6 +8,7 @@
     environments.py  the environment protocol (reset/step), the adapter for TRL's environment classes, the pool
     episodes.py      a batch of episodes between model turns: environments stepped, observations as template tokens
     templates.py     whether a chat template shows tools; a ChatML template with tools (for SmolLM2)
+    demonstrations.py  written episodes laid out as sampled ones, for a warm start before RL
     loading.py       tools, environments and parsers named 'module:name' in a config
 
 Nothing here touches the model or JAX: the multi-turn sampler (``ppojax.rl.episodes``) calls it between turns.

@@ -5,6 +5,10 @@ problem out instead of computing in its head.
 with Python's ``ast`` (no names, calls or attributes: nothing but arithmetic runs). A bad expression raises, and
 the model gets the error as the tool's answer (ppojax.agents.tools).
 
+``demonstration`` writes the episode a tool user would have on an arithmetic record (a call with the problem's
+expression, the result, the final answer): the turns ``ppojax.agents.demonstrations.episode_stream`` lays out
+for a warm start (``examples/calculator_warm_start.py``).
+
 ``with_tool_examples`` turns an arithmetic record's prompt into a conversation that opens with two worked problems,
 each answered by a call to ``calculate``, its result and the final ``#### <n>`` (the built-in dataset
 ``arithmetic_tools``): a model too small to call a tool it has only seen described may copy one it has seen used.
@@ -12,9 +16,10 @@ each answered by a call to ``calculate``, its result and the final ``#### <n>`` 
 from __future__ import annotations
 
 import ast
+import json
 import operator
 
-__all__ = ["TOOL_EXAMPLES", "calculate", "with_tool_examples"]
+__all__ = ["TOOL_EXAMPLES", "calculate", "demonstration", "working_expression", "with_tool_examples"]
 
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 _MAX_DIGITS = 30
@@ -72,3 +77,24 @@ def with_tool_examples(record: dict, instruction: str) -> dict:
                      {"role": "tool", "content": result},
                      {"role": "assistant", "content": wording.format(result=result) + f"\n#### {result}"}]
     return dict(record, prompt=messages + [{"role": "user", "content": record["prompt"]}])
+
+
+def working_expression(answer: str) -> str:
+    """The one expression of an arithmetic record's working (``"6 + 15 = 21\\n21 - 6 = 15\\n#### 15"`` ->
+    ``"6 + 15 - 6"``): each later line's operation applied to the running result."""
+    lines = answer.split("\n")[:-1]
+    expression = lines[0].split(" = ")[0]
+    for line in lines[1:]:
+        _, op, operand = line.split(" = ")[0].split(" ")
+        expression = f"{expression} {op} {operand}"
+    return expression
+
+
+def demonstration(record: dict) -> list:
+    """The episode of a model that calls ``calculate`` on an arithmetic record: a list of
+    ``ppojax.agents.demonstrations.Turn`` (the call and its result, then the final answer)."""
+    expression = working_expression(record["answer"])
+    result = calculate(expression)
+    call = '<tool_call>\n{"name": "calculate", "arguments": ' + json.dumps({"expression": expression}) + \
+        "}\n</tool_call>"
+    return [(call, [{"role": "tool", "content": result}]), (f"{expression} = {result}\n#### {result}", None)]
