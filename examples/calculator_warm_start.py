@@ -44,8 +44,8 @@ def main(argv=None):
                             tools=tool_schemas([calculate]))
     lines = arithmetic_split("arithmetic").read_text().splitlines()
     records = [json.loads(line) for line in lines[len(lines) - args.episodes:]]
-    streams = [episode_stream(renderer, [{"role": "user", "content": r["prompt"]}], demonstration(r),
-                              end_of_turn_id=tokenizer.convert_tokens_to_ids(end_of_turn)) for r in records]
+    streams = [episode_stream(renderer, demonstration(r), end_of_turn_id=tokenizer.convert_tokens_to_ids(end_of_turn))
+               for r in records]
     batch = pad_streams(streams, tokenizer.pad_token_id)
     print(f"{len(streams)} episodes of up to {batch['ids'].shape[1]} tokens, {int(batch['trained'].sum())} trained")
 

@@ -7,15 +7,13 @@
 - The masked loss equals a plain numpy cross-entropy over the trained positions; the warm start takes the steps
   its mini-batches make and teaches the tiny model a demonstrated message.
 """
-import json
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from ppojax.agents import CHATML_TOOLS_TEMPLATE, ChatRenderer, tool_schemas
+from ppojax.agents import CHATML_TOOLS_TEMPLATE, ChatRenderer, ToolCall, parse_hermes, tool_schemas
 from ppojax.agents.demonstrations import episode_stream
 from ppojax.models import apply_causal_lm
 from ppojax.tasks.arithmetic import KINDS, problems
@@ -37,16 +35,9 @@ def test_a_calculator_demonstration_is_the_templates_rendering_of_its_conversati
     renderer = ChatRenderer(tokenizer, end_of_turn="<|im_end|>", chat_template=CHATML_TOOLS_TEMPLATE,
                             tools=tool_schemas([calculate]))
     record = next(problems(3, 1, kinds=("two_steps",)))
-    prompt = [{"role": "user", "content": record["prompt"]}]
-    turns = demonstration(record)
-    ids, trained = episode_stream(renderer, prompt, turns, end_of_turn_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    conversation = demonstration(record)
+    ids, trained = episode_stream(renderer, conversation, end_of_turn_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))
 
-    expression = working_expression(record["answer"])
-    result = record["answer"].split("#### ")[1]
-    call = {"type": "function", "function": {"name": "calculate", "arguments": {"expression": expression}}}
-    conversation = prompt + [{"role": "assistant", "content": "", "tool_calls": [call]},
-                             {"role": "tool", "content": result},
-                             {"role": "assistant", "content": f"{expression} = {result}\n#### {result}"}]
     rendered = tokenizer.apply_chat_template(conversation, tools=tool_schemas([calculate]),
                                              chat_template=CHATML_TOOLS_TEMPLATE, tokenize=False)
     assert rendered.endswith("<|im_end|>\n")
@@ -60,8 +51,17 @@ def test_a_calculator_demonstration_is_the_templates_rendering_of_its_conversati
             pieces.append(tokenizer.decode(run))
             run = []
     pieces.append(tokenizer.decode(run))
-    assert pieces == [turns[0][0] + "<|im_end|>", turns[1][0] + "<|im_end|>"]
-    assert json.loads(turns[0][0].split("\n")[1]) == {"name": "calculate", "arguments": {"expression": expression}}
+    expression = working_expression(record["answer"])
+    result = record["answer"].split("#### ")[1]
+    call = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "' + expression + '"}}\n</tool_call>'
+    assert pieces == [call + "<|im_end|>", f"{expression} = {result}\n#### {result}<|im_end|>"]
+    assert parse_hermes(call).calls == (ToolCall("calculate", {"expression": expression}),)  # what the run parses
+
+
+def test_a_demonstration_without_a_model_message_is_refused():
+    renderer = ChatRenderer(smollm2_tokenizer(), end_of_turn="<|im_end|>", chat_template=CHATML_TOOLS_TEMPLATE)
+    with pytest.raises(ValueError, match="needs an assistant message"):
+        episode_stream(renderer, [{"role": "user", "content": "hi"}], end_of_turn_id=2)
 
 
 @pytest.mark.parametrize("kind", KINDS)

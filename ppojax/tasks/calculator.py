@@ -5,9 +5,9 @@ problem out instead of computing in its head.
 with Python's ``ast`` (no names, calls or attributes: nothing but arithmetic runs). A bad expression raises, and
 the model gets the error as the tool's answer (ppojax.agents.tools).
 
-``demonstration`` writes the episode a tool user would have on an arithmetic record (a call with the problem's
-expression, the result, the final answer): the turns ``ppojax.agents.demonstrations.episode_stream`` lays out
-for a warm start (``examples/calculator_warm_start.py``).
+``demonstration`` writes the conversation a tool user would have on an arithmetic record (a call with the
+problem's expression, the result, the final answer), which ``ppojax.agents.demonstrations.episode_stream`` lays
+out for a warm start (``examples/calculator_warm_start.py``).
 
 ``with_tool_examples`` turns an arithmetic record's prompt into a conversation that opens with two worked problems,
 each answered by a call to ``calculate``, its result and the final ``#### <n>`` (the built-in dataset
@@ -16,7 +16,6 @@ each answered by a call to ``calculate``, its result and the final ``#### <n>`` 
 from __future__ import annotations
 
 import ast
-import json
 import operator
 
 __all__ = ["TOOL_EXAMPLES", "calculate", "demonstration", "working_expression", "with_tool_examples"]
@@ -91,10 +90,12 @@ def working_expression(answer: str) -> str:
 
 
 def demonstration(record: dict) -> list:
-    """The episode of a model that calls ``calculate`` on an arithmetic record: a list of
-    ``ppojax.agents.demonstrations.Turn`` (the call and its result, then the final answer)."""
+    """The conversation of a model that calls ``calculate`` on an arithmetic record (chat messages, the call as a
+    structured tool call): the prompt, the call, the tool's result, the final answer."""
     expression = working_expression(record["answer"])
     result = calculate(expression)
-    call = '<tool_call>\n{"name": "calculate", "arguments": ' + json.dumps({"expression": expression}) + \
-        "}\n</tool_call>"
-    return [(call, [{"role": "tool", "content": result}]), (f"{expression} = {result}\n#### {result}", None)]
+    call = {"type": "function", "function": {"name": "calculate", "arguments": {"expression": expression}}}
+    return [{"role": "user", "content": record["prompt"]},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": result},
+            {"role": "assistant", "content": f"{expression} = {result}\n#### {result}"}]

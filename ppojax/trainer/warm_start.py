@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 
-from ppojax.models import apply_causal_lm
+from ppojax.rl.forward import logprobs_from_hidden
 
 __all__ = ["masked_nll", "pad_streams", "warm_start"]
 
@@ -35,13 +36,15 @@ def pad_streams(streams: Sequence[tuple[list, list]], pad_token_id: int) -> dict
     return out
 
 
-def masked_nll(graphdef, params, ids, attention_mask, trained) -> jax.Array:
-    """Mean negative log-likelihood of the trained tokens (each predicted from the tokens before it) -> f32[]."""
-    logits, _, _ = apply_causal_lm(graphdef, params, ids, attention_mask)
-    logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
-    nll = -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)[..., 0]
+def masked_nll(graphdef, params, ids, attention_mask, trained, *, chunk_size=None) -> jax.Array:
+    """Mean negative log-likelihood of the trained tokens (each predicted from the tokens before it) -> f32[]; the
+    log-probs as the run's forwards compute them (``logprobs_from_hidden`` at temperature 1, ``chunk_size`` time
+    steps of logits at a time)."""
+    model = nnx.merge(graphdef, params)
+    hidden, _ = model(ids, attention_mask, None, None)
+    logprobs, _ = logprobs_from_hidden(model, hidden[:, :-1], ids[:, 1:], 1.0, chunk_size=chunk_size)
     weight = trained[:, 1:].astype(jnp.float32)
-    return (nll * weight).sum() / jnp.maximum(weight.sum(), 1.0)
+    return -(logprobs * weight).sum() / jnp.maximum(weight.sum(), 1.0)
 
 
 def warm_start(graphdef, params, batch: dict, *, learning_rate: float, batch_size: int, epochs: int,
