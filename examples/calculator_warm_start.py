@@ -21,6 +21,8 @@ from flax import nnx
 from ppojax import assets
 from ppojax.agents import CHATML_TOOLS_TEMPLATE, ChatRenderer, tool_schemas
 from ppojax.agents.demonstrations import episode_stream
+from ppojax.errors import ExportDirError
+from ppojax.io.export_dir import check_export_target
 from ppojax.models import load_pretrained, load_tokenizer, save_pretrained
 from ppojax.tasks.calculator import calculate, demonstration
 from ppojax.trainer.data import arithmetic_split
@@ -36,13 +38,24 @@ def main(argv=None):
     parser.add_argument("--learning-rate", type=float, default=3e-5)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    lines = arithmetic_split("arithmetic").read_text().splitlines()
+    # a bad value is refused here, before the model loads or trains
+    if not 1 <= args.episodes <= len(lines):
+        parser.error(f"--episodes {args.episodes}: expected 1 to the {len(lines)} problems of the train split")
+    if not 1 <= args.batch_size <= args.episodes:
+        parser.error(f"--batch-size {args.batch_size}: expected 1 to --episodes ({args.episodes})")
+    if args.epochs < 1 or args.learning_rate <= 0:
+        parser.error("--epochs and --learning-rate must be positive")
+    try:
+        check_export_target(args.out)
+    except ExportDirError as err:
+        parser.error(f"--out: {err}")
 
     folder = assets.smollm2_checkpoint()
     tokenizer = load_tokenizer(folder)
     end_of_turn = "<|im_end|>"  # ChatML's, the run's stop token (stop_token: eos)
     renderer = ChatRenderer(tokenizer, end_of_turn=end_of_turn, chat_template=CHATML_TOOLS_TEMPLATE,
                             tools=tool_schemas([calculate]))
-    lines = arithmetic_split("arithmetic").read_text().splitlines()
     records = [json.loads(line) for line in lines[len(lines) - args.episodes:]]
     streams = [episode_stream(renderer, demonstration(r), end_of_turn_id=tokenizer.convert_tokens_to_ids(end_of_turn))
                for r in records]

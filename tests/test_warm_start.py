@@ -7,6 +7,8 @@
 - The masked loss equals a plain numpy cross-entropy over the trained positions; the warm start takes the steps
   its mini-batches make and teaches the tiny model a demonstrated message.
 """
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -114,3 +116,30 @@ def test_the_warm_start_teaches_a_demonstrated_message():
     assert any(not np.allclose(a, b) for a, b in zip(untouched, jax.tree.leaves(trained)))
     with pytest.raises(ValueError, match="batch_size=5: expected 1 to the 4 streams given"):
         warm_start(graphdef, params, batch, learning_rate=1e-2, batch_size=5, epochs=1)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--episodes", "0"], "--episodes 0: expected 1 to the 2000 problems"),
+    (["--batch-size", "65"], r"--batch-size 65: expected 1 to --episodes \(64\)"),
+    (["--epochs", "0"], "--epochs and --learning-rate must be positive"),
+    (["--taken"], "already holds files that ppojax did not export"),
+])
+def test_the_warm_start_example_refuses_a_bad_value_before_loading_the_model(args, message, tmp_path, capsys,
+                                                                             monkeypatch):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "calculator_warm_start", Path(__file__).parents[1] / "examples" / "calculator_warm_start.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    monkeypatch.setattr(example, "load_pretrained", lambda *a, **k: pytest.fail("the model was loaded"))
+    out = tmp_path / "out"
+    if args == ["--taken"]:
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+        args = []
+    with pytest.raises(SystemExit) as exit_info:
+        example.main(["--out", str(out), *args])
+    assert exit_info.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
