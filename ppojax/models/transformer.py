@@ -188,6 +188,25 @@ class KVCache:
         return jnp.dtype(self.value_dtype) if self.value_dtype else self.keys.dtype
 
 
+@flax.struct.dataclass
+class PromptKV:
+    """Every layer's keys and values of some rows' tokens, for a forward of the tokens that follow them
+    (`Backbone.forward(..., prefix=)`): the G samples of a prompt attend to its keys and values computed once.
+
+    keys, values: [L, B, P, K, hd] (compute dtype, after the position encoding); key_mask: bool[B, P] (True = a
+    real token).
+    """
+
+    keys: Array
+    values: Array
+    key_mask: Array
+
+    def repeat_rows(self, times: int) -> "PromptKV":
+        """Each row `times` times, the copies consecutive (row b of the result is row b // times)."""
+        return PromptKV(keys=jnp.repeat(self.keys, times, axis=1), values=jnp.repeat(self.values, times, axis=1),
+                        key_mask=jnp.repeat(self.key_mask, times, axis=0))
+
+
 def init_cache(cfg: ModelConfig, batch_size: int, max_length: int, dtype=jnp.float32,
                kernels: Kernels = XLA) -> KVCache:
     """An empty cache for `max_length` slots (prompt + generated tokens) of `dtype` keys and values, stored as
@@ -277,7 +296,7 @@ def _project(x: Array, d: dict, dtype, lora_scale: float | None, kernels: Kernel
 def _block(cfg: ModelConfig, dtype, inv_freq, p: dict, x: Array, positions: Array, mask: Array,
            layer_idx, kv: tuple | None, cache_index, attn_kwargs: dict, lora_scale: float | None = None,
            cache_dtype=None, kernels: Kernels = XLA, products: dict | None = None,
-           slots_read: int | None = None):
+           slots_read: int | None = None, prefix: tuple | None = None):
     """One transformer layer on `x: [B, S, D]` with this layer's weights `p` (no `layers` axis).
 
     `mask: bool[B, S, T]`. With `kv = (keys, values)` (the whole stacked cache `[L, B, T, K, hd]`), the new keys and
@@ -288,7 +307,9 @@ def _block(cfg: ModelConfig, dtype, inv_freq, p: dict, x: Array, positions: Arra
     projections carry (`lora.py`; None without adapters). `cache_dtype`: the dtype of the cache's keys and values
     (`KVCache.dtype`), stored as `kernels` store it. `kernels`: the model's backend operations; `products`: this layer's
     `kernels.layer_products` (projections whose kernels the backend reads where they lie in the stack; absent from `p`).
-    Returns `(x, kv)`.
+    `prefix`: this layer's keys and values of tokens before the call's (`[B, Pk, K, hd]` each, a shared prompt's:
+    `PromptKV`), which the call's queries also attend to (`mask: bool[B, S, Pk + S]`); only without `kv`.
+    Returns `(x, kv, (k, v))`: the call's own keys and values, `[B, S, K, hd]` each, after the position encoding.
     """
     products = products or {}
 
@@ -311,6 +332,10 @@ def _block(cfg: ModelConfig, dtype, inv_freq, p: dict, x: Array, positions: Arra
         # scale as a constant, so the per-layer factor is folded into q
         q = q * (1.0 / (layer_idx + 1).astype(jnp.float32)).astype(q.dtype)
     scale = cfg.head_dim ** -0.5
+    own = (k, v)
+    if prefix is not None:
+        k = jnp.concatenate([prefix[0].astype(k.dtype), k], axis=1)
+        v = jnp.concatenate([prefix[1].astype(v.dtype), v], axis=1)
     o = None
     if kv is not None:
         all_k, all_v = kv
@@ -361,7 +386,7 @@ def _block(cfg: ModelConfig, dtype, inv_freq, p: dict, x: Array, positions: Arra
     else:
         x = x + attn_out
         x = x + mlp(_norm(cfg, x, p["mlp_norm"]))
-    return x, kv
+    return x, kv, own
 
 
 @jax.custom_vjp
@@ -506,15 +531,24 @@ class Backbone(nnx.Module):
         return self.forward(input_ids, attention_mask, position_ids, None, segment_ids)[0]
 
     def forward(self, input_ids: Array, attention_mask: Array, position_ids: Array | None = None,
-                cache: KVCache | None = None, segment_ids: Array | None = None) -> tuple[Array, KVCache | None]:
+                cache: KVCache | None = None, segment_ids: Array | None = None, prefix: PromptKV | None = None,
+                return_kv: bool = False) -> tuple[Array, KVCache | PromptKV | None]:
         """As `__call__`, with an optional KV cache -> (hidden [B, S, D], updated cache or None).
 
         With a cache (generation) the weights are read as the kernels read them once per token
-        (`Kernels.read_only_layers`): differentiate a forward without one."""
+        (`Kernels.read_only_layers`): differentiate a forward without one.
+        `prefix`: keys and values of tokens that come before these in every row ([L, B, Pk, ...]); the call's tokens
+        attend to them (where `prefix.key_mask`) and, causally, to each other; give `position_ids` that go on from
+        the prefix's. Differentiable, as the forward that returned them. `return_kv`: the second output is the
+        call's own keys and values (`PromptKV` over its S tokens) instead of a cache."""
         cfg = self.cfg
         attention_mask = attention_mask.astype(bool)
         if segment_ids is not None and cache is not None:
             raise ValueError("segment_ids (packed rows) are for forwards without a KV cache")
+        if cache is not None and (prefix is not None or return_kv):
+            raise ValueError("prefix and return_kv are for forwards without a KV cache")
+        if prefix is not None and (segment_ids is not None or position_ids is None):
+            raise ValueError("a forward after a prefix takes explicit position_ids and no segment_ids")
         if position_ids is None:
             if cache is not None:
                 raise ValueError("position_ids are required when calling the model with a KV cache")
@@ -526,7 +560,13 @@ class Backbone(nnx.Module):
         # kernel skip blocks the mask rules out anyway (see attention.attention)
         sliding = np.asarray(cfg.sliding_layers)
         attn_kwargs = {}
-        if cache is None:
+        if prefix is not None:  # the prefix's slots first, then the call's: a mask no hint describes
+            pk = prefix.key_mask.shape[1]
+            q_slot = pk + jnp.arange(s)
+            k_slot = jnp.arange(pk + s)
+            key_mask = jnp.concatenate([prefix.key_mask.astype(bool), attention_mask], axis=1)
+            index = None
+        elif cache is None:
             q_slot = jnp.arange(s)
             k_slot = jnp.arange(s)
             key_mask = attention_mask
@@ -568,27 +608,34 @@ class Backbone(nnx.Module):
 
         def body(carry, xs):
             x, kv = carry
-            p, layer_idx, is_sliding = xs
+            p, layer_idx, is_sliding, layer_prefix = xs
             p = restore(p)
             m = jnp.where(is_sliding, window_mask, mask) if sliding.any() else mask
-            x, kv = _block(cfg, self.dtype, inv_freq, p, x.astype(layer_dtype), position_ids, m, layer_idx, kv,
-                           index, attn_kwargs, self.lora_scale, None if cache is None else cache.dtype,
-                           kernels, kernels.layer_products(split, layer_idx),
-                           None if cache is None else cache.slots_read)
-            return (to_stream(x), kv), None
+            x, kv, own = _block(cfg, self.dtype, inv_freq, p, x.astype(layer_dtype), position_ids, m, layer_idx, kv,
+                                index, attn_kwargs, self.lora_scale, None if cache is None else cache.dtype,
+                                kernels, kernels.layer_products(split, layer_idx),
+                                None if cache is None else cache.slots_read, layer_prefix)
+            return (to_stream(x), kv), (own if return_kv else None)
 
         # under scan, XLA cannot merge the recomputation into the forward anyway (jax.checkpoint's docs)
         body = remat_layer(body, self.remat, kernels.dots_policy(), prevent_cse=not self.scan_layers)
         kv = None if cache is None else (cache.keys, cache.values)
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         x = to_stream(x)
+        prefix_kv = None if prefix is None else (prefix.keys, prefix.values)
         if self.scan_layers:
-            (x, kv), _ = jax.lax.scan(body, (x, kv), (layers, layer_ids, jnp.asarray(sliding)))
+            (x, kv), owns = jax.lax.scan(body, (x, kv), (layers, layer_ids, jnp.asarray(sliding), prefix_kv))
         else:
+            owns = []
             for i in range(cfg.num_layers):
                 p_i = jax.tree.map(lambda a: a[i], layers)
-                (x, kv), _ = body((x, kv), (p_i, layer_ids[i], jnp.asarray(sliding[i])))
+                layer_prefix = None if prefix_kv is None else (prefix_kv[0][i], prefix_kv[1][i])
+                (x, kv), own = body((x, kv), (p_i, layer_ids[i], jnp.asarray(sliding[i]), layer_prefix))
+                owns.append(own)
+            owns = jax.tree.map(lambda *a: jnp.stack(a), *owns) if return_kv else None
         x = _norm(cfg, x.astype(layer_dtype), nnx.to_pure_dict(nnx.state(self.final_norm)))
+        if return_kv:
+            return x, PromptKV(keys=owns[0], values=owns[1], key_mask=attention_mask)
         if cache is not None:
             cache = cache.replace(keys=kv[0], values=kv[1], key_mask=key_mask, index=cache.index + s)
         return x, cache
@@ -619,8 +666,9 @@ class CausalLM(nnx.Module):
             self.lm_head = nnx.Dict(kernel=init.normal((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab")))
 
     def __call__(self, input_ids: Array, attention_mask: Array, position_ids: Array | None = None,
-                 cache: KVCache | None = None, segment_ids: Array | None = None) -> tuple[Array, KVCache | None]:
-        return self.backbone.forward(input_ids, attention_mask, position_ids, cache, segment_ids)
+                 cache: KVCache | None = None, segment_ids: Array | None = None, prefix: PromptKV | None = None,
+                 return_kv: bool = False) -> tuple[Array, KVCache | PromptKV | None]:
+        return self.backbone.forward(input_ids, attention_mask, position_ids, cache, segment_ids, prefix, return_kv)
 
     @property
     def kernels(self) -> Kernels:

@@ -92,6 +92,48 @@ def padded_layout(query_responses, prompt_length, pad_id) -> Layout:
                   prompt_length - 1, -1)
 
 
+class SharedPromptLayout(NamedTuple):
+    """Padded rows whose consecutive groups of ``group`` rows hold the same prompt (GRPO's samples of a prompt),
+    read at the positions that predict the response, as :func:`padded_layout` reads them; the policy's forward
+    runs each group's prompt ONCE: the prompts' forward gives their keys and values, which the group's responses
+    attend to in a forward of the response slots only (``shared_prompt_forward``). Outputs equal the padded
+    forward's to float rounding; the prompt's matmuls are done once per group instead of once per row.
+
+    padded: the rows' ``padded_layout`` (its ``tokens``, and the value and reward models' forwards, which keep it);
+    prompt_length: P; group: G (the batch's rows are a multiple of it).
+    """
+
+    padded: Layout
+    prompt_length: int
+    group: int
+
+    @property
+    def tokens(self):
+        return self.padded.tokens
+
+    def hidden(self, lm):
+        """The padded layout's hidden states f[b, R, D]: each group's prompt through ``lm`` once (its keys and
+        values kept), then every row's response slots after its group's prompt."""
+        p, g = self.prompt_length, self.group
+        ids, mask, positions = self.padded._inputs
+        prompt_hidden, prompt_kv = lm(ids[::g, :p], mask[::g, :p], positions[::g, :p], return_kv=True)
+        response_hidden, _ = lm(ids[:, p:], mask[:, p:], positions[:, p:], prefix=prompt_kv.repeat_rows(g))
+        last_prompt = jnp.repeat(prompt_hidden[:, p - 1:], g, axis=0)  # predicts each row's first response token
+        return jnp.concatenate([last_prompt, response_hidden[:, :-1]], axis=1)
+
+    def scores(self, score_model):
+        """A ``ScoreModel``'s head at the read positions, from the padded forward (its prompt not shared)."""
+        return self.padded.scores(score_model)
+
+
+def row_layout(query_responses, prompt_length, pad_id, prompt_group: int = 1):
+    """The layout the update's and the rollout's forwards read padded rows i32[B, P+R] with:
+    :func:`padded_layout`, or with ``prompt_group`` G > 1 (rows ``[kG, (k+1)G)`` share a prompt) the
+    :class:`SharedPromptLayout` that runs each prompt once."""
+    layout = padded_layout(query_responses, prompt_length, pad_id)
+    return layout if prompt_group == 1 else SharedPromptLayout(layout, prompt_length, prompt_group)
+
+
 def response_hidden(lm, query_responses, prompt_length, pad_id):
     """Final hidden states that predict the response tokens.
 

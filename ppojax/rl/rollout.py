@@ -208,7 +208,7 @@ def experience_forwards(program, state, query_responses, prompt_length, sampler_
             state.params, state.frozen, query_responses, P,
             logits_chunk_size=batch.rollout_logits_chunk,
             forward_batch_size=batch.local_rollout_forward_batch_size,
-            with_full_kl=with_full_kl, behaviour_logprobs=sampler_logprobs)
+            with_full_kl=with_full_kl, behaviour_logprobs=sampler_logprobs, prompt_group=batch.prompt_group)
     num_eos = (jnp.sum(raw_responses == sampling.eos_token_id).astype(jnp.int32)
                if sampling.eos_token_id is not None else jnp.zeros((), jnp.int32))
     proximal = None

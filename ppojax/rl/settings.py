@@ -223,7 +223,9 @@ class BatchSettings:
     (None: all at once). padding_free: the update's forwards run on packed rows (``ppojax.rl.packed_update``),
     ``max_tokens_per_micro_batch`` tokens per device each (None: a padded micro-batch's rows), in rows of
     ``packed_row_length`` slots (None: a padded row's); vocab_size sizes
-    their logits chunks when ``logits_chunk_size`` is None (None: ``update_logits_chunk``)."""
+    their logits chunks when ``logits_chunk_size`` is None (None: ``update_logits_chunk``). prompt_group: G > 1
+    when the policy's and the reference's forwards run each prompt once for its G consecutive rows
+    (``shared_prompt_forward``; the update's mini-batches then hold whole groups); 1 otherwise."""
 
     batch_size: int
     mini_batch_size: int
@@ -237,6 +239,7 @@ class BatchSettings:
     packed_row_length: Optional[int] = None
     logits_chunk_size: Optional[int] = None
     vocab_size: Optional[int] = None
+    prompt_group: int = 1
 
 
 @dataclass(frozen=True)
@@ -309,7 +312,8 @@ class StepSettings:
             local_rollout_forward_batch_size=c.local_rollout_forward_batch_size,
             update_logits_chunk=update_chunk, rollout_logits_chunk=rollout_chunk, padding_free=c.padding_free,
             max_tokens_per_micro_batch=c.max_tokens_per_micro_batch, packed_row_length=c.packed_row_length,
-            logits_chunk_size=c.logits_chunk_size, vocab_size=vocab_size)
+            logits_chunk_size=c.logits_chunk_size, vocab_size=vocab_size,
+            prompt_group=c.num_generations if c.shared_prompt_forward else 1)
         dynamic = (DynamicSamplingSettings(prompts_per_round=sizes.prompts_per_round, max_rounds=c.max_num_gen_batches,
                                            metric=c.filter_groups_metric) if c.filter_groups else None)
         asynchronous = (AsyncSettings(max_staleness=c.max_staleness,

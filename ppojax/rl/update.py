@@ -6,7 +6,7 @@
         advantages    = advantage_estimator(rewards, values)                          # global statistics
         weights       = behaviour_weights(proximal, behaviour logprobs)               # off-policy corrections, if on
         for epoch (lax.scan, key_e = split(key, epochs)[e]):
-            order = permutation(key_e, B).reshape(num_mini_batches, -1)
+            order = epoch_order(key_e, B, num_mini_batches, G)  # whole groups with shared_prompt_forward
             for mini-batch (lax.scan): grads = sum over micro-batches (lax.scan) of token-weighted grads
                                        ONE optimizer step (skipped when non-finite)
         kl_coef       = adaptive_kl_update(kl_coef, kl)                               # legacy, off by default
@@ -156,15 +156,16 @@ def padding_metrics(batch: UpdateBatch, pad_token_id: int) -> dict:
 # The loss of one micro-batch
 # --------------------------------------------------------------------------------------------------
 def micro_batch_loss(actor_critic, algorithm, hyperparams, params, batch: UpdateBatch, policy_tokens, value_tokens,
-                     rows=None, frozen=None, logits_chunk_size=None):
+                     rows=None, frozen=None, logits_chunk_size=None, prompt_group=1):
     """PPO loss of one micro-batch on the current parameters, normalised by its mini-batch's live-token and
     row counts (None: its own), so micro-batch gradients sum to the mini-batch's (``frozen``: the state's
     frozen models, read by the policy under LoRA). algorithm: the static ``AlgorithmSettings``; hyperparams:
-    the traced ``Hyperparams`` (clip ranges, coefficients). Returns (loss, stats)."""
+    the traced ``Hyperparams`` (clip ranges, coefficients); prompt_group: ``BatchSettings.prompt_group`` (the
+    micro-batch's rows then whole groups). Returns (loss, stats)."""
     response_length = batch.logprobs.shape[1]
     prompt_length = batch.query_responses.shape[1] - response_length
     logprobs, entropy, vpred = actor_critic.evaluate(params, batch.query_responses, prompt_length, frozen=frozen,
-                                                     logits_chunk_size=logits_chunk_size)
+                                                     logits_chunk_size=logits_chunk_size, prompt_group=prompt_group)
     return loss_of_outputs(actor_critic, algorithm, hyperparams, logprobs, entropy, vpred, batch, policy_tokens,
                            value_tokens, rows)
 
@@ -247,7 +248,8 @@ def mini_batch_gradients(program, params, frozen, hyperparams, mini: UpdateBatch
             rows_per_micro=packed_rows, logits_chunk_size=packed_chunk, row_length=packed_length)
     grad_fn = jax.value_and_grad(
         lambda p, micro: micro_batch_loss(actor_critic, algorithm, hyperparams, p, micro, policy_tokens,
-                                          value_tokens, mini_size, frozen, batch_settings.update_logits_chunk),
+                                          value_tokens, mini_size, frozen, batch_settings.update_logits_chunk,
+                                          batch_settings.prompt_group),
         has_aux=True)
     if optim.gradient_accumulation_steps == 1:
         # No accumulator: zero-filling and adding a parameter-sized buffer costs ~3 % of a SmolLM2 update.
@@ -339,7 +341,7 @@ def learn(program, state, experience, key, reward_failed=None):
         return (new, stopped), stats
 
     def epoch_step(carry, epoch_key):
-        order = jax.random.permutation(epoch_key, batch_size).reshape(optim.num_mini_batches, mini_size)
+        order = epoch_order(epoch_key, batch_size, optim.num_mini_batches, program.settings.batch.prompt_group)
         return jax.lax.scan(mini_batch_step, carry, order)
 
     epoch_keys = jax.random.split(key, optim.num_ppo_epochs)
@@ -355,6 +357,16 @@ def learn(program, state, experience, key, reward_failed=None):
         new = jax.tree.map(lambda old, now: now if old is now else jnp.where(reward_failed, old, now), kept, new)
         metrics = {name: jnp.where(reward_failed, _nan_of(value), value) for name, value in metrics.items()}
     return new, metrics
+
+
+def epoch_order(key, batch_size: int, num_mini_batches: int, group: int = 1):
+    """The rows of each mini-batch of an epoch: i32[num_mini_batches, batch_size / num_mini_batches], a random
+    permutation of the batch's rows, or with ``group`` G > 1 of its groups of G consecutive rows (each group's rows
+    kept together and in order, so a mini-batch's forward can run each group's prompt once)."""
+    if group == 1:
+        return jax.random.permutation(key, batch_size).reshape(num_mini_batches, -1)
+    groups = jax.random.permutation(key, batch_size // group)
+    return (groups[:, None] * group + jnp.arange(group)).reshape(num_mini_batches, -1)
 
 
 def step_metrics(stats) -> dict:

@@ -12,7 +12,7 @@ import yaml
 
 from ppojax.errors import ConfigError
 from ppojax.trainer.config.schema import _FIELDS, _HINTS, FIELD_NAMES
-from ppojax.trainer.config.sections.batches import packing_problems
+from ppojax.trainer.config.sections.batches import packing_problems, shared_prompt_problems
 from ppojax.trainer.config.sections.models import IN_PLACE_MATMULS
 from ppojax.trainer.config.sections.offpolicy import _policy_objective_off_policy
 from ppojax.trainer.config.sections.objective import (POLICY_OBJECTIVE_NAME, _advantage_estimator_traits,
@@ -215,6 +215,7 @@ def _problems_together(c: PPOConfig) -> list[str]:
     except ConfigError as err:
         out.append(str(err))
         sizes = None
+    out.extend(shared_prompt_problems(c, None if sizes is None else sizes.micro_batch_size))
     forward = c.local_rollout_forward_batch_size
     if forward is not None and c.batch_size is not None and c.batch_size % forward:
         out.append(f"local_rollout_forward_batch_size={forward} does not divide batch_size={c.batch_size}; "

@@ -56,6 +56,13 @@ class BatchSettings:
     forwards (None: max_prompt_length + response_length, a padded row). Longer rows let sequences longer than half
     a padded row share one (at a padded row's length they never do); the attention of a row still spans the whole
     row (docs/packing.md). A reward model's forward keeps rows of a padded row's length."""
+    shared_prompt_forward: bool = setting(False, static=True, on_resume=MAY_CHANGE)
+    """Run each prompt once for its num_generations samples in the policy's and the reference's forwards (the
+    rollout's and the update's): the prompt's keys and values are computed once and every sample's response
+    attends to them, so a forward's matmuls cover prompts/num_generations + responses instead of every row's
+    prompt and response. Results equal the padded forward's to float rounding; the update's mini-batches then
+    hold whole groups (shuffled group by group). Pays when prompts are long against responses (a tool schema, a
+    few-shot prompt); needs num_generations >= 2 and the padded rows (not padding_free) (docs/packing.md)."""
     logits_chunk_size: Optional[int] = setting(None, static=True, on_resume=MAY_CHANGE, rule=at_least(1))
     """Response positions per float32 logits chunk in log-prob computations (bounds [rows, chunk, vocab]
     memory). None: all positions at once when a micro-batch's logits fit in 256 MB per device, else the
@@ -88,4 +95,27 @@ def packing_problems(c) -> list[str]:
         out.append(f"top_entropy_quantile={c.top_entropy_quantile} picks tokens by a micro-batch's entropy "
                    "quantile, and padding_free's packed micro-batches hold other rows than the padded ones; set "
                    "padding_free: false or top_entropy_quantile: 1.0.")
+    return out
+
+
+def shared_prompt_problems(c, micro_batch_size: Optional[int]) -> list[str]:
+    """What stops ``shared_prompt_forward`` from running each group's prompt once, each with its fix
+    (``micro_batch_size``: the derived one, None where the sizes did not derive)."""
+    if not c.shared_prompt_forward:
+        return []
+    g = c.num_generations
+    if g < 2:
+        return [f"shared_prompt_forward=True runs each prompt once for its samples, but num_generations={g} "
+                "samples each prompt once; set num_generations >= 2 or shared_prompt_forward: false."]
+    out = []
+    if c.padding_free:
+        out.append("shared_prompt_forward=True and padding_free=True: the packed rows run every sequence's prompt "
+                   "with it; keep one of them (shared_prompt_forward pays where prompts are long, padding_free "
+                   "where responses vary in length).")
+    for name, rows in (("micro_batch_size", micro_batch_size),
+                       ("local_rollout_forward_batch_size", c.local_rollout_forward_batch_size)):
+        if rows is not None and rows % g:
+            out.append(f"shared_prompt_forward=True needs whole groups in every forward, but {name}={rows} is not "
+                       f"a multiple of num_generations={g}; make it one (e.g. {max(g, rows - rows % g)}) or set "
+                       "shared_prompt_forward: false.")
     return out
