@@ -13,12 +13,12 @@ import pytest
 from flax import nnx
 
 from ppojax.errors import ConfigError
-from ppojax.models import CausalLM, ModelConfig
+from ppojax.models import CausalLM, ModelConfig, ScoreModel
 from ppojax.rl import rollout, update
 from ppojax.rl.forward import SharedPromptLayout, logprobs_from_hidden, row_layout
 from ppojax.rl.rewards import ModelScores
 from ppojax.trainer.config import PPOConfig
-from tests.test_packing import (PAD, TIGHT, B, P, R, actor_critic_for, experience_for, lengths_case, params_for,
+from tests.test_packing import (PAD, B, P, R, actor_critic_for, experience_for, lengths_case, params_for,
                                 program_for, state_for, synthetic_rows)
 from tests.tiny_setup import tiny_config
 
@@ -143,7 +143,7 @@ def test_an_update_with_a_shared_prompt_equals_the_padded_update(accumulation, m
 def test_experience_with_a_shared_prompt_equals_the_padded_one():
     """``rollout.experience`` (reference forward shared, a reward model's padded) equals the padded one, every field."""
     qr, _, _ = grouped_rows("uniform", 4)
-    score_def, weights = nnx.split(ScoreModelForTest())
+    score_def, weights = nnx.split(ScoreModel(tiny_config(), rngs=nnx.Rngs(6)))
     results = []
     for shared in (False, True):
         program, config = program_for("grpo", 1, False, optax.sgd(1.0), shared_prompt_forward=shared,
@@ -157,11 +157,6 @@ def test_experience_with_a_shared_prompt_equals_the_padded_one():
     for (path, a), (_, b) in zip(flat_a, flat_b):
         np.testing.assert_allclose(np.asarray(b, np.float64), np.asarray(a, np.float64), err_msg=str(path),
                                    rtol=1e-5, atol=1e-5)
-
-
-def ScoreModelForTest():
-    from ppojax.models import ScoreModel
-    return ScoreModel(tiny_config(), rngs=nnx.Rngs(6))
 
 
 GRPO = dict(advantage_estimator="grpo", num_generations=4)
