@@ -149,6 +149,7 @@ def test_derived_sets_are_what_the_fields_declare():
         "lora_dropout", "behaviour_logprobs", "rollout_slots", "padding_free", "max_tokens_per_micro_batch",
         "packed_row_length",  # a packed row's slots: the packing changes, not the numbers (issue 63)
         "shared_prompt_forward",  # each group's prompt once: the numbers to float rounding, whole groups a mini-batch
+        "shared_prompt_prefix",  # the prompts' shared start once: the numbers to float rounding
         "decode_segments",
         # the policy objectives (issue 61)
         "loss_type", "importance_sampling_level", "top_entropy_quantile", "mask_truncated_completions",

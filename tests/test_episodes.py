@@ -81,10 +81,10 @@ def run(policy, stop, prompts=PROMPTS, key=3, host=scripted_host, jitted=None):
     return fn(params, jnp.asarray(prompts), jax.random.key(key))
 
 
-def make_jitted(graphdef, stop, host=scripted_host):
+def make_jitted(graphdef, stop, host=scripted_host, **options):
     return jax.jit(lambda params, prompts, key: generate_episodes(
         graphdef, params, prompts, key, shape=SHAPE, host_turn=host, pad_token_id=PAD, stop_token_id=stop,
-        temperature=TEMPERATURE, top_k=TOP_K))
+        temperature=TEMPERATURE, top_k=TOP_K, **options))
 
 
 @pytest.fixture(scope="module")
@@ -333,3 +333,20 @@ def test_the_tail_on_fewer_rows_plays_the_same_episodes(policy, stop_token, epis
     out = play(policy, stop_token, slots=slots, tail_rows=tail_rows)
     assert (tail_rows, 1) in model_calls and (slots or B, 1) in model_calls
     assert_same_episodes(out, episodes)
+
+
+def test_a_shared_prefix_prefilled_once_plays_the_same_episodes(policy, stop_token):
+    """Every prompt starting with the same 2 tokens (``shared_prompt_prefix``): those prefilled once for the bank,
+    on 5 rows for the 12 episodes (refills from the bank), give the episodes of the plain prefill."""
+    prompts = PROMPTS.copy()
+    for i in range(B):
+        prompts[i, i % 3:i % 3 + 2] = (7, 9)
+    plain = jax.tree.map(np.asarray, run(policy, stop_token, prompts, jitted=make_jitted(policy[0], stop_token,
+                                                                                            slots=5)))
+    once = jax.tree.map(np.asarray, run(policy, stop_token, prompts, jitted=make_jitted(
+        policy[0], stop_token, slots=5, prefix_length=2)))
+    assert plain.environment_mask.sum() > 0 and (plain.turns > 1).any()
+    np.testing.assert_array_equal(once.stream, plain.stream)
+    np.testing.assert_array_equal(once.environment_mask, plain.environment_mask)
+    np.testing.assert_array_equal(once.turns, plain.turns)
+    np.testing.assert_allclose(once.logprobs, plain.logprobs, atol=2e-5)

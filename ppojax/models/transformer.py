@@ -206,6 +206,12 @@ class PromptKV:
         return PromptKV(keys=jnp.repeat(self.keys, times, axis=1), values=jnp.repeat(self.values, times, axis=1),
                         key_mask=jnp.repeat(self.key_mask, times, axis=0))
 
+    def followed_by(self, later: "PromptKV") -> "PromptKV":
+        """These tokens' keys and values, then ``later``'s (the same rows): the slots of both, in that order."""
+        return PromptKV(keys=jnp.concatenate([self.keys, later.keys], axis=2),
+                        values=jnp.concatenate([self.values, later.values], axis=2),
+                        key_mask=jnp.concatenate([self.key_mask, later.key_mask], axis=1))
+
 
 def init_cache(cfg: ModelConfig, batch_size: int, max_length: int, dtype=jnp.float32,
                kernels: Kernels = XLA) -> KVCache:

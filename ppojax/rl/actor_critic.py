@@ -107,14 +107,15 @@ class ActorCritic:
 
     # ---- the loss ----
     def evaluate(self, params, query_responses, prompt_length, *, frozen=None, logits_chunk_size=None,
-                 with_entropy=True, prompt_group=1):
+                 with_entropy=True, prompt_group=1, prompt_prefix=0):
         """Fresh log-probs, entropy and values of a rollout's responses, unmasked (``frozen``: the state's
         frozen models; needed under LoRA, where the policy's base weights live there). prompt_group: G > 1 when
-        rows ``[kG, (k+1)G)`` share a prompt, which the policy's forward then runs once (``forward.row_layout``).
+        rows ``[kG, (k+1)G)`` share a prompt, which the policy's forward then runs once (``forward.row_layout``);
+        prompt_prefix: q > 0 when every prompt starts with the same q real tokens, run once for all.
 
         query_responses: i32[B, P+R] -> (logprobs f32[B, R], entropy f32[B, R] or None, values f32[B, R]).
         """
-        layout = forward.row_layout(query_responses, prompt_length, self.pad_token_id, prompt_group)
+        layout = forward.row_layout(query_responses, prompt_length, self.pad_token_id, prompt_group, prompt_prefix)
         return self.evaluate_layout(params, layout, frozen=frozen, logits_chunk_size=logits_chunk_size,
                                     with_entropy=with_entropy)
 
@@ -130,7 +131,8 @@ class ActorCritic:
 
     # ---- the rollout ----
     def rollout_forwards(self, params, frozen, query_responses, prompt_length, *, logits_chunk_size=None,
-                         forward_batch_size=None, with_full_kl=False, behaviour_logprobs=None, prompt_group=1):
+                         forward_batch_size=None, with_full_kl=False, behaviour_logprobs=None, prompt_group=1,
+                         prompt_prefix=0):
         """Behaviour and reference log-probs, values and (optionally) the full-vocabulary KL, unmasked.
 
         frozen: the state's frozen models (the reference, and the base weights under LoRA).
@@ -138,11 +140,11 @@ class ActorCritic:
         (TRL's ``local_rollout_forward_batch_size``; None = all at once).
         behaviour_logprobs: f32[B, R] already known (the sampler's): returned as the log-probs; the policy
         forward then runs only when the value head or the full KL needs its hidden states.
-        prompt_group: as :meth:`evaluate` (``forward_batch_size`` then a multiple of it).
+        prompt_group, prompt_prefix: as :meth:`evaluate` (``forward_batch_size`` then a multiple of the group).
         Returns (logprobs, ref_logprobs, values, full_kl or None), each f32[B, R].
         """
         def outputs(qr):
-            layout = forward.row_layout(qr, prompt_length, self.pad_token_id, prompt_group)
+            layout = forward.row_layout(qr, prompt_length, self.pad_token_id, prompt_group, prompt_prefix)
             return self.rollout_outputs(params, frozen, layout, logits_chunk_size=logits_chunk_size,
                                         with_full_kl=with_full_kl,
                                         with_logprobs=behaviour_logprobs is None)

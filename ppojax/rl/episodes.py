@@ -64,9 +64,8 @@ from jax.experimental import io_callback
 
 from ppojax.core.masks import INVALID_LOGPROB
 from ppojax.parallel import batch_partition_spec
-from ppojax.rl.forward import sequence_inputs
 from ppojax.rl.sampler import (SLOT_ALIGNMENT, _aligned, _cache_dtype, _init_cache, cache_rows, copy_into_rows,
-                               model_kernels, prefill_slots, row_keys, sample_rows, slot_alignment_of,
+                               model_kernels, prefill, prefill_slots, row_keys, sample_rows, slot_alignment_of,
                                token_logprobs)
 
 
@@ -245,16 +244,17 @@ def _one_row(cache, slot):
                          index=cache.index[slot])
 
 
-def _prefill_prompts(model, prompt_ids, pad_token_id, cache_length: int, dtype, alignment: int):
+def _prefill_prompts(model, prompt_ids, pad_token_id, cache_length: int, dtype, alignment: int,
+                     prefix_length: int = 0):
     """Each prompt of ``prompt_ids`` i32[N, P] (left padded) through the model once -> (next-token logits f32[N, V],
     the bank: a cache of N rows holding the prompts' slots only (rounded up to ``alignment``), each row its own
-    write index, real tokens i32[N])."""
+    write index, real tokens i32[N]). prefix_length: the prompts' shared first tokens, through the model once for
+    all (``ppojax.rl.sampler.prefill``)."""
     prompts, prompt_length = prompt_ids.shape
     bank = _init_cache(model, prompts, prefill_slots(prompt_length, cache_length, alignment), dtype)
-    bank = bank.replace(index=jnp.zeros((prompts,), jnp.int32))
-    input_ids, attention_mask, position_ids = sequence_inputs(prompt_ids, pad_token_id)
-    hidden, bank = model(input_ids, attention_mask, position_ids, cache=bank)
-    return model.logits(hidden[:, -1:])[:, 0], bank, jnp.sum(attention_mask, axis=-1, dtype=jnp.int32)
+    last, bank, real = prefill(model, prompt_ids, pad_token_id, bank.replace(index=jnp.zeros((prompts,), jnp.int32)),
+                               prefix_length)
+    return model.logits(last)[:, 0], bank, real
 
 
 def _gather_rows(rows: _Rows, order) -> _Rows:
@@ -313,7 +313,8 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
                       pad_token_id: int, stop_token_id: int, temperature=1.0, top_k: int = 0, top_p: float = 1.0,
                       greedy: bool = False, cache_dtype=None, init_cache_fn=None, slots: int = 0,
                       group_size: int = 1, tail_rows: int = 0, segments: int = 1,
-                      slot_alignment: int | None = None, observation_buckets: int = 4) -> Episodes:
+                      slot_alignment: int | None = None, observation_buckets: int = 4,
+                      prefix_length: int = 0) -> Episodes:
     """Sample a batch of multi-turn episodes (module docstring). Pure apart from ``host_turn``; call it under jit.
 
     graphdef, params: ``nnx.split(causal_lm)``; prompt_ids: i32[B / G, P] left padded, each prompt once (its G =
@@ -325,7 +326,8 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
     at least the cache's rows: off; :func:`tail_rows_for`), segments and slot_alignment: the loops over every row and
     the slots each reads (module docstring, "Slots read"; :func:`read_bounds`; None: the model's kernels'
     alignment, ``ppojax.rl.sampler.slot_alignment_of``), observation_buckets: the sizes of the calls that take in
-    an observation (:func:`observation_call_sizes`). -> ``Episodes`` of B rows.
+    an observation (:func:`observation_call_sizes`), prefix_length: the prompts' shared first tokens (a system
+    message), prefilled once for all (``ppojax.rl.sampler.prefill``; 0: off). -> ``Episodes`` of B rows.
     """
     prompts, prompt_length = prompt_ids.shape
     batch = prompts * group_size
@@ -341,7 +343,8 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
     alignment = slot_alignment_of(model, slot_alignment)
 
     # every prompt prefilled once (module docstring, "Prompts"); the first S episodes' rows copied from the bank
-    bank_logits, bank, bank_tokens = _prefill_prompts(model, prompt_ids, pad_token_id, cache_length, dtype, alignment)
+    bank_logits, bank, bank_tokens = _prefill_prompts(model, prompt_ids, pad_token_id, cache_length, dtype, alignment,
+                                                      prefix_length)
     first = row_ids // group_size
     started = cache_rows(bank, first)  # the prompts' slots only: the empty cache's other slots stay empty
     # written into the empty cache (its placement on a mesh), one write index per row: rows run apart

@@ -48,6 +48,30 @@ def sequence_inputs(tokens, pad_id):
     return input_ids, attention_mask, position_ids
 
 
+def split_shared_prefix(input_ids, attention_mask, position_ids, prefix_length: int):
+    """Rows whose first ``prefix_length`` q real tokens are the same in every row (a system message every prompt
+    starts with), as :func:`sequence_inputs` gives them for LEFT-padded rows [N, S] -> (the prefix's inputs
+    ([1, q] each: row 0's first q real tokens, positions 0 ... q-1), the rest's inputs ([N, S - q] each)).
+
+    The rest keeps each row's tokens after the prefix in the columns they end at and their positions (q on), so a
+    forward of the prefix and then of the rest after it (a cache, or ``prefix=`` its keys and values) is the
+    rows' forward: its last column is the rows' last, and padding between the prefix and the rest is masked. The
+    caller vouches that the rows share the prefix (``ppojax.trainer.run_prompts.shared_prefix_length``)."""
+    rows, length = input_ids.shape
+    q = prefix_length
+    if not 0 < q < length:
+        raise ValueError(f"prefix_length={q}; expected 0 < prefix_length < the rows' length {length}")
+    first_real = jnp.argmax(attention_mask, axis=-1)  # [N]
+    prefix = (jax.lax.dynamic_slice_in_dim(input_ids[0], first_real[0], q)[None], jnp.ones((1, q), bool),
+              jnp.arange(q, dtype=jnp.int32)[None])
+    # column j of the rest is column j + q of the row: real where that token is, from the row's first real column
+    # on (then j + q is past the prefix); elsewhere a masked key
+    columns = jnp.arange(length - q)
+    rest_mask = (columns[None, :] >= first_real[:, None]) & attention_mask[:, q:]
+    rest = (jnp.where(rest_mask, input_ids[:, q:], 0), rest_mask, jnp.where(rest_mask, position_ids[:, q:], 0))
+    return prefix, rest
+
+
 class Layout(NamedTuple):
     """A forward's inputs and the positions whose outputs are read: padded rows, read at the positions that predict
     the response (:func:`padded_layout`), or packed rows, read everywhere (``ppojax.rl.packing.packed_layout``).
@@ -96,29 +120,44 @@ class SharedPromptLayout(NamedTuple):
     """Padded rows whose consecutive groups of ``group`` rows hold the same prompt (GRPO's samples of a prompt),
     read at the positions that predict the response, as :func:`padded_layout` reads them; the policy's forward
     runs each group's prompt ONCE: the prompts' forward gives their keys and values, which the group's responses
-    attend to in a forward of the response slots only (``shared_prompt_forward``). Outputs equal the padded
-    forward's to float rounding; the prompt's matmuls are done once per group instead of once per row.
+    attend to in a forward of the response slots only (``shared_prompt_forward``). With ``prefix_length`` q > 0
+    every prompt's first q real tokens are the same (``shared_prompt_prefix``: a system message): they run once
+    for the whole batch and the prompts' rest after them (:func:`split_shared_prefix`). Outputs equal the padded
+    forward's to float rounding; the prompt's matmuls are done once per group (the prefix's once) instead of once
+    per row.
 
     padded: the rows' ``padded_layout`` (its ``tokens``, and the value and reward models' forwards, which keep it);
-    prompt_length: P; group: G (the batch's rows are a multiple of it).
+    prompt_length: P; group: G (the batch's rows are a multiple of it; 1: each row its own prompt); prefix_length: q.
     """
 
     padded: Layout
     prompt_length: int
     group: int
+    prefix_length: int = 0
 
     @property
     def tokens(self):
         return self.padded.tokens
+
+    def _prompts(self, lm, ids, mask, positions):
+        """The prompts' forward -> (hidden f[n, P or P - q, D] whose last column is the prompts' last, every
+        token's keys and values as a ``PromptKV`` of n rows)."""
+        if not self.prefix_length:
+            return lm(ids, mask, positions, return_kv=True)
+        prefix, rest = split_shared_prefix(ids, mask, positions, self.prefix_length)
+        _, prefix_kv = lm(*prefix, return_kv=True)
+        prefix_kv = prefix_kv.repeat_rows(ids.shape[0])
+        hidden, rest_kv = lm(*rest, prefix=prefix_kv, return_kv=True)
+        return hidden, prefix_kv.followed_by(rest_kv)
 
     def hidden(self, lm):
         """The padded layout's hidden states f[b, R, D]: each group's prompt through ``lm`` once (its keys and
         values kept), then every row's response slots after its group's prompt."""
         p, g = self.prompt_length, self.group
         ids, mask, positions = self.padded._inputs
-        prompt_hidden, prompt_kv = lm(ids[::g, :p], mask[::g, :p], positions[::g, :p], return_kv=True)
+        prompt_hidden, prompt_kv = self._prompts(lm, ids[::g, :p], mask[::g, :p], positions[::g, :p])
         response_hidden, _ = lm(ids[:, p:], mask[:, p:], positions[:, p:], prefix=prompt_kv.repeat_rows(g))
-        last_prompt = jnp.repeat(prompt_hidden[:, p - 1:], g, axis=0)  # predicts each row's first response token
+        last_prompt = jnp.repeat(prompt_hidden[:, -1:], g, axis=0)  # predicts each row's first response token
         return jnp.concatenate([last_prompt, response_hidden[:, :-1]], axis=1)
 
     def scores(self, score_model):
@@ -126,12 +165,15 @@ class SharedPromptLayout(NamedTuple):
         return self.padded.scores(score_model)
 
 
-def row_layout(query_responses, prompt_length, pad_id, prompt_group: int = 1):
+def row_layout(query_responses, prompt_length, pad_id, prompt_group: int = 1, prompt_prefix: int = 0):
     """The layout the update's and the rollout's forwards read padded rows i32[B, P+R] with:
-    :func:`padded_layout`, or with ``prompt_group`` G > 1 (rows ``[kG, (k+1)G)`` share a prompt) the
-    :class:`SharedPromptLayout` that runs each prompt once."""
+    :func:`padded_layout`, or with ``prompt_group`` G > 1 (rows ``[kG, (k+1)G)`` share a prompt) or
+    ``prompt_prefix`` q > 0 (every prompt starts with the same q real tokens) the :class:`SharedPromptLayout` that
+    runs each prompt once and the shared prefix once."""
     layout = padded_layout(query_responses, prompt_length, pad_id)
-    return layout if prompt_group == 1 else SharedPromptLayout(layout, prompt_length, prompt_group)
+    if prompt_group == 1 and not prompt_prefix:
+        return layout
+    return SharedPromptLayout(layout, prompt_length, prompt_group, prompt_prefix)
 
 
 def response_hidden(lm, query_responses, prompt_length, pad_id):

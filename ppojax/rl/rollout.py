@@ -97,7 +97,7 @@ def sample_episodes(program, params, frozen, prompts, key, temperature=None, gro
                              top_k=sampling.top_k, top_p=sampling.top_p, init_cache_fn=init_cache_fn,
                              slots=sampling.rollout_slots, cache_dtype=sampling.kv_cache_dtype,
                              group_size=group_size, tail_rows=tail_rows_for(rows, program.mesh),
-                             segments=sampling.decode_segments)
+                             segments=sampling.decode_segments, prefix_length=sampling.prompt_prefix)
 
 
 def decode_placement(graphdef, params, mesh):
@@ -136,7 +136,8 @@ def _sample_policy(policy_graphdef, policy_params, queries, key, sampling, tempe
         rows_per_step = min(sampling.rollout_slots, queries.shape[0])
     else:
         responses = generate(policy_graphdef, policy_params, queries, key, segments=sampling.decode_segments,
-                             group_size=group_size, init_cache_fn=init_cache_fn, **options)
+                             group_size=group_size, init_cache_fn=init_cache_fn,
+                             prefix_length=sampling.prompt_prefix, **options)
     queries = jnp.repeat(queries, group_size, axis=0) if group_size > 1 else queries
     logprobs = None
     if return_logprobs:
@@ -208,7 +209,8 @@ def experience_forwards(program, state, query_responses, prompt_length, sampler_
             state.params, state.frozen, query_responses, P,
             logits_chunk_size=batch.rollout_logits_chunk,
             forward_batch_size=batch.local_rollout_forward_batch_size,
-            with_full_kl=with_full_kl, behaviour_logprobs=sampler_logprobs, prompt_group=batch.prompt_group)
+            with_full_kl=with_full_kl, behaviour_logprobs=sampler_logprobs, prompt_group=batch.prompt_group,
+            prompt_prefix=batch.prompt_prefix)
     num_eos = (jnp.sum(raw_responses == sampling.eos_token_id).astype(jnp.int32)
                if sampling.eos_token_id is not None else jnp.zeros((), jnp.int32))
     proximal = None

@@ -33,7 +33,7 @@ from flax import nnx
 
 from ppojax.core.masks import first_true_indices
 from ppojax.models import XLA, Kernels, init_cache
-from ppojax.rl.forward import TEMPERATURE_EPS, sequence_inputs
+from ppojax.rl.forward import TEMPERATURE_EPS, sequence_inputs, split_shared_prefix
 
 
 # --------------------------------------------------------------------------------------------------
@@ -159,6 +159,26 @@ def prefill_one_row(model, prompt, pad_token_id, max_length, dtype):
     return model.logits(hidden[:, -1:])[:, 0], one, jnp.sum(attention_mask, dtype=jnp.int32)
 
 
+def prefill(model, prompt_ids, pad_token_id, cache, prefix_length: int = 0):
+    """Left-padded prompts i32[N, P] through the model into the empty N-row ``cache`` -> (the hidden state of each
+    row's last token f[N, 1, D], the cache, each row's real tokens i32[N]).
+
+    prefix_length q > 0: every row's first q real tokens are the same (a system message, a tool's schema): they go
+    through the model ONCE, on one row, and their keys and values are copied into every row's first q slots; each
+    row's rest follows at slots q on (``ppojax.rl.forward.split_shared_prefix``; the padding between is masked and
+    positions count real tokens only), so every token sees what a plain prefill shows it, to float rounding."""
+    input_ids, attention_mask, position_ids = sequence_inputs(prompt_ids, pad_token_id)
+    real = jnp.sum(attention_mask, axis=-1, dtype=jnp.int32)
+    if prefix_length:
+        prefix, rest = split_shared_prefix(input_ids, attention_mask, position_ids, prefix_length)
+        one = cache_rows(cache, jnp.zeros((1,), jnp.int32)).replace(read_length=cache.read_length)
+        _, one = model(*prefix, cache=one)
+        cache = copy_into_rows(cache, cache_rows(one, jnp.zeros((prompt_ids.shape[0],), jnp.int32)))
+        input_ids, attention_mask, position_ids = rest
+    hidden, cache = model(input_ids, attention_mask, position_ids, cache=cache)
+    return hidden[:, -1:], cache, real
+
+
 def cache_rows(cache, rows, cache_length: int | None = None):
     """Rows ``rows`` (i32[n]) of ``cache`` as a cache of n rows: their keys, values, key mask and write index; with
     ``cache_length``, that many slots, those past ``cache``'s own empty (as a fresh cache's), else ``cache``'s slots.
@@ -280,11 +300,13 @@ class Draw:
 
 
 def start_decoding(graphdef, params, prompt_ids, key, draw: Draw, *, response_length, cache_dtype=None,
-                   init_cache_fn=None, slot_alignment=None, group_size=1, version=None) -> Decoding:
+                   init_cache_fn=None, slot_alignment=None, group_size=1, version=None,
+                   prefix_length=0) -> Decoding:
     """The prefill and each row's token 0 -> the ``Decoding`` at step 1. prompt_ids: i32[B / G, P] left padded;
     each prompt is prefilled ONCE and its keys and values serve its G = ``group_size`` rows (consecutive). The
     cache holds P + R positions. Options as :func:`generate`'s; version: the policy version recorded for each token
-    sampled (i32[] or int; None: versions not tracked)."""
+    sampled (i32[] or int; None: versions not tracked); prefix_length: the prompts' shared first tokens, prefilled
+    once (:func:`prefill`)."""
     prompts, prompt_length = prompt_ids.shape
     batch = prompts * group_size
     if response_length < 1:
@@ -294,17 +316,17 @@ def start_decoding(graphdef, params, prompt_ids, key, draw: Draw, *, response_le
     pad = jnp.asarray(draw.pad_token_id, jnp.int32)
     dtype = _cache_dtype(model, params, cache_dtype)
     cache = init_cache_fn(model, prompts, prompt_length + response_length, dtype)
-    input_ids, attention_mask, position_ids = sequence_inputs(prompt_ids, draw.pad_token_id)
     # the prefill reads (and attends over) the prompt's own slots only
     prefill_reads = prefill_slots(prompt_length, cache.max_length, slot_alignment_of(model, slot_alignment))
-    hidden, cache = model(input_ids, attention_mask, position_ids, cache=cache.replace(read_length=prefill_reads))
-    logits = model.logits(hidden[:, -1:])[:, 0]
+    last, cache, real = prefill(model, prompt_ids, draw.pad_token_id, cache.replace(read_length=prefill_reads),
+                                prefix_length)
+    logits = model.logits(last)[:, 0]
     if group_size > 1:
         # each prompt's row taken G times (its G rows consecutive), written into an empty cache of B rows: its
         # placement on a mesh
         repeated = cache_rows(cache, jnp.arange(batch, dtype=jnp.int32) // group_size)
         cache = copy_into_rows(init_cache_fn(model, batch, cache.max_length, dtype), repeated)
-        logits, attention_mask = (jnp.repeat(x, group_size, axis=0) for x in (logits, attention_mask))
+        logits, real = (jnp.repeat(x, group_size, axis=0) for x in (logits, real))
     token = draw.sampler(model)(logits, row_keys(key, 0, jnp.arange(batch, dtype=jnp.int32)))
     done = jnp.zeros((batch,), bool) if draw.stop_token_id is None else token == draw.stop_token_id
     # the sampled tokens' log-probs f32[B, R]; f32[B, 0] (free to carry) when not asked for
@@ -316,7 +338,7 @@ def start_decoding(graphdef, params, prompt_ids, key, draw: Draw, *, response_le
         versions = versions.at[:, 0].set(version)
     return Decoding(cache=cache, step=jnp.int32(1), responses=jnp.full((batch, response_length), pad, jnp.int32)
                     .at[:, 0].set(token), logprobs=logprobs, token=token, done=done,
-                    next_position=jnp.sum(attention_mask, axis=-1, dtype=jnp.int32), versions=versions)
+                    next_position=real, versions=versions)
 
 
 def continue_decoding(graphdef, params, decoding: Decoding, key, draw: Draw, *, end: int,
@@ -366,7 +388,7 @@ def chunk_ends(response_length: int, chunks: int) -> list[int]:
 
 def generate(graphdef, params, prompt_ids, key, *, response_length, pad_token_id, temperature=1.0,
              top_k=0, top_p=1.0, greedy=False, stop_token_id=None, cache_dtype=None, init_cache_fn=None,
-             return_logprobs=False, segments=1, slot_alignment=None, group_size=1):
+             return_logprobs=False, segments=1, slot_alignment=None, group_size=1, prefix_length=0):
     """Sample ``response_length`` tokens after each left-padded prompt. Pure; call it under jit.
 
     graphdef, params: ``nnx.split(causal_lm)``; the model is merged inside, so ``params`` may be traced.
@@ -382,7 +404,8 @@ def generate(graphdef, params, prompt_ids, key, *, response_length, pad_token_id
     up to; None: the model's kernels', :func:`slot_alignment_of`), group_size G (each prompt sampled G times, its
     samples on consecutive rows: ``prompt_ids`` is i32[B / G, P] and the result has B rows, as
     ``jnp.repeat(prompt_ids, G, axis=0)`` would give; each prompt is prefilled ONCE and its keys and values serve
-    its G rows).
+    its G rows), prefix_length q (every prompt's first q real tokens are the same: prefilled once for all,
+    :func:`prefill`; 0: off).
     Returns responses: i32[B, R]; after a stop token every position holds ``pad_token_id``. With
     ``return_logprobs``: (responses, logprobs f32[B, R]); logprobs after a row's stop token are meaningless.
 
@@ -393,7 +416,7 @@ def generate(graphdef, params, prompt_ids, key, *, response_length, pad_token_id
                 stop_token_id=stop_token_id, return_logprobs=return_logprobs)
     decoding = start_decoding(graphdef, params, prompt_ids, key, draw, response_length=response_length,
                               cache_dtype=cache_dtype, init_cache_fn=init_cache_fn, slot_alignment=slot_alignment,
-                              group_size=group_size)
+                              group_size=group_size, prefix_length=prefix_length)
     alignment = slot_alignment_of(nnx.merge(graphdef, params), slot_alignment)
     for end, slots_read in decode_segments(prompt_ids.shape[1], response_length, segments, alignment):
         decoding = continue_decoding(graphdef, params, decoding, key, draw, end=end, slots_read=slots_read)

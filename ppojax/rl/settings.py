@@ -45,7 +45,9 @@ class SamplingSettings:
     the loops ``generate`` cuts its decode into, each reading only the cache slots filled by its end. episodes: the
     sizes of multi-turn episodes (``ppojax.rl.episodes``; ``response_length`` is then an episode's T), or None: one
     sampled response per row. kv_cache_dtype: the KV cache's storage, 'int8' (``ppojax.models.kv_int8``) or None:
-    the policy's compute dtype."""
+    the policy's compute dtype. prompt_prefix: q > 0 when every prompt starts with the same q real tokens, which
+    the prefill runs once for all (``ppojax.rl.sampler.prefill``; the samplers without continuous batching, and
+    the episodes' bank: ``shared_prompt_prefix``); 0 otherwise."""
 
     response_length: int
     pad_token_id: int
@@ -60,6 +62,7 @@ class SamplingSettings:
     decode_segments: int = 4
     episodes: Optional[EpisodeShape] = None
     kv_cache_dtype: Optional[str] = None
+    prompt_prefix: int = 0
 
 
 @dataclass(frozen=True)
@@ -225,7 +228,9 @@ class BatchSettings:
     ``packed_row_length`` slots (None: a padded row's); vocab_size sizes
     their logits chunks when ``logits_chunk_size`` is None (None: ``update_logits_chunk``). prompt_group: G > 1
     when the policy's and the reference's forwards run each prompt once for its G consecutive rows
-    (``shared_prompt_forward``; the update's mini-batches then hold whole groups); 1 otherwise."""
+    (``shared_prompt_forward``; the update's mini-batches then hold whole groups); 1 otherwise. prompt_prefix: q > 0
+    when every prompt starts with the same q real tokens, which the policy's and the reference's padded forwards
+    run once for all rows (``shared_prompt_prefix``; ``ppojax.rl.forward.SharedPromptLayout``); 0 otherwise."""
 
     batch_size: int
     mini_batch_size: int
@@ -240,6 +245,7 @@ class BatchSettings:
     logits_chunk_size: Optional[int] = None
     vocab_size: Optional[int] = None
     prompt_group: int = 1
+    prompt_prefix: int = 0
 
 
 @dataclass(frozen=True)
@@ -257,9 +263,12 @@ class StepSettings:
     @classmethod
     def from_config(cls, config, *, pad_token_id: int, num_updates: int = 1, stop_token_id: Optional[int] = None,
                     eos_token_id: Optional[int] = None, data_parallel_size: int = 1,
-                    vocab_size: Optional[int] = None) -> "StepSettings":
+                    vocab_size: Optional[int] = None, prompt_prefix: int = 0) -> "StepSettings":
         """Settings for ``config`` (a PPOConfig). ``vocab_size`` sizes the logits chunks when the config's
-        ``logits_chunk_size`` is None (see :func:`ppojax.rl.forward.auto_chunk_size`)."""
+        ``logits_chunk_size`` is None (see :func:`ppojax.rl.forward.auto_chunk_size`). ``prompt_prefix``: the
+        tokens every prompt of the run starts with (``ppojax.trainer.run_prompts.shared_prefix_length``), used
+        where ``shared_prompt_prefix`` is on."""
+        prompt_prefix = prompt_prefix if config.shared_prompt_prefix else 0
         c = config
         sizes = c.derived(data_parallel_size)
         update_chunk = rollout_chunk = c.logits_chunk_size
@@ -277,7 +286,8 @@ class StepSettings:
             episodes=EpisodeShape(turn_length=c.turn_length or c.response_length,
                                   observation_length=c.observation_length,
                                   max_turns=c.max_tool_calling_iterations + 1,
-                                  episode_length=c.response_length) if c.is_agent_run else None)
+                                  episode_length=c.response_length) if c.is_agent_run else None,
+            prompt_prefix=prompt_prefix)
         algorithm = AlgorithmSettings(
             advantage_estimator=c.advantage_estimator, gamma=c.gamma, lam=c.lam, num_generations=c.num_generations,
             scale_rewards=c.scale_rewards, normalize_advantages=c.normalize_advantages, kl_estimator=c.kl_estimator,
@@ -313,7 +323,8 @@ class StepSettings:
             update_logits_chunk=update_chunk, rollout_logits_chunk=rollout_chunk, padding_free=c.padding_free,
             max_tokens_per_micro_batch=c.max_tokens_per_micro_batch, packed_row_length=c.packed_row_length,
             logits_chunk_size=c.logits_chunk_size, vocab_size=vocab_size,
-            prompt_group=c.num_generations if c.shared_prompt_forward else 1)
+            prompt_group=c.num_generations if c.shared_prompt_forward else 1,
+            prompt_prefix=0 if c.padding_free else prompt_prefix)
         dynamic = (DynamicSamplingSettings(prompts_per_round=sizes.prompts_per_round, max_rounds=c.max_num_gen_batches,
                                            metric=c.filter_groups_metric) if c.filter_groups else None)
         asynchronous = (AsyncSettings(max_staleness=c.max_staleness,

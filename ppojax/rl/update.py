@@ -156,16 +156,17 @@ def padding_metrics(batch: UpdateBatch, pad_token_id: int) -> dict:
 # The loss of one micro-batch
 # --------------------------------------------------------------------------------------------------
 def micro_batch_loss(actor_critic, algorithm, hyperparams, params, batch: UpdateBatch, policy_tokens, value_tokens,
-                     rows=None, frozen=None, logits_chunk_size=None, prompt_group=1):
+                     rows=None, frozen=None, logits_chunk_size=None, prompt_group=1, prompt_prefix=0):
     """PPO loss of one micro-batch on the current parameters, normalised by its mini-batch's live-token and
     row counts (None: its own), so micro-batch gradients sum to the mini-batch's (``frozen``: the state's
     frozen models, read by the policy under LoRA). algorithm: the static ``AlgorithmSettings``; hyperparams:
     the traced ``Hyperparams`` (clip ranges, coefficients); prompt_group: ``BatchSettings.prompt_group`` (the
-    micro-batch's rows then whole groups). Returns (loss, stats)."""
+    micro-batch's rows then whole groups); prompt_prefix: ``BatchSettings.prompt_prefix``. Returns (loss, stats)."""
     response_length = batch.logprobs.shape[1]
     prompt_length = batch.query_responses.shape[1] - response_length
     logprobs, entropy, vpred = actor_critic.evaluate(params, batch.query_responses, prompt_length, frozen=frozen,
-                                                     logits_chunk_size=logits_chunk_size, prompt_group=prompt_group)
+                                                     logits_chunk_size=logits_chunk_size, prompt_group=prompt_group,
+                                                     prompt_prefix=prompt_prefix)
     return loss_of_outputs(actor_critic, algorithm, hyperparams, logprobs, entropy, vpred, batch, policy_tokens,
                            value_tokens, rows)
 
@@ -249,7 +250,7 @@ def mini_batch_gradients(program, params, frozen, hyperparams, mini: UpdateBatch
     grad_fn = jax.value_and_grad(
         lambda p, micro: micro_batch_loss(actor_critic, algorithm, hyperparams, p, micro, policy_tokens,
                                           value_tokens, mini_size, frozen, batch_settings.update_logits_chunk,
-                                          batch_settings.prompt_group),
+                                          batch_settings.prompt_group, batch_settings.prompt_prefix),
         has_aux=True)
     if optim.gradient_accumulation_steps == 1:
         # No accumulator: zero-filling and adding a parameter-sized buffer costs ~3 % of a SmolLM2 update.

@@ -123,6 +123,8 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
                                  pad_token_id=tokens.pad_token_id)
     prompts = prompt_data(config, texts, columns, n_train_texts, tokens, data_parallel,
                           template_kwargs=None if agents is None else agents.template_kwargs)
+    if prompts.shared_prefix:
+        log.info("shared_prompt_prefix: every prompt starts with the same %d tokens", prompts.shared_prefix)
     if agents is not None:
         agents.attach(prompts.raw_texts, prompts.table)
     # the reward runs where the samples are: with rollout_devices, in the rollout program on its own mesh
@@ -135,7 +137,7 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
                             eos_token_id=tokens.tokenizer.eos_token_id, num_updates=prompts.num_updates,
                             vocab_size=tokens.vocab_size, base_graphdef=models.base_graphdef,
                             lora_scale=None if models.lora_spec is None else models.lora_spec.scale,
-                            kernels=models.kernels, agents=agents)
+                            kernels=models.kernels, agents=agents, prompt_prefix=prompts.shared_prefix)
 
     sources = dict(config=config, mesh=mesh, model_path=model_path, model=model, ref_model=ref_model,
                    reward_model=rewards.reward_model, value_model=value_model, uses_critic=uses_critic,
@@ -199,18 +201,20 @@ def _compile_ahead(config, program_for, sources: dict, batches: PromptBatches):
 
 def make_program(config: PPOConfig, mesh, graphdefs, reward, *, pad_token_id: int, stop_token_id, eos_token_id,
                  num_updates: int, vocab_size: int, base_graphdef=None, lora_scale=None, kernels=XLA,
-                 agents: Optional[RunAgents] = None) -> PPOProgram:
+                 agents: Optional[RunAgents] = None, prompt_prefix: int = 0) -> PPOProgram:
     """The static PPO program: settings, model forwards, reward source and optimizer on ``mesh``.
 
     graphdefs: (policy, value or None for a value head on the policy, reference or None for the policy's).
     base_graphdef, lora_scale: under LoRA, the policy without adapters and alpha / r (``ActorCritic``); kernels:
     the backend's operations the models were built with; agents: an agent run's tools and environment. Shared by
-    ``build_run`` (real weights) and ``ppojax.trainer.plan`` (abstract shapes).
+    ``build_run`` (real weights) and ``ppojax.trainer.plan`` (abstract shapes). prompt_prefix: the tokens every
+    prompt starts with (``shared_prompt_prefix``; ``run_prompts.shared_prefix_length``).
     """
     policy_graphdef, value_graphdef, ref_graphdef = graphdefs
     settings = StepSettings.from_config(config, pad_token_id=pad_token_id, num_updates=num_updates,
                                         stop_token_id=stop_token_id, eos_token_id=eos_token_id,
-                                        data_parallel_size=parallel.data_parallel_size(mesh), vocab_size=vocab_size)
+                                        data_parallel_size=parallel.data_parallel_size(mesh), vocab_size=vocab_size,
+                                        prompt_prefix=prompt_prefix)
     actor_critic = ActorCritic(policy_graphdef, value_graphdef, pad_token_id, config.temperature,
                                ref_graphdef=ref_graphdef,
                                has_critic=advantage_estimator(config.advantage_estimator).uses_critic,

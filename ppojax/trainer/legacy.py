@@ -8,6 +8,7 @@ padded here to the static shapes the compiled programs use.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import jax
@@ -42,7 +43,8 @@ class LegacyAPI:
         """Sample a response for each query (token ids). Returns the responses cut after the stop token
         (no padding). temperature: default the config's; greedy: argmax decoding; key: PRNG key (default:
         derived from the seed and the number of calls so far)."""
-        sampling = self.run.settings.sampling
+        # the caller's queries need not start with the run's prompts' shared prefix (shared_prompt_prefix)
+        sampling = dataclasses.replace(self.run.settings.sampling, prompt_prefix=0)
         padded = self._pad_queries(queries)
         if key is None:
             self._generate_calls = getattr(self, "_generate_calls", 0) + 1

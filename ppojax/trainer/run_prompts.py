@@ -66,6 +66,10 @@ def token_ids(config: PPOConfig, model, model_path, processing_class, uses_criti
     if uses_critic and config.value_head == "policy" and model is not None and not hasattr(model, "value"):
         raise ConfigError("value_head='policy' needs a CausalLMWithValueHead policy (load it with "
                           "kind='value_head'), or set value_head='separate'.")
+    if config.shared_prompt_prefix and any(policy_cfg.sliding_layers):
+        raise ConfigError("shared_prompt_prefix=True moves each prompt's shared start to the first slots, which a "
+                          f"sliding attention window (the policy's sliding_window={policy_cfg.sliding_window}) would "
+                          "see at other distances; set shared_prompt_prefix: false for this model.")
     if config.missing_eos_penalty is not None and stop_token_id is None:
         raise ConfigError("missing_eos_penalty is set but there is no stop token: every response would be "
                           "penalised. Set stop_token: eos (or stop_token_id).")
@@ -90,7 +94,9 @@ class RunPrompts:
     """train_queries / eval_queries: np i32[N, P] left-padded prompt ids (eval: held out, or None); table: the kept
     prompts' dataset columns (None without any); batches: the resumable prompt-batch iterator (None without a
     dataset: the legacy ``step()`` API); num_updates: the run's PPO updates; texts: what the user wrote of each
-    kept prompt, training rows then held-out ones (``prompt_display_text``; None without a dataset)."""
+    kept prompt, training rows then held-out ones (``prompt_display_text``; None without a dataset);
+    shared_prefix: the tokens every prompt, training and held-out, starts with where ``shared_prompt_prefix`` is on
+    (:func:`shared_prefix_length`), else 0."""
 
     train_queries: Optional[np.ndarray]
     eval_queries: Optional[np.ndarray]
@@ -99,6 +105,22 @@ class RunPrompts:
     num_updates: int
     texts: Optional[list] = None
     raw_texts: Optional[list] = None  # the kept prompts as the dataset holds them (a string or chat messages)
+    shared_prefix: int = 0
+
+
+def shared_prefix_length(prompt_ids: np.ndarray, pad_token_id: int) -> int:
+    """The tokens every prompt of ``prompt_ids`` i32[N, P] (left padded) starts with (``shared_prompt_prefix``: a
+    system message, a tool's schema): the longest common run of real tokens from each row's first one, at most
+    the shortest prompt's length less one (each row keeps a token of its own for its next-token logits)."""
+    real = prompt_ids != pad_token_id
+    if len(prompt_ids) == 0 or not real.any(axis=1).all():
+        return 0
+    first = real.argmax(axis=1)
+    width = int((prompt_ids.shape[1] - first).min())
+    starts = np.stack([row[f:f + width] for row, f in zip(prompt_ids, first)])  # [N, width]
+    same = (starts == starts[0]).all(axis=0) & (starts[0] != pad_token_id)
+    common = width if same.all() else int(same.argmin())
+    return max(0, min(common, width - 1))
 
 
 def prompt_data(config: PPOConfig, texts, columns: dict, n_train_texts, tokens: TokenIds,
@@ -106,6 +128,7 @@ def prompt_data(config: PPOConfig, texts, columns: dict, n_train_texts, tokens: 
     """The prompt texts (:func:`read_prompt_texts`) as the run's token ids, held-out split, columns and batches.
     template_kwargs: more arguments of the chat template (an agent run's tools and template)."""
     train_queries = eval_queries = batches = table = shown = raw = None
+    shared_prefix = 0
     if texts is not None:
         prompts = as_config_error(prepare_prompts, texts, tokens.tokenizer, config.max_prompt_length,
                                   chat_template=config.chat_template, stop_token_id=tokens.stop_token_id,
@@ -117,6 +140,8 @@ def prompt_data(config: PPOConfig, texts, columns: dict, n_train_texts, tokens: 
                 raise ConfigError(f"eval_dataset={config.eval_dataset!r}: none of its prompts fits "
                                   f"max_prompt_length={config.max_prompt_length}; raise it.")
         train_queries, eval_queries = split_eval(prompts.input_ids, num_eval)
+        if config.shared_prompt_prefix:
+            shared_prefix = shared_prefix_length(prompts.input_ids, tokens.pad_token_id)
         shown = [prompt_display_text(text) for text in prompts.texts]
         raw = list(prompts.texts)
         if columns:  # the kept prompts' rows, in prompt-table order (training rows first, then held-out ones)
@@ -138,4 +163,4 @@ def prompt_data(config: PPOConfig, texts, columns: dict, n_train_texts, tokens: 
         # dynamic sampling: one batch per generation round; an update takes as many as it used
         batches = PromptBatches(train_queries, sizes.prompts_per_round, seed=config.seed,
                                 process_index=jax.process_index(), process_count=jax.process_count())
-    return RunPrompts(train_queries, eval_queries, table, batches, num_updates, shown, raw)
+    return RunPrompts(train_queries, eval_queries, table, batches, num_updates, shown, raw, shared_prefix)

@@ -63,6 +63,13 @@ class BatchSettings:
     prompt and response. Results equal the padded forward's to float rounding; the update's mini-batches then
     hold whole groups (shuffled group by group). Pays when prompts are long against responses (a tool schema, a
     few-shot prompt); needs num_generations >= 2 and the padded rows (not padding_free) (docs/packing.md)."""
+    shared_prompt_prefix: bool = setting(False, static=True, on_resume=MAY_CHANGE)
+    """Run the tokens every prompt starts with (a system message, a tool's schema: the run finds them in its
+    prompts, train and held-out) through the model once for all: the sampler's prefill (the samplers without
+    continuous batching, and every agent run's) copies their keys and values into each row, and the policy's and
+    the reference's padded forwards in the rollout and the update let every prompt's rest attend to them. Results
+    equal the plain forwards' to float rounding. Pays when the shared start is long against each prompt's own
+    tokens; not for models with sliding-window attention (docs/packing.md)."""
     logits_chunk_size: Optional[int] = setting(None, static=True, on_resume=MAY_CHANGE, rule=at_least(1))
     """Response positions per float32 logits chunk in log-prob computations (bounds [rows, chunk, vocab]
     memory). None: all positions at once when a micro-batch's logits fit in 256 MB per device, else the
