@@ -103,7 +103,7 @@ def test_the_environment_reward_is_the_games_outcome(tmp_path):
     queries = np.asarray(run.train_queries[:16])
     queries = run.agents.begin(rows, queries)
     played = rollout.episodes_jit(run.program, run.state.params, run.state.frozen, jnp.asarray(queries),
-                                  jax.random.key(5), jnp.float32(1.0))
+                                  jax.random.key(5), jnp.float32(1.0), jnp.int32(16))
     tok = game_tokenizer()
     targets = [games(40)[r]["target"] for r in rows]
     solved_any = 0

@@ -350,3 +350,27 @@ def test_a_shared_prefix_prefilled_once_plays_the_same_episodes(policy, stop_tok
     np.testing.assert_array_equal(once.environment_mask, plain.environment_mask)
     np.testing.assert_array_equal(once.turns, plain.turns)
     np.testing.assert_allclose(once.logprobs, plain.logprobs, atol=2e-5)
+
+
+@pytest.mark.parametrize("slots", [0, 5])
+def test_only_the_first_episodes_are_played(policy, stop_token, episodes, slots):
+    """``episodes`` = 5 (traced) of the 12: those 5 are the whole batch's first five, the rest empty and never
+    handed to the environment; on the batch's tail rows (3) the loop computes the five episodes' steps only."""
+    graphdef, params = policy
+    answered = []
+
+    def host(turn, episode, tokens, ended, running, stream_length):
+        jax.debug.callback(lambda e, r: answered.extend(np.asarray(e)[np.asarray(r)].tolist()), episode, running)
+        return scripted_host(turn, episode, tokens, ended, running, stream_length)
+
+    out = jax.tree.map(np.asarray, jax.jit(lambda params, prompts, key, n: generate_episodes(
+        graphdef, params, prompts, key, shape=SHAPE, host_turn=host, pad_token_id=PAD, stop_token_id=stop_token,
+        temperature=TEMPERATURE, top_k=TOP_K, slots=slots, tail_rows=3, episodes=n))(
+        params, jnp.asarray(PROMPTS), jax.random.key(3), jnp.int32(5)))
+    first = jax.tree.map(lambda x: x[:5] if np.ndim(x) else x, episodes)
+    assert_same_episodes(jax.tree.map(lambda x: x[:5] if np.ndim(x) else x, out), first)
+    assert (out.stream[5:] == PAD).all() and not out.environment_mask[5:].any() and (out.turns[5:] == 0).all()
+    assert answered and set(answered) <= set(range(5))
+    model_tokens = np.sum(first.logprobs != INVALID_LOGPROB, axis=1)
+    assert float(out.busy_row_steps) == model_tokens.sum()
+    assert float(out.computed_row_steps) == computed_row_steps(model_tokens, slots or len(PROMPTS), 3)

@@ -314,7 +314,7 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
                       greedy: bool = False, cache_dtype=None, init_cache_fn=None, slots: int = 0,
                       group_size: int = 1, tail_rows: int = 0, segments: int = 1,
                       slot_alignment: int | None = None, observation_buckets: int = 4,
-                      prefix_length: int = 0) -> Episodes:
+                      prefix_length: int = 0, episodes=None) -> Episodes:
     """Sample a batch of multi-turn episodes (module docstring). Pure apart from ``host_turn``; call it under jit.
 
     graphdef, params: ``nnx.split(causal_lm)``; prompt_ids: i32[B / G, P] left padded, each prompt once (its G =
@@ -327,7 +327,10 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
     the slots each reads (module docstring, "Slots read"; :func:`read_bounds`; None: the model's kernels'
     alignment, ``ppojax.rl.sampler.slot_alignment_of``), observation_buckets: the sizes of the calls that take in
     an observation (:func:`observation_call_sizes`), prefix_length: the prompts' shared first tokens (a system
-    message), prefilled once for all (``ppojax.rl.sampler.prefill``; 0: off). -> ``Episodes`` of B rows.
+    message), prefilled once for all (``ppojax.rl.sampler.prefill``; 0: off), episodes: i32[] (may be traced) or
+    None: only the first this many episodes are played, the others left empty (no token, no turn, their
+    environments never stepped): a batch filled up to its compiled size (a last evaluation batch) costs the
+    episodes it holds (the tail's rows take them as soon as at most that many play). -> ``Episodes`` of B rows.
     """
     prompts, prompt_length = prompt_ids.shape
     batch = prompts * group_size
@@ -341,6 +344,7 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
     dtype, cache_length = _cache_dtype(model, params, cache_dtype), shape.cache_length(prompt_length)
     row_ids = jnp.arange(num_rows, dtype=jnp.int32)
     alignment = slot_alignment_of(model, slot_alignment)
+    live = jnp.int32(batch) if episodes is None else jnp.minimum(jnp.asarray(episodes, jnp.int32), batch)
 
     # every prompt prefilled once (module docstring, "Prompts"); the first S episodes' rows copied from the bank
     bank_logits, bank, bank_tokens = _prefill_prompts(model, prompt_ids, pad_token_id, cache_length, dtype, alignment,
@@ -460,13 +464,13 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
     def refill(rows):
         if num_rows == batch:
             return rows
-        return jax.lax.while_loop(lambda r: jnp.any(~r.running) & (r.next_episode < batch), refill_one, rows)
+        return jax.lax.while_loop(lambda r: jnp.any(~r.running) & (r.next_episode < live), refill_one, rows)
 
     rows = _Rows(cache=cache, logits=logits, episode=row_ids, turn=jnp.zeros_like(row_ids),
                  turn_tokens=jnp.full((num_rows, turn_length), pad), turn_step=jnp.zeros_like(row_ids),
                  next_position=bank_tokens[first],
                  stream_length=jnp.zeros_like(row_ids), reward=jnp.full((num_rows,), jnp.nan, jnp.float32),
-                 running=jnp.ones((num_rows,), bool), next_episode=jnp.int32(num_rows))
+                 running=row_ids < live, next_episode=jnp.int32(num_rows))
     out = _Played(stream=jnp.full((batch, length), pad), environment=jnp.zeros((batch, length), bool),
                   logprobs=jnp.zeros((batch, length), jnp.float32), completed=jnp.zeros((batch,), bool),
                   reward=jnp.full((batch,), jnp.nan, jnp.float32), turns=jnp.zeros((batch,), jnp.int32),
@@ -479,7 +483,7 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
 
     def needs_every_row(carry):  # an episode waits, or more rows play than the tail's
         rows = carry[0]
-        return playing(carry) & ((rows.next_episode < batch) | (jnp.sum(rows.running) > tail))
+        return playing(carry) & ((rows.next_episode < live) | (jnp.sum(rows.running) > tail))
 
     every_row = needs_every_row if tail else playing
 

@@ -77,27 +77,32 @@ def sample_measured(program, state, prompts, key):
     return query_responses, sampler_logprobs, work
 
 
-def sample_episodes(program, params, frozen, prompts, key, temperature=None, group_size=None) -> Episodes:
+def sample_episodes(program, params, frozen, prompts, key, temperature=None, group_size=None,
+                    episodes=None, slots=None) -> Episodes:
     """Step 1 of a multi-turn run: each prompt's ``G`` episodes (rows consecutive; default ``num_generations``; the
     prompt prefilled once for its G) played against ``program.episodes`` on one KV cache (``ppojax.rl.episodes``;
     ``rollout_slots`` rows of it, each refilled with the next waiting episode when its episode ends, where set; its
     loop cut as ``decode_segments`` says, the batch's tail on a quarter of the rows off a mesh: ``tail_rows_for``).
     params, frozen: the state's; prompts: i32[B / G, P]; temperature: default the run's (evaluation passes a
-    near-greedy one). -> ``Episodes`` of B rows."""
+    near-greedy one); episodes: i32[] or None, the episodes to play (the rest left empty: a batch filled up to its
+    compiled size; ``generate_episodes``); slots: the cache's rows (default ``rollout_slots``; 0: one per
+    episode). -> ``Episodes`` of B rows."""
     sampling = program.settings.sampling
     group_size = sampling.num_generations if group_size is None else group_size
     graphdef, weights = program.actor_critic.sampling_policy(params, frozen)
     weights, init_cache_fn = decode_placement(graphdef, weights, program.mesh)
     batch = prompts.shape[0] * group_size
-    rows = min(sampling.rollout_slots, batch) if sampling.rollout_slots else batch
+    slots = sampling.rollout_slots if slots is None else slots
+    rows = min(slots, batch) if slots else batch
     return generate_episodes(graphdef, weights, prompts, key, shape=sampling.episodes,
                              host_turn=program.episodes.host_turn, pad_token_id=sampling.pad_token_id,
                              stop_token_id=sampling.stop_token_id,
                              temperature=sampling.temperature if temperature is None else temperature,
                              top_k=sampling.top_k, top_p=sampling.top_p, init_cache_fn=init_cache_fn,
-                             slots=sampling.rollout_slots, cache_dtype=sampling.kv_cache_dtype,
+                             slots=slots, cache_dtype=sampling.kv_cache_dtype,
                              group_size=group_size, tail_rows=tail_rows_for(rows, program.mesh),
-                             segments=sampling.decode_segments, prefix_length=sampling.prompt_prefix)
+                             segments=sampling.decode_segments, prefix_length=sampling.prompt_prefix,
+                             episodes=episodes)
 
 
 def decode_placement(graphdef, params, mesh):
@@ -157,10 +162,13 @@ def _in_compute_dtype(graphdef, params):
                         and jnp.finfo(x.dtype).bits > jnp.finfo(compute).bits else x, params)
 
 
-@functools.partial(jax.jit, static_argnames=("program",))
-def episodes_jit(program, params, frozen, prompts, key, temperature) -> Episodes:
-    """Episodes outside the PPO program (sample tables, evaluation): one per prompt, at ``temperature`` (traced)."""
-    return sample_episodes(program, params, frozen, prompts, key, temperature, group_size=1)
+@functools.partial(jax.jit, static_argnames=("program", "slots"))
+def episodes_jit(program, params, frozen, prompts, key, temperature, episodes, slots=None) -> Episodes:
+    """Episodes outside the PPO program (sample tables, evaluation): one per prompt, at ``temperature`` (traced),
+    the first ``episodes`` (i32[], traced) of them played: the rest fill the batch up to its compiled size; on
+    ``slots`` rows of the cache (static; default the run's ``rollout_slots``), each refilled when its episode ends."""
+    return sample_episodes(program, params, frozen, prompts, key, temperature, group_size=1, episodes=episodes,
+                           slots=slots)
 
 
 @functools.partial(jax.jit, static_argnames=("policy_graphdef", "sampling", "greedy", "mesh"))

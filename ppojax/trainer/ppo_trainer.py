@@ -41,6 +41,9 @@ from ppojax.rl.disaggregated import DisaggregatedProgram, DisaggregatedStep
 from ppojax.rl.program import make_fill, make_train_step
 
 SAMPLE_TEMPERATURE = 0.01  # TRL's near-greedy sample completions
+#: an agent run's evaluation plays this many batches' prompts per call on one batch's rows (the bank of prompts, one
+#: KV row per prompt, is that many times a batch's)
+AGENT_EVALUATION_BATCHES = 4
 
 
 class PPOTrainer(LegacyAPI):
@@ -302,9 +305,10 @@ class PPOTrainer(LegacyAPI):
         prompts, completions, _, _ = self._sample(queries, temperature, step, rows)
         return prompts, completions
 
-    def _sample(self, queries, temperature: float = SAMPLE_TEMPERATURE, step: int = 0, rows=None):
+    def _sample(self, queries, temperature: float = SAMPLE_TEMPERATURE, step: int = 0, rows=None, keep=None):
         """(prompts, completions, responses i32[B, R] truncated, the environment's rewards f32[B] or None), on the
-        host, for queries i32[B, P] (an agent run: episodes, its environments reset with prompt-table ``rows``)."""
+        host, for queries i32[B, P] (an agent run: episodes, its environments reset with prompt-table ``rows``, only
+        the first ``keep`` (default all) played: the others fill the batch)."""
         sampling = self.run.settings.sampling
         key = jax.random.fold_in(jax.random.key(self.args.seed + 1), step)
         P = queries.shape[1]
@@ -316,7 +320,9 @@ class PPOTrainer(LegacyAPI):
             jax.block_until_ready(self.run.state)  # no episode of an update in flight shares the host's state
             queries = self.run.agents.begin(rows, np.asarray(queries))
             played = rollout.episodes_jit(self.run.program, self.run.state.params, self.run.state.frozen,
-                                          jnp.asarray(queries, jnp.int32), key, jnp.float32(temperature))
+                                          jnp.asarray(queries, jnp.int32), key, jnp.float32(temperature),
+                                          jnp.int32(len(queries) if keep is None else keep),
+                                          slots=sampling.rollout_slots or self.run.settings.batch.batch_size)
             self.run.agents.raise_pending()
             responses = parallel.to_host(played.stream)
             if self.run.agents.reward_name is not None:
@@ -337,10 +343,11 @@ class PPOTrainer(LegacyAPI):
         # a whole batch, of which the first `num` are shown: the sampler compiled for evaluation is reused
         held_out = self.eval_queries is not None
         queries = _whole_batch((self.eval_queries if held_out else self.train_queries)[:num],
-                               self.run.settings.batch.batch_size)
+                               self._evaluation_rows)
         first_row = len(self.train_queries) if held_out else 0
+        shown = min(num, len(queries))
         prompts, completions, responses, environment = self._sample(
-            queries, step=step, rows=_batch_rows(first_row, min(num, len(queries)), len(queries)))
+            queries, step=step, rows=_batch_rows(first_row, shown, len(queries)), keep=shown)
         scored = self._with_environment(self.score_samples(queries, responses, rows=num, first_row=first_row),
                                         environment, num)
         prompts = self._shown(prompts, first_row, num)
@@ -359,13 +366,14 @@ class PPOTrainer(LegacyAPI):
         "reward_values": {name: per-prompt values, None where it does not apply}}."""
         if self.eval_queries is None or not self._has_reward:
             return None
-        batch = self.run.settings.batch.batch_size
+        batch = self._evaluation_rows
         prompts, completions, scores, components = [], [], [], {}
         for start in range(0, len(self.eval_queries), batch):
             queries = _whole_batch(self.eval_queries[start:start + batch], batch)
             keep = min(batch, len(self.eval_queries) - start)
             first = len(self.train_queries) + start
-            p, c, responses, environment = self._sample(queries, step=step, rows=_batch_rows(first, keep, batch))
+            p, c, responses, environment = self._sample(queries, step=step, rows=_batch_rows(first, keep, batch),
+                                                        keep=keep)
             prompts += self._shown(p, first, keep)
             completions += c[:keep]
             batch_scores, batch_components = self._with_environment(
@@ -377,6 +385,14 @@ class PPOTrainer(LegacyAPI):
                         if any(v is not None for v in values) else None) for name, values in components.items()}
         return {"mean_score": float(np.mean(scores)), "rewards": means, "prompts": prompts,
                 "completions": completions, "scores": scores, "reward_values": components}
+
+    @property
+    def _evaluation_rows(self) -> int:
+        """The prompts one evaluation (or sample table) call takes: a batch's, or for an agent run
+        ``AGENT_EVALUATION_BATCHES`` batches' played on a batch's rows (``rollout_slots`` where set), each row
+        taking the next prompt as its episode ends, so a call's last episodes overlap the next batch's first."""
+        batch = self.run.settings.batch.batch_size
+        return batch * AGENT_EVALUATION_BATCHES if self.run.agents is not None else batch
 
     def score_samples(self, queries, responses, rows: Optional[int] = None,
                       first_row: Optional[int] = None) -> Optional[tuple[list, dict]]:
