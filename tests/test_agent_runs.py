@@ -238,6 +238,29 @@ def test_text_from_reset_that_cannot_be_one_prompt_is_refused(tmp_path, monkeypa
         trainer.run.agents.begin(np.repeat(np.arange(4), 4), np.asarray(trainer.run.train_queries[:4]), group_size=4)
 
 
+def test_a_shared_prompt_prefix_is_found_and_must_survive_reset_text(tmp_path, monkeypatch):
+    """shared_prompt_prefix: the run finds the tokens every prompt starts with ("user guess one", where the prompts
+    go on with "number" or "whole number"), the sampler and the update take them once, and a prompt rendered again
+    with reset's text keeps them; where reset's text would change them (every prompt the same up to its last
+    token), the run stops naming the fix."""
+    hinting_module(monkeypatch)
+    data = [{"prompt": "guess one " + ("number" if i % 2 else "whole number"), "target": t}
+            for i, t in enumerate((1, 2, 3, 4) * 10)]
+    trainer = trainer_for(config_for(tmp_path, environment_factory="hinting_env_test:Hinting", max_prompt_length=16,
+                                     total_episodes=16, shared_prompt_prefix=True), data)
+    settings = trainer.run.program.settings
+    assert settings.sampling.prompt_prefix == settings.batch.prompt_prefix == 3
+    history = trainer.train(progress=False)
+    assert len(history) == 1 and np.isfinite(history[0]["loss/policy_avg"])
+    same = [{"prompt": "guess one number", "target": t} for t in (1, 2, 3, 4) * 10]
+    trainer = trainer_for(config_for(tmp_path / "same", environment_factory="hinting_env_test:Hinting",
+                                     max_prompt_length=16, shared_prompt_prefix=True), same)
+    assert trainer.run.program.settings.sampling.prompt_prefix == 5  # all of "user guess one number <eos>"
+    with pytest.raises(ConfigError, match=r"no longer starts with the 5 tokens every prompt of the dataset starts "
+                                          r"with.*set shared_prompt_prefix: false"):
+        trainer.run.agents.begin(np.repeat(np.arange(4), 4), np.asarray(trainer.run.train_queries[:4]), group_size=4)
+
+
 BLOCK_IN_STEP = "PPOJAX_TEST_BLOCK_IN_STEP"  # "<update>:<output_dir>": Interrupting blocks in that update
 
 

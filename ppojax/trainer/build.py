@@ -124,9 +124,9 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
     prompts = prompt_data(config, texts, columns, n_train_texts, tokens, data_parallel,
                           template_kwargs=None if agents is None else agents.template_kwargs)
     if prompts.shared_prefix:
-        log.info("shared_prompt_prefix: every prompt starts with the same %d tokens", prompts.shared_prefix)
+        log.info("shared_prompt_prefix: every prompt starts with the same %d tokens", len(prompts.shared_prefix))
     if agents is not None:
-        agents.attach(prompts.raw_texts, prompts.table)
+        agents.attach(prompts.raw_texts, prompts.table, prompts.shared_prefix)
     # the reward runs where the samples are: with rollout_devices, in the rollout program on its own mesh
     rewards.call_on_host(tokens.tokenizer, tokens.pad_token_id, prompts.table, rollout_mesh or mesh)
 
@@ -137,7 +137,7 @@ def build_run(config: PPOConfig, processing_class=None, model=None, ref_model=No
                             eos_token_id=tokens.tokenizer.eos_token_id, num_updates=prompts.num_updates,
                             vocab_size=tokens.vocab_size, base_graphdef=models.base_graphdef,
                             lora_scale=None if models.lora_spec is None else models.lora_spec.scale,
-                            kernels=models.kernels, agents=agents, prompt_prefix=prompts.shared_prefix)
+                            kernels=models.kernels, agents=agents, prompt_prefix=len(prompts.shared_prefix))
 
     sources = dict(config=config, mesh=mesh, model_path=model_path, model=model, ref_model=ref_model,
                    reward_model=rewards.reward_model, value_model=value_model, uses_critic=uses_critic,

@@ -9,7 +9,7 @@ one environment reset per episode with its dataset row); after it, an environmen
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -94,9 +94,10 @@ class RunAgents:
         """The program's ``EpisodeSource``: the host's turns through a host callback, and the environment's reward."""
         return EpisodeSource(host_callback(self.host.turn, shape, mesh), self.reward_name)
 
-    def attach(self, texts: list, table: Optional[ColumnTable]) -> None:
-        """The kept prompts (what the user wrote, in prompt-table order) and their dataset columns."""
-        self.texts, self.table = texts, table
+    def attach(self, texts: list, table: Optional[ColumnTable], shared_prefix: Sequence[int] = ()) -> None:
+        """The kept prompts (what the user wrote, in prompt-table order), their dataset columns and the tokens every
+        prompt starts with where ``shared_prompt_prefix`` is on (a prompt rendered again must keep them)."""
+        self.texts, self.table, self.shared_prefix = texts, table, list(shared_prefix)
 
     def begin(self, rows, prompt_ids, group_size: int = 1) -> np.ndarray:
         """Start the episodes of an update: rows i32[B] (the prompt-table rows of its episodes, each prompt's G =
@@ -131,6 +132,11 @@ class RunAgents:
                     f"prompt row {row} with the text {self.environments.label}.reset appended has {len(ids)} "
                     f"tokens, more than max_prompt_length={width}. Fix: raise max_prompt_length to at least "
                     f"{len(ids)}, or shorten the text reset returns.")
+            if list(ids[:len(self.shared_prefix)]) != self.shared_prefix:
+                raise ConfigError(
+                    f"prompt row {row} with the text {self.environments.label}.reset appended no longer starts with "
+                    f"the {len(self.shared_prefix)} tokens every prompt of the dataset starts with, which "
+                    "shared_prompt_prefix=True runs once for all. Fix: set shared_prompt_prefix: false.")
             out[prompt] = left_pad([ids], width, self.host.pad_token_id)[0]
         return out
 

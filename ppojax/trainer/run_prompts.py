@@ -96,7 +96,7 @@ class RunPrompts:
     dataset: the legacy ``step()`` API); num_updates: the run's PPO updates; texts: what the user wrote of each
     kept prompt, training rows then held-out ones (``prompt_display_text``; None without a dataset);
     shared_prefix: the tokens every prompt, training and held-out, starts with where ``shared_prompt_prefix`` is on
-    (:func:`shared_prefix_length`), else 0."""
+    (:func:`shared_prefix_length` of them), else none."""
 
     train_queries: Optional[np.ndarray]
     eval_queries: Optional[np.ndarray]
@@ -105,7 +105,7 @@ class RunPrompts:
     num_updates: int
     texts: Optional[list] = None
     raw_texts: Optional[list] = None  # the kept prompts as the dataset holds them (a string or chat messages)
-    shared_prefix: int = 0
+    shared_prefix: tuple = ()
 
 
 def shared_prefix_length(prompt_ids: np.ndarray, pad_token_id: int) -> int:
@@ -128,7 +128,7 @@ def prompt_data(config: PPOConfig, texts, columns: dict, n_train_texts, tokens: 
     """The prompt texts (:func:`read_prompt_texts`) as the run's token ids, held-out split, columns and batches.
     template_kwargs: more arguments of the chat template (an agent run's tools and template)."""
     train_queries = eval_queries = batches = table = shown = raw = None
-    shared_prefix = 0
+    shared_prefix = ()
     if texts is not None:
         prompts = as_config_error(prepare_prompts, texts, tokens.tokenizer, config.max_prompt_length,
                                   chat_template=config.chat_template, stop_token_id=tokens.stop_token_id,
@@ -141,7 +141,9 @@ def prompt_data(config: PPOConfig, texts, columns: dict, n_train_texts, tokens: 
                                   f"max_prompt_length={config.max_prompt_length}; raise it.")
         train_queries, eval_queries = split_eval(prompts.input_ids, num_eval)
         if config.shared_prompt_prefix:
-            shared_prefix = shared_prefix_length(prompts.input_ids, tokens.pad_token_id)
+            ids = np.asarray(prompts.input_ids)
+            first = int(np.argmax(ids[0] != tokens.pad_token_id))
+            shared_prefix = tuple(ids[0, first:first + shared_prefix_length(ids, tokens.pad_token_id)].tolist())
         shown = [prompt_display_text(text) for text in prompts.texts]
         raw = list(prompts.texts)
         if columns:  # the kept prompts' rows, in prompt-table order (training rows first, then held-out ones)
