@@ -19,7 +19,6 @@ from ppojax.rl.forward import (SharedPromptLayout, logprobs_from_hidden, row_lay
 from ppojax.rl.sampler import generate
 from ppojax.trainer.run_prompts import shared_prefix_length
 from tests import test_packing as packing, test_shared_prompt as shared_prompt
-from tests.test_shared_prompt import gpt2_like
 from tests.tiny_setup import tiny_config
 
 PAD, STOP = 0, 1
@@ -81,7 +80,7 @@ def grouped_rows(seed, group):
     return jnp.asarray(np.concatenate([prompts, responses], axis=1), jnp.int32)
 
 
-@pytest.mark.parametrize("cfg,group", [(tiny_config(), 1), (tiny_config(), G), (gpt2_like(), G)],
+@pytest.mark.parametrize("cfg,group", [(tiny_config(), 1), (tiny_config(), G), (shared_prompt.gpt2_like(), G)],
                          ids=["llama", "llama-groups", "gpt2-groups"])
 def test_the_shared_prefix_forward_equals_the_padded_forward(cfg, group):
     qr = grouped_rows(2, group)
@@ -98,13 +97,7 @@ def test_the_shared_prefix_forward_equals_the_padded_forward(cfg, group):
     def objective(params, prefix):
         return jnp.sum(outputs(params, prefix)[1] * weights)
 
-    (hidden_a, logprobs_a), (hidden_b, logprobs_b) = (jax.jit(outputs, static_argnums=1)(params, prefix)
-                                                      for prefix in (0, Q))
-    np.testing.assert_allclose(hidden_b, hidden_a, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(logprobs_b, logprobs_a, rtol=1e-5, atol=1e-5)
-    grads_a, grads_b = (jax.jit(jax.grad(objective), static_argnums=1)(params, prefix) for prefix in (0, Q))
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5), grads_a, grads_b)
-    assert max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(grads_a)) > 1e-3
+    shared_prompt.assert_forwards_agree(outputs, objective, params, 0, Q)
 
 
 def test_the_prefix_runs_once_for_the_batch():

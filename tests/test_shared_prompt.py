@@ -57,14 +57,22 @@ def test_shared_prompt_hidden_logprobs_and_gradients_equal_the_padded_forward(cf
     def objective(params, group):
         return jnp.sum(outputs(params, group)[1] * weights)
 
-    (hidden_a, logprobs_a), (hidden_b, logprobs_b) = (jax.jit(outputs, static_argnums=1)(params, group)
-                                                      for group in (1, G))
-    assert hidden_b.shape == hidden_a.shape == (B, R, cfg.hidden_size)
+    hidden = assert_forwards_agree(outputs, objective, params, 1, G)
+    assert hidden.shape == (B, R, cfg.hidden_size)
+
+
+def assert_forwards_agree(outputs, objective, params, plain, shared):
+    """``outputs(params, variant)`` -> (hidden, log-probs) and the gradient of ``objective(params, variant)`` equal
+    for the ``plain`` and the ``shared`` variant (static), the gradient not zero -> the plain hidden states."""
+    (hidden_a, logprobs_a), (hidden_b, logprobs_b) = (jax.jit(outputs, static_argnums=1)(params, variant)
+                                                      for variant in (plain, shared))
+    assert hidden_b.shape == hidden_a.shape
     np.testing.assert_allclose(hidden_b, hidden_a, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(logprobs_b, logprobs_a, rtol=1e-5, atol=1e-5)
-    grads_a, grads_b = (jax.jit(jax.grad(objective), static_argnums=1)(params, group) for group in (1, G))
+    grads_a, grads_b = (jax.jit(jax.grad(objective), static_argnums=1)(params, variant) for variant in (plain, shared))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5), grads_a, grads_b)
     assert max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(grads_a)) > 1e-3
+    return hidden_a
 
 
 def test_the_prompt_runs_once_per_group():

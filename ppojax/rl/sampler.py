@@ -154,9 +154,8 @@ def prefill_one_row(model, prompt, pad_token_id, max_length, dtype):
     sampler refills it (:func:`copy_into_rows`)."""
     one = _init_cache(model, 1, max_length, dtype).replace(
         read_length=prefill_slots(prompt.shape[1], max_length, slot_alignment_of(model)))
-    input_ids, attention_mask, position_ids = sequence_inputs(prompt, pad_token_id)
-    hidden, one = model(input_ids, attention_mask, position_ids, cache=one)
-    return model.logits(hidden[:, -1:])[:, 0], one, jnp.sum(attention_mask, dtype=jnp.int32)
+    last, one, real = prefill(model, prompt, pad_token_id, one)
+    return model.logits(last)[:, 0], one, real[0]
 
 
 def prefill(model, prompt_ids, pad_token_id, cache, prefix_length: int = 0):
