@@ -225,6 +225,40 @@ def test_fewer_rows_than_episodes_play_the_same_episodes(policy, stop_token, epi
     assert_same_episodes(out, episodes)
 
 
+@pytest.mark.parametrize("count, blocks, prefix", [(7, 2, 0), (12, 3, 0), (12, 3, 2)])
+def test_a_filled_up_batch_prefills_the_prompt_blocks_it_plays(policy, stop_token, episodes, monkeypatch, count,
+                                                              blocks, prefix):
+    """``episodes`` = n (traced) on 5 rows: the bank's prompts go through the model 5 rows at a time, only the
+    blocks that hold one of the first n run (the last overlapping the one before where 5 does not divide 12):
+    n = 7 runs 2 blocks, n = 12 all 3; the n episodes are the whole batch's, also after a shared prefix
+    prefilled once (prompts that start with the same 2 tokens)."""
+    graphdef, params = policy
+    prompts = PROMPTS.copy()
+    if prefix:
+        for i in range(B):
+            prompts[i, i % 3:i % 3 + 2] = (7, 9)
+        episodes = jax.tree.map(np.asarray, run(policy, stop_token, prompts))
+    traced, ran = [], []
+    original = CausalLM.__call__
+
+    def counting(self, input_ids, *args, **kwargs):
+        traced.append(tuple(input_ids.shape))
+        if input_ids.shape == (5, P - prefix):
+            jax.debug.callback(lambda: ran.append(1))
+        return original(self, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(CausalLM, "__call__", counting)
+    out = jax.tree.map(np.asarray, jax.jit(lambda params, prompts, key, n: generate_episodes(
+        graphdef, params, prompts, key, shape=SHAPE, host_turn=scripted_host, pad_token_id=PAD,
+        stop_token_id=stop_token, temperature=TEMPERATURE, top_k=TOP_K, slots=5, tail_rows=3, episodes=n,
+        prefix_length=prefix))(params, jnp.asarray(prompts), jax.random.key(3), jnp.int32(count)))
+    jax.effects_barrier()
+    assert (B, P - prefix) not in traced and len(ran) == blocks
+    assert_same_episodes(jax.tree.map(lambda x: x[:count] if np.ndim(x) else x, out),
+                         jax.tree.map(lambda x: x[:count] if np.ndim(x) else x, episodes))
+    assert (out.stream[count:] == PAD).all()
+
+
 def assert_same_episodes(out, expected):
     np.testing.assert_array_equal(out.stream, expected.stream)
     np.testing.assert_array_equal(out.environment_mask, expected.environment_mask)

@@ -27,7 +27,9 @@ contiguous sequence: a plain forward over ``[prompt | stream]`` gives the sample
 Prompts. ``prompt_ids`` holds each prompt once; its G = ``group_size`` episodes (GRPO's group) are consecutive.
 Every prompt is prefilled ONCE, in one call, on a bank of B / G rows holding the prompts' slots only; a row
 starting an episode takes its prompt's keys, values and key mask from the bank (the slots past the prompt empty),
-so a group's G episodes and every refill cost a copy, not a prefill.
+so a group's G episodes and every refill cost a copy, not a prefill. A batch filled up to its compiled size
+(``episodes`` below B: a held-out scoring's last call, a sample table) prefills its prompts a rows' worth at a time,
+only as many blocks as hold a played prompt.
 
 Rows. With ``slots`` S below the batch's B episodes, the cache has S rows: when an episode ends, its row takes the
 next waiting episode (in order) at once, from the bank (nothing of the previous episode survives). The episodes'
@@ -65,8 +67,8 @@ from jax.experimental import io_callback
 from ppojax.core.masks import INVALID_LOGPROB
 from ppojax.parallel import batch_partition_spec
 from ppojax.rl.sampler import (SLOT_ALIGNMENT, _aligned, _cache_dtype, _init_cache, cache_rows, copy_into_rows,
-                               model_kernels, prefill, prefill_slots, row_keys, sample_rows, slot_alignment_of,
-                               token_logprobs)
+                               model_kernels, prefill, prefill_shared_prefix, prefill_slots, row_keys, sample_rows,
+                               slot_alignment_of, token_logprobs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,15 +247,36 @@ def _one_row(cache, slot):
 
 
 def _prefill_prompts(model, prompt_ids, pad_token_id, cache_length: int, dtype, alignment: int,
-                     prefix_length: int = 0):
+                     prefix_length: int = 0, needed=None, block: int = 0):
     """Each prompt of ``prompt_ids`` i32[N, P] (left padded) through the model once -> (next-token logits f32[N, V],
     the bank: a cache of N rows holding the prompts' slots only (rounded up to ``alignment``), each row its own
     write index, real tokens i32[N]). prefix_length: the prompts' shared first tokens, through the model once for
-    all (``ppojax.rl.sampler.prefill``)."""
+    all (``ppojax.rl.sampler.prefill``). needed: i32[] (may be traced) or None: only the first this many prompts are
+    played; with 0 < ``block`` < N their rests go through the model ``block`` rows at a time, and only the blocks
+    that hold a needed prompt run (a filled-up batch costs the prompts it holds; the bank's other rows, which no
+    episode reads, keep their logits and slots unfilled)."""
     prompts, prompt_length = prompt_ids.shape
     bank = _init_cache(model, prompts, prefill_slots(prompt_length, cache_length, alignment), dtype)
-    last, bank, real = prefill(model, prompt_ids, pad_token_id, bank.replace(index=jnp.zeros((prompts,), jnp.int32)),
-                               prefix_length)
+    bank = bank.replace(index=jnp.zeros((prompts,), jnp.int32))
+    if needed is None or not 0 < block < prompts:
+        last, bank, real = prefill(model, prompt_ids, pad_token_id, bank, prefix_length)
+        return model.logits(last)[:, 0], bank, real
+    bank, rest, real = prefill_shared_prefix(model, prompt_ids, pad_token_id, bank, prefix_length)
+    fresh = bank.index  # each row's write index before its rest: a row written again starts there again
+
+    def one_block(i, carry):
+        bank, last = carry
+        start = jnp.minimum(i * block, prompts - block)  # the last block may overlap the one before: its rows are
+        rows = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, start, block, axis=0), rest)  # written again
+        part = cache_rows(bank, start + jnp.arange(block, dtype=jnp.int32))
+        hidden, part = model(*rows, cache=part.replace(index=jax.lax.dynamic_slice_in_dim(fresh, start, block)))
+        return (copy_into_rows(bank, part, start),
+                jax.lax.dynamic_update_slice_in_dim(last, hidden[:, -1:].astype(last.dtype), start, axis=0))
+
+    first, part = model(*jax.tree.map(lambda x: x[:block], rest), cache=cache_rows(bank, jnp.arange(block)))
+    last = jnp.zeros((prompts,) + first.shape[1:], first.dtype).at[:block].set(first[:, -1:])
+    blocks = (jnp.asarray(needed, jnp.int32) + block - 1) // block
+    bank, last = jax.lax.fori_loop(1, blocks, one_block, (copy_into_rows(bank, part), last))
     return model.logits(last)[:, 0], bank, real
 
 
@@ -347,8 +370,9 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
     live = jnp.int32(batch) if episodes is None else jnp.minimum(jnp.asarray(episodes, jnp.int32), batch)
 
     # every prompt prefilled once (module docstring, "Prompts"); the first S episodes' rows copied from the bank
-    bank_logits, bank, bank_tokens = _prefill_prompts(model, prompt_ids, pad_token_id, cache_length, dtype, alignment,
-                                                      prefix_length)
+    bank_logits, bank, bank_tokens = _prefill_prompts(
+        model, prompt_ids, pad_token_id, cache_length, dtype, alignment, prefix_length,
+        needed=None if episodes is None else (live + group_size - 1) // group_size, block=num_rows // group_size)
     first = row_ids // group_size
     started = cache_rows(bank, first)  # the prompts' slots only: the empty cache's other slots stay empty
     # written into the empty cache (its placement on a mesh), one write index per row: rows run apart

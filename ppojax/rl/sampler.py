@@ -166,16 +166,25 @@ def prefill(model, prompt_ids, pad_token_id, cache, prefix_length: int = 0):
     through the model ONCE, on one row, and their keys and values are copied into every row's first q slots; each
     row's rest follows at slots q on (``ppojax.rl.forward.split_shared_prefix``; the padding between is masked and
     positions count real tokens only), so every token sees what a plain prefill shows it, to float rounding."""
+    cache, rest, real = prefill_shared_prefix(model, prompt_ids, pad_token_id, cache, prefix_length)
+    hidden, cache = model(*rest, cache=cache)
+    return hidden[:, -1:], cache, real
+
+
+def prefill_shared_prefix(model, prompt_ids, pad_token_id, cache, prefix_length: int = 0):
+    """The first half of :func:`prefill`: the shared prefix (q = ``prefix_length`` > 0) through the model once and
+    copied into every row of ``cache`` -> (the cache, what is left to feed: (input_ids, attention_mask,
+    position_ids), each [N, P - q] (q = 0: the whole prompts, [N, P]), each row's real tokens i32[N]). Feeding the
+    rest, in one call or in row blocks, completes the prefill."""
     input_ids, attention_mask, position_ids = sequence_inputs(prompt_ids, pad_token_id)
     real = jnp.sum(attention_mask, axis=-1, dtype=jnp.int32)
-    if prefix_length:
-        prefix, rest = split_shared_prefix(input_ids, attention_mask, position_ids, prefix_length)
-        one = cache_rows(cache, jnp.zeros((1,), jnp.int32)).replace(read_length=cache.read_length)
-        _, one = model(*prefix, cache=one)
-        cache = copy_into_rows(cache, cache_rows(one, jnp.zeros((prompt_ids.shape[0],), jnp.int32)))
-        input_ids, attention_mask, position_ids = rest
-    hidden, cache = model(input_ids, attention_mask, position_ids, cache=cache)
-    return hidden[:, -1:], cache, real
+    if not prefix_length:
+        return cache, (input_ids, attention_mask, position_ids), real
+    prefix, rest = split_shared_prefix(input_ids, attention_mask, position_ids, prefix_length)
+    one = cache_rows(cache, jnp.zeros((1,), jnp.int32)).replace(read_length=cache.read_length)
+    _, one = model(*prefix, cache=one)
+    cache = copy_into_rows(cache, cache_rows(one, jnp.zeros((prompt_ids.shape[0],), jnp.int32)))
+    return cache, rest, real
 
 
 def cache_rows(cache, rows, cache_length: int | None = None):

@@ -87,9 +87,9 @@ def _train_and_report(config: PPOConfig, claim) -> dict:
                                                     "models loaded)" if compiled_ahead else
                                                     "compiles the training step)")):
             t0 = time.time()
-            history = trainer.train()
+            history = trainer.train(samples_at_end=trainer.eval_queries is None)  # the scoring after logs them
             train_seconds = time.time() - t0
-        after = _held_out_after(trainer, out)
+        after = _held_out_after(trainer, out, logger if history else None)  # None: nothing trained, none logged
         export_check = _export_and_check(trainer, config, out)
         reward_names = list((before or after or {}).get("rewards") or {})
         keys = list(PLOT_KEYS) + ([f"rewards/{name}/mean" for name in reward_names] if len(reward_names) > 1 else [])
@@ -140,9 +140,10 @@ def _held_out_before(trainer: PPOTrainer, out: Path, logger) -> Optional[dict]:
     return before
 
 
-def _held_out_after(trainer: PPOTrainer, out: Path) -> Optional[dict]:
-    """The trained policy's held-out scores, written to ``eval_after.json``; None without held-out prompts. Not
-    logged as samples: the sample hook logged the last update's completions of the same prompts at this step."""
+def _held_out_after(trainer: PPOTrainer, out: Path, logger) -> Optional[dict]:
+    """The trained policy's held-out scores, written to ``eval_after.json``; its first completions are the last
+    update's sample table where ``logger`` is given (training left it to this: the same prompts, the same sampling
+    key); None without held-out prompts."""
     if trainer.eval_queries is None:
         return None
     with stage("scoring held-out prompts after training"):
@@ -152,6 +153,9 @@ def _held_out_after(trainer: PPOTrainer, out: Path) -> Optional[dict]:
             write_json(out / "eval_after.json", after)
         print(f"ppojax: held-out mean score after training: {after['mean_score']:.4f}{_per_reward(after)} "
               f"(completions: {out / 'eval_after.json'})")
+        if logger is not None and trainer.args.num_sample_generations:
+            logger.log_samples(trainer.num_updates, after["prompts"][:4], after["completions"][:4],
+                               after["scores"][:4])
     return after
 
 

@@ -135,11 +135,13 @@ class PPOTrainer(LegacyAPI):
     # ------------------------------------------------------------------------------------------------
     # train()
     # ------------------------------------------------------------------------------------------------
-    def train(self, num_updates: Optional[int] = None, progress: bool = True) -> list[dict[str, float]]:
+    def train(self, num_updates: Optional[int] = None, progress: bool = True,
+              samples_at_end: bool = True) -> list[dict[str, float]]:
         """Run PPO up to ``num_updates`` updates (default: all the config asks for), resuming first when
         ``resume`` is set. Logs every ``logging_steps`` updates, prints sample completions
         ``num_sample_generations`` times, checkpoints every ``save_steps`` updates and at the end. Returns
-        this call's metrics, one dict per update."""
+        this call's metrics, one dict per update. samples_at_end=False: the last update's sample table is left to
+        the caller (``ppojax train`` logs the first of its held-out scoring after training, the same prompts)."""
         run, args = self.run, self.args
         if run.batches is None:
             raise ConfigError("train() needs prompts: pass train_dataset or set `dataset` in the config.")
@@ -152,12 +154,12 @@ class PPOTrainer(LegacyAPI):
                 resumed = (self.resume(args.resume) if args.resume is not None and int(run.state.update_count) == 0
                            else None)
                 self.open_logger(resumed)
-            return self._train(total, progress)
+            return self._train(total, progress, samples_at_end)
         finally:
             if took_hold:
                 self.claim.release()
 
-    def _train(self, total: int, progress: bool) -> list[dict[str, float]]:
+    def _train(self, total: int, progress: bool, samples_at_end: bool = True) -> list[dict[str, float]]:
         run, args = self.run, self.args
         start = int(run.state.update_count)
         bar = self.logger.progress(total, initial=start) if progress else None
@@ -189,8 +191,8 @@ class PPOTrainer(LegacyAPI):
                  Hook(held_out, every=evaluating, reads_state=True),
                  Hook(log),
                  Hook(progress_bar), Hook(nonfinite_check(self.checkpoints.latest)),
-                 Hook(lambda end: self.log_samples(end.step), every=sample_every, at_end=sample_every > 0,
-                      reads_state=True),
+                 Hook(lambda end: None if end.step == end.total and not samples_at_end else self.log_samples(end.step),
+                      every=sample_every, at_end=sample_every > 0, reads_state=True),
                  Hook(save, every=args.save_steps, reads_state=True)]
         if run.settings.asynchronous is not None and start == 0:  # a checkpoint carries its own queue
             fill_in_flight(run, self.train_step.fill if isinstance(self.train_step, DisaggregatedStep)
