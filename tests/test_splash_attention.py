@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from ppojax.backends.tpu.kernels import TpuKernels
-from ppojax.backends.tpu.splash_attention import fits, splash_attention
+from ppojax.backends.tpu.splash_attention import blocks_computed, fits, splash_attention
 from ppojax.models import XLA, CausalLM, ModelConfig
 from ppojax.models.attention import xla_attention
 from tests.test_attention import reference_attention
@@ -70,6 +70,58 @@ def test_its_gradients_equal_xla_attentions():
     for name, a, b in zip("qkv", got, want):
         assert float(jnp.max(jnp.abs(b))) > 1, name
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, err_msg=name)
+
+
+def packed_rows(length=512, starts=((0,), (0, 300), (0, 128, 256, 384))):
+    """(q, k, v, segments, mask, real) of rows of `length` tokens packed with sequences starting at `starts` (one row
+    each), the last 20 tokens of each row empty (-1)."""
+    rng = np.random.default_rng(7)
+    rows = len(starts)
+    q, k, v = (jnp.asarray(rng.normal(size=(rows, length, n, HD)), jnp.float32) for n in (H, K, K))
+    seq = np.zeros((rows, length), np.int32)
+    for row, row_starts in enumerate(starts):
+        for i, start in enumerate(row_starts):
+            seq[row, start:] = i
+    real = np.ones((rows, length), bool)
+    real[:, -20:] = False
+    mask = np.tril(np.ones((length, length), bool))[None] & real[:, None, :] & (seq[:, :, None] == seq[:, None, :])
+    return q, k, v, jnp.asarray(np.where(real, seq, -1)), jnp.asarray(mask), real
+
+
+def test_rows_packed_longer_skip_the_blocks_of_other_sequences():
+    """`skip_other_sequences` (TpuKernels' choice for rows packed longer than a padded row): rows of 512 tokens in
+    blocks of 128 holding one, two (0-299, 300-491) and four sequences: values and gradients of q, k and v within
+    1e-5 of XLA's attention at the real queries, through TpuKernels; of the 10 block pairs the causal kernel
+    computes per row, 10, 8 and 4 (a plain count of the pairs where a query sees a key of its own sequence)."""
+    q, k, v, segments, mask, real = packed_rows()
+    weights = jnp.asarray(np.random.default_rng(1).normal(size=q.shape), jnp.float32) * real[:, :, None, None]
+    skipping = TpuKernels(interpret=True, skip_other_sequences=True)
+
+    def attend(q, k, v):
+        return splash_attention(q, k, v, segments, scale=HD ** -0.5, block=128, skip_other_sequences=True,
+                                interpret=True)
+
+    got = jax.jit(attend)(q, k, v)
+    want = xla_attention(q, k, v, mask, scale=HD ** -0.5)
+    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=1e-5)
+    through_kernels = jax.jit(lambda q, k, v: skipping.attention(q, k, v, mask, scale=HD ** -0.5,
+                                                                 segments=segments))(q, k, v)
+    np.testing.assert_allclose(np.asarray(through_kernels)[real], np.asarray(want)[real], atol=1e-5)
+
+    def loss(attention):
+        return lambda q, k, v: jnp.sum(attention(q, k, v) * weights)
+
+    got_grads = jax.jit(jax.grad(loss(attend), argnums=(0, 1, 2)))(q, k, v)
+    want_grads = jax.grad(loss(lambda q, k, v: xla_attention(q, k, v, mask, scale=HD ** -0.5)),
+                          argnums=(0, 1, 2))(q, k, v)
+    for name, a, b in zip("qkv", got_grads, want_grads):
+        assert float(jnp.max(jnp.abs(b))) > 1, name
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, err_msg=name)
+
+    seen = np.asarray(mask).reshape(3, 4, 128, 4, 128).any(axis=(2, 4))
+    seen |= np.eye(4, dtype=bool)  # the empty tail's queries see each other (segment -1)
+    assert [int(n) for n in seen.sum(axis=(1, 2))] == [10, 8, 4]
+    np.testing.assert_array_equal(blocks_computed(segments, 128), [10, 8, 4])
 
 
 def test_the_calls_it_takes():

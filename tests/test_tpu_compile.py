@@ -4,6 +4,7 @@ mesh, without any TPU (``ppojax plan --target tpu:...``, ppojax/trainer/plan_tar
 
 Skipped where libtpu is not installed (pip install 'ppojax[tpu]').
 """
+import dataclasses
 import json
 import re
 
@@ -118,6 +119,11 @@ def test_the_attention_a_tpu_user_gets_is_the_one_compiled(tiny_model, target, c
     assert run.program.actor_critic.kernels == TpuKernels(mesh=mesh)
     assert backends.kernels_for([], mesh=mesh) == TpuKernels(mesh=mesh)  # what build_run takes on the slice itself
     assert backends.kernels_for([], mesh=mesh, attention_implementation="xla") is XLA
+    # a run packing rows longer than a padded row: splash skips the blocks of other sequences
+    longer = dataclasses.replace(config, padding_free=True,
+                                 packed_row_length=2 * (config.max_prompt_length + config.response_length))
+    assert abstract_run(longer, model_cfg, mesh).program.actor_critic.kernels == \
+        TpuKernels(mesh=mesh, skip_other_sequences=True)
     as_planned = make_train_step(run.program, run.state_shardings).jitted.lower(run.state, run.prompts,
                                                                                 run.key).as_text()
     assert "cudnn" not in as_planned and "CustomSPMDPartitioning" not in as_planned
@@ -253,7 +259,8 @@ def test_a_sweep_of_models_reads_each_cache_once(target):
 def test_a_forward_without_a_cache_takes_splash_attention_per_shard(target):
     """A model's forward and backward on packed rows of 1024 tokens (bfloat16, GQA 8 over 4 heads of 64) compiled
     for a v5e-8 on a data x fsdp x tensor mesh with TPUs' kernels: splash attention's forward, dq and dkv kernels
-    (segmented), run per shard; no [G * 1024, 1024] scores anywhere in the program, which XLA's attention writes."""
+    (segmented), run per shard; no [G * 1024, 1024] scores anywhere in the program, which XLA's attention writes. The
+    same with the kernels made from each row's mask (`skip_other_sequences`, for rows packed longer)."""
     from ppojax import parallel
     from ppojax.backends.tpu.kernels import TpuKernels
     from ppojax.models import XLA, CausalLM, ModelConfig
@@ -265,7 +272,8 @@ def test_a_forward_without_a_cache_takes_splash_attention_per_shard(target):
     tokens = jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=by_rows)
     mask = jax.ShapeDtypeStruct((rows, length), jnp.bool_, sharding=by_rows)
     texts = {}
-    for name, kernels in (("xla", XLA), ("tpu", TpuKernels(mesh=mesh))):
+    for name, kernels in (("xla", XLA), ("tpu", TpuKernels(mesh=mesh)),
+                          ("skipping", TpuKernels(mesh=mesh, skip_other_sequences=True))):
         graphdef, params = nnx.split(nnx.eval_shape(lambda: CausalLM(
             cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, kernels=kernels)))
         params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params,
@@ -281,3 +289,7 @@ def test_a_forward_without_a_cache_takes_splash_attention_per_shard(target):
                        "splash_mha_dkv_segmented_no_residuals"}, kernels
     scores = re.compile(r"(f32|bf16)\[[\d,]*\d{4},1024\]")  # [.., G * S, S]: a key head's query rows
     assert scores.search(texts["xla"]) and not scores.search(texts["tpu"])
+    # rows packed longer (TpuKernels' skip_other_sequences): the kernels made from each row's mask, no scores either
+    assert set(re.findall(r"splash_mha_\w+", texts["skipping"])) == {
+        "splash_mha_fwd_residuals", "splash_mha_dq_no_residuals", "splash_mha_dkv_no_residuals"}
+    assert not scores.search(texts["skipping"])

@@ -96,14 +96,17 @@ def model_shapes(modules: Iterable) -> tuple:
 
 
 def kernels_for(modules: Iterable, *, matmul_implementation: str = "auto", attention_implementation: str = "auto",
-                devices: Sequence | None = None, mesh=None, cpu_backend: bool = True):
+                devices: Sequence | None = None, mesh=None, cpu_backend: bool = True,
+                long_packed_rows: bool = False):
     """The `Kernels` for `modules` (ppojax models, arrays or abstract) run on `devices` (default: the mesh's, else
     all of jax's; compile-only devices of another machine too).
 
     matmul_implementation: the config's ("auto", "xla", or a GEMM library's name; only the CPU's kernels read it);
     attention_implementation: "auto", "xla", "cudnn" or "pallas" (`ppojax.models.attention.ATTENTION_IMPLEMENTATIONS`);
     mesh: the run's device mesh (fused attention lays its operands out for it); cpu_backend: False keeps XLA's
-    kernels on CPU devices (a plan whose virtual CPU devices stand in for accelerators).
+    kernels on CPU devices (a plan whose virtual CPU devices stand in for accelerators); long_packed_rows: the
+    forwards pack rows longer than a padded row (`packed_row_length`), where TPUs' attention skips the blocks of
+    other sequences.
     Raises `ValueError` naming why where an implementation named explicitly cannot run here."""
     import jax  # noqa: PLC0415 - JAX after XLA's options (above)
 
@@ -133,7 +136,9 @@ def kernels_for(modules: Iterable, *, matmul_implementation: str = "auto", atten
     if devices and devices[0].platform == "tpu":
         from ppojax.backends.tpu.kernels import TpuKernels  # noqa: PLC0415 - JAX after XLA's options (above)
 
-        return XLA if attention_implementation == "xla" else TpuKernels(mesh=mesh)
+        if attention_implementation == "xla":
+            return XLA
+        return TpuKernels(mesh=mesh, skip_other_sequences=long_packed_rows)
     if attention_implementation == "pallas":
         raise ValueError(f"attention_implementation='pallas' needs a TPU or an NVIDIA GPU, but the run's devices are "
                          f"{devices[0].platform!r}; use attention_implementation='auto' or 'xla'")

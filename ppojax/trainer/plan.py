@@ -162,7 +162,8 @@ def abstract_run(config: PPOConfig, model_cfg, mesh) -> AbstractRun:
     # the target's kernels, chosen for the mesh's devices (a GPU's fused attention); virtual CPU devices stand in
     # for accelerators with XLA's (a CPU backend's custom calls would hide their FLOPs from the cost analysis)
     kernels = as_config_error(backends.kernels_for, [policy, score], matmul_implementation="xla", mesh=mesh,
-                              cpu_backend=False, attention_implementation=config.attention_implementation)
+                              cpu_backend=False, attention_implementation=config.attention_implementation,
+                              long_packed_rows=config.packed_row_length is not None)
     backends.use_kernels(kernels, policy, score)
     # the run's assembly (value model = the reward model's copy, LoRA, reference), as build_run makes it
     models = assemble_abstractly(config, dict(policy=policy, ref_model=None, reward_module=score, value_module=None),

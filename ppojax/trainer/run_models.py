@@ -141,7 +141,8 @@ def _use_backend_kernels(config, mesh, *modules) -> None:
     choice as loaded ones) and set them on every backbone. The modules are the run's own (copies of the caller's)."""
     present = [m for m in modules if m is not None]
     kernels = as_config_error(backends.kernels_for, present, matmul_implementation=config.matmul_implementation,
-                              attention_implementation=config.attention_implementation, mesh=mesh)
+                              attention_implementation=config.attention_implementation, mesh=mesh,
+                              long_packed_rows=config.packed_row_length is not None)
     backends.use_kernels(kernels, *present)
 
 

@@ -35,6 +35,8 @@ class TpuKernels(Kernels):
 
     mesh: Any = None
     interpret: bool = False
+    #: rows packed longer than a padded row: splash skips the key blocks of other sequences (`splash_attention`)
+    skip_other_sequences: bool = False
     name: str = dataclasses.field(default="tpu", init=False)
 
     def attention(self, q: Array, k: Array, v: Array, mask: Array, *, scale: float, is_causal: bool = False,
@@ -43,7 +45,7 @@ class TpuKernels(Kernels):
         if block is None:
             return super().attention(q, k, v, mask, scale=scale)
         call = functools.partial(splash_attention.splash_attention, scale=scale, block=block, window=window,
-                                 interpret=self.interpret)
+                                 skip_other_sequences=self.skip_other_sequences, interpret=self.interpret)
         return run_attention_kernel(call, self.mesh, q, k, v, segments)
 
     def slot_shape(self, kv_heads: int, head_dim: int) -> tuple[int, ...]:
