@@ -4,7 +4,10 @@ The suite is compile-bound: hundreds of small programs, each compiled in about a
 LLVM's optimisation of XLA:CPU's kernels and XLA:CPU's fusion emitters (which build each fusion through MLIR) are
 most of that compile time and change no semantics, so the tests compile with both off
 (``--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false``; XLA then emits fusions as plain loops),
-and LLVM's remaining expensive passes are skipped (``--xla_llvm_disable_expensive_passes``).
+and LLVM's remaining expensive passes are skipped (``--xla_llvm_disable_expensive_passes``). The programs also run
+their operations on one thread (``--xla_cpu_multi_thread_eigen=false``): `make test` runs a worker per core, and
+Eigen's threads in one worker would wait on the core the other worker uses (as the suite's torch keeps to one
+thread; the values are the same operations').
 Subprocesses inherit the flags; a test that sets its own ``XLA_FLAGS`` for one adds :data:`CHEAP_COMPILES` to them.
 A test whose two programs agree bit for bit only under XLA's full optimisation asks :func:`cheap_compiles`. Set
 ``PPOJAX_TESTS_FULL_OPTIMIZATION=1`` to run the suite as users' programs compile (XLA's defaults).
@@ -14,7 +17,7 @@ from __future__ import annotations
 import os
 
 CHEAP_COMPILES = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
-                  "--xla_llvm_disable_expensive_passes=true")
+                  "--xla_llvm_disable_expensive_passes=true --xla_cpu_multi_thread_eigen=false")
 FULL_OPTIMIZATION_SWITCH = "PPOJAX_TESTS_FULL_OPTIMIZATION"
 
 
