@@ -55,7 +55,8 @@ class BatchSettings:
     """With padding_free: slots per packed row in the update's and the rollout's policy, reference and value
     forwards (None: max_prompt_length + response_length, a padded row). Longer rows let sequences longer than half
     a padded row share one (at a padded row's length they never do); XLA's attention of a row still spans the
-    whole row, TPUs' skips the blocks of other sequences (docs/packing.md). A reward model's forward keeps rows of a padded row's length."""
+    whole row, TPUs' skips the blocks of other sequences (docs/packing.md). A reward model's forward keeps rows of a
+    padded row's length."""
     shared_prompt_forward: bool = setting(False, static=True, on_resume=MAY_CHANGE)
     """Run each prompt once for its num_generations samples in the policy's and the reference's forwards (the
     rollout's and the update's): the prompt's keys and values are computed once and every sample's response
