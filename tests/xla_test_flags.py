@@ -6,8 +6,10 @@ most of that compile time and change no semantics, so the tests compile with bot
 (``--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false``; XLA then emits fusions as plain loops),
 and LLVM's remaining expensive passes are skipped (``--xla_llvm_disable_expensive_passes``). The programs also run
 their operations on one thread (``--xla_cpu_multi_thread_eigen=false``): `make test` runs a worker per core, and
-Eigen's threads in one worker would wait on the core the other worker uses (as the suite's torch keeps to one
-thread; the values are the same operations').
+Eigen's threads in one worker would wait on the core the other worker uses (the suite's torch keeps to one thread
+too). XLA:CPU then runs 16-bit products as float32 ones (its bf16 kernels are the multi-threaded ones): a test about
+which kernels a program runs compiles it with ``compiler_options={"xla_cpu_multi_thread_eigen": True}``, as a
+user's process does.
 Subprocesses inherit the flags; a test that sets its own ``XLA_FLAGS`` for one adds :data:`CHEAP_COMPILES` to them.
 A test whose two programs agree bit for bit only under XLA's full optimisation asks :func:`cheap_compiles`. Set
 ``PPOJAX_TESTS_FULL_OPTIMIZATION=1`` to run the suite as users' programs compile (XLA's defaults).
