@@ -63,10 +63,14 @@ def _kernel(length: int, heads: int, window: int | None, block: int, interpret: 
     shape = (length, length)
     one_head = splash_mask.CausalMask(shape) if window is None else \
         splash_mask.LocalMask(shape, window_size=(window - 1, 0), offset=0)
-    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
-                              block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
-    return splash.make_splash_mha_single_device(splash_mask.MultiHeadMask([one_head] * heads), block_sizes=sizes,
-                                                interpret=interpret)
+    return splash.make_splash_mha_single_device(splash_mask.MultiHeadMask([one_head] * heads),
+                                                block_sizes=_block_sizes(block), interpret=interpret)
+
+
+def _block_sizes(block: int):
+    """Splash's blocks, forward and backward alike, of `block` queries by `block` keys."""
+    return splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                             block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
 
 
 def row_mask(ids: Array, window: int | None = None) -> Array:
@@ -93,9 +97,7 @@ def blocks_computed(segments: Array, block: int, window: int | None = None) -> A
 def _row_kernel(mask: Array, block: int, interpret: bool):
     """The splash kernel of one row made from its mask bool[S, S] (the same for every head): JAX works out which
     blocks to skip while the program runs."""
-    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
-                              block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
-    kernel = splash.make_splash_mha_single_device(mask[None], block_sizes=sizes, interpret=interpret)
+    kernel = splash.make_splash_mha_single_device(mask[None], block_sizes=_block_sizes(block), interpret=interpret)
     # made inside a trace, the kernel's "dynamic mask" flag became an array; it is static (JAX reads it in Python)
     for name in ("fwd_mask_info", "dq_mask_info", "dkv_mask_info"):
         info = getattr(kernel, name)
