@@ -1,4 +1,5 @@
 import atexit
+import gc
 import importlib.util
 import os
 import shutil
@@ -28,6 +29,12 @@ FAST_LANE = os.environ.get("PPOJAX_TESTS_FAST", "").strip().lower() in ("1", "tr
 if FAST_LANE:
     os.environ.setdefault("PPOJAX_CPU_BACKEND", "0")
 use_cheap_compiles()  # before jax starts its backend: the suite's compiles without LLVM's optimisation
+# Tracing and lowering JAX programs, most of a test's time after XLA's compile, allocates millions of short-lived
+# objects; at Python's default thresholds (a young collection every 700 allocations) the cyclic collector runs
+# thousands of times per test file, each full pass over a heap that holds every module and compiled program. The
+# suite's processes collect far less often (their memory is small beside the host's); a user's run keeps Python's
+# defaults (arrays held by garbage cycles would hold accelerator memory longer).
+gc.set_threshold(50_000, 20, 20)
 if importlib.util.find_spec("torch") is not None:  # the tests that compare against torch import it themselves
     import torch
 
