@@ -12,6 +12,7 @@ import pytest
 
 from ppojax.backends.cpu.absent_tpu import skip_absent_tpu
 from ppojax.backends.cpu.capabilities import apply_cap
+from tests.lowering_contexts import share_lowering_contexts
 from tests.xla_test_flags import use_cheap_compiles
 
 # PPOJAX_CPU_ISA=avx2 runs the suite as an AVX2-only host would: the probe and the libraries (XLA, oneDNN, MKL,
@@ -29,6 +30,7 @@ FAST_LANE = os.environ.get("PPOJAX_TESTS_FAST", "").strip().lower() in ("1", "tr
 if FAST_LANE:
     os.environ.setdefault("PPOJAX_CPU_BACKEND", "0")
 use_cheap_compiles()  # before jax starts its backend: the suite's compiles without LLVM's optimisation
+share_lowering_contexts()  # each thread lowers its programs into one MLIR context, not a new one per program
 # Tracing and lowering JAX programs, most of a test's time after XLA's compile, allocates millions of short-lived
 # objects; at Python's default thresholds (a young collection every 700 allocations) the cyclic collector runs
 # thousands of times per test file, each full pass over a heap that holds every module and compiled program. The
