@@ -181,6 +181,8 @@ LAZY_ARRAY_IMPORTS = {
     ("benchmarks/peak.py", "measure_jax"),
     # also runs where jax cannot be imported (test_config_errors.py's refusals before any heavy library)
     ("tests/cli_refusals.py", "run_cases"),
+    # imported by tests/conftest.py at its top, before the ISA cap and the TPU skip set the environment JAX reads
+    ("tests/lowering_contexts.py", "share_lowering_contexts"),
 }
 
 
