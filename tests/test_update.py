@@ -96,22 +96,24 @@ def reference_update(ac, settings, hyperparams, params, exp, key, kl_coef, updat
     opt = optax.adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0)
     opt_state = opt.init(params)
     mini = B // optim.num_mini_batches
+
+    def loss_fn(p, mb):
+        logprobs, entropy, vpred = ac.evaluate(p, mb.query_responses, P)
+        return ppo.ppo_loss(logprobs, vpred, entropy, mb, cliprange=0.2, cliprange_value=0.2, vf_coef=0.1)
+
+    @jax.jit  # one optimizer step, compiled once (not operation by operation); the loop around it stays plain
+    def step(params, opt_state, mb):
+        (_, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, stats
+
     all_stats, steps = [], 0
     for epoch_key in jax.random.split(key, optim.num_ppo_epochs):
         order = np.asarray(jax.random.permutation(epoch_key, B))
         for m in range(optim.num_mini_batches):
             rows = order[m * mini:(m + 1) * mini]
-            mb = jax.tree.map(lambda x: x[rows], batch)
-
-            def loss_fn(p):
-                logprobs, entropy, vpred = ac.evaluate(p, mb.query_responses, P)
-                return ppo.ppo_loss(logprobs, vpred, entropy, mb, cliprange=0.2, cliprange_value=0.2,
-                                    vf_coef=0.1)
-
-            (_, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+            params, opt_state, stats = step(params, opt_state, jax.tree.map(lambda x: x[rows], batch))
             all_stats.append(stats)
-            updates, opt_state = opt.update(grads, opt_state, params)
-            params = optax.apply_updates(params, updates)
             steps += 1
     return params, steps, all_stats
 

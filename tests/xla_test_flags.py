@@ -4,7 +4,10 @@ The suite is compile-bound: hundreds of small programs, each compiled in about a
 LLVM's optimisation of XLA:CPU's kernels and XLA:CPU's fusion emitters (which build each fusion through MLIR) are
 most of that compile time and change no semantics, so the tests compile with both off
 (``--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false``; XLA then emits fusions as plain loops),
-and LLVM's remaining expensive passes are skipped (``--xla_llvm_disable_expensive_passes``). The programs also run
+and LLVM's remaining expensive passes are skipped (``--xla_llvm_disable_expensive_passes``). Each program's machine
+code is generated as one LLVM module (``--xla_cpu_parallel_codegen_split_count=1``): XLA otherwise splits it into
+parts to generate them on several threads, and the splitting (cloning and serialising each part) costs more CPU time
+than it saves where both cores already run a worker each (what the kernels compute is unchanged). The programs also run
 their operations on one thread (``--xla_cpu_multi_thread_eigen=false``): `make test` runs a worker per core, and
 Eigen's threads in one worker would wait on the core the other worker uses (the suite's torch keeps to one thread
 too). XLA:CPU then runs 16-bit products as float32 ones (its bf16 kernels are the multi-threaded ones): a test about
@@ -19,7 +22,8 @@ from __future__ import annotations
 import os
 
 CHEAP_COMPILES = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
-                  "--xla_llvm_disable_expensive_passes=true --xla_cpu_multi_thread_eigen=false")
+                  "--xla_llvm_disable_expensive_passes=true --xla_cpu_multi_thread_eigen=false "
+                  "--xla_cpu_parallel_codegen_split_count=1")
 FULL_OPTIMIZATION_SWITCH = "PPOJAX_TESTS_FULL_OPTIMIZATION"
 
 
