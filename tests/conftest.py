@@ -13,7 +13,7 @@ import pytest
 from ppojax.backends.cpu.absent_tpu import skip_absent_tpu
 from ppojax.backends.cpu.capabilities import apply_cap
 from tests.lowering_contexts import share_lowering_contexts
-from tests.xla_test_flags import use_cheap_compiles
+from tests.xla_test_flags import switched_on, use_cheap_compiles
 
 # PPOJAX_CPU_ISA=avx2 runs the suite as an AVX2-only host would: the probe and the libraries (XLA, oneDNN, MKL,
 # torch) capped before any of them starts; subprocesses inherit the environment.
@@ -26,7 +26,7 @@ skip_absent_tpu()
 # accelerator users run (ppojax's CPU backend off and its test files left out: no C++ is built), the unit tests
 # only (no test marked slow, no whole-run file: END_TO_END_TESTS), and a test that starts a subprocess (the multi-device
 # and multi-process suites) is skipped where it starts one. `make test` runs everything.
-FAST_LANE = os.environ.get("PPOJAX_TESTS_FAST", "").strip().lower() in ("1", "true", "yes", "on")
+FAST_LANE = switched_on("PPOJAX_TESTS_FAST")
 if FAST_LANE:
     os.environ.setdefault("PPOJAX_CPU_BACKEND", "0")
 use_cheap_compiles()  # before jax starts its backend: the suite's compiles without LLVM's optimisation

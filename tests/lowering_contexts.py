@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 import threading
 
+from tests.xla_test_flags import switched_on
+
 PROGRAMS_PER_CONTEXT = 200
 SWITCH = "PPOJAX_TESTS_CONTEXT_PER_PROGRAM"
 
@@ -22,7 +24,7 @@ SWITCH = "PPOJAX_TESTS_CONTEXT_PER_PROGRAM"
 def share_lowering_contexts(environ=os.environ) -> bool:
     """Make JAX lower into a per-thread context reused for :data:`PROGRAMS_PER_CONTEXT` programs. Returns whether
     it did (not when the switch is on, or when this JAX has no ``make_ir_context`` to replace)."""
-    if environ.get(SWITCH, "").lower() in ("1", "true", "yes", "on"):
+    if switched_on(SWITCH, environ):
         return False
     from jax._src.interpreters import mlir  # noqa: PLC0415 - only the suite's processes, after their XLA flags
 

@@ -1,14 +1,14 @@
 """docs/scaling.md's TPU plan table is current (benchmarks/plan_table.py): the table is its rows' stored compiles,
 each model's chosen slice and mesh is the best of those tried, and, on request, the 1B rows compiled again by the
 TPU compiler give the table's numbers (PPOJAX_TESTS_PLAN_TABLE=1, `make test-plan-table`: minutes per row)."""
-import os
 
 import pytest
 
 from benchmarks import plan_table
 from ppojax.trainer.plan_targets import libtpu_version, tpu_compiler_installed
+from tests.xla_test_flags import switched_on
 
-RECOMPILE = os.environ.get("PPOJAX_TESTS_PLAN_TABLE", "").strip().lower() in ("1", "true", "yes", "on")
+RECOMPILE = switched_on("PPOJAX_TESTS_PLAN_TABLE")
 
 
 def _block(start, end):

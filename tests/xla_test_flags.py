@@ -27,10 +27,15 @@ CHEAP_COMPILES = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitt
 FULL_OPTIMIZATION_SWITCH = "PPOJAX_TESTS_FULL_OPTIMIZATION"
 
 
+def switched_on(name: str, environ=os.environ) -> bool:
+    """Whether the suite's environment switch ``name`` is on ("1", "true", "yes" or "on", any case)."""
+    return environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def use_cheap_compiles(environ=os.environ) -> None:
     """Add :data:`CHEAP_COMPILES` to ``XLA_FLAGS`` unless the switch is on or the flags already choose a level."""
     flags = environ.get("XLA_FLAGS", "")
-    if environ.get(FULL_OPTIMIZATION_SWITCH, "").lower() in ("1", "true", "yes", "on") or \
+    if switched_on(FULL_OPTIMIZATION_SWITCH, environ) or \
             "--xla_backend_optimization_level" in flags:
         return
     environ["XLA_FLAGS"] = f"{flags} {CHEAP_COMPILES}".strip()
