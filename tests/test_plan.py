@@ -263,3 +263,15 @@ def test_a_gpu_target_without_the_cuda_plugin_names_the_fix(monkeypatch, capsys)
 
 def test_parse_mesh():
     assert parse_mesh("1,8,1") == (1, 8, 1)
+
+
+def test_a_bfloat16_plan_turns_off_its_pass_beside_passes_already_turned_off(monkeypatch):
+    """The plan's pass is added where XLA_FLAGS already lists disabled passes (the suite's own, a user's): XLA adds
+    each --xla_disable_hlo_passes list to those before it."""
+    from ppojax.trainer import plan
+
+    monkeypatch.setattr(plan.jax.config, "update", lambda *args: None)  # this process's backend has started
+    monkeypatch.setenv("XLA_FLAGS", "--xla_disable_hlo_passes=hlo-verifier")
+    plan.use_virtual_devices(8, "bfloat16")
+    assert os.environ["XLA_FLAGS"].split() == ["--xla_disable_hlo_passes=hlo-verifier",
+                                               "--xla_backend_optimization_level=0", plan.NO_HOISTED_UPCASTS]

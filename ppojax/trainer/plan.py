@@ -530,7 +530,7 @@ def use_virtual_devices(n: int, precision: str = "float32") -> None:
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_backend_optimization_level" not in flags:
         flags = f"{flags} --xla_backend_optimization_level=0"
-    if precision == "bfloat16" and "xla_disable_hlo_passes" not in flags:
+    if precision == "bfloat16":  # XLA adds each --xla_disable_hlo_passes list to those before it
         flags = f"{flags} {NO_HOISTED_UPCASTS}"
     os.environ["XLA_FLAGS"] = flags.strip()
     jax.config.update("jax_platforms", "cpu")
