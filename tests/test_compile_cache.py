@@ -10,6 +10,7 @@ import pytest
 from ppojax.trainer.compile_cache import enable_compilation_cache, resolve_cache_dir
 
 REPO = Path(__file__).resolve().parents[1]
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"  # the first bytes of a zstd frame
 
 
 def test_resolve_cache_dir(monkeypatch, tmp_path):
@@ -61,6 +62,9 @@ def test_second_process_loads_the_compiled_program(tmp_path):
     first = _child(cache, tmp_path / "moved")
     assert first["hits"] == 0
     assert any(cache.iterdir()), "the first process wrote no cache entry"
+    entries = [p for p in cache.rglob("*") if p.is_file() and not p.name.endswith("atime")]
+    # zstd-compressed (the zstandard dependency), not zlib's slower stream
+    assert entries and all(p.read_bytes()[:4] == ZSTD_MAGIC for p in entries), [p.read_bytes()[:4] for p in entries]
     assert any((tmp_path / "moved").iterdir()), "a cache moved mid-process received no entry"
     second = _child(cache, tmp_path / "moved")
     assert second["hits"] >= 1, "the second process compiled again instead of loading from the cache"

@@ -3,7 +3,8 @@
 Compiling the sampler, the rollout forwards and the update is most of the time to the first update (12 s for
 the tiny benchmark model, ~45 s for SmolLM2-135M on 2 CPU cores). With the cache, a resumed or repeated run
 with the same shapes loads the compiled programs from disk instead. Entries are keyed by JAX on the program,
-its shapes, the devices and the versions, so a stale entry is never used.
+its shapes, the devices and the versions, so a stale entry is never used. JAX compresses each entry with zstd
+(ppojax depends on zstandard for it; without it JAX falls back to zlib, several times slower to write).
 """
 from __future__ import annotations
 
