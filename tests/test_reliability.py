@@ -16,7 +16,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from ppojax.trainer.cli import main
 from ppojax.trainer.config import ConfigError, PPOConfig
 from ppojax.models import save_pretrained
 from ppojax.rl.rewards import RewardFunctionError
-from tests.kill_points import block_once_saved, wait_for_marker
+from tests.kill_points import block_once_saved, commands_in_one_process, wait_for_marker
 from tests.xla_test_flags import CHEAP_COMPILES
 from tests.test_trainer import good_fraction, make_trainer
 from tests.tiny_setup import write_tiny_run_inputs, PROMPTS, WORDS, tiny_config, tiny_tokenizer
@@ -399,19 +398,11 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tiny_dirs, kill_env, fi
     shutil.copy(runs[REFERENCE_KILL] / "metrics.jsonl", reference / "metrics.jsonl")
 
     # resume all three with `ppojax train ... resume=auto`, in one process (one startup)
-    script = textwrap.dedent("""
-        import json, sys
-        from ppojax.trainer.cli import main
-        for args in json.loads(sys.argv[1]):
-            assert main(args) == 0, args
-    """)
-    argv = [_run_args(tiny_dirs, out) + ["resume=auto"] for out in runs.values()]
-    proc = subprocess.run([sys.executable, "-c", script, json.dumps(argv)], cwd=REPO, env=kill_env,
-                          capture_output=True, text=True, timeout=TIMEOUT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    resumed_at = sorted(int(line.rsplit(" ", 1)[1]) for line in proc.stdout.splitlines()
+    outputs = commands_in_one_process([_run_args(tiny_dirs, out) + ["resume=auto"] for out in runs.values()],
+                                      kill_env, REPO, TIMEOUT)
+    resumed_at = sorted(int(line.rsplit(" ", 1)[1]) for line in "".join(outputs).splitlines()
                         if line.startswith("ppojax: resumed from"))
-    assert resumed_at == [2, 2, 3], proc.stdout[-3000:]
+    assert resumed_at == [2, 2, 3], outputs
 
     want_rows = metric_rows(reference / "metrics.jsonl")
     assert [r["step"] for r in want_rows] == [1, 2, 3, 4]
