@@ -3,7 +3,7 @@
 In the run (a reward function or an environment step of a ``ppojax train`` subprocess): :func:`block_once_saved`
 waits until a checkpoint is in place, prints a marker and blocks until the test kills the process. In the test:
 :func:`wait_for_marker` waits for that marker in the run's log, failing with the log's tail if the run ends or
-takes too long; :func:`commands_in_one_process` then runs the runs that need no kill (the resumes, the runs never
+takes too long; :func:`commands_in_one_process` then runs the commands that need no kill (the resumes, the runs never
 stopped) one after the other in one ``python`` process, which imports, traces and loads the programs once.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ _BETWEEN_COMMANDS = "PPOJAX_NEXT_COMMAND"
 _COMMANDS = textwrap.dedent(f"""
     import json, sys
     from ppojax.trainer.cli import main
-    for i, args in enumerate(json.loads(sys.argv[1])):
+    for args in json.loads(sys.argv[1]):
         print({_BETWEEN_COMMANDS!r}, flush=True)
         code = main(args)
         sys.stdout.flush()
