@@ -320,7 +320,8 @@ def _run_args(dirs: Path, out: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def kill_env(tmp_path_factory):
     """Subprocess environment: the CPU platform, a shared persistent compilation cache (the first run
-    compiles, the others load the same executables) and XLA's quickest compile (these runs are compared only
+    compiles, the others load its programs but the train step: the blocking reward is a Python function, a host
+    callback, and JAX stores no program with one) and XLA's quickest compile (these runs are compared only
     with each other, all compiled alike; it halves the test's time)."""
     cache = tmp_path_factory.mktemp("jax_cache")
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO), "JAX_COMPILATION_CACHE_DIR": str(cache),
@@ -375,7 +376,7 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tiny_dirs, kill_env, fi
     try:
         proc, out, log = first_killed_run
         procs.append(proc)
-        _kill_at_marker(proc, log, deadline)  # the compile is now in the persistent cache
+        _kill_at_marker(proc, log, deadline)  # its programs but the train step are now in the persistent cache
         runs[REFERENCE_KILL] = out
         started = {name: _start_killable(name, tiny_dirs, kill_env, tmp_path / f"killed_{i}")
                    for i, name in enumerate(KILL_POINTS) if name != REFERENCE_KILL}  # concurrently

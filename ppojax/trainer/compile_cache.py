@@ -5,6 +5,11 @@ the tiny benchmark model, ~45 s for SmolLM2-135M on 2 CPU cores). With the cache
 with the same shapes loads the compiled programs from disk instead. Entries are keyed by JAX on the program,
 its shapes, the devices and the versions, so a stale entry is never used. JAX compresses each entry with zstd
 (ppojax depends on zstandard for it; without it JAX falls back to zlib, several times slower to write).
+
+JAX stores no program that calls back into Python (host callbacks: a Python reward function, an agent's
+environment, a blocking hook), so a run with one compiles its iteration again at every start; its other programs
+(the state's initialisation, the held-out sampler) are still stored. Rewards written in JAX
+(``ppojax.rl.rewards.TracedScores``) keep the iteration storable.
 """
 from __future__ import annotations
 
