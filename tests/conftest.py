@@ -50,8 +50,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 # The runs the suite starts as subprocesses store every program, not only those that compile in over a second
 # (JAX's default): with cheap compiles most take less, and those runs compile the same programs again and again.
-# (This process imported jax above and keeps JAX's second; no process stores a program that calls back into
-# Python, e.g. a Python reward: JAX keeps no executable with host callbacks.)
+# (This process imported jax above and keeps JAX's second.)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # The same for ppojax's per-machine records and builds under $XDG_CACHE_HOME/ppojax (the GEMM handlers, the matmul
 # library "auto" measured, recorded XLA:CPU options): the suite neither reads the user's nor leaves its own.

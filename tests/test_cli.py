@@ -31,8 +31,8 @@ def _good_fraction_of_ids(queries, responses):
     return (words * (responses == GOOD)).sum(-1) / jnp.maximum(1, words.sum(-1))
 
 
-# configs/tiny.yaml's reward: the same scores traced into the program (its programs have no host callback, so
-# JAX's persistent compilation cache keeps them and the suite's many tiny runs compile each program once).
+# configs/tiny.yaml's reward: the same scores traced into the program (its programs have no host callback: the
+# persistent compilation cache keeps them on every backend, and the suite's many tiny runs compile each program once).
 good_fraction_of_ids = TracedScores(_good_fraction_of_ids, name="good_fraction_of_ids")
 
 

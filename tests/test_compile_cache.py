@@ -5,9 +5,11 @@ import sys
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 
 from ppojax.trainer.compile_cache import enable_compilation_cache, resolve_cache_dir
+from ppojax.trainer.stored_callbacks import KEY_SUFFIX
 
 REPO = Path(__file__).resolve().parents[1]
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"  # the first bytes of a zstd frame
@@ -81,3 +83,63 @@ def test_a_truncated_cache_entry_is_recompiled_not_fatal(tmp_path):
         entry.write_bytes(entry.read_bytes()[:100])
     again = _child(cache, tmp_path / "moved")
     assert again["out"] == pytest.approx(first["out"])
+
+
+_CALLBACK_CHILD = r"""
+import json, logging, sys
+import numpy as np
+import jax, jax.numpy as jnp
+from jax.experimental import io_callback
+from ppojax.trainer.compile_cache import enable_compilation_cache
+loaded, called = [], []
+
+class Loaded(logging.Handler):  # the programs JAX's compiler reports as loaded from the persistent cache
+    def emit(self, record):
+        if record.getMessage().startswith("Persistent compilation cache hit"):
+            loaded.append(record.args[0])
+
+logging.getLogger("jax._src.compiler").addHandler(Loaded())
+logging.getLogger("jax._src.compiler").setLevel(logging.DEBUG)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+if sys.argv[3] == "ppojax":
+    enable_compilation_cache(sys.argv[1])
+else:  # JAX's cache alone, as a process that never turned it on through ppojax
+    jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+factor = float(sys.argv[2])
+
+def host(x):  # this process's own Python function: a loaded program must call it, not the writer's
+    called.append(float(np.sum(x)))
+    return np.asarray(x) * factor
+
+@jax.jit
+def program(x):
+    return io_callback(host, jax.ShapeDtypeStruct(x.shape, x.dtype), jnp.tanh(x), ordered=True) + 1.0
+
+out = program(jnp.arange(4.0))
+print(json.dumps({"loaded": "jit_program" in loaded, "out": out.tolist(), "called": len(called)}))
+"""
+
+
+def _callback_child(cache_dir, factor, opened_by="ppojax"):
+    proc = subprocess.run([sys.executable, "-c", _CALLBACK_CHILD, str(cache_dir), str(factor), opened_by],
+                          capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_program_with_host_callbacks_is_loaded_with_the_loading_process_callbacks(tmp_path):
+    """JAX stores no program with host callbacks; ppojax stores them on CPU under a key of their own, and a
+    process that loads one hands it ITS Python functions: the second process below loads the first one's program
+    and its output is made by its own callback (factor 10, not 2)."""
+    cache = tmp_path / "xla"
+    expected = lambda factor: [float(np.tanh(x)) * factor + 1.0 for x in range(4)]  # noqa: E731
+    first = _callback_child(cache, 2.0)
+    assert not first["loaded"] and first["out"] == pytest.approx(expected(2.0)) and first["called"] == 1
+    stored = [p.name for p in cache.rglob("*") if p.is_file() and not p.name.endswith("atime")]
+    assert any(name.startswith("jit_program-") and KEY_SUFFIX in name for name in stored), stored
+    second = _callback_child(cache, 10.0)
+    assert second["loaded"], "the second process compiled the program with a callback again"
+    assert second["out"] == pytest.approx(expected(10.0)) and second["called"] == 1
+    # a process with JAX's cache alone never loads that entry (it would have no callbacks): it compiles its own
+    plain = _callback_child(cache, 3.0, opened_by="jax")
+    assert not plain["loaded"] and plain["out"] == pytest.approx(expected(3.0))

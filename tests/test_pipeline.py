@@ -327,8 +327,7 @@ def test_an_asynchronous_run_killed_mid_rollout_resumes_to_the_uninterrupted_run
         if proc.poll() is None:
             proc.kill()
     assert sorted(p.name for p in (killed / "checkpoints").iterdir() if p.name.startswith("step_"))[-1] == "step_2"
-    # the run never stopped, then the resume: one process (one Python start and one trace fewer; the steps call the
-    # Python reward, so JAX's cache keeps none of them)
+    # the run never stopped, then the resume: one process (one Python start and one trace fewer than two)
     done, resumed = commands_in_one_process([args(straight), args(killed) + ["resume=auto"]], env, REPO)
     assert "sampling the first 2 batches" in done
     assert "sampling the first 2 batches" not in resumed  # the queue came from the checkpoint

@@ -320,9 +320,9 @@ def _run_args(dirs: Path, out: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def kill_env(tmp_path_factory):
     """Subprocess environment: the CPU platform, a shared persistent compilation cache (the first run
-    compiles, the others load its programs but the train step: the blocking reward is a Python function, a host
-    callback, and JAX stores no program with one) and XLA's quickest compile (these runs are compared only
-    with each other, all compiled alike; it halves the test's time)."""
+    compiles, the others load its programs, the train step with its blocking Python reward included) and XLA's
+    quickest compile (these runs are compared only with each other, all compiled alike; it halves the test's
+    time)."""
     cache = tmp_path_factory.mktemp("jax_cache")
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO), "JAX_COMPILATION_CACHE_DIR": str(cache),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",

@@ -6,10 +6,11 @@ with the same shapes loads the compiled programs from disk instead. Entries are 
 its shapes, the devices and the versions, so a stale entry is never used. JAX compresses each entry with zstd
 (ppojax depends on zstandard for it; without it JAX falls back to zlib, several times slower to write).
 
-JAX stores no program that calls back into Python (host callbacks: a Python reward function, an agent's
-environment, a blocking hook), so a run with one compiles its iteration again at every start; its other programs
-(the state's initialisation, the held-out sampler) are still stored. Rewards written in JAX
-(``ppojax.rl.rewards.TracedScores``) keep the iteration storable.
+JAX itself stores no program that calls back into Python (host callbacks: a Python reward function, an agent's
+environment, a blocking hook). On CPU ppojax stores those too (:mod:`ppojax.trainer.stored_callbacks`), so a resumed
+run with a Python reward loads its iteration as well; on GPU and TPU such a run compiles its iteration again at every
+start (its other programs are stored; rewards written in JAX, ``ppojax.rl.rewards.TracedScores``, keep the
+iteration storable there).
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from typing import Optional
 
 import jax
 from jax.experimental.compilation_cache import compilation_cache
+
+from ppojax.trainer.stored_callbacks import store_programs_with_callbacks
 
 
 def resolve_cache_dir(setting: Optional[str]) -> Optional[Path]:
@@ -40,7 +43,8 @@ def resolve_cache_dir(setting: Optional[str]) -> Optional[Path]:
 
 def enable_compilation_cache(setting: Optional[str]) -> Optional[Path]:
     """Point JAX's persistent compilation cache at :func:`resolve_cache_dir` ``(setting)``; returns the
-    directory, or None when off. Programs that compile in under a second are not stored (JAX's default).
+    directory, or None when off. Programs that compile in under a second are not stored (JAX's default); programs
+    with host callbacks are, on CPU.
     A directory that cannot be created turns the cache off with a warning instead of failing the run."""
     path = resolve_cache_dir(setting)
     if path is None:
@@ -50,6 +54,7 @@ def enable_compilation_cache(setting: Optional[str]) -> Optional[Path]:
     except OSError as err:
         print(f"ppojax: compilation cache off: cannot create {path} ({err}); set compilation_cache_dir")
         return None
+    store_programs_with_callbacks()
     if jax.config.jax_compilation_cache_dir != str(path):
         jax.config.update("jax_compilation_cache_dir", str(path))
         compilation_cache.reset_cache()  # JAX opens its cache directory once: reopen it at the new path
