@@ -376,7 +376,7 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tiny_dirs, kill_env, fi
     try:
         proc, out, log = first_killed_run
         procs.append(proc)
-        _kill_at_marker(proc, log, deadline)  # its programs but the train step are now in the persistent cache
+        _kill_at_marker(proc, log, deadline)  # its programs (the train step too) are now in the persistent cache
         runs[REFERENCE_KILL] = out
         started = {name: _start_killable(name, tiny_dirs, kill_env, tmp_path / f"killed_{i}")
                    for i, name in enumerate(KILL_POINTS) if name != REFERENCE_KILL}  # concurrently
