@@ -8,7 +8,8 @@
 #              processes at once, each pinned to its own two cores, no GPU: TRL float32 (2 threads), ppojax
 #              float32, ppojax mixed; merged into one report (`--merge`);
 #   gpu-tests  the model / generation / attention (cuDNN's tests run only there) / LoRA / train_step tests on
-#              the GPU, one line per test as it ends (`-v`), on the remaining cores;
+#              the GPU, one line per test as it ends (`-v`), on the remaining cores; and whether a stored program
+#              with Python callbacks loads there (ppojax/trainer/stored_callbacks.py stores them on CPU only until it does);
 #   gpu-bench  `benchmarks.gpu` (tiny, SmolLM2, a random 1B Llama under mixed and bfloat16: update MFU and the
 #              decode step against the HBM roofline; the 1B decode again with the Pallas decode kernel,
 #              `--attention pallas`) and TRL on the same GPU (`trl_ppo --device cuda --bf16`);
@@ -125,6 +126,7 @@ if want gpu-tests; then
     taskset -c "$CPU_GPU" \
     timeout 300 python3 -m pytest -v -p no:cacheprovider -p no:benchmark -n 4 -rfEs tests/test_attention.py \
     tests/test_generate.py tests/test_models.py tests/test_forward.py tests/test_lora.py tests/test_train_step.py \
+    "tests/test_compile_cache.py::test_a_program_with_host_callbacks_is_loaded_with_the_loading_process_callbacks" \
     > "$OUT/pytest_gpu.txt" 2>&1
   grep -E "FAILED|ERROR|SKIPPED|passed|failed" "$OUT/pytest_gpu.txt" | tail -15
 fi

@@ -1,5 +1,6 @@
 """The persistent compilation cache: where it goes, and that a second process loads instead of compiling."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -106,6 +107,9 @@ if sys.argv[3] == "ppojax":
 else:  # JAX's cache alone, as a process that never turned it on through ppojax
     jax.config.update("jax_compilation_cache_dir", sys.argv[1])
 factor = float(sys.argv[2])
+if sys.argv[4] == "gpu":  # a platform not yet enabled: what enabling it would do (see the test's docstring)
+    from ppojax.trainer import stored_callbacks
+    stored_callbacks._STORED_ON = (jax.devices()[0].client.platform,)
 
 def host(x):  # this process's own Python function: a loaded program must call it, not the writer's
     called.append(float(np.sum(x)))
@@ -120,26 +124,38 @@ print(json.dumps({"loaded": "jit_program" in loaded, "out": out.tolist(), "calle
 """
 
 
-def _callback_child(cache_dir, factor, opened_by="ppojax"):
-    proc = subprocess.run([sys.executable, "-c", _CALLBACK_CHILD, str(cache_dir), str(factor), opened_by],
-                          capture_output=True, text=True, cwd=REPO, timeout=300)
+def _callback_child(cache_dir, factor, platform, opened_by="ppojax"):
+    proc = subprocess.run([sys.executable, "-c", _CALLBACK_CHILD, str(cache_dir), str(factor), opened_by, platform],
+                          capture_output=True, text=True, cwd=REPO, timeout=300,
+                          env={**os.environ, "JAX_PLATFORMS": {"cpu": "cpu", "gpu": "cuda"}[platform]})
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_a_program_with_host_callbacks_is_loaded_with_the_loading_process_callbacks(tmp_path):
+def _gpu_present() -> bool:
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+def test_a_program_with_host_callbacks_is_loaded_with_the_loading_process_callbacks(tmp_path, platform):
     """JAX stores no program with host callbacks; ppojax stores them on CPU under a key of their own, and a
     process that loads one hands it ITS Python functions: the second process below loads the first one's program
-    and its output is made by its own callback (factor 10, not 2)."""
+    and its output is made by its own callback (factor 10, not 2). On a GPU (benchmarks/device_check.sh's GPU tests)
+    the same with the GPU let in: where it passes, the GPU's platform can join stored_callbacks._STORED_ON."""
+    if platform == "gpu" and not _gpu_present():
+        pytest.skip("no GPU here: benchmarks/device_check.sh runs this on one")
     cache = tmp_path / "xla"
     expected = lambda factor: [float(np.tanh(x)) * factor + 1.0 for x in range(4)]  # noqa: E731
-    first = _callback_child(cache, 2.0)
+    first = _callback_child(cache, 2.0, platform)
     assert not first["loaded"] and first["out"] == pytest.approx(expected(2.0)) and first["called"] == 1
     stored = [p.name for p in cache.rglob("*") if p.is_file() and not p.name.endswith("atime")]
     assert any(name.startswith("jit_program-") and KEY_SUFFIX in name for name in stored), stored
-    second = _callback_child(cache, 10.0)
+    second = _callback_child(cache, 10.0, platform)
     assert second["loaded"], "the second process compiled the program with a callback again"
     assert second["out"] == pytest.approx(expected(10.0)) and second["called"] == 1
     # a process with JAX's cache alone never loads that entry (it would have no callbacks): it compiles its own
-    plain = _callback_child(cache, 3.0, opened_by="jax")
+    plain = _callback_child(cache, 3.0, platform, opened_by="jax")
     assert not plain["loaded"] and plain["out"] == pytest.approx(expected(3.0))
