@@ -82,9 +82,8 @@ class OutputSettings:
     compilation_cache_dir: Optional[str] = setting("auto", static=False, on_resume=IGNORED)
     """JAX's persistent compilation cache: a later run (a resume, a re-run with the same shapes) loads the
     compiled programs instead of compiling them again (on CPU also those that call Python, a Python reward function
-    or an agent's environment; on GPU and TPU such a run compiles its iteration again, docs/performance.md). 'auto'
-    (or None):
-    $JAX_COMPILATION_CACHE_DIR if set, else ~/.cache/ppojax/xla; a path; or 'none' (off)."""
+    or an agent's environment; on GPU and TPU such a run compiles its iteration again, docs/performance.md).
+    'auto' (or None): $JAX_COMPILATION_CACHE_DIR if set, else ~/.cache/ppojax/xla; a path; or 'none' (off)."""
     compile_ahead: bool = setting(False, static=False, on_resume=IGNORED)
     """Compile the training step on a background thread while the weights load: the models' shapes come
     from the checkpoints' configs first, and the first update waits for that compile instead of starting
