@@ -9,9 +9,11 @@ import sys
 import textwrap
 import warnings
 
+import datasets
 import numpy as np
 import pytest
 
+from ppojax.io.library_logs import library_output_to
 from tests.test_cli import good_fraction
 from tests import test_trust as trust
 from tests.test_trust import REPO, args_for
@@ -40,6 +42,22 @@ CLI_SAYING_ATEXIT_RAN = textwrap.dedent("""
     atexit.register(lambda: print("atexit handlers ran", flush=True))
     sys.argv[0] = "ppojax"
     sys.exit(cli.main())
+""")
+
+
+#: a process that has not imported datasets: a run neither imports it nor leaves its variable set; imported during
+#: the run, it starts with its bars off
+BARS_OF_A_LIBRARY_IMPORTED_DURING_A_RUN = textwrap.dedent("""
+    import os, sys
+    from pathlib import Path
+    from ppojax.io.library_logs import library_output_to
+
+    with library_output_to(Path(sys.argv[1])):
+        assert "datasets" not in sys.modules, "switching datasets' progress bars off imported it"
+        import datasets
+        assert not datasets.is_progress_bar_enabled()
+    assert "HF_DATASETS_DISABLE_PROGRESS_BARS" not in os.environ
+    print("bars off")
 """)
 
 
@@ -134,6 +152,19 @@ def test_a_prompt_the_tokenizer_cannot_read_is_refused_before_compute(tiny_dirs,
                         "Its words are outside the tokenizer's vocabulary: use the tokenizer saved with this model, or "
                         "rewrite or remove the prompt.")
     assert not any(compile_cache.iterdir())  # nothing compiled
+
+
+def test_library_progress_bars_are_off_during_a_run_and_on_again_after(tmp_path, cli_env):
+    """datasets imported before the run: its bars off during it, on after. Not imported before (a fresh process):
+    the run does not import it to switch them off (it takes a second), and imported during the run it draws none."""
+    datasets.enable_progress_bars()
+    with library_output_to(tmp_path / "libraries.log"):
+        assert not datasets.is_progress_bar_enabled()
+    assert datasets.is_progress_bar_enabled()
+    out = subprocess.run([sys.executable, "-c", BARS_OF_A_LIBRARY_IMPORTED_DURING_A_RUN, str(tmp_path / "fresh.log")],
+                         cwd=REPO, env={k: v for k, v in cli_env.items() if k != "HF_DATASETS_DISABLE_PROGRESS_BARS"},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "bars off", out.stderr[-3000:]
 
 
 def test_prompt_readability_against_hand_counted_cases():

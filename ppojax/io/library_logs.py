@@ -14,14 +14,16 @@ the terminal:
 - Python warnings are captured into logging (``logging.captureWarnings``), so they go the same way;
 - the Hugging Face libraries' progress bars (transformers' "Loading weights", datasets', the hub's) are off.
 
-Everything is restored when the run ends. Libraries that set their handlers up at import (absl, transformers)
-are imported first, so that their handlers exist to be detached.
+Everything is restored when the run ends (a library first imported during the run keeps its bars off). Libraries
+that set their handlers up at import (absl, transformers) are imported first, so that their handlers exist to be
+detached.
 """
 from __future__ import annotations
 
 import contextlib
 import importlib
 import logging
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -33,20 +35,27 @@ LOG_FILE = "libraries.log"
 #: handlers are detached. Missing ones are skipped.
 _CONFIGURED_AT_IMPORT = ("absl.logging", "transformers.utils.logging")
 
-#: progress bars drawn on the terminal by libraries: (module, whether on, turn off, turn on)
+#: progress bars drawn on the terminal by libraries: (module, whether on, turn off, turn on, the variable that turns
+#: them off when the module is imported). A library not imported when a run starts is not imported to switch its
+#: bars off (datasets takes a second): its variable is set for the run instead.
 _PROGRESS_BARS = (
-    ("transformers.utils.logging", "is_progress_bar_enabled", "disable_progress_bar", "enable_progress_bar"),
-    ("datasets", "is_progress_bar_enabled", "disable_progress_bars", "enable_progress_bars"),
+    ("transformers.utils.logging", "is_progress_bar_enabled", "disable_progress_bar", "enable_progress_bar", None),
+    ("datasets", "is_progress_bar_enabled", "disable_progress_bars", "enable_progress_bars",
+     "HF_DATASETS_DISABLE_PROGRESS_BARS"),
 )
 
 
 @contextlib.contextmanager
 def _progress_bars_off() -> Iterator[None]:
-    restore = []
-    for name, is_on, off, on in _PROGRESS_BARS:
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
+    """The libraries' bars off while the block runs. Those imported before it are switched off and back on after;
+    one first imported during it starts with its bars off (its variable) and keeps them off."""
+    restore, unset = [], []
+    for name, is_on, off, on, variable_off in _PROGRESS_BARS:
+        module = sys.modules.get(name)
+        if module is None:
+            if variable_off is not None and variable_off not in os.environ:
+                os.environ[variable_off] = "1"
+                unset.append(variable_off)
             continue
         if getattr(module, is_on)():
             getattr(module, off)()
@@ -56,6 +65,8 @@ def _progress_bars_off() -> Iterator[None]:
     finally:
         for turn_on in restore:
             turn_on()
+        for variable in unset:
+            os.environ.pop(variable, None)
 
 
 class _QuietFileHandler(logging.FileHandler):
