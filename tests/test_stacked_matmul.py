@@ -6,6 +6,7 @@ kernel, a whole model's hidden states and gradients under each remat policy; and
 the compiled programs' custom calls and weight slices, the fallback and the error when the handlers cannot be had.
 """
 
+import functools
 import json
 import os
 import re
@@ -396,6 +397,14 @@ def test_auto_falls_back_and_onednn_names_why_when_the_handlers_cannot_be_had(mo
         cpu_model(LLAMA, "cublas")
 
 
+def _built_afresh(monkeypatch):
+    """`stacked_matmul._built` with a cache of its own for the rest of the test: it builds (or finds) again, and the
+    process's built handlers are its answers again after the test (a cleared cache would build them again)."""
+    fresh = functools.cache(stacked_matmul._built.__wrapped__)
+    monkeypatch.setattr(stacked_matmul, "_built", fresh)
+    return fresh
+
+
 def test_a_failed_build_is_reported_not_raised(monkeypatch, tmp_path):
     """A build that fails (here: a compiler that exits 1) leaves no library behind and says why."""
     fake = tmp_path / "bin"
@@ -404,11 +413,7 @@ def test_a_failed_build_is_reported_not_raised(monkeypatch, tmp_path):
     (fake / "g++").chmod(0o755)
     monkeypatch.setenv("PATH", str(fake))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    stacked_matmul._built.cache_clear()
-    try:
-        library, why = stacked_matmul._built()
-    finally:
-        stacked_matmul._built.cache_clear()
+    library, why = _built_afresh(monkeypatch)()
     assert library is None and "building stacked_gemm.cc failed" in why and "fatal error" in why
     assert not list((tmp_path / "cache").rglob("*.so*"))
 
@@ -424,15 +429,10 @@ def test_handlers_in_the_cache_serve_without_a_compiler(monkeypatch, tmp_path):
     cached.parent.mkdir(parents=True)
     cached.write_bytes(built.read_bytes())
     monkeypatch.setenv("PATH", str(tmp_path / "no-compiler-here"))
-    stacked_matmul._built.cache_clear()
-    try:
-        assert stacked_matmul._built() == (cached, "")
-        cached.unlink()
-        stacked_matmul._built.cache_clear()
-        assert stacked_matmul._built() == (None, "no C++ compiler (g++) on PATH to build ppojax's handlers on "
-                                                 "oneDNN's sgemm")
-    finally:
-        stacked_matmul._built.cache_clear()
+    assert _built_afresh(monkeypatch)() == (cached, "")
+    cached.unlink()
+    assert _built_afresh(monkeypatch)() == (None, "no C++ compiler (g++) on PATH to build ppojax's handlers on "
+                                                  "oneDNN's sgemm")
 
 
 def test_a_run_asking_for_onednn_where_it_cannot_run_stops_before_loading(monkeypatch):
@@ -467,11 +467,7 @@ def test_mkl_says_where_it_comes_from_and_is_refused_where_it_cannot_run(monkeyp
     from ppojax.trainer import preflight
 
     monkeypatch.setattr(stacked_matmul, "mkl_library", lambda: None)
-    stacked_matmul._built.cache_clear()
-    try:
-        handlers, why = stacked_matmul._built("mkl")
-    finally:
-        stacked_matmul._built.cache_clear()
+    handlers, why = _built_afresh(monkeypatch)("mkl")
     assert handlers is None and "torch is not installed (pip install torch" in why
     with pytest.raises(ConfigError, match="matmul_implementation='mkl' multiplies float32 models only"):
         PPOConfig(matmul_implementation="mkl", precision="bfloat16")
