@@ -297,12 +297,11 @@ def test_an_asynchronous_run_killed_mid_rollout_resumes_to_the_uninterrupted_run
     from tests.kill_points import commands_in_one_process, wait_for_marker
     from tests.test_reliability import REPO, TINY_YAML, assert_trees_equal, host_copy, metric_rows
     from tests.tiny_setup import write_tiny_run_inputs
-    from tests.xla_test_flags import CHEAP_COMPILES
 
     dirs = write_tiny_run_inputs(tmp_path / "inputs")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO), "JAX_COMPILATION_CACHE_DIR":
-           str(tmp_path / "cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {CHEAP_COMPILES}".strip()}
+    # the suite's compilation cache and XLA flags (tests/conftest.py): the runs share their programs with the suite's
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
     layout = []
     if rollout_devices:
         env["XLA_FLAGS"] += " --xla_force_host_platform_device_count=2"

@@ -30,7 +30,6 @@ from ppojax.trainer.config import ConfigError, PPOConfig
 from ppojax.models import save_pretrained
 from ppojax.rl.rewards import RewardFunctionError
 from tests.kill_points import block_once_saved, commands_in_one_process, wait_for_marker
-from tests.xla_test_flags import CHEAP_COMPILES
 from tests.test_trainer import good_fraction, make_trainer
 from tests.tiny_setup import write_tiny_run_inputs, PROMPTS, WORDS, tiny_config, tiny_tokenizer
 
@@ -318,15 +317,13 @@ def _run_args(dirs: Path, out: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def kill_env(tmp_path_factory):
-    """Subprocess environment: the CPU platform, a shared persistent compilation cache (the first run
-    compiles, the others load its programs, the train step with its blocking Python reward included) and XLA's
-    quickest compile (these runs are compared only with each other, all compiled alike; it halves the test's
-    time)."""
-    cache = tmp_path_factory.mktemp("jax_cache")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO), "JAX_COMPILATION_CACHE_DIR": str(cache),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
-           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {CHEAP_COMPILES}".strip()}
+def kill_env():
+    """Subprocess environment: the CPU platform, the suite's persistent compilation cache (the first run to need a
+    program compiles it, the others load it, the train step with its blocking Python reward included) and XLA
+    flags (XLA's quickest compile: these runs are compared only with each other, all compiled alike), as set by
+    tests/conftest.py."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
     env.pop(BLOCK_ENV, None)
     return env
 

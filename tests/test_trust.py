@@ -23,7 +23,6 @@ import pytest
 
 from ppojax.trainer.cli import main
 from ppojax.models import ScoreModel, save_pretrained
-from tests.xla_test_flags import CHEAP_COMPILES
 from tests.tiny_setup import tiny_config, tiny_policy, tiny_tokenizer, write_tiny_run_inputs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -104,13 +103,12 @@ def test_resume_with_changed_settings_is_refused_unless_allowed(tiny_dirs, tmp_p
 # Signals and concurrency: real processes
 # ------------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def cli_env(tmp_path_factory):
-    """The runs' environment: CPU, a shared compilation cache, XLA's quickest compile (these tests check what the
-    runs do, not their numbers)."""
-    cache = tmp_path_factory.mktemp("jax_cache")
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO), "JAX_COMPILATION_CACHE_DIR": str(cache),
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
-            "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {CHEAP_COMPILES}".strip()}
+def cli_env():
+    """The runs' environment: CPU, and the suite's compilation cache (every program stored, however small: the runs
+    of every test file share them) and XLA flags (tests/xla_test_flags.py: XLA's quickest compile; these tests
+    check what the runs do, not their numbers), as set by tests/conftest.py."""
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
 
 
 def start(dirs, out, env, *extra):
