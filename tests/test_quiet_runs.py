@@ -9,7 +9,6 @@ import sys
 import textwrap
 import warnings
 
-import datasets
 import numpy as np
 import pytest
 
@@ -157,6 +156,8 @@ def test_a_prompt_the_tokenizer_cannot_read_is_refused_before_compute(tiny_dirs,
 def test_library_progress_bars_are_off_during_a_run_and_on_again_after(tmp_path, cli_env):
     """datasets imported before the run: its bars off during it, on after. Not imported before (a fresh process):
     the run does not import it to switch them off (it takes a second), and imported during the run it draws none."""
+    import datasets  # noqa: PLC0415 - a second to import: collecting the suite's files would pay it in every worker
+
     datasets.enable_progress_bars()
     with library_output_to(tmp_path / "libraries.log"):
         assert not datasets.is_progress_bar_enabled()
