@@ -287,7 +287,6 @@ def test_an_asynchronous_run_killed_mid_rollout_resumes_to_the_uninterrupted_run
     the update on the other), where the killed rollout runs beside update 3 and the batch in transit is saved in
     the checkpoint's queue."""
     import json
-    import os
     import signal
     import subprocess
     import sys
@@ -296,15 +295,13 @@ def test_an_asynchronous_run_killed_mid_rollout_resumes_to_the_uninterrupted_run
 
     from tests.kill_points import commands_in_one_process, wait_for_marker
     from tests.test_reliability import REPO, TINY_YAML, assert_trees_equal, host_copy, metric_rows
-    from tests.tiny_setup import write_tiny_run_inputs
+    from tests.tiny_setup import run_environment, write_tiny_run_inputs
 
     dirs = write_tiny_run_inputs(tmp_path / "inputs")
-    # the suite's compilation cache and XLA flags (tests/conftest.py): the runs share their programs with the suite's
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    env = run_environment()
     layout = []
     if rollout_devices:
-        env["XLA_FLAGS"] += " --xla_force_host_platform_device_count=2"
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2".strip()
         layout = [f"rollout_devices={rollout_devices}"]
 
     def args(out):

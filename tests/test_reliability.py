@@ -31,7 +31,7 @@ from ppojax.models import save_pretrained
 from ppojax.rl.rewards import RewardFunctionError
 from tests.kill_points import block_once_saved, commands_in_one_process, wait_for_marker
 from tests.test_trainer import good_fraction, make_trainer
-from tests.tiny_setup import write_tiny_run_inputs, PROMPTS, WORDS, tiny_config, tiny_tokenizer
+from tests.tiny_setup import run_environment, write_tiny_run_inputs, PROMPTS, WORDS, tiny_config, tiny_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_YAML = str(REPO / "configs" / "tiny.yaml")
@@ -318,12 +318,10 @@ def _run_args(dirs: Path, out: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def kill_env():
-    """Subprocess environment: the CPU platform, the suite's persistent compilation cache (the first run to need a
-    program compiles it, the others load it, the train step with its blocking Python reward included) and XLA
-    flags (XLA's quickest compile: these runs are compared only with each other, all compiled alike), as set by
-    tests/conftest.py."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+    """Subprocess environment (`tests.tiny_setup.run_environment`): the first run to need a program compiles it, the
+    others load it, the train step with its blocking Python reward included; XLA's quickest compile (these runs are
+    compared only with each other, all compiled alike)."""
+    env = run_environment()
     env.pop(BLOCK_ENV, None)
     return env
 

@@ -10,7 +10,6 @@ test_config_errors.py; SIGKILL + resume with every sink in tests/test_reliabilit
 """
 import hashlib
 import json
-import os
 import re
 import shutil
 import signal
@@ -23,7 +22,7 @@ import pytest
 
 from ppojax.trainer.cli import main
 from ppojax.models import ScoreModel, save_pretrained
-from tests.tiny_setup import tiny_config, tiny_policy, tiny_tokenizer, write_tiny_run_inputs
+from tests.tiny_setup import run_environment, tiny_config, tiny_policy, tiny_tokenizer, write_tiny_run_inputs
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_YAML = str(REPO / "configs" / "tiny.yaml")
@@ -104,11 +103,9 @@ def test_resume_with_changed_settings_is_refused_unless_allowed(tiny_dirs, tmp_p
 # ------------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def cli_env():
-    """The runs' environment: CPU, and the suite's compilation cache (every program stored, however small: the runs
-    of every test file share them) and XLA flags (tests/xla_test_flags.py: XLA's quickest compile; these tests
-    check what the runs do, not their numbers), as set by tests/conftest.py."""
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO),
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+    """The runs' environment (`tests.tiny_setup.run_environment`: XLA's quickest compile; these tests check what the
+    runs do, not their numbers)."""
+    return run_environment()
 
 
 def start(dirs, out, env, *extra):

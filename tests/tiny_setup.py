@@ -1,5 +1,7 @@
 """A tiny word-level tokenizer and a tiny random Llama for trainer tests (no downloads)."""
 import json
+import os
+from pathlib import Path
 
 from flax import nnx
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -39,3 +41,11 @@ def write_tiny_run_inputs(root):
     save_pretrained(tiny_policy(), tiny_config(), root / "model", tokenizer=tiny_tokenizer())
     (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     return root
+
+
+def run_environment() -> dict:
+    """The environment of a run the suite starts as a subprocess (`ppojax train`, a killed and resumed run): the CPU,
+    the repository importable, and the suite's compilation cache and XLA flags (tests/conftest.py: every test file's
+    runs share their programs), every program stored however quick to compile or small."""
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
