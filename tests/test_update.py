@@ -220,9 +220,11 @@ def test_accumulated_gradients_equal_big_batch_gradient():
     from ppojax.rl.update import micro_batch_loss
     tokens = (jnp.sum(~batch.padding_mask), jnp.sum(~batch.padding_mask_p1))
     chunk = dict(logits_chunk_size=settings.batch.update_logits_chunk)
-    big = jax.grad(lambda p: micro_batch_loss(ac, settings.algorithm, hp, p, batch, *tokens, **chunk)[0])(params)
-    halves = [jax.grad(lambda p: micro_batch_loss(ac, settings.algorithm, hp, p, jax.tree.map(lambda x: x[s], batch),
-                                                  *tokens, **chunk)[0])(params) for s in (slice(0, 3), slice(3, B))]
+    # each gradient one program (eagerly, the forward and backward would compile hundreds of one-operation programs)
+    gradient = jax.jit(jax.grad(lambda p, rows: micro_batch_loss(ac, settings.algorithm, hp, p, rows, *tokens,
+                                                                  **chunk)[0]))
+    big = gradient(params, batch)
+    halves = [gradient(params, jax.tree.map(lambda x: x[s], batch)) for s in (slice(0, 3), slice(3, B))]
     summed = jax.tree.map(jnp.add, *halves)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), summed, big)
 
