@@ -51,21 +51,27 @@ def plain_loop_decode(graphdef, policies, ends, prompts, key, response_length, t
 
     batch, prompt_length = prompts.shape
     rows = jnp.arange(batch)
-    model = nnx.merge(graphdef, policies[0])
-    cache = init_cache(model.cfg, batch, prompt_length + response_length, jnp.float32, model.kernels)
-    ids, mask, positions = sequence_inputs(prompts, PAD)
-    hidden, cache = model(ids, mask, positions, cache=cache)
-    logits = model.logits(hidden[:, -1:])[:, 0]
-    position = jnp.sum(mask, axis=-1)
+
+    @jax.jit  # the prompt's forward, one program (not operation by operation)
+    def prefill(policy):
+        model = nnx.merge(graphdef, policy)
+        cache = init_cache(model.cfg, batch, prompt_length + response_length, jnp.float32, model.kernels)
+        ids, mask, positions = sequence_inputs(prompts, PAD)
+        hidden, cache = model(ids, mask, positions, cache=cache)
+        return model.logits(hidden[:, -1:])[:, 0], cache, jnp.sum(mask, axis=-1)
+
+    @jax.jit  # one token's forward; the loop around it stays plain
+    def next_logits(policy, token, position, cache):
+        model = nnx.merge(graphdef, policy)
+        live = token != PAD  # a sampled pad id is a masked key, as the forward sees it
+        hidden, cache = model(jnp.where(live, token, 0)[:, None], live[:, None], position[:, None], cache=cache)
+        return model.logits(hidden)[:, 0], cache, position + live
+
+    logits, cache, position = prefill(policies[0])
     tokens, logprobs = [], []
     for t in range(response_length):
         if t > 0:
-            model = nnx.merge(graphdef, policy_at(t))
-            live = tokens[-1] != PAD  # a sampled pad id is a masked key, as the forward sees it
-            hidden, cache = model(jnp.where(live, tokens[-1], 0)[:, None], live[:, None], position[:, None],
-                                  cache=cache)
-            logits = model.logits(hidden)[:, 0]
-            position = position + live
+            logits, cache, position = next_logits(policy_at(t), tokens[-1], position, cache)
         token = sample_rows(logits, row_keys(key, t, rows), temperature=temperature)
         tokens.append(token)
         logprobs.append(token_logprobs(logits, token, temperature))
