@@ -102,6 +102,7 @@ def test_rows_packed_longer_skip_the_blocks_of_other_sequences():
                                 interpret=True)
 
     got = jax.jit(attend)(q, k, v)
+
     def reference(q, k, v):
         return xla_attention(q, k, v, mask, scale=HD ** -0.5)
 
