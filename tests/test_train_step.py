@@ -246,20 +246,26 @@ def test_no_recompilation_after_the_first_step(tmp_path):
 def test_the_vmap_seeds_example_runs_and_every_seed_learns():
     """examples/vmap_seeds.py (4 whole runs in one program) as a user runs it."""
     import re
+
+    proc = _run_example("vmap_seeds")
+    runs = re.findall(r"seed \d: mean score ([\d.]+) \(first 3 iterations\) -> ([\d.]+)", proc.stdout)
+    assert len(runs) == 4 and all(float(last) > float(first) + 0.15 for first, last in runs), proc.stdout
+
+
+def _run_example(name):
+    """examples/{name}.py run as a user runs it, in the suite's run environment (its compile flags and cache);
+    asserts it exited 0 and returns the finished process."""
     import subprocess
     import sys
     from pathlib import Path
 
-    from tests.xla_test_flags import CHEAP_COMPILES
+    from tests.tiny_setup import run_environment
 
     repo = Path(__file__).resolve().parents[1]
-    env = dict(__import__("os").environ, PYTHONPATH=str(repo))
-    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {CHEAP_COMPILES}"  # compiling is most of its time
-    proc = subprocess.run([sys.executable, str(repo / "examples" / "vmap_seeds.py")], cwd=repo, capture_output=True,
-                          text=True, timeout=300, env=env)
+    proc = subprocess.run([sys.executable, str(repo / "examples" / f"{name}.py")], cwd=repo, capture_output=True,
+                          text=True, timeout=300, env=run_environment())
     assert proc.returncode == 0, proc.stderr[-3000:]
-    runs = re.findall(r"seed \d: mean score ([\d.]+) \(first 3 iterations\) -> ([\d.]+)", proc.stdout)
-    assert len(runs) == 4 and all(float(last) > float(first) + 0.15 for first, last in runs), proc.stdout
+    return proc
 
 
 def _load_example(name):
@@ -320,18 +326,8 @@ def test_the_vmap_lr_sweep_example_runs_and_learns():
     """examples/vmap_lr_sweep.py as a user runs it: every learning rate's line is printed, and the largest one
     raises the score."""
     import re
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    from tests.xla_test_flags import CHEAP_COMPILES
-
-    repo = Path(__file__).resolve().parents[1]
-    env = dict(__import__("os").environ, PYTHONPATH=str(repo))
-    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {CHEAP_COMPILES}"
-    proc = subprocess.run([sys.executable, str(repo / "examples" / "vmap_lr_sweep.py")], cwd=repo,
-                          capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _run_example("vmap_lr_sweep")
     runs = re.findall(r"learning rate ([\d.e-]+): mean score ([\d.]+) \(first 3 iterations\) -> ([\d.]+)", proc.stdout)
     assert len(runs) == 3, proc.stdout
     assert float(runs[-1][2]) > float(runs[-1][1]) + 0.1, proc.stdout
