@@ -42,22 +42,32 @@ if importlib.util.find_spec("torch") is not None:  # the tests that compare agai
 
     torch.set_num_threads(1)
 
+
+def _session_directory(variable: str, prefix: str) -> str:
+    """``os.environ[variable]``: unless already set, a new temporary directory that this process removes at exit
+    (xdist workers and subprocesses inherit the variable)."""
+    if variable not in os.environ:
+        os.environ[variable] = tempfile.mkdtemp(prefix=prefix)
+        atexit.register(shutil.rmtree, os.environ[variable], ignore_errors=True)
+    return os.environ[variable]
+
+
 # PPOTrainer turns on JAX's persistent compilation cache ('auto'); keep the tests' entries out of the
 # user's ~/.cache, in one directory per test session (xdist workers and subprocesses, e.g. the CLI tests,
-# inherit it). The process that made it removes it at exit.
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="ppojax-tests-xla-")
-    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+# inherit it).
+_session_directory("JAX_COMPILATION_CACHE_DIR", "ppojax-tests-xla-")
 # The runs the suite starts as subprocesses store every program, not only those that compile in over a second
 # (JAX's default): with cheap compiles most take less, and those runs compile the same programs again and again.
 # (This process imported jax above and keeps JAX's second.)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # The same for ppojax's per-machine records and builds under $XDG_CACHE_HOME/ppojax (the GEMM handlers, the matmul
 # library "auto" measured, recorded XLA:CPU options): the suite neither reads the user's nor leaves its own.
-if "PPOJAX_TESTS_CACHE_HOME" not in os.environ:
-    os.environ["PPOJAX_TESTS_CACHE_HOME"] = tempfile.mkdtemp(prefix="ppojax-tests-cache-")
-    atexit.register(shutil.rmtree, os.environ["PPOJAX_TESTS_CACHE_HOME"], ignore_errors=True)
-os.environ["XDG_CACHE_HOME"] = os.environ["PPOJAX_TESTS_CACHE_HOME"]
+os.environ["XDG_CACHE_HOME"] = _session_directory("PPOJAX_TESTS_CACHE_HOME", "ppojax-tests-cache-")
+# And the temporary files of the processes the suite starts, which a killed run cannot remove (wandb's media and
+# tables of the runs the logging tests SIGKILL): one directory per session, removed with it. (This process has
+# already chosen its own temporary directory, so pytest's tmp_path stays where it was.)
+os.environ["TMPDIR"] = _session_directory("PPOJAX_TESTS_TMPDIR", "ppojax-tests-tmp-")
+os.environ.setdefault("TPU_LOG_DIR", os.path.join(os.environ["TMPDIR"], "tpu_logs"))  # libtpu's, else /tmp/tpu_logs
 
 
 #: the test files of ppojax's CPU backend (and of the benchmarks, which measure what a CPU user runs): there a run
