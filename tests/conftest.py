@@ -64,8 +64,9 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # library "auto" measured, recorded XLA:CPU options): the suite neither reads the user's nor leaves its own.
 os.environ["XDG_CACHE_HOME"] = _session_directory("PPOJAX_TESTS_CACHE_HOME", "ppojax-tests-cache-")
 # And the temporary files of the processes the suite starts, which a killed run cannot remove (wandb's media and
-# tables of the runs the logging tests SIGKILL): one directory per session, removed with it. (This process has
-# already chosen its own temporary directory, so pytest's tmp_path stays where it was.)
+# tables of the runs the logging tests SIGKILL): one directory per session, removed with it. This process keeps the
+# system's temporary directory, chosen first, so pytest's tmp_path stays where it was.
+tempfile.gettempdir()
 os.environ["TMPDIR"] = _session_directory("PPOJAX_TESTS_TMPDIR", "ppojax-tests-tmp-")
 os.environ.setdefault("TPU_LOG_DIR", os.path.join(os.environ["TMPDIR"], "tpu_logs"))  # libtpu's, else /tmp/tpu_logs
 
