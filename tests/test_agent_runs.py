@@ -38,7 +38,7 @@ from ppojax.tasks.calculator import calculate
 from ppojax.tasks.guess_number import GuessNumber
 from ppojax import PPOConfig, PPOTrainer
 from tests.kill_points import block_once_saved, wait_for_marker
-from tests.tiny_setup import tiny_config
+from tests.tiny_setup import run_environment, tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -342,7 +342,7 @@ def test_an_agent_run_killed_mid_episode_resumes_as_the_uninterrupted_run(tmp_pa
     script = ("import sys; from pathlib import Path; from tests.test_agent_runs import train_interrupting; "
               "train_interrupting(Path(sys.argv[1]), 'killed')")
     # ppojax's CPU backend off, as in this process (tests/conftest.py): the same programs on both sides of the kill
-    env = {**os.environ, "PYTHONPATH": str(REPO), BLOCK_IN_STEP: f"3:{out}", "PPOJAX_CPU_BACKEND": "0"}
+    env = {**run_environment(), BLOCK_IN_STEP: f"3:{out}", "PPOJAX_CPU_BACKEND": "0"}
     log = tmp_path / "killed.log"
     with open(log, "w") as f:
         proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], cwd=REPO, env=env, stdout=f,

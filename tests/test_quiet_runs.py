@@ -16,6 +16,7 @@ from ppojax.io.library_logs import library_output_to
 from tests.test_cli import good_fraction
 from tests import test_trust as trust
 from tests.test_trust import REPO, args_for
+from tests.tiny_setup import run_environment
 
 MODULE = "tests.test_quiet_runs"
 # test_trust's fixtures, shared by name (pytest finds a module's fixtures among its names)
@@ -57,6 +58,20 @@ BARS_OF_A_LIBRARY_IMPORTED_DURING_A_RUN = textwrap.dedent("""
         assert not datasets.is_progress_bar_enabled()
     assert "HF_DATASETS_DISABLE_PROGRESS_BARS" not in os.environ
     print("bars off")
+""")
+
+
+#: a process without torch (a user's install) that imports transformers when a run starts: transformers' advice that
+#: its models need torch goes to the run's file, and its handler writes to stderr again after the run
+TRANSFORMERS_IMPORTED_WHEN_A_RUN_STARTS = textwrap.dedent("""
+    import logging, sys
+    from pathlib import Path
+    from ppojax.io.library_logs import library_output_to
+
+    assert "transformers" not in sys.modules and sys.modules["torch"] is None
+    with library_output_to(Path(sys.argv[1])):
+        pass
+    logging.getLogger("transformers").warning("after the run")
 """)
 
 
@@ -102,13 +117,13 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_and_library_output_goes_to_the_
     assert " ERROR absl: " in log and "os_error_code='27'" in log, log[-3000:]  # orbax's report, with the errno
 
 
-def test_the_export_check_prints_no_load_report(tiny_dirs, tmp_path, cli_env):
+def test_the_export_check_prints_no_load_report(tiny_dirs, tmp_path):
     """The policy exported with its value head (value_head: policy, as the demo): transformers' causal LM ignores
     v_head.* and says so in a load report; the run keeps that report in libraries.log and prints only its own
-    line about the check."""
+    line about the check (which needs torch)."""
     out = tmp_path / "run"
-    proc = _train(tiny_dirs, out, cli_env, "value_head=policy", "num_eval_prompts=4", "total_episodes=16",
-                  "save_steps=0", "learning_rate=1e-4", "export_check=true")
+    proc = _train(tiny_dirs, out, run_environment(torch=True), "value_head=policy", "num_eval_prompts=4",
+                  "total_episodes=16", "save_steps=0", "learning_rate=1e-4", "export_check=true")
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text[-3000:]
     assert "ppojax: transformers reproduces ppojax's greedy continuations: True" in proc.stdout
@@ -166,6 +181,17 @@ def test_library_progress_bars_are_off_during_a_run_and_on_again_after(tmp_path,
                          cwd=REPO, env={k: v for k, v in cli_env.items() if k != "HF_DATASETS_DISABLE_PROGRESS_BARS"},
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "bars off", out.stderr[-3000:]
+
+
+def test_what_a_library_prints_at_import_goes_to_the_runs_file(tmp_path, cli_env):
+    """Without torch, importing transformers advises on stderr that its models need it: `ppojax train` (which needs
+    only its tokenizers) keeps that in libraries.log, and transformers' own logging reaches stderr again after."""
+    log = tmp_path / "libraries.log"
+    out = subprocess.run([sys.executable, "-c", TRANSFORMERS_IMPORTED_WHEN_A_RUN_STARTS, str(log)], cwd=REPO,
+                         env=cli_env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout == "", out.stderr[-3000:]
+    assert out.stderr.splitlines() == ["[transformers] after the run"], out.stderr
+    assert "WARNING library_imports: [transformers] PyTorch was not found." in log.read_text()
 
 
 def test_prompt_readability_against_hand_counted_cases():

@@ -25,6 +25,7 @@ from ppojax import parallel as sh
 from ppojax.parallel import distributed
 from ppojax.rl.settings import Hyperparams
 from ppojax.rl import placement
+from tests.tiny_setup import run_environment
 from tests.xla_test_flags import CHEAP_COMPILES
 
 CHILD = os.environ.get("PPOJAX_SHARDING_CHILD") == "1"
@@ -160,9 +161,7 @@ if not CHILD:
     def test_multi_device_suite():
         """Runs the tests of this file that need 8 devices in a subprocess that has them."""
         flags = os.environ.get("XLA_FLAGS", "")
-        env = dict(os.environ, PPOJAX_SHARDING_CHILD="1", PYTHONPATH=REPO + os.pathsep + os.environ.get(
-            "PYTHONPATH", ""),
-                   JAX_PLATFORMS="cpu",
+        env = dict(run_environment(), PPOJAX_SHARDING_CHILD="1",
                    XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=8 {CHEAP_COMPILES}")
         start = time.time()
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",

@@ -43,9 +43,13 @@ def write_tiny_run_inputs(root):
     return root
 
 
-def run_environment() -> dict:
+def run_environment(torch: bool = False) -> dict:
     """The environment of a run the suite starts as a subprocess (`ppojax train`, a killed and resumed run): the CPU,
     the repository importable, and the suite's compilation cache and XLA flags (tests/conftest.py: every test file's
-    runs share their programs), every program stored however quick to compile or small."""
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+    runs share their programs), every program stored however quick to compile or small. The run sees a user's
+    install, without torch (tests/without_torch), unless ``torch`` (a run that checks its export against
+    transformers' torch model)."""
+    tests = Path(__file__).resolve().parent
+    path = [str(tests.parent)] + ([] if torch else [str(tests / "without_torch")])
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(path),
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}

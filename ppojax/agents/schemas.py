@@ -19,9 +19,6 @@ from __future__ import annotations
 import inspect
 from typing import Callable, Iterable
 
-from transformers.utils import get_json_schema
-from transformers.utils.chat_template_utils import DocstringParsingException, TypeHintParsingException
-
 from ppojax.errors import ConfigError
 
 __all__ = ["callable_name", "tool_name", "tool_schema", "tool_schemas"]
@@ -59,6 +56,11 @@ def tool_schema(fn: Callable, *, what: str = "tool") -> dict:
     if inspect.isclass(fn):
         raise ConfigError(f"{what} {callable_name(fn)} is a class; pass it as an environment "
                           "(environment_factory), or pass a function as a tool.")
+    # transformers imports torch where installed (seconds), and advises at import that its models need it where not
+    from transformers.utils import get_json_schema  # noqa: PLC0415
+    from transformers.utils.chat_template_utils import (  # noqa: PLC0415
+        DocstringParsingException, TypeHintParsingException)
+
     named = f"{what} {callable_name(fn)}"
     try:
         return get_json_schema(fn)

@@ -16,12 +16,14 @@ the terminal:
 
 Everything is restored when the run ends (a library first imported during the run keeps its bars off). Libraries
 that set their handlers up at import (absl, transformers) are imported first, so that their handlers exist to be
-detached.
+detached; what they print while being imported (transformers' advice, without torch, that its models need it) goes
+to the file too.
 """
 from __future__ import annotations
 
 import contextlib
 import importlib
+import io
 import logging
 import os
 import sys
@@ -34,6 +36,8 @@ LOG_FILE = "libraries.log"
 #: libraries whose logging is configured when they are imported (a handler of their own); imported before the
 #: handlers are detached. Missing ones are skipped.
 _CONFIGURED_AT_IMPORT = ("absl.logging", "transformers.utils.logging")
+#: the logger under which what those libraries printed while being imported is kept in the run's file
+_IMPORT_LOGGER = "library_imports"
 
 #: progress bars drawn on the terminal by libraries: (module, whether on, turn off, turn on, the variable that turns
 #: them off when the module is imported). A library not imported when a run starts is not imported to switch its
@@ -105,6 +109,30 @@ def collection() -> Optional[int]:
     return next((id(handler) for handler in logging.getLogger().handlers if isinstance(handler, _Router)), None)
 
 
+def import_libraries_quietly() -> str:
+    """Import :data:`_CONFIGURED_AT_IMPORT` (their handlers must exist to be detached) and return what they printed
+    while importing ("" when already imported), for the run's file: transformers advises at import, on stderr, that
+    its models need torch, which a ppojax install does not have. A stream handler a library made during the import
+    writes to stderr again afterwards. A run calls this before it imports the user's modules (which may import
+    transformers)."""
+    printed = io.StringIO()
+    with contextlib.redirect_stderr(printed), contextlib.redirect_stdout(printed):
+        for name in _CONFIGURED_AT_IMPORT:
+            try:
+                module = importlib.import_module(name)
+            except ImportError:
+                continue
+            if name.startswith("transformers"):
+                module.get_logger()  # transformers adds its handler at its first logger
+    for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+        for handler in getattr(logger, "handlers", ()):
+            if isinstance(handler, logging.StreamHandler) and handler.stream is printed:
+                handler.setStream(sys.stderr)
+                if "flush" in vars(handler):  # transformers binds its handler's flush to the stream it was made on
+                    handler.flush = sys.stderr.flush
+    return printed.getvalue()
+
+
 def _writes_to_a_stream(handler: logging.Handler) -> bool:
     """Whether ``handler`` reaches the terminal: a stream handler that is not a file of its own, or absl's
     (which wraps one)."""
@@ -114,16 +142,13 @@ def _writes_to_a_stream(handler: logging.Handler) -> bool:
 
 
 @contextlib.contextmanager
-def library_output_to(path: Path) -> Iterator[Path]:
+def library_output_to(path: Path, printed_at_import: str = "") -> Iterator[Path]:
     """Route other libraries' logging and warnings to ``path`` (created on the first record) while the block runs
-    (see the module doc). Yields ``path``."""
-    for name in _CONFIGURED_AT_IMPORT:
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        if name.startswith("transformers"):
-            module.get_logger()  # transformers adds its handler at its first logger
+    (see the module doc). Yields ``path``.
+
+    printed_at_import: what :func:`import_libraries_quietly` returned when the run called it earlier, kept in the
+    file too."""
+    printed_at_import += import_libraries_quietly()
     router = _Router(Path(path))
     root = logging.getLogger()
     saved_root = root.handlers[:]
@@ -138,6 +163,8 @@ def library_output_to(path: Path) -> Iterator[Path]:
                 logger.removeHandler(handler)
             logger.propagate = True
     root.handlers = [router]
+    if printed_at_import:
+        logging.getLogger(_IMPORT_LOGGER).warning(printed_at_import.rstrip("\n"))
     was_capturing = _capturing_warnings()
     logging.captureWarnings(True)
     try:

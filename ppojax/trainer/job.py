@@ -19,7 +19,7 @@ from jax.experimental import multihost_utils
 
 from ppojax.io.checkpoint import read_checkpoint_config, resolve_checkpoint
 from ppojax.io.export_dir import ExportDirError, check_export_target
-from ppojax.io.library_logs import LOG_FILE as LIBRARY_LOG_FILE, library_output_to
+from ppojax.io.library_logs import LOG_FILE as LIBRARY_LOG_FILE, import_libraries_quietly, library_output_to
 from ppojax.io.run_dir import claim_output_dir
 from ppojax.io.run_logging import PLOT_KEYS, read_jsonl, stage
 from ppojax.io.strict_json import write_json
@@ -36,6 +36,9 @@ def run_training(config: PPOConfig) -> dict:
     The run first claims ``output_dir`` (``ppojax.io.run_dir``): a directory holding another run is refused
     before anything is loaded, and a finished run with the same config prints where its results are and
     changes nothing."""
+    # before the reward function's module, which may import transformers: what transformers prints at import goes
+    # to the run's file (a run refused before it claims output_dir, or one that has no file, leaves it out)
+    printed_at_import = import_libraries_quietly()
     config.check_reward_source()
     parallel.initialize_distributed()  # the claim is process 0's: it needs to know which process it is
     preflight(config)  # what the models' config.json files and the devices refute, before anything is loaded
@@ -53,7 +56,7 @@ def run_training(config: PPOConfig) -> dict:
         if claim is None:  # another process of a multi-process run: its libraries' output stays where it was
             return _train_and_report(config, claim)
         # what other libraries log or warn during the run goes to the run's own file, not the terminal
-        with library_output_to(Path(config.output_dir) / LIBRARY_LOG_FILE):
+        with library_output_to(Path(config.output_dir) / LIBRARY_LOG_FILE, printed_at_import):
             return _train_and_report(config, claim)
     finally:
         if claim is not None:
