@@ -15,10 +15,12 @@ def _python_blocks(path: Path) -> list[str]:
 
 
 def _readers_environment(home=None) -> dict:
-    """A reader's bare environment (none of the suite's variables but these), with the suite's XLA flags (its
-    compiles without LLVM's optimisation: tests/xla_test_flags.py), its compilation cache and its per-machine cache
-    (ppojax's C++ handlers built once), which the examples share with the rest of the suite."""
-    env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
+    """A reader's bare environment (none of the suite's variables but these) and install (ppojax's dependencies,
+    without the tests' torch: tests/without_torch), with the suite's XLA flags (its compiles without LLVM's
+    optimisation: tests/xla_test_flags.py), its compilation cache and its per-machine cache (ppojax's C++ handlers
+    built once), which the examples share with the rest of the suite."""
+    env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin",
+           "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests" / "without_torch")])}
     if home is not None:
         env["HOME"] = str(home)
     env.update({name: os.environ[name] for name in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR", "XDG_CACHE_HOME")
