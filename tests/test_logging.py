@@ -135,6 +135,7 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from ppojax.io.tensorboard_sink import read_tensorboard_texts, samples_markdown  # noqa: E402
+from tests.tiny_setup import run_environment  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 ATTEMPT = """
@@ -178,7 +179,7 @@ def run_attempts(out: Path, report_to, env: dict, pause_before_kill: float = 0.0
         args = {"out": str(out), "report_to": report_to, "resume_step": resume_step, "first": first, "last": last,
                 "checkpoints": checkpoints, "kill": kill, "attempt": attempt, "pause_before_kill": pause_before_kill}
         result = subprocess.run([sys.executable, "-c", ATTEMPT, json.dumps(args)], capture_output=True, text=True,
-                                env={**os.environ, "PYTHONPATH": str(REPO), **env}, timeout=120)
+                                env={**run_environment(), **env}, timeout=120)
         assert result.returncode == (-signal.SIGKILL if kill else 0), result.stdout + result.stderr
 
 
@@ -212,7 +213,7 @@ def test_tensorboard_is_on_disk_at_every_step(tmp_path):
     args = {"out": str(tmp_path), "report_to": "tensorboard", "resume_step": None, "first": 1, "last": 5,
             "checkpoints": [], "kill": True, "attempt": 1}
     result = subprocess.run([sys.executable, "-c", ATTEMPT, json.dumps(args)], capture_output=True, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+                            env=run_environment(), timeout=120)
     assert result.returncode == -signal.SIGKILL, result.stderr
     assert [s for s, _ in read_tensorboard_scalars(tmp_path / "tensorboard")["objective/kl"]] == [1, 2, 3, 4, 5]
     assert [s for s, _ in read_tensorboard_texts(tmp_path / "tensorboard")["samples"]] == [0, 2, 4]
@@ -370,7 +371,7 @@ def test_a_terminal_keeps_the_progress_bar(tmp_path):
     leader, follower = pty.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a 100-column terminal
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=follower, stderr=follower,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+                            env=run_environment())
     os.close(follower)
     chunks = []
     while True:
