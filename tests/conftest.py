@@ -56,9 +56,9 @@ def _session_directory(variable: str, prefix: str) -> str:
 # user's ~/.cache, in one directory per test session (xdist workers and subprocesses, e.g. the CLI tests,
 # inherit it).
 _session_directory("JAX_COMPILATION_CACHE_DIR", "ppojax-tests-xla-")
-# The runs the suite starts as subprocesses store every program, not only those that compile in over a second
-# (JAX's default): with cheap compiles most take less, and those runs compile the same programs again and again.
-# (This process imported jax above and keeps JAX's second.)
+# The processes the suite starts (xdist's workers, the runs) store every program, not only those that compile in over
+# a second (JAX's default): with cheap compiles most take less, and the runs compile the same programs again and again.
+# (This process imported jax above: it keeps JAX's defaults, and a run without xdist no persistent cache of its own.)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # The same for ppojax's per-machine records and builds under $XDG_CACHE_HOME/ppojax (the GEMM handlers, the matmul
 # library "auto" measured, recorded XLA:CPU options): the suite neither reads the user's nor leaves its own.
