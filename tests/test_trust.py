@@ -71,6 +71,17 @@ def test_a_fresh_run_never_touches_another_runs_directory(tiny_dirs, finished_ru
     assert snapshot(finished_run) == before
 
 
+def test_export_on_an_install_without_torch_prints_only_where_it_wrote(finished_run, tmp_path, cli_env):
+    """`ppojax export` where torch is not installed (cli_env: a user's install): transformers' advice at import that
+    its models need torch is not printed; stdout is the export's directory, stderr nothing."""
+    target = tmp_path / "exported"
+    done = subprocess.run([sys.executable, "-m", "ppojax.trainer.cli", "export", str(finished_run / "checkpoints"),
+                           str(target)], cwd=REPO, env=cli_env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stderr == "", done.stderr[-3000:]
+    assert done.stdout.splitlines() == [str(target)]
+    assert (target / "config.json").is_file() and (target / "model.safetensors").is_file()
+
+
 def test_overwrite_moves_the_old_run_aside(tiny_dirs, tmp_path, capsys):
     out = tmp_path / "run"
     assert main(args_for(tiny_dirs, out, "total_episodes=16")) == 0

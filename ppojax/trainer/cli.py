@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ppojax import backends
 from ppojax.errors import CheckpointError, ExportDirError, RewardFunctionError, RunInterrupted
+from ppojax.io.library_logs import import_libraries_quietly
 from ppojax.io.strict_json import write_json
 from ppojax.trainer.config import ConfigError, PPOConfig, alias_help, field_help, trl_grpo_reading
 
@@ -123,11 +124,14 @@ def main(argv=None) -> int:
         if args.command == "plan":
             run_plan(args)
         else:
+            # what the libraries print while being imported (transformers' advice, without torch, that its models
+            # need it) is not ppojax's to show: a run keeps it in its libraries.log
+            printed_at_import = import_libraries_quietly()
             from ppojax.trainer import job  # noqa: PLC0415 - JAX after XLA's options (module doc)
 
             if args.command == "train":
                 output_dir = Path(config.output_dir)
-                job.run_training(config)
+                job.run_training(config, printed_at_import)
             else:
                 print(job.export_checkpoint(args.checkpoint, args.out_dir, adapter=args.adapter))
     except ConfigError as err:

@@ -30,15 +30,16 @@ from ppojax.trainer.ppo_trainer import PPOTrainer
 from ppojax.trainer.preflight import preflight
 
 
-def run_training(config: PPOConfig) -> dict:
+def run_training(config: PPOConfig, printed_at_import: str = "") -> dict:
     """The whole job for one config. Returns the summary written to ``output_dir/summary.json``.
 
     The run first claims ``output_dir`` (``ppojax.io.run_dir``): a directory holding another run is refused
     before anything is loaded, and a finished run with the same config prints where its results are and
-    changes nothing."""
+    changes nothing. printed_at_import: what :func:`ppojax.io.library_logs.import_libraries_quietly` returned
+    when the caller (the ``ppojax`` program) called it first; kept in the run's libraries.log."""
     # before the reward function's module, which may import transformers: what transformers prints at import goes
     # to the run's file (a run refused before it claims output_dir, or one that has no file, leaves it out)
-    printed_at_import = import_libraries_quietly()
+    printed_at_import += import_libraries_quietly()
     config.check_reward_source()
     parallel.initialize_distributed()  # the claim is process 0's: it needs to know which process it is
     preflight(config)  # what the models' config.json files and the devices refute, before anything is loaded
