@@ -177,8 +177,8 @@ def test_the_ppojax_command_picks_the_record_of_its_configs_precision(tmp_path):
     xo.record("no_xnnpack", {"default": 1.0, "no_xnnpack": 0.5}, matmuls="bf16", environ=env)
     xo.record("default", {"default": 1.0}, matmuls="float32", environ=env)
     code = ("import os, sys; from ppojax.trainer import cli, job; import jax, jax.numpy as jnp; "
-            "job.run_training = lambda config: print(config.precision, 'XLA_FLAGS=' + os.environ.get('XLA_FLAGS', ''),"
-            " float(jnp.ones((4, 4)) @ jnp.ones((4,)) @ jnp.ones((4,)))); "
+            "job.run_training = lambda config, *_: print(config.precision, 'XLA_FLAGS=' + "
+            "os.environ.get('XLA_FLAGS', ''), float(jnp.ones((4, 4)) @ jnp.ones((4,)) @ jnp.ones((4,)))); "
             "sys.argv = ['ppojax', 'train', 'configs/tiny.yaml', 'precision=' + sys.argv[1]]; sys.exit(cli.main())")
     for precision, flags in (("mixed", "--xla_cpu_use_xnnpack=false"), ("float32", "")):
         done = subprocess.run([sys.executable, "-c", code, precision], env=env, cwd=REPO, capture_output=True,
