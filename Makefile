@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.ppojax-installed
 INSTALL := sh -c '$(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) "$$@" || $(PIP) install -q "$$@"' install
 
-.PHONY: demo test test-fast test-plan-table install bench bench-quick
+.PHONY: demo test test-fast test-profile test-plan-table install bench bench-quick
 
 # torch through pip, which follows the machine's pip configuration (where it keeps a CPU wheel); the rest through
 # uv, which installs the same versions a few times faster than pip (pip does it where uv fails).
@@ -35,6 +35,13 @@ $(TPU_STAMP): $(STAMP)
 test: $(TPU_STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=30 tests
+
+# Where the suite's time goes (tests/suite_profile.py): the suite as `make test` runs it, each test's CPU time (its
+# subprocesses' too) and JAX's compile, trace and lower times recorded, then the files by CPU time
+test-profile: $(TPU_STAMP)
+	rm -rf .suite-profile
+	PPOJAX_SUITE_PROFILE=.suite-profile $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
+	$(PY) -m tests.suite_profile .suite-profile
 
 # The development lane (not CI's): the unit tests on the pure-XLA / optax path, no subprocesses, no C++ builds
 # (tests/conftest.py: END_TO_END_TESTS and the slow marks go to `make test`).

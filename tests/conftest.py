@@ -133,3 +133,15 @@ def pytest_collection_modifyitems(config, items):
                     and Path(str(item.fspath)).stem not in END_TO_END_TESTS | CPU_BACKEND_TESTS]
     order = _file_order(items)
     items.sort(key=lambda item: order[Path(str(item.fspath)).stem])  # stable: a file's tests keep their order
+
+
+def pytest_configure(config):
+    """`make test-profile`: each process that runs the suite's tests records where its time goes
+    (tests/suite_profile.py); neither an xdist controller (it would record its workers' tests a second time) nor a
+    pytest run that a recording test starts (its time is that test's)."""
+    directory = os.environ.get("PPOJAX_SUITE_PROFILE")
+    if directory and not os.environ.get("PPOJAX_SUITE_PROFILE_RECORDING") and \
+            (hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None)):
+        from tests.suite_profile import SuiteProfile  # imports jax: after this file set the environment it reads
+
+        config.pluginmanager.register(SuiteProfile(Path(directory)), "ppojax_suite_profile")
