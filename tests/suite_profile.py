@@ -49,6 +49,7 @@ class SuiteProfile:
         directory.mkdir(parents=True, exist_ok=True)
         self.path = directory / f"{worker}-{os.getpid()}.jsonl"
         self.current = None  # the running test's record; JAX's events outside a test are not counted
+        self.started = (0.0, 0.0, 0.0)  # the running test's start: wall clock, process CPU, subprocesses' CPU
         monitoring.register_event_duration_secs_listener(self._duration)
         monitoring.register_event_listener(self._event)
 
