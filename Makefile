@@ -7,6 +7,9 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.ppojax-installed
 INSTALL := sh -c '$(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) "$$@" || $(PIP) install -q "$$@"' install
 
+# the suite's pytest command, shared by `test` and `test-profile` (`test` says why these options)
+SUITE := $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+
 .PHONY: demo test test-fast test-profile test-plan-table install bench bench-quick
 
 # torch through pip, which follows the machine's pip configuration (where it keeps a CPU wheel); the rest through
@@ -34,13 +37,13 @@ $(TPU_STAMP): $(STAMP)
 # and the 30 slowest tests are listed at the end (where the suite's time goes).
 test: $(TPU_STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=30 tests
+	$(SUITE) --durations=30 tests
 
 # Where the suite's time goes (tests/suite_profile.py): the suite as `make test` runs it, each test's CPU time (its
 # subprocesses' too) and JAX's compile, trace and lower times recorded, then the files by CPU time
 test-profile: $(TPU_STAMP)
 	rm -rf .suite-profile
-	PPOJAX_SUITE_PROFILE=.suite-profile $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
+	PPOJAX_SUITE_PROFILE=.suite-profile $(SUITE) tests
 	$(PY) -m tests.suite_profile .suite-profile
 
 # The development lane (not CI's): the unit tests on the pure-XLA / optax path, no subprocesses, no C++ builds
