@@ -268,8 +268,8 @@ def test_a_forward_without_a_cache_takes_splash_attention_per_shard(target):
 
     mesh = parallel.make_mesh(*MESH, devices=target.devices)
     length, rows = 1024, 8
-    # 256 wide (two key heads of 64), which compiles in far less time than a wider model: no array but the
-    # scores is then [.., 1024] with 4-digit rows
+    # 256 wide (4 query heads over 2 key heads of 64): quicker for libtpu than a wider model, and narrow enough that
+    # only the scores end in [4-digit rows, 1024], the pattern the assertions below look for
     cfg = ModelConfig.from_hf({**TINY, "hidden_size": 256, "intermediate_size": 256, "num_attention_heads": 4,
                                "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": length})
     by_rows = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
