@@ -27,7 +27,6 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
-import json  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -37,6 +36,7 @@ from flax import nnx  # noqa: E402
 
 from benchmarks.common import machine_info, source_commit  # noqa: E402
 from ppojax import parallel  # noqa: E402
+from ppojax.io.strict_json import write_json  # noqa: E402
 from ppojax.models import CausalLM, ModelConfig, ScoreModel  # noqa: E402
 from ppojax.rl import disaggregated, in_flight_updates, placement  # noqa: E402
 from ppojax.rl.actor_critic import ActorCritic  # noqa: E402
@@ -159,8 +159,7 @@ def main(argv=None) -> dict:
     print(f"overlapped: {report['overlapped_vs_sequential']:.2f}x the sequential rate, "
           f"{report['overlapped_vs_one_program']:.2f}x the one program's")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        write_json(args.json, report, indent=1)
     return report
 
 

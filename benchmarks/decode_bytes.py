@@ -34,7 +34,6 @@ slices that kernel out of the stacked layers and transposes it.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 import sys
@@ -198,7 +197,9 @@ def main(argv=None) -> int:
           f"{segmented['estimated_hbm_bytes_mean'] / gb:.3f} GB, ratio "
           f"{segmented['estimated_hbm_bytes_mean'] / segmented['floor_bytes_mean']:.3f}")
     if args.json:
-        args.json.write_text(json.dumps(results + [segmented], indent=1) + "\n")
+        from ppojax.io.strict_json import write_json
+
+        write_json(args.json, results + [segmented], indent=1)
     return 0
 
 

@@ -17,7 +17,6 @@ responses alternate, and the ratio is the median of each pair's.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -31,6 +30,7 @@ from benchmarks.common import machine_info, source_commit
 from ppojax.agents import ChatRenderer, EnvironmentFactory, EpisodeHost
 from ppojax.assets import smollm2_checkpoint
 from ppojax.backends import kernels_for, use_kernels
+from ppojax.io.strict_json import write_json
 from ppojax.models import load_pretrained
 from ppojax.rl.episodes import EpisodeShape, generate_episodes, host_callback, tail_rows_for
 from ppojax.rl.sampler import generate
@@ -142,8 +142,7 @@ def main(argv=None) -> dict:
           f"{rows} x {length} tokens in {single_s:.2f} s ({single_rate:.1f} tokens/s); ratio "
           f"{report['ratio']:.2f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+        write_json(args.json, report, indent=2)
     return report
 
 

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import PPO_SETTINGS, SIZES, make_prompts, source_commit
+from ppojax.io.strict_json import write_json
 from ppojax.models.flops import Dims, backbone_forward, lm_head, ppo_update_flops
 
 #: Llama-3.2-1B's published shape (config.json of meta-llama/Llama-3.2-1B), random weights here.
@@ -174,8 +175,7 @@ def main(argv=None):
                 report["cases"].append(result)
                 print(json.dumps(result), flush=True)
                 if args.json:
-                    with open(args.json, "w") as f:
-                        json.dump(report, f, indent=1)
+                    write_json(args.json, report, indent=1)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ compiling call).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 
 import jax
@@ -24,6 +23,7 @@ from transformers import AutoTokenizer
 
 from benchmarks.common import machine_info, median_seconds, source_commit
 from ppojax.assets import movie_review_prompts, smollm2_checkpoint
+from ppojax.io.strict_json import write_json
 from ppojax.models import init_cache, load_pretrained
 from ppojax.rl.forward import response_logprobs
 from ppojax.rl.sampler import generate
@@ -79,8 +79,7 @@ def main(argv=None) -> dict:
           f"{100 * report['rows_identical']:.0f} %, first difference at token {report['first_difference_median']:.0f} "
           f"(median); decode {f['decode_s']:.2f} s / {b['decode_s']:.2f} s / {q['decode_s']:.2f} s")
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(report, fh, indent=2)
+        write_json(args.json, report, indent=2)
     return report
 
 

@@ -32,7 +32,6 @@ The model is a small Llama (the tiny benchmark shape made deeper and wider) in f
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -260,6 +259,7 @@ def main():
 
     start_program()
     from benchmarks.common import machine_info
+    from ppojax.io.strict_json import write_json
 
     out = {"machine": machine_info(), "shape": dict(prompt=P, response_limit=R, batch=B, model=MODEL),
            "update": "learn: GAE + value model, 1 epoch, 1 mini-batch, 2 micro-batches, float32"}
@@ -268,9 +268,7 @@ def main():
     if args.only != "update":
         out["rollout"] = measure_rollout(args.repeats, args.stop_scale, args.stop_tokens)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-            f.write("\n")
+        write_json(args.json, out, indent=1)
 
 
 if __name__ == "__main__":

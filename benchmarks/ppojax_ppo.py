@@ -29,8 +29,9 @@ import numpy as np
 from flax import nnx
 
 from benchmarks.common import Turns, make_config, peak_rss_mb, status_mb, summarize
-from ppojax.trainer.config import MATMUL_IMPLEMENTATIONS, PPOConfig
+from ppojax.io.strict_json import write_json
 from ppojax.rl.optimizer import make_optimizer
+from ppojax.trainer.config import MATMUL_IMPLEMENTATIONS, PPOConfig
 
 DEFAULT_REMAT = PPOConfig().remat  # ppojax's default, so the benchmark runs what a user's run does
 DEFAULT_COMPILE_AHEAD = PPOConfig().compile_ahead
@@ -311,8 +312,7 @@ def main(argv=None):
     text = json.dumps({k: v for k, v in result.items() if k != "updates"}, indent=2)
     print(text)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.json, result, indent=2)
 
 
 if __name__ == "__main__":

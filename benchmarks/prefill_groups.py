@@ -9,13 +9,13 @@ seconds of each form, their ratio, the host and the commit.
 from __future__ import annotations
 
 import argparse
-import json
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from benchmarks.common import SIZES, machine_info, median_seconds, source_commit
+from ppojax.io.strict_json import write_json
 from ppojax.models import CausalLM, ModelConfig
 from ppojax.rl.sampler import generate
 
@@ -46,8 +46,7 @@ def main(argv=None) -> dict:
     print(f"prefill of {args.prompts} prompts x {args.prompt_length} tokens, G = {args.group_size}: once per group "
           f"{grouped:.3f} s, G times {repeated:.3f} s ({repeated / grouped:.2f}x)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        write_json(args.json, report, indent=1)
     return report
 
 

@@ -16,13 +16,13 @@ and writes (``--json``) the median seconds of each, their ratios, the host and t
 from __future__ import annotations
 
 import argparse
-import json
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from benchmarks.common import SIZES, machine_info, median_seconds, source_commit
+from ppojax.io.strict_json import write_json
 from ppojax.models import CausalLM, ModelConfig, init_cache
 from ppojax.rl.forward import logprobs_from_hidden, row_layout
 from ppojax.rl.sampler import prefill
@@ -119,8 +119,7 @@ def main(argv=None) -> dict:
     report.update(machine=machine_info(), commit=source_commit())
     print(line)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        write_json(args.json, report, indent=1)
     return report
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import time
 
 import jax
@@ -23,6 +22,7 @@ from flax import nnx
 
 from benchmarks.common import machine_info, source_commit
 from ppojax.core.masks import truncate_response
+from ppojax.io.strict_json import write_json
 from ppojax.models import CausalLM, ModelConfig, ScoreModel
 from ppojax.rl import in_flight_updates, rollout
 from ppojax.rl.actor_critic import ActorCritic
@@ -131,8 +131,7 @@ def main(argv=None) -> dict:
                   behav_imp_weight_cap=args.behav_imp_weight_cap, runs=runs,
                   machine=machine_info(), commit=source_commit())
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        write_json(args.json, report, indent=1)
     return report
 
 

@@ -21,8 +21,8 @@ ALLOWED = {
     "trainer": {"core", "models", "rl", "parallel", "io", "assets", "backends", "tasks", "agents", "host", "errors"},
     "io": {"errors"},
     "parallel": {"errors"},
-    "assets": {"errors"},
-    "tasks": {"agents", "errors"},
+    "assets": {"io", "errors"},
+    "tasks": {"agents", "io", "errors"},
     "agents": {"host", "errors"},
     "host": {"errors"},
     # a backend implements the models' seam (`ppojax.models.kernels.Kernels`); nothing below imports a backend

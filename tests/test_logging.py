@@ -3,7 +3,10 @@ process 0."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
+import threading
 
 import numpy as np
 import pytest
@@ -11,6 +14,7 @@ import pytest
 from ppojax.io import run_logging
 from ppojax.io.run_dir import RunDirError
 from ppojax.io.run_logging import RunLogger, format_postfix, read_jsonl, read_tensorboard_scalars
+from ppojax.io.strict_json import write_text_atomic
 
 
 def metrics_at(step: int) -> dict:
@@ -128,7 +132,6 @@ def test_stage_messages_and_progress(tmp_path, capsys):
 # ---------------------------------------------------------------------------------------------------------
 # every sink holds every step exactly once after kill/resume sequences (subprocesses that are SIGKILLed)
 
-import os  # noqa: E402
 import signal  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -340,6 +343,33 @@ def test_summary_and_logs_are_strict_json(tmp_path):
         write_json(tmp_path / "bad.json", {"reward": lambda: 0})
     assert not (tmp_path / "bad.json").exists()
     assert to_strict({"f": print}, default=str) == {"f": str(print)}
+
+
+def test_files_written_whole_by_concurrent_writers_are_one_writer_s_text(tmp_path):
+    """Two threads replacing one file many times: every write lands whole (one writer's text, never a mix or a
+    missing temporary file), nothing temporary is left, and the file has the umask's permissions like any other."""
+    path = tmp_path / "report.json"
+    texts = {name: name * 20_000 + "\n" for name in ("a", "b")}
+    failures = []
+
+    def write(name):
+        try:
+            for _ in range(100):
+                write_text_atomic(path, texts[name])
+        except Exception as err:  # noqa: BLE001 - collected for the assertion below
+            failures.append(err)
+
+    threads = [threading.Thread(target=write, args=(name,)) for name in texts]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    assert path.read_text() in texts.values()
+    assert [p.name for p in tmp_path.iterdir()] == ["report.json"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask
 
 
 def test_non_tty_prints_one_line_per_update(tmp_path, capsys):

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Callable
 
 from ppojax.assets import gguf_convert
+from ppojax.io.strict_json import write_text_atomic
 
 __all__ = [
     "cache_dir",
@@ -148,17 +149,6 @@ def _atomic_dir(target: Path, build: Callable[[Path], None], is_valid: Callable[
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def _read_marker(folder: Path) -> dict | None:
@@ -335,7 +325,7 @@ def movie_review_prompts(*, log: Log = _log) -> list[str]:
         "rule": "first min(4 + id % 5, n_words - 1) words; sentences under 3 words skipped",
         "prompts": prompts,
     }
-    _atomic_write_text(path, json.dumps(payload, ensure_ascii=False, indent=0) + "\n")
+    write_text_atomic(path, json.dumps(payload, ensure_ascii=False, indent=0) + "\n")
     log(f"[ppojax] wrote {len(prompts)} movie-review prompts to {path}")
     return prompts
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import uuid
 from pathlib import Path, PurePath
 from typing import Any, Callable, Optional
 
@@ -52,9 +53,11 @@ def dumps(value: Any, *, default: Optional[Callable[[Any], Any]] = None, **kwarg
 def write_text_atomic(path, text: str) -> Path:
     """Replace ``path`` with ``text`` atomically (temporary file in the same directory, fsync, rename)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    # a name of its own per call (created exclusively, with the umask's permissions, unlike mkstemp's 0600): two
+    # writers of one path, threads or processes, never share a temporary file
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
+        with open(tmp, "x", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

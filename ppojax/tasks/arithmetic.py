@@ -9,10 +9,11 @@ adding then taking away); ``max_number`` bounds the operands. The same seed give
 from __future__ import annotations
 
 import json
-import os
 import random
 from pathlib import Path
 from typing import Iterator
+
+from ppojax.io.strict_json import write_text_atomic
 
 __all__ = ["INSTRUCTION", "KINDS", "problem", "problems", "write_splits"]
 
@@ -79,8 +80,6 @@ def write_splits(directory, *, seed: int = 0, train: int = 2000, test: int = 200
     paths = []
     for split in ("train", "test"):
         path = directory / f"{split}.jsonl"
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in splits[split]))
-        os.replace(tmp, path)
+        write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in splits[split]))
         paths.append(path)
     return paths[0], paths[1]

@@ -11,13 +11,13 @@ prompts, seeded.
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 from pathlib import Path
 from typing import Iterator, Optional
 
 from ppojax.agents import Environment, Step
+from ppojax.io.strict_json import write_text_atomic
 
 __all__ = ["GuessNumber", "records", "write_splits", "LOW", "HIGH", "PROMPT"]
 
@@ -42,9 +42,7 @@ def write_splits(directory, *, seed: int = 0, train: int = 2000, test: int = 200
     paths = []
     for split, count, split_seed in (("train", train, seed), ("test", test, seed + 1)):
         path = directory / f"{split}.jsonl"
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in records(split_seed, count)))
-        os.replace(tmp, path)
+        write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in records(split_seed, count)))
         paths.append(path)
     return paths[0], paths[1]
 

@@ -27,6 +27,7 @@ from flax import nnx
 
 from ppojax.backends.cpu import xla_options
 from ppojax.backends.cpu.xla_options import CANDIDATES
+from ppojax.io.strict_json import write_json
 from ppojax.models import CausalLM, ModelConfig
 
 #: name -> its XLA_FLAGS fragment ("default": none)
@@ -146,8 +147,7 @@ def main(argv=None) -> int:
             path = xla_options.record(winner, seconds, matmuls=matmuls)
             print(f"recorded {winner} for {cpu.signature}, {matmuls} matmuls, in {path}")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(results, f, indent=1)
+        write_json(a.json, results, indent=1)
     return 0
 
 

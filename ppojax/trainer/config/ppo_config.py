@@ -13,6 +13,7 @@ from typing import Any, Optional
 import yaml
 
 from ppojax.errors import ConfigError
+from ppojax.io.strict_json import write_text_atomic
 from ppojax.trainer.config.checks import (_agent_problems, _async_problems, _checked_value,
                                           _dynamic_sampling_problems, _estimator_problems, _objective_problems,
                                           _off_policy_problems, _problems_together, _registry_problems)
@@ -174,7 +175,7 @@ class PPOConfig(Settings):
     def to_yaml(self, path=None) -> str:
         text = yaml.safe_dump(self.to_dict(), sort_keys=False)
         if path is not None:
-            Path(path).write_text(text)
+            write_text_atomic(path, text)
         return text
 
     @classmethod
