@@ -18,6 +18,8 @@ import os
 import sys
 import time
 
+from ppojax.io.strict_json import write_json
+
 
 def _best(fn, reps: int) -> tuple[float, float]:
     """(best wall seconds, best process-CPU seconds) of ``fn`` over ``reps`` runs after a warm-up."""
@@ -86,12 +88,10 @@ def main(argv=None) -> int:
         result["jax"] = measure_jax(sizes, a.reps)
     if a.backend in ("torch", "all"):
         result["torch"] = measure_torch(sizes, a.reps, a.threads)
-    text = json.dumps(result, indent=1)
     if a.json:
-        with open(a.json, "w") as f:
-            f.write(text)
+        write_json(a.json, result, indent=1)
     else:
-        print(text)
+        print(json.dumps(result, indent=1))
     return 0
 
 

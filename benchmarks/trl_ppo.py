@@ -43,6 +43,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("ACCELERATE_MIXED_PRECISION", "bf16" if "--bf16" in sys.argv else "no")
 
 from benchmarks.common import Turns, make_config, peak_rss_mb, summarize  # noqa: E402
+from ppojax.io.strict_json import write_json  # noqa: E402
 
 
 def _tokenizer(vocab_size: int, pad_id: int, bos_id: int, eos_id: int):
@@ -229,12 +230,10 @@ def main(argv=None) -> int:
     else:
         config = make_config(a.size, quick=a.quick, num_updates=a.updates, model_dir=a.model_dir)
     result = run(config, a.threads, a.device, a.bf16)
-    text = json.dumps(result, indent=1)
     if a.json:
-        with open(a.json, "w") as f:
-            f.write(text)
+        write_json(a.json, result, indent=1)
     else:
-        print(text)
+        print(json.dumps(result, indent=1))
     return 0
 
 
