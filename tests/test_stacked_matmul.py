@@ -26,7 +26,7 @@ from ppojax.backends.cpu import capabilities
 from ppojax.backends.cpu.kernels import CpuKernels
 from ppojax.backends.cpu.ffi import build
 from ppojax.models import CausalLM, ModelConfig
-from ppojax.backends.cpu import stacked_matmul
+from ppojax.backends.cpu import matmul_tuning, stacked_matmul
 from ppojax.models.remat import REMAT_POLICIES
 
 from .test_model_policies import LLAMA, token_logprob_loss
@@ -377,7 +377,7 @@ def test_auto_chooses_no_library_where_the_products_cannot_run(monkeypatch):
     """On several devices (a mesh, the tests' virtual devices) or an accelerator, "auto" keeps XLA's dots without
     building handlers or measuring anything; a library's name says why it cannot run."""
     big = [jax.ShapeDtypeStruct((3, 1024, 768), jnp.float32)]
-    monkeypatch.setattr(stacked_matmul, "library_of", lambda *args: pytest.fail("a library was chosen"))
+    monkeypatch.setattr(matmul_tuning, "library_of", lambda *args: pytest.fail("a library was chosen"))
     monkeypatch.setattr(jax, "device_count", lambda: 8)
     assert not applies("auto", jnp.float32, big, rows=384)
     with pytest.raises(ValueError, match="single CPU device, and here are 8 cpu device"):
@@ -518,7 +518,7 @@ def test_auto_takes_the_libraries_recorded_fastest_on_this_cpu(monkeypatch, tmp_
     from ppojax.backends.cpu.xla_options import Cpu
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(stacked_matmul, "_measured_choice", lambda *args: pytest.fail("measured"))
+    monkeypatch.setattr(matmul_tuning, "_measured_choice", lambda *args: pytest.fail("measured"))
     _all_available(monkeypatch)
     libraries = tuple(stacked_matmul.LIBRARIES)
     with pytest.raises(ValueError, match="library 'cublas': expected one of onednn, onednn_primitive, mkl"):
@@ -535,30 +535,30 @@ def test_auto_takes_the_libraries_recorded_fastest_on_this_cpu(monkeypatch, tmp_
     matmul_record.record({NARROW: Libraries.every("onednn_primitive")}, {NARROW: narrow}, libraries)  # added
     assert matmul_record.recorded_choice(libraries, (SQUARE,), cpu=other) == {SQUARE: chosen}  # kept beside
     assert matmul_record.recorded_choice(libraries, (SQUARE, WIDE)) == {SQUARE: chosen}  # WIDE: never measured
-    stacked_matmul._announce_recorded.cache_clear()
+    matmul_tuning._announce_recorded.cache_clear()
     capsys.readouterr()
     both = {SQUARE: chosen, NARROW: Libraries.every("onednn_primitive")}
-    assert stacked_matmul.library_of("auto", (SQUARE, NARROW)) == both == \
-        stacked_matmul.library_of("auto", (SQUARE, NARROW))
+    assert matmul_tuning.library_of("auto", (SQUARE, NARROW)) == both == \
+        matmul_tuning.library_of("auto", (SQUARE, NARROW))
     said = capsys.readouterr().out.splitlines()
     assert len(said) == 1 and ("'auto' takes at 576x576 MKL's sgemm for the forward products, oneDNN's matmul "
                                "primitive for the input gradients, MKL's sgemm for the weight gradients; at 576x192 "
                                "oneDNN's matmul primitive, measured fastest") in said[0]
-    assert stacked_matmul.choice_str(both) == "576x576 fwd mkl, dx onednn_primitive, dw mkl; 576x192 onednn_primitive"
-    assert stacked_matmul.library_of("onednn", (SQUARE, NARROW)) == {SQUARE: Libraries.every("onednn"),
+    assert matmul_tuning.choice_str(both) == "576x576 fwd mkl, dx onednn_primitive, dw mkl; 576x192 onednn_primitive"
+    assert matmul_tuning.library_of("onednn", (SQUARE, NARROW)) == {SQUARE: Libraries.every("onednn"),
                                                                     NARROW: Libraries.every("onednn")}
-    assert stacked_matmul.library_of("mkl", (SQUARE,)) == {SQUARE: Libraries.every("mkl")}
+    assert matmul_tuning.library_of("mkl", (SQUARE,)) == {SQUARE: Libraries.every("mkl")}
     _all_available(monkeypatch, unavailable=("mkl",))
     # recorded, not to be had here: chosen again among the rest (the primitive leads the input gradient by 17 %)
-    assert stacked_matmul.library_of("auto", (SQUARE, NARROW)) == {
+    assert matmul_tuning.library_of("auto", (SQUARE, NARROW)) == {
         SQUARE: Libraries("onednn", "onednn_primitive", "onednn"), NARROW: Libraries.every("onednn_primitive")}
     _all_available(monkeypatch, unavailable=("onednn",))
-    assert stacked_matmul.library_of("auto", (SQUARE,)) == {SQUARE: Libraries.every("onednn")}  # no baseline
+    assert matmul_tuning.library_of("auto", (SQUARE,)) == {SQUARE: Libraries.every("onednn")}  # no baseline
     assert not applies("auto", jnp.float32, [jax.ShapeDtypeStruct((3, 1024, 768), jnp.float32)],
                                       rows=384)  # ... so `applies` keeps XLA's
     _all_available(monkeypatch, unavailable=("mkl",))
     matmul_record.record({SQUARE: Libraries.every("onednn")}, {SQUARE: measured}, libraries)
-    assert stacked_matmul.library_of("auto", (SQUARE,)) == {SQUARE: Libraries.every("onednn")}  # the record's own
+    assert matmul_tuning.library_of("auto", (SQUARE,)) == {SQUARE: Libraries.every("onednn")}  # the record's own
     entry = json.loads(matmul_record.record_path().read_text())
     this = next(key for key in entry if key != other.signature)
     entry[this] = {"libraries": {"fwd": "mkl", "dx": "mkl", "dw": "mkl"}, "measurements": measured}  # an older form
@@ -576,12 +576,11 @@ def test_auto_measures_once_per_cpu_the_shapes_no_record_covers(monkeypatch, tmp
     per shape and product with the seconds beside the shapes already there, and later calls read it; a failed
     measurement takes oneDNN's sgemm, says why and records nothing."""
     from ppojax.backends.cpu import matmul_record
-    from ppojax.backends.cpu import matmul_tuning
     from ppojax.backends.cpu.matmul_record import Libraries
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    stacked_matmul._tuned.cache_clear()
-    stacked_matmul._announce_recorded.cache_clear()
+    matmul_tuning._tuned.cache_clear()
+    matmul_tuning._announce_recorded.cache_clear()
     seconds = {SQUARE: {"onednn": _per_product(0.10), "onednn_primitive": _per_product(0.097, 0.085, 0.11),
                         "mkl": _per_product(0.08)},
                NARROW: {"onednn": _per_product(0.05), "onednn_primitive": _per_product(0.04, 0.05, 0.05),
@@ -598,7 +597,7 @@ def test_auto_measures_once_per_cpu_the_shapes_no_record_covers(monkeypatch, tmp
     # at SQUARE the primitive's 3 % lead in the forward is within the margin, its 15 % in the input gradient is not
     first = {SQUARE: Libraries("onednn", "onednn_primitive", "onednn"),
              NARROW: Libraries("onednn_primitive", "onednn", "onednn")}
-    assert stacked_matmul.library_of("auto", (SQUARE, NARROW)) == first
+    assert matmul_tuning.library_of("auto", (SQUARE, NARROW)) == first
     assert asked == [(("onednn", "onednn_primitive"), (SQUARE, NARROW))]
     [entry] = json.loads(matmul_record.record_path().read_text()).values()
     assert {key: (cell["libraries"], cell["measurements"]) for key, cell in entry["shapes"].items()} == {
@@ -610,19 +609,19 @@ def test_auto_measures_once_per_cpu_the_shapes_no_record_covers(monkeypatch, tmp
     assert "timing oneDNN's sgemm, oneDNN's matmul primitive once for this CPU at 576x576, 576x192" in out
     assert "576x576 onednn 100.0/100.0/100.0, onednn_primitive 97.0/85.0/110.0" in out
     assert out.count("'auto' takes") == 1, out  # the measurement says the choice; it is not said again
-    stacked_matmul._tuned.cache_clear()  # as a new process
-    assert stacked_matmul.library_of("auto", (NARROW, SQUARE)) == first
+    matmul_tuning._tuned.cache_clear()  # as a new process
+    assert matmul_tuning.library_of("auto", (NARROW, SQUARE)) == first
     assert len(asked) == 1  # the record serves
     # a model with another shape: that shape alone measured, recorded beside the others
-    assert stacked_matmul.library_of("auto", (SQUARE, WIDE)) == {SQUARE: first[SQUARE], WIDE: Libraries.every("onednn")}
+    assert matmul_tuning.library_of("auto", (SQUARE, WIDE)) == {SQUARE: first[SQUARE], WIDE: Libraries.every("onednn")}
     assert asked[1:] == [(("onednn", "onednn_primitive"), (WIDE,))]
     assert matmul_record.recorded_choice(("onednn", "onednn_primitive"), (SQUARE, NARROW, WIDE)).keys() == \
         {SQUARE, NARROW, WIDE}
     _all_available(monkeypatch)  # torch installed since: MKL was never measured here
-    assert stacked_matmul.library_of("auto", (SQUARE, WIDE)) == {SQUARE: Libraries.every("mkl"),
+    assert matmul_tuning.library_of("auto", (SQUARE, WIDE)) == {SQUARE: Libraries.every("mkl"),
                                                                  WIDE: Libraries.every("mkl")}
     assert asked[2:] == [(("onednn", "onednn_primitive", "mkl"), (SQUARE, WIDE))]  # measured again, once
-    assert stacked_matmul.library_of("auto", (SQUARE, WIDE)) == {SQUARE: Libraries.every("mkl"),
+    assert matmul_tuning.library_of("auto", (SQUARE, WIDE)) == {SQUARE: Libraries.every("mkl"),
                                                                  WIDE: Libraries.every("mkl")}
     assert len(asked) == 3
 
@@ -631,19 +630,18 @@ def test_auto_measures_once_per_cpu_the_shapes_no_record_covers(monkeypatch, tmp
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "fresh"))
     monkeypatch.setattr(matmul_tuning, "measure", broken)
-    stacked_matmul._tuned.cache_clear()
+    matmul_tuning._tuned.cache_clear()
     capsys.readouterr()
-    assert stacked_matmul.library_of("auto", (SQUARE,)) == {SQUARE: Libraries.every("onednn")}
+    assert matmul_tuning.library_of("auto", (SQUARE,)) == {SQUARE: Libraries.every("onednn")}
     assert "the measurement failed (RuntimeError: a handler failed)" in capsys.readouterr().out
     assert not matmul_record.record_path().exists()
-    stacked_matmul._tuned.cache_clear()
+    matmul_tuning._tuned.cache_clear()
 
 
 @pytest.mark.parametrize("library", LIBRARIES)
 def test_the_measurement_times_each_librarys_products(library):
     """`matmul_tuning.products` runs one product of every layer through the library's handlers (their values as
     numpy's), and `measure` times each product of each library given at each shape."""
-    from ppojax.backends.cpu import matmul_tuning
 
     ops = matmul_tuning.operands(shapes=((64, 48),), rows=16, layers=3)
     numpy_ops = [tuple(np.asarray(a, np.float64) for a in shape) for shape in ops]
@@ -707,7 +705,7 @@ def test_a_model_on_auto_runs_each_product_of_each_shape_on_its_recorded_library
               (64, 128): Libraries("onednn_primitive", "onednn", "onednn")}  # the LM head's kernel [D, V]
     measured = {lib: _per_product(1.0) for lib in ("onednn", "onednn_primitive")}
     matmul_record.record(chosen, {shape: measured for shape in chosen}, tuple(stacked_matmul.LIBRARIES))
-    assert stacked_matmul.library_of("auto", tuple(chosen)) == chosen
+    assert matmul_tuning.library_of("auto", tuple(chosen)) == chosen
     ids, mask = _batch()
     grad = jax.jit(jax.value_and_grad(token_logprob_loss, argnums=1), static_argnums=0)
     (loss_x, g_x), (loss_a, g_a) = (grad(*_model(impl), ids, mask) for impl in ("xla", "auto"))
@@ -753,12 +751,12 @@ def test_the_once_per_machine_command_measures_then_reads_the_record(tmp_path):
     assert list(entry["shapes"]) == sorted(map(matmul_record.shape_key, SHAPES))  # SmolLM2's
     recorded = {shape: stacked_matmul.Libraries(*(entry["shapes"][matmul_record.shape_key(shape)]["libraries"][p]
                                                   for p in ("fwd", "dx", "dw"))) for shape in SHAPES}
-    libraries = stacked_matmul.libraries_in(recorded)
+    libraries = matmul_tuning.libraries_in(recorded)
     assert set(libraries) <= set(stacked_matmul.LIBRARIES)
-    assert chosen == f"'auto' takes: {stacked_matmul.choice_str(recorded)}"
+    assert chosen == f"'auto' takes: {matmul_tuning.choice_str(recorded)}"
     assert "timing" not in second and second.strip().splitlines()[-1] == chosen
     # a run on "auto" loads the chosen libraries' handlers only: MKL's mean torch's whole runtime in the process
-    probe = ("from ppojax.backends.cpu import stacked_matmul as s; libraries = s.libraries_in(s.library_of('auto')); "
+    probe = ("from ppojax.backends.cpu import matmul_tuning as t; libraries = t.libraries_in(t.library_of('auto')); "
              "print(','.join(sorted(libraries)), 'libtorch_cpu' in open('/proc/self/maps').read())")
     run = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                          timeout=300)

@@ -171,6 +171,6 @@ def optimizer_step_for(implementation: str = "auto", devices: Sequence | None = 
 def matmul_unavailable_reason(implementation: str, device_count: int) -> str:
     """"" where the GEMM library `implementation` names (an in-place one: 'onednn', 'onednn_primitive', 'mkl') can
     multiply on `device_count` devices of the default backend, else why not (one line)."""
-    from ppojax.backends.cpu import stacked_matmul  # noqa: PLC0415 - JAX after XLA's options (above)
+    from ppojax.backends.cpu import matmul_tuning  # noqa: PLC0415 - JAX after XLA's options (above)
 
-    return stacked_matmul.unavailable_on(device_count, implementation)
+    return matmul_tuning.unavailable_on(device_count, implementation)

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.layout import Layout, with_layout_constraint
 
-from ppojax.backends.cpu import stacked_matmul
+from ppojax.backends.cpu import matmul_tuning, stacked_matmul
 from ppojax.backends.cpu import slot_storage
 from ppojax.models.kernels import LAYER_PROJECTIONS, Kernels
 
@@ -60,13 +60,13 @@ class CpuKernels(Kernels):
         shapes = tuple(dict.fromkeys(tuple(map(int, s)) for group in groups for s in group))
         if implementation == "xla" or not shapes:
             return cls(implementation)
-        why = stacked_matmul.unavailable_on(device_count, implementation, shapes)
+        why = matmul_tuning.unavailable_on(device_count, implementation, shapes)
         if why:
             if implementation != "auto":
                 raise ValueError(f"matmul_implementation={implementation!r} cannot be used here: {why}; use 'auto' "
                                  f"or 'xla'")
             return cls(implementation)
-        chosen = stacked_matmul.library_of(implementation, shapes)
+        chosen = matmul_tuning.library_of(implementation, shapes)
         few = min(stacked_matmul.few_rows_limit(libraries.fwd) for libraries in chosen.values())
         return cls(implementation, tuple(chosen.items()), few)
 

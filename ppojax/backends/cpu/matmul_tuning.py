@@ -1,5 +1,7 @@
-"""`matmul_implementation: auto` on a CPU without a record of a model's shapes: the in-place GEMM libraries measured
-once per projection shape and product, the fastest kept.
+"""Which GEMM library the in-place handlers (`stacked_matmul`) run for each product of each projection shape
+(:func:`library_of`, :func:`unavailable_on`): the one a `matmul_implementation` names, or for "auto" this CPU's
+record (`matmul_record`), else a measurement here (:func:`tune`): the libraries timed once per projection shape and
+product, the fastest kept.
 
 The first model that "auto" puts on the in-place handlers (`stacked_matmul`) on a CPU whose record
 (`matmul_record`) did not measure its projection shapes with every library to be had now times ppojax's handlers
@@ -16,6 +18,8 @@ runs; ``python -m ppojax.backends.cpu.matmul_tuning`` does it ahead, at SmolLM2-
 from __future__ import annotations
 
 import argparse
+import functools
+import threading
 import time
 
 import jax
@@ -24,7 +28,7 @@ import numpy as np
 
 from ppojax.backends.cpu import matmul_record, stacked_matmul
 from ppojax.backends.cpu.matmul_record import PRODUCTS, Libraries
-from ppojax.backends.cpu.stacked_matmul import LIBRARIES, LIBRARY_NAMES
+from ppojax.backends.cpu.stacked_matmul import LIBRARIES, LIBRARY_NAMES, PRODUCT_NAMES
 
 #: (d_in, d_out) of SmolLM2-135M's projections: q/o, k/v, gate/up, down, and its tied LM head (the embedding
 #: [V, D], read transposed) (what the once-per-machine command measures)
@@ -115,9 +119,99 @@ def tune(candidates, shapes) -> dict:
     timings = "; ".join(f"{matmul_record.shape_key(shape)} " + ", ".join(
         f"{lib} " + "/".join(f"{s * 1e3:.1f}" for s in by_product.values()) for lib, by_product in by_library.items())
         for shape, by_library in seconds.items())
-    print(f"ppojax: 'auto' takes {stacked_matmul.described(chosen)} (ms for fwd/dx/dw: {timings}; "
+    print(f"ppojax: 'auto' takes {described(chosen)} (ms for fwd/dx/dw: {timings}; "
           f"{time.perf_counter() - start:.1f} s{where})", flush=True)
     return chosen
+
+
+# ------------------------------------------------------------------ the choice: the record, else a measurement
+
+def library_of(implementation: str, shapes=None) -> dict:
+    """{shape: the GEMM library of each product} for each of `shapes` (projection shapes `(d_in, d_out)`; default
+    `SHAPES`, SmolLM2-135M's) as an implementation's handlers run them: its own for a library's name
+    ("onednn", "onednn_primitive", "mkl"); for "auto" per shape and product the one measured fastest on this CPU
+    among those whose handlers can be had (`matmul_record`; measured now, once per CPU and shape, where no record
+    covers them all: :func:`tune`); oneDNN's sgemm where it cannot be had itself (then `CpuKernels.for_shapes` keeps
+    XLA's dots: oneDNN's in-place products are the ones measured faster than XLA's copy-then-dot, the others are
+    measured against them)."""
+    shapes = tuple(dict.fromkeys(tuple(map(int, shape)) for shape in (SHAPES if shapes is None else shapes)))
+    if implementation in LIBRARIES:
+        return {shape: Libraries.every(implementation) for shape in shapes}
+    onednn = {shape: Libraries.every("onednn") for shape in shapes}
+    candidates = stacked_matmul.buildable_libraries()
+    if "onednn" not in candidates:  # the baseline the others must beat, itself measured against XLA's dots
+        return onednn  # (not to be had: `CpuKernels.for_shapes` keeps XLA's dots)
+    chosen = matmul_record.recorded_choice(candidates, shapes)
+    missing = tuple(shape for shape in shapes if shape not in chosen)
+    if missing:
+        chosen.update(_measured_choice(candidates, missing))
+    chosen = {shape: chosen[shape] for shape in shapes}
+    if any(map(stacked_matmul.unavailable_reason, libraries_in(chosen))):  # handlers that would not load
+        return onednn
+    if chosen != onednn and not missing:  # a choice measured now was said by the measurement
+        _announce_recorded(tuple(chosen.items()))
+    return chosen
+
+
+def libraries_in(chosen: dict) -> tuple:
+    """The distinct libraries a choice ({shape: Libraries}) runs, in order."""
+    return tuple(dict.fromkeys(library for libraries in chosen.values() for library in libraries))
+
+
+def described(chosen: dict) -> str:
+    """A choice ({shape: Libraries}) in words: "oneDNN's sgemm for the projections" (every shape and product
+    alike), or "at 576x576 oneDNN's sgemm; at 576x1536 MKL's sgemm for the forward products, ..."."""
+    def one(libraries: Libraries) -> str:
+        if len(set(libraries)) == 1:
+            return LIBRARY_NAMES[libraries.fwd]
+        return ", ".join(f"{LIBRARY_NAMES[library]} for {PRODUCT_NAMES[product]}"
+                         for product, library in zip(PRODUCTS, libraries))
+
+    if len(chosen) > 1 and len(set(chosen.values())) == 1 and len(set(next(iter(chosen.values())))) == 1:
+        return f"{LIBRARY_NAMES[next(iter(chosen.values())).fwd]} for the projections"
+    return "; ".join(f"at {matmul_record.shape_key(shape)} {one(libraries)}" for shape, libraries in chosen.items())
+
+
+def choice_str(chosen: dict) -> str:
+    """A choice in short: "onednn", "fwd onednn, dx mkl, dw mkl" (every shape alike), or
+    "576x576 onednn; 576x192 fwd onednn_primitive, dx onednn, dw onednn; ..."."""
+    if len(set(chosen.values())) == 1:
+        return str(next(iter(chosen.values())))
+    return "; ".join(f"{matmul_record.shape_key(shape)} {libraries}" for shape, libraries in chosen.items())
+
+
+def unavailable_on(devices: int, implementation: str = "onednn", shapes=None) -> str:
+    """"" when `implementation`'s in-place products can run on `devices` devices of the default backend (one CPU
+    device, the handlers of `library_of(implementation, shapes)` registered), else why not. The devices are checked
+    first: "auto" chooses its libraries (building handlers, measuring once per CPU) only where the products can
+    run."""
+    if jax.default_backend() != "cpu" or devices != 1:
+        return f"it runs on a single CPU device, and here are {devices} {jax.default_backend()} device(s)"
+    chosen = library_of(implementation, shapes)
+    return next(filter(None, map(stacked_matmul.unavailable_reason, libraries_in(chosen))), "")
+
+
+_tuning_lock = threading.Lock()  # a compile_ahead thread and the main thread may both trace first
+
+
+def _measured_choice(candidates: tuple, shapes: tuple) -> dict:
+    """:func:`tune` ``(candidates, shapes)``, at most once per process, set of candidates and shapes (a record
+    that cannot be written is not measured again at every trace)."""
+    with _tuning_lock:
+        return _tuned(candidates, shapes)
+
+
+@functools.cache
+def _tuned(candidates: tuple, shapes: tuple) -> dict:
+    return tune(candidates, shapes)
+
+
+@functools.cache
+def _announce_recorded(chosen: tuple) -> None:
+    """Say once per process and choice ((shape, Libraries) pairs) that "auto" follows this CPU's record (as the
+    recorded XLA:CPU options are said)."""
+    print(f"ppojax: matmul_implementation 'auto' takes {described(dict(chosen))}, measured fastest on this CPU "
+          f"(recorded in {matmul_record.record_path()}; naming another implementation overrides it)", flush=True)
 
 
 def main(argv=None) -> int:
@@ -137,8 +231,8 @@ def main(argv=None) -> int:
               f"({stacked_matmul.unavailable_reason('onednn')})")
         return 0
     candidates = tuple(lib for lib in LIBRARIES if not stacked_matmul.unavailable_reason(lib))
-    chosen = tune(candidates, SHAPES) if args.again else stacked_matmul.library_of("auto", SHAPES)
-    print(f"'auto' takes: {stacked_matmul.choice_str(chosen)}")
+    chosen = tune(candidates, SHAPES) if args.again else library_of("auto", SHAPES)
+    print(f"'auto' takes: {choice_str(chosen)}")
     return 0
 
 

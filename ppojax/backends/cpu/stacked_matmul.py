@@ -18,8 +18,9 @@ read transposed where it lies; an untied head's kernel `[D, V]` as a one-layer s
 The same handlers on MKL's GEMM (`matmul_implementation: mkl`, the library `"mkl"`): MKL as torch's x86 wheels link
 it into `libtorch_cpu.so` (its Fortran `sgemm_`), the GEMM TRL's step runs; for CPUs where MKL outruns oneDNN at a
 model's shapes. "auto" takes, for each projection shape and each of its three products (forward, input gradient,
-weight gradient), the library measured fastest for it on the CPU it runs on (`matmul_record.py`: measured once per
-CPU and shape by `matmul_tuning.py`); the libraries share one OpenMP runtime (`libgomp.so.1`).
+weight gradient), the library measured fastest for it on the CPU it runs on (chosen by `matmul_tuning.py`, which
+measures once per CPU and shape and records in `matmul_record.py`'s file); the libraries share one OpenMP runtime
+(`libgomp.so.1`).
 
 The handlers (`stacked_gemm.cc`) are compiled on first use with the system's C++ compiler against the library's
 file (the wheel's `libdnnl.so.3`, or torch's `libtorch_cpu.so`), once per source, library and jaxlib, into
@@ -46,7 +47,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from ppojax.backends.cpu import capabilities
 from ppojax.backends.cpu.ffi.build import build_cached
-from ppojax.backends.cpu.matmul_record import PRODUCTS, Libraries, record_path, recorded_choice, shape_key
+from ppojax.backends.cpu.matmul_record import Libraries
 
 SOURCE = Path(__file__).parent / "ffi" / "stacked_gemm.cc"
 #: the GEMM libraries the handlers can be built on ("auto" takes the one measured fastest on this CPU),
@@ -98,62 +99,6 @@ def mkl_library() -> Path | None:
     return None
 
 
-def library_of(implementation: str, shapes=None) -> dict:
-    """{shape: the GEMM library of each product} for each of `shapes` (projection shapes `(d_in, d_out)`; default
-    `matmul_tuning.SHAPES`, SmolLM2-135M's) as an implementation's handlers run them: its own for a library's name
-    ("onednn", "onednn_primitive", "mkl"); for "auto" per shape and product the one measured fastest on this CPU
-    among those whose handlers can be had (`matmul_record`; measured now, once per CPU and shape, where no record
-    covers them all: `matmul_tuning`); oneDNN's sgemm where it cannot be had itself (then `CpuKernels.for_shapes` keeps
-    XLA's dots: oneDNN's in-place products are the ones measured faster than XLA's copy-then-dot, the others are
-    measured against them)."""
-    from ppojax.backends.cpu.matmul_tuning import SHAPES  # noqa: PLC0415 - cycle: matmul_tuning measures this module's GEMMs
-
-    shapes = tuple(dict.fromkeys(tuple(map(int, shape)) for shape in (SHAPES if shapes is None else shapes)))
-    if implementation in LIBRARIES:
-        return {shape: Libraries.every(implementation) for shape in shapes}
-    onednn = {shape: Libraries.every("onednn") for shape in shapes}
-    candidates = buildable_libraries()
-    if "onednn" not in candidates:  # the baseline the others must beat, itself measured against XLA's dots
-        return onednn  # (not to be had: `CpuKernels.for_shapes` keeps XLA's dots)
-    chosen = recorded_choice(candidates, shapes)
-    missing = tuple(shape for shape in shapes if shape not in chosen)
-    if missing:
-        chosen.update(_measured_choice(candidates, missing))
-    chosen = {shape: chosen[shape] for shape in shapes}
-    if any(unavailable_reason(library) for library in libraries_in(chosen)):  # handlers that would not load
-        return onednn
-    if chosen != onednn and not missing:  # a choice measured now was said by the measurement
-        _announce_recorded(tuple(chosen.items()))
-    return chosen
-
-
-def libraries_in(chosen: dict) -> tuple:
-    """The distinct libraries a choice ({shape: Libraries}) runs, in order."""
-    return tuple(dict.fromkeys(library for libraries in chosen.values() for library in libraries))
-
-
-def described(chosen: dict) -> str:
-    """A choice ({shape: Libraries}) in words: "oneDNN's sgemm for the projections" (every shape and product
-    alike), or "at 576x576 oneDNN's sgemm; at 576x1536 MKL's sgemm for the forward products, ..."."""
-    def one(libraries: Libraries) -> str:
-        if len(set(libraries)) == 1:
-            return LIBRARY_NAMES[libraries.fwd]
-        return ", ".join(f"{LIBRARY_NAMES[library]} for {PRODUCT_NAMES[product]}"
-                         for product, library in zip(PRODUCTS, libraries))
-
-    if len(chosen) > 1 and len(set(chosen.values())) == 1 and len(set(next(iter(chosen.values())))) == 1:
-        return f"{LIBRARY_NAMES[next(iter(chosen.values())).fwd]} for the projections"
-    return "; ".join(f"at {shape_key(shape)} {one(libraries)}" for shape, libraries in chosen.items())
-
-
-def choice_str(chosen: dict) -> str:
-    """A choice in short: "onednn", "fwd onednn, dx mkl, dw mkl" (every shape alike), or
-    "576x576 onednn; 576x192 fwd onednn_primitive, dx onednn, dw onednn; ..."."""
-    if len(set(chosen.values())) == 1:
-        return str(next(iter(chosen.values())))
-    return "; ".join(f"{shape_key(shape)} {libraries}" for shape, libraries in chosen.items())
-
-
 def buildable_libraries() -> tuple:
     """The libraries whose handlers are built here (building them first where needed), none of them loaded: a library
     is loaded (and its runtime mapped into the process: torch's, for MKL) only where it is measured or taken."""
@@ -161,30 +106,6 @@ def buildable_libraries() -> tuple:
     with _lock:
         return tuple(lib for lib in LIBRARIES if _built(lib)[0] is not None)
 
-
-_tuning_lock = threading.Lock()  # a compile_ahead thread and the main thread may both trace first
-
-
-def _measured_choice(candidates: tuple, shapes: tuple) -> dict:
-    """`matmul_tuning.tune(candidates, shapes)`, at most once per process, set of candidates and shapes (a record
-    that cannot be written is not measured again at every trace)."""
-    with _tuning_lock:
-        return _tuned(candidates, shapes)
-
-
-@functools.cache
-def _tuned(candidates: tuple, shapes: tuple) -> dict:
-    from ppojax.backends.cpu.matmul_tuning import tune  # noqa: PLC0415 - cycle: matmul_tuning measures this module's GEMMs
-
-    return tune(candidates, shapes)
-
-
-@functools.cache
-def _announce_recorded(chosen: tuple) -> None:
-    """Say once per process and choice ((shape, Libraries) pairs) that "auto" follows this CPU's record (as the
-    recorded XLA:CPU options are said)."""
-    print(f"ppojax: matmul_implementation 'auto' takes {described(dict(chosen))}, measured fastest on this CPU "
-          f"(recorded in {record_path()}; naming another implementation overrides it)", flush=True)
 
 
 _lock = threading.Lock()  # a compile_ahead thread and the main thread may both ask first
@@ -261,16 +182,6 @@ def unavailable_reason(library: str = "onednn") -> str:
     """"" when `library`'s handlers are registered (building them if needed), else why they cannot be."""
     with _lock:
         return _registered(library)
-
-
-def unavailable_on(devices: int, implementation: str = "onednn", shapes=None) -> str:
-    """"" when `implementation`'s in-place products can run on `devices` devices of the default backend (one CPU
-    device, the handlers of `library_of(implementation, shapes)` registered), else why not. The devices are checked
-    first: "auto" chooses its libraries (building handlers, measuring once per CPU) only where the products can
-    run."""
-    if jax.default_backend() != "cpu" or devices != 1:
-        return f"it runs on a single CPU device, and here are {devices} {jax.default_backend()} device(s)"
-    return next(filter(None, map(unavailable_reason, libraries_in(library_of(implementation, shapes)))), "")
 
 
 def check_implementation(implementation: str) -> None:
