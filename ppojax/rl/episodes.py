@@ -332,6 +332,153 @@ def _nan_sum(total, value):
     return jnp.where(jnp.isnan(value), total, jnp.where(jnp.isnan(total), 0.0, total) + value)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Play:
+    """What every step of one :func:`generate_episodes` call reads (module docstring): the model and its sampler,
+    the sampling key and temperature, the episodes' shape and host, the pad and stop tokens, the prompts' bank
+    (next-token logits f32[B / G, V], its cache, real tokens i32[B / G]), the observation call sizes, and the sizes:
+    B episodes (``batch``; ``none``, i32[] = B, a row's episode when it holds none: its writes are dropped) on S
+    cache rows (``num_rows``), of which the first ``episodes`` (i32[]) are played."""
+
+    model: nnx.Module
+    sample: Callable
+    key: jax.Array
+    temperature: object
+    shape: EpisodeShape
+    host_turn: HostTurn
+    pad: jax.Array
+    stop: jax.Array
+    bank_logits: jax.Array
+    bank: object
+    bank_tokens: jax.Array
+    cache_length: int
+    group_size: int
+    call_sizes: tuple[int, ...]
+    batch: int
+    none: jax.Array
+    num_rows: int
+    episodes: jax.Array
+
+    def no_answer(self, turn, *_):
+        """The host's answer at a step where no turn ended: no observation, nothing goes on, no reward."""
+        n, obs_length = turn.shape[0], self.shape.observation_length
+        return HostAnswer(jnp.full((n, obs_length), self.pad), jnp.zeros((n,), jnp.int32), jnp.zeros((n,), bool),
+                          jnp.full((n,), jnp.nan, jnp.float32))
+
+    def step(self, carry, refills=True):
+        """One token for every row writing a turn; the host for the rows whose turns ended; the observations of
+        those that go on appended; the freed rows refilled (``refills``). Any number of rows."""
+        shape, model, pad, stop, none = self.shape, self.model, self.pad, self.stop, self.none
+        length, turn_length, temperature = shape.episode_length, shape.turn_length, self.temperature
+        rows, out = carry
+        row_ids = jnp.arange(rows.running.shape[0], dtype=jnp.int32)
+        writing = rows.running & (rows.stream_length < length)
+        drawn = self.sample(rows.logits, row_keys(self.key, rows.stream_length, rows.episode))
+        token = jnp.where(writing, drawn, pad)
+        episode = jnp.where(rows.running, rows.episode, none)
+        at = jnp.where(writing, rows.stream_length, length)  # out of range: dropped
+        out = out.replace(stream=out.stream.at[episode, at].set(token, mode="drop"),
+                          logprobs=out.logprobs.at[episode, at].set(
+                              token_logprobs(rows.logits, drawn, temperature), mode="drop"),
+                          busy=out.busy + jnp.sum(writing, dtype=jnp.float32),
+                          computed=out.computed + rows.running.shape[0])
+        stream_length = rows.stream_length + writing.astype(jnp.int32)
+        turn_tokens = rows.turn_tokens.at[row_ids, jnp.where(rows.running, rows.turn_step, turn_length)].set(
+            token, mode="drop")
+        turn_step = rows.turn_step + rows.running.astype(jnp.int32)
+
+        # a turn ends at the stop token, at a drawn pad, at its turn_length tokens or when the stream is full
+        stopped = writing & (drawn == stop)
+        turn_over = rows.running & (~writing | stopped | (drawn == pad) | (turn_step >= turn_length)
+                                    | (stream_length >= length))
+        answer = jax.lax.cond(jnp.any(turn_over), self.host_turn, self.no_answer, rows.turn,
+                              jnp.where(turn_over, rows.episode, none), turn_tokens, stopped, turn_over, stream_length)
+        goes_on = turn_over & stopped & answer.goes_on & (rows.turn + 1 < shape.max_turns)
+        reward = jnp.where(turn_over, _nan_sum(rows.reward, answer.reward.astype(jnp.float32)), rows.reward)
+        finished = jnp.where(turn_over & ~goes_on, rows.episode, none)  # the episodes that end now
+        out = out.replace(completed=out.completed.at[finished].set(stopped & ~answer.goes_on, mode="drop"),
+                          reward=out.reward.at[finished].set(reward, mode="drop"),
+                          turns=out.turns.at[finished].set(rows.turn + 1, mode="drop"),
+                          stream_length=out.stream_length.at[finished].set(stream_length, mode="drop"))
+
+        # the turns going on: their tokens through the model in one call of one token per row
+        live = rows.running & ~turn_over
+        hidden, cache = model(jnp.where(live, token, 0)[:, None], live[:, None], rows.next_position[:, None],
+                              cache=rows.cache)
+        rows = rows.replace(
+            cache=cache, logits=model.logits(hidden)[:, 0], turn=rows.turn + goes_on.astype(jnp.int32),
+            turn_tokens=jnp.where(turn_over[:, None], pad, turn_tokens), turn_step=jnp.where(turn_over, 0, turn_step),
+            next_position=rows.next_position + live.astype(jnp.int32), stream_length=stream_length,
+            reward=reward, running=rows.running & ~(turn_over & ~goes_on))
+        rows, out, _, _ = jax.lax.while_loop(lambda state: jnp.any(state[2]), self.append_one,
+                                             (rows, out, goes_on, answer))
+        return (self.refill(rows) if refills else rows), out
+
+    def take_in(self, one, ids, live, positions, last):
+        """``ids`` i32[1 + O] (live first: ``live``, at ``positions``) through the model on the one-row cache
+        ``one``, as the first ``size`` of them for the smallest of ``call_sizes`` that holds ``last + 1`` (one
+        ``lax.switch`` branch per size) -> (the cache, the logits f32[V] at column ``last``)."""
+        model = self.model
+
+        def call(size):
+            def run(one):
+                hidden, one = model(jnp.where(live, ids, 0)[None, :size], live[None, :size],
+                                    positions[None, :size], cache=one)
+                return one, model.logits(jax.lax.dynamic_slice_in_dim(hidden, last, 1, axis=1))[0, 0]
+            return run
+
+        index = jnp.sum(jnp.asarray(self.call_sizes) < last + 1)  # the smallest call that holds the live tokens
+        return jax.lax.switch(index, [call(size) for size in self.call_sizes], one)
+
+    def append_one(self, state):
+        """The first row in ``waiting`` (bool[S]) takes in its observation: the turn's stop token and the n tokens
+        of the observation through the model in one call on that row's cache alone (the other rows' are not
+        touched), the smallest of ``call_sizes`` that holds them, live tokens first; the row's write index moves
+        by 1 + n (the call's padding slots are masked and written over next). Its tokens are appended to the
+        episode's stream; its last live logits start the row's next turn."""
+        obs_length, length = self.shape.observation_length, self.shape.episode_length
+        rows, out, waiting, answer = state
+        slot = jnp.argmax(waiting).astype(jnp.int32)
+        n = answer.observation_length[slot]
+        columns = jnp.arange(obs_length, dtype=jnp.int32)
+        observation = jnp.roll(answer.observation[slot].astype(jnp.int32), n - obs_length)  # live tokens first
+        ids = jnp.concatenate([self.stop[None], observation])
+        live = jnp.arange(1 + obs_length) <= n
+        positions = rows.next_position[slot] + jnp.arange(1 + obs_length, dtype=jnp.int32)
+        start = rows.cache.index[slot]
+        one, logits = self.take_in(_one_row(rows.cache, slot), ids, live, positions, n)
+        e, at = rows.episode[slot], jnp.where(columns < n, rows.stream_length[slot] + columns, length)
+        out = out.replace(stream=out.stream.at[e, at].set(observation, mode="drop"),
+                          environment=out.environment.at[e, at].set(True, mode="drop"))
+        rows = rows.replace(cache=copy_into_rows(rows.cache, one.replace(index=start + 1 + n), slot),
+                            logits=rows.logits.at[slot].set(logits),
+                            next_position=rows.next_position.at[slot].add(1 + n),
+                            stream_length=rows.stream_length.at[slot].add(n))
+        return rows, out, waiting.at[slot].set(False), answer
+
+    def refill_one(self, rows):
+        """The next waiting episode into the first free row: its prompt's row of the bank copied over the row's."""
+        pad = self.pad
+        slot, e = jnp.argmax(~rows.running).astype(jnp.int32), rows.next_episode
+        prompt = e // self.group_size
+        one = cache_rows(self.bank, prompt[None], self.cache_length)
+        return rows.replace(
+            cache=copy_into_rows(rows.cache, one, slot),
+            logits=rows.logits.at[slot].set(self.bank_logits[prompt]),
+            episode=rows.episode.at[slot].set(e), turn=rows.turn.at[slot].set(0),
+            turn_tokens=rows.turn_tokens.at[slot].set(pad), turn_step=rows.turn_step.at[slot].set(0),
+            next_position=rows.next_position.at[slot].set(self.bank_tokens[prompt]),
+            stream_length=rows.stream_length.at[slot].set(0), reward=rows.reward.at[slot].set(jnp.nan),
+            running=rows.running.at[slot].set(True), next_episode=e + 1)
+
+    def refill(self, rows):
+        """Every free row refilled while an episode waits (nothing to do when the cache holds every episode)."""
+        if self.num_rows == self.batch:
+            return rows
+        return jax.lax.while_loop(lambda r: jnp.any(~r.running) & (r.next_episode < self.episodes), self.refill_one,
+                                  rows)
+
+
 def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape, host_turn: HostTurn,
                       pad_token_id: int, stop_token_id: int, temperature=1.0, top_k: int = 0, top_p: float = 1.0,
                       greedy: bool = False, cache_dtype=None, init_cache_fn=None, slots: int = 0,
@@ -360,10 +507,7 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
     num_rows = batch if not slots else min(slots, batch)
     turn_length, obs_length, length = shape.turn_length, shape.observation_length, shape.episode_length
     model = nnx.merge(graphdef, params)
-    sample = functools.partial(sample_rows, temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy,
-                               argmax=model_kernels(model).argmax)
-    none = jnp.int32(batch)  # a row's episode when it holds none (its writes are dropped)
-    pad, stop = jnp.int32(pad_token_id), jnp.int32(stop_token_id)
+    pad = jnp.int32(pad_token_id)
     dtype, cache_length = _cache_dtype(model, params, cache_dtype), shape.cache_length(prompt_length)
     row_ids = jnp.arange(num_rows, dtype=jnp.int32)
     alignment = slot_alignment_of(model, slot_alignment)
@@ -377,120 +521,15 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
     started = cache_rows(bank, first)  # the prompts' slots only: the empty cache's other slots stay empty
     # written into the empty cache (its placement on a mesh), one write index per row: rows run apart
     cache = copy_into_rows((init_cache_fn or _init_cache)(model, num_rows, cache_length, dtype), started)
-    logits = bank_logits[first]
+    play = _Play(model=model, sample=functools.partial(sample_rows, temperature=temperature, top_k=top_k, top_p=top_p,
+                                                       greedy=greedy, argmax=model_kernels(model).argmax),
+                 key=key, temperature=temperature, shape=shape, host_turn=host_turn, pad=pad,
+                 stop=jnp.int32(stop_token_id), bank_logits=bank_logits, bank=bank, bank_tokens=bank_tokens,
+                 cache_length=cache_length, group_size=group_size,
+                 call_sizes=observation_call_sizes(obs_length, observation_buckets), batch=batch,
+                 none=jnp.int32(batch), num_rows=num_rows, episodes=live)
 
-    def no_answer(turn, *_):
-        n = turn.shape[0]
-        return HostAnswer(jnp.full((n, obs_length), pad), jnp.zeros((n,), jnp.int32), jnp.zeros((n,), bool),
-                          jnp.full((n,), jnp.nan, jnp.float32))
-
-    def step(carry, refills=True):
-        """One token for every row writing a turn; the host for the rows whose turns ended; the observations of
-        those that go on appended; the freed rows refilled (``refills``). Any number of rows."""
-        rows, out = carry
-        row_ids = jnp.arange(rows.running.shape[0], dtype=jnp.int32)
-        writing = rows.running & (rows.stream_length < length)
-        drawn = sample(rows.logits, row_keys(key, rows.stream_length, rows.episode))
-        token = jnp.where(writing, drawn, pad)
-        episode = jnp.where(rows.running, rows.episode, none)
-        at = jnp.where(writing, rows.stream_length, length)  # out of range: dropped
-        out = out.replace(stream=out.stream.at[episode, at].set(token, mode="drop"),
-                          logprobs=out.logprobs.at[episode, at].set(
-                              token_logprobs(rows.logits, drawn, temperature), mode="drop"),
-                          busy=out.busy + jnp.sum(writing, dtype=jnp.float32),
-                          computed=out.computed + rows.running.shape[0])
-        stream_length = rows.stream_length + writing.astype(jnp.int32)
-        turn_tokens = rows.turn_tokens.at[row_ids, jnp.where(rows.running, rows.turn_step, turn_length)].set(
-            token, mode="drop")
-        turn_step = rows.turn_step + rows.running.astype(jnp.int32)
-
-        # a turn ends at the stop token, at a drawn pad, at its turn_length tokens or when the stream is full
-        stopped = writing & (drawn == stop)
-        turn_over = rows.running & (~writing | stopped | (drawn == pad) | (turn_step >= turn_length)
-                                    | (stream_length >= length))
-        answer = jax.lax.cond(jnp.any(turn_over), host_turn, no_answer, rows.turn,
-                              jnp.where(turn_over, rows.episode, none), turn_tokens, stopped, turn_over, stream_length)
-        goes_on = turn_over & stopped & answer.goes_on & (rows.turn + 1 < shape.max_turns)
-        reward = jnp.where(turn_over, _nan_sum(rows.reward, answer.reward.astype(jnp.float32)), rows.reward)
-        finished = jnp.where(turn_over & ~goes_on, rows.episode, none)  # the episodes that end now
-        out = out.replace(completed=out.completed.at[finished].set(stopped & ~answer.goes_on, mode="drop"),
-                          reward=out.reward.at[finished].set(reward, mode="drop"),
-                          turns=out.turns.at[finished].set(rows.turn + 1, mode="drop"),
-                          stream_length=out.stream_length.at[finished].set(stream_length, mode="drop"))
-
-        # the turns going on: their tokens through the model in one call of one token per row
-        live = rows.running & ~turn_over
-        hidden, cache = model(jnp.where(live, token, 0)[:, None], live[:, None], rows.next_position[:, None],
-                              cache=rows.cache)
-        rows = rows.replace(
-            cache=cache, logits=model.logits(hidden)[:, 0], turn=rows.turn + goes_on.astype(jnp.int32),
-            turn_tokens=jnp.where(turn_over[:, None], pad, turn_tokens), turn_step=jnp.where(turn_over, 0, turn_step),
-            next_position=rows.next_position + live.astype(jnp.int32), stream_length=stream_length,
-            reward=reward, running=rows.running & ~(turn_over & ~goes_on))
-        rows, out, _, _ = jax.lax.while_loop(lambda state: jnp.any(state[2]), append_one, (rows, out, goes_on, answer))
-        return (refill(rows) if refills else rows), out
-
-    call_sizes = observation_call_sizes(obs_length, observation_buckets)
-
-    def take_in(one, ids, live, positions, last):
-        """``ids`` i32[1 + O] (live first: ``live``, at ``positions``) through the model on the one-row cache
-        ``one``, as the first ``size`` of them for the smallest of ``call_sizes`` that holds ``last + 1`` (one
-        ``lax.switch`` branch per size) -> (the cache, the logits f32[V] at column ``last``)."""
-        def call(size):
-            def run(one):
-                hidden, one = model(jnp.where(live, ids, 0)[None, :size], live[None, :size],
-                                    positions[None, :size], cache=one)
-                return one, model.logits(jax.lax.dynamic_slice_in_dim(hidden, last, 1, axis=1))[0, 0]
-            return run
-
-        index = jnp.sum(jnp.asarray(call_sizes) < last + 1)  # the smallest call that holds the live tokens
-        return jax.lax.switch(index, [call(size) for size in call_sizes], one)
-
-    def append_one(state):
-        """The first row in ``waiting`` (bool[S]) takes in its observation: the turn's stop token and the n tokens
-        of the observation through the model in one call on that row's cache alone (the other rows' are not
-        touched), the smallest of ``call_sizes`` that holds them, live tokens first; the row's write index moves
-        by 1 + n (the call's padding slots are masked and written over next). Its tokens are appended to the
-        episode's stream; its last live logits start the row's next turn."""
-        rows, out, waiting, answer = state
-        slot = jnp.argmax(waiting).astype(jnp.int32)
-        n = answer.observation_length[slot]
-        columns = jnp.arange(obs_length, dtype=jnp.int32)
-        observation = jnp.roll(answer.observation[slot].astype(jnp.int32), n - obs_length)  # live tokens first
-        ids = jnp.concatenate([stop[None], observation])
-        live = jnp.arange(1 + obs_length) <= n
-        positions = rows.next_position[slot] + jnp.arange(1 + obs_length, dtype=jnp.int32)
-        start = rows.cache.index[slot]
-        one, logits = take_in(_one_row(rows.cache, slot), ids, live, positions, n)
-        e, at = rows.episode[slot], jnp.where(columns < n, rows.stream_length[slot] + columns, length)
-        out = out.replace(stream=out.stream.at[e, at].set(observation, mode="drop"),
-                          environment=out.environment.at[e, at].set(True, mode="drop"))
-        rows = rows.replace(cache=copy_into_rows(rows.cache, one.replace(index=start + 1 + n), slot),
-                            logits=rows.logits.at[slot].set(logits),
-                            next_position=rows.next_position.at[slot].add(1 + n),
-                            stream_length=rows.stream_length.at[slot].add(n))
-        return rows, out, waiting.at[slot].set(False), answer
-
-    def refill_one(rows):
-        """The next waiting episode into the first free row: its prompt's row of the bank copied over the row's."""
-        slot, e = jnp.argmax(~rows.running).astype(jnp.int32), rows.next_episode
-        prompt = e // group_size
-        one = cache_rows(bank, prompt[None], cache_length)
-        return rows.replace(
-            cache=copy_into_rows(rows.cache, one, slot),
-            logits=rows.logits.at[slot].set(bank_logits[prompt]),
-            episode=rows.episode.at[slot].set(e), turn=rows.turn.at[slot].set(0),
-            turn_tokens=rows.turn_tokens.at[slot].set(pad), turn_step=rows.turn_step.at[slot].set(0),
-            next_position=rows.next_position.at[slot].set(bank_tokens[prompt]),
-            stream_length=rows.stream_length.at[slot].set(0), reward=rows.reward.at[slot].set(jnp.nan),
-            running=rows.running.at[slot].set(True), next_episode=e + 1)
-
-    def refill(rows):
-        if num_rows == batch:
-            return rows
-        return jax.lax.while_loop(lambda r: jnp.any(~r.running) & (r.next_episode < live), refill_one, rows)
-
-    rows = _Rows(cache=cache, logits=logits, episode=row_ids, turn=jnp.zeros_like(row_ids),
+    rows = _Rows(cache=cache, logits=bank_logits[first], episode=row_ids, turn=jnp.zeros_like(row_ids),
                  turn_tokens=jnp.full((num_rows, turn_length), pad), turn_step=jnp.zeros_like(row_ids),
                  next_position=bank_tokens[first],
                  stream_length=jnp.zeros_like(row_ids), reward=jnp.full((num_rows,), jnp.nan, jnp.float32),
@@ -520,11 +559,11 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
             furthest = jnp.max(jnp.where(rows.running, rows.cache.index, 0))
             return every_row(carry) & (furthest + 2 + obs_length <= bound)
 
-        rows, out = jax.lax.while_loop(every_row if bound == cache_length else within, step,
+        rows, out = jax.lax.while_loop(every_row if bound == cache_length else within, play.step,
                                        (reading(rows, bound), out))
     if tail:
         playing_first = jnp.argsort(~rows.running, stable=True)[:tail].astype(jnp.int32)
-        _, out = jax.lax.while_loop(playing, functools.partial(step, refills=False),
+        _, out = jax.lax.while_loop(playing, functools.partial(play.step, refills=False),
                                     (_gather_rows(rows, playing_first), out))
     written = jnp.arange(length)[None, :] < out.stream_length[:, None]
     logprobs = jnp.where(written & ~out.environment, out.logprobs, INVALID_LOGPROB)
