@@ -463,6 +463,47 @@ def _dense_params(init: _Init, shape: tuple, axes: tuple, n_in: int, bias: bool,
     return d
 
 
+def _attention_masks(cfg: ModelConfig, input_ids: Array, attention_mask: Array, cache: KVCache | None,
+                     prefix: PromptKV | None, segment_ids: Array | None):
+    """The attention masks a forward's layers share (True = may attend) and the hints that let a fused kernel skip
+    blocks the mask rules out anyway (see `attention.attention`) -> (mask bool[1 or B, S, T], the sliding layers'
+    mask or None where no layer slides, the keys' mask bool[B, T] (with a cache: the cache's, this call's tokens
+    written in), the cache's write index or None, the kernel's hints {name: value})."""
+    s = input_ids.shape[1]
+    sliding = np.asarray(cfg.sliding_layers)
+    attn_kwargs = {}
+    if prefix is not None:  # the prefix's slots first, then the call's: a mask no hint describes
+        pk = prefix.key_mask.shape[1]
+        q_slot = pk + jnp.arange(s)
+        k_slot = jnp.arange(pk + s)
+        key_mask = jnp.concatenate([prefix.key_mask.astype(bool), attention_mask], axis=1)
+        index = None
+    elif cache is None:
+        q_slot = jnp.arange(s)
+        k_slot = jnp.arange(s)
+        key_mask = attention_mask
+        index = None
+        attn_kwargs["is_causal"] = True
+        if sliding.all():
+            attn_kwargs["window"] = cfg.sliding_window
+        if sliding.all() or not sliding.any():  # then causality, the window and these ids say the whole mask
+            packed = jnp.zeros_like(input_ids) if segment_ids is None else segment_ids
+            attn_kwargs["segments"] = jnp.where(attention_mask, packed, -1).astype(jnp.int32)
+    else:
+        index = cache.index
+        key_mask = write_slots(cache.key_mask, attention_mask, None, index)
+        q_slot = index[..., None] + jnp.arange(s)  # [S], or [B, S] with one index per row
+        k_slot = jnp.arange(cache.slots_read)
+    q_slot = q_slot.reshape(-1, s)[:, :, None]  # [1 or B, S, 1]
+    mask = key_mask[:, None, :k_slot.shape[0]] & (k_slot[None, None, :] <= q_slot)
+    if segment_ids is not None:  # packed rows: a query sees its own sequence only
+        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    window_mask = None
+    if sliding.any():
+        window_mask = mask & (k_slot[None, None, :] > q_slot - cfg.sliding_window)
+    return mask, window_mask, key_mask, index, attn_kwargs
+
+
 class Backbone(nnx.Module):
     """Embeddings + stacked layers + final norm. `__call__` returns final-normed hidden states.
 
@@ -561,39 +602,9 @@ class Backbone(nnx.Module):
             position_ids = position_ids_from_mask(attention_mask)
         b, s = input_ids.shape
         x = self.embed_tokens(input_ids, attention_mask, position_ids)
-
-        # attention masks bool[B, S, T], shared by all layers (True = may attend), and the hints that let a fused
-        # kernel skip blocks the mask rules out anyway (see attention.attention)
         sliding = np.asarray(cfg.sliding_layers)
-        attn_kwargs = {}
-        if prefix is not None:  # the prefix's slots first, then the call's: a mask no hint describes
-            pk = prefix.key_mask.shape[1]
-            q_slot = pk + jnp.arange(s)
-            k_slot = jnp.arange(pk + s)
-            key_mask = jnp.concatenate([prefix.key_mask.astype(bool), attention_mask], axis=1)
-            index = None
-        elif cache is None:
-            q_slot = jnp.arange(s)
-            k_slot = jnp.arange(s)
-            key_mask = attention_mask
-            index = None
-            attn_kwargs["is_causal"] = True
-            if sliding.all():
-                attn_kwargs["window"] = cfg.sliding_window
-            if sliding.all() or not sliding.any():  # then causality, the window and these ids say the whole mask
-                packed = jnp.zeros_like(input_ids) if segment_ids is None else segment_ids
-                attn_kwargs["segments"] = jnp.where(attention_mask, packed, -1).astype(jnp.int32)
-        else:
-            index = cache.index
-            key_mask = write_slots(cache.key_mask, attention_mask, None, index)
-            q_slot = index[..., None] + jnp.arange(s)  # [S], or [B, S] with one index per row
-            k_slot = jnp.arange(cache.slots_read)
-        q_slot = q_slot.reshape(-1, s)[:, :, None]  # [1 or B, S, 1]
-        mask = key_mask[:, None, :k_slot.shape[0]] & (k_slot[None, None, :] <= q_slot)
-        if segment_ids is not None:  # packed rows: a query sees its own sequence only
-            mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
-        if sliding.any():
-            window_mask = mask & (k_slot[None, None, :] > q_slot - cfg.sliding_window)
+        mask, window_mask, key_mask, index, attn_kwargs = _attention_masks(cfg, input_ids, attention_mask, cache,
+                                                                           prefix, segment_ids)
 
         inv_freq = rope_inv_freq(cfg) if cfg.position_embedding == "rope" else None
         layers = nnx.to_pure_dict(nnx.state(self.layers))
