@@ -25,7 +25,7 @@ from ppojax.errors import ExportDirError
 from ppojax.io.export_dir import check_export_target
 from ppojax.models import load_pretrained, load_tokenizer, save_pretrained
 from ppojax.tasks.calculator import calculate, demonstration
-from ppojax.trainer.data import arithmetic_split
+from ppojax.trainer.prompt_sources import arithmetic_split
 from ppojax.trainer.warm_start import pad_streams, warm_start
 
 

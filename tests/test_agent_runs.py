@@ -379,16 +379,16 @@ def test_the_built_in_games_are_seeded_and_follow_their_text(tmp_path, monkeypat
     import json
 
     from ppojax.tasks import guess_number
-    from ppojax.trainer import data
+    from ppojax.trainer import prompt_sources
 
-    monkeypatch.setattr(data, "cache_dir", lambda: tmp_path)
-    train = data.guess_number_split("guess_number", log=lambda *a, **k: None)
+    monkeypatch.setattr(prompt_sources, "cache_dir", lambda: tmp_path)
+    train = prompt_sources.guess_number_split("guess_number", log=lambda *a, **k: None)
     rows = [json.loads(line) for line in train.read_text().splitlines()]
     assert len(rows) == 2000 and {r["prompt"] for r in rows} == {guess_number.PROMPT}
     assert {r["target"] for r in rows} == set(range(guess_number.LOW, guess_number.HIGH + 1))
     assert rows[:5] == list(guess_number.records(0, 5))
-    monkeypatch.setattr(data, "GAME_PROMPT", "another text")  # a changed game is written anew, elsewhere
-    assert data.guess_number_split("guess_number", log=lambda *a, **k: None).parent != train.parent
+    monkeypatch.setattr(prompt_sources, "GAME_PROMPT", "another text")  # a changed game is written anew, elsewhere
+    assert prompt_sources.guess_number_split("guess_number", log=lambda *a, **k: None).parent != train.parent
 
 
 def test_missing_eos_penalty_reads_whether_the_episode_ended_not_its_tokens():

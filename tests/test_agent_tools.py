@@ -18,7 +18,7 @@ from ppojax.agents import (CHATML_TOOLS_TEMPLATE, Environment, EnvironmentFactor
                            supports_tool_calling, tool_schema, tool_schemas)
 from ppojax.errors import ConfigError, EnvironmentCallError
 from ppojax.tasks.calculator import calculate
-from ppojax.trainer.data import arithmetic_split
+from ppojax.trainer.prompt_sources import arithmetic_split
 
 
 # ------------------------------------------------------------------------------------------------ tools used below

@@ -7,10 +7,10 @@ from ppojax.trainer.data import (
     PromptBatches,
     check_tokenizer,
     left_pad,
-    load_prompt_dataset,
     prepare_prompts,
     tokenize_prompts,
 )
+from ppojax.trainer.prompt_sources import load_prompt_dataset
 
 QUIET = dict(log=lambda *a, **k: None)
 

@@ -302,7 +302,7 @@ def test_reward_config_mistakes_are_named():
 def test_every_file_format_brings_its_columns(tmp_path):
     import pandas as pd
 
-    from ppojax.trainer.data import load_prompt_table
+    from ppojax.trainer.prompt_sources import load_prompt_table
 
     records = [{"prompt": "two plus two", "answer": "4"}, {"prompt": [{"role": "user", "content": "hi"}],
                                                             "answer": "0"}]

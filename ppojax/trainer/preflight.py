@@ -18,8 +18,8 @@ from ppojax.models.families.keys import hf_num_labels
 from ppojax.models.lora import LoraSpec, resolve_target_modules
 from ppojax import parallel
 from ppojax.trainer.config import IN_PLACE_MATMULS, ConfigError, PPOConfig
-from ppojax.trainer.data import (BUILTIN_ARITHMETIC, BUILTIN_GUESS_NUMBER, BUILTIN_MOVIE_REVIEWS, arithmetic_split,
-                                 guess_number_split, load_prompt_dataset)
+from ppojax.trainer.prompt_sources import (BUILTIN_ARITHMETIC, BUILTIN_GUESS_NUMBER, BUILTIN_MOVIE_REVIEWS,
+                                           arithmetic_split, guess_number_split, load_prompt_dataset)
 from ppojax.trainer.run_rewards import as_config_error, resolve_reward_function, reward_field
 
 

@@ -13,7 +13,8 @@ import numpy as np
 from ppojax.models import load_tokenizer
 from ppojax.rl.rewards import ColumnTable
 from ppojax.trainer.config import ConfigError, PPOConfig
-from ppojax.trainer.data import PromptBatches, check_tokenizer, load_prompt_table, prepare_prompts, prompt_display_text
+from ppojax.trainer.data import PromptBatches, check_tokenizer, prepare_prompts, prompt_display_text
+from ppojax.trainer.prompt_sources import load_prompt_table
 from ppojax.trainer.preflight import dataset_source, model_config_of
 from ppojax.trainer.run_rewards import as_config_error
 
