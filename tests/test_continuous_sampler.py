@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ppojax.models.transformer import write_slots
+from ppojax.models.kv_cache import write_slots
 from ppojax.rl.continuous import generate_continuous, generate_continuous_jit
 from ppojax.rl.forward import sequence_inputs
 from ppojax.rl.sampler import _init_cache, generate_jit, process_logits, row_keys, sample_rows

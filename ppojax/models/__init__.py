@@ -19,13 +19,11 @@ from ppojax.models.transformer import (
     Backbone,
     CausalLM,
     CausalLMWithValueHead,
-    KVCache,
     ScoreModel,
     apply_causal_lm,
     apply_causal_lm_with_value,
     apply_score_model,
     count_params,
-    init_cache,
     last_token_index,
     last_token_scores,
     logical_axes,
@@ -33,6 +31,7 @@ from ppojax.models.transformer import (
     position_ids_from_mask,
 )
 from ppojax.models.kernels import XLA, Kernels
+from ppojax.models.kv_cache import KVCache, init_cache
 from ppojax.models.precision import PRECISIONS, precision_dtypes
 from ppojax.models.remat import REMAT_POLICIES
 

@@ -12,7 +12,7 @@ then an inner ``lax.while_loop`` that prefills waiting prompts into the freed sl
 each (zero iterations when no slot is free). The loop ends when every sequence is done.
 
 The cache. The slots share one ``KVCache`` of ``S`` rows whose ``index`` is i32[S], one write position per
-row (``ppojax.models.transformer.write_slots``): a slot's sequence starts at slot position 0 whatever the
+row (``ppojax.models.kv_cache.write_slots``): a slot's sequence starts at slot position 0 whatever the
 others are doing, so each row of the cache is laid out exactly as the padded sampler lays out that sequence's
 row (the prompt in ``[0, P)``, token ``t`` at ``P + t - 1``), the cache needs ``P + R`` positions like the
 padded sampler's, and sliding windows (counted in cache positions) see what they see there. A refill prefills
