@@ -8,6 +8,8 @@ slots `<= index + s`, and returns `index + S`. Prefill = the whole left-padded p
 calls. Static shapes, jit-friendly. `index` may also be i32[B], one per row (each row writes at its own slot;
 `write_slots`). `init_cache(..., dtype=jnp.int8)` stores 8-bit codes and a scale per token and head instead
 (`kv_int8`: keys/values int8 `[L, B, T, K, kv_int8.stored_width(hd)]`), read back in the compute dtype.
+A layer writes its keys and values into the stacked cache and reads them back as the cache stores them
+(`write_layer`, `read_layer`).
 """
 
 from __future__ import annotations
@@ -123,3 +125,26 @@ def write_slots(stack: Array, new: Array, layer_idx, index: Array) -> Array:
     rows = jnp.arange(row_new.shape[0], dtype=jnp.int32)[:, None]
     slots = index[:, None] + jnp.arange(row_new.shape[1], dtype=jnp.int32)[None, :]  # [B, S]
     return stack.at[(*lead, rows, slots)].set(row_new.astype(stack.dtype), mode="drop")
+
+
+def write_layer(stack: Array, new: Array, layer_idx, index: Array, kernels: Kernels, cache_dtype) -> Array:
+    """The whole stacked keys or values `stack` ([L, B, T, ...]) with a call's `new` ([B, S, K, hd]) written into
+    layer `layer_idx` at slot `index` (`write_slots`), stored as the cache stores them: 8-bit codes (`kv_int8`)
+    or `cache_dtype` values in the form `kernels` keep (`Kernels.to_slots`)."""
+    if kv_int8.is_int8(stack):
+        stored = kv_int8.quantize(new[None])
+    else:
+        stored = kernels.to_slots(new[None], cache_dtype).reshape(1, *new.shape[:2], *stack.shape[3:])
+    return write_slots(stack, stored, layer_idx, index)
+
+
+def read_layer(stack: Array, layer_idx, slots_read: int | None, dtype, cfg: ModelConfig, kernels: Kernels,
+               cache_dtype) -> Array:
+    """Layer `layer_idx`'s first `slots_read` slots (None: all) of the stacked keys or values `stack`, as ONE
+    slice (fused into its readers), in `dtype` -> [B, T, K, hd]."""
+    sizes = (1, stack.shape[1], slots_read or stack.shape[2], *stack.shape[3:])
+    layer = jax.lax.dynamic_slice(stack, (layer_idx,) + (0,) * (stack.ndim - 1), sizes)[0]
+    if kv_int8.is_int8(stack):
+        return kv_int8.dequantize(layer, dtype, cfg.head_dim)
+    layer = kernels.from_slots(layer, cache_dtype).astype(dtype)
+    return layer.reshape(*layer.shape[:2], cfg.num_kv_heads, cfg.head_dim)

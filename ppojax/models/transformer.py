@@ -40,7 +40,7 @@ from flax import nnx
 
 from ppojax.models import kv_int8
 from ppojax.models.config import ModelConfig
-from ppojax.models.kv_cache import KVCache, PromptKV, write_slots
+from ppojax.models.kv_cache import KVCache, PromptKV, read_layer, write_layer, write_slots
 from ppojax.models.kernels import XLA, Kernels, check_kernels
 from ppojax.models.remat import check_remat, remat_layer
 
@@ -232,30 +232,14 @@ def _block(cfg: ModelConfig, dtype, inv_freq, p: dict, x: Array, positions: Arra
         v = jnp.concatenate([prefix[1].astype(v.dtype), v], axis=1)
     o = None
     if kv is not None:
-        all_k, all_v = kv
-
-        def write(stack, new):  # new [B, S, K, hd]
-            if kv_int8.is_int8(stack):
-                stored = kv_int8.quantize(new[None])
-            else:
-                stored = kernels.to_slots(new[None], cache_dtype).reshape(1, *new.shape[:2], *stack.shape[3:])
-            return write_slots(stack, stored, layer_idx, cache_index)
-
-        def read(stack):  # this layer's first `slots_read` slots, as ONE slice (fused into its readers)
-            sizes = (1, stack.shape[1], slots_read or stack.shape[2], *stack.shape[3:])
-            layer = jax.lax.dynamic_slice(stack, (layer_idx,) + (0,) * (stack.ndim - 1), sizes)[0]
-            if kv_int8.is_int8(stack):
-                return kv_int8.dequantize(layer, dtype, cfg.head_dim)
-            layer = kernels.from_slots(layer, cache_dtype).astype(dtype)
-            return layer.reshape(*layer.shape[:2], cfg.num_kv_heads, cfg.head_dim)  # [B, T, K, hd]
-
-        all_k, all_v = write(all_k, k), write(all_v, v)
+        all_k, all_v = (write_layer(stack, new, layer_idx, cache_index, kernels, cache_dtype)
+                        for stack, new in zip(kv, (k, v)))
         kv = (all_k, all_v)
         if not kv_int8.is_int8(all_k):  # a backend's kernel may read the layer's slots where they lie
             o = kernels.cache_attention(q, all_k, all_v, layer_idx, mask, scale=scale,
                                         slots_read=slots_read or all_k.shape[2])
         if o is None:
-            k, v = read(all_k), read(all_v)
+            k, v = (read_layer(stack, layer_idx, slots_read, dtype, cfg, kernels, cache_dtype) for stack in kv)
     if o is None:
         o = kernels.attention(q, k, v, mask, scale=scale, **attn_kwargs)
     if ("attn", "o") in products:
