@@ -1,9 +1,10 @@
 """The packages' imports flow one way (docs/architecture.md): core <- models <- rl <- trainer; io, parallel and
 assets are leaves reached from above; backends implement the models' seam and are reached only from the trainer,
 through `ppojax.backends` itself (never a backend's own package); errors is imported by all and imports nothing;
-the library never imports the repository's `benchmarks`. Below the trainer nothing tests the platform or keeps
-per-trace state in context variables: every backend choice is made when a run is built. Read from the source
-(every import, inside functions too), so an import added anywhere is checked."""
+the library never imports the repository's `benchmarks`; no module imports another's private names. Below the
+trainer nothing tests the platform or keeps per-trace state in context variables: every backend choice is made
+when a run is built. Read from the source (every import, inside functions too), so an import added anywhere is
+checked."""
 import ast
 import io
 import re
@@ -79,6 +80,16 @@ def test_every_module_belongs_to_a_package():
     assert top == ["__init__.py", "errors.py"]
     packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
     assert packages == set(ALLOWED) - {"errors"}
+
+
+def test_no_module_takes_another_module_s_private_names():
+    """A name with a leading underscore is its module's own: where another module needs it, it has a public name
+    (what a module offers the others is what it does not hide)."""
+    taken = [f"{module} takes {node.module}.{alias.name}" for module, path in _modules()
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ppojax")
+             for alias in node.names if alias.name.startswith("_") and not alias.name.startswith("__")]
+    assert taken == []
 
 
 def test_errors_are_one_family_importable_where_they_are_raised():

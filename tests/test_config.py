@@ -91,6 +91,8 @@ import dataclasses  # noqa: E402
 import math  # noqa: E402
 
 from ppojax.trainer import config as C  # noqa: E402
+from ppojax.trainer.config.checks import type_in_words  # noqa: E402
+from ppojax.trainer.config.schema import FIELD_HINTS  # noqa: E402
 
 # Today's hand-written checkpoint lists (before the metadata): the derived sets must keep their behaviour.
 # num_eval_prompts was in none of them, i.e. strict by default; it is now declared must_match.
@@ -256,7 +258,8 @@ def test_all_bad_values_are_reported_together():
         assert name in message
 
 
-NUMERIC = [f.name for f in dataclasses.fields(PPOConfig) if C._a(C._HINTS[f.name]) in ("an integer", "a number")]
+NUMERIC = [f.name for f in dataclasses.fields(PPOConfig)
+           if type_in_words(FIELD_HINTS[f.name]) in ("an integer", "a number")]
 
 
 @pytest.mark.parametrize("name", NUMERIC)

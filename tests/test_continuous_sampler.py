@@ -19,7 +19,7 @@ from flax import nnx
 from ppojax.models.kv_cache import write_slots
 from ppojax.rl.continuous import generate_continuous, generate_continuous_jit
 from ppojax.rl.forward import sequence_inputs
-from ppojax.rl.sampler import _init_cache, generate_jit, process_logits, row_keys, sample_rows
+from ppojax.rl.sampler import generate_jit, init_model_cache, process_logits, row_keys, sample_rows
 from tests.tiny_setup import tiny_policy
 
 PAD, R, B, P = 0, 9, 7, 5
@@ -86,7 +86,7 @@ def test_a_per_row_index_decodes_each_row_from_its_own_position(policy):
     model = nnx.merge(graphdef, params)
 
     def prefilled(row):
-        cache = _init_cache(model, 1, P + R, jnp.float32)
+        cache = init_model_cache(model, 1, P + R, jnp.float32)
         _, cache = model(*sequence_inputs(jnp.asarray(PROMPTS[row:row + 1]), PAD), cache=cache)
         return cache
 

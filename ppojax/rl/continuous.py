@@ -46,7 +46,7 @@ from jax.sharding import PartitionSpec
 
 from ppojax.parallel import batch_partition_spec
 
-from ppojax.rl.sampler import (_cache_dtype, _init_cache, copy_into_rows, decode_step, model_kernels,
+from ppojax.rl.sampler import (cache_dtype_for, copy_into_rows, decode_step, init_model_cache, model_kernels,
                                prefill_one_row, row_keys, sample_rows, token_logprobs)
 
 
@@ -98,13 +98,13 @@ class SlotLoop:
         self.sample = functools.partial(sample_rows, temperature=temperature, top_k=top_k, top_p=top_p,
                                         greedy=greedy, argmax=model_kernels(self.model).argmax)
         self.pad = jnp.asarray(pad_token_id, jnp.int32)
-        self.dtype = _cache_dtype(self.model, params, cache_dtype)
+        self.dtype = cache_dtype_for(self.model, params, cache_dtype)
         self.max_length = prompt_length + response_length
 
     def fresh(self, slots, init_cache_fn=None) -> Slots:
         """``slots`` slots (at most B), each holding one of the first prompts, its token 0 sampled."""
         num_slots, batch = min(slots, self.batch), self.batch
-        cache = (init_cache_fn or _init_cache)(self.model, num_slots, self.max_length, self.dtype)
+        cache = (init_cache_fn or init_model_cache)(self.model, num_slots, self.max_length, self.dtype)
         empty = jnp.zeros((num_slots,), jnp.int32)
         return self.refill(Slots(
             cache=cache.replace(index=empty), row=empty + batch, t=empty, token=empty + self.pad, position=empty,

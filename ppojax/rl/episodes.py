@@ -66,9 +66,9 @@ from jax.experimental import io_callback
 
 from ppojax.core.masks import INVALID_LOGPROB
 from ppojax.parallel import batch_partition_spec
-from ppojax.rl.sampler import (SLOT_ALIGNMENT, _aligned, _cache_dtype, _init_cache, cache_rows, copy_into_rows,
-                               model_kernels, prefill, prefill_shared_prefix, prefill_slots, row_keys, sample_rows,
-                               slot_alignment_of, token_logprobs)
+from ppojax.rl.sampler import (SLOT_ALIGNMENT, aligned_slots, cache_dtype_for, cache_rows, copy_into_rows,
+                               init_model_cache, model_kernels, prefill, prefill_shared_prefix, prefill_slots, row_keys,
+                               sample_rows, slot_alignment_of, token_logprobs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,7 +256,7 @@ def _prefill_prompts(model, prompt_ids, pad_token_id, cache_length: int, dtype, 
     that hold a needed prompt run (a filled-up batch costs the prompts it holds; the bank's other rows, which no
     episode reads, keep their logits and slots unfilled)."""
     prompts, prompt_length = prompt_ids.shape
-    bank = _init_cache(model, prompts, prefill_slots(prompt_length, cache_length, alignment), dtype)
+    bank = init_model_cache(model, prompts, prefill_slots(prompt_length, cache_length, alignment), dtype)
     bank = bank.replace(index=jnp.zeros((prompts,), jnp.int32))
     if needed is None or not 0 < block < prompts:
         last, bank, real = prefill(model, prompt_ids, pad_token_id, bank, prefix_length)
@@ -299,7 +299,7 @@ def read_bounds(prompt_length: int, cache_length: int, segments: int, alignment:
     if segments < 1:
         raise ValueError(f"segments={segments}; expected >= 1")
     spread = cache_length - prompt_length
-    bounds = sorted({_aligned(prompt_length + -(-spread * k // segments), cache_length, alignment)
+    bounds = sorted({aligned_slots(prompt_length + -(-spread * k // segments), cache_length, alignment)
                      for k in range(1, segments + 1)} | {cache_length})
     kept = [cache_length]
     for bound in reversed(bounds[:-1]):
@@ -508,7 +508,7 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
     turn_length, obs_length, length = shape.turn_length, shape.observation_length, shape.episode_length
     model = nnx.merge(graphdef, params)
     pad = jnp.int32(pad_token_id)
-    dtype, cache_length = _cache_dtype(model, params, cache_dtype), shape.cache_length(prompt_length)
+    dtype, cache_length = cache_dtype_for(model, params, cache_dtype), shape.cache_length(prompt_length)
     row_ids = jnp.arange(num_rows, dtype=jnp.int32)
     alignment = slot_alignment_of(model, slot_alignment)
     live = jnp.int32(batch) if episodes is None else jnp.minimum(jnp.asarray(episodes, jnp.int32), batch)
@@ -520,7 +520,7 @@ def generate_episodes(graphdef, params, prompt_ids, key, *, shape: EpisodeShape,
     first = row_ids // group_size
     started = cache_rows(bank, first)  # the prompts' slots only: the empty cache's other slots stay empty
     # written into the empty cache (its placement on a mesh), one write index per row: rows run apart
-    cache = copy_into_rows((init_cache_fn or _init_cache)(model, num_rows, cache_length, dtype), started)
+    cache = copy_into_rows((init_cache_fn or init_model_cache)(model, num_rows, cache_length, dtype), started)
     play = _Play(model=model, sample=functools.partial(sample_rows, temperature=temperature, top_k=top_k, top_p=top_p,
                                                        greedy=greedy, argmax=model_kernels(model).argmax),
                  key=key, temperature=temperature, shape=shape, host_turn=host_turn, pad=pad,

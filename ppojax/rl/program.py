@@ -220,7 +220,7 @@ def _placed(program: PPOProgram, jitted):
     """``jitted(state, prompts, key)`` called with the prompts and key placed on the program's mesh; its
     ``.jitted`` is the jit object (for cache counts)."""
     def call(state, prompts, key):
-        prompts, key = _place(program, prompts, key)
+        prompts, key = place_inputs(program, prompts, key)
         return jitted(state, prompts, key)
 
     call.jitted = jitted
@@ -274,7 +274,7 @@ def make_legacy_step(program: PPOProgram, prompt_length: int, state_shardings=No
     return step
 
 
-def _place(program, prompts, key):
+def place_inputs(program, prompts, key):
     prompts = as_prompts(prompts)
     _check_prompt_rounds(program, prompts)
     if program.mesh is not None:

@@ -121,7 +121,7 @@ def _model_config(model):
                     "build its KV cache (ppojax.models.CausalLM keeps it as `model.cfg`).")
 
 
-def _cache_dtype(model, params, cache_dtype):
+def cache_dtype_for(model, params, cache_dtype):
     """The KV cache dtype: as given, else the model's compute dtype, else the params' float dtype."""
     if cache_dtype is not None:
         return cache_dtype
@@ -136,7 +136,7 @@ def model_kernels(model) -> Kernels:
     return getattr(model, "kernels", XLA)
 
 
-def _init_cache(model, batch_size, max_length, dtype):
+def init_model_cache(model, batch_size, max_length, dtype):
     return init_cache(_model_config(model), batch_size, max_length, dtype, model_kernels(model))
 
 
@@ -145,14 +145,15 @@ def empty_cache(graphdef, params, batch_size, max_length, cache_dtype=None, init
     ``nnx.merge(graphdef, params)``: ``cache_dtype`` (default: the model's compute dtype) in the kernels' storage
     form, placed by ``init_cache_fn`` where given."""
     model = nnx.merge(graphdef, params)
-    return (init_cache_fn or _init_cache)(model, batch_size, max_length, _cache_dtype(model, params, cache_dtype))
+    dtype = cache_dtype_for(model, params, cache_dtype)
+    return (init_cache_fn or init_model_cache)(model, batch_size, max_length, dtype)
 
 
 def prefill_one_row(model, prompt, pad_token_id, max_length, dtype):
     """One prompt i32[1, P] (left padded) through the model on a fresh one-row cache of ``max_length`` slots ->
     (its next-token logits f32[1, V], the cache, the prompt's real tokens i32[]): what a slot takes in when a
     sampler refills it (:func:`copy_into_rows`)."""
-    one = _init_cache(model, 1, max_length, dtype).replace(
+    one = init_model_cache(model, 1, max_length, dtype).replace(
         read_length=prefill_slots(prompt.shape[1], max_length, slot_alignment_of(model)))
     last, one, real = prefill(model, prompt, pad_token_id, one)
     return model.logits(last)[:, 0], one, real[0]
@@ -242,13 +243,13 @@ def slot_alignment_of(model, alignment: int | None = None) -> int:
     return alignment or model_kernels(model).slot_alignment
 
 
-def _aligned(slots: int, max_length: int, alignment: int) -> int:
+def aligned_slots(slots: int, max_length: int, alignment: int) -> int:
     return min(max_length, -(-slots // alignment) * alignment)
 
 
 def prefill_slots(prompt_length: int, max_length: int, alignment: int = SLOT_ALIGNMENT) -> int:
     """The cache slots a prefill of ``prompt_length`` tokens reads: its own (aligned), not the empty rest."""
-    return _aligned(prompt_length, max_length, alignment)
+    return aligned_slots(prompt_length, max_length, alignment)
 
 
 def decode_segments(prompt_length: int, response_length: int, segments: int,
@@ -263,7 +264,7 @@ def decode_segments(prompt_length: int, response_length: int, segments: int,
         raise ValueError(f"decode_segments={segments}; expected >= 1")
     steps, slots = response_length - 1, prompt_length + response_length
     ends = sorted({1 + -(-steps * (k + 1) // segments) for k in range(segments)} - {1})
-    plan = [(end, _aligned(prompt_length + end - 1, slots, alignment)) for end in ends]
+    plan = [(end, aligned_slots(prompt_length + end - 1, slots, alignment)) for end in ends]
     return [(end, read) for i, (end, read) in enumerate(plan) if i + 1 == len(plan) or plan[i + 1][1] != read]
 
 
@@ -320,9 +321,9 @@ def start_decoding(graphdef, params, prompt_ids, key, draw: Draw, *, response_le
     if response_length < 1:
         raise ValueError(f"response_length={response_length}; expected >= 1")
     model = nnx.merge(graphdef, params)
-    init_cache_fn = init_cache_fn or _init_cache
+    init_cache_fn = init_cache_fn or init_model_cache
     pad = jnp.asarray(draw.pad_token_id, jnp.int32)
-    dtype = _cache_dtype(model, params, cache_dtype)
+    dtype = cache_dtype_for(model, params, cache_dtype)
     cache = init_cache_fn(model, prompts, prompt_length + response_length, dtype)
     # the prefill reads (and attends over) the prompt's own slots only
     prefill_reads = prefill_slots(prompt_length, cache.max_length, slot_alignment_of(model, slot_alignment))

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from ppojax import parallel
-from ppojax.rl.program import _place, make_train_step
+from ppojax.rl.program import make_train_step, place_inputs
 from ppojax.rl.types import init_train_state
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ def start_train_step(program, params, frozen, *, hyperparams, kl_coef: float, pr
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s, weak_type=x.weak_type),
                          state, state_shardings)
     step = make_train_step(program, state_shardings)
-    prompts, key = _place(program, np.zeros(prompts_shape, np.int32), jax.random.key(0))
+    prompts, key = place_inputs(program, np.zeros(prompts_shape, np.int32), jax.random.key(0))
     ahead = CompileAhead(program)
 
     def compile_step():

@@ -49,10 +49,6 @@ from ppojax.trainer.config.trl_grpo import GMPO_DEFAULTS, GRPO_FOREIGN_KEYS, TRL
 from ppojax.trainer.config.sections.run import REPORT_SINKS
 from ppojax.trainer.config.yaml_io import load_yaml_mapping, parse_overrides
 
-# private, for tests/test_config.py: a field's type in words
-from ppojax.trainer.config.checks import _a  # noqa: F401
-from ppojax.trainer.config.schema import _HINTS  # noqa: F401
-
 __all__ = [
     "ADVANTAGE_ESTIMATOR_NAME", "BUILTIN_ADVANTAGE_ESTIMATORS", "BUILTIN_KL_ESTIMATORS", "BUILTIN_POLICY_OBJECTIVES",
     "BUILTIN_REWARDS", "GMPO_DEFAULTS", "GRPO_FOREIGN_KEYS", "PER_SEQUENCE_ADVANTAGE_ESTIMATORS",

@@ -1,4 +1,4 @@
-"""Checking a config's values: each field's type and rule (:func:`_checked_value`, with the other spellings of a
+"""Checking a config's values: each field's type and rule (:func:`checked_value`, with the other spellings of a
 value in VALUE_ALIASES), then the checks that need several fields, the registered names, and the advantage
 estimator's options. ``PPOConfig.validate`` runs them in that order and reports every problem in one
 ConfigError naming the field, the value, what was expected and the fix."""
@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from ppojax.errors import ConfigError
-from ppojax.trainer.config.schema import _FIELDS, _HINTS, FIELD_NAMES
+from ppojax.trainer.config.schema import FIELD_BY_NAME, FIELD_HINTS, FIELD_NAMES
 from ppojax.trainer.config.sections.batches import packing_problems, shared_prompt_problems
 from ppojax.trainer.config.sections.models import IN_PLACE_MATMULS
-from ppojax.trainer.config.sections.offpolicy import _policy_objective_off_policy
-from ppojax.trainer.config.sections.objective import (POLICY_OBJECTIVE_NAME, _advantage_estimator_traits,
-                                                      _per_sequence_advantages, _policy_objective_level_reason,
-                                                      _policy_objective_traits)
+from ppojax.trainer.config.sections.offpolicy import policy_objective_off_policy
+from ppojax.trainer.config.sections.objective import (POLICY_OBJECTIVE_NAME, advantage_estimator_traits,
+                                                      per_sequence_advantages, policy_objective_level_reason,
+                                                      policy_objective_traits)
 
 if TYPE_CHECKING:  # ppo_config imports this module to validate
     from ppojax.trainer.config.ppo_config import PPOConfig
@@ -33,7 +33,7 @@ VALUE_ALIASES: dict[str, list[tuple[Any, Any]]] = {
 }
 
 
-def _a(hint) -> str:
+def type_in_words(hint) -> str:
     """'an integer' / 'a number' / 'a string' / 'true or false' for a field's (non-None) type."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     base = args[0] if args else hint
@@ -42,14 +42,14 @@ def _a(hint) -> str:
 
 def expected_of(name: str) -> str:
     """What a field takes, in words: 'null or an integer >= 1'."""
-    hint, rule = _HINTS[name], _FIELDS[name].metadata["rule"]
-    words = rule.expected.format(a=_a(hint)) if rule is not None else _a(hint)
+    hint, rule = FIELD_HINTS[name], FIELD_BY_NAME[name].metadata["rule"]
+    words = rule.expected.format(a=type_in_words(hint)) if rule is not None else type_in_words(hint)
     return f"null or {words}" if type(None) in typing.get_args(hint) else words
 
 
 def _default_text(name: str) -> str:
     """The default as written in YAML (null, true, 3.0e-06), strings quoted."""
-    default = _FIELDS[name].default
+    default = FIELD_BY_NAME[name].default
     if isinstance(default, str):
         return repr(default)
     return yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("...").strip()
@@ -61,7 +61,7 @@ def _bad(name: str, value: Any, got: str = "", fix: str = "") -> ConfigError:
     return ConfigError(f"{name}={value!r}: expected {expected}{got}. {fix}")
 
 
-def _kind(value) -> str:
+def value_kind(value) -> str:
     if isinstance(value, bool):
         return "a boolean"
     if isinstance(value, (list, tuple)):
@@ -75,7 +75,7 @@ def _kind(value) -> str:
 
 def _typed(name: str, value: Any) -> Any:
     """The value converted to the field's type (YAML 1.1 reads '1e-5' as a string), or ConfigError."""
-    hint = _HINTS[name]
+    hint = FIELD_HINTS[name]
     args = typing.get_args(hint)
     if value is None:
         if type(None) in args:
@@ -86,11 +86,11 @@ def _typed(name: str, value: Any) -> Any:
         return list(value)
     if list[float] in types:
         if not isinstance(value, (list, tuple)):
-            raise _bad(name, value, f", got {_kind(value)}")
+            raise _bad(name, value, f", got {value_kind(value)}")
         numbers = []
         for v in value:
             if isinstance(v, bool) or not isinstance(v, (int, float, str)):
-                raise _bad(name, value, f", got an entry that is {_kind(v)}")
+                raise _bad(name, value, f", got an entry that is {value_kind(v)}")
             try:
                 number = float(v)
             except ValueError:
@@ -101,7 +101,7 @@ def _typed(name: str, value: Any) -> Any:
         return numbers
     target = types[0]
     if target in (int, float) and (isinstance(value, bool) or not isinstance(value, (int, float, str))):
-        raise _bad(name, value, f", got {_kind(value)}")
+        raise _bad(name, value, f", got {value_kind(value)}")
     if target is float:
         try:
             number = float(value)
@@ -119,19 +119,19 @@ def _typed(name: str, value: Any) -> Any:
                 return int(number)
         except (ValueError, OverflowError):
             pass
-        rule = _FIELDS[name].metadata["rule"]  # a number of the wrong kind: the field's own fix applies
+        rule = FIELD_BY_NAME[name].metadata["rule"]  # a number of the wrong kind: the field's own fix applies
         raise _bad(name, value, ", got a value that is not a whole number",
                    fix=rule.fix if rule is not None and not isinstance(value, str) else "")
     if target is bool:
         if isinstance(value, bool):
             return value
-        raise _bad(name, value, f", got {_kind(value)}")
+        raise _bad(name, value, f", got {value_kind(value)}")
     if target is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
         return str(value)
-    raise _bad(name, value, f", got {_kind(value)}")
+    raise _bad(name, value, f", got {value_kind(value)}")
 
 
-def _checked_value(name: str, given: Any) -> Any:
+def checked_value(name: str, given: Any) -> Any:
     """One field's value normalised (aliases, type) and checked against its rule, or ConfigError."""
     value = given
     for spelling, meaning in VALUE_ALIASES.get(name, ()):
@@ -139,16 +139,16 @@ def _checked_value(name: str, given: Any) -> Any:
             value = meaning
             break
     value = _typed(name, value)
-    rule = _FIELDS[name].metadata["rule"]
+    rule = FIELD_BY_NAME[name].metadata["rule"]
     if value is not None and rule is not None and rule.registry is None and not rule.ok(value):
         raise _bad(name, given, fix=rule.fix)
     return value
 
 
-def _registry_problems(config: PPOConfig) -> list[ConfigError]:
+def registry_problems(config: PPOConfig) -> list[ConfigError]:
     problems = []
     for name in FIELD_NAMES:
-        rule, value = _FIELDS[name].metadata["rule"], getattr(config, name)
+        rule, value = FIELD_BY_NAME[name].metadata["rule"], getattr(config, name)
         if rule is not None and rule.registry is not None and value is not None and not rule.ok(value):
             names = rule.registry()
             problems.append(ConfigError(f"{name}={value!r}: expected one of {', '.join(map(repr, names))}. "
@@ -157,7 +157,7 @@ def _registry_problems(config: PPOConfig) -> list[ConfigError]:
     return problems
 
 
-def _problems_together(c: PPOConfig) -> list[str]:
+def problems_together(c: PPOConfig) -> list[str]:
     """The checks that need several fields (each field's own value already checked)."""
     out = []
     if c.reward_model_path is not None and c.reward_function is not None:
@@ -185,7 +185,7 @@ def _problems_together(c: PPOConfig) -> list[str]:
                    "value_head: separate.")
     out.extend(packing_problems(c))
     lora_set = [f"{n}={getattr(c, n)!r}" for n in ("lora_alpha", "lora_dropout", "lora_target_modules")
-                if getattr(c, n) != _FIELDS[n].default]
+                if getattr(c, n) != FIELD_BY_NAME[n].default]
     if c.lora_r == 0 and lora_set:
         out.append(f"{', '.join(lora_set)} set but lora_r=0 (LoRA off: every weight trains). Set lora_r > 0 "
                    "(e.g. 16) to train LoRA adapters, or remove the lora_* settings.")
@@ -243,9 +243,9 @@ def _problems_together(c: PPOConfig) -> list[str]:
     return out
 
 
-def _estimator_problems(c: PPOConfig) -> list[str]:
+def estimator_problems(c: PPOConfig) -> list[str]:
     """The advantage estimator's options against each other (the estimator is a registered one)."""
-    uses_critic, from_group = _advantage_estimator_traits(c.advantage_estimator)
+    uses_critic, from_group = advantage_estimator_traits(c.advantage_estimator)
     critic_free = not uses_critic
     out = []
     if from_group and c.num_generations < 2:
@@ -272,20 +272,20 @@ def _estimator_problems(c: PPOConfig) -> list[str]:
     return out
 
 
-def _dynamic_sampling_problems(c: PPOConfig) -> list[str]:
+def dynamic_sampling_problems(c: PPOConfig) -> list[str]:
     """DAPO's dynamic sampling (filter_groups) against the estimator and the batch (the rounds' sizes: ``derived``)."""
     if not c.filter_groups:
         return [f"{name}={getattr(c, name)!r} is read only with filter_groups: true (DAPO's dynamic sampling); set "
                 f"filter_groups: true, or remove {name}." for name in ("max_num_gen_batches", "gen_batch_size",
                                                                        "filter_groups_metric")
-                if getattr(c, name) != _FIELDS[name].default]
+                if getattr(c, name) != FIELD_BY_NAME[name].default]
     out = []
     if c.num_generations < 2:
         out.append(f"filter_groups=True drops the prompts whose samples all scored the same, which needs "
                    f"num_generations >= 2 samples of each prompt (got {c.num_generations}); set e.g. "
                    "num_generations: 8.")
-    uses_critic, _ = _advantage_estimator_traits(c.advantage_estimator)
-    if uses_critic or not _per_sequence_advantages(c.advantage_estimator):
+    uses_critic, _ = advantage_estimator_traits(c.advantage_estimator)
+    if uses_critic or not per_sequence_advantages(c.advantage_estimator):
         why = ("its values still give them advantages" if uses_critic else
                "it gives each token its own advantage, not one from the prompt's samples")
         out.append(f"filter_groups=True drops the groups whose scores are all equal because a group-relative "
@@ -304,7 +304,7 @@ def _dynamic_sampling_problems(c: PPOConfig) -> list[str]:
     return out
 
 
-def _agent_problems(c: PPOConfig) -> list[str]:
+def agent_problems(c: PPOConfig) -> list[str]:
     """An agent run (tools or environment_factory) and the fields that shape its episodes."""
     agent_only = [name for name in ("turn_length", "tool_chat_template") if getattr(c, name) is not None]
     if not c.is_agent_run:
@@ -320,28 +320,28 @@ def _agent_problems(c: PPOConfig) -> list[str]:
     return out
 
 
-def _objective_problems(c: PPOConfig) -> list[str]:
+def objective_problems(c: PPOConfig) -> list[str]:
     """The policy objective (``loss_type``, a registered one) against its options and the advantages it reads."""
-    aggregation, levels, sequence_advantages, options = _policy_objective_traits(c.loss_type)
+    aggregation, levels, sequence_advantages, options = policy_objective_traits(c.loss_type)
     name = f"loss_type={c.loss_type!r}"
     out = []
     if c.importance_sampling_level not in levels:
-        reason = _policy_objective_level_reason(c.loss_type)
+        reason = policy_objective_level_reason(c.loss_type)
         out.append(f"importance_sampling_level={c.importance_sampling_level!r} with {name}: it takes "
                    f"{' or '.join(map(repr, levels))} only{f': {reason}' if reason else ''}. Set "
                    f"importance_sampling_level: {levels[0]}.")
-    if aggregation is not None and c.loss_agg_mode not in (_FIELDS["loss_agg_mode"].default, aggregation):
+    if aggregation is not None and c.loss_agg_mode not in (FIELD_BY_NAME["loss_agg_mode"].default, aggregation):
         out.append(f"loss_agg_mode={c.loss_agg_mode!r} with {name}, which averages by {aggregation!r} itself; "
                    f"remove loss_agg_mode, or use loss_type: ppo with loss_agg_mode: {c.loss_agg_mode}.")
     read_by = {}
     for other in POLICY_OBJECTIVE_NAME.registry():
-        for option in _policy_objective_traits(other)[3]:
+        for option in policy_objective_traits(other)[3]:
             read_by.setdefault(option, []).append(other)
     for option, objectives in read_by.items():
         value = getattr(c, option)
-        if option != "loss_agg_mode" and option not in options and value != _FIELDS[option].default:
+        if option != "loss_agg_mode" and option not in options and value != FIELD_BY_NAME[option].default:
             out.append(f"{option}={value!r} is not read by {name} (only by {', '.join(objectives)}); remove it.")
-    if sequence_advantages and not _per_sequence_advantages(c.advantage_estimator):
+    if sequence_advantages and not per_sequence_advantages(c.advantage_estimator):
         out.append(f"{name} reads one advantage per sequence, but advantage_estimator={c.advantage_estimator!r} "
                    "gives each token its own; use advantage_estimator: grpo, rloo or reinforce_pp_baseline.")
     if c.mask_truncated_completions and c.stop_token is None and c.stop_token_id is None:
@@ -373,7 +373,7 @@ _IMPORTANCE_SAMPLING_OPTIONS = ("vllm_importance_sampling_mode", "vllm_importanc
                                 "vllm_importance_sampling_clip_min")
 
 
-def _async_problems(c: PPOConfig) -> list[str]:
+def async_problems(c: PPOConfig) -> list[str]:
     """Asynchronous RL (``max_staleness`` > 0): what the pipeline of in-flight batches supports."""
     k = c.max_staleness
     if not k:
@@ -404,7 +404,7 @@ def _async_problems(c: PPOConfig) -> list[str]:
     return out
 
 
-def _off_policy_problems(c: PPOConfig) -> list[str]:
+def off_policy_problems(c: PPOConfig) -> list[str]:
     """The off-policy corrections (docs/algorithm.md, "Off-policy corrections") against each other, the behaviour
     log-probs and the policy objective."""
     out = []
@@ -412,7 +412,7 @@ def _off_policy_problems(c: PPOConfig) -> list[str]:
     if not correction:
         out += [f"{name}={getattr(c, name)!r} is read only with vllm_importance_sampling_correction: true; set "
                 f"vllm_importance_sampling_correction: true, or remove {name}." for name in _IMPORTANCE_SAMPLING_OPTIONS
-                if getattr(c, name) != _FIELDS[name].default]
+                if getattr(c, name) != FIELD_BY_NAME[name].default]
     low, high = c.vllm_importance_sampling_clip_min, c.vllm_importance_sampling_clip_max
     if correction and low is not None and high is not None and low >= high:
         out.append(f"vllm_importance_sampling_clip_min={low} is not below vllm_importance_sampling_clip_max={high}: "
@@ -434,7 +434,7 @@ def _off_policy_problems(c: PPOConfig) -> list[str]:
                        f"policy's forward (the proximal one), but behaviour_logprobs={c.behaviour_logprobs!r} makes "
                        "the behaviour log-probs that same forward: every weight would be 1. Set behaviour_logprobs: "
                        f"sampler, or remove {name}.")
-    kind, reason = _policy_objective_off_policy(c.loss_type)
+    kind, reason = policy_objective_off_policy(c.loss_type)
     asked = [f"{name}={getattr(c, name)!r}" for name in ("vllm_importance_sampling_correction", "use_decoupled_loss",
                                                          "off_policy_mask_threshold")
              if getattr(c, name) not in (False, None)]

@@ -7,7 +7,7 @@ import difflib
 from typing import Any
 
 from ppojax.errors import ConfigError
-from ppojax.trainer.config.checks import _checked_value
+from ppojax.trainer.config.checks import checked_value
 from ppojax.trainer.config.schema import FIELD_NAMES
 from ppojax.trainer.config.trl_grpo import GRPO_FOREIGN_KEYS, read_trl_names
 
@@ -182,7 +182,7 @@ def normalise_keys(values: dict[str, Any]) -> dict[str, Any]:
         if isinstance(mini, bool) or not isinstance(mini, int) or mini < 1:
             raise ConfigError(f"mini_batch_size={mini!r} (legacy): expected an integer >= 1. Fix: set it to the "
                               "prompts per optimizer step, or use num_mini_batches instead.")
-        batch = _checked_value("batch_size", out.get("batch_size"))
+        batch = checked_value("batch_size", out.get("batch_size"))
         if batch is None or batch % mini:
             raise ConfigError(f"mini_batch_size={mini} (legacy) needs a batch_size that is a multiple "
                               f"of it; got batch_size={batch}. Set batch_size (e.g. {4 * mini}) or use "

@@ -14,9 +14,9 @@ import yaml
 
 from ppojax.errors import ConfigError
 from ppojax.io.strict_json import write_text_atomic
-from ppojax.trainer.config.checks import (_agent_problems, _async_problems, _checked_value,
-                                          _dynamic_sampling_problems, _estimator_problems, _objective_problems,
-                                          _off_policy_problems, _problems_together, _registry_problems)
+from ppojax.trainer.config.checks import (agent_problems, async_problems, checked_value,
+                                          dynamic_sampling_problems, estimator_problems, objective_problems,
+                                          off_policy_problems, problems_together, registry_problems)
 from ppojax.trainer.config.names import normalise_keys
 from ppojax.trainer.config.schema import FIELD_NAMES, STATIC_FIELDS, Settings, StaticSettings
 from ppojax.trainer.config.sections.run import REPORT_SINKS
@@ -124,16 +124,16 @@ class PPOConfig(Settings):
         problems = []
         for name in FIELD_NAMES:
             try:
-                setattr(self, name, _checked_value(name, getattr(self, name)))
+                setattr(self, name, checked_value(name, getattr(self, name)))
             except ConfigError as err:
                 problems.append(str(err))
         if not problems:  # the checks below need every value well typed
-            problems += _problems_together(self)
+            problems += problems_together(self)
         if not problems:  # a registered name's message lists the registry: only once the rest is right
-            problems += [str(err) for err in _registry_problems(self)]
+            problems += [str(err) for err in registry_problems(self)]
         if not problems:
-            problems += (_estimator_problems(self) + _objective_problems(self) + _off_policy_problems(self)
-                         + _dynamic_sampling_problems(self) + _agent_problems(self) + _async_problems(self))
+            problems += (estimator_problems(self) + objective_problems(self) + off_policy_problems(self)
+                         + dynamic_sampling_problems(self) + agent_problems(self) + async_problems(self))
         if len(problems) == 1:
             raise ConfigError(problems[0])
         if problems:

@@ -6,7 +6,7 @@ import json
 
 from ppojax.errors import CheckpointError, ConfigError
 from ppojax.trainer.config.ppo_config import PPOConfig
-from ppojax.trainer.config.schema import _FIELDS, FIELD_NAMES, IGNORED_ON_RESUME_FIELDS, MAY_CHANGE_FIELDS
+from ppojax.trainer.config.schema import FIELD_BY_NAME, FIELD_NAMES, IGNORED_ON_RESUME_FIELDS, MAY_CHANGE_FIELDS
 
 _ABSENT = object()
 
@@ -25,7 +25,7 @@ def resume_compatibility(saved: dict, now: dict) -> list[str]:
     as its default (checkpoints from older versions stay loadable).
     """
     saved, now = (_json_value(c.to_dict() if isinstance(c, PPOConfig) else dict(c)) for c in (saved, now))
-    defaults = _json_value({n: _FIELDS[n].default for n in FIELD_NAMES})
+    defaults = _json_value({n: FIELD_BY_NAME[n].default for n in FIELD_NAMES})
     strict, tunable = [], []
     for name in sorted(set(saved) | set(now)):
         if name in IGNORED_ON_RESUME_FIELDS:

@@ -1,5 +1,6 @@
 """Every section's fields as one dataclass, :class:`Settings`, in the order ``ppojax train --help`` lists them, and
-the tables derived from the fields' metadata: FIELD_NAMES, STATIC_FIELDS, the on-resume sets, StaticSettings."""
+the tables derived from the fields' metadata: FIELD_NAMES, FIELD_BY_NAME, FIELD_HINTS (their type hints),
+STATIC_FIELDS, the on-resume sets, StaticSettings."""
 from __future__ import annotations
 
 import dataclasses
@@ -33,17 +34,17 @@ class Settings(*reversed(SECTIONS)):
 
 
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in fields(Settings))
-_FIELDS = {f.name: f for f in fields(Settings)}
-_HINTS = typing.get_type_hints(Settings)
+FIELD_BY_NAME = {f.name: f for f in fields(Settings)}
+FIELD_HINTS = typing.get_type_hints(Settings)
 
-STATIC_FIELDS: tuple[str, ...] = tuple(n for n in FIELD_NAMES if _FIELDS[n].metadata["static"])
+STATIC_FIELDS: tuple[str, ...] = tuple(n for n in FIELD_NAMES if FIELD_BY_NAME[n].metadata["static"])
 """Fields whose value shapes a compiled program (in declaration order)."""
-MUST_MATCH_FIELDS = frozenset(n for n in FIELD_NAMES if _FIELDS[n].metadata["on_resume"] == MUST_MATCH)
-MAY_CHANGE_FIELDS = frozenset(n for n in FIELD_NAMES if _FIELDS[n].metadata["on_resume"] == MAY_CHANGE)
-IGNORED_ON_RESUME_FIELDS = frozenset(n for n in FIELD_NAMES if _FIELDS[n].metadata["on_resume"] == IGNORED)
+MUST_MATCH_FIELDS = frozenset(n for n in FIELD_NAMES if FIELD_BY_NAME[n].metadata["on_resume"] == MUST_MATCH)
+MAY_CHANGE_FIELDS = frozenset(n for n in FIELD_NAMES if FIELD_BY_NAME[n].metadata["on_resume"] == MAY_CHANGE)
+IGNORED_ON_RESUME_FIELDS = frozenset(n for n in FIELD_NAMES if FIELD_BY_NAME[n].metadata["on_resume"] == IGNORED)
 
 StaticSettings = dataclasses.make_dataclass(
-    "StaticSettings", [(n, _FIELDS[n].type) for n in STATIC_FIELDS], frozen=True)
+    "StaticSettings", [(n, FIELD_BY_NAME[n].type) for n in STATIC_FIELDS], frozen=True)
 StaticSettings.__module__ = __name__
 StaticSettings.__doc__ = ("PPOConfig's static fields (STATIC_FIELDS) as a frozen, hashable view: "
                           "PPOConfig.static_settings().")

@@ -9,7 +9,7 @@ from typing import Any
 import yaml
 
 from ppojax.errors import ConfigError
-from ppojax.trainer.config.checks import _kind
+from ppojax.trainer.config.checks import value_kind
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -67,7 +67,7 @@ def load_yaml_mapping(path) -> dict[str, Any]:
         return {}
     if not isinstance(values, dict):
         raise ConfigError(f"{path}: expected a mapping of field: value (one `key: value` per line), got "
-                          f"{_kind(values)}.")
+                          f"{value_kind(values)}.")
     return values
 
 

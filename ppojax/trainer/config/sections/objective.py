@@ -52,7 +52,7 @@ POLICY_OBJECTIVE_NAME = registered("policy objectives", "objectives", "policy_ob
                                    tuple(BUILTIN_POLICY_OBJECTIVES))
 
 
-def _advantage_estimator_traits(name: str) -> tuple[bool, bool]:
+def advantage_estimator_traits(name: str) -> tuple[bool, bool]:
     """(uses_critic, needs_groups) of a registered advantage estimator; JAX-free as ``registered`` is."""
     loaded = sys.modules.get("ppojax.core.advantages")
     if loaded is None:
@@ -61,7 +61,7 @@ def _advantage_estimator_traits(name: str) -> tuple[bool, bool]:
     return estimator.uses_critic, estimator.needs_groups
 
 
-def _per_sequence_advantages(name: str) -> bool:
+def per_sequence_advantages(name: str) -> bool:
     """Whether a registered advantage estimator gives one advantage per sequence."""
     loaded = sys.modules.get("ppojax.core.advantages")
     if loaded is None:
@@ -69,7 +69,7 @@ def _per_sequence_advantages(name: str) -> bool:
     return loaded.advantage_estimator(name).per_sequence
 
 
-def _policy_objective_level_reason(name: str) -> str:
+def policy_objective_level_reason(name: str) -> str:
     """Why a registered policy objective takes only some importance-sampling levels ('' when it takes both)."""
     loaded = sys.modules.get("ppojax.core.objectives")
     if loaded is None:
@@ -77,7 +77,7 @@ def _policy_objective_level_reason(name: str) -> str:
     return loaded.policy_objective(name).level_reason
 
 
-def _policy_objective_traits(name: str) -> tuple:
+def policy_objective_traits(name: str) -> tuple:
     """(aggregation, levels, sequence_advantages, options) of a registered policy objective; JAX-free."""
     loaded = sys.modules.get("ppojax.core.objectives")
     if loaded is None:

@@ -66,7 +66,7 @@ class OffPolicySettings:
     in its denominator (AReaL's name). None: no cap."""
 
 
-def _policy_objective_off_policy(name: str) -> tuple[str, str]:
+def policy_objective_off_policy(name: str) -> tuple[str, str]:
     """(how a registered policy objective takes the off-policy corrections, why when not 'weighted'); JAX-free as
     ``fields.registered`` is."""
     loaded = sys.modules.get("ppojax.core.objectives")
