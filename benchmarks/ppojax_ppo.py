@@ -223,7 +223,7 @@ def _page_faults() -> int:
 def _matmul_used(config: dict, program, params) -> str:
     """What the policy's layer projections ran on in the update: the library (e.g. "onednn", "mkl") where the CPU's
     kernels multiply them in place, else "xla" (with the reason when oneDNN's handlers were missing)."""
-    from ppojax.backends.cpu import stacked_matmul
+    from ppojax.backends.cpu import matmul_tuning, stacked_matmul
 
     kernels = nnx.merge(program.actor_critic.policy_graphdef, params["policy"]).kernels
 
@@ -238,7 +238,7 @@ def _matmul_used(config: dict, program, params) -> str:
     rows = config["batch_size"] * (config["prompt_length"] + config["response_length"])
     compute = jnp.float32 if config.get("precision", "float32") == "float32" else jnp.bfloat16
     if kernels.split_layer_kernels(layers, rows, compute)[1] is not None:
-        return stacked_matmul.choice_str(dict(kernels.libraries))
+        return matmul_tuning.choice_str(dict(kernels.libraries))
     # why not, where the default library's handlers are the reason
     why = stacked_matmul.unavailable_reason() if jax.default_backend() == "cpu" else ""
     return f"xla ({why})" if why else "xla"

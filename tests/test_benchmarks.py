@@ -2,6 +2,9 @@
 How fast anything is, is not tested. The TRL side needs `.venv-bench` (`bash benchmarks/install.sh`); without
 it the TRL checks are skipped with that message, and the report must say TRL is not available."""
 
+import ast
+import importlib
+import importlib.util
 import json
 import math
 import shutil
@@ -414,3 +417,41 @@ def test_the_hbm_bytes_leave_out_what_the_compiler_placed_on_chip():
     plain = {name: (row["read"], row["written"]) for name, row in rows.items() if name != "cs"}
     assert plain == {"xv": (512, 512), "d": (512 + 8192, 512), "n": (512, 512)}
     assert (rows["cs"]["read"], rows["cs"]["written"]) == (0, 0)  # the plain estimate keeps copies free
+
+
+def _ppojax_names_taken(path: Path):
+    """(line, ppojax module, name) for every name ``path`` takes from a ppojax module, wherever its imports stand:
+    ``from ppojax.m import name`` and ``alias.name`` where ``alias`` is a ppojax module it imported."""
+    tree = ast.parse(path.read_text())
+    modules = {}  # local name -> the ppojax module it holds
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules.update({alias.asname: alias.name for alias in node.names
+                            if alias.asname and alias.name.startswith("ppojax")})
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ppojax") and node.level == 0:
+            for alias in node.names:
+                yield node.lineno, node.module, alias.name
+                if _is_submodule(node.module, alias.name):
+                    modules[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
+            yield node.lineno, modules[node.value.id], node.attr
+
+
+def _is_submodule(package: str, name: str) -> bool:
+    spec = importlib.util.find_spec(package)
+    return (spec is not None and spec.submodule_search_locations is not None
+            and importlib.util.find_spec(f"{package}.{name}") is not None)
+
+
+def test_the_benchmarks_and_examples_name_only_what_ppojax_has():
+    """The suite runs the benchmarks and examples only in part: every ppojax name they take (in an import inside a
+    function too, or as a module's attribute) must still exist, so that a renamed or moved name fails here, not in
+    the next benchmark run."""
+    missing = []
+    for path in sorted([*(REPO / "benchmarks").glob("*.py"), *(REPO / "examples").glob("*.py")]):
+        for line, module, name in _ppojax_names_taken(path):
+            if not (hasattr(importlib.import_module(module), name) or _is_submodule(module, name)):
+                missing.append(f"{path.relative_to(REPO)}:{line}: {module}.{name}")
+    assert missing == []
+
