@@ -2,6 +2,8 @@
 import os
 import subprocess
 import sys
+import dataclasses
+import math
 import textwrap
 from pathlib import Path
 
@@ -9,7 +11,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from ppojax.core.objectives import ObjectiveParams
+from ppojax.rl import settings
+from ppojax.trainer import config as C
 from ppojax.trainer.config import ConfigError, PPOConfig, field_help, parse_overrides
+from ppojax.trainer.config.checks import type_in_words
+from ppojax.trainer.config.schema import FIELD_BY_NAME, FIELD_HINTS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -19,6 +26,38 @@ def test_defaults_are_trls():
     assert (c.num_ppo_epochs, c.num_mini_batches, c.cliprange, c.cliprange_value, c.vf_coef) == (4, 1, 0.2, 0.2, 0.1)
     assert (c.gamma, c.lam, c.temperature, c.response_length, c.kl_estimator) == (1.0, 0.95, 0.7, 53, "k1")
     assert (c.learning_rate, c.kl_coef, c.max_grad_norm, c.whiten_rewards) == (3e-6, 0.05, None, False)
+
+
+#: names whose default in a pure-function layer means the same as the config's in another spelling
+SPELLED_OTHERWISE = {("SamplingSettings", "kv_cache_dtype"): (None, "auto")}  # None there: the model's dtype
+
+
+def _layer_defaults():
+    """(layer, name, default) of every parameter with a default in the settings the config fills
+    (``ppojax.rl.settings``) and in the objectives' parameters (``ppojax.core``)."""
+    for layer in (settings.AlgorithmSettings, settings.SamplingSettings, settings.OptimSettings,
+                  settings.BatchSettings, settings.AsyncSettings):
+        for field in dataclasses.fields(layer):
+            if field.default is not dataclasses.MISSING:
+                yield layer.__name__, field.name, field.default
+    yield from (("ObjectiveParams", name, default) for name, default in ObjectiveParams._field_defaults.items())
+
+
+def test_the_pure_function_layers_default_as_the_config_does():
+    """A notebook that builds the settings or the objectives' parameters by hand gets the run's defaults: each
+    layer states its own (they import no config), and they must not drift apart."""
+    config, shared = PPOConfig(), 0
+    for layer, name, default in _layer_defaults():
+        if name not in FIELD_BY_NAME:
+            continue
+        shared += 1
+        expected = getattr(config, name)
+        if (layer, name) in SPELLED_OTHERWISE:
+            assert (default, expected) == SPELLED_OTHERWISE[layer, name], (layer, name)
+        else:
+            assert default == expected and type(default) is type(expected), (
+                f"{layer}.{name} defaults to {default!r}, PPOConfig.{name} to {expected!r}")
+    assert shared >= 60, shared  # the layers still share their names with the config
 
 
 def test_legacy_aliases_map_to_fields():
@@ -86,13 +125,6 @@ def test_types_are_coerced_or_refused():
 
 
 # ---- field metadata (issue 13) ----------------------------------------------------------------------------
-
-import dataclasses  # noqa: E402
-import math  # noqa: E402
-
-from ppojax.trainer import config as C  # noqa: E402
-from ppojax.trainer.config.checks import type_in_words  # noqa: E402
-from ppojax.trainer.config.schema import FIELD_HINTS  # noqa: E402
 
 # Today's hand-written checkpoint lists (before the metadata): the derived sets must keep their behaviour.
 # num_eval_prompts was in none of them, i.e. strict by default; it is now declared must_match.
