@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import types
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -77,6 +78,35 @@ def test_product_and_gradients_equal_xlas_dot_at_every_layer(library):
         assert rel_err(dx, dx_want) < 1e-5
         assert rel_err(dstack, dstack_want) < 1e-5
         assert not np.any(np.delete(np.asarray(dstack), layer, axis=0))  # only this layer's slot
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_products_run_on_several_threads_at_once_equal_xlas(library):
+    """XLA runs the handlers on several threads at once (independent products of one program, programs of several
+    threads): each call's result is its own, as XLA's dot computes it. (oneDNN's matmul primitive on its own
+    scratchpad, shared by every primitive a thread made, gave other calls' partial sums here: an LM-head-like product
+    with the weights read transposed needs one.)"""
+    shapes = [(128, 576, 4096, True), (128, 576, 1536, False), (96, 1536, 576, False), (128, 576, 576, True)]
+    calls = []
+    for seed, (rows, d_in, d_out, transposed) in enumerate(shapes):
+        kx, kw = jax.random.split(jax.random.key(seed))
+        x = jax.random.normal(kx, (rows, d_in))
+        stack = jax.random.normal(kw, (2, d_out, d_in) if transposed else (2, d_in, d_out))
+        product = stacked_matmul.matmul_transposed if transposed else stacked_matmul.matmul
+        run = jax.jit(functools.partial(product, layer=jnp.int32(1), library=library))
+        want = x @ (stack[1].T if transposed else stack[1])
+        assert rel_err(run(x, stack), want) < 1e-5  # the primitives are made here, on this thread
+        calls.append((run, x, stack, want))
+    errors = []
+
+    def work(thread):
+        for i in range(24):
+            run, x, stack, want = calls[(thread + i) % len(calls)]
+            errors.append(rel_err(run(x, stack), want))
+
+    with ThreadPoolExecutor(6) as pool:
+        list(pool.map(work, range(6)))
+    assert len(errors) == 6 * 24 and max(errors) < 1e-5, sorted(errors)[-5:]
 
 
 def test_each_product_runs_on_its_own_library():

@@ -3,7 +3,7 @@
 //   g++ -O2 -std=c++17 -shared -fPIC -I<jax.ffi.include_dir()> -I<ppojax/ffi> [-D...] stacked_gemm.cc -o ... LIB
 // - by default oneDNN's `dnnl_sgemm` (LIB: the `onednn-cpu-gomp` wheel's libdnnl.so.3);
 // - with PPOJAX_ONEDNN_PRIMITIVE, oneDNN's matmul primitive (its brgemm kernels where the CPU has them; one primitive
-//   per problem, made on its first call and kept), same LIB;
+//   per problem, made on its first call and kept, each call on a scratchpad of its thread's own), same LIB;
 // - with PPOJAX_FORTRAN_SGEMM, a Fortran BLAS's `sgemm_` (LIB: MKL, as torch's x86 wheels link it into
 //   libtorch_cpu.so; LP64: 32-bit sizes).
 // At a decode step's few token rows (at most kFewRows) the products skip the library: `FewRows` below.
@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -50,6 +51,8 @@ typedef struct dnnl_stream* dnnl_stream_t;
 typedef struct dnnl_memory_desc* dnnl_memory_desc_t;
 typedef const struct dnnl_memory_desc* const_dnnl_memory_desc_t;
 typedef struct dnnl_primitive_desc* dnnl_primitive_desc_t;
+typedef const struct dnnl_primitive_desc* const_dnnl_primitive_desc_t;
+typedef struct dnnl_primitive_attr* dnnl_primitive_attr_t;
 typedef struct dnnl_primitive* dnnl_primitive_t;
 typedef struct dnnl_memory* dnnl_memory_t;
 typedef int64_t dnnl_dims_t[12];  // DNNL_MAX_NDIMS
@@ -62,9 +65,14 @@ int dnnl_stream_create(dnnl_stream_t* stream, dnnl_engine_t engine, unsigned fla
 int dnnl_memory_desc_create_with_strides(dnnl_memory_desc_t* md, int ndims, const dnnl_dims_t dims, int data_type,
                                          const dnnl_dims_t strides);
 int dnnl_memory_desc_destroy(dnnl_memory_desc_t md);
+int dnnl_primitive_attr_create(dnnl_primitive_attr_t* attr);
+int dnnl_primitive_attr_set_scratchpad_mode(dnnl_primitive_attr_t attr, int mode);
+int dnnl_primitive_attr_destroy(dnnl_primitive_attr_t attr);
 int dnnl_matmul_primitive_desc_create(dnnl_primitive_desc_t* pd, dnnl_engine_t engine, const_dnnl_memory_desc_t src,
                                       const_dnnl_memory_desc_t weights, const_dnnl_memory_desc_t bias,
-                                      const_dnnl_memory_desc_t dst, const void* attr);
+                                      const_dnnl_memory_desc_t dst, dnnl_primitive_attr_t attr);
+const_dnnl_memory_desc_t dnnl_primitive_desc_query_md(const_dnnl_primitive_desc_t pd, int what, int index);
+size_t dnnl_memory_desc_get_size(const_dnnl_memory_desc_t md);
 int dnnl_primitive_desc_destroy(dnnl_primitive_desc_t pd);
 int dnnl_primitive_create(dnnl_primitive_t* primitive, dnnl_primitive_desc_t pd);
 int dnnl_memory_create(dnnl_memory_t* memory, const_dnnl_memory_desc_t md, dnnl_engine_t engine, void* handle);
@@ -74,7 +82,8 @@ int dnnl_stream_wait(dnnl_stream_t stream);
 }
 
 namespace {
-constexpr int kCpu = 1, kF32 = 3, kInOrder = 1, kArgSrc = 1, kArgDst = 17, kArgWeights = 33;
+constexpr int kCpu = 1, kF32 = 3, kInOrder = 1, kArgSrc = 1, kArgDst = 17, kArgWeights = 33, kArgScratchpad = 80;
+constexpr int kScratchpadUser = 1, kQueryScratchpadMd = 136;
 
 dnnl_engine_t Engine() {
   static dnnl_engine_t engine = [] {
@@ -95,18 +104,48 @@ struct Desc {
   ~Desc() { dnnl_memory_desc_destroy(md); }
 };
 
-// One primitive per problem, made on its first call and kept for the process.
+// One primitive per problem, made on its first call and kept for the process (its description too: it holds the
+// scratchpad's). XLA runs the handlers on several threads at once, and oneDNN's own scratchpad ("library" mode,
+// shared by the primitives a thread made) is not safe for that: a primitive run on another thread than the one that
+// made it, while that one runs too, writes over the other's partial results. So the scratchpad is the caller's
+// ("user" mode): each thread passes its own (`Scratchpad`).
 struct Problem {
   Desc a, b, c;
+  dnnl_primitive_desc_t pd = nullptr;
   dnnl_primitive_t primitive = nullptr;
+  const_dnnl_memory_desc_t scratchpad = nullptr;
+  size_t scratchpad_bytes = 0;
   Problem(int64_t M, int64_t N, int64_t K, bool ta, bool tb) : a(M, K, ta), b(K, N, tb), c(M, N, false) {
-    dnnl_primitive_desc_t pd = nullptr;
-    if (Engine() != nullptr && dnnl_matmul_primitive_desc_create(&pd, Engine(), a.md, b.md, nullptr, c.md,
-                                                                  nullptr) == 0) {
-      dnnl_primitive_create(&primitive, pd);
-      dnnl_primitive_desc_destroy(pd);
+    dnnl_primitive_attr_t attr = nullptr;
+    if (Engine() == nullptr || dnnl_primitive_attr_create(&attr) != 0) return;
+    if (dnnl_primitive_attr_set_scratchpad_mode(attr, kScratchpadUser) == 0 &&
+        dnnl_matmul_primitive_desc_create(&pd, Engine(), a.md, b.md, nullptr, c.md, attr) == 0) {
+      scratchpad = dnnl_primitive_desc_query_md(pd, kQueryScratchpadMd, 0);
+      scratchpad_bytes = scratchpad == nullptr ? 0 : dnnl_memory_desc_get_size(scratchpad);
+      if (dnnl_primitive_create(&primitive, pd) != 0) primitive = nullptr;
     }
+    dnnl_primitive_attr_destroy(attr);
   }
+};
+
+// A thread's scratchpad for the primitives it runs, grown to the largest asked for and kept.
+class Scratchpad {
+ public:
+  ~Scratchpad() { std::free(data_); }
+  void* Get(size_t bytes) {
+    if (bytes > size_) {
+      std::free(data_);
+      size_ = (bytes + kPage - 1) / kPage * kPage;
+      data_ = std::aligned_alloc(kPage, size_);
+      if (data_ == nullptr) size_ = 0;
+    }
+    return data_;
+  }
+
+ private:
+  static constexpr size_t kPage = 4096;
+  void* data_ = nullptr;
+  size_t size_ = 0;
 };
 
 Problem* Get(int64_t M, int64_t N, int64_t K, bool ta, bool tb) {
@@ -130,14 +169,21 @@ static bool Gemm(char ta, char tb, int64_t M, int64_t N, int64_t K, const float*
     dnnl_stream_create(&s, Engine(), kInOrder);
     return s;
   }();
-  dnnl_memory_t mem[3] = {nullptr, nullptr, nullptr};
+  thread_local Scratchpad scratchpad;
+  void* scratch = p->scratchpad_bytes > 0 ? scratchpad.Get(p->scratchpad_bytes) : nullptr;
+  if (p->scratchpad_bytes > 0 && scratch == nullptr) return false;
+  dnnl_memory_t mem[4] = {nullptr, nullptr, nullptr, nullptr};
   dnnl_memory_create(&mem[0], p->a.md, Engine(), const_cast<float*>(A));
   dnnl_memory_create(&mem[1], p->b.md, Engine(), const_cast<float*>(B));
   dnnl_memory_create(&mem[2], p->c.md, Engine(), C);
-  const dnnl_exec_arg_t args[3] = {{kArgSrc, mem[0]}, {kArgWeights, mem[1]}, {kArgDst, mem[2]}};
-  const int status = dnnl_primitive_execute(p->primitive, stream, 3, args);
+  const int nargs = scratch != nullptr ? 4 : 3;
+  if (scratch != nullptr) dnnl_memory_create(&mem[3], p->scratchpad, Engine(), scratch);
+  const dnnl_exec_arg_t args[4] = {{kArgSrc, mem[0]}, {kArgWeights, mem[1]}, {kArgDst, mem[2]},
+                                   {kArgScratchpad, mem[3]}};
+  const int status = dnnl_primitive_execute(p->primitive, stream, nargs, args);
   dnnl_stream_wait(stream);
-  for (auto* m : mem) dnnl_memory_destroy(m);
+  for (auto* m : mem)
+    if (m != nullptr) dnnl_memory_destroy(m);
   return status == 0;
 }
 #else
