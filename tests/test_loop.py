@@ -21,7 +21,7 @@ class Batches:
 
 def fake_run(start=0):
     state = SimpleNamespace(update_count=jnp.int32(start))
-    settings = SimpleNamespace(batch=SimpleNamespace(batch_size=2), dynamic_sampling=None)
+    settings = SimpleNamespace(batch=SimpleNamespace(batch_size=2), dynamic_sampling=None, asynchronous=None)
     return SimpleNamespace(state=state, batches=Batches(), settings=settings, config=SimpleNamespace(seed=0),
                            agents=None)
 
@@ -126,3 +126,25 @@ def test_step_times_follow_the_updates_when_the_dispatch_itself_waits(events):
     seconds = [m["time/step_s"] for m in history]
     assert all(0.18 < s < 0.5 for s in seconds), seconds
     assert all(abs(m["eps"] - 2 / m["time/step_s"]) < 1e-9 for m in history)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_an_update_whose_first_ratio_is_not_1_is_reported_in_a_synchronous_run(asynchronous, capsys):
+    """A synchronous update's first micro-batch is scored by the weights that sampled it: its mean ratio far from 1
+    means the rollout's and the update's log-probs of the same tokens disagree (a faulty kernel gave 1e19). Each
+    such update is named with its ratio; rounding's ratios are not, nor a NaN (the non-finite check's), nor any
+    ratio of an asynchronous run (it learns from older policies' samples)."""
+    ratios = [1.0000002, 2.0e19, 0.9993, float("nan"), 0.01, 1.6]
+
+    def train_step(state, prompts, key):
+        k = int(state.update_count)
+        metrics = {"update": jnp.int32(k), "first_micro_batch/ratio": jnp.float32(ratios[k])}
+        return SimpleNamespace(update_count=jnp.int32(k + 1)), metrics
+
+    run = fake_run()
+    run.settings.asynchronous = SimpleNamespace(max_staleness=1) if asynchronous else None
+    loop.run_updates(run, train_step, len(ratios), [loop.Hook(loop.on_policy_check)])
+    lines = [line.split("] ", 1)[1] for line in capsys.readouterr().out.splitlines() if "disagree" in line]
+    reported = [(line.split(":")[0], line.split("first_micro_batch/ratio = ")[1].split(",")[0]) for line in lines]
+    assert reported == ([] if asynchronous else [("update 2", "2e+19"), ("update 5", "0.01")])
+    assert all("matmul_implementation: xla and attention_implementation: xla" in line for line in lines)

@@ -209,6 +209,28 @@ def nonfinite_check(last_checkpoint: Callable[[], Any] = lambda: None):
     return check
 
 
+#: the band the first micro-batch's mean ratio stays in when a synchronous update scores its own samples: the
+#: rollout's log-probs and the update's first ones come from the same weights, so rounding alone moves it (by about
+#: 1e-6 in float32, 1e-2 in bfloat16 or with an 8-bit KV cache); a fault in a kernel or a library moves it by orders
+#: of magnitude
+ON_POLICY_RATIO_BAND = (0.5, 2.0)
+
+
+def on_policy_check(end: StepEnd) -> None:
+    """In a synchronous run, say so when the update's first micro-batch ratio (``first_micro_batch/ratio``, before
+    any optimizer step) leaves ``ON_POLICY_RATIO_BAND``: the rollout and the update computed different log-probs of
+    the same tokens under the same weights, so the update's gradients are wrong. (A NaN is the non-finite check's.)
+    Asynchronous runs learn from older policies' samples: their ratio is not 1."""
+    ratio = end.metrics.get("first_micro_batch/ratio")
+    low, high = ON_POLICY_RATIO_BAND
+    if end.run.settings.asynchronous is not None or ratio is None or np.isnan(ratio) or low <= ratio <= high:
+        return
+    stage(f"update {end.step}: the update's first log-probs disagree with the rollout's under the same weights "
+          f"(first_micro_batch/ratio = {ratio:.3g}, 1 up to rounding): the programs computed inconsistent values "
+          "and this update's gradients are wrong. matmul_implementation: xla and attention_implementation: xla "
+          "take XLA's own kernels; if the ratio is then 1, the kernel replaced was at fault (please report it).")
+
+
 # --------------------------------------------------------------------------------------------------
 # Graceful stop
 # --------------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from ppojax.trainer.build import NO_REWARD, build_run
 from ppojax.trainer.legacy import LegacyAPI
 from ppojax.errors import RunInterrupted
 from ppojax.trainer.loop import (Hook, StopSignals, environment_check, fill_in_flight, nonfinite_check,
-                                 reward_failure_check, run_updates)
+                                 on_policy_check, reward_failure_check, run_updates)
 from ppojax.rl.disaggregated import DisaggregatedProgram, DisaggregatedStep
 from ppojax.rl.program import make_fill, make_train_step
 
@@ -190,7 +190,7 @@ class PPOTrainer(LegacyAPI):
         hooks = [Hook(reward_failure_check), Hook(environment_check),
                  Hook(held_out, every=evaluating, reads_state=True),
                  Hook(log),
-                 Hook(progress_bar), Hook(nonfinite_check(self.checkpoints.latest)),
+                 Hook(progress_bar), Hook(nonfinite_check(self.checkpoints.latest)), Hook(on_policy_check),
                  Hook(lambda end: None if end.step == end.total and not samples_at_end else self.log_samples(end.step),
                       every=sample_every, at_end=sample_every > 0, reads_state=True),
                  Hook(save, every=args.save_steps, reads_state=True)]
