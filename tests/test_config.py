@@ -1,9 +1,9 @@
 """PPOConfig: defaults, legacy aliases, derived sizes, YAML round trip, overrides, errors."""
+import dataclasses
+import math
 import os
 import subprocess
 import sys
-import dataclasses
-import math
 import textwrap
 from pathlib import Path
 

@@ -210,9 +210,9 @@ def nonfinite_check(last_checkpoint: Callable[[], Any] = lambda: None):
 
 
 #: the band the first micro-batch's mean ratio stays in when a synchronous update scores its own samples: the
-#: rollout's log-probs and the update's first ones come from the same weights, so rounding alone moves it (by about
-#: 1e-6 in float32, 1e-2 in bfloat16 or with an 8-bit KV cache); a fault in a kernel or a library moves it by orders
-#: of magnitude
+#: rollout's log-probs and the update's first ones come from the same weights, so only rounding moves it (least in
+#: float32, more in bfloat16 or with an 8-bit KV cache), while a fault in a kernel or a library moves it by orders of
+#: magnitude
 ON_POLICY_RATIO_BAND = (0.5, 2.0)
 
 
